@@ -1,0 +1,122 @@
+"""`tandem` command line. Errors a user can fix print `error: ...` and exit with status 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from runtime.errors import TandemError
+
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Run Mixture-of-Experts language models locally.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
+    gen.add_argument("--model", required=True, help="Hugging Face model folder (config.json + *.safetensors)")
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                     help="compute dtype (auto: bf16 where the CPU has native bf16, else fp32)")
+    gen.add_argument("--context", type=int, default=None, help="context length to allocate (default: min(model, 4096))")
+    gen.add_argument("--force", action="store_true", help="load even if the RAM estimate says it will not fit")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks (print JSON)")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    decode = bench_sub.add_parser("decode", help="decode tokens/s, optionally against transformers")
+    decode.add_argument("--model", required=True)
+    decode.add_argument("--prompt-tokens", type=int, default=32)
+    decode.add_argument("--new-tokens", type=int, default=64)
+    decode.add_argument("--repeats", type=int, default=3)
+    decode.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
+    decode.add_argument("--peer", choices=["transformers"], default=None)
+    decode.set_defaults(func=_bench_decode)
+
+    synth = sub.add_parser("make-test-model", help="write a small random-weight checkpoint (for trying things out)")
+    synth.add_argument("--family", default="mixtral", help="model_type: mixtral, qwen2_moe, qwen3_moe, olmoe")
+    synth.add_argument("--out", required=True, help="folder to create")
+    synth.add_argument("--seed", type=int, default=0)
+    synth.set_defaults(func=_make_test_model)
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from runtime.engine import GenerationStats
+    from runtime.loader import load
+    from runtime.sampling import SamplingParams
+    from runtime.tokenizer import StreamDecoder
+
+    loaded = load(args.model, dtype=args.dtype, context=args.context, force=args.force)
+    tok = loaded.tokenizer
+    prompt = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty, seed=args.seed,
+    )
+    stats = GenerationStats()
+    tokens: list[int] = []
+    stream = StreamDecoder(tok)
+    for token in loaded.engine.generate(prompt, params, stats):
+        tokens.append(token)
+        if not args.json:
+            sys.stdout.write(stream.push(token))
+            sys.stdout.flush()
+    if args.json:
+        out = {"prompt_tokens": prompt, "tokens": tokens, "text": tok.decode(tokens), "stats": stats.as_dict()}
+        print(json.dumps(out))
+    else:
+        print(stream.flush())
+        print(
+            f"[{stats.prompt_tokens} prompt tokens, {stats.new_tokens} new tokens, "
+            f"time to first token {stats.ttft_s * 1000:.0f} ms, decode {stats.decode_tok_s:.1f} tok/s]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _bench_decode(args: argparse.Namespace) -> int:
+    from app.bench import bench_decode
+
+    result = bench_decode(args.model, args.prompt_tokens, args.new_tokens, args.repeats, args.dtype, args.peer)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+def _make_test_model(args: argparse.Namespace) -> int:
+    from runtime.synth import tiny_config, write_test_model
+
+    path = write_test_model(args.out, tiny_config(args.family), seed=args.seed)
+    print(f"wrote a random-weight {args.family} checkpoint to {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return args.func(args)
+    except TandemError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

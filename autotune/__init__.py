@@ -1,0 +1,1 @@
+"""Hardware probing, microbenchmarks and planning: pure functions of what was measured."""

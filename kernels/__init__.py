@@ -1,0 +1,1 @@
+"""CPU expert kernels: the hot path for experts that run on the CPU."""

@@ -1,0 +1,1 @@
+"""Loading MoE checkpoints and generating tokens: no UI code, no text inside the engine."""

@@ -1,0 +1,147 @@
+"""Open a local Hugging Face model folder: config, safetensors shards (memory-mapped), validation.
+
+Opening reads `config.json`, the shard index and each shard's header — never tensor data — and checks
+that every tensor the architecture needs is present with the right shape, so a broken download is
+reported up front with a fix, not as a crash mid-generation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.config import ModelConfig, token_ids
+from runtime.errors import CheckpointError, UnsupportedModelError
+from runtime.families import FamilySpec, family_for
+from runtime.safetensors_mmap import SafetensorsFile
+from runtime.weights import dense_tensors, expert_tensors
+
+INDEX = "model.safetensors.index.json"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    raw_config: dict[str, Any]
+    config: ModelConfig
+    spec: FamilySpec
+    shards: list[SafetensorsFile]
+    where: dict[str, SafetensorsFile]  # tensor name -> the shard holding it
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A zero-copy, memory-mapped view of one tensor, in its on-disk dtype."""
+        return self.where[name].tensor(name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.where[name].infos[name].dtype
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(s.path.stat().st_size for s in self.shards)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """EOS ids from config.json and generation_config.json (either may list several)."""
+        ids = list(self.config.eos_token_ids)
+        gen_path = self.path / "generation_config.json"
+        gen = _read_json(gen_path) if gen_path.exists() else {}
+        ids += [i for i in token_ids(gen.get("eos_token_id")) if i not in ids]
+        return tuple(ids)
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise CheckpointError(f"model folder {folder} does not exist; pass a folder with config.json and *.safetensors")
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is a file; pass the model folder that contains it")
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(
+            f"{folder} has no config.json, so it is not a Hugging Face model folder; "
+            "point to the folder holding config.json and the *.safetensors files"
+        )
+    raw = _read_json(config_path)
+    if "auto_map" in raw or raw.get("trust_remote_code"):
+        raise UnsupportedModelError(
+            f"{config_path} asks to run custom code from the model folder (trust_remote_code / auto_map); "
+            "Tandem never executes code shipped with a model — use a checkpoint of a natively supported family"
+        )
+    spec = family_for(raw.get("model_type"))
+    try:
+        config = spec.parse(raw)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"{config_path} is not a valid {spec.display_name} config ({e!r}); check the file"
+        ) from None
+    shards, where = _open_shards(folder)
+    ckpt = Checkpoint(folder, raw, config, spec, shards, where)
+    _validate(ckpt)
+    return ckpt
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}; re-download or fix the file") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object; re-download or fix the file")
+    return data
+
+
+def _open_shards(folder: Path) -> tuple[list[SafetensorsFile], dict[str, SafetensorsFile]]:
+    index_path = folder / INDEX
+    if index_path.exists():
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path} has no weight_map; re-download the checkpoint")
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise CheckpointError(
+                f"{index_path.name} names shard(s) that are missing from {folder}: {', '.join(missing[:3])}"
+                f"{' …' if len(missing) > 3 else ''}; the download is incomplete — fetch the missing files"
+            )
+        files = [folder / n for n in names]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES]
+        if pickles:
+            raise CheckpointError(
+                f"{folder} holds only pickle weights ({', '.join(sorted(pickles)[:3])}); Tandem never unpickles "
+                "(it can run arbitrary code). Convert them to safetensors, e.g. load with transformers and "
+                "save_pretrained(..., safe_serialization=True)"
+            )
+        raise CheckpointError(f"{folder} has no *.safetensors weights; download the model's safetensors files")
+    shards = [SafetensorsFile(f) for f in files]
+    where: dict[str, SafetensorsFile] = {}
+    for shard in shards:
+        for name in shard.names():
+            where[name] = shard
+    return shards, where
+
+
+def _validate(ckpt: Checkpoint) -> None:
+    expected = dense_tensors(ckpt.config, ckpt.spec) | expert_tensors(ckpt.config, ckpt.spec)
+    missing = [n for n in expected if n not in ckpt.where]
+    if missing:
+        raise CheckpointError(
+            f"{ckpt.path} lacks {len(missing)} tensor(s) that its config requires, e.g. {missing[0]}; "
+            "the checkpoint is incomplete or does not match config.json"
+        )
+    for name, shape in expected.items():
+        info = ckpt.where[name].infos[name]
+        if info.shape != shape:
+            raise CheckpointError(
+                f"tensor {name} has shape {list(info.shape)} but config.json implies {list(shape)}; "
+                "the weights and config.json do not belong together"
+            )
+        if not info.dtype.is_floating_point:
+            raise CheckpointError(f"tensor {name} has dtype {info.dtype}; expected floating-point weights")

@@ -1,0 +1,28 @@
+"""The one exception hierarchy of Tandem.
+
+Every error a user can cause (a bad path, a broken checkpoint, a prompt that is too long) is a
+`TandemError` whose message says what is wrong and how to fix it. The CLI prints it as
+`error: <message>` and exits with status 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class TandemError(Exception):
+    """Base class: a problem the user can fix, with a message that says how."""
+
+
+class CheckpointError(TandemError):
+    """The model folder is missing, incomplete, corrupt or not in a supported format."""
+
+
+class UnsupportedModelError(CheckpointError):
+    """The checkpoint is a model family (or variant) that Tandem does not implement."""
+
+
+class ResourceError(TandemError):
+    """The machine lacks the memory (or other resource) needed for the request."""
+
+
+class GenerationError(TandemError):
+    """A generation request that cannot be served (e.g. the prompt exceeds the context)."""

@@ -1,0 +1,42 @@
+"""Model families, registered by `config.json`'s `model_type`.
+
+A family is a `FamilySpec`: how to parse its config into a `ModelConfig`, and how its tensors are
+named on disk. Everything else (the decoder, routing, generation) is shared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.config import ModelConfig
+from runtime.errors import UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    model_type: str
+    display_name: str
+    parse: Callable[[dict[str, Any]], ModelConfig]
+    moe_prefix: str  # the MoE block inside a layer: "mlp" or "block_sparse_moe"
+    expert_proj: tuple[str, str, str]  # on-disk names of an expert's (gate, up, down) projections
+
+
+def _registry() -> dict[str, FamilySpec]:
+    from runtime.families import mixtral, olmoe, qwen2_moe, qwen3_moe
+
+    return {f.SPEC.model_type: f.SPEC for f in (mixtral, qwen2_moe, qwen3_moe, olmoe)}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_registry())
+
+
+def family_for(model_type: str | None) -> FamilySpec:
+    registry = _registry()
+    if model_type not in registry:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; Tandem runs: {', '.join(sorted(registry))}"
+        )
+    return registry[model_type]

@@ -1,0 +1,31 @@
+"""Mixtral: Llama-style attention (no biases), top-k over softmax, always renormalised, no shared expert."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.config import ModelConfig, decoder_fields, require
+from runtime.families import FamilySpec
+
+
+def parse(raw: dict[str, Any]) -> ModelConfig:
+    require(raw, "intermediate_size", "num_local_experts", "num_experts_per_tok")
+    layers = raw["num_hidden_layers"]
+    return ModelConfig(
+        **decoder_fields(raw, eps=1e-5, theta=1e6, max_pos=32768),
+        qkv_bias=False,
+        o_bias=False,
+        qk_norm="none",
+        clip_qkv=None,
+        num_experts=raw["num_local_experts"],
+        top_k=raw["num_experts_per_tok"],
+        moe_intermediate_size=raw["intermediate_size"],
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=0,
+        dense_intermediate_size=0,
+        sparse_layers=(True,) * layers,
+        sliding_window=raw.get("sliding_window"),
+    )
+
+
+SPEC = FamilySpec("mixtral", "Mixtral", parse, moe_prefix="block_sparse_moe", expert_proj=("w1", "w3", "w2"))

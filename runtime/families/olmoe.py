@@ -1,0 +1,31 @@
+"""OLMoE: q/k RMSNorm over the whole projection (before heads are split), optional q/k/v clipping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.config import ModelConfig, decoder_fields, require
+from runtime.families import FamilySpec
+
+
+def parse(raw: dict[str, Any]) -> ModelConfig:
+    require(raw, "intermediate_size", "num_experts", "num_experts_per_tok")
+    layers = raw["num_hidden_layers"]
+    bias = raw.get("attention_bias", False)
+    return ModelConfig(
+        **decoder_fields(raw, eps=1e-5, theta=10000.0, max_pos=4096),
+        qkv_bias=bias,
+        o_bias=bias,
+        qk_norm="full",
+        clip_qkv=raw.get("clip_qkv"),
+        num_experts=raw["num_experts"],
+        top_k=raw["num_experts_per_tok"],
+        moe_intermediate_size=raw["intermediate_size"],
+        norm_topk_prob=raw.get("norm_topk_prob", False),
+        shared_expert_intermediate_size=0,
+        dense_intermediate_size=0,
+        sparse_layers=(True,) * layers,
+    )
+
+
+SPEC = FamilySpec("olmoe", "OLMoE", parse, moe_prefix="mlp", expert_proj=("gate_proj", "up_proj", "down_proj"))

@@ -1,0 +1,34 @@
+"""Qwen1.5/Qwen2-MoE: q/k/v biases, a shared expert behind a sigmoid gate, optional dense layers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.config import ModelConfig, decoder_fields, require, sparse_layer_pattern
+from runtime.errors import UnsupportedModelError
+from runtime.families import FamilySpec
+
+
+def parse(raw: dict[str, Any]) -> ModelConfig:
+    require(raw, "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    if raw.get("use_sliding_window"):
+        raise UnsupportedModelError("Qwen2-MoE with use_sliding_window=true is not supported yet")
+    layers = raw["num_hidden_layers"]
+    sparse = sparse_layer_pattern(raw, layers, raw["num_experts"])
+    return ModelConfig(
+        **decoder_fields(raw, eps=1e-6, theta=10000.0, max_pos=32768),
+        qkv_bias=raw.get("qkv_bias", True),  # always on before transformers 5 made it a key
+        o_bias=False,
+        qk_norm="none",
+        clip_qkv=None,
+        num_experts=raw["num_experts"],
+        top_k=raw["num_experts_per_tok"],
+        moe_intermediate_size=raw["moe_intermediate_size"],
+        norm_topk_prob=raw.get("norm_topk_prob", False),
+        shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0) or 0,
+        dense_intermediate_size=raw.get("intermediate_size", 0) if not all(sparse) else 0,
+        sparse_layers=sparse,
+    )
+
+
+SPEC = FamilySpec("qwen2_moe", "Qwen2-MoE", parse, moe_prefix="mlp", expert_proj=("gate_proj", "up_proj", "down_proj"))

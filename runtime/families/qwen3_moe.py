@@ -1,0 +1,36 @@
+"""Qwen3-MoE: per-head q/k RMSNorm, explicit head_dim, no shared expert, optional dense layers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.config import ModelConfig, decoder_fields, require, sparse_layer_pattern
+from runtime.families import FamilySpec
+
+
+def parse(raw: dict[str, Any]) -> ModelConfig:
+    require(raw, "num_experts_per_tok", "moe_intermediate_size")
+    experts = raw.get("num_experts", raw.get("num_local_experts"))  # transformers 5 writes the latter
+    if experts is None:
+        require(raw, "num_experts")
+    layers = raw["num_hidden_layers"]
+    sparse = sparse_layer_pattern(raw, layers, experts)
+    bias = raw.get("attention_bias", False)
+    return ModelConfig(
+        **decoder_fields(raw, eps=1e-6, theta=10000.0, max_pos=32768),
+        qkv_bias=bias,
+        o_bias=bias,
+        qk_norm="head",
+        clip_qkv=None,
+        num_experts=experts,
+        top_k=raw["num_experts_per_tok"],
+        moe_intermediate_size=raw["moe_intermediate_size"],
+        norm_topk_prob=raw.get("norm_topk_prob", True),
+        shared_expert_intermediate_size=0,
+        dense_intermediate_size=raw.get("intermediate_size", 0) if not all(sparse) else 0,
+        sparse_layers=sparse,
+        sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window") else None,
+    )
+
+
+SPEC = FamilySpec("qwen3_moe", "Qwen3-MoE", parse, moe_prefix="mlp", expert_proj=("gate_proj", "up_proj", "down_proj"))

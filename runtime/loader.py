@@ -1,0 +1,117 @@
+"""From a model folder to a ready `Engine`: open, check the RAM budget, build the decoder, tokenizer.
+
+The RAM check covers what is *not* memory-mapped: non-expert weights in the compute dtype, the KV
+cache for the chosen context, and RoPE tables. Routed experts are memory-mapped and paged by the OS.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from runtime.checkpoint import Checkpoint, open_checkpoint
+from runtime.config import ModelConfig
+from runtime.engine import Engine
+from runtime.errors import GenerationError, ResourceError
+from runtime.model import KVCache, MoEModel
+from runtime.tokenizer import Tokenizer
+from runtime.weights import dense_tensors
+
+DEFAULT_CONTEXT = 4096
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+GIB = 1024**3
+
+
+@dataclass
+class LoadedModel:
+    checkpoint: Checkpoint
+    model: MoEModel
+    tokenizer: Tokenizer
+    engine: Engine
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights: int
+    kv_cache: int
+    other: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.other
+
+
+def default_dtype(cpu_flags: set[str] | None) -> str:
+    """bf16 where the CPU computes it natively (AVX512_BF16 or AMX); fp32 elsewhere or when unknown."""
+    if cpu_flags and ({"avx512_bf16", "amx_bf16"} & cpu_flags):
+        return "bf16"
+    return "fp32"
+
+
+def read_cpu_flags() -> set[str] | None:
+    """CPU feature flags from /proc/cpuinfo; None where that is not available (unknown)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return None
+
+
+def resolve_context(cfg: ModelConfig, requested: int | None) -> int:
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window:
+        limit = min(limit, cfg.sliding_window)
+    if requested is None:
+        return min(limit, DEFAULT_CONTEXT)
+    if requested < 2:
+        raise GenerationError("--context must be at least 2 tokens")
+    if requested > limit:
+        raise GenerationError(f"--context {requested} exceeds what this model supports ({limit} tokens)")
+    return requested
+
+
+def estimate_memory(ckpt: Checkpoint, dtype: torch.dtype, context: int) -> MemoryEstimate:
+    cfg = ckpt.config
+    item = torch.empty((), dtype=dtype).element_size()
+    weights = sum(math.prod(s) for s in dense_tensors(cfg, ckpt.spec).values()) * item
+    kv = KVCache.nbytes(cfg, 1, context, dtype)
+    rope = 2 * context * cfg.head_dim * item
+    logits = 4 * cfg.vocab_size * 4
+    return MemoryEstimate(weights, kv, rope + logits)
+
+
+def check_memory(estimate: MemoryEstimate, available: int, force: bool) -> None:
+    if estimate.total <= available or force:
+        return
+    raise ResourceError(
+        f"not enough RAM: this model needs about {estimate.total / GIB:.2f} GiB outside its memory-mapped experts "
+        f"(weights {estimate.weights / GIB:.2f} GiB + KV cache {estimate.kv_cache / GIB:.2f} GiB), but only "
+        f"{available / GIB:.2f} GiB is available; close other programs, lower --context, or pass --force to try anyway"
+    )
+
+
+def available_ram() -> int:
+    return psutil.virtual_memory().available
+
+
+def load(path: str | Path, dtype: str = "auto", context: int | None = None, force: bool = False) -> LoadedModel:
+    ckpt = open_checkpoint(path)
+    name = default_dtype(read_cpu_flags()) if dtype == "auto" else dtype
+    if name not in DTYPES:
+        raise GenerationError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
+    torch_dtype = DTYPES[name]
+    ctx = resolve_context(ckpt.config, context)
+    check_memory(estimate_memory(ckpt, torch_dtype, ctx), available_ram(), force)
+    tokenizer = Tokenizer.from_folder(ckpt.path)
+    model = MoEModel.from_checkpoint(ckpt, torch_dtype, ctx)
+    eos = list(ckpt.eos_token_ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    return LoadedModel(ckpt, model, tokenizer, Engine(model, eos))

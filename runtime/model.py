@@ -1,0 +1,199 @@
+"""The decoder, in plain PyTorch: embedding, RMSNorm, RoPE, GQA attention with a preallocated KV cache,
+MoE (or dense) feed-forward, final norm, lm_head. One class serves every family; `ModelConfig` selects
+the variants (q/k norms, biases, shared expert, dense layers, tied embeddings).
+
+Letters: B batch, T new tokens, S cached + new tokens, H hidden size, Hq query heads, Hkv key/value heads,
+D head dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from runtime.checkpoint import Checkpoint
+from runtime.config import ModelConfig
+from runtime.moe import ExpertWeights, RoutingRule, SharedExpert, reference_moe
+from runtime.weights import expert_names, layer_prefix, router_name
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32 like the reference implementations."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_tables(head_dim: int, theta: float, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [length, D] for rotate-half RoPE."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # [D/2]
+    freqs = torch.arange(length, dtype=torch.float)[:, None] * inv_freq[None, :]  # [length, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [length, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, D], cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class Attention:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass
+class MoEBlock:
+    router: torch.Tensor  # [E, H]
+    experts: list[ExpertWeights]
+    rule: RoutingRule
+    shared: SharedExpert | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return reference_moe(x, F.linear(x, self.router), self.rule, self.experts, self.shared)
+
+
+@dataclass
+class DecoderLayer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    attn: Attention
+    ffn: MoEBlock | ExpertWeights  # a dense layer is a single always-on SwiGLU
+
+
+class KVCache:
+    """Preallocated keys and values for every layer: [B, Hkv, context, D] each."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype) -> None:
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, context, cfg.head_dim)
+        self.k = torch.empty(shape, dtype=dtype)
+        self.v = torch.empty(shape, dtype=dtype)
+        self.context = context
+
+    @staticmethod
+    def nbytes(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype) -> int:
+        item = torch.empty((), dtype=dtype).element_size()
+        return 2 * cfg.num_layers * batch * cfg.num_kv_heads * context * cfg.head_dim * item
+
+
+class MoEModel:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[DecoderLayer],
+        norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        dtype: torch.dtype,
+        context: int,
+    ) -> None:
+        self.cfg, self.embed, self.layers, self.norm, self.lm_head = cfg, embed, layers, norm, lm_head
+        self.dtype = dtype
+        self.context = context
+        self.cache = KVCache(cfg, 1, context, dtype)
+        self.cos, self.sin = rope_tables(cfg.head_dim, cfg.rope_theta, context, dtype)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype, context: int) -> MoEModel:
+        cfg, spec = ckpt.config, ckpt.spec
+
+        def w(name: str) -> torch.Tensor:  # non-expert weight in the compute dtype (no copy if it matches)
+            return ckpt.tensor(name).to(dtype)
+
+        def opt(name: str) -> torch.Tensor | None:
+            return w(name) if name in ckpt.where else None
+
+        def mlp(prefix: str) -> ExpertWeights:
+            return ExpertWeights(w(f"{prefix}.gate_proj.weight"), w(f"{prefix}.up_proj.weight"),
+                                 w(f"{prefix}.down_proj.weight"))
+
+        layers = []
+        rule = RoutingRule(cfg.top_k, cfg.norm_topk_prob)
+        for i in range(cfg.num_layers):
+            p = layer_prefix(i)
+            a = f"{p}.self_attn"
+            attn = Attention(
+                w(f"{a}.q_proj.weight"), w(f"{a}.k_proj.weight"), w(f"{a}.v_proj.weight"), w(f"{a}.o_proj.weight"),
+                opt(f"{a}.q_proj.bias") if cfg.qkv_bias else None,
+                opt(f"{a}.k_proj.bias") if cfg.qkv_bias else None,
+                opt(f"{a}.v_proj.bias") if cfg.qkv_bias else None,
+                opt(f"{a}.o_proj.bias") if cfg.o_bias else None,
+                opt(f"{a}.q_norm.weight") if cfg.qk_norm != "none" else None,
+                opt(f"{a}.k_norm.weight") if cfg.qk_norm != "none" else None,
+            )
+            ffn: MoEBlock | ExpertWeights
+            if cfg.sparse_layers[i]:
+                # Routed experts stay memory-mapped in their on-disk dtype: nothing is copied here.
+                experts = [ExpertWeights(*(ckpt.tensor(n) for n in expert_names(spec, i, e)))
+                           for e in range(cfg.num_experts)]
+                shared = None
+                if cfg.shared_expert_intermediate_size:
+                    shared = SharedExpert(mlp(f"{p}.mlp.shared_expert"), w(f"{p}.mlp.shared_expert_gate.weight"))
+                ffn = MoEBlock(w(router_name(spec, i)), experts, rule, shared)
+            else:
+                ffn = mlp(f"{p}.mlp")
+            layers.append(DecoderLayer(w(f"{p}.input_layernorm.weight"), w(f"{p}.post_attention_layernorm.weight"),
+                                       attn, ffn))
+        embed = w("model.embed_tokens.weight")
+        lm_head = embed if cfg.tie_word_embeddings else w("lm_head.weight")
+        return cls(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, context)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
+        """Token ids [B, T] at positions start..start+T-1 -> float32 logits [B, T, V] (or [B, 1, V])."""
+        B, T = ids.shape
+        x = F.embedding(ids, self.embed)  # [B, T, H]
+        cos, sin = self.cos[start : start + T], self.sin[start : start + T]  # [T, D]
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, self.cfg.rms_norm_eps)
+            x = x + self._attention(i, layer.attn, h, start, cos, sin)
+            h = rms_norm(x, layer.post_norm, self.cfg.rms_norm_eps).view(B * T, -1)  # [B*T, H]
+            x = x + layer.ffn(h).view(B, T, -1)  # [B, T, H]
+        if last_only:
+            x = x[:, -1:]  # [B, 1, H]
+        return F.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+
+    def _attention(
+        self, i: int, a: Attention, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        B, T, _ = x.shape
+        q = F.linear(x, a.q, a.q_bias)  # [B, T, Hq*D]
+        k = F.linear(x, a.k, a.k_bias)  # [B, T, Hkv*D]
+        v = F.linear(x, a.v, a.v_bias)  # [B, T, Hkv*D]
+        if cfg.qk_norm == "full":
+            q, k = rms_norm(q, a.q_norm, cfg.rms_norm_eps), rms_norm(k, a.k_norm, cfg.rms_norm_eps)
+        if cfg.clip_qkv is not None:
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q = q.view(B, T, cfg.num_heads, cfg.head_dim)  # [B, T, Hq, D]
+        k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, D]
+        v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, D]
+        if cfg.qk_norm == "head":
+            q, k = rms_norm(q, a.q_norm, cfg.rms_norm_eps), rms_norm(k, a.k_norm, cfg.rms_norm_eps)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        end = start + T
+        self.cache.k[i, :B, :, start:end] = k
+        self.cache.v[i, :B, :, start:end] = v.transpose(1, 2)
+        keys, values = self.cache.k[i, :B, :, :end], self.cache.v[i, :B, :, :end]  # [B, Hkv, S, D]
+        mask = None
+        if T > 1 and start > 0:  # a chunk after cached tokens: query t sees keys up to start + t
+            mask = torch.arange(end)[None, :] <= (start + torch.arange(T))[:, None]  # [T, S]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=(T > 1 and start == 0), enable_gqa=True
+        )  # [B, Hq, T, D]
+        out = out.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim)  # [B, T, Hq*D]
+        return F.linear(out, a.o, a.o_bias)

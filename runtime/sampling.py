@@ -1,0 +1,65 @@
+"""Next-token choice from logits: repetition penalty, temperature, top-k, top-p; greedy at temperature 0.
+
+Processing order follows transformers' `generate` so seeded runs are comparable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.errors import GenerationError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    seed: int | None = None
+
+    def check(self) -> None:
+        if self.max_new_tokens < 0:
+            raise GenerationError("max new tokens must be ≥ 0")
+        if self.temperature < 0:
+            raise GenerationError("temperature must be ≥ 0 (0 means greedy)")
+        if self.top_k < 0:
+            raise GenerationError("top-k must be ≥ 0 (0 turns it off)")
+        if not 0 < self.top_p <= 1:
+            raise GenerationError("top-p must be in (0, 1]")
+        if self.repetition_penalty <= 0:
+            raise GenerationError("repetition penalty must be > 0 (1 turns it off)")
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor) -> torch.Tensor:
+    """Apply repetition penalty, temperature, top-k and top-p: logits [V] -> filtered logits [V]."""
+    if params.repetition_penalty != 1.0 and history.numel():
+        seen = logits.gather(0, history)
+        seen = torch.where(seen < 0, seen * params.repetition_penalty, seen / params.repetition_penalty)
+        logits = logits.scatter(0, history, seen)
+    if params.temperature == 0:
+        return logits
+    logits = logits / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=False)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative <= 1 - params.top_p
+        drop[-1] = False  # always keep the most likely token
+        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def next_token(
+    logits: torch.Tensor, params: SamplingParams, history: torch.Tensor, generator: torch.Generator
+) -> int:
+    """logits [V] float32, history [N] int64 (prompt + generated) -> the next token id."""
+    logits = process_logits(logits, params, history)
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))

@@ -1,0 +1,134 @@
+"""Random-weight checkpoints in real Hugging Face layout, written tensor by tensor.
+
+For trying the app without downloading a model and for tests and benchmarks that need a checkpoint of
+a given shape. Names and shapes come from the family spec (`runtime.weights`), the same source the
+loader validates against. A byte-level BPE tokenizer is trained offline on bundled text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from runtime.families import family_for
+from runtime.weights import dense_tensors, expert_tensors
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_TINY_COMMON: dict[str, Any] = {
+    "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "eos_token_id": 2, "bos_token_id": None, "rope_theta": 10000.0,
+}
+_TINY: dict[str, dict[str, Any]] = {
+    "mixtral": {"intermediate_size": 96, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {"intermediate_size": 128, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 96,
+                  "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False},
+    "qwen3_moe": {"intermediate_size": 128, "moe_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
+                  "head_dim": 32, "norm_topk_prob": True},
+    "olmoe": {"intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2},
+}
+
+
+def tiny_config(model_type: str, **overrides: Any) -> dict[str, Any]:
+    """A small but complete config.json for a family (experts, heads, GQA all exercised)."""
+    family_for(model_type)  # raises with the supported list
+    return {"model_type": model_type, **_TINY_COMMON, **_TINY[model_type], **overrides}
+
+
+def train_tokenizer(vocab_size: int, corpus: Path | None = None) -> Tokenizer:
+    """A byte-level BPE trained on the bundled corpus in well under a second; ids 0-2 are special."""
+    text = (corpus or ASSETS / "tokenizer_corpus.txt").read_text(encoding="utf-8")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(text.splitlines(), trainer=trainer)
+    return tok
+
+
+def write_tokenizer(out: Path, vocab_size: int) -> None:
+    train_tokenizer(vocab_size).save(str(out / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "bos_token": None, "pad_token": "<|endoftext|>", "chat_template": CHATML,
+              "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+
+
+def write_test_model(
+    out: str | Path,
+    config: dict[str, Any],
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    shard_bytes: int = 2 * 1024**3,
+    std: float = 0.08,
+) -> Path:
+    """Write config.json, random weights (sharded, with an index when >1 shard) and a tokenizer.
+
+    Built in a temporary sibling folder and renamed into place, so a crash never leaves a half model.
+    """
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        spec = family_for(config["model_type"])
+        cfg = spec.parse(config)
+        (tmp / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+        gen = torch.Generator().manual_seed(seed)
+        shapes = dense_tensors(cfg, spec) | expert_tensors(cfg, spec)
+        _write_shards(tmp, shapes, gen, dtype, shard_bytes, std)
+        write_tokenizer(tmp, min(cfg.vocab_size, 2048))
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _random(shape: tuple[int, ...], name: str, gen: torch.Generator, dtype: torch.dtype, std: float) -> torch.Tensor:
+    if "norm" in name:  # RMSNorm weights near one, as after training
+        return (1 + 0.1 * torch.randn(shape, generator=gen)).to(dtype)
+    return (torch.randn(shape, generator=gen) * std).to(dtype)
+
+
+def _write_shards(
+    out: Path, shapes: dict[str, tuple[int, ...]], gen: torch.Generator, dtype: torch.dtype, limit: int, std: float
+) -> None:
+    item = torch.empty((), dtype=dtype).element_size()
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * item
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(groups):
+        file = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {n: _random(shapes[n], n, gen, dtype, std) for n in names}
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        del tensors
+        weight_map |= dict.fromkeys(names, file)
+    if len(groups) > 1:
+        total = sum(math.prod(s) for s in shapes.values()) * item
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1), encoding="utf-8")

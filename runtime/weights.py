@@ -1,0 +1,87 @@
+"""On-disk tensor names and shapes of a family, derived from its `ModelConfig` and `FamilySpec`.
+
+One function lists every tensor a checkpoint must hold; the loader validates against it and the
+synthetic-checkpoint writer writes from it, so the two can never disagree.
+"""
+
+from __future__ import annotations
+
+from runtime.config import ModelConfig
+from runtime.families import FamilySpec
+
+Shape = tuple[int, ...]
+
+
+def layer_prefix(i: int) -> str:
+    return f"model.layers.{i}"
+
+
+def expert_names(spec: FamilySpec, layer: int, expert: int) -> tuple[str, str, str]:
+    """(gate, up, down) tensor names of one routed expert."""
+    base = f"{layer_prefix(layer)}.{spec.moe_prefix}.experts.{expert}"
+    return tuple(f"{base}.{p}.weight" for p in spec.expert_proj)  # type: ignore[return-value]
+
+
+def router_name(spec: FamilySpec, layer: int) -> str:
+    return f"{layer_prefix(layer)}.{spec.moe_prefix}.gate.weight"
+
+
+def _mlp(prefix: str, hidden: int, inter: int) -> dict[str, Shape]:
+    return {
+        f"{prefix}.gate_proj.weight": (inter, hidden),
+        f"{prefix}.up_proj.weight": (inter, hidden),
+        f"{prefix}.down_proj.weight": (hidden, inter),
+    }
+
+
+def attention_tensors(cfg: ModelConfig, layer: int) -> dict[str, Shape]:
+    p = f"{layer_prefix(layer)}.self_attn"
+    h, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    out: dict[str, Shape] = {
+        f"{p}.q_proj.weight": (q_dim, h),
+        f"{p}.k_proj.weight": (kv_dim, h),
+        f"{p}.v_proj.weight": (kv_dim, h),
+        f"{p}.o_proj.weight": (h, q_dim),
+    }
+    if cfg.qkv_bias:
+        out |= {f"{p}.q_proj.bias": (q_dim,), f"{p}.k_proj.bias": (kv_dim,), f"{p}.v_proj.bias": (kv_dim,)}
+    if cfg.o_bias:
+        out[f"{p}.o_proj.bias"] = (h,)
+    if cfg.qk_norm == "head":
+        out |= {f"{p}.q_norm.weight": (cfg.head_dim,), f"{p}.k_norm.weight": (cfg.head_dim,)}
+    elif cfg.qk_norm == "full":
+        out |= {f"{p}.q_norm.weight": (q_dim,), f"{p}.k_norm.weight": (kv_dim,)}
+    return out
+
+
+def dense_tensors(cfg: ModelConfig, spec: FamilySpec) -> dict[str, Shape]:
+    """Every tensor that is not a routed expert: these are loaded into RAM (or onto the accelerator)."""
+    h = cfg.hidden_size
+    out: dict[str, Shape] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = layer_prefix(i)
+        out |= {f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,)}
+        out |= attention_tensors(cfg, i)
+        if not cfg.sparse_layers[i]:
+            out |= _mlp(f"{p}.mlp", h, cfg.dense_intermediate_size)
+            continue
+        out[router_name(spec, i)] = (cfg.num_experts, h)
+        if cfg.shared_expert_intermediate_size:
+            out |= _mlp(f"{p}.mlp.shared_expert", h, cfg.shared_expert_intermediate_size)
+            out[f"{p}.mlp.shared_expert_gate.weight"] = (1, h)
+    return out
+
+
+def expert_tensors(cfg: ModelConfig, spec: FamilySpec) -> dict[str, Shape]:
+    """Every routed expert's weights: these stay memory-mapped."""
+    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    out: dict[str, Shape] = {}
+    for i in range(cfg.num_layers):
+        if not cfg.sparse_layers[i]:
+            continue
+        for e in range(cfg.num_experts):
+            gate, up, down = expert_names(spec, i, e)
+            out |= {gate: (inter, h), up: (inter, h), down: (h, inter)}
+    return out

@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny random checkpoints built with transformers' `save_pretrained`, offline tokenizers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from runtime.synth import tiny_config, write_tokenizer
+
+# Each case: (id, family, overrides). Together they cover shared expert on/off, norm_topk_prob both
+# ways, dense layers (decoder_sparse_step / mlp_only_layers), tied embeddings, biases and q/k clipping.
+CASES: list[tuple[str, str, dict[str, Any]]] = [
+    ("mixtral", "mixtral", {}),
+    ("mixtral-tied", "mixtral", {"tie_word_embeddings": True, "num_experts_per_tok": 3}),
+    ("qwen2_moe-shared", "qwen2_moe", {}),
+    ("qwen2_moe-dense-noshared", "qwen2_moe", {"num_hidden_layers": 3, "decoder_sparse_step": 2,
+                                               "shared_expert_intermediate_size": 0, "norm_topk_prob": True}),
+    ("qwen3_moe", "qwen3_moe", {}),
+    ("qwen3_moe-dense-bias", "qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1], "norm_topk_prob": False,
+                                          "attention_bias": True, "tie_word_embeddings": True}),
+    ("olmoe", "olmoe", {}),
+    ("olmoe-clip-norm", "olmoe", {"clip_qkv": 0.5, "norm_topk_prob": True}),
+]
+
+
+def build_hf_checkpoint(out: Path, family: str, overrides: dict[str, Any], seed: int = 0) -> Path:
+    """Save a random transformers model (fp32) plus an offline-trained tokenizer into `out`."""
+    import transformers
+
+    raw = tiny_config(family, **overrides)
+    config = transformers.AutoConfig.for_model(**raw)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger, non-zero weights everywhere: routers must not tie
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
+    model.save_pretrained(out)
+    write_tokenizer(out, raw["vocab_size"])
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {case_id: build_hf_checkpoint(root / case_id, fam, ov) for case_id, fam, ov in CASES}
+
+
+@pytest.fixture
+def mixtral_dir(hf_checkpoints: dict[str, Path]) -> Path:
+    return hf_checkpoints["mixtral"]
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_config(folder: Path, **changes: Any) -> None:
+    path = folder / "config.json"
+    raw = json.loads(path.read_text())
+    raw.update(changes)
+    path.write_text(json.dumps(raw))
