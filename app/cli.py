@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--context", type=int, default=None, help="context length to allocate (default: min(model, 4096))")
     gen.add_argument("--force", action="store_true", help="load even if the RAM estimate says it will not fit")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--beams", type=int, default=1, help="beam search width (1 = off)")
+    gen.add_argument("--record-trace", metavar="FILE", help="save the expert activation trace (.npz)")
+    add_runtime_args(gen)
     gen.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="benchmarks (print JSON)")
@@ -52,35 +55,79 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_runtime_args(p: argparse.ArgumentParser) -> None:
+    """Where experts run: the accelerator tier, the strategy, the expert cache and static placement."""
+    g = p.add_argument_group("accelerator and expert placement")
+    g.add_argument("--accelerator", choices=["auto", "none", "cuda", "emulated"], default="auto",
+                   help="auto: CUDA when usable, else CPU only; emulated: the CPU plays a GPU (needs --vram-gb)")
+    g.add_argument("--vram-gb", type=float, default=None, help="accelerator memory budget (caps CUDA)")
+    g.add_argument("--strategy", choices=["fiddler", "cpu", "fetch"], default="fiddler",
+                   help="fiddler: per-expert choice by latency; cpu: never copy weights; fetch: always copy")
+    g.add_argument("--cache-ways", type=int, default=None, help="ways per index of the expert cache")
+    g.add_argument("--cache-policy", choices=["lru", "fifo", "lfu", "trace"], default="lru")
+    g.add_argument("--max-inflight", type=int, default=4, help="background expert copies in flight at most")
+    g.add_argument("--placement", metavar="FILE", help="pin the most popular experts of a recorded trace")
+    g.add_argument("--cost", metavar="A,B,GPU,T",
+                   help="latency model in ms: cpu_lat(s)=A+B*s, gpu_lat, transfer_lat (default: from sizes)")
+
+
+def load_from_args(args: argparse.Namespace, batch: int = 1):  # -> runtime.loader.LoadedModel
+    from runtime.cost import CostModel
+    from runtime.dispatch import OffloadPolicy, Strategy
+    from runtime.errors import TandemError as Err
+    from runtime.expert_cache import Policy
+    from runtime.loader import load
+
+    try:
+        cost = CostModel.parse(args.cost) if args.cost else None
+    except ValueError as e:
+        raise Err(str(e)) from None
+    policy = OffloadPolicy(Strategy(args.strategy), args.cache_ways, Policy(args.cache_policy),
+                           max_inflight=args.max_inflight, cost=cost)
+    return load(args.model, dtype=args.dtype, context=args.context, force=args.force, accelerator=args.accelerator,
+                vram_gb=args.vram_gb, policy=policy, batch=batch, placement=args.placement)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from runtime.engine import GenerationStats
-    from runtime.loader import load
     from runtime.sampling import SamplingParams
     from runtime.tokenizer import StreamDecoder
 
-    loaded = load(args.model, dtype=args.dtype, context=args.context, force=args.force)
+    loaded = load_from_args(args, batch=args.beams)
     tok = loaded.tokenizer
     prompt = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty, seed=args.seed,
+        repetition_penalty=args.repetition_penalty, seed=args.seed, beams=args.beams,
     )
     stats = GenerationStats()
     tokens: list[int] = []
     stream = StreamDecoder(tok)
-    for token in loaded.engine.generate(prompt, params, stats):
-        tokens.append(token)
-        if not args.json:
-            sys.stdout.write(stream.push(token))
-            sys.stdout.flush()
+    experts = loaded.model.experts
+    try:
+        for token in loaded.engine.generate(prompt, params, stats):
+            tokens.append(token)
+            if not args.json:
+                sys.stdout.write(stream.push(token))
+                sys.stdout.flush()
+    finally:
+        experts.close()
+    placement = experts.request_stats()
+    if args.record_trace:
+        experts.recorder.save(args.record_trace, model=str(args.model))
     if args.json:
-        out = {"prompt_tokens": prompt, "tokens": tokens, "text": tok.decode(tokens), "stats": stats.as_dict()}
+        out = {"prompt_tokens": prompt, "tokens": tokens, "text": tok.decode(tokens),
+               "stats": stats.as_dict() | placement.as_dict(), "plan": experts.describe()}
         print(json.dumps(out))
     else:
         print(stream.flush())
+        where = ""
+        if loaded.model.accel is not None:
+            e = placement.as_dict()["experts"]
+            where = f", experts gpu/cpu/fetched {e['gpu']}/{e['cpu']}/{e['fetched']}, hit rate {placement.hit_rate:.0%}"
         print(
             f"[{stats.prompt_tokens} prompt tokens, {stats.new_tokens} new tokens, "
-            f"time to first token {stats.ttft_s * 1000:.0f} ms, decode {stats.decode_tok_s:.1f} tok/s]",
+            f"time to first token {stats.ttft_s * 1000:.0f} ms, decode {stats.decode_tok_s:.1f} tok/s{where}]",
             file=sys.stderr,
         )
     return 0

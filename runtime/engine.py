@@ -75,7 +75,15 @@ class Engine:
         vocab = self.model.cfg.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise GenerationError(f"prompt token ids must be in [0, {vocab}); the tokenizer does not match the model")
-        return self._run(prompt_ids, params, stats if stats is not None else GenerationStats())
+        if params.beams > self.model.cache.batch:
+            raise GenerationError(
+                f"{params.beams} beams need the model loaded for {params.beams} sequences (it holds "
+                f"{self.model.cache.batch}); pass --beams when loading"
+            )
+        stats = stats if stats is not None else GenerationStats()
+        if params.beams > 1:
+            return self._beam_search(prompt_ids, params, stats)
+        return self._run(prompt_ids, params, stats)
 
     def _run(self, prompt_ids: list[int], params: SamplingParams, stats: GenerationStats) -> Iterator[int]:
         generator = torch.Generator()
@@ -86,9 +94,7 @@ class Engine:
         n_prompt = len(prompt_ids)
         history = torch.empty(self.context, dtype=torch.long)  # prompt + generated ids
         history[:n_prompt] = torch.tensor(prompt_ids)
-        stats.prompt_tokens, stats.new_tokens, stats.finish_reason = n_prompt, 0, ""
-        stats.ttft_s = stats.decode_s = 0.0
-
+        self._begin(stats, n_prompt)
         start = time.perf_counter()
         logits = self.model.forward(history[None, :n_prompt], 0, last_only=True)[0, -1]  # [V]
         budget = min(params.max_new_tokens, self.context - n_prompt)
@@ -110,5 +116,55 @@ class Engine:
             if step + 1 == budget:
                 break
             start = time.perf_counter()
-            logits = self.model.forward(history[None, pos - 1 : pos], pos - 1, last_only=True)[0, -1]
+            logits = self.model.forward(history[None, pos - 1 : pos], pos - 1, last_only=True, phase="decode")[0, -1]
         stats.finish_reason = "length" if budget == params.max_new_tokens else "context"
+
+    def _begin(self, stats: GenerationStats, n_prompt: int) -> None:
+        self.model.experts.begin_request()
+        stats.prompt_tokens, stats.new_tokens, stats.finish_reason = n_prompt, 0, ""
+        stats.ttft_s = stats.decode_s = 0.0
+
+    def _beam_search(self, prompt_ids: list[int], params: SamplingParams, stats: GenerationStats) -> Iterator[int]:
+        """Beam search over `params.beams` rows of the KV cache; yields the best sequence when it is done.
+
+        Scores are summed log-probabilities; finished hypotheses (ended by EOS) and the final beams are
+        compared by score per token. Each step runs all beams as one batch, so experts see K tokens."""
+        k, n_prompt = params.beams, len(prompt_ids)
+        self._begin(stats, n_prompt)
+        start = time.perf_counter()
+        budget = min(params.max_new_tokens, self.context - n_prompt)
+        logits = self.model.forward(torch.tensor([prompt_ids]), 0, last_only=True)[0, -1]  # [V]
+        self.model.cache.copy_rows(torch.zeros(k, dtype=torch.long), n_prompt)  # every beam shares the prompt
+        scores = torch.log_softmax(logits, -1)[None]  # [1, V]: one row until the beams diverge
+        beams: list[list[int]] = [[]]
+        beam_scores = torch.zeros(1)
+        finished: list[tuple[float, list[int]]] = []
+        pos = n_prompt
+        for step in range(budget):
+            if step:
+                last = torch.tensor([[b[-1]] for b in beams])  # [K, 1]
+                logits = self.model.forward(last, pos - 1, last_only=True, phase="decode")[:, -1]  # [K, V]
+                scores = beam_scores[:, None] + torch.log_softmax(logits, -1)  # [K, V]
+            top, flat = scores.flatten().topk(min(2 * k, scores.numel()))  # [2K]
+            vocab = scores.shape[-1]
+            alive: list[tuple[float, int, int]] = []  # (score, source beam, token)
+            for s, i in zip(top.tolist(), flat.tolist(), strict=True):
+                src, tok = divmod(i, vocab)
+                if tok in self.eos_ids:
+                    finished.append((s / max(1, len(beams[src])), beams[src]))
+                elif len(alive) < k:
+                    alive.append((s, src, tok))
+            if len(finished) >= k or not alive:
+                break
+            order = torch.tensor([src for _, src, _ in alive])
+            self.model.cache.copy_rows(order, pos)  # row b continues the history of beam order[b]
+            beams = [beams[src] + [tok] for _, src, tok in alive]
+            beam_scores = torch.tensor([s for s, _, _ in alive])
+            pos += 1
+        candidates = finished + [(float(s) / len(b), b) for s, b in zip(beam_scores.tolist(), beams, strict=True) if b]
+        best = max(candidates, key=lambda c: c[0])[1] if candidates else []
+        stats.ttft_s = time.perf_counter() - start
+        stats.finish_reason = "eos" if finished and best is max(finished, key=lambda c: c[0])[1] else "length"
+        for token in best:
+            stats.new_tokens += 1
+            yield token

@@ -7,18 +7,21 @@ cache for the chosen context, and RoPE tables. Routed experts are memory-mapped 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
 import torch
 
+from runtime.accelerator import make_accelerator
 from runtime.checkpoint import Checkpoint, open_checkpoint
 from runtime.config import ModelConfig
+from runtime.dispatch import OffloadPolicy
 from runtime.engine import Engine
 from runtime.errors import GenerationError, ResourceError
 from runtime.model import KVCache, MoEModel
 from runtime.tokenizer import Tokenizer
+from runtime.trace import load_popularity, most_popular
 from runtime.weights import dense_tensors
 
 DEFAULT_CONTEXT = 4096
@@ -77,11 +80,11 @@ def resolve_context(cfg: ModelConfig, requested: int | None) -> int:
     return requested
 
 
-def estimate_memory(ckpt: Checkpoint, dtype: torch.dtype, context: int) -> MemoryEstimate:
+def estimate_memory(ckpt: Checkpoint, dtype: torch.dtype, context: int, batch: int = 1) -> MemoryEstimate:
     cfg = ckpt.config
     item = torch.empty((), dtype=dtype).element_size()
     weights = sum(math.prod(s) for s in dense_tensors(cfg, ckpt.spec).values()) * item
-    kv = KVCache.nbytes(cfg, 1, context, dtype)
+    kv = KVCache.nbytes(cfg, batch, context, dtype)
     rope = 2 * context * cfg.head_dim * item
     logits = 4 * cfg.vocab_size * 4
     return MemoryEstimate(weights, kv, rope + logits)
@@ -101,16 +104,38 @@ def available_ram() -> int:
     return psutil.virtual_memory().available
 
 
-def load(path: str | Path, dtype: str = "auto", context: int | None = None, force: bool = False) -> LoadedModel:
+def load(
+    path: str | Path,
+    dtype: str = "auto",
+    context: int | None = None,
+    force: bool = False,
+    accelerator: str = "none",
+    vram_gb: float | None = None,
+    policy: OffloadPolicy | None = None,
+    batch: int = 1,
+    placement: str | Path | None = None,
+) -> LoadedModel:
+    """Open, check, and build everything needed to generate. `batch` is the number of sequences the KV
+    cache holds (beam search needs one per beam); `accelerator` is auto, none, cuda or emulated;
+    `placement` is a recorded trace whose most popular experts are pinned on the accelerator."""
     ckpt = open_checkpoint(path)
+    if placement is not None:
+        counts = load_popularity(placement, ckpt.config.num_layers, ckpt.config.num_experts)
+        policy = replace(policy or OffloadPolicy(), static=tuple(most_popular(counts, counts.size)))
     name = default_dtype(read_cpu_flags()) if dtype == "auto" else dtype
     if name not in DTYPES:
         raise GenerationError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
     torch_dtype = DTYPES[name]
     ctx = resolve_context(ckpt.config, context)
-    check_memory(estimate_memory(ckpt, torch_dtype, ctx), available_ram(), force)
+    check_memory(estimate_memory(ckpt, torch_dtype, ctx, batch), available_ram(), force)
     tokenizer = Tokenizer.from_folder(ckpt.path)
-    model = MoEModel.from_checkpoint(ckpt, torch_dtype, ctx)
+    accel = make_accelerator(accelerator, vram_gb)
+    try:
+        model = MoEModel.from_checkpoint(ckpt, torch_dtype, ctx, batch, accel, policy)
+    except BaseException:
+        if accel is not None:
+            accel.close()
+        raise
     eos = list(ckpt.eos_token_ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)

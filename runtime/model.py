@@ -13,9 +13,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from runtime.accelerator import Accelerator
 from runtime.checkpoint import Checkpoint
 from runtime.config import ModelConfig
-from runtime.moe import ExpertWeights, RoutingRule, SharedExpert, reference_moe
+from runtime.dispatch import Dispatcher, OffloadPolicy
+from runtime.moe import ExpertWeights, MoEBlockWeights, RoutingRule, SharedExpert
 from runtime.weights import expert_names, layer_prefix, router_name
 
 
@@ -56,32 +58,31 @@ class Attention:
 
 
 @dataclass
-class MoEBlock:
-    router: torch.Tensor  # [E, H]
-    experts: list[ExpertWeights]
-    rule: RoutingRule
-    shared: SharedExpert | None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return reference_moe(x, F.linear(x, self.router), self.rule, self.experts, self.shared)
-
-
-@dataclass
 class DecoderLayer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     attn: Attention
-    ffn: MoEBlock | ExpertWeights  # a dense layer is a single always-on SwiGLU
+    ffn: MoEBlockWeights | ExpertWeights  # a dense layer is a single always-on SwiGLU
 
 
 class KVCache:
-    """Preallocated keys and values for every layer: [B, Hkv, context, D] each."""
+    """Preallocated keys and values for every layer: [layers, B, Hkv, context, D] each."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype, accel: Accelerator | None = None
+    ) -> None:
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, context, cfg.head_dim)
-        self.k = torch.empty(shape, dtype=dtype)
-        self.v = torch.empty(shape, dtype=dtype)
+        if accel is None:
+            self.k, self.v = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+        else:
+            self.k, self.v = accel.empty(shape, dtype, "the KV cache"), accel.empty(shape, dtype, "the KV cache")
         self.context = context
+        self.batch = batch
+
+    def copy_rows(self, order: torch.Tensor, length: int) -> None:
+        """Reorder batch rows (beam search): row b takes the first `length` positions of row order[b]."""
+        self.k[:, : order.numel(), :, :length] = self.k[:, order, :, :length]
+        self.v[:, : order.numel(), :, :length] = self.v[:, order, :, :length]
 
     @staticmethod
     def nbytes(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype) -> int:
@@ -90,6 +91,9 @@ class KVCache:
 
 
 class MoEModel:
+    """The decoder. Non-expert weights, the KV cache and RoPE tables live on the accelerator when there is
+    one (Fiddler §3.3), else in RAM; routed experts stay in host memory and run through the `Dispatcher`."""
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -99,18 +103,31 @@ class MoEModel:
         lm_head: torch.Tensor,
         dtype: torch.dtype,
         context: int,
+        batch: int = 1,
+        accel: Accelerator | None = None,
+        policy: OffloadPolicy | None = None,
     ) -> None:
         self.cfg, self.embed, self.layers, self.norm, self.lm_head = cfg, embed, layers, norm, lm_head
-        self.dtype = dtype
-        self.context = context
-        self.cache = KVCache(cfg, 1, context, dtype)
-        self.cos, self.sin = rope_tables(cfg.head_dim, cfg.rope_theta, context, dtype)
+        self.dtype, self.context, self.accel = dtype, context, accel
+        self.device = accel.device if accel is not None else torch.device("cpu")
+        self.cache = KVCache(cfg, batch, context, dtype, accel)
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, context, dtype)
+        self.cos, self.sin = (accel.place(cos, dtype, "RoPE tables"), accel.place(sin, dtype, "RoPE tables")) \
+            if accel is not None else (cos, sin)
+        blocks = {i: layer.ffn for i, layer in enumerate(layers) if isinstance(layer.ffn, MoEBlockWeights)}
+        self.experts = Dispatcher(cfg, blocks, dtype, accel, policy)
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype, context: int) -> MoEModel:
+    def from_checkpoint(
+        cls, ckpt: Checkpoint, dtype: torch.dtype, context: int, batch: int = 1,
+        accel: Accelerator | None = None, policy: OffloadPolicy | None = None,
+    ) -> MoEModel:
         cfg, spec = ckpt.config, ckpt.spec
 
-        def w(name: str) -> torch.Tensor:  # non-expert weight in the compute dtype (no copy if it matches)
+        def w(name: str) -> torch.Tensor:
+            """A non-expert weight in the compute dtype: on the accelerator, or in RAM (no copy if it matches)."""
+            if accel is not None:
+                return accel.place(ckpt.tensor(name), dtype, name)
             return ckpt.tensor(name).to(dtype)
 
         def opt(name: str) -> torch.Tensor | None:
@@ -134,7 +151,7 @@ class MoEModel:
                 opt(f"{a}.q_norm.weight") if cfg.qk_norm != "none" else None,
                 opt(f"{a}.k_norm.weight") if cfg.qk_norm != "none" else None,
             )
-            ffn: MoEBlock | ExpertWeights
+            ffn: MoEBlockWeights | ExpertWeights
             if cfg.sparse_layers[i]:
                 # Routed experts stay memory-mapped in their on-disk dtype: nothing is copied here.
                 experts = [ExpertWeights(*(ckpt.tensor(n) for n in expert_names(spec, i, e)))
@@ -142,29 +159,37 @@ class MoEModel:
                 shared = None
                 if cfg.shared_expert_intermediate_size:
                     shared = SharedExpert(mlp(f"{p}.mlp.shared_expert"), w(f"{p}.mlp.shared_expert_gate.weight"))
-                ffn = MoEBlock(w(router_name(spec, i)), experts, rule, shared)
+                ffn = MoEBlockWeights(w(router_name(spec, i)), experts, rule, shared)
             else:
                 ffn = mlp(f"{p}.mlp")
             layers.append(DecoderLayer(w(f"{p}.input_layernorm.weight"), w(f"{p}.post_attention_layernorm.weight"),
                                        attn, ffn))
         embed = w("model.embed_tokens.weight")
         lm_head = embed if cfg.tie_word_embeddings else w("lm_head.weight")
-        return cls(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, context)
+        return cls(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, context, batch, accel, policy)
+
+    def close(self) -> None:
+        self.experts.close()
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
-        """Token ids [B, T] at positions start..start+T-1 -> float32 logits [B, T, V] (or [B, 1, V])."""
+    def forward(self, ids: torch.Tensor, start: int, last_only: bool = False, phase: str = "prefill") -> torch.Tensor:
+        """Token ids [B, T] at positions start..start+T-1 -> float32 host logits [B, T, V] (or [B, 1, V]).
+
+        `phase` ("prefill" or "decode") labels the step in the expert activation trace."""
         B, T = ids.shape
-        x = F.embedding(ids, self.embed)  # [B, T, H]
+        self.experts.begin_step(phase)
+        x = F.embedding(ids.to(self.device), self.embed)  # [B, T, H]
         cos, sin = self.cos[start : start + T], self.sin[start : start + T]  # [T, D]
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, self.cfg.rms_norm_eps)
             x = x + self._attention(i, layer.attn, h, start, cos, sin)
             h = rms_norm(x, layer.post_norm, self.cfg.rms_norm_eps).view(B * T, -1)  # [B*T, H]
-            x = x + layer.ffn(h).view(B, T, -1)  # [B, T, H]
+            y = self.experts(i, h) if isinstance(layer.ffn, MoEBlockWeights) else layer.ffn(h)  # [B*T, H]
+            x = x + y.view(B, T, -1)  # [B, T, H]
         if last_only:
             x = x[:, -1:]  # [B, 1, H]
-        return F.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        logits = F.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        return logits if self.accel is None else self.accel.to_host(logits)
 
     def _attention(
         self, i: int, a: Attention, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor
@@ -191,7 +216,7 @@ class MoEModel:
         keys, values = self.cache.k[i, :B, :, :end], self.cache.v[i, :B, :, :end]  # [B, Hkv, S, D]
         mask = None
         if T > 1 and start > 0:  # a chunk after cached tokens: query t sees keys up to start + t
-            mask = torch.arange(end)[None, :] <= (start + torch.arange(T))[:, None]  # [T, S]
+            mask = torch.arange(end, device=x.device)[None, :] <= (start + torch.arange(T, device=x.device))[:, None]
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, is_causal=(T > 1 and start == 0), enable_gqa=True
         )  # [B, Hq, T, D]

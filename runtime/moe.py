@@ -49,6 +49,16 @@ class SharedExpert:
         return torch.sigmoid(F.linear(x, self.gate)) * self.mlp(x)
 
 
+@dataclass(frozen=True)
+class MoEBlockWeights:
+    """One MoE layer: router, routed experts (host, memory-mapped), routing rule, optional shared expert."""
+
+    router: torch.Tensor  # [E, H]
+    experts: list[ExpertWeights]
+    rule: RoutingRule
+    shared: SharedExpert | None = None
+
+
 def route(router_logits: torch.Tensor, rule: RoutingRule) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, K] float32, expert ids [T, K] int64)."""
     probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]

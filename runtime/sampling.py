@@ -20,6 +20,7 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     repetition_penalty: float = 1.0  # 1 = off
     seed: int | None = None
+    beams: int = 1  # > 1: beam search (deterministic; sampling settings are ignored)
 
     def check(self) -> None:
         if self.max_new_tokens < 0:
@@ -30,6 +31,8 @@ class SamplingParams:
             raise GenerationError("top-k must be ≥ 0 (0 turns it off)")
         if not 0 < self.top_p <= 1:
             raise GenerationError("top-p must be in (0, 1]")
+        if self.beams < 1:
+            raise GenerationError("beams must be ≥ 1")
         if self.repetition_penalty <= 0:
             raise GenerationError("repetition penalty must be > 0 (1 turns it off)")
 

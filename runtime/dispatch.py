@@ -1,0 +1,288 @@
+"""Where each expert runs: Fiddler's per-expert choice over static placement and a set-associative cache.
+
+After the router of a MoE layer, for each expert with s > 0 tokens:
+  1. resident on the accelerator (static placement, or a ready cache slot) -> run there;
+  2. else if the strategy says so (`fetch`, or `fiddler` when cpu_lat(s) > gpu_lat(s) + transfer_lat)
+     -> copy its weights over (into the cache if the layer is covered, else a scratch buffer), run there;
+  3. else ship the activations to the CPU, run it there, ship the result back; if the layer is covered by
+     the cache, post-fetch the weights in the background for later tokens (collaborative inference).
+Accelerator experts are launched first, CPU experts computed meanwhile, then the two are combined.
+
+Letters: T tokens in this pass, H hidden size, E experts, K experts per token, n tokens of one expert.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from runtime.accelerator import Accelerator
+from runtime.config import ModelConfig
+from runtime.cost import CostModel
+from runtime.expert_cache import ExpertCache, Key, Policy
+from runtime.moe import ExpertWeights, MoEBlockWeights, reference_moe, route
+from runtime.trace import TraceRecorder
+
+GPU, CPU, FETCHED = 0, 1, 2  # columns of the per-layer statistics
+
+
+class Strategy(StrEnum):
+    FIDDLER = "fiddler"  # per-expert choice by the cost model
+    CPU = "cpu"  # never copy weights on demand: misses always run on the CPU
+    FETCH = "fetch"  # always copy a missing expert and run it on the accelerator (classic offloading)
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    strategy: Strategy = Strategy.FIDDLER
+    cache_ways: int | None = None  # None: spread the cache slots over as many layers as they cover
+    cache_policy: Policy = Policy.LRU
+    static: tuple[Key, ...] = ()  # experts pinned on the accelerator, most popular first
+    max_inflight: int = 4  # background post-fetch copies in flight at most
+    cost: CostModel | None = None  # None: CostModel.from_bandwidths on the expert's size
+
+
+@dataclass
+class DispatchStats:
+    num_layers: int
+    per_layer: np.ndarray = field(init=False)  # [layers, 3] executions on gpu / cpu / fetched
+    hits: int = 0
+    misses: int = 0
+
+    def __post_init__(self) -> None:
+        self.per_layer = np.zeros((self.num_layers, 3), dtype=np.int64)
+
+    bytes_h2d: int = 0  # bytes moved during this request (set by the dispatcher when asked)
+    bytes_d2h: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        gpu, cpu, fetched = (int(x) for x in self.per_layer.sum(0))
+        return {
+            "experts": {"gpu": gpu, "cpu": cpu, "fetched": fetched},
+            "cache": {"hits": self.hits, "misses": self.misses, "hit_rate": round(self.hit_rate, 4)},
+            "bytes_h2d": self.bytes_h2d,
+            "bytes_d2h": self.bytes_d2h,
+            "per_layer": {str(i): {"gpu": int(r[GPU]), "cpu": int(r[CPU]), "fetched": int(r[FETCHED])}
+                          for i, r in enumerate(self.per_layer) if r.any()},
+        }
+
+
+@dataclass(frozen=True)
+class _Job:
+    expert: int
+    tok: torch.Tensor  # [n] token rows
+    slot: torch.Tensor  # [n] which of the token's K choices
+    weights: ExpertWeights | None  # device weights, or None = copy `source` into scratch first
+    source: ExpertWeights
+
+
+class Dispatcher:
+    """Runs every MoE layer's experts; owns the accelerator's expert slots, the cache and the statistics."""
+
+    def __init__(
+        self, cfg: ModelConfig, blocks: dict[int, MoEBlockWeights], dtype: torch.dtype,
+        accel: Accelerator | None = None, policy: OffloadPolicy | None = None,
+    ) -> None:
+        self.cfg, self.blocks, self.dtype, self.accel = cfg, blocks, dtype, accel
+        self.policy = policy or OffloadPolicy()
+        self.stats = DispatchStats(cfg.num_layers)
+        self.recorder = TraceRecorder(cfg.num_layers, cfg.num_experts, cfg.top_k)
+        self.static: dict[Key, ExpertWeights] = {}
+        self.slot_buffers: list[ExpertWeights] = []
+        self.cache = ExpertCache([], 0, self.policy.cache_policy, self.policy.max_inflight)
+        self.cost = self.policy.cost
+        self._bytes_base = (0, 0)
+        if accel is not None:
+            self._allocate(accel)
+            self._bytes_base = (accel.bytes_h2d, accel.bytes_d2h)
+
+    # -- set-up -------------------------------------------------------------------------------
+    def _expert_shapes(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+        h, i = self.cfg.hidden_size, self.cfg.moe_intermediate_size
+        return (i, h), (i, h), (h, i)
+
+    def _new_buffer(self, accel: Accelerator, what: str) -> ExpertWeights:
+        return ExpertWeights(*(accel.empty(s, self.dtype, what) for s in self._expert_shapes()))
+
+    def _allocate(self, accel: Accelerator) -> None:
+        """Scratch buffer, then as many expert slots as the remaining budget (minus a reserve) holds."""
+        cfg, policy = self.cfg, self.policy
+        item = torch.empty((), dtype=self.dtype).element_size()
+        expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * item
+        if self.cost is None:
+            self.cost = CostModel.from_bandwidths(expert_bytes, 6 * cfg.hidden_size * cfg.moe_intermediate_size)
+        self.scratch = self._new_buffer(accel, "the expert scratch buffer")
+        reserve = accel.budget // 50  # activations and allocator slack
+        slots = max(0, (accel.free - reserve) // expert_bytes)
+        moe_layers = [i for i in range(cfg.num_layers) if cfg.sparse_layers[i]]
+        slots = min(slots, len(moe_layers) * cfg.num_experts)
+        n_static = min(len(policy.static), slots if policy.cache_ways is None else slots // 2)
+        cache_slots = slots - n_static
+        ways = policy.cache_ways
+        if ways is None:
+            ways = 0 if policy.static else min(cfg.num_experts, max(cfg.top_k, -(-cache_slots // len(moe_layers))))
+        ways = min(ways, cfg.num_experts, cache_slots)
+        indexes = min(len(moe_layers), cache_slots // ways) if ways else 0
+        self.cache = ExpertCache(moe_layers[:indexes], ways if indexes else 0, policy.cache_policy,
+                                 policy.max_inflight, first_slot=n_static)
+        for n in range(n_static + self.cache.slots):
+            self.slot_buffers.append(self._new_buffer(accel, f"expert slot {n}"))
+        for n, (layer, e) in enumerate(policy.static[:n_static]):
+            accel.copy_now(self._tensors(self.slot_buffers[n]), self._tensors(self.blocks[layer].experts[e]))
+            self.static[(layer, e)] = self.slot_buffers[n]
+
+    @staticmethod
+    def _tensors(w: ExpertWeights) -> list[torch.Tensor]:
+        return [w.gate, w.up, w.down]
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "accelerator": self.accel.name if self.accel else "none",
+            "strategy": self.policy.strategy.value,
+            "static_experts": len(self.static),
+            "cache": {"indexes": self.cache.indexes, "ways": self.cache.ways, "policy": self.cache.policy.value},
+            "budget_bytes": self.accel.budget if self.accel else 0,
+            "used_bytes": self.accel.used if self.accel else 0,
+        }
+
+    # -- per request / per step ---------------------------------------------------------------
+    def begin_request(self) -> None:
+        """Per-request trace, TRACE-policy counts and statistics start afresh."""
+        self.recorder.new_request()
+        self.cache.new_request()
+        self.stats = DispatchStats(self.cfg.num_layers)
+        self._bytes_base = (self.accel.bytes_h2d, self.accel.bytes_d2h) if self.accel else (0, 0)
+
+    def request_stats(self) -> DispatchStats:
+        """This request's statistics, with the bytes moved since it began."""
+        if self.accel is not None:
+            self.stats.bytes_h2d = self.accel.bytes_h2d - self._bytes_base[0]
+            self.stats.bytes_d2h = self.accel.bytes_d2h - self._bytes_base[1]
+        return self.stats
+
+    def begin_step(self, phase: str) -> None:
+        self.recorder.begin_step(phase)
+
+    def close(self) -> None:
+        if self.accel is not None:
+            self.cache.wait_all()
+            self.accel.close()
+
+    # -- the MoE layer ------------------------------------------------------------------------
+    def __call__(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] (on the accelerator if there is one) -> the layer's MoE output [T, H], same device."""
+        block = self.blocks[layer]
+        logits = F.linear(x, block.router)  # [T, E]
+        if self.accel is None:  # CPU only: the reference layer, plus statistics and the trace
+            _, ids = route(logits, block.rule)  # [T, K]
+            self._account(layer, ids)
+            self.stats.per_layer[layer, CPU] += int(ids.unique().numel())
+            self.stats.misses += int(ids.unique().numel())
+            return reference_moe(x, logits, block.rule, block.experts, block.shared)
+        weights, ids = route(logits, block.rule)  # [T, K], [T, K]
+        weights = weights.to(x.dtype)
+        self._account(layer, ids)
+        gpu_jobs, cpu_jobs = self._plan(layer, ids, block)
+        launched = self.accel.submit(lambda: self._run_device(x, weights, gpu_jobs, block))
+        cpu_out = self._run_cpu(x, weights, cpu_jobs) if cpu_jobs else None
+        out = launched.result()  # [T, H]
+        if cpu_out is not None:
+            out = out + self.accel.to_device(cpu_out)
+        self._post_fetch(layer, cpu_jobs, keep=frozenset((layer, j.expert) for j in gpu_jobs))
+        return out
+
+    def _account(self, layer: int, ids: torch.Tensor) -> None:
+        self.recorder.record(layer, ids)
+        for e, n in zip(*torch.unique(ids, return_counts=True), strict=True):
+            self.cache.observe(layer, int(e), int(n))
+
+    def _plan(self, layer: int, ids: torch.Tensor, block: MoEBlockWeights) -> tuple[list[_Job], list[_Job]]:
+        gpu: list[_Job] = []
+        cpu: list[_Job] = []
+        resident = {e: w for (lay, e), w in self.static.items() if lay == layer}
+        ids = ids.cpu()  # [T, K] (token bookkeeping stays on the host)
+        for e in ids.unique().tolist():
+            tok, slot = (ids == e).nonzero(as_tuple=True)  # [n], [n]
+            source = block.experts[e]
+            weights = resident.get(e)
+            if weights is None and self.cache.covers(layer):
+                hit = self.cache.lookup(layer, e)
+                weights = self.slot_buffers[hit.id] if hit is not None else None
+            if weights is not None:
+                self.stats.hits += 1
+                self.stats.per_layer[layer, GPU] += 1
+                gpu.append(_Job(e, tok, slot, weights, source))
+                continue
+            self.stats.misses += 1
+            if self._should_fetch(tok.numel()):
+                self.stats.per_layer[layer, FETCHED] += 1
+                in_use = frozenset((layer, j.expert) for j in gpu)
+                gpu.append(_Job(e, tok, slot, self._fetch_into_cache(layer, e, source, in_use), source))
+            else:
+                self.stats.per_layer[layer, CPU] += 1
+                cpu.append(_Job(e, tok, slot, None, source))
+        return gpu, cpu
+
+    def _should_fetch(self, tokens: int) -> bool:
+        strategy = self.policy.strategy
+        if strategy is Strategy.FETCH:
+            return True
+        return strategy is Strategy.FIDDLER and self.cost is not None and self.cost.prefer_fetch(tokens)
+
+    def _fetch_into_cache(
+        self, layer: int, e: int, source: ExpertWeights, in_use: frozenset[Key]
+    ) -> ExpertWeights | None:
+        """Copy now into a cache slot of this layer (it stays resident); None: use the scratch buffer."""
+        assert self.accel is not None
+        slot = self.cache.begin_fill(layer, e, keep=in_use) if self.cache.covers(layer) else None
+        if slot is None:
+            return None
+        self.accel.copy_now(self._tensors(self.slot_buffers[slot.id]), self._tensors(source))
+        return self.slot_buffers[slot.id]
+
+    def _run_device(self, x: torch.Tensor, weights: torch.Tensor, jobs: Sequence[_Job], block: MoEBlockWeights
+                    ) -> torch.Tensor:
+        assert self.accel is not None
+        out = block.shared(x) if block.shared is not None else torch.zeros_like(x)  # [T, H]
+        for job in jobs:
+            expert = job.weights
+            if expert is None:  # not cached: through the scratch buffer, one at a time in stream order
+                self.accel.copy_now(self._tensors(self.scratch), self._tensors(job.source))
+                expert = self.scratch
+            tok, slot = job.tok.to(x.device), job.slot.to(x.device)
+            y = expert(x[tok])  # [n, H]
+            out.index_add_(0, tok, y * weights[tok, slot].unsqueeze(-1))
+        return out
+
+    def _run_cpu(self, x: torch.Tensor, weights: torch.Tensor, jobs: Sequence[_Job]) -> torch.Tensor:
+        assert self.accel is not None
+        xh = self.accel.to_host(x)  # [T, H] activations, not weights, cross the bus
+        wh = weights.to("cpu")  # [T, K] (a few bytes; counted with the activations)
+        out = torch.zeros_like(xh)  # [T, H]
+        for job in jobs:
+            y = job.source(xh[job.tok])  # [n, H]
+            out.index_add_(0, job.tok, y * wh[job.tok, job.slot].unsqueeze(-1))
+        return out
+
+    def _post_fetch(self, layer: int, misses: Sequence[_Job], keep: frozenset[Key]) -> None:
+        """Copy CPU-served experts into the cache in the background, up to the in-flight cap."""
+        if self.accel is None or not self.cache.covers(layer):
+            return
+        for job in misses:
+            if self.cache.inflight >= self.cache.max_inflight:
+                self.cache.stats.skipped_fills += 1
+                continue
+            slot = self.cache.begin_fill(layer, job.expert, keep)
+            if slot is not None:
+                copy = self.accel.copy_async(self._tensors(self.slot_buffers[slot.id]), self._tensors(job.source))
+                self.cache.start(slot, copy)

@@ -1,0 +1,159 @@
+"""Bookkeeping of accelerator expert slots: static placement plus an N-index × M-way set-associative cache.
+
+Pure data structures, no tensors: which (layer, expert) sits in which slot, which slot a miss evicts,
+and whether a slot's copy has completed. The cache covers the first N MoE layers, one index each
+(collaborative-inference §III-B); layers beyond are served from the CPU. A slot being filled is not a
+hit until `ready` — it becomes ready only when its copy's future is observed done.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class Policy(StrEnum):
+    LRU = "lru"
+    FIFO = "fifo"
+    LFU = "lfu"
+    TRACE = "trace"  # MoE-Infinity: evict the expert least activated by the current request
+
+
+@dataclass
+class Slot:
+    id: int  # index into the accelerator's slot buffers
+    key: Key | None = None
+    copy: Future[None] | None = None  # in flight while not None
+    inserted: int = 0
+    last_used: int = 0
+    uses: int = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.key is not None and self.copy is None
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    fills: int = 0
+    evictions: int = 0
+    skipped_fills: int = 0  # misses not post-fetched because the copy cap was reached
+
+
+@dataclass
+class ExpertCache:
+    layers: list[int]  # covered MoE layers; len(layers) = N indexes
+    ways: int
+    policy: Policy = Policy.LRU
+    max_inflight: int = 4
+    first_slot: int = 0  # slot ids [first_slot, first_slot + indexes*ways)
+    stats: CacheStats = field(default_factory=CacheStats)
+
+    def __post_init__(self) -> None:
+        self.index_of = {layer: i for i, layer in enumerate(self.layers)}
+        self.sets = [[Slot(self.first_slot + i * self.ways + w) for w in range(self.ways)] for i in range(self.indexes)]
+        self.request_counts: Counter[Key] = Counter()
+        self._clock = 0
+
+    @property
+    def indexes(self) -> int:
+        return len(self.layers)
+
+    @property
+    def slots(self) -> int:
+        return self.indexes * self.ways
+
+    def covers(self, layer: int) -> bool:
+        return layer in self.index_of and self.ways > 0
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def new_request(self) -> None:
+        self.request_counts.clear()
+
+    def observe(self, layer: int, expert: int, tokens: int) -> None:
+        """Activation counts of the current request (drive the TRACE policy)."""
+        self.request_counts[(layer, expert)] += tokens
+
+    def find(self, layer: int, expert: int) -> Slot | None:
+        if not self.covers(layer):
+            return None
+        return next((s for s in self.sets[self.index_of[layer]] if s.key == (layer, expert)), None)
+
+    def lookup(self, layer: int, expert: int) -> Slot | None:
+        """The slot holding a ready copy of the expert (a hit, recorded), else None (a miss, recorded)."""
+        self.poll()
+        slot = self.find(layer, expert)
+        if slot is not None and slot.ready:
+            slot.last_used = self._tick()
+            slot.uses += 1
+            self.stats.hits += 1
+            return slot
+        self.stats.misses += 1
+        return None
+
+    def poll(self) -> None:
+        """Mark slots whose copies have completed as ready."""
+        for ways in self.sets:
+            for s in ways:
+                if s.copy is not None and s.copy.done():
+                    s.copy.result()  # re-raise a failed copy here, on the main thread
+                    s.copy = None
+
+    @property
+    def inflight(self) -> int:
+        return sum(s.copy is not None for ways in self.sets for s in ways)
+
+    def victim(self, layer: int, keep: frozenset[Key] = frozenset()) -> Slot | None:
+        """The slot a new expert of `layer` would replace: an empty one first, never one in flight or kept."""
+        if not self.covers(layer):
+            return None
+        candidates = [s for s in self.sets[self.index_of[layer]] if s.copy is None and s.key not in keep]
+        empty = [s for s in candidates if s.key is None]
+        if empty:
+            return empty[0]
+        if not candidates:
+            return None
+        if self.policy is Policy.FIFO:
+            return min(candidates, key=lambda s: s.inserted)
+        if self.policy is Policy.LFU:
+            return min(candidates, key=lambda s: (s.uses, s.last_used))
+        if self.policy is Policy.TRACE:
+            return min(candidates, key=lambda s: (self.request_counts[s.key], s.last_used))  # type: ignore[index]
+        return min(candidates, key=lambda s: s.last_used)
+
+    def begin_fill(self, layer: int, expert: int, keep: frozenset[Key] = frozenset()) -> Slot | None:
+        """Claim a slot for (layer, expert); the caller starts the copy and hands its future to `start`."""
+        if self.find(layer, expert) is not None:
+            return None
+        slot = self.victim(layer, keep)
+        if slot is None:
+            return None
+        if slot.key is not None:
+            self.stats.evictions += 1
+        slot.key = (layer, expert)
+        slot.inserted = slot.last_used = self._tick()
+        slot.uses = 0
+        self.stats.fills += 1
+        return slot
+
+    def start(self, slot: Slot, copy: Future[None]) -> None:
+        slot.copy = copy
+
+    def resident(self) -> list[Key]:
+        return [s.key for ways in self.sets for s in ways if s.ready]  # type: ignore[misc]
+
+    def wait_all(self) -> None:
+        for ways in self.sets:
+            for s in ways:
+                if s.copy is not None:
+                    s.copy.result()
+        self.poll()
