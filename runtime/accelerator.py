@@ -29,6 +29,10 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def human(size: float) -> str:
+    return f"{size / GIB:.2f} GiB" if size >= GIB / 10 else f"{size / 1024**2:.1f} MiB"
+
+
 class Accelerator(ABC):
     name: str
     device: torch.device
@@ -45,8 +49,8 @@ class Accelerator(ABC):
     def reserve(self, size: int, what: str) -> None:
         if self.used + size > self.budget:
             raise ResourceError(
-                f"{what} needs {size / GIB:.2f} GiB of accelerator memory but only "
-                f"{(self.budget - self.used) / GIB:.2f} GiB of the {self.budget / GIB:.2f} GiB budget is left; "
+                f"{what} needs {human(size)} of accelerator memory but only "
+                f"{human(self.budget - self.used)} of the {human(self.budget)} budget is left; "
                 "raise --vram-gb, lower --context, or use --accelerator none"
             )
         self.used += size

@@ -77,6 +77,15 @@ class DispatchStats:
         }
 
 
+def default_ways(slots: int, layers: int, experts: int, top_k: int) -> int:
+    """Ways per index when none is asked for: at least top-k (a token's experts must fit together), enough
+    to spread the slots over every layer when they can, and as few slots left unused as possible."""
+    if slots <= top_k:
+        return slots
+    low = min(experts, max(top_k, -(-slots // layers)))
+    return max(range(low, min(experts, slots) + 1), key=lambda w: (min(layers, slots // w) * w, -w))
+
+
 @dataclass(frozen=True)
 class _Job:
     expert: int
@@ -130,7 +139,7 @@ class Dispatcher:
         cache_slots = slots - n_static
         ways = policy.cache_ways
         if ways is None:
-            ways = 0 if policy.static else min(cfg.num_experts, max(cfg.top_k, -(-cache_slots // len(moe_layers))))
+            ways = 0 if policy.static else default_ways(cache_slots, len(moe_layers), cfg.num_experts, cfg.top_k)
         ways = min(ways, cfg.num_experts, cache_slots)
         indexes = min(len(moe_layers), cache_slots // ways) if ways else 0
         self.cache = ExpertCache(moe_layers[:indexes], ways if indexes else 0, policy.cache_policy,

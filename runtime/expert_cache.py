@@ -110,12 +110,14 @@ class ExpertCache:
 
     @property
     def inflight(self) -> int:
+        self.poll()
         return sum(s.copy is not None for ways in self.sets for s in ways)
 
     def victim(self, layer: int, keep: frozenset[Key] = frozenset()) -> Slot | None:
         """The slot a new expert of `layer` would replace: an empty one first, never one in flight or kept."""
         if not self.covers(layer):
             return None
+        self.poll()
         candidates = [s for s in self.sets[self.index_of[layer]] if s.copy is None and s.key not in keep]
         empty = [s for s in candidates if s.key is None]
         if empty:
@@ -149,6 +151,7 @@ class ExpertCache:
         slot.copy = copy
 
     def resident(self) -> list[Key]:
+        self.poll()
         return [s.key for ways in self.sets for s in ways if s.ready]  # type: ignore[misc]
 
     def wait_all(self) -> None:

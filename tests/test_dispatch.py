@@ -1,0 +1,207 @@
+"""CPU/accelerator orchestration on the emulated accelerator gives the CPU-only results, for every strategy,
+cache policy, geometry and placement; statistics add up; the budget is never exceeded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runtime.accelerator import EmulatedAccelerator
+from runtime.checkpoint import open_checkpoint
+from runtime.cost import CostModel
+from runtime.dispatch import OffloadPolicy, Strategy
+from runtime.engine import Engine, GenerationStats
+from runtime.expert_cache import Policy
+from runtime.model import MoEModel
+from runtime.sampling import SamplingParams
+from runtime.synth import tiny_config, write_test_model
+from runtime.trace import load_popularity, most_popular
+
+FAMILIES = {
+    "mixtral": tiny_config("mixtral", num_hidden_layers=3),
+    "qwen2_moe": tiny_config("qwen2_moe", num_hidden_layers=3, decoder_sparse_step=1, mlp_only_layers=[1]),
+    "qwen3_moe": tiny_config("qwen3_moe", num_hidden_layers=3),
+    "olmoe": tiny_config("olmoe", num_hidden_layers=3),
+}
+NEW_TOKENS = 8
+ALWAYS_FETCH = CostModel(cpu_a_ms=100, cpu_b_ms=100, gpu_ms=0, transfer_ms=0)
+MULTI_TOKEN_FETCH = CostModel(cpu_a_ms=0, cpu_b_ms=1, gpu_ms=0, transfer_ms=1.5)  # fetch when s >= 2
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dispatch")
+    return {name: write_test_model(root / name, cfg, seed=3) for name, cfg in FAMILIES.items()}
+
+
+def build(folder: Path, accel: EmulatedAccelerator | None = None, policy: OffloadPolicy | None = None,
+          batch: int = 1) -> Engine:
+    ckpt = open_checkpoint(folder)
+    model = MoEModel.from_checkpoint(ckpt, torch.float32, 128, batch, accel, policy)
+    return Engine(model, ())
+
+
+def expert_bytes(folder: Path) -> int:
+    cfg = open_checkpoint(folder).config
+    return 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
+
+
+def budget_for(folder: Path, slots: int, batch: int = 1) -> int:
+    """Bytes of emulated device memory that leave room for exactly `slots` expert slots."""
+    probe = EmulatedAccelerator(1 << 30)
+    engine = build(folder, probe, OffloadPolicy(cache_ways=1), batch)
+    fixed = probe.used - len(engine.model.experts.slot_buffers) * expert_bytes(folder)
+    engine.model.close()
+    need = fixed + slots * expert_bytes(folder)
+    return int((need + expert_bytes(folder) // 2) * 50 / 49)  # the dispatcher keeps budget/50 in reserve
+
+
+_reference: dict[tuple[str, int], tuple[torch.Tensor, list[int], int]] = {}
+
+
+def reference(folder: Path, prompt: list[int]) -> tuple[torch.Tensor, list[int], int]:
+    """CPU-only prefill logits, greedy tokens and expert executions (memoised)."""
+    key = (str(folder), len(prompt))
+    if key not in _reference:
+        engine = build(folder)
+        logits = engine.model.forward(torch.tensor([prompt]), 0)
+        tokens = list(engine.generate(prompt, SamplingParams(max_new_tokens=NEW_TOKENS)))
+        stats = engine.model.experts.request_stats()
+        _reference[key] = (logits, tokens, int(stats.per_layer.sum()))
+    return _reference[key]
+
+
+def prompt_of(length: int) -> list[int]:
+    return torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+
+
+@settings(max_examples=45, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    family=st.sampled_from(sorted(FAMILIES)),
+    strategy=st.sampled_from(list(Strategy)),
+    policy=st.sampled_from(list(Policy)),
+    ways=st.sampled_from([None, 1, 2, 3]),
+    slots=st.integers(0, 20),  # up to 20 of the 16-24 experts; below 8 is smaller than one layer
+    placement=st.booleans(),
+    cost=st.sampled_from([None, ALWAYS_FETCH, MULTI_TOKEN_FETCH]),
+    prompt_len=st.sampled_from([1, 5, 70]),
+    copy_delay=st.sampled_from([0.0, 0.003]),
+    inflight=st.sampled_from([1, 4]),
+)
+def test_matches_cpu_only(checkpoints, tmp_path_factory, family, strategy, policy, ways, slots, placement, cost,
+                          prompt_len, copy_delay, inflight) -> None:
+    folder = checkpoints[family]
+    prompt = prompt_of(prompt_len)
+    ref_logits, ref_tokens, ref_executions = reference(folder, prompt)
+    static: tuple[tuple[int, int], ...] = ()
+    if placement:
+        trace = tmp_path_factory.mktemp("trace") / "t.npz"
+        recorder = build(folder)
+        list(recorder.generate(prompt, SamplingParams(max_new_tokens=4)))
+        recorder.model.experts.recorder.save(trace, model=family)
+        cfg = recorder.model.cfg
+        static = tuple(most_popular(load_popularity(trace, cfg.num_layers, cfg.num_experts), 100))
+    accel = EmulatedAccelerator(budget_for(folder, slots), copy_delay_s=copy_delay)
+    engine = build(folder, accel, OffloadPolicy(strategy, ways, policy, static, inflight, cost))
+    try:
+        logits = engine.model.forward(torch.tensor([prompt]), 0)
+        assert (logits - ref_logits).abs().max().item() <= 1e-4
+        tokens = list(engine.generate(prompt, SamplingParams(max_new_tokens=NEW_TOKENS)))
+        stats = engine.model.experts.request_stats()
+    finally:
+        engine.model.close()
+    assert tokens == ref_tokens
+    gpu, cpu, fetched = stats.per_layer.sum(0)
+    assert gpu + cpu + fetched == ref_executions == stats.hits + stats.misses
+    assert gpu == stats.hits
+    assert accel.used <= accel.budget
+    if strategy is Strategy.CPU:
+        assert fetched == 0
+    if strategy is Strategy.FETCH or cost is ALWAYS_FETCH and strategy is Strategy.FIDDLER:
+        assert cpu == 0
+    if cost is None and strategy is not Strategy.FETCH and engine.model.experts.cache.slots == 0 and not static:
+        assert gpu == 0 and fetched == 0  # nothing resident, nothing worth copying at these sizes
+
+
+def test_cache_smaller_than_one_layer_still_hits(checkpoints) -> None:
+    folder = checkpoints["mixtral"]
+    prompt = prompt_of(5)
+    accel = EmulatedAccelerator(budget_for(folder, 3))  # 3 slots < 8 experts of one layer
+    engine = build(folder, accel, OffloadPolicy(Strategy.CPU))
+    cache = engine.model.experts.cache
+    assert cache.slots == 3
+    tokens = list(engine.generate(prompt, SamplingParams(max_new_tokens=24)))
+    stats = engine.model.experts.request_stats()
+    engine.model.close()
+    assert tokens[:NEW_TOKENS] == reference(folder, prompt)[1]
+    assert stats.hits > 0 and cache.stats.fills > 0
+    assert stats.bytes_h2d >= cache.stats.fills * expert_bytes(folder)
+
+
+def test_uncovered_layers_run_on_the_cpu(checkpoints) -> None:
+    folder = checkpoints["olmoe"]
+    accel = EmulatedAccelerator(budget_for(folder, 8))
+    engine = build(folder, accel, OffloadPolicy(Strategy.CPU, cache_ways=8))
+    assert engine.model.experts.cache.layers == [0]  # 8 slots, 8 ways: one index, layer 0
+    list(engine.generate(prompt_of(5), SamplingParams(max_new_tokens=6)))
+    stats = engine.model.experts.request_stats()
+    engine.model.close()
+    assert stats.per_layer[1:, 0].sum() == 0 and stats.per_layer[1:, 1].sum() > 0
+
+
+def test_beam_search_multi_token_experts_take_the_fetch_path(checkpoints) -> None:
+    folder = checkpoints["mixtral"]
+    prompt = [42]  # one prompt token: every expert sees one token until the beams batch up
+    params = SamplingParams(max_new_tokens=6, beams=4)
+    cpu_only = list(build(folder, batch=4).generate(prompt, params))
+
+    greedy = build(folder, EmulatedAccelerator(budget_for(folder, 0)), OffloadPolicy(cost=MULTI_TOKEN_FETCH))
+    list(greedy.generate(prompt, SamplingParams(max_new_tokens=6)))
+    assert greedy.model.experts.request_stats().per_layer[:, 2].sum() == 0  # s = 1: CPU is cheaper
+    greedy.model.close()
+
+    beam = build(folder, EmulatedAccelerator(budget_for(folder, 0, 4)), OffloadPolicy(cost=MULTI_TOKEN_FETCH), batch=4)
+    stats = GenerationStats()
+    tokens = list(beam.generate(prompt, params, stats))
+    fetched = beam.model.experts.request_stats().per_layer[:, 2].sum()
+    beam.model.close()
+    assert tokens == cpu_only and len(tokens) > 0
+    assert fetched > 0
+
+
+def test_beam_search_needs_the_batch(checkpoints) -> None:
+    from runtime.errors import GenerationError
+
+    with pytest.raises(GenerationError, match="beams"):
+        build(checkpoints["mixtral"]).generate([1, 2], SamplingParams(beams=3))
+
+
+def test_trace_matrices_and_sequence(checkpoints, tmp_path: Path) -> None:
+    folder = checkpoints["qwen2_moe"]  # layer 1 is dense
+    engine = build(folder)
+    prompt = prompt_of(7)
+    tokens = list(engine.generate(prompt, SamplingParams(max_new_tokens=5)))
+    engine.model.experts.recorder.save(tmp_path / "t.npz", model="q")
+    data = np.load(tmp_path / "t.npz")
+    k = engine.model.cfg.top_k
+    assert data["prefill"][0].sum() == len(prompt) * k and data["prefill"][1].sum() == 0
+    assert data["decode"][0].sum() == (len(tokens) - 1) * k
+    assert data["sequence"].shape == (len(tokens) - 1, 3, k)
+    assert (data["sequence"][:, 1] == -1).all() and (data["sequence"][:, 0] >= 0).all()
+
+
+def test_static_placement_pins_the_most_popular(checkpoints, tmp_path: Path) -> None:
+    counts = np.zeros((3, 8), dtype=np.int64)
+    counts[0, 5], counts[2, 1], counts[1, 7] = 9, 7, 3
+    assert most_popular(counts, 2) == [(0, 5), (2, 1)]
+    folder = checkpoints["mixtral"]
+    accel = EmulatedAccelerator(budget_for(folder, 2))
+    engine = build(folder, accel, OffloadPolicy(static=((0, 5), (2, 1), (1, 7))))
+    assert set(engine.model.experts.static) == {(0, 5), (2, 1)}
+    assert engine.model.experts.cache.slots == 0
+    engine.model.close()
