@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from runtime.engine import Engine
+from runtime.engine import Engine, GenerationStats
 from runtime.loader import load
 from runtime.sampling import SamplingParams
 from runtime.synth import ASSETS
@@ -79,3 +79,67 @@ def bench_decode(
     if "transformers" in rates:
         result["ratio"] = round(statistics.median(rates["tandem"]) / statistics.median(rates["transformers"]), 3)
     return result
+
+
+def bench_offload(
+    model_dir: str, expert_fraction: float = 0.25, prompt_tokens: int = 32, new_tokens: int = 64,
+    dtype: str = "auto", calibration_tokens: int = 64,
+) -> dict[str, Any]:
+    """Hit rate of every cache policy and of static popularity placement on one prompt, with the emulated
+    accelerator holding `expert_fraction` of all experts; decode speed of each against CPU only."""
+    import tempfile
+
+    from runtime.dispatch import OffloadPolicy, Strategy
+    from runtime.expert_cache import Policy
+
+    base = load(model_dir, dtype=dtype, context=prompt_tokens + max(new_tokens, calibration_tokens) + 8)
+    cfg = base.model.cfg
+    text = (ASSETS / "tokenizer_corpus.txt").read_text(encoding="utf-8")
+    ids = base.tokenizer.encode(text)
+    prompt = ids[:prompt_tokens]
+    calibration = ids[prompt_tokens : prompt_tokens + calibration_tokens] or prompt  # a different text
+
+    def decode(engine: Engine, tokens: list[int], n: int) -> float:
+        stats = GenerationStats()
+        for _ in engine.generate(tokens, SamplingParams(max_new_tokens=n), stats):
+            pass
+        return stats.decode_tok_s
+
+    cpu_engine = Engine(base.model, ())
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = f"{tmp}/calibration.npz"
+        decode(cpu_engine, calibration, new_tokens)
+        base.model.experts.recorder.save(trace, model=str(model_dir))
+        probe = load(model_dir, dtype=dtype, context=base.model.context, accelerator="emulated", vram_gb=1024,
+                     policy=OffloadPolicy(cache_ways=0))
+        fixed, item = probe.model.accel.used, probe.model.dtype.itemsize
+        probe.model.close()
+        expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * item
+        slots = max(1, round(expert_fraction * cfg.num_moe_layers * cfg.num_experts))
+        vram_gb = (fixed + slots * expert_bytes + expert_bytes // 2) * 50 / 49 / 1024**3
+        setups: dict[str, tuple[OffloadPolicy, str | None]] = {
+            p.value: (OffloadPolicy(Strategy.CPU, cache_policy=p), None) for p in Policy
+        }
+        setups["static-popular"] = (OffloadPolicy(Strategy.CPU), trace)
+        rows = []
+        cpu_rates = []
+        for name, (policy, placement) in setups.items():
+            loaded = load(model_dir, dtype=dtype, context=base.model.context, accelerator="emulated",
+                          vram_gb=vram_gb, policy=policy, placement=placement)
+            rate = decode(Engine(loaded.model, ()), prompt, new_tokens)
+            cpu_rates.append(decode(cpu_engine, prompt, new_tokens))  # alternate with the CPU-only run
+            stats = loaded.model.experts.request_stats()
+            plan = loaded.model.experts.describe()
+            loaded.model.close()
+            rows.append({"setup": name, "hit_rate": round(stats.hit_rate, 4), "decode_tok_s": round(rate, 2),
+                         "cache": plan["cache"], "static_experts": plan["static_experts"],
+                         "bytes_h2d": stats.bytes_h2d, "bytes_d2h": stats.bytes_d2h})
+    cpu_rate = statistics.median(cpu_rates)
+    for row in rows:
+        row["speed_vs_cpu_only"] = round(row["decode_tok_s"] / cpu_rate, 3)
+    return {
+        "model": str(model_dir), "family": cfg.model_type, "dtype": str(base.model.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(), "expert_slots": slots,
+        "experts_total": cfg.num_moe_layers * cfg.num_experts, "prompt_tokens": len(prompt),
+        "new_tokens": new_tokens, "cpu_only_decode_tok_s": round(cpu_rate, 2), "rows": rows,
+    }

@@ -46,6 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
     decode.add_argument("--peer", choices=["transformers"], default=None)
     decode.set_defaults(func=_bench_decode)
+    offload = bench_sub.add_parser("offload", help="cache policies and static placement on the emulated accelerator")
+    offload.add_argument("--model", required=True)
+    offload.add_argument("--expert-fraction", type=float, default=0.25, help="share of all experts that fit")
+    offload.add_argument("--prompt-tokens", type=int, default=32)
+    offload.add_argument("--new-tokens", type=int, default=64)
+    offload.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
+    offload.set_defaults(func=_bench_offload)
 
     synth = sub.add_parser("make-test-model", help="write a small random-weight checkpoint (for trying things out)")
     synth.add_argument("--family", default="mixtral", help="model_type: mixtral, qwen2_moe, qwen3_moe, olmoe")
@@ -137,6 +144,14 @@ def _bench_decode(args: argparse.Namespace) -> int:
     from app.bench import bench_decode
 
     result = bench_decode(args.model, args.prompt_tokens, args.new_tokens, args.repeats, args.dtype, args.peer)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+def _bench_offload(args: argparse.Namespace) -> int:
+    from app.bench import bench_offload
+
+    result = bench_offload(args.model, args.expert_fraction, args.prompt_tokens, args.new_tokens, args.dtype)
     print(json.dumps(result, indent=1))
     return 0
 

@@ -29,6 +29,10 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _single_threaded() -> None:
+    torch.set_num_threads(1)  # per OS thread: the caller's own thread count is untouched
+
+
 def human(size: float) -> str:
     return f"{size / GIB:.2f} GiB" if size >= GIB / 10 else f"{size / 1024**2:.1f} MiB"
 
@@ -43,7 +47,8 @@ class Accelerator(ABC):
         self.bytes_h2d = 0
         self.bytes_d2h = 0
         self._lock = threading.Lock()  # byte counters are touched by the copy thread too
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-copy")
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-copy",
+                                          initializer=_single_threaded)
 
     # -- memory -------------------------------------------------------------------------------
     def reserve(self, size: int, what: str) -> None:
@@ -130,7 +135,9 @@ class EmulatedAccelerator(Accelerator):
     def __init__(self, budget: int, copy_delay_s: float = 0.0) -> None:
         super().__init__(budget)
         self.copy_delay_s = copy_delay_s  # tests slow the copy engine down to widen race windows
-        self._stream = ThreadPoolExecutor(max_workers=1, thread_name_prefix="emulated-compute")
+        # One intra-op thread: the stand-in device must not fight the CPU experts for the cores.
+        self._stream = ThreadPoolExecutor(max_workers=1, thread_name_prefix="emulated-compute",
+                                          initializer=_single_threaded)
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         return self._stream.submit(fn)

@@ -25,7 +25,7 @@ from runtime.accelerator import Accelerator
 from runtime.config import ModelConfig
 from runtime.cost import CostModel
 from runtime.expert_cache import ExpertCache, Key, Policy
-from runtime.moe import ExpertWeights, MoEBlockWeights, reference_moe, route
+from runtime.moe import ExpertWeights, MoEBlockWeights, combine, route
 from runtime.trace import TraceRecorder
 
 GPU, CPU, FETCHED = 0, 1, 2  # columns of the per-layer statistics
@@ -192,28 +192,26 @@ class Dispatcher:
         """x [T, H] (on the accelerator if there is one) -> the layer's MoE output [T, H], same device."""
         block = self.blocks[layer]
         logits = F.linear(x, block.router)  # [T, E]
-        if self.accel is None:  # CPU only: the reference layer, plus statistics and the trace
-            _, ids = route(logits, block.rule)  # [T, K]
-            self._account(layer, ids)
-            self.stats.per_layer[layer, CPU] += int(ids.unique().numel())
-            self.stats.misses += int(ids.unique().numel())
-            return reference_moe(x, logits, block.rule, block.experts, block.shared)
         weights, ids = route(logits, block.rule)  # [T, K], [T, K]
+        self.recorder.record(layer, ids)
+        if self.accel is None:  # CPU only: the reference combination
+            n = int(ids.unique().numel())
+            self.stats.per_layer[layer, CPU] += n
+            self.stats.misses += n
+            return combine(x, weights, ids, block.experts, block.shared)
         weights = weights.to(x.dtype)
-        self._account(layer, ids)
+        if self.cache.policy is Policy.TRACE:
+            for e, n in zip(*torch.unique(ids, return_counts=True), strict=True):
+                self.cache.observe(layer, int(e), int(n))
         gpu_jobs, cpu_jobs = self._plan(layer, ids, block)
-        launched = self.accel.submit(lambda: self._run_device(x, weights, gpu_jobs, block))
-        cpu_out = self._run_cpu(x, weights, cpu_jobs) if cpu_jobs else None
-        out = launched.result()  # [T, H]
-        if cpu_out is not None:
-            out = out + self.accel.to_device(cpu_out)
+        if not cpu_jobs:  # nothing to overlap with: run the device work right here
+            out = self._run_device(x, weights, gpu_jobs, block)
+        else:  # launch the device work, compute the CPU experts meanwhile, then combine
+            launched = self.accel.submit(lambda: self._run_device(x, weights, gpu_jobs, block))
+            cpu_out = self._run_cpu(x, weights, cpu_jobs)
+            out = launched.result() + self.accel.to_device(cpu_out)  # [T, H]
         self._post_fetch(layer, cpu_jobs, keep=frozenset((layer, j.expert) for j in gpu_jobs))
         return out
-
-    def _account(self, layer: int, ids: torch.Tensor) -> None:
-        self.recorder.record(layer, ids)
-        for e, n in zip(*torch.unique(ids, return_counts=True), strict=True):
-            self.cache.observe(layer, int(e), int(n))
 
     def _plan(self, layer: int, ids: torch.Tensor, block: MoEBlockWeights) -> tuple[list[_Job], list[_Job]]:
         gpu: list[_Job] = []

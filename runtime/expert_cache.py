@@ -60,6 +60,7 @@ class ExpertCache:
         self.sets = [[Slot(self.first_slot + i * self.ways + w) for w in range(self.ways)] for i in range(self.indexes)]
         self.request_counts: Counter[Key] = Counter()
         self._clock = 0
+        self._filling: list[Slot] = []  # slots whose copy is in flight
 
     @property
     def indexes(self) -> int:
@@ -102,16 +103,17 @@ class ExpertCache:
 
     def poll(self) -> None:
         """Mark slots whose copies have completed as ready."""
-        for ways in self.sets:
-            for s in ways:
-                if s.copy is not None and s.copy.done():
-                    s.copy.result()  # re-raise a failed copy here, on the main thread
-                    s.copy = None
+        for s in [s for s in self._filling if s.copy is not None and s.copy.done()]:
+            self._filling.remove(s)
+            copy, s.copy = s.copy, None
+            if copy.exception() is not None:
+                s.key = None  # the slot holds garbage: empty it, then re-raise on the main thread
+                copy.result()
 
     @property
     def inflight(self) -> int:
         self.poll()
-        return sum(s.copy is not None for ways in self.sets for s in ways)
+        return len(self._filling)
 
     def victim(self, layer: int, keep: frozenset[Key] = frozenset()) -> Slot | None:
         """The slot a new expert of `layer` would replace: an empty one first, never one in flight or kept."""
@@ -149,14 +151,14 @@ class ExpertCache:
 
     def start(self, slot: Slot, copy: Future[None]) -> None:
         slot.copy = copy
+        self._filling.append(slot)
 
     def resident(self) -> list[Key]:
         self.poll()
         return [s.key for ways in self.sets for s in ways if s.ready]  # type: ignore[misc]
 
     def wait_all(self) -> None:
-        for ways in self.sets:
-            for s in ways:
-                if s.copy is not None:
-                    s.copy.result()
+        for s in self._filling:
+            if s.copy is not None:
+                s.copy.result()
         self.poll()

@@ -77,6 +77,17 @@ def reference_moe(
 ) -> torch.Tensor:
     """hidden [T, H], router logits [T, E] -> combined expert output [T, H]."""
     weights, ids = route(router_logits, rule)  # [T, K], [T, K]
+    return combine(hidden, weights, ids, experts, shared)
+
+
+def combine(
+    hidden: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    experts: Sequence[ExpertWeights],
+    shared: SharedExpert | None = None,
+) -> torch.Tensor:
+    """hidden [T, H], routing weights [T, K] and expert ids [T, K] -> sum of weighted expert outputs [T, H]."""
     weights = weights.to(hidden.dtype)
     out = torch.zeros_like(hidden)  # [T, H]
     for e in ids.unique().tolist():

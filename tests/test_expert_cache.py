@@ -119,6 +119,7 @@ def test_failed_copy_surfaces_on_the_main_thread() -> None:
     cache.start(slot, bad)
     with pytest.raises(RuntimeError, match="copy failed"):
         cache.lookup(0, 0)
+    assert cache.resident() == [] and cache.lookup(0, 0) is None  # the half-written slot is never a hit
 
 
 def test_keep_protects_experts_in_use() -> None:
