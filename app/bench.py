@@ -116,16 +116,20 @@ def bench_offload(
         probe.model.close()
         expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * item
         slots = max(1, round(expert_fraction * cfg.num_moe_layers * cfg.num_experts))
-        vram_gb = (fixed + slots * expert_bytes + expert_bytes // 2) * 50 / 49 / 1024**3
-        setups: dict[str, tuple[OffloadPolicy, str | None]] = {
-            p.value: (OffloadPolicy(Strategy.CPU, cache_policy=p), None) for p in Policy
+        def budget(n: int) -> float:
+            return (fixed + n * expert_bytes + expert_bytes // 2) * 50 / 49 / 1024**3
+
+        setups: dict[str, tuple[OffloadPolicy, str | None, int]] = {
+            p.value: (OffloadPolicy(Strategy.CPU, cache_policy=p), None, slots) for p in Policy
         }
-        setups["static-popular"] = (OffloadPolicy(Strategy.CPU), trace)
+        setups["static-popular"] = (OffloadPolicy(Strategy.CPU), trace, slots)
+        # every expert on the CPU, but through the accelerator tier: the cost of the orchestration itself
+        setups["no-slots"] = (OffloadPolicy(Strategy.CPU), None, 0)
         rows = []
         cpu_rates = []
-        for name, (policy, placement) in setups.items():
+        for name, (policy, placement, n_slots) in setups.items():
             loaded = load(model_dir, dtype=dtype, context=base.model.context, accelerator="emulated",
-                          vram_gb=vram_gb, policy=policy, placement=placement)
+                          vram_gb=budget(n_slots), policy=policy, placement=placement)
             rate = decode(Engine(loaded.model, ()), prompt, new_tokens)
             cpu_rates.append(decode(cpu_engine, prompt, new_tokens))  # alternate with the CPU-only run
             stats = loaded.model.experts.request_stats()
