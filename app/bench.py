@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from runtime.engine import Engine, GenerationStats
-from runtime.loader import load
+from runtime.loader import LoadedModel, load
 from runtime.sampling import SamplingParams
 from runtime.synth import ASSETS
 
@@ -33,10 +33,9 @@ def _decode_rate(fn: Callable[[int], None], new_tokens: int) -> float:
 
 
 def bench_decode(
-    model_dir: str, prompt_tokens: int = 32, new_tokens: int = 64, repeats: int = 3, dtype: str = "auto",
-    peer: str | None = None,
+    loaded: LoadedModel, prompt_tokens: int = 32, new_tokens: int = 64, repeats: int = 3, peer: str | None = None
 ) -> dict[str, Any]:
-    loaded = load(model_dir, dtype=dtype)
+    model_dir = loaded.checkpoint.path
     engine = Engine(loaded.model, ())  # no EOS: always produce exactly the requested count
     text = (ASSETS / "tokenizer_corpus.txt").read_text(encoding="utf-8")
     prompt = (loaded.tokenizer.encode(text) * (1 + prompt_tokens))[:prompt_tokens]
@@ -68,6 +67,7 @@ def bench_decode(
             rates[name].append(_decode_rate(fn, new_tokens))
     result: dict[str, Any] = {
         "model": str(model_dir),
+        "plan": loaded.model.experts.describe(),
         "family": loaded.checkpoint.config.model_type,
         "dtype": str(loaded.model.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),

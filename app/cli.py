@@ -44,7 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--new-tokens", type=int, default=64)
     decode.add_argument("--repeats", type=int, default=3)
     decode.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
+    decode.add_argument("--context", type=int, default=None)
+    decode.add_argument("--force", action="store_true")
     decode.add_argument("--peer", choices=["transformers"], default=None)
+    add_runtime_args(decode)
     decode.set_defaults(func=_bench_decode)
     offload = bench_sub.add_parser("offload", help="cache policies and static placement on the emulated accelerator")
     offload.add_argument("--model", required=True)
@@ -143,7 +146,11 @@ def _generate(args: argparse.Namespace) -> int:
 def _bench_decode(args: argparse.Namespace) -> int:
     from app.bench import bench_decode
 
-    result = bench_decode(args.model, args.prompt_tokens, args.new_tokens, args.repeats, args.dtype, args.peer)
+    loaded = load_from_args(args)
+    try:
+        result = bench_decode(loaded, args.prompt_tokens, args.new_tokens, args.repeats, args.peer)
+    finally:
+        loaded.model.close()
     print(json.dumps(result, indent=1))
     return 0
 
