@@ -6,8 +6,8 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: chat test lint clean
 
-# Installs once; re-runs only when pyproject.toml changes.
-$(STAMP): pyproject.toml
+# Installs once; re-runs only when pyproject.toml or the C kernels change.
+$(STAMP): pyproject.toml $(wildcard kernels/csrc/*.c)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	@touch $(STAMP)

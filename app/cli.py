@@ -79,9 +79,19 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--placement", metavar="FILE", help="pin the most popular experts of a recorded trace")
     g.add_argument("--cost", metavar="A,B,GPU,T",
                    help="latency model in ms: cpu_lat(s)=A+B*s, gpu_lat, transfer_lat (default: from sizes)")
+    c = p.add_argument_group("CPU experts")
+    c.add_argument("--threads", type=int, default=None, help="threads for CPU experts (default: all cores)")
+    c.add_argument("--quant", choices=["none", "int8", "int4"], default="none",
+                   help="weight-only quantization of CPU experts, done at load (opt-in)")
+    c.add_argument("--quant-group", type=int, choices=[32, 64, 128], default=64, help="int4 group size")
+    c.add_argument("--kernel-crossover", type=int, default=8,
+                   help="up to this many tokens per expert use the compiled kernel; more use torch")
+    c.add_argument("--kernel-isa", choices=["auto", "base", "avx2", "avx512", "avx512bf16"], default="auto",
+                   help="force a kernel variant (auto: the best this CPU supports)")
 
 
 def load_from_args(args: argparse.Namespace, batch: int = 1):  # -> runtime.loader.LoadedModel
+    from kernels.cpu import CpuOptions, available_isas
     from runtime.cost import CostModel
     from runtime.dispatch import OffloadPolicy, Strategy
     from runtime.errors import TandemError as Err
@@ -94,8 +104,15 @@ def load_from_args(args: argparse.Namespace, batch: int = 1):  # -> runtime.load
         raise Err(str(e)) from None
     policy = OffloadPolicy(Strategy(args.strategy), args.cache_ways, Policy(args.cache_policy),
                            max_inflight=args.max_inflight, cost=cost)
+    isa = None if args.kernel_isa == "auto" else args.kernel_isa
+    if isa is not None and isa not in available_isas():
+        raise Err(f"--kernel-isa {isa} is not available on this machine (available: {', '.join(available_isas())})")
+    if args.threads is not None and args.threads < 1:
+        raise Err("--threads must be at least 1")
+    cpu = CpuOptions(args.threads, args.kernel_crossover, None if args.quant == "none" else args.quant,
+                     args.quant_group, isa)
     return load(args.model, dtype=args.dtype, context=args.context, force=args.force, accelerator=args.accelerator,
-                vram_gb=args.vram_gb, policy=policy, batch=batch, placement=args.placement)
+                vram_gb=args.vram_gb, policy=policy, batch=batch, placement=args.placement, cpu=cpu)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import CpuExpert, CpuOptions
 from runtime.accelerator import Accelerator
 from runtime.config import ModelConfig
 from runtime.cost import CostModel
@@ -92,7 +93,8 @@ class _Job:
     tok: torch.Tensor  # [n] token rows
     slot: torch.Tensor  # [n] which of the token's K choices
     weights: ExpertWeights | None  # device weights, or None = copy `source` into scratch first
-    source: ExpertWeights
+    source: ExpertWeights  # host weights (what gets copied)
+    cpu: CpuExpert  # how it runs on the CPU
 
 
 class Dispatcher:
@@ -100,9 +102,15 @@ class Dispatcher:
 
     def __init__(
         self, cfg: ModelConfig, blocks: dict[int, MoEBlockWeights], dtype: torch.dtype,
-        accel: Accelerator | None = None, policy: OffloadPolicy | None = None,
+        accel: Accelerator | None = None, policy: OffloadPolicy | None = None, cpu: CpuOptions | None = None,
     ) -> None:
         self.cfg, self.blocks, self.dtype, self.accel = cfg, blocks, dtype, accel
+        # Every expert that runs on the CPU runs through the kernels' executor (quantized here if asked).
+        self.executor = (cpu or CpuOptions()).executor(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
+        self.cpu_experts: dict[int, list[CpuExpert]] = {
+            layer: [self.executor.prepare(w.gate, w.up, w.down) for w in block.experts]
+            for layer, block in blocks.items()
+        }
         self.policy = policy or OffloadPolicy()
         self.stats = DispatchStats(cfg.num_layers)
         self.recorder = TraceRecorder(cfg.num_layers, cfg.num_experts, cfg.top_k)
@@ -160,6 +168,8 @@ class Dispatcher:
             "strategy": self.policy.strategy.value,
             "static_experts": len(self.static),
             "cache": {"indexes": self.cache.indexes, "ways": self.cache.ways, "policy": self.cache.policy.value},
+            "cpu": {"threads": self.executor.threads, "crossover": self.executor.crossover,
+                    "quant": self.executor.quant or "none", "best_kernel": (self.executor.isas or ["torch"])[-1]},
             "budget_bytes": self.accel.budget if self.accel else 0,
             "used_bytes": self.accel.used if self.accel else 0,
         }
@@ -198,7 +208,7 @@ class Dispatcher:
             n = int(ids.unique().numel())
             self.stats.per_layer[layer, CPU] += n
             self.stats.misses += n
-            return combine(x, weights, ids, block.experts, block.shared)
+            return combine(x, weights, ids, self.cpu_experts[layer], block.shared)
         weights = weights.to(x.dtype)
         if self.cache.policy is Policy.TRACE:
             for e, n in zip(*torch.unique(ids, return_counts=True), strict=True):
@@ -228,16 +238,17 @@ class Dispatcher:
             if weights is not None:
                 self.stats.hits += 1
                 self.stats.per_layer[layer, GPU] += 1
-                gpu.append(_Job(e, tok, slot, weights, source))
+                gpu.append(_Job(e, tok, slot, weights, source, self.cpu_experts[layer][e]))
                 continue
             self.stats.misses += 1
             if self._should_fetch(tok.numel()):
                 self.stats.per_layer[layer, FETCHED] += 1
                 in_use = frozenset((layer, j.expert) for j in gpu)
-                gpu.append(_Job(e, tok, slot, self._fetch_into_cache(layer, e, source, in_use), source))
+                fetched = self._fetch_into_cache(layer, e, source, in_use)
+                gpu.append(_Job(e, tok, slot, fetched, source, self.cpu_experts[layer][e]))
             else:
                 self.stats.per_layer[layer, CPU] += 1
-                cpu.append(_Job(e, tok, slot, None, source))
+                cpu.append(_Job(e, tok, slot, None, source, self.cpu_experts[layer][e]))
         return gpu, cpu
 
     def _should_fetch(self, tokens: int) -> bool:
@@ -277,7 +288,7 @@ class Dispatcher:
         wh = weights.to("cpu")  # [T, K] (a few bytes; counted with the activations)
         out = torch.zeros_like(xh)  # [T, H]
         for job in jobs:
-            y = job.source(xh[job.tok])  # [n, H]
+            y = job.cpu(xh[job.tok])  # [n, H]
             out.index_add_(0, job.tok, y * wh[job.tok, job.slot].unsqueeze(-1))
         return out
 

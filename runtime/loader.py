@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from kernels.cpu import CpuOptions
 from runtime.accelerator import make_accelerator
 from runtime.checkpoint import Checkpoint, open_checkpoint
 from runtime.config import ModelConfig
@@ -80,13 +81,17 @@ def resolve_context(cfg: ModelConfig, requested: int | None) -> int:
     return requested
 
 
-def estimate_memory(ckpt: Checkpoint, dtype: torch.dtype, context: int, batch: int = 1) -> MemoryEstimate:
+def estimate_memory(
+    ckpt: Checkpoint, dtype: torch.dtype, context: int, batch: int = 1, cpu: CpuOptions | None = None
+) -> MemoryEstimate:
     cfg = ckpt.config
     item = torch.empty((), dtype=dtype).element_size()
     weights = sum(math.prod(s) for s in dense_tensors(cfg, ckpt.spec).values()) * item
     kv = KVCache.nbytes(cfg, batch, context, dtype)
     rope = 2 * context * cfg.head_dim * item
     logits = 4 * cfg.vocab_size * 4
+    quantized = (cpu or CpuOptions()).expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, item)
+    weights += quantized * cfg.num_moe_layers * cfg.num_experts  # quantized experts live in RAM
     return MemoryEstimate(weights, kv, rope + logits)
 
 
@@ -114,6 +119,7 @@ def load(
     policy: OffloadPolicy | None = None,
     batch: int = 1,
     placement: str | Path | None = None,
+    cpu: CpuOptions | None = None,
 ) -> LoadedModel:
     """Open, check, and build everything needed to generate. `batch` is the number of sequences the KV
     cache holds (beam search needs one per beam); `accelerator` is auto, none, cuda or emulated;
@@ -127,11 +133,11 @@ def load(
         raise GenerationError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
     torch_dtype = DTYPES[name]
     ctx = resolve_context(ckpt.config, context)
-    check_memory(estimate_memory(ckpt, torch_dtype, ctx, batch), available_ram(), force)
+    check_memory(estimate_memory(ckpt, torch_dtype, ctx, batch, cpu), available_ram(), force)
     tokenizer = Tokenizer.from_folder(ckpt.path)
     accel = make_accelerator(accelerator, vram_gb)
     try:
-        model = MoEModel.from_checkpoint(ckpt, torch_dtype, ctx, batch, accel, policy)
+        model = MoEModel.from_checkpoint(ckpt, torch_dtype, ctx, batch, accel, policy, cpu)
     except BaseException:
         if accel is not None:
             accel.close()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import CpuOptions
 from runtime.accelerator import Accelerator
 from runtime.checkpoint import Checkpoint
 from runtime.config import ModelConfig
@@ -106,6 +107,7 @@ class MoEModel:
         batch: int = 1,
         accel: Accelerator | None = None,
         policy: OffloadPolicy | None = None,
+        cpu: CpuOptions | None = None,
     ) -> None:
         self.cfg, self.embed, self.layers, self.norm, self.lm_head = cfg, embed, layers, norm, lm_head
         self.dtype, self.context, self.accel = dtype, context, accel
@@ -115,12 +117,12 @@ class MoEModel:
         self.cos, self.sin = (accel.place(cos, dtype, "RoPE tables"), accel.place(sin, dtype, "RoPE tables")) \
             if accel is not None else (cos, sin)
         blocks = {i: layer.ffn for i, layer in enumerate(layers) if isinstance(layer.ffn, MoEBlockWeights)}
-        self.experts = Dispatcher(cfg, blocks, dtype, accel, policy)
+        self.experts = Dispatcher(cfg, blocks, dtype, accel, policy, cpu)
 
     @classmethod
     def from_checkpoint(
         cls, ckpt: Checkpoint, dtype: torch.dtype, context: int, batch: int = 1,
-        accel: Accelerator | None = None, policy: OffloadPolicy | None = None,
+        accel: Accelerator | None = None, policy: OffloadPolicy | None = None, cpu: CpuOptions | None = None,
     ) -> MoEModel:
         cfg, spec = ckpt.config, ckpt.spec
 
@@ -166,7 +168,7 @@ class MoEModel:
                                        attn, ffn))
         embed = w("model.embed_tokens.weight")
         lm_head = embed if cfg.tie_word_embeddings else w("lm_head.weight")
-        return cls(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, context, batch, accel, policy)
+        return cls(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, context, batch, accel, policy, cpu)
 
     def close(self) -> None:
         self.experts.close()

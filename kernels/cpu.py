@@ -1,0 +1,209 @@
+"""The CPU expert executor: every expert that runs on the CPU goes through here.
+
+Few tokens (decode, beams, short prompts; up to `crossover`): the compiled kernel in `csrc/expert.c`, which
+streams each weight row once for all tokens. Many tokens (prefill): torch's matrix multiply, which is
+compute-bound and good at it. Weights are used where they lie (memory-mapped, file dtype: no re-layout),
+unless quantization is asked for, which happens once when the expert is prepared.
+
+Letters: n tokens, H hidden size, I expert width.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+
+from kernels.quant import QuantizedMatrix, quantize_int4, quantize_int8
+
+ISAS = ("base", "avx2", "avx512", "avx512bf16")
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "int8": 3, "int4": 4}
+DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int), ("isa", ctypes.c_int), ("tokens", ctypes.c_int), ("hidden", ctypes.c_int),
+        ("inter", ctypes.c_int), ("threads", ctypes.c_int), ("group", ctypes.c_int),
+        ("gate", ctypes.c_void_p), ("up", ctypes.c_void_p), ("down", ctypes.c_void_p),
+        ("gate_scale", ctypes.c_void_p), ("up_scale", ctypes.c_void_p), ("down_scale", ctypes.c_void_p),
+        ("x", ctypes.c_void_p), ("out", ctypes.c_void_p), ("act", ctypes.c_void_p), ("xb", ctypes.c_void_p),
+    ]
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where they were not built (the torch path is used then)."""
+    spec = importlib.util.find_spec("kernels._cpu")
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        lib = ctypes.CDLL(spec.origin)
+    except OSError:
+        return None
+    lib.tk_isa_mask.restype = ctypes.c_int
+    lib.tk_expert.argtypes = [ctypes.POINTER(_Args)]
+    lib.tk_expert.restype = ctypes.c_int
+    lib.tk_read_sum.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    lib.tk_read_sum.restype = ctypes.c_double
+    return lib
+
+
+def available_isas() -> list[str]:
+    lib = library()
+    if lib is None:
+        return []
+    mask = lib.tk_isa_mask()
+    return [name for i, name in enumerate(ISAS) if mask & (1 << i)]
+
+
+def best_isa(kind: object, compute_dtype: torch.dtype, isas: list[str]) -> str | None:
+    """The fastest variant for this weight kind: AVX512_BF16 only where activations are bf16 anyway."""
+    if kind == torch.bfloat16 and compute_dtype == torch.bfloat16 and "avx512bf16" in isas:
+        return "avx512bf16"
+    for isa in ("avx512", "avx2", "base"):
+        if isa in isas:
+            return isa
+    return None
+
+
+def read_bandwidth_probe(buffer: torch.Tensor, threads: int) -> float:
+    """Sum a float32 buffer with the kernel library's streaming loop (for DRAM bandwidth measurement)."""
+    lib = library()
+    if lib is None:
+        return float(buffer.sum())
+    return lib.tk_read_sum(buffer.data_ptr(), buffer.numel(), threads)
+
+
+@dataclass(frozen=True)
+class CpuOptions:
+    """How CPU experts run: thread count, kernel/torch crossover, opt-in weight-only quantization."""
+
+    threads: int | None = None  # None: torch's intra-op thread count
+    crossover: int = DEFAULT_CROSSOVER  # up to this many tokens: the compiled kernel; more: torch
+    quant: str | None = None  # None | "int8" | "int4"
+    group: int = 64  # int4 group size: 32, 64 or 128
+    isa: str | None = None  # force a kernel variant ("base", "avx2", "avx512", "avx512bf16")
+    use_kernel: bool = True  # False: torch only
+
+    def executor(self, hidden: int, inter: int, compute_dtype: torch.dtype) -> CpuExecutor:
+        return CpuExecutor(hidden, inter, compute_dtype, self.threads, self.crossover, self.quant, self.group,
+                           self.isa, self.use_kernel)
+
+    def expert_bytes(self, hidden: int, inter: int, stored: int) -> int:
+        """RAM one expert takes beyond its memory-mapped file bytes (quantized copies only)."""
+        params = 3 * hidden * inter
+        if self.quant == "int8":
+            return params + (2 * inter + hidden) * 4
+        if self.quant == "int4":
+            return params // 2 + params // self.group * 4
+        return 0
+
+
+@dataclass(frozen=True)
+class CpuExpert:
+    """One expert ready for the CPU: its weights (views or quantized copies) and how to run them."""
+
+    gate: torch.Tensor | QuantizedMatrix  # [I, H]
+    up: torch.Tensor | QuantizedMatrix  # [I, H]
+    down: torch.Tensor | QuantizedMatrix  # [H, I]
+    kind: object  # a torch dtype, "int8" or "int4"
+    executor: CpuExecutor
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
+        return self.executor.run(self, x)
+
+    def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mats = (self.gate, self.up, self.down)
+        return tuple(w.dequantize(dtype) if isinstance(w, QuantizedMatrix) else w.to(dtype) for w in mats)  # type: ignore
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes if isinstance(w, QuantizedMatrix) else w.numel() * w.element_size()
+                   for w in (self.gate, self.up, self.down))
+
+
+class CpuExecutor:
+    """Runs CPU experts with preallocated buffers and an explicit thread count.
+
+    `isa` forces a kernel variant (e.g. "avx2" to test the fallback on a newer CPU); None picks the best.
+    The tensor returned by `run` is valid until the next call (it is a view of a reused buffer)."""
+
+    def __init__(
+        self, hidden: int, inter: int, compute_dtype: torch.dtype, threads: int | None = None,
+        crossover: int = DEFAULT_CROSSOVER, quant: str | None = None, group: int = 64, isa: str | None = None,
+        use_kernel: bool = True,
+    ) -> None:
+        self.hidden, self.inter, self.dtype = hidden, inter, compute_dtype
+        self.threads = threads or torch.get_num_threads()
+        self.crossover, self.quant, self.group = crossover, quant, group
+        self.lib = library() if use_kernel else None
+        self.isas = available_isas() if self.lib is not None else []
+        if isa is not None and isa not in self.isas:
+            have = ", ".join(self.isas) or "none"
+            raise ValueError(f"kernel variant {isa!r} is not available here (available: {have})")
+        self.forced_isa = isa
+        t = max(1, crossover)
+        self._x = torch.empty(t, hidden, dtype=torch.float32)
+        self._out = torch.empty(t, hidden, dtype=torch.float32)
+        self._act = torch.empty(t, 2 * inter, dtype=torch.float32)
+        self._xb = torch.empty(t, max(hidden, inter), dtype=torch.int16)
+        self._args = _Args()
+
+    def prepare(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> CpuExpert:
+        """Wrap (or quantize) one expert's weights; unquantized weights are used in place, never copied."""
+        if self.quant == "int8":
+            return CpuExpert(quantize_int8(gate), quantize_int8(up), quantize_int8(down), "int8", self)
+        if self.quant == "int4":
+            g = self.group
+            return CpuExpert(quantize_int4(gate, g), quantize_int4(up, g), quantize_int4(down, g), "int4", self)
+        if gate.dtype not in KINDS:
+            raise ValueError(f"expert weights of dtype {gate.dtype} are not supported")
+        gate, up, down = (w.contiguous() for w in (gate, up, down))  # memory-mapped weights already are
+        return CpuExpert(gate, up, down, gate.dtype, self)
+
+    def isa_for(self, expert: CpuExpert) -> str | None:
+        if self.lib is None:
+            return None
+        if self.forced_isa is not None:
+            if self.forced_isa == "avx512bf16" and expert.kind != torch.bfloat16:
+                return best_isa(expert.kind, self.dtype, [i for i in self.isas if i != "avx512bf16"])
+            return self.forced_isa
+        return best_isa(expert.kind, self.dtype, self.isas)
+
+    def run(self, expert: CpuExpert, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        isa = self.isa_for(expert)
+        if n == 0:
+            return x.new_zeros(0, self.hidden)
+        if isa is None or n > self.crossover:
+            return self._run_torch(expert, x)
+        return self._run_kernel(expert, x, isa).to(x.dtype)
+
+    def _run_torch(self, expert: CpuExpert, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = expert.dense(x.dtype)
+        return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+    def _run_kernel(self, expert: CpuExpert, x: torch.Tensor, isa: str) -> torch.Tensor:
+        n = x.shape[0]
+        xs = self._x[:n]
+        xs.copy_(x)  # float32, contiguous
+        a = self._args
+        a.kind, a.isa, a.tokens = KINDS[expert.kind], ISAS.index(isa), n
+        a.hidden, a.inter, a.threads, a.group = self.hidden, self.inter, self.threads, self.group
+        mats = (expert.gate, expert.up, expert.down)
+        if isinstance(expert.gate, QuantizedMatrix):
+            a.gate, a.up, a.down = (m.data.data_ptr() for m in mats)  # type: ignore[union-attr]
+            a.gate_scale, a.up_scale, a.down_scale = (m.scales.data_ptr() for m in mats)  # type: ignore[union-attr]
+        else:
+            a.gate, a.up, a.down = (m.data_ptr() for m in mats)  # type: ignore[union-attr]
+            a.gate_scale = a.up_scale = a.down_scale = None
+        a.x, a.out, a.act, a.xb = xs.data_ptr(), self._out.data_ptr(), self._act.data_ptr(), self._xb.data_ptr()
+        code = self.lib.tk_expert(ctypes.byref(a))  # type: ignore[union-attr]
+        if code != 0:
+            raise RuntimeError(f"CPU expert kernel rejected its arguments (code {code})")
+        return self._out[:n]

@@ -1,0 +1,460 @@
+/* Tandem CPU expert kernels: one SwiGLU expert, out = down(silu(gate x) * up x), for a few tokens.
+ *
+ * Decode is bound by how fast the weights stream from DRAM, so every weight row is read once, as one
+ * sequential stream, and reused for all tokens of the call while it sits in L1. The whole expert runs in
+ * one OpenMP region: gate and up rows (one fused pass over 2I rows), then the activation, then down rows.
+ *
+ * Weight kinds: fp32, bf16, fp16 (row-major [rows, cols]); int8 with one scale per row; int4 with one
+ * scale per group of `group` values, stored as bytes whose low nibble is element j and high nibble
+ * element j + group/2 of the group (values offset by 8). Activations are float32.
+ *
+ * ISA variants are separate functions compiled with target attributes, chosen at run time from what the
+ * CPU supports (or forced by the caller): baseline C, AVX2+FMA+F16C, AVX-512, and AVX512_BF16 for bf16.
+ * Loaded through ctypes; the tiny Python module init below only makes it an importable extension.
+ */
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+#include <immintrin.h>
+
+enum { K_FP32 = 0, K_BF16 = 1, K_FP16 = 2, K_INT8 = 3, K_INT4 = 4 };
+enum { ISA_BASE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
+
+typedef struct {
+    int kind, isa, tokens, hidden, inter, threads, group;
+    const void *gate, *up, *down;        /* [I, H], [I, H], [H, I] */
+    const float *gate_scale, *up_scale, *down_scale;
+    const float *x;                      /* [T, H] */
+    float *out;                          /* [T, H] */
+    float *act;                          /* scratch [T, 2I] */
+    uint16_t *xb;                        /* scratch [T, max(H, I)] bf16 (AVX512_BF16 path) */
+} tk_args;
+
+static inline float bf16f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
+
+/* ---- row dot products, generic C (vectorised by the compiler for each target) ---------------------- */
+#define DOT_BODY(WT, CONV)                                                                          \
+    const WT *w = (const WT *)wrow;                                                                \
+    for (int t = 0; t < nt; t++) {                                                                 \
+        const float *xt = x + (size_t)t * ldx;                                                     \
+        float a = 0.f;                                                                             \
+        _Pragma("omp simd reduction(+:a)")                                                         \
+        for (int k = 0; k < n; k++) a += CONV(w[k]) * xt[k];                                       \
+        res[(size_t)t * ldr] = a * scale;                                                          \
+    }
+
+#define INT4_BODY                                                                                  \
+    const uint8_t *w = (const uint8_t *)wrow;                                                      \
+    const int half = group / 2, ngroups = n / group;                                               \
+    for (int t = 0; t < nt; t++) {                                                                 \
+        const float *xt = x + (size_t)t * ldx;                                                     \
+        float total = 0.f;                                                                         \
+        for (int g = 0; g < ngroups; g++) {                                                        \
+            const uint8_t *q = w + (size_t)g * half;                                               \
+            const float *xg = xt + (size_t)g * group;                                              \
+            float a = 0.f;                                                                         \
+            _Pragma("omp simd reduction(+:a)")                                                     \
+            for (int j = 0; j < half; j++)                                                         \
+                a += (float)((int)(q[j] & 15) - 8) * xg[j] + (float)((int)(q[j] >> 4) - 8) * xg[j + half]; \
+            total += a * gscale[g];                                                                \
+        }                                                                                          \
+        res[(size_t)t * ldr] = total;                                                              \
+    }
+
+#define IDENT(v) (v)
+#define I8(v) ((float)(v))
+#define F16(v) ((float)(v))
+
+#define DEFINE_DOTS(SUFFIX, ATTR)                                                                  \
+ATTR static void dot_fp32_##SUFFIX(const void *wrow, float scale, const float *gscale, int group,   \
+        const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)gscale; (void)group; DOT_BODY(float, IDENT) } \
+ATTR static void dot_bf16_##SUFFIX(const void *wrow, float scale, const float *gscale, int group,   \
+        const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)gscale; (void)group; DOT_BODY(uint16_t, bf16f) } \
+ATTR static void dot_fp16_##SUFFIX(const void *wrow, float scale, const float *gscale, int group,   \
+        const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)gscale; (void)group; DOT_BODY(_Float16, F16) } \
+ATTR static void dot_int8_##SUFFIX(const void *wrow, float scale, const float *gscale, int group,   \
+        const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)gscale; (void)group; DOT_BODY(int8_t, I8) } \
+ATTR static void dot_int4_##SUFFIX(const void *wrow, float scale, const float *gscale, int group,   \
+        const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)scale; INT4_BODY }
+
+DEFINE_DOTS(base, )
+DEFINE_DOTS(avx2, __attribute__((target("avx2,fma,f16c"))))
+
+/* ---- AVX-512: convert 16 weights once, FMA them into up to 8 token accumulators -------------------- */
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+#define LOAD_FP32(p) _mm512_loadu_ps((const float *)(p))
+#define LOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define LOAD_FP16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define LOAD_INT8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define FMA_STEP(J) a##J = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + (size_t)(J) * ldx + k), a##J)
+
+#define DEFINE_FMA_TOKENS(NAME, WT, LOAD, CONV)                                                           \
+AVX512_TARGET static inline __attribute__((always_inline)) void NAME##_m(const WT *w, float scale,         \
+        const float *x, int ldx, int m, int n, float *res, int ldr) {                                      \
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;        \
+    int k = 0;                                                                                             \
+    if (m == 1) {                                                                                          \
+        for (; k + 64 <= n; k += 64) {                                                                     \
+            a0 = _mm512_fmadd_ps(LOAD(w + k), _mm512_loadu_ps(x + k), a0);                                \
+            a1 = _mm512_fmadd_ps(LOAD(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);                       \
+            a2 = _mm512_fmadd_ps(LOAD(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);                       \
+            a3 = _mm512_fmadd_ps(LOAD(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);                       \
+        }                                                                                                  \
+        a0 = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));                                  \
+    }                                                                                                      \
+    for (; k + 16 <= n; k += 16) {                                                                         \
+        __m512 wv = LOAD(w + k);                                                                           \
+        FMA_STEP(0);                                                                                       \
+        if (m > 1) FMA_STEP(1);                                                                            \
+        if (m > 2) FMA_STEP(2);                                                                            \
+        if (m > 3) FMA_STEP(3);                                                                            \
+        if (m > 4) FMA_STEP(4);                                                                            \
+        if (m > 5) FMA_STEP(5);                                                                            \
+        if (m > 6) FMA_STEP(6);                                                                            \
+        if (m > 7) FMA_STEP(7);                                                                            \
+    }                                                                                                      \
+    __m512 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};                                                      \
+    for (int j = 0; j < m; j++) {                                                                          \
+        float sum = _mm512_reduce_add_ps(acc[j]);                                                          \
+        for (int kk = k; kk < n; kk++) sum += CONV(w[kk]) * x[(size_t)j * ldx + kk];                       \
+        res[(size_t)j * ldr] = sum * scale;                                                                \
+    }                                                                                                      \
+}                                                                                                          \
+AVX512_TARGET static void NAME(const void *wrow, float scale, const float *gscale, int group,               \
+        const float *x, int ldx, int nt, int n, float *res, int ldr) {                                     \
+    (void)gscale; (void)group;                                                                             \
+    const WT *w = (const WT *)wrow;                                                                        \
+    for (int t = 0; t < nt; t += 8) {                                                                      \
+        const int m = nt - t < 8 ? nt - t : 8;                                                             \
+        const float *xs = x + (size_t)t * ldx;                                                             \
+        float *r = res + (size_t)t * ldr;                                                                  \
+        switch (m) {                                                                                       \
+            case 1: NAME##_m(w, scale, xs, ldx, 1, n, r, ldr); break;                                      \
+            case 2: NAME##_m(w, scale, xs, ldx, 2, n, r, ldr); break;                                      \
+            case 3: NAME##_m(w, scale, xs, ldx, 3, n, r, ldr); break;                                      \
+            case 4: NAME##_m(w, scale, xs, ldx, 4, n, r, ldr); break;                                      \
+            case 5: NAME##_m(w, scale, xs, ldx, 5, n, r, ldr); break;                                      \
+            case 6: NAME##_m(w, scale, xs, ldx, 6, n, r, ldr); break;                                      \
+            case 7: NAME##_m(w, scale, xs, ldx, 7, n, r, ldr); break;                                      \
+            default: NAME##_m(w, scale, xs, ldx, 8, n, r, ldr); break;                                     \
+        }                                                                                                  \
+    }                                                                                                      \
+}
+
+DEFINE_FMA_TOKENS(fma_fp32, float, LOAD_FP32, IDENT)
+DEFINE_FMA_TOKENS(fma_bf16, uint16_t, LOAD_BF16, bf16f)
+DEFINE_FMA_TOKENS(fma_fp16, _Float16, LOAD_FP16, F16)
+DEFINE_FMA_TOKENS(fma_int8, int8_t, LOAD_INT8, I8)
+
+/* int4: per 16 bytes of a group, 32 weights are unpacked, scaled by the group's scale (shared by all tokens)
+ * and FMA'd into up to 8 token accumulators. Groups are 32, 64 or 128 values: whole 16-byte steps. */
+#define FMA4_STEP(J, XOFF, WV) a##J = _mm512_fmadd_ps(WV, _mm512_loadu_ps(x + (size_t)(J) * ldx + (XOFF)), a##J)
+#define FMA4_ALL(XOFF, WV) do { FMA4_STEP(0, XOFF, WV);                                                     \
+    if (m > 1) FMA4_STEP(1, XOFF, WV);                                                                    \
+    if (m > 2) FMA4_STEP(2, XOFF, WV); if (m > 3) FMA4_STEP(3, XOFF, WV); if (m > 4) FMA4_STEP(4, XOFF, WV); \
+    if (m > 5) FMA4_STEP(5, XOFF, WV); if (m > 6) FMA4_STEP(6, XOFF, WV); if (m > 7) FMA4_STEP(7, XOFF, WV); } while (0)
+AVX512_TARGET static inline __attribute__((always_inline)) void int4_m(const uint8_t *w, const float *gscale,
+        int group, const float *x, int ldx, int m, int n, float *res, int ldr) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    const int half = group / 2;
+    const __m512i low = _mm512_set1_epi32(15);
+    for (int g = 0; g < n / group; g++) {
+        const __m512 sc = _mm512_set1_ps(gscale[g]), off = _mm512_set1_ps(-8.f * gscale[g]);
+        const uint8_t *q = w + (size_t)g * half;
+        const int base = g * group;
+        for (int j = 0; j < half; j += 16) {
+            __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + j)));
+            __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, low)), sc, off);
+            __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), sc, off);
+            FMA4_ALL(base + j, lo);
+            FMA4_ALL(base + j + half, hi);
+        }
+    }
+    __m512 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    for (int j = 0; j < m; j++) res[(size_t)j * ldr] = _mm512_reduce_add_ps(acc[j]);
+}
+
+AVX512_TARGET static void fma_int4(const void *wrow, float scale, const float *gscale, int group,
+                                   const float *x, int ldx, int nt, int n, float *res, int ldr) {
+    (void)scale;
+    const uint8_t *w = (const uint8_t *)wrow;
+    for (int t = 0; t < nt; t += 8) {
+        const int m = nt - t < 8 ? nt - t : 8;
+        const float *xs = x + (size_t)t * ldx;
+        float *r = res + (size_t)t * ldr;
+        switch (m) {
+            case 1: int4_m(w, gscale, group, xs, ldx, 1, n, r, ldr); break;
+            case 2: int4_m(w, gscale, group, xs, ldx, 2, n, r, ldr); break;
+            case 3: int4_m(w, gscale, group, xs, ldx, 3, n, r, ldr); break;
+            case 4: int4_m(w, gscale, group, xs, ldx, 4, n, r, ldr); break;
+            case 5: int4_m(w, gscale, group, xs, ldx, 5, n, r, ldr); break;
+            case 6: int4_m(w, gscale, group, xs, ldx, 6, n, r, ldr); break;
+            case 7: int4_m(w, gscale, group, xs, ldx, 7, n, r, ldr); break;
+            default: int4_m(w, gscale, group, xs, ldx, 8, n, r, ldr); break;
+        }
+    }
+}
+
+typedef void (*dot_fn)(const void *, float, const float *, int, const float *, int, int, int, float *, int);
+
+static dot_fn pick_dot(int kind, int isa) {
+    static const dot_fn table[3][5] = {
+        {dot_fp32_base, dot_bf16_base, dot_fp16_base, dot_int8_base, dot_int4_base},
+        {dot_fp32_avx2, dot_bf16_avx2, dot_fp16_avx2, dot_int8_avx2, dot_int4_avx2},
+        {fma_fp32, fma_bf16, fma_fp16, fma_int8, fma_int4},
+    };
+    int row = isa >= ISA_AVX512 ? 2 : isa;
+    return table[row][kind];
+}
+
+/* ---- AVX512_BF16: vdpbf16ps on bf16 weights and bf16-rounded activations -------------------------- */
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+BF16_TARGET static void to_bf16(const float *src, uint16_t *dst, int n) {
+    int k = 0;
+    for (; k + 32 <= n; k += 32) {
+        __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16), _mm512_loadu_ps(src + k));
+        _mm512_storeu_si512((void *)(dst + k), (__m512i)v);
+    }
+    for (; k < n; k++) {  /* round to nearest even, like the vector path */
+        uint32_t u; memcpy(&u, src + k, 4);
+        dst[k] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+    }
+}
+
+/* M tokens (1..8) share every loaded weight vector; one token splits the row over 4 accumulators. */
+#define DP_STEP(J) a##J = _mm512_dpbf16_ps(a##J, wv, (__m512bh)_mm512_loadu_si512((const void *)(xb + (size_t)(J) * ldx + k)))
+BF16_TARGET static inline __attribute__((always_inline)) void dp_tokens(const uint16_t *w, const uint16_t *xb, int ldx,
+                                                                        int m, int n, float *res, int ldr) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    int k = 0;
+    if (m == 1) {
+        for (; k + 128 <= n; k += 128) {
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512((const void *)(w + k)),
+                                  (__m512bh)_mm512_loadu_si512((const void *)(xb + k)));
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512((const void *)(w + k + 32)),
+                                  (__m512bh)_mm512_loadu_si512((const void *)(xb + k + 32)));
+            a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512((const void *)(w + k + 64)),
+                                  (__m512bh)_mm512_loadu_si512((const void *)(xb + k + 64)));
+            a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512((const void *)(w + k + 96)),
+                                  (__m512bh)_mm512_loadu_si512((const void *)(xb + k + 96)));
+        }
+        a0 = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+    }
+    for (; k + 32 <= n; k += 32) {
+        __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + k));
+        DP_STEP(0);
+        if (m > 1) DP_STEP(1);
+        if (m > 2) DP_STEP(2);
+        if (m > 3) DP_STEP(3);
+        if (m > 4) DP_STEP(4);
+        if (m > 5) DP_STEP(5);
+        if (m > 6) DP_STEP(6);
+        if (m > 7) DP_STEP(7);
+    }
+    __m512 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    for (int j = 0; j < m; j++) {
+        float sum = _mm512_reduce_add_ps(acc[j]);
+        const uint16_t *xt = xb + (size_t)j * ldx;
+        for (int kk = k; kk < n; kk++) sum += bf16f(w[kk]) * bf16f(xt[kk]);
+        res[(size_t)j * ldr] = sum;
+    }
+}
+
+BF16_TARGET static void dot_bf16_dp(const uint16_t *w, const uint16_t *xb, int ldx, int nt, int n, float *res, int ldr) {
+    for (int t = 0; t < nt; t += 8) {
+        const int m = nt - t < 8 ? nt - t : 8;
+        const uint16_t *xs = xb + (size_t)t * ldx;
+        float *r = res + (size_t)t * ldr;
+        switch (m) {  /* constant m per case: the compiler drops the unused accumulators */
+            case 1: dp_tokens(w, xs, ldx, 1, n, r, ldr); break;
+            case 2: dp_tokens(w, xs, ldx, 2, n, r, ldr); break;
+            case 3: dp_tokens(w, xs, ldx, 3, n, r, ldr); break;
+            case 4: dp_tokens(w, xs, ldx, 4, n, r, ldr); break;
+            case 5: dp_tokens(w, xs, ldx, 5, n, r, ldr); break;
+            case 6: dp_tokens(w, xs, ldx, 6, n, r, ldr); break;
+            case 7: dp_tokens(w, xs, ldx, 7, n, r, ldr); break;
+            default: dp_tokens(w, xs, ldx, 8, n, r, ldr); break;
+        }
+    }
+}
+
+/* Two weight rows x m tokens: each loaded activation vector feeds two rows, halving activation loads. */
+#define DP2_STEP(J) do { __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + (size_t)(J) * ldx + k)); \
+    b##J = _mm512_dpbf16_ps(b##J, w0, xv); c##J = _mm512_dpbf16_ps(c##J, w1, xv); } while (0)
+BF16_TARGET static inline __attribute__((always_inline)) void dp2_tokens(const uint16_t *r0, const uint16_t *r1,
+        const uint16_t *xb, int ldx, int m, int n, float *res, int ldr) {
+    __m512 b0 = _mm512_setzero_ps(), b1 = b0, b2 = b0, b3 = b0, b4 = b0, b5 = b0, b6 = b0, b7 = b0;
+    __m512 c0 = b0, c1 = b0, c2 = b0, c3 = b0, c4 = b0, c5 = b0, c6 = b0, c7 = b0;
+    int k = 0;
+    for (; k + 32 <= n; k += 32) {
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(r0 + k));
+        __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(r1 + k));
+        DP2_STEP(0);
+        if (m > 1) DP2_STEP(1);
+        if (m > 2) DP2_STEP(2);
+        if (m > 3) DP2_STEP(3);
+        if (m > 4) DP2_STEP(4);
+        if (m > 5) DP2_STEP(5);
+        if (m > 6) DP2_STEP(6);
+        if (m > 7) DP2_STEP(7);
+    }
+    __m512 bs[8] = {b0, b1, b2, b3, b4, b5, b6, b7}, cs[8] = {c0, c1, c2, c3, c4, c5, c6, c7};
+    for (int j = 0; j < m; j++) {
+        float s0 = _mm512_reduce_add_ps(bs[j]), s1 = _mm512_reduce_add_ps(cs[j]);
+        const uint16_t *xt = xb + (size_t)j * ldx;
+        for (int kk = k; kk < n; kk++) { s0 += bf16f(r0[kk]) * bf16f(xt[kk]); s1 += bf16f(r1[kk]) * bf16f(xt[kk]); }
+        res[(size_t)j * ldr] = s0;
+        res[(size_t)j * ldr + 1] = s1;
+    }
+}
+
+/* Rows r and r+1 (adjacent in the output: res[t*ldr + 0/1]) for nt tokens. */
+BF16_TARGET static void dot2_bf16_dp(const uint16_t *r0, const uint16_t *r1, const uint16_t *xb, int ldx, int nt,
+                                     int n, float *res, int ldr) {
+    for (int t = 0; t < nt; t += 8) {
+        const int m = nt - t < 8 ? nt - t : 8;
+        const uint16_t *xs = xb + (size_t)t * ldx;
+        float *r = res + (size_t)t * ldr;
+        switch (m) {
+            case 1: dot_bf16_dp(r0, xs, ldx, 1, n, r, ldr); dot_bf16_dp(r1, xs, ldx, 1, n, r + 1, ldr); break;
+            case 2: dp2_tokens(r0, r1, xs, ldx, 2, n, r, ldr); break;
+            case 3: dp2_tokens(r0, r1, xs, ldx, 3, n, r, ldr); break;
+            case 4: dp2_tokens(r0, r1, xs, ldx, 4, n, r, ldr); break;
+            case 5: dp2_tokens(r0, r1, xs, ldx, 5, n, r, ldr); break;
+            case 6: dp2_tokens(r0, r1, xs, ldx, 6, n, r, ldr); break;
+            case 7: dp2_tokens(r0, r1, xs, ldx, 7, n, r, ldr); break;
+            default: dp2_tokens(r0, r1, xs, ldx, 8, n, r, ldr); break;
+        }
+    }
+}
+
+static inline float silu(float g) { return g / (1.f + expf(-g)); }
+
+static size_t row_bytes(int kind, int n, int group) {
+    switch (kind) {
+        case K_FP32: return (size_t)n * 4;
+        case K_BF16: case K_FP16: return (size_t)n * 2;
+        case K_INT8: return (size_t)n;
+        default: (void)group; return (size_t)n / 2;
+    }
+}
+
+static const float *row_scales(const float *s, int kind, int row, int n, int group) {
+    if (kind != K_INT4 || !s) return NULL;
+    return s + (size_t)row * (n / group);
+}
+
+static float row_scale(const float *s, int kind, int row) {
+    return (kind == K_INT8 && s) ? s[row] : 1.f;
+}
+
+BF16_TARGET static void expert_bf16dp(const tk_args *a) {
+    const int T = a->tokens, H = a->hidden, I = a->inter, ld = H > I ? H : I;
+    const uint16_t *gate = a->gate, *up = a->up, *down = a->down;
+    #pragma omp parallel num_threads(a->threads)
+    {
+        #pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) to_bf16(a->x + (size_t)t * H, a->xb + (size_t)t * ld, H);
+        #pragma omp for schedule(static)
+        for (int r = 0; r < 2 * I; r += 2) {  /* I is even (checked), so a pair never straddles gate/up */
+            const uint16_t *w = r < I ? gate + (size_t)r * H : up + (size_t)(r - I) * H;
+            dot2_bf16_dp(w, w + H, a->xb, ld, T, H, a->act + r, 2 * I);
+        }
+        #pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) {
+            float *g = a->act + (size_t)t * 2 * I;
+            for (int i = 0; i < I; i++) g[i] = silu(g[i]) * g[I + i];
+            to_bf16(g, a->xb + (size_t)t * ld, I);
+        }
+        #pragma omp for schedule(static)
+        for (int h = 0; h < H; h += 2) {
+            if (h + 1 < H) dot2_bf16_dp(down + (size_t)h * I, down + (size_t)(h + 1) * I, a->xb, ld, T, I, a->out + h, H);
+            else dot_bf16_dp(down + (size_t)h * I, a->xb, ld, T, I, a->out + h, H);
+        }
+    }
+}
+
+static void expert_generic(const tk_args *a) {
+    const int T = a->tokens, H = a->hidden, I = a->inter, kind = a->kind, g = a->group;
+    const dot_fn dot = pick_dot(kind, a->isa);
+    const char *gate = a->gate, *up = a->up, *down = a->down;
+    const size_t in_row = row_bytes(kind, H, g), down_row = row_bytes(kind, I, g);
+    #pragma omp parallel num_threads(a->threads)
+    {
+        #pragma omp for schedule(static)
+        for (int r = 0; r < 2 * I; r++) {
+            const int gate_part = r < I, row = gate_part ? r : r - I;
+            const float *s = gate_part ? a->gate_scale : a->up_scale;
+            dot((gate_part ? gate : up) + (size_t)row * in_row, row_scale(s, kind, row),
+                row_scales(s, kind, row, H, g), g, a->x, H, T, H, a->act + r, 2 * I);
+        }
+        #pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) {
+            float *gv = a->act + (size_t)t * 2 * I;
+            for (int i = 0; i < I; i++) gv[i] = silu(gv[i]) * gv[I + i];
+        }
+        #pragma omp for schedule(static)
+        for (int h = 0; h < H; h++)
+            dot(down + (size_t)h * down_row, row_scale(a->down_scale, kind, h),
+                row_scales(a->down_scale, kind, h, I, g), g, a->act, 2 * I, T, I, a->out + h, H);
+    }
+}
+
+/* Bitmask of usable ISA variants: bit ISA_AVX2, ISA_AVX512, ISA_AVX512BF16 (baseline always works). */
+int tk_isa_mask(void) {
+    __builtin_cpu_init();
+    int m = 1 << ISA_BASE;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) m |= 1 << ISA_AVX2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+        m |= 1 << ISA_AVX512;
+    if ((m & (1 << ISA_AVX512)) && __builtin_cpu_supports("avx512bf16")) m |= 1 << ISA_AVX512BF16;
+    return m;
+}
+
+/* Returns 0 on success, a negative code for arguments the kernel cannot serve. */
+int tk_expert(const tk_args *a) {
+    if (a->tokens <= 0) return 0;
+    if (a->kind < K_FP32 || a->kind > K_INT4) return -1;
+    if (!(tk_isa_mask() & (1 << a->isa))) return -2;
+    if (a->kind == K_INT4 && (a->group % 32 || a->group > 128 || a->hidden % a->group || a->inter % a->group)) return -3;
+    if (a->isa == ISA_AVX512BF16) {
+        if (a->kind != K_BF16 || !a->xb || a->inter % 2) return -4;
+        expert_bf16dp(a);
+        return 0;
+    }
+    expert_generic(a);
+    return 0;
+}
+
+/* Streaming read bandwidth probe: sums n floats with `threads` threads (the result defeats dead-code removal). */
+__attribute__((target("avx2,fma")))
+static double sum_avx2(const float *p, size_t n, int threads) {
+    double total = 0;
+    #pragma omp parallel num_threads(threads) reduction(+:total)
+    {
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+        #pragma omp for schedule(static) nowait
+        for (size_t i = 0; i < n / 16; i++) {
+            acc0 = _mm256_add_ps(acc0, _mm256_loadu_ps(p + i * 16));
+            acc1 = _mm256_add_ps(acc1, _mm256_loadu_ps(p + i * 16 + 8));
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, _mm256_add_ps(acc0, acc1));
+        for (int j = 0; j < 8; j++) total += lanes[j];
+    }
+    return total;
+}
+
+double tk_read_sum(const float *p, size_t n, int threads) {
+    if (tk_isa_mask() & (1 << ISA_AVX2)) return sum_avx2(p, n, threads);
+    double total = 0;
+    #pragma omp parallel for num_threads(threads) reduction(+:total)
+    for (size_t i = 0; i < n; i++) total += p[i];
+    return total;
+}
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu", "Tandem CPU expert kernels (called via ctypes).", -1, NULL};
+PyMODINIT_FUNC PyInit__cpu(void) { return PyModule_Create(&module); }

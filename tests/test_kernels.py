@@ -1,0 +1,118 @@
+"""CPU expert kernels against the reference expert: every variant, dtype, quantization, odd shapes, 0/1/many tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu import CpuExecutor, CpuOptions, available_isas, library
+from kernels.quant import quantize_int4, quantize_int8
+from runtime.moe import ExpertWeights
+
+ISAS = available_isas()
+needs_kernels = pytest.mark.skipif(library() is None, reason="the compiled kernels are not built on this machine")
+
+
+def weights(h: int, i: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple((torch.randn(shape, generator=g) * 0.05).to(dtype) for shape in ((i, h), (i, h), (h, i)))
+
+
+def reference(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The reference expert, in float32 on the same (possibly rounded) weights."""
+    return ExpertWeights(gate.float(), up.float(), down.float())(x.float())
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want).abs().max() / want.abs().max().clamp(min=1e-6)).item()
+
+
+def test_the_kernels_build_here() -> None:
+    # CI machines have gcc: the compiled path must be what runs, not silently the fallback.
+    assert library() is not None and "base" in ISAS
+
+
+# vdpbf16ps serves bf16 weights with bf16 activations; every other variant serves every weight dtype.
+VARIANTS = [(isa, w) for isa in ISAS for w in (torch.float32, torch.bfloat16, torch.float16)
+            if isa != "avx512bf16" or w == torch.bfloat16]
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa, wdtype", VARIANTS)
+@pytest.mark.parametrize("shape", [(64, 32), (96, 80), (130, 66), (256, 192)])  # odd, non-multiple-of-16 sizes too
+@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8])
+def test_every_variant_matches_the_reference(isa: str, wdtype: torch.dtype, shape, tokens: int) -> None:
+    h, i = shape
+    compute = torch.bfloat16 if isa == "avx512bf16" else torch.float32
+    gate, up, down = weights(h, i, wdtype)
+    executor = CpuExecutor(h, i, compute, threads=2, isa=isa)
+    expert = executor.prepare(gate, up, down)
+    x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(tokens)).to(compute)
+    want = reference(x, gate, up, down)
+    got = expert(x)
+    assert got.shape == (tokens, h) and got.dtype == compute
+    assert rel_err(got, want) < (2e-2 if compute == torch.bfloat16 else 1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("quant, group", [("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128)])
+@pytest.mark.parametrize("isa", [i for i in ISAS if i != "avx512bf16"])
+@pytest.mark.parametrize("tokens", [1, 4, 8])
+def test_quantized_kernels_match_dequantized_reference(quant: str, group: int, isa: str, tokens: int) -> None:
+    h, i = 256, 128
+    gate, up, down = weights(h, i, torch.float32)
+    executor = CpuExecutor(h, i, torch.float32, threads=2, quant=quant, group=group, isa=isa)
+    expert = executor.prepare(gate, up, down)
+    x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(7))
+    want = reference(x, *expert.dense(torch.float32))
+    assert rel_err(expert(x), want) < 1e-5
+    assert rel_err(expert(x), reference(x, gate, up, down)) < (0.05 if quant == "int8" else 0.5)
+
+
+def test_quantization_round_trips() -> None:
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(1))
+    q8 = quantize_int8(w)
+    assert q8.data.dtype == torch.int8 and (q8.dequantize() - w).abs().max() <= q8.scales.max() / 2 + 1e-6
+    for group in (32, 64, 128):
+        q4 = quantize_int4(w, group)
+        assert q4.data.shape == (48, 64) and q4.scales.shape == (48, 128 // group)
+        assert (q4.dequantize() - w).abs().max() <= q4.scales.max() / 2 + 1e-6
+        assert q4.nbytes < w.numel() * 4 / 6
+    with pytest.raises(ValueError, match="group"):
+        quantize_int4(w, 48)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_token_counts_zero_one_many_and_the_torch_path(use_kernel: bool) -> None:
+    h, i = 96, 64
+    gate, up, down = weights(h, i, torch.bfloat16)
+    executor = CpuOptions(threads=1, crossover=4, use_kernel=use_kernel).executor(h, i, torch.float32)
+    expert = executor.prepare(gate, up, down)
+    assert expert(torch.empty(0, h)).shape == (0, h)
+    for n in (1, 4, 5, 40):  # 5 and 40 exceed the crossover: torch's matmul
+        x = torch.randn(n, h, generator=torch.Generator().manual_seed(n))
+        assert rel_err(expert(x), reference(x, gate, up, down)) < 1e-5
+
+
+def test_unquantized_weights_are_used_in_place() -> None:
+    gate, up, down = weights(64, 32, torch.bfloat16)
+    expert = CpuExecutor(64, 32, torch.bfloat16).prepare(gate, up, down)
+    assert expert.gate.data_ptr() == gate.data_ptr() and expert.down.data_ptr() == down.data_ptr()
+    assert expert.nbytes == 3 * 64 * 32 * 2
+
+
+@needs_kernels
+def test_forced_fallback_and_unavailable_variant() -> None:
+    with pytest.raises(ValueError, match="not available"):
+        CpuExecutor(64, 32, torch.float32, isa="sve")
+    executor = CpuExecutor(64, 32, torch.bfloat16, isa="avx512bf16" if "avx512bf16" in ISAS else "base")
+    fp32_expert = executor.prepare(*weights(64, 32, torch.float32))
+    assert executor.isa_for(fp32_expert) != "avx512bf16"  # bf16 dot products never serve fp32 weights
+
+
+def test_thread_count_is_explicit() -> None:
+    h, i = 128, 64
+    gate, up, down = weights(h, i, torch.float32)
+    x = torch.randn(3, h)
+    outs = [CpuExecutor(h, i, torch.float32, threads=t).prepare(gate, up, down)(x).clone() for t in (1, 2)]
+    assert torch.allclose(outs[0], outs[1], atol=1e-6)
