@@ -57,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     offload.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
     offload.set_defaults(func=_bench_offload)
 
+    kern = bench_sub.add_parser("kernels", help="CPU expert kernels against the DRAM roofline, beside torch")
+    kern.add_argument("--shapes", default="mixtral,qwen3,olmoe,deepseek")
+    kern.add_argument("--dtypes", default="bf16,fp16,fp32,int8,int4")
+    kern.add_argument("--tokens", default="1,2,4,8,16,64,256")
+    kern.add_argument("--threads", type=int, default=None)
+    kern.add_argument("--json", action="store_true", help="print the rows as JSON")
+    kern.set_defaults(func=_bench_kernels)
+
     synth = sub.add_parser("make-test-model", help="write a small random-weight checkpoint (for trying things out)")
     synth.add_argument("--family", default="mixtral", help="model_type: mixtral, qwen2_moe, qwen3_moe, olmoe")
     synth.add_argument("--out", required=True, help="folder to create")
@@ -177,6 +185,28 @@ def _bench_offload(args: argparse.Namespace) -> int:
 
     result = bench_offload(args.model, args.expert_fraction, args.prompt_tokens, args.new_tokens, args.dtype)
     print(json.dumps(result, indent=1))
+    return 0
+
+
+def _bench_kernels(args: argparse.Namespace) -> int:
+    import torch
+
+    from app.bench_kernels import SHAPES, bench_kernels
+
+    shapes = args.shapes.split(",")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        raise TandemError(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
+    threads = args.threads or torch.get_num_threads()
+    rows = bench_kernels(shapes, threads, tuple(args.dtypes.split(",")), tuple(int(t) for t in args.tokens.split(",")),
+                         progress=None if args.json else lambda line: print(line, file=sys.stderr))
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        print(f"{'shape':8} {'dtype':5} {'tokens':>6} {'impl':>6} {'ms':>9} {'GB/s':>7} {'of DRAM':>7}")
+        for r in rows:
+            print(f"{r['shape']:8} {r['dtype']:5} {r['tokens']:>6} {r['impl']:>6} {r['latency_ms']:>9.3f} "
+                  f"{r['gbps']:>7.1f} {r['ratio']:>7.2f}")
     return 0
 
 

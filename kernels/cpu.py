@@ -169,11 +169,12 @@ class CpuExecutor:
     def isa_for(self, expert: CpuExpert) -> str | None:
         if self.lib is None:
             return None
-        if self.forced_isa is not None:
-            if self.forced_isa == "avx512bf16" and expert.kind != torch.bfloat16:
-                return best_isa(expert.kind, self.dtype, [i for i in self.isas if i != "avx512bf16"])
+        # vdpbf16ps: bf16 weights only, and rows taken in pairs (an even expert width)
+        isas = self.isas if expert.kind == torch.bfloat16 and self.inter % 2 == 0 else \
+            [i for i in self.isas if i != "avx512bf16"]
+        if self.forced_isa in isas:
             return self.forced_isa
-        return best_isa(expert.kind, self.dtype, self.isas)
+        return best_isa(expert.kind, self.dtype, isas)
 
     def run(self, expert: CpuExpert, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]

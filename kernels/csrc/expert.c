@@ -311,11 +311,14 @@ BF16_TARGET static inline __attribute__((always_inline)) void dp2_tokens(const u
     }
 }
 
-/* Rows r and r+1 (adjacent in the output: res[t*ldr + 0/1]) for nt tokens. */
+/* Rows r and r+1 (adjacent in the output: res[t*ldr + 0/1]) for nt tokens, DP2_TOKENS at a time. */
+#ifndef DP2_TOKENS
+#define DP2_TOKENS 8
+#endif
 BF16_TARGET static void dot2_bf16_dp(const uint16_t *r0, const uint16_t *r1, const uint16_t *xb, int ldx, int nt,
                                      int n, float *res, int ldr) {
-    for (int t = 0; t < nt; t += 8) {
-        const int m = nt - t < 8 ? nt - t : 8;
+    for (int t = 0; t < nt; t += DP2_TOKENS) {
+        const int m = nt - t < DP2_TOKENS ? nt - t : DP2_TOKENS;
         const uint16_t *xs = xb + (size_t)t * ldx;
         float *r = res + (size_t)t * ldr;
         switch (m) {

@@ -1,0 +1,109 @@
+"""`tandem bench kernels`: CPU expert latency against the DRAM roofline, Tandem's executor beside plain torch.
+
+For each expert shape, weight dtype and token count: the latency of one expert with the weights cycling
+through more experts than the caches hold, the effective GB/s of weight bytes read, and that divided by
+the streaming read bandwidth measured at the start of the same run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu import CpuExecutor, CpuExpert, read_bandwidth_probe
+
+SHAPES = {"mixtral": (4096, 14336), "qwen3": (2048, 768), "olmoe": (2048, 1024), "deepseek": (2048, 1408)}
+DTYPES = ("bf16", "fp16", "fp32", "int8", "int4")
+TOKENS = (1, 2, 4, 8, 16, 64, 256)
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+WORKING_SET = 2 * 1024**3  # bytes of expert weights cycled through: beyond any cache
+
+
+def dram_bandwidth(threads: int, size: int = WORKING_SET, repeats: int = 3) -> float:
+    """Streaming read bandwidth in GB/s (best of `repeats`)."""
+    buf = torch.ones(size // 4)
+    read_bandwidth_probe(buf, threads)
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        read_bandwidth_probe(buf, threads)
+        best = max(best, size / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def _timed(fn: Callable[[int], None], count: int, min_time: float) -> float:
+    fn(0)  # warm-up
+    calls, start = 0, time.perf_counter()
+    while True:
+        fn(calls % count)
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_time and calls >= count:
+            return elapsed / calls
+
+
+def bench_kernels(
+    shapes: list[str], threads: int, dtypes: tuple[str, ...] = DTYPES, tokens: tuple[int, ...] = TOKENS,
+    min_time: float = 0.3, progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    torch.set_num_threads(threads)
+    bw = dram_bandwidth(threads)
+    rows: list[dict[str, Any]] = []
+    for shape in shapes:
+        h, i = SHAPES[shape]
+        for dtype in dtypes:
+            if progress:
+                progress(f"{shape} {dtype}: preparing experts")
+            ours, peer = _experts(h, i, dtype, threads)
+            compute = ours[0].executor.dtype
+            gen = torch.Generator().manual_seed(1)
+            for t in tokens:
+                x = torch.randn(t, h, generator=gen).to(compute)
+                impls: dict[str, Callable[[int], object]] = {"tandem": lambda k, x=x, e=ours: e[k](x)}
+                if peer is not None:
+                    impls["torch"] = lambda k, x=x, p=peer: p(k, x)
+                for impl, fn in impls.items():
+                    latency = _timed(fn, len(ours), min_time)
+                    gbps = ours[0].nbytes / latency / 1e9
+                    rows.append({"shape": shape, "dtype": dtype, "tokens": t, "threads": threads, "impl": impl,
+                                 "latency_ms": round(latency * 1e3, 4), "gbps": round(gbps, 2),
+                                 "bw_gbps": round(bw, 2), "ratio": round(gbps / bw, 3)})
+                    if progress:
+                        progress(f"{shape} {dtype} {t:>3} tokens {impl:>6}: {latency * 1e3:8.3f} ms  {gbps / bw:5.2f}")
+    return rows
+
+
+Peer = Callable[[int, torch.Tensor], object]
+
+
+def _experts(h: int, i: int, dtype: str, threads: int) -> tuple[list[CpuExpert], Peer | None]:
+    """Enough random experts of this shape and dtype to exceed the caches, and plain torch's way to run them:
+    F.linear's default path, or torch's int8 weight-only matmul (torch's int4 CPU kernel needs its own
+    packing: no torch row for int4)."""
+    stored = TORCH_DTYPES.get(dtype, torch.bfloat16)
+    compute = torch.bfloat16 if dtype in ("bf16", "int8", "int4") else stored
+    quant = dtype if dtype in ("int8", "int4") else None
+    executor = CpuExecutor(h, i, compute, threads=threads, quant=quant)
+    gen = torch.Generator().manual_seed(0)
+    ours: list[CpuExpert] = []
+    while not ours or len(ours) * ours[0].nbytes < WORKING_SET:
+        ws = [(torch.randn(s, generator=gen) * 0.02).to(stored) for s in ((i, h), (i, h), (h, i))]
+        ours.append(executor.prepare(*ws))  # quantized right away: the bf16 original is dropped
+    if dtype in TORCH_DTYPES:
+        def dense(k: int, x: torch.Tensor) -> torch.Tensor:
+            e = ours[k]
+            return F.linear(F.silu(F.linear(x, e.gate)) * F.linear(x, e.up), e.down)  # type: ignore[arg-type]
+        return ours, dense
+    if dtype == "int8":
+        mm = torch.ops.aten._weight_int8pack_mm
+
+        def int8(k: int, x: torch.Tensor) -> torch.Tensor:
+            g, u, d = ours[k].gate, ours[k].up, ours[k].down
+            a = F.silu(mm(x, g.data, g.scales.to(x.dtype))) * mm(x, u.data, u.scales.to(x.dtype))  # type: ignore
+            return mm(a, d.data, d.scales.to(x.dtype))  # type: ignore[union-attr]
+        return ours, int8
+    return ours, None
