@@ -108,6 +108,7 @@ def test_matches_cpu_only(checkpoints, tmp_path_factory, family, strategy, polic
         static = tuple(most_popular(load_popularity(trace, cfg.num_layers, cfg.num_experts), 100))
     accel = EmulatedAccelerator(budget_for(folder, slots), copy_delay_s=copy_delay)
     engine = build(folder, accel, OffloadPolicy(strategy, ways, policy, static, inflight, cost))
+    model_cost = engine.model.experts.cost
     try:
         logits = engine.model.forward(torch.tensor([prompt]), 0)
         assert (logits - ref_logits).abs().max().item() <= 1e-4
@@ -124,8 +125,10 @@ def test_matches_cpu_only(checkpoints, tmp_path_factory, family, strategy, polic
         assert fetched == 0
     if strategy is Strategy.FETCH or cost is ALWAYS_FETCH and strategy is Strategy.FIDDLER:
         assert cpu == 0
-    if cost is None and strategy is not Strategy.FETCH and engine.model.experts.cache.slots == 0 and not static:
-        assert gpu == 0 and fetched == 0  # nothing resident, nothing worth copying at these sizes
+    if engine.model.experts.cache.slots == 0 and not static:
+        assert gpu == 0  # nothing is ever resident
+    if strategy is Strategy.FIDDLER and not model_cost.prefer_fetch(prompt_len):
+        assert fetched == 0  # no expert saw enough tokens for a copy to pay off
 
 
 def test_cache_smaller_than_one_layer_still_hits(checkpoints) -> None:
