@@ -147,3 +147,39 @@ def bench_offload(
         "experts_total": cfg.num_moe_layers * cfg.num_experts, "prompt_tokens": len(prompt),
         "new_tokens": new_tokens, "cpu_only_decode_tok_s": round(cpu_rate, 2), "rows": rows,
     }
+
+
+def bench_quant(model_dir: str, new_tokens: int = 64, prompt_tokens: int = 16, group: int = 64) -> dict[str, Any]:
+    """Quality of int8/int4 CPU experts against the unquantized model (same dtype), teacher-forced:
+    the unquantized greedy continuation is fed to every variant one token at a time (the decode path),
+    and at each step the logits are compared and the greedy choices checked for agreement."""
+    from kernels.cpu import CpuOptions
+
+    variants = {"none": CpuOptions(), "int8": CpuOptions(quant="int8"),
+                "int4": CpuOptions(quant="int4", group=group)}
+    models = {name: load(model_dir, cpu=opts) for name, opts in variants.items()}
+    base = models["none"]
+    text = (ASSETS / "tokenizer_corpus.txt").read_text(encoding="utf-8")
+    prompt = base.tokenizer.encode(text)[:prompt_tokens]
+    tokens = list(Engine(base.model, ()).generate(prompt, SamplingParams(max_new_tokens=new_tokens)))
+    sequence = prompt + tokens
+    logits: dict[str, list[torch.Tensor]] = {}
+    for name, loaded in models.items():
+        model = loaded.model
+        steps = [model.forward(torch.tensor([prompt]), 0, last_only=True)[0, -1]]
+        for pos in range(len(prompt), len(sequence) - 1):
+            steps.append(model.forward(torch.tensor([[sequence[pos]]]), pos, last_only=True, phase="decode")[0, -1])
+        logits[name] = steps
+    ref = torch.stack(logits["none"])  # [steps, V]
+    result: dict[str, Any] = {"model": str(model_dir), "dtype": str(base.model.dtype).removeprefix("torch."),
+                              "steps": len(ref), "int4_group": group, "variants": {}}
+    for name in ("int8", "int4"):
+        got = torch.stack(logits[name])
+        drift = (got - ref).abs()
+        result["variants"][name] = {
+            "max_abs_logit_drift": round(drift.max().item(), 4),
+            "mean_abs_logit_drift": round(drift.mean().item(), 4),
+            "relative_drift": round((drift.norm() / ref.norm()).item(), 4),
+            "greedy_agreement": round((got.argmax(-1) == ref.argmax(-1)).float().mean().item(), 4),
+        }
+    return result

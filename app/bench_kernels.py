@@ -48,17 +48,17 @@ def _timed(fn: Callable[[int], None], count: int, min_time: float) -> float:
 
 def bench_kernels(
     shapes: list[str], threads: int, dtypes: tuple[str, ...] = DTYPES, tokens: tuple[int, ...] = TOKENS,
-    min_time: float = 0.3, progress: Callable[[str], None] | None = None,
+    min_time: float = 0.3, progress: Callable[[str], None] | None = None, working_set: int = WORKING_SET,
 ) -> list[dict[str, Any]]:
     torch.set_num_threads(threads)
-    bw = dram_bandwidth(threads)
+    bw = dram_bandwidth(threads, working_set)
     rows: list[dict[str, Any]] = []
     for shape in shapes:
         h, i = SHAPES[shape]
         for dtype in dtypes:
             if progress:
                 progress(f"{shape} {dtype}: preparing experts")
-            ours, peer = _experts(h, i, dtype, threads)
+            ours, peer = _experts(h, i, dtype, threads, working_set)
             compute = ours[0].executor.dtype
             gen = torch.Generator().manual_seed(1)
             for t in tokens:
@@ -80,7 +80,7 @@ def bench_kernels(
 Peer = Callable[[int, torch.Tensor], object]
 
 
-def _experts(h: int, i: int, dtype: str, threads: int) -> tuple[list[CpuExpert], Peer | None]:
+def _experts(h: int, i: int, dtype: str, threads: int, working_set: int) -> tuple[list[CpuExpert], Peer | None]:
     """Enough random experts of this shape and dtype to exceed the caches, and plain torch's way to run them:
     F.linear's default path, or torch's int8 weight-only matmul (torch's int4 CPU kernel needs its own
     packing: no torch row for int4)."""
@@ -90,7 +90,7 @@ def _experts(h: int, i: int, dtype: str, threads: int) -> tuple[list[CpuExpert],
     executor = CpuExecutor(h, i, compute, threads=threads, quant=quant)
     gen = torch.Generator().manual_seed(0)
     ours: list[CpuExpert] = []
-    while not ours or len(ours) * ours[0].nbytes < WORKING_SET:
+    while not ours or len(ours) * ours[0].nbytes < working_set:
         ws = [(torch.randn(s, generator=gen) * 0.02).to(stored) for s in ((i, h), (i, h), (h, i))]
         ours.append(executor.prepare(*ws))  # quantized right away: the bf16 original is dropped
     if dtype in TORCH_DTYPES:

@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     kern.add_argument("--json", action="store_true", help="print the rows as JSON")
     kern.set_defaults(func=_bench_kernels)
 
+    quant = bench_sub.add_parser("quant", help="int8/int4 CPU experts: logits drift and greedy agreement")
+    quant.add_argument("--model", required=True)
+    quant.add_argument("--new-tokens", type=int, default=64)
+    quant.add_argument("--quant-group", type=int, choices=[32, 64, 128], default=64)
+    quant.set_defaults(func=_bench_quant)
+
     synth = sub.add_parser("make-test-model", help="write a small random-weight checkpoint (for trying things out)")
     synth.add_argument("--family", default="mixtral", help="model_type: mixtral, qwen2_moe, qwen3_moe, olmoe")
     synth.add_argument("--out", required=True, help="folder to create")
@@ -207,6 +213,13 @@ def _bench_kernels(args: argparse.Namespace) -> int:
         for r in rows:
             print(f"{r['shape']:8} {r['dtype']:5} {r['tokens']:>6} {r['impl']:>6} {r['latency_ms']:>9.3f} "
                   f"{r['gbps']:>7.1f} {r['ratio']:>7.2f}")
+    return 0
+
+
+def _bench_quant(args: argparse.Namespace) -> int:
+    from app.bench import bench_quant
+
+    print(json.dumps(bench_quant(args.model, args.new_tokens, group=args.quant_group), indent=1))
     return 0
 
 

@@ -23,6 +23,7 @@ from kernels.quant import QuantizedMatrix, quantize_int4, quantize_int8
 ISAS = ("base", "avx2", "avx512", "avx512bf16")
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "int8": 3, "int4": 4}
 DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
+QUANT_CHUNKS = 8  # int4 experts stay on the kernel up to this many chunks of `crossover` tokens
 
 
 class _Args(ctypes.Structure):
@@ -181,11 +182,20 @@ class CpuExecutor:
         isa = self.isa_for(expert)
         if n == 0:
             return x.new_zeros(0, self.hidden)
-        if isa is None or n > self.crossover:
-            return self._run_torch(expert, x)
-        return self._run_kernel(expert, x, isa).to(x.dtype)
+        if isa is not None and n <= self.crossover:
+            return self._run_kernel(expert, x, isa).to(x.dtype)
+        if isa is not None and expert.kind == "int4" and n <= QUANT_CHUNKS * self.crossover:
+            # int4 has no fast torch path here: re-stream the weights once per chunk of tokens instead.
+            t = self.crossover
+            return torch.cat([self._run_kernel(expert, x[i : i + t], isa).to(x.dtype) for i in range(0, n, t)])
+        return self._run_torch(expert, x)
 
     def _run_torch(self, expert: CpuExpert, x: torch.Tensor) -> torch.Tensor:
+        if expert.kind == "int8":  # torch's int8 weight-only matmul reads our layout as it is
+            mm = torch.ops.aten._weight_int8pack_mm
+            g, u, d = expert.gate, expert.up, expert.down
+            h = F.silu(mm(x, g.data, g.scales.to(x.dtype))) * mm(x, u.data, u.scales.to(x.dtype))  # type: ignore
+            return mm(h, d.data, d.scales.to(x.dtype))  # type: ignore[union-attr]
         gate, up, down = expert.dense(x.dtype)
         return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 

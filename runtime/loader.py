@@ -133,6 +133,15 @@ def load(
         raise GenerationError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
     torch_dtype = DTYPES[name]
     ctx = resolve_context(ckpt.config, context)
+    cfg = ckpt.config
+    widths = (cfg.hidden_size, cfg.moe_intermediate_size)
+    if cpu is not None and cpu.quant == "int4" and any(w % cpu.group for w in widths):
+        fits = [g for g in (32, 64, 128) if not any(w % g for w in widths)]
+        raise GenerationError(
+            f"int4 groups of {cpu.group} need the hidden size ({cfg.hidden_size}) and expert width "
+            f"({cfg.moe_intermediate_size}) to be multiples of {cpu.group}; "
+            + (f"use --quant-group {fits[0]}" if fits else "use --quant int8 for this model")
+        )
     check_memory(estimate_memory(ckpt, torch_dtype, ctx, batch, cpu), available_ram(), force)
     tokenizer = Tokenizer.from_folder(ckpt.path)
     accel = make_accelerator(accelerator, vram_gb)

@@ -49,3 +49,28 @@ def test_bench_decode_prints_json_with_ratio(mixtral_dir: Path, capsys: pytest.C
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert "generate" in capsys.readouterr().out
+
+
+def test_bench_kernels_rows_have_the_documented_keys() -> None:
+    from app.bench_kernels import bench_kernels
+
+    rows = bench_kernels(["qwen3"], threads=2, dtypes=("bf16", "int8", "int4"), tokens=(1, 16), min_time=0.0,
+                         working_set=32 * 1024**2)
+    keys = {"shape", "dtype", "tokens", "threads", "impl", "latency_ms", "gbps", "bw_gbps", "ratio"}
+    assert rows and all(set(r) == keys for r in rows)
+    assert {(r["dtype"], r["impl"]) for r in rows} >= {("bf16", "tandem"), ("bf16", "torch"), ("int8", "torch"),
+                                                      ("int4", "tandem")}
+
+
+def test_bench_quant_reports_drift_and_agreement(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from runtime.synth import tiny_config, write_test_model
+
+    folder = write_test_model(tmp_path / "m", tiny_config("mixtral"))
+    assert main(["bench", "quant", "--model", str(folder), "--new-tokens", "6"]) == 2  # 96 wide: not groups of 64
+    assert "--quant-group 32" in capsys.readouterr().err
+    assert main(["bench", "quant", "--model", str(folder), "--new-tokens", "6", "--quant-group", "32"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    for name in ("int8", "int4"):
+        v = result["variants"][name]
+        assert 0 <= v["greedy_agreement"] <= 1 and v["max_abs_logit_drift"] > 0
+    assert result["variants"]["int8"]["relative_drift"] < result["variants"]["int4"]["relative_drift"]

@@ -155,6 +155,11 @@ DEFINE_FMA_TOKENS(fma_int8, int8_t, LOAD_INT8, I8)
     if (m > 1) FMA4_STEP(1, XOFF, WV);                                                                    \
     if (m > 2) FMA4_STEP(2, XOFF, WV); if (m > 3) FMA4_STEP(3, XOFF, WV); if (m > 4) FMA4_STEP(4, XOFF, WV); \
     if (m > 5) FMA4_STEP(5, XOFF, WV); if (m > 6) FMA4_STEP(6, XOFF, WV); if (m > 7) FMA4_STEP(7, XOFF, WV); } while (0)
+/* Up to 4 tokens: the high nibbles go to a second set of accumulators (a4..a7), so the FMA chains of
+ * one token are independent and the loop is not bound by FMA latency. */
+#define FMA4_HI(XOFF, WV) do { FMA4_STEP2(4, 0, XOFF, WV); if (m > 1) FMA4_STEP2(5, 1, XOFF, WV);           \
+    if (m > 2) FMA4_STEP2(6, 2, XOFF, WV); if (m > 3) FMA4_STEP2(7, 3, XOFF, WV); } while (0)
+#define FMA4_STEP2(A, J, XOFF, WV) a##A = _mm512_fmadd_ps(WV, _mm512_loadu_ps(x + (size_t)(J) * ldx + (XOFF)), a##A)
 AVX512_TARGET static inline __attribute__((always_inline)) void int4_m(const uint8_t *w, const float *gscale,
         int group, const float *x, int ldx, int m, int n, float *res, int ldr) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
@@ -169,8 +174,13 @@ AVX512_TARGET static inline __attribute__((always_inline)) void int4_m(const uin
             __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, low)), sc, off);
             __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), sc, off);
             FMA4_ALL(base + j, lo);
-            FMA4_ALL(base + j + half, hi);
+            if (m <= 4) FMA4_HI(base + j + half, hi);
+            else FMA4_ALL(base + j + half, hi);
         }
+    }
+    if (m <= 4) {
+        a0 = _mm512_add_ps(a0, a4); a1 = _mm512_add_ps(a1, a5);
+        a2 = _mm512_add_ps(a2, a6); a3 = _mm512_add_ps(a3, a7);
     }
     __m512 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
     for (int j = 0; j < m; j++) res[(size_t)j * ldr] = _mm512_reduce_add_ps(acc[j]);
