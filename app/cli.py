@@ -98,9 +98,10 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--quant", choices=["none", "int8", "int4"], default="none",
                    help="weight-only quantization of CPU experts, done at load (opt-in)")
     c.add_argument("--quant-group", type=int, choices=[32, 64, 128], default=64, help="int4 group size")
-    c.add_argument("--kernel-crossover", type=int, default=8,
-                   help="up to this many tokens per expert use the compiled kernel; more use torch")
-    c.add_argument("--kernel-isa", choices=["auto", "base", "avx2", "avx512", "avx512bf16"], default="auto",
+    c.add_argument("--kernel-crossover", type=int, default=None,
+                   help="up to this many tokens per expert use the compiled kernel; more use torch "
+                        "(default: 16 with AMX, else 8)")
+    c.add_argument("--kernel-isa", choices=["auto", "base", "avx2", "avx512", "avx512bf16", "amx"], default="auto",
                    help="force a kernel variant (auto: the best this CPU supports)")
 
 

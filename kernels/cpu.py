@@ -20,9 +20,12 @@ import torch.nn.functional as F
 
 from kernels.quant import QuantizedMatrix, quantize_int4, quantize_int8
 
-ISAS = ("base", "avx2", "avx512", "avx512bf16")
+ISAS = ("base", "avx2", "avx512", "avx512bf16", "amx")
+BF16_ONLY = ("avx512bf16", "amx")  # bf16 weights with activations rounded to bf16
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "int8": 3, "int4": 4}
 DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
+AMX_CROSSOVER = 16  # with AMX tiles the kernel stays at the bandwidth roofline up to a full tile of tokens
+AMX_MIN_TOKENS = 1  # measured here: AMX tiles beat vdpbf16ps from one token up
 QUANT_CHUNKS = 8  # int4 experts stay on the kernel up to this many chunks of `crossover` tokens
 
 
@@ -62,10 +65,14 @@ def available_isas() -> list[str]:
     return [name for i, name in enumerate(ISAS) if mask & (1 << i)]
 
 
-def best_isa(kind: object, compute_dtype: torch.dtype, isas: list[str]) -> str | None:
-    """The fastest variant for this weight kind: AVX512_BF16 only where activations are bf16 anyway."""
-    if kind == torch.bfloat16 and compute_dtype == torch.bfloat16 and "avx512bf16" in isas:
-        return "avx512bf16"
+def best_isa(kind: object, compute_dtype: torch.dtype, isas: list[str], tokens: int = 1) -> str | None:
+    """The fastest variant for this weight kind and token count. The bf16 dot-product units (AMX tiles,
+    vdpbf16ps) only where activations are bf16 anyway; AMX once there are enough tokens to fill its tiles."""
+    if kind == torch.bfloat16 and compute_dtype == torch.bfloat16:
+        if "amx" in isas and tokens >= AMX_MIN_TOKENS:
+            return "amx"
+        if "avx512bf16" in isas:
+            return "avx512bf16"
     for isa in ("avx512", "avx2", "base"):
         if isa in isas:
             return isa
@@ -85,7 +92,7 @@ class CpuOptions:
     """How CPU experts run: thread count, kernel/torch crossover, opt-in weight-only quantization."""
 
     threads: int | None = None  # None: torch's intra-op thread count
-    crossover: int = DEFAULT_CROSSOVER  # up to this many tokens: the compiled kernel; more: torch
+    crossover: int | None = None  # up to this many tokens: the compiled kernel; more: torch (None: default)
     quant: str | None = None  # None | "int8" | "int4"
     group: int = 64  # int4 group size: 32, 64 or 128
     isa: str | None = None  # force a kernel variant ("base", "avx2", "avx512", "avx512bf16")
@@ -136,14 +143,17 @@ class CpuExecutor:
 
     def __init__(
         self, hidden: int, inter: int, compute_dtype: torch.dtype, threads: int | None = None,
-        crossover: int = DEFAULT_CROSSOVER, quant: str | None = None, group: int = 64, isa: str | None = None,
+        crossover: int | None = None, quant: str | None = None, group: int = 64, isa: str | None = None,
         use_kernel: bool = True,
     ) -> None:
         self.hidden, self.inter, self.dtype = hidden, inter, compute_dtype
         self.threads = threads or torch.get_num_threads()
-        self.crossover, self.quant, self.group = crossover, quant, group
+        self.quant, self.group = quant, group
         self.lib = library() if use_kernel else None
         self.isas = available_isas() if self.lib is not None else []
+        if crossover is None:
+            crossover = AMX_CROSSOVER if "amx" in self.isas and compute_dtype == torch.bfloat16 else DEFAULT_CROSSOVER
+        self.crossover = crossover
         if isa is not None and isa not in self.isas:
             have = ", ".join(self.isas) or "none"
             raise ValueError(f"kernel variant {isa!r} is not available here (available: {have})")
@@ -152,7 +162,7 @@ class CpuExecutor:
         self._x = torch.empty(t, hidden, dtype=torch.float32)
         self._out = torch.empty(t, hidden, dtype=torch.float32)
         self._act = torch.empty(t, 2 * inter, dtype=torch.float32)
-        self._xb = torch.empty(t, max(hidden, inter), dtype=torch.int16)
+        self._xb = torch.empty(max(t, 16), max(hidden, inter), dtype=torch.int16)
         self._args = _Args()
 
     def prepare(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> CpuExpert:
@@ -167,19 +177,23 @@ class CpuExecutor:
         gate, up, down = (w.contiguous() for w in (gate, up, down))  # memory-mapped weights already are
         return CpuExpert(gate, up, down, gate.dtype, self)
 
-    def isa_for(self, expert: CpuExpert) -> str | None:
+    def isa_for(self, expert: CpuExpert, tokens: int = 1) -> str | None:
         if self.lib is None:
             return None
-        # vdpbf16ps: bf16 weights only, and rows taken in pairs (an even expert width)
-        isas = self.isas if expert.kind == torch.bfloat16 and self.inter % 2 == 0 else \
-            [i for i in self.isas if i != "avx512bf16"]
+        isas = [i for i in self.isas if i not in BF16_ONLY]
+        if expert.kind == torch.bfloat16:
+            if self.inter % 2 == 0:  # vdpbf16ps takes rows in pairs
+                isas.append("avx512bf16")
+            if self.hidden % 32 == 0 and self.inter % 32 == 0 and tokens <= 16:  # whole AMX tiles
+                isas.append("amx")
+            isas = [i for i in isas if i in self.isas]
         if self.forced_isa in isas:
             return self.forced_isa
-        return best_isa(expert.kind, self.dtype, isas)
+        return best_isa(expert.kind, self.dtype, isas, tokens)
 
     def run(self, expert: CpuExpert, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        isa = self.isa_for(expert)
+        isa = self.isa_for(expert, min(n, self.crossover))
         if n == 0:
             return x.new_zeros(0, self.hidden)
         if isa is not None and n <= self.crossover:

@@ -32,9 +32,10 @@ def test_the_kernels_build_here() -> None:
     assert library() is not None and "base" in ISAS
 
 
-# vdpbf16ps serves bf16 weights with bf16 activations; every other variant serves every weight dtype.
+# vdpbf16ps and AMX serve bf16 weights with bf16 activations; every other variant serves every weight dtype.
+BF16_ONLY = ("avx512bf16", "amx")
 VARIANTS = [(isa, w) for isa in ISAS for w in (torch.float32, torch.bfloat16, torch.float16)
-            if isa != "avx512bf16" or w == torch.bfloat16]
+            if isa not in BF16_ONLY or w == torch.bfloat16]
 
 
 @needs_kernels
@@ -43,7 +44,7 @@ VARIANTS = [(isa, w) for isa in ISAS for w in (torch.float32, torch.bfloat16, to
 @pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8])
 def test_every_variant_matches_the_reference(isa: str, wdtype: torch.dtype, shape, tokens: int) -> None:
     h, i = shape
-    compute = torch.bfloat16 if isa == "avx512bf16" else torch.float32
+    compute = torch.bfloat16 if isa in BF16_ONLY else torch.float32
     gate, up, down = weights(h, i, wdtype)
     executor = CpuExecutor(h, i, compute, threads=2, isa=isa)
     expert = executor.prepare(gate, up, down)
@@ -67,6 +68,19 @@ def test_quantized_kernels_match_dequantized_reference(quant: str, group: int, i
     want = reference(x, *expert.dense(torch.float32))
     assert rel_err(expert(x), want) < 1e-5
     assert rel_err(expert(x), reference(x, gate, up, down)) < (0.05 if quant == "int8" else 0.5)
+
+
+@pytest.mark.skipif("amx" not in ISAS, reason="this CPU (or kernel) has no AMX tiles")
+@pytest.mark.parametrize("shape", [(64, 32), (128, 96), (2048, 768)])
+@pytest.mark.parametrize("tokens", [1, 2, 7, 16])
+def test_amx_tiles_match_the_reference(shape, tokens: int) -> None:
+    h, i = shape
+    gate, up, down = weights(h, i, torch.bfloat16)
+    executor = CpuExecutor(h, i, torch.bfloat16, threads=2, isa="amx", crossover=16)
+    expert = executor.prepare(gate, up, down)
+    assert executor.isa_for(expert, tokens) == "amx"
+    x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+    assert rel_err(expert(x), reference(x, gate, up, down)) < 2e-2
 
 
 def test_quantization_round_trips() -> None:

@@ -9,7 +9,8 @@
  * element j + group/2 of the group (values offset by 8). Activations are float32.
  *
  * ISA variants are separate functions compiled with target attributes, chosen at run time from what the
- * CPU supports (or forced by the caller): baseline C, AVX2+FMA+F16C, AVX-512, and AVX512_BF16 for bf16.
+ * CPU supports (or forced by the caller): baseline C, AVX2+FMA+F16C, AVX-512, and for bf16 weights with
+ * bf16 activations AVX512_BF16 (vdpbf16ps) and AMX tiles (which keep up to 16 tokens at the roofline).
  * Loaded through ctypes; the tiny Python module init below only makes it an importable extension.
  */
 #include <Python.h>
@@ -18,9 +19,12 @@
 #include <string.h>
 #include <omp.h>
 #include <immintrin.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 enum { K_FP32 = 0, K_BF16 = 1, K_FP16 = 2, K_INT8 = 3, K_INT4 = 4 };
-enum { ISA_BASE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
+enum { ISA_BASE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AMX = 4 };
 
 typedef struct {
     int kind, isa, tokens, hidden, inter, threads, group;
@@ -29,7 +33,7 @@ typedef struct {
     const float *x;                      /* [T, H] */
     float *out;                          /* [T, H] */
     float *act;                          /* scratch [T, 2I] */
-    uint16_t *xb;                        /* scratch [T, max(H, I)] bf16 (AVX512_BF16 path) */
+    uint16_t *xb;                        /* scratch [max(T, 16), max(H, I)] bf16 (AVX512_BF16 and AMX paths) */
 } tk_args;
 
 static inline float bf16f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
@@ -153,12 +157,20 @@ DEFINE_FMA_TOKENS(fma_int8, int8_t, LOAD_INT8, I8)
 #define FMA4_STEP(J, XOFF, WV) a##J = _mm512_fmadd_ps(WV, _mm512_loadu_ps(x + (size_t)(J) * ldx + (XOFF)), a##J)
 #define FMA4_ALL(XOFF, WV) do { FMA4_STEP(0, XOFF, WV);                                                     \
     if (m > 1) FMA4_STEP(1, XOFF, WV);                                                                    \
-    if (m > 2) FMA4_STEP(2, XOFF, WV); if (m > 3) FMA4_STEP(3, XOFF, WV); if (m > 4) FMA4_STEP(4, XOFF, WV); \
-    if (m > 5) FMA4_STEP(5, XOFF, WV); if (m > 6) FMA4_STEP(6, XOFF, WV); if (m > 7) FMA4_STEP(7, XOFF, WV); } while (0)
+    if (m > 2) FMA4_STEP(2, XOFF, WV);                                                                    \
+    if (m > 3) FMA4_STEP(3, XOFF, WV);                                                                    \
+    if (m > 4) FMA4_STEP(4, XOFF, WV);                                                                    \
+    if (m > 5) FMA4_STEP(5, XOFF, WV);                                                                    \
+    if (m > 6) FMA4_STEP(6, XOFF, WV);                                                                    \
+    if (m > 7) FMA4_STEP(7, XOFF, WV);                                                                    \
+} while (0)
 /* Up to 4 tokens: the high nibbles go to a second set of accumulators (a4..a7), so the FMA chains of
  * one token are independent and the loop is not bound by FMA latency. */
-#define FMA4_HI(XOFF, WV) do { FMA4_STEP2(4, 0, XOFF, WV); if (m > 1) FMA4_STEP2(5, 1, XOFF, WV);           \
-    if (m > 2) FMA4_STEP2(6, 2, XOFF, WV); if (m > 3) FMA4_STEP2(7, 3, XOFF, WV); } while (0)
+#define FMA4_HI(XOFF, WV) do { FMA4_STEP2(4, 0, XOFF, WV);                                                 \
+    if (m > 1) FMA4_STEP2(5, 1, XOFF, WV);                                                                \
+    if (m > 2) FMA4_STEP2(6, 2, XOFF, WV);                                                                \
+    if (m > 3) FMA4_STEP2(7, 3, XOFF, WV);                                                                \
+} while (0)
 #define FMA4_STEP2(A, J, XOFF, WV) a##A = _mm512_fmadd_ps(WV, _mm512_loadu_ps(x + (size_t)(J) * ldx + (XOFF)), a##A)
 AVX512_TARGET static inline __attribute__((always_inline)) void int4_m(const uint8_t *w, const float *gscale,
         int group, const float *x, int ldx, int m, int n, float *res, int ldr) {
@@ -416,14 +428,118 @@ static void expert_generic(const tk_args *a) {
     }
 }
 
+
+/* ---- AMX: 16 weight rows x 16 tokens per tile multiply ---------------------------------------------------
+ * C[rows, tokens] += W[rows, 32 k] . X^T[32 k, tokens]: the weight tile is loaded straight from the
+ * row-major matrix (16 rows, stride = row bytes); activations are packed once per call in the pair-
+ * interleaved layout the B operand needs (tokens padded to 16 with zeros). Tiles: 0,1 accumulators,
+ * 2,3 weights, 4 activations. Needs hidden and expert widths that are multiples of 32. */
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
+
+static int amx_usable(void) {
+    static int state = -1;
+    if (state >= 0) return state;
+    unsigned a, b, c, d;
+    state = 0;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) && (d & (1u << 24)))  /* AMX-BF16, AMX-TILE */
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;  /* ask Linux for tile state */
+    return state;
+}
+
+AMX_TARGET static void amx_begin(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 5; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
+static inline uint16_t bf16_round(float v) {
+    uint32_t u; memcpy(&u, &v, 4);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+/* Chunk c of X [T, K] (row stride ldx) -> packed [16 k-pairs][16 tokens][2] bf16, zero for tokens >= T.
+ * Called for every chunk inside the parallel region (omp for), so packing is split across threads. */
+static inline void amx_pack_chunk(const float *x, int ldx, int T, int c, uint16_t *xp) {
+    uint16_t *dst = xp + (size_t)c * 512;
+    for (int j = 0; j < 16; j++) {
+        for (int t = 0; t < 16; t++) {
+            if (t < T) {
+                const float *src = x + (size_t)t * ldx + c * 32 + 2 * j;
+                dst[j * 32 + t * 2] = bf16_round(src[0]);
+                dst[j * 32 + t * 2 + 1] = bf16_round(src[1]);
+            } else {
+                dst[j * 32 + t * 2] = dst[j * 32 + t * 2 + 1] = 0;
+            }
+        }
+    }
+}
+
+/* Rows [r0, r0 + 32) of W [*, K] against packed activations: res[t * ldr + r] for t < T. */
+AMX_TARGET static void amx_rows32(const uint16_t *w, int r0, int K, const uint16_t *xp, int T, float *res, int ldr) {
+    float tmp[2][16][16];
+    _tile_zero(0);
+    _tile_zero(1);
+    const uint16_t *a0 = w + (size_t)r0 * K, *a1 = a0 + (size_t)16 * K;
+    for (int c = 0; c < K / 32; c++) {
+        _tile_loadd(2, a0 + (size_t)c * 32, K * 2);
+        _tile_loadd(3, a1 + (size_t)c * 32, K * 2);
+        _tile_loadd(4, xp + (size_t)c * 512, 64);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(1, 3, 4);
+    }
+    _tile_stored(0, tmp[0], 64);
+    _tile_stored(1, tmp[1], 64);
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 16; i++)
+            for (int t = 0; t < T; t++) res[(size_t)t * ldr + r0 + h * 16 + i] = tmp[h][i][t];
+}
+
+AMX_TARGET static void expert_amx(const tk_args *a) {
+    const int T = a->tokens, H = a->hidden, I = a->inter;
+    const uint16_t *gate = a->gate, *up = a->up, *down = a->down;
+    uint16_t *xp = a->xb;              /* packed activations: 16 * max(H, I) bf16 */
+    const int gate_blocks = I / 32, down_blocks = H / 32;
+    #pragma omp parallel num_threads(a->threads)
+    {
+        amx_begin();
+        #pragma omp for schedule(static)
+        for (int c = 0; c < H / 32; c++) amx_pack_chunk(a->x, H, T, c, xp);
+        #pragma omp for schedule(static)
+        for (int b = 0; b < 2 * gate_blocks; b++) {
+            const int is_up = b >= gate_blocks, r0 = (is_up ? b - gate_blocks : b) * 32;
+            amx_rows32(is_up ? up : gate, r0, H, xp, T, a->act + (is_up ? I : 0), 2 * I);
+        }
+        #pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) {
+            float *gv = a->act + (size_t)t * 2 * I;
+            for (int i = 0; i < I; i++) gv[i] = silu(gv[i]) * gv[I + i];
+        }
+        #pragma omp for schedule(static)  /* the activation [T, I] (row stride 2I) for the down projection */
+        for (int c = 0; c < I / 32; c++) amx_pack_chunk(a->act, 2 * I, T, c, xp);
+        #pragma omp for schedule(static)
+        for (int b = 0; b < down_blocks; b++) amx_rows32(down, b * 32, I, xp, T, a->out, H);
+        _tile_release();
+    }
+}
+
 /* Bitmask of usable ISA variants: bit ISA_AVX2, ISA_AVX512, ISA_AVX512BF16 (baseline always works). */
 int tk_isa_mask(void) {
+    static int cached = -1;
+    if (cached >= 0) return cached;
     __builtin_cpu_init();
     int m = 1 << ISA_BASE;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) m |= 1 << ISA_AVX2;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
         m |= 1 << ISA_AVX512;
     if ((m & (1 << ISA_AVX512)) && __builtin_cpu_supports("avx512bf16")) m |= 1 << ISA_AVX512BF16;
+    if ((m & (1 << ISA_AVX512BF16)) && amx_usable()) m |= 1 << ISA_AMX;
+    cached = m;
     return m;
 }
 
@@ -436,6 +552,11 @@ int tk_expert(const tk_args *a) {
     if (a->isa == ISA_AVX512BF16) {
         if (a->kind != K_BF16 || !a->xb || a->inter % 2) return -4;
         expert_bf16dp(a);
+        return 0;
+    }
+    if (a->isa == ISA_AMX) {
+        if (a->kind != K_BF16 || !a->xb || a->tokens > 16 || a->hidden % 32 || a->inter % 32) return -5;
+        expert_amx(a);
         return 0;
     }
     expert_generic(a);
