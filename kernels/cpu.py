@@ -21,11 +21,13 @@ import torch.nn.functional as F
 from kernels.quant import QuantizedMatrix, quantize_int4, quantize_int8
 
 ISAS = ("base", "avx2", "avx512", "avx512bf16", "amx")
-BF16_ONLY = ("avx512bf16", "amx")  # bf16 weights with activations rounded to bf16
+BF16_ONLY = ("avx512bf16", "amx")  # bf16 dot-product units: activations are rounded to bf16
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "int8": 3, "int4": 4}
 DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
 AMX_CROSSOVER = 16  # with AMX tiles the kernel stays at the bandwidth roofline up to a full tile of tokens
 AMX_MIN_TOKENS = 1  # measured here: AMX tiles beat vdpbf16ps from one token up
+AMX_MIN_TOKENS_QUANT = 2  # measured: one token streams int8/int4 faster through the four-row FMA kernel
+AMX_KINDS = (torch.bfloat16, "int8")  # int4 dequantization costs more than the tiles save
 QUANT_CHUNKS = 8  # int4 experts stay on the kernel up to this many chunks of `crossover` tokens
 
 
@@ -68,10 +70,10 @@ def available_isas() -> list[str]:
 def best_isa(kind: object, compute_dtype: torch.dtype, isas: list[str], tokens: int = 1) -> str | None:
     """The fastest variant for this weight kind and token count. The bf16 dot-product units (AMX tiles,
     vdpbf16ps) only where activations are bf16 anyway; AMX once there are enough tokens to fill its tiles."""
-    if kind == torch.bfloat16 and compute_dtype == torch.bfloat16:
-        if "amx" in isas and tokens >= AMX_MIN_TOKENS:
+    if kind in AMX_KINDS and compute_dtype == torch.bfloat16:
+        if "amx" in isas and tokens >= (AMX_MIN_TOKENS if kind == torch.bfloat16 else AMX_MIN_TOKENS_QUANT):
             return "amx"
-        if "avx512bf16" in isas:
+        if kind == torch.bfloat16 and "avx512bf16" in isas:
             return "avx512bf16"
     for isa in ("avx512", "avx2", "base"):
         if isa in isas:
@@ -181,12 +183,11 @@ class CpuExecutor:
         if self.lib is None:
             return None
         isas = [i for i in self.isas if i not in BF16_ONLY]
-        if expert.kind == torch.bfloat16:
-            if self.inter % 2 == 0:  # vdpbf16ps takes rows in pairs
-                isas.append("avx512bf16")
-            if self.hidden % 32 == 0 and self.inter % 32 == 0 and tokens <= 16:  # whole AMX tiles
-                isas.append("amx")
-            isas = [i for i in isas if i in self.isas]
+        if expert.kind == torch.bfloat16 and self.inter % 2 == 0:  # vdpbf16ps takes rows in pairs
+            isas.append("avx512bf16")
+        if expert.kind in AMX_KINDS and self.hidden % 32 == 0 and self.inter % 32 == 0 and tokens <= 16:
+            isas.append("amx")  # whole tiles; int8 is dequantized to bf16 on the way in
+        isas = [i for i in isas if i in self.isas]
         if self.forced_isa in isas:
             return self.forced_isa
         return best_isa(expert.kind, self.dtype, isas, tokens)

@@ -402,11 +402,119 @@ BF16_TARGET static void expert_bf16dp(const tk_args *a) {
     }
 }
 
+/* ---- One token, four rows at a time (AVX-512) ---------------------------------------------------------
+ * With a single token there is no reuse to exploit, only bandwidth: four rows are streamed side by side,
+ * which keeps four independent FMA chains and four memory streams in flight per thread. res[0..3]. */
+#define FMA_ROW(J) r##J = _mm512_fmadd_ps(LOADW(w##J + k), xv, r##J)
+#define DEFINE_ROWS4(NAME, WT, LOADW_, CONV, SCALED)                                                        \
+AVX512_TARGET static void NAME(const char *base, size_t row_bytes, const float *scales, int group,           \
+                               const float *x, int n, float *res) {                                         \
+    (void)group;                                                                                            \
+    const WT *w0 = (const WT *)base, *w1 = (const WT *)(base + row_bytes);                                   \
+    const WT *w2 = (const WT *)(base + 2 * row_bytes), *w3 = (const WT *)(base + 3 * row_bytes);             \
+    __m512 r0 = _mm512_setzero_ps(), r1 = r0, r2 = r0, r3 = r0;                                              \
+    int k = 0;                                                                                              \
+    for (; k + 16 <= n; k += 16) {                                                                          \
+        const __m512 xv = _mm512_loadu_ps(x + k);                                                           \
+        FMA_ROW(0); FMA_ROW(1); FMA_ROW(2); FMA_ROW(3);                                                     \
+    }                                                                                                       \
+    const WT *ws[4] = {w0, w1, w2, w3};                                                                     \
+    __m512 rs[4] = {r0, r1, r2, r3};                                                                        \
+    for (int j = 0; j < 4; j++) {                                                                           \
+        float s = _mm512_reduce_add_ps(rs[j]);                                                              \
+        for (int kk = k; kk < n; kk++) s += CONV(ws[j][kk]) * x[kk];                                       \
+        res[j] = SCALED ? s * scales[j] : s;                                                                \
+    }                                                                                                       \
+}
+#define LOADW LOAD_FP32
+DEFINE_ROWS4(rows4_fp32, float, LOAD_FP32, IDENT, 0)
+#undef LOADW
+#define LOADW LOAD_BF16
+DEFINE_ROWS4(rows4_bf16, uint16_t, LOAD_BF16, bf16f, 0)
+#undef LOADW
+#define LOADW LOAD_FP16
+DEFINE_ROWS4(rows4_fp16, _Float16, LOAD_FP16, F16, 0)
+#undef LOADW
+#define LOADW LOAD_INT8
+DEFINE_ROWS4(rows4_int8, int8_t, LOAD_INT8, I8, 1)
+#undef LOADW
+
+/* int4, one token, four rows: each row's group scale folds into the unpacked weights. */
+#define INT4_ROW(J)                                                                                         \
+    do {                                                                                                    \
+        const float sc = s##J[g];                                                                           \
+        __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q##J + (size_t)g * half + j))); \
+        __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, low)), _mm512_set1_ps(sc),   \
+                                    _mm512_set1_ps(-8.f * sc));                                             \
+        __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), _mm512_set1_ps(sc),    \
+                                    _mm512_set1_ps(-8.f * sc));                                             \
+        r##J = _mm512_fmadd_ps(lo, xl, r##J);                                                               \
+        h##J = _mm512_fmadd_ps(hi, xh, h##J);                                                               \
+    } while (0)
+AVX512_TARGET static void rows4_int4(const char *base, size_t row_bytes, const float *scales, int group,
+                                     const float *x, int n, float *res) {
+    const uint8_t *q0 = (const uint8_t *)base, *q1 = q0 + row_bytes, *q2 = q1 + row_bytes, *q3 = q2 + row_bytes;
+    const int ngroups = n / group, half = group / 2;
+    const float *s0 = scales, *s1 = s0 + ngroups, *s2 = s1 + ngroups, *s3 = s2 + ngroups;
+    const __m512i low = _mm512_set1_epi32(15);
+    __m512 r0 = _mm512_setzero_ps(), r1 = r0, r2 = r0, r3 = r0, h0 = r0, h1 = r0, h2 = r0, h3 = r0;
+    for (int g = 0; g < ngroups; g++) {
+        for (int j = 0; j < half; j += 16) {
+            const __m512 xl = _mm512_loadu_ps(x + (size_t)g * group + j);
+            const __m512 xh = _mm512_loadu_ps(x + (size_t)g * group + j + half);
+            INT4_ROW(0); INT4_ROW(1); INT4_ROW(2); INT4_ROW(3);
+        }
+    }
+    res[0] = _mm512_reduce_add_ps(_mm512_add_ps(r0, h0));
+    res[1] = _mm512_reduce_add_ps(_mm512_add_ps(r1, h1));
+    res[2] = _mm512_reduce_add_ps(_mm512_add_ps(r2, h2));
+    res[3] = _mm512_reduce_add_ps(_mm512_add_ps(r3, h3));
+}
+
+typedef void (*rows4_fn)(const char *, size_t, const float *, int, const float *, int, float *);
+
+/* Per-row scale pointer for four rows starting at `row`: int8 one per row, int4 one per group. */
+static const float *scales4(const float *s, int kind, int row, int n, int group) {
+    if (kind == K_INT8) return s + row;
+    if (kind == K_INT4) return s + (size_t)row * (n / group);
+    return NULL;
+}
+
+/* One token: rows [0, rows) of W through the four-row kernel, leftovers through `dot`. */
+static inline void one_token_rows(rows4_fn r4, dot_fn dot, int kind, int group, const char *w, size_t rb,
+                                  const float *s, int rows, int n, const float *x, float *res, int r) {
+    if (r + 4 <= rows) r4(w + (size_t)r * rb, rb, scales4(s, kind, r, n, group), group, x, n, res + r);
+    else
+        for (int j = r; j < rows; j++)
+            dot(w + (size_t)j * rb, row_scale(s, kind, j), row_scales(s, kind, j, n, group), group, x, n, 1, n,
+                res + j, 1);
+}
+
 static void expert_generic(const tk_args *a) {
     const int T = a->tokens, H = a->hidden, I = a->inter, kind = a->kind, g = a->group;
     const dot_fn dot = pick_dot(kind, a->isa);
     const char *gate = a->gate, *up = a->up, *down = a->down;
     const size_t in_row = row_bytes(kind, H, g), down_row = row_bytes(kind, I, g);
+    static const rows4_fn four[5] = {rows4_fp32, rows4_bf16, rows4_fp16, rows4_int8, rows4_int4};
+    if (T == 1 && a->isa >= ISA_AVX512) {
+        const rows4_fn r4 = four[kind];
+        const int gq = (I + 3) / 4, dq = (H + 3) / 4;
+        #pragma omp parallel num_threads(a->threads)
+        {
+            #pragma omp for schedule(static)
+            for (int q = 0; q < 2 * gq; q++) {
+                const int is_up = q >= gq, r = (is_up ? q - gq : q) * 4;
+                one_token_rows(r4, dot, kind, g, is_up ? up : gate, in_row, is_up ? a->up_scale : a->gate_scale,
+                               I, H, a->x, a->act + (is_up ? I : 0), r);
+            }
+            #pragma omp for schedule(static)
+            for (int i = 0; i < I; i++) a->act[i] = silu(a->act[i]) * a->act[I + i];
+            #pragma omp for schedule(static)
+            for (int q = 0; q < dq; q++)
+                one_token_rows(r4, dot, kind, g, down, down_row, a->down_scale, H, I, a->act, a->out, q * 4);
+        }
+        return;
+    }
     #pragma omp parallel num_threads(a->threads)
     {
         #pragma omp for schedule(static)
@@ -480,15 +588,36 @@ static inline void amx_pack_chunk(const float *x, int ldx, int T, int c, uint16_
     }
 }
 
-/* Rows [r0, r0 + 32) of W [*, K] against packed activations: res[t * ldr + r] for t < T. */
-AMX_TARGET static void amx_rows32(const uint16_t *w, int r0, int K, const uint16_t *xp, int T, float *res, int ldr) {
+/* int8 weights: 16 consecutive values of row `row` starting at k0, dequantized to float. */
+AMX_TARGET static inline __m512 dequant16(const char *w, size_t rb, const float *s, int row, int k0) {
+    const char *r = w + (size_t)row * rb;
+    __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r + k0))));
+    return _mm512_mul_ps(v, _mm512_set1_ps(s[row]));
+}
+
+/* Rows [r0, r0 + 32) of W [*, K] against packed activations: res[t * ldr + r] for t < T.
+ * bf16 weights are tile-loaded straight from memory; int8 rows are dequantized to bf16 in L1 first
+ * (shared by all tokens), so int8 experts stream at their own, smaller size. */
+AMX_TARGET static void amx_rows32(int kind, const void *wv, size_t rb, const float *s, int r0, int K,
+                                  const uint16_t *xp, int T, float *res, int ldr) {
     float tmp[2][16][16];
+    uint16_t deq[2][16][32] __attribute__((aligned(64)));
     _tile_zero(0);
     _tile_zero(1);
-    const uint16_t *a0 = w + (size_t)r0 * K, *a1 = a0 + (size_t)16 * K;
+    const uint16_t *a0 = (const uint16_t *)wv + (size_t)r0 * K, *a1 = a0 + (size_t)16 * K;
     for (int c = 0; c < K / 32; c++) {
-        _tile_loadd(2, a0 + (size_t)c * 32, K * 2);
-        _tile_loadd(3, a1 + (size_t)c * 32, K * 2);
+        if (kind == K_BF16) {
+            _tile_loadd(2, a0 + (size_t)c * 32, K * 2);
+            _tile_loadd(3, a1 + (size_t)c * 32, K * 2);
+        } else {
+            for (int i = 0; i < 32; i++) {
+                __m512 lo = dequant16(wv, rb, s, r0 + i, c * 32);
+                __m512 hi = dequant16(wv, rb, s, r0 + i, c * 32 + 16);
+                _mm512_store_si512((void *)deq[i / 16][i % 16], (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
+            _tile_loadd(2, deq[0], 64);
+            _tile_loadd(3, deq[1], 64);
+        }
         _tile_loadd(4, xp + (size_t)c * 512, 64);
         _tile_dpbf16ps(0, 2, 4);
         _tile_dpbf16ps(1, 3, 4);
@@ -501,8 +630,8 @@ AMX_TARGET static void amx_rows32(const uint16_t *w, int r0, int K, const uint16
 }
 
 AMX_TARGET static void expert_amx(const tk_args *a) {
-    const int T = a->tokens, H = a->hidden, I = a->inter;
-    const uint16_t *gate = a->gate, *up = a->up, *down = a->down;
+    const int T = a->tokens, H = a->hidden, I = a->inter, kind = a->kind, g = a->group;
+    const size_t in_row = row_bytes(kind, H, g), down_row = row_bytes(kind, I, g);
     uint16_t *xp = a->xb;              /* packed activations: 16 * max(H, I) bf16 */
     const int gate_blocks = I / 32, down_blocks = H / 32;
     #pragma omp parallel num_threads(a->threads)
@@ -513,7 +642,8 @@ AMX_TARGET static void expert_amx(const tk_args *a) {
         #pragma omp for schedule(static)
         for (int b = 0; b < 2 * gate_blocks; b++) {
             const int is_up = b >= gate_blocks, r0 = (is_up ? b - gate_blocks : b) * 32;
-            amx_rows32(is_up ? up : gate, r0, H, xp, T, a->act + (is_up ? I : 0), 2 * I);
+            amx_rows32(kind, is_up ? a->up : a->gate, in_row, is_up ? a->up_scale : a->gate_scale, r0, H, xp, T,
+                       a->act + (is_up ? I : 0), 2 * I);
         }
         #pragma omp for schedule(static)
         for (int t = 0; t < T; t++) {
@@ -523,7 +653,8 @@ AMX_TARGET static void expert_amx(const tk_args *a) {
         #pragma omp for schedule(static)  /* the activation [T, I] (row stride 2I) for the down projection */
         for (int c = 0; c < I / 32; c++) amx_pack_chunk(a->act, 2 * I, T, c, xp);
         #pragma omp for schedule(static)
-        for (int b = 0; b < down_blocks; b++) amx_rows32(down, b * 32, I, xp, T, a->out, H);
+        for (int b = 0; b < down_blocks; b++)
+            amx_rows32(kind, a->down, down_row, a->down_scale, b * 32, I, xp, T, a->out, H);
         _tile_release();
     }
 }
@@ -555,7 +686,8 @@ int tk_expert(const tk_args *a) {
         return 0;
     }
     if (a->isa == ISA_AMX) {
-        if (a->kind != K_BF16 || !a->xb || a->tokens > 16 || a->hidden % 32 || a->inter % 32) return -5;
+        if ((a->kind != K_BF16 && a->kind != K_INT8) || !a->xb || a->tokens > 16 ||
+            a->hidden % 32 || a->inter % 32) return -5;
         expert_amx(a);
         return 0;
     }
