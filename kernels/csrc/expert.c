@@ -588,11 +588,12 @@ static inline void amx_pack_chunk(const float *x, int ldx, int T, int c, uint16_
     }
 }
 
-/* int8 weights: 16 consecutive values of row `row` starting at k0, dequantized to float. */
-AMX_TARGET static inline __m512 dequant16(const char *w, size_t rb, const float *s, int row, int k0) {
-    const char *r = w + (size_t)row * rb;
-    __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r + k0))));
-    return _mm512_mul_ps(v, _mm512_set1_ps(s[row]));
+/* int8 weights: 32 consecutive values of one row as bf16 (exact: |q| <= 127). The row's scale is
+ * applied to the accumulated result instead, once per output. */
+AMX_TARGET static inline __m512i int8_to_bf16_32(const int8_t *q) {
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
 /* Rows [r0, r0 + 32) of W [*, K] against packed activations: res[t * ldr + r] for t < T.
@@ -610,11 +611,8 @@ AMX_TARGET static void amx_rows32(int kind, const void *wv, size_t rb, const flo
             _tile_loadd(2, a0 + (size_t)c * 32, K * 2);
             _tile_loadd(3, a1 + (size_t)c * 32, K * 2);
         } else {
-            for (int i = 0; i < 32; i++) {
-                __m512 lo = dequant16(wv, rb, s, r0 + i, c * 32);
-                __m512 hi = dequant16(wv, rb, s, r0 + i, c * 32 + 16);
-                _mm512_store_si512((void *)deq[i / 16][i % 16], (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-            }
+            const int8_t *q = (const int8_t *)wv + (size_t)r0 * rb + (size_t)c * 32;
+            for (int i = 0; i < 32; i++) _mm512_store_si512((void *)deq[i / 16][i % 16], int8_to_bf16_32(q + i * rb));
             _tile_loadd(2, deq[0], 64);
             _tile_loadd(3, deq[1], 64);
         }
@@ -625,8 +623,10 @@ AMX_TARGET static void amx_rows32(int kind, const void *wv, size_t rb, const flo
     _tile_stored(0, tmp[0], 64);
     _tile_stored(1, tmp[1], 64);
     for (int h = 0; h < 2; h++)
-        for (int i = 0; i < 16; i++)
-            for (int t = 0; t < T; t++) res[(size_t)t * ldr + r0 + h * 16 + i] = tmp[h][i][t];
+        for (int i = 0; i < 16; i++) {
+            const float scale = kind == K_INT8 ? s[r0 + h * 16 + i] : 1.f;
+            for (int t = 0; t < T; t++) res[(size_t)t * ldr + r0 + h * 16 + i] = tmp[h][i][t] * scale;
+        }
 }
 
 AMX_TARGET static void expert_amx(const tk_args *a) {
