@@ -285,7 +285,7 @@ class Dispatcher:
     def _run_cpu(self, x: torch.Tensor, weights: torch.Tensor, jobs: Sequence[_Job]) -> torch.Tensor:
         assert self.accel is not None
         xh = self.accel.to_host(x)  # [T, H] activations, not weights, cross the bus
-        wh = weights.to("cpu")  # [T, K] (a few bytes; counted with the activations)
+        wh = self.accel.to_host(weights)  # [T, K] routing weights
         out = torch.zeros_like(xh)  # [T, H]
         for job in jobs:
             y = job.cpu(xh[job.tok])  # [n, H]
