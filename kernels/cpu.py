@@ -27,7 +27,7 @@ DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
 AMX_CROSSOVER = 16  # with AMX tiles the kernel stays at the bandwidth roofline up to a full tile of tokens
 AMX_MIN_TOKENS = 1  # measured here: AMX tiles beat vdpbf16ps from one token up
 AMX_MIN_TOKENS_QUANT = 2  # measured: one token streams int8/int4 faster through the four-row FMA kernel
-AMX_KINDS = (torch.bfloat16, "int8")  # int4 dequantization costs more than the tiles save
+AMX_KINDS = (torch.bfloat16, "int8", "int4")
 QUANT_CHUNKS = 8  # int4 experts stay on the kernel up to this many chunks of `crossover` tokens
 
 
@@ -186,7 +186,7 @@ class CpuExecutor:
         if expert.kind == torch.bfloat16 and self.inter % 2 == 0:  # vdpbf16ps takes rows in pairs
             isas.append("avx512bf16")
         if expert.kind in AMX_KINDS and self.hidden % 32 == 0 and self.inter % 32 == 0 and tokens <= 16:
-            isas.append("amx")  # whole tiles; int8 is dequantized to bf16 on the way in
+            isas.append("amx")  # whole tiles; int8/int4 are turned into bf16 tiles on the way in
         isas = [i for i in isas if i in self.isas]
         if self.forced_isa in isas:
             return self.forced_isa

@@ -629,6 +629,75 @@ AMX_TARGET static void amx_rows32(int kind, const void *wv, size_t rb, const flo
         }
 }
 
+/* int4 rows [r0, r0 + 32): nibbles become bf16 (-8..7, exact) through a 16-entry table (vpermw), the
+ * tiles accumulate one group at a time, and each group's 16x16 result is scaled per row into float
+ * accumulators. Conversion costs a few instructions per 32 weights, shared by all tokens. */
+/* Chunk c (32 values) of int4 rows r0..r0+31 as bf16 tiles: low nibbles first, then high, per group. */
+AMX_TARGET static inline void int4_chunk(const uint8_t *w, size_t rb, int group, int r0, int c, __m512i lut,
+                                         uint16_t deq[2][16][32]) {
+    const int half = group / 2, gi = c * 32 / group, o = c * 32 % group;
+    const __m512i low = _mm512_set1_epi16(15);
+    for (int i = 0; i < 32; i++) {
+        const uint8_t *q = w + (size_t)(r0 + i) * rb + (size_t)gi * half;
+        __m512i idx;
+        if (group == 32) {
+            __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
+            idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(15))),
+                                     _mm256_srli_epi16(b, 4), 1);
+        } else if (o < half) {
+            idx = _mm512_and_si512(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + o))), low);
+        } else {
+            idx = _mm512_srli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + o - half))), 4);
+        }
+        _mm512_store_si512((void *)deq[i / 16][i % 16], _mm512_permutexvar_epi16(idx, lut));
+    }
+}
+
+/* int4 rows [r0, r0 + 32): nibbles become bf16 (-8..7, exact) through a 16-entry table (vpermw); the tiles
+ * accumulate one group at a time and each group's 16x16 results are scaled per row into float
+ * accumulators (one chunk is converted ahead, into the other half of a double buffer). Measured here it
+ * is conversion-bound (~flat in tokens): it wins from a few tokens up, the four-row FMA kernel at one. */
+AMX_TARGET static void amx_rows32_int4(const uint8_t *w, size_t rb, const float *s, int group, int r0, int K,
+                                       const uint16_t *xp, int T, float *res, int ldr) {
+    static const uint16_t table[32] __attribute__((aligned(64))) = {
+        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,  /* -8 .. -1 */
+        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,  /*  0 ..  7 */
+        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+    const __m512i lut = _mm512_load_si512((const void *)table);
+    const int ngroups = K / group, chunks = K / 32, per_group = group / 32;
+    uint16_t deq[2][2][16][32] __attribute__((aligned(64)));
+    float tmp[2][16][16] __attribute__((aligned(64)));
+    __m512 acc[32];
+    for (int i = 0; i < 32; i++) acc[i] = _mm512_setzero_ps();
+    int4_chunk(w, rb, group, r0, 0, lut, deq[0]);
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int c = 0; c < chunks; c++) {
+        if (c + 1 < chunks) int4_chunk(w, rb, group, r0, c + 1, lut, deq[(c + 1) & 1]);
+        _tile_loadd(2, deq[c & 1][0], 64);
+        _tile_loadd(3, deq[c & 1][1], 64);
+        _tile_loadd(4, xp + (size_t)c * 512, 64);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(1, 3, 4);
+        if ((c + 1) % per_group == 0) {  /* end of a group: scale its partial sums into the accumulators */
+            const int gi = c / per_group;
+            _tile_stored(0, tmp[0], 64);
+            _tile_stored(1, tmp[1], 64);
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int i = 0; i < 32; i++)
+                acc[i] = _mm512_fmadd_ps(_mm512_load_ps(tmp[i / 16][i % 16]),
+                                         _mm512_set1_ps(s[(size_t)(r0 + i) * ngroups + gi]), acc[i]);
+        }
+    }
+    for (int i = 0; i < 32; i++) {
+        float lanes[16];
+        _mm512_storeu_ps(lanes, acc[i]);
+        for (int t = 0; t < T; t++) res[(size_t)t * ldr + r0 + i] = lanes[t];
+    }
+}
+
 AMX_TARGET static void expert_amx(const tk_args *a) {
     const int T = a->tokens, H = a->hidden, I = a->inter, kind = a->kind, g = a->group;
     const size_t in_row = row_bytes(kind, H, g), down_row = row_bytes(kind, I, g);
@@ -642,8 +711,12 @@ AMX_TARGET static void expert_amx(const tk_args *a) {
         #pragma omp for schedule(static)
         for (int b = 0; b < 2 * gate_blocks; b++) {
             const int is_up = b >= gate_blocks, r0 = (is_up ? b - gate_blocks : b) * 32;
-            amx_rows32(kind, is_up ? a->up : a->gate, in_row, is_up ? a->up_scale : a->gate_scale, r0, H, xp, T,
-                       a->act + (is_up ? I : 0), 2 * I);
+            if (kind == K_INT4)
+                amx_rows32_int4(is_up ? a->up : a->gate, in_row, is_up ? a->up_scale : a->gate_scale, g, r0, H, xp,
+                                T, a->act + (is_up ? I : 0), 2 * I);
+            else
+                amx_rows32(kind, is_up ? a->up : a->gate, in_row, is_up ? a->up_scale : a->gate_scale, r0, H, xp, T,
+                           a->act + (is_up ? I : 0), 2 * I);
         }
         #pragma omp for schedule(static)
         for (int t = 0; t < T; t++) {
@@ -653,8 +726,10 @@ AMX_TARGET static void expert_amx(const tk_args *a) {
         #pragma omp for schedule(static)  /* the activation [T, I] (row stride 2I) for the down projection */
         for (int c = 0; c < I / 32; c++) amx_pack_chunk(a->act, 2 * I, T, c, xp);
         #pragma omp for schedule(static)
-        for (int b = 0; b < down_blocks; b++)
-            amx_rows32(kind, a->down, down_row, a->down_scale, b * 32, I, xp, T, a->out, H);
+        for (int b = 0; b < down_blocks; b++) {
+            if (kind == K_INT4) amx_rows32_int4(a->down, down_row, a->down_scale, g, b * 32, I, xp, T, a->out, H);
+            else amx_rows32(kind, a->down, down_row, a->down_scale, b * 32, I, xp, T, a->out, H);
+        }
         _tile_release();
     }
 }
@@ -686,7 +761,7 @@ int tk_expert(const tk_args *a) {
         return 0;
     }
     if (a->isa == ISA_AMX) {
-        if ((a->kind != K_BF16 && a->kind != K_INT8) || !a->xb || a->tokens > 16 ||
+        if ((a->kind != K_BF16 && a->kind != K_INT8 && a->kind != K_INT4) || !a->xb || a->tokens > 16 ||
             a->hidden % 32 || a->inter % 32) return -5;
         expert_amx(a);
         return 0;
