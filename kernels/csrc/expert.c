@@ -575,15 +575,12 @@ static inline uint16_t bf16_round(float v) {
  * Called for every chunk inside the parallel region (omp for), so packing is split across threads. */
 static inline void amx_pack_chunk(const float *x, int ldx, int T, int c, uint16_t *xp) {
     uint16_t *dst = xp + (size_t)c * 512;
-    for (int j = 0; j < 16; j++) {
-        for (int t = 0; t < 16; t++) {
-            if (t < T) {
-                const float *src = x + (size_t)t * ldx + c * 32 + 2 * j;
-                dst[j * 32 + t * 2] = bf16_round(src[0]);
-                dst[j * 32 + t * 2 + 1] = bf16_round(src[1]);
-            } else {
-                dst[j * 32 + t * 2] = dst[j * 32 + t * 2 + 1] = 0;
-            }
+    memset(dst, 0, 512 * sizeof(uint16_t));
+    for (int t = 0; t < T; t++) {
+        const float *src = x + (size_t)t * ldx + c * 32;
+        for (int j = 0; j < 16; j++) {
+            dst[j * 32 + t * 2] = bf16_round(src[2 * j]);
+            dst[j * 32 + t * 2 + 1] = bf16_round(src[2 * j + 1]);
         }
     }
 }
