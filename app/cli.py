@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from runtime.errors import TandemError
 
@@ -35,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--record-trace", metavar="FILE", help="save the expert activation trace (.npz)")
     add_runtime_args(gen)
     gen.set_defaults(func=_generate)
+
+    probe = sub.add_parser("probe", help="show what hardware was found (CPU ISA and cores, RAM, GPUs, PCIe)")
+    probe.add_argument("--json", action="store_true", help="print the findings as JSON")
+    probe.add_argument("--record", metavar="FILE", help="also save the raw readings (e.g. for a bug report)")
+    probe.add_argument("--from", dest="source", metavar="FILE", help="read recorded readings instead of this machine")
+    probe.set_defaults(func=_probe)
 
     bench = sub.add_parser("bench", help="benchmarks (print JSON)")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
@@ -172,6 +179,23 @@ def _generate(args: argparse.Namespace) -> int:
             f"time to first token {stats.ttft_s * 1000:.0f} ms, decode {stats.decode_tok_s:.1f} tok/s{where}]",
             file=sys.stderr,
         )
+    return 0
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from autotune.probe import LiveSources, RecordedSources, describe, probe, record
+
+    if args.source:
+        try:
+            sources: LiveSources | RecordedSources = RecordedSources.load(args.source)
+        except (OSError, ValueError) as e:
+            raise TandemError(f"cannot read recorded hardware {args.source}: {e}") from None
+    else:
+        sources = LiveSources()
+    hw = probe(sources)
+    if args.record:
+        Path(args.record).write_text(json.dumps(record(sources), indent=1), encoding="utf-8")
+    print(json.dumps(hw.to_dict(), indent=1) if args.json else "\n".join(describe(hw)))
     return 0
 
 

@@ -1,0 +1,286 @@
+"""What machine is this: CPU ISA and cores, RAM, NUMA, GPUs with their memory and PCIe links.
+
+Two halves, as everywhere in the auto-tuner: a replaceable data source that returns raw readings
+(`LiveSources` asks py-cpuinfo, psutil, sysfs, NVML and torch; tests use recorded fixtures), and pure
+functions that turn readings into a `HardwareInfo`. Anything that could not be read is `None` and shown
+as "unknown" — never a guess — and a missing NVML or driver means "no GPU", never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+# PCIe payload bandwidth per lane and direction, GB/s, by generation (after line encoding).
+PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+ISA_FLAGS = {
+    "avx2": ("avx2",),
+    "avx512": ("avx512f",),
+    "avx512_bf16": ("avx512_bf16",),
+    "avx512_vnni": ("avx512_vnni", "avx512vnni"),
+    "amx": ("amx_bf16", "amx_tile"),
+    "neon": ("neon", "asimd"),
+    "sve": ("sve",),
+}
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    brand: str | None
+    arch: str | None
+    flags: tuple[str, ...]
+    physical_cores: int | None
+    logical_cores: int | None
+
+    @property
+    def isa(self) -> dict[str, bool | None]:
+        """Named instruction-set features; None when the flags could not be read at all."""
+        if not self.flags:
+            return dict.fromkeys(ISA_FLAGS)
+        have = set(self.flags)
+        return {name: any(f in have for f in names) for name, names in ISA_FLAGS.items()}
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    name: str | None
+    memory_total: int | None  # bytes
+    memory_free: int | None
+    pcie_gen: int | None  # current link generation
+    pcie_gen_max: int | None
+    pcie_width: int | None  # current lanes
+    pcie_width_max: int | None
+    driver: str | None
+    capability: tuple[int, int] | None  # CUDA compute capability
+
+    @property
+    def pcie_gbps(self) -> float | None:
+        """Theoretical host<->device bandwidth of the link at its maximum generation and width."""
+        gen, width = self.pcie_gen_max or self.pcie_gen, self.pcie_width_max or self.pcie_width
+        if gen is None or width is None or gen not in PCIE_LANE_GBPS:
+            return None
+        return PCIE_LANE_GBPS[gen] * width
+
+
+@dataclass(frozen=True)
+class HardwareInfo:
+    cpu: CpuInfo
+    ram_total: int | None
+    ram_available: int | None
+    numa_nodes: int | None
+    gpus: tuple[GpuInfo, ...] = ()
+    gpu_status: str = "no GPU"  # "ok", or why there is none
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HardwareInfo:
+        cpu = CpuInfo(**{**d["cpu"], "flags": tuple(d["cpu"]["flags"])})
+        gpus = tuple(GpuInfo(**{**g, "capability": tuple(g["capability"]) if g.get("capability") else None})
+                     for g in d.get("gpus", ()))
+        return cls(cpu, d.get("ram_total"), d.get("ram_available"), d.get("numa_nodes"), gpus,
+                   d.get("gpu_status", "no GPU" if not gpus else "ok"))
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What identifies the machine for saved profiles (not what varies from minute to minute)."""
+        return {
+            "cpu": self.cpu.brand, "cores": self.cpu.physical_cores, "threads": self.cpu.logical_cores,
+            "ram_gib": round(self.ram_total / 2**30) if self.ram_total else None,
+            "gpus": [g.name for g in self.gpus], "vram": [g.memory_total for g in self.gpus],
+            "driver": self.gpus[0].driver if self.gpus else None,
+        }
+
+
+class ProbeSources(Protocol):
+    """Raw readings. Each method returns plain data; `gpus` raises GpuUnavailable when there are none."""
+
+    def cpu(self) -> dict[str, Any]: ...
+    def cores(self) -> tuple[int | None, int | None]: ...
+    def memory(self) -> tuple[int | None, int | None]: ...
+    def numa_nodes(self) -> int | None: ...
+    def gpus(self) -> list[dict[str, Any]]: ...
+
+
+class GpuUnavailable(Exception):
+    """No usable GPU; the message says why (no NVML library, no driver, no device)."""
+
+
+@dataclass
+class LiveSources:
+    """This machine, read through py-cpuinfo, psutil, sysfs, NVML and torch."""
+
+    _cpu: dict[str, Any] | None = field(default=None, repr=False)
+
+    def cpu(self) -> dict[str, Any]:
+        if self._cpu is None:
+            import cpuinfo
+
+            self._cpu = dict(cpuinfo.get_cpu_info())
+        return self._cpu
+
+    def cores(self) -> tuple[int | None, int | None]:
+        import psutil
+
+        return psutil.cpu_count(logical=False), psutil.cpu_count(logical=True)
+
+    def memory(self) -> tuple[int | None, int | None]:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return vm.total, vm.available
+
+    def numa_nodes(self) -> int | None:
+        nodes = Path("/sys/devices/system/node")
+        if not nodes.is_dir():
+            return None
+        return len([p for p in nodes.iterdir() if p.name.startswith("node") and p.name[4:].isdigit()]) or None
+
+    def gpus(self) -> list[dict[str, Any]]:
+        import pynvml
+
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as e:
+            raise GpuUnavailable(f"NVML unavailable ({e}); no NVIDIA driver?") from None
+        try:
+            driver = _text(_nvml(pynvml.nvmlSystemGetDriverVersion))
+            found = []
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                mem = _nvml(pynvml.nvmlDeviceGetMemoryInfo, h)
+                found.append({
+                    "name": _text(_nvml(pynvml.nvmlDeviceGetName, h)),
+                    "memory_total": getattr(mem, "total", None), "memory_free": getattr(mem, "free", None),
+                    "pcie_gen": _nvml(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, h),
+                    "pcie_gen_max": _nvml(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
+                    "pcie_width": _nvml(pynvml.nvmlDeviceGetCurrPcieLinkWidth, h),
+                    "pcie_width_max": _nvml(pynvml.nvmlDeviceGetMaxPcieLinkWidth, h),
+                    "driver": driver, "capability": _torch_capability(i),
+                })
+            return found
+        finally:
+            pynvml.nvmlShutdown()
+
+
+def _nvml(fn: Any, *args: Any) -> Any:
+    import pynvml
+
+    try:
+        return fn(*args)
+    except pynvml.NVMLError:
+        return None  # this one reading is unknown; the rest still count
+
+
+def _text(v: Any) -> str | None:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _torch_capability(index: int) -> list[int] | None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return list(torch.cuda.get_device_capability(index))
+    except (RuntimeError, AssertionError):
+        pass
+    return None
+
+
+@dataclass
+class RecordedSources:
+    """Readings saved as JSON (tests' fixtures, or `tandem probe --record` for a bug report)."""
+
+    data: dict[str, Any]
+
+    @classmethod
+    def load(cls, path: str | Path) -> RecordedSources:
+        return cls(json.loads(Path(path).read_text(encoding="utf-8")))
+
+    def cpu(self) -> dict[str, Any]:
+        return self.data.get("cpu") or {}
+
+    def cores(self) -> tuple[int | None, int | None]:
+        c = self.data.get("cores") or [None, None]
+        return c[0], c[1]
+
+    def memory(self) -> tuple[int | None, int | None]:
+        m = self.data.get("memory") or [None, None]
+        return m[0], m[1]
+
+    def numa_nodes(self) -> int | None:
+        return self.data.get("numa_nodes")
+
+    def gpus(self) -> list[dict[str, Any]]:
+        if "gpus" not in self.data or self.data["gpus"] is None:
+            raise GpuUnavailable(self.data.get("gpu_error", "no GPU"))
+        return self.data["gpus"]
+
+
+def record(sources: ProbeSources) -> dict[str, Any]:
+    """The raw readings of `sources` in the form `RecordedSources` reads back."""
+    out: dict[str, Any] = {"cpu": sources.cpu(), "cores": list(sources.cores()), "memory": list(sources.memory()),
+                           "numa_nodes": sources.numa_nodes()}
+    try:
+        out["gpus"] = sources.gpus()
+    except GpuUnavailable as e:
+        out["gpus"], out["gpu_error"] = None, str(e)
+    return out
+
+
+def parse_cpu(raw: dict[str, Any], cores: tuple[int | None, int | None]) -> CpuInfo:
+    flags = tuple(sorted(str(f).lower() for f in raw.get("flags") or ()))
+    arch = raw.get("arch_string_raw") or raw.get("arch")
+    return CpuInfo(raw.get("brand_raw") or None, arch.lower() if isinstance(arch, str) else None, flags,
+                   cores[0], cores[1] or raw.get("count"))
+
+
+def parse_gpu(index: int, raw: dict[str, Any]) -> GpuInfo:
+    cap = raw.get("capability")
+    return GpuInfo(index, raw.get("name"), raw.get("memory_total"), raw.get("memory_free"), raw.get("pcie_gen"),
+                   raw.get("pcie_gen_max"), raw.get("pcie_width"), raw.get("pcie_width_max"), raw.get("driver"),
+                   (int(cap[0]), int(cap[1])) if cap else None)
+
+
+def probe(sources: ProbeSources | None = None) -> HardwareInfo:
+    """Read everything; a failure to read one thing makes that thing unknown, not the whole probe fail."""
+    src = sources if sources is not None else LiveSources()
+    cpu = parse_cpu(src.cpu(), src.cores())
+    total, available = src.memory()
+    try:
+        gpus = tuple(parse_gpu(i, g) for i, g in enumerate(src.gpus()))
+        status = "ok" if gpus else "no GPU (the driver reports no device)"
+    except GpuUnavailable as e:
+        gpus, status = (), f"no GPU: {e}"
+    return HardwareInfo(cpu, total, available, src.numa_nodes(), gpus, status)
+
+
+def describe(hw: HardwareInfo) -> list[str]:
+    """Human-readable lines; unknown values say so."""
+    def show(v: object, unit: str = "") -> str:
+        return "unknown" if v is None else f"{v}{unit}"
+
+    def gib(v: int | None) -> str:
+        return "unknown" if v is None else f"{v / 2**30:.1f} GiB"
+
+    isa = hw.cpu.isa
+    lines = [
+        f"CPU: {show(hw.cpu.brand)} ({show(hw.cpu.arch)}), {show(hw.cpu.physical_cores)} cores / "
+        f"{show(hw.cpu.logical_cores)} threads",
+        "  ISA: " + ", ".join(f"{k}={'unknown' if v is None else ('yes' if v else 'no')}" for k, v in isa.items()),
+        f"RAM: {gib(hw.ram_total)} total, {gib(hw.ram_available)} available; NUMA nodes: {show(hw.numa_nodes)}",
+    ]
+    if not hw.gpus:
+        lines.append(f"GPU: {hw.gpu_status}")
+    for g in hw.gpus:
+        link = "unknown" if g.pcie_gbps is None else f"{g.pcie_gbps:.1f} GB/s"
+        lines.append(
+            f"GPU {g.index}: {show(g.name)}, {gib(g.memory_total)} ({gib(g.memory_free)} free), "
+            f"PCIe gen {show(g.pcie_gen)}/{show(g.pcie_gen_max)} x{show(g.pcie_width)}/{show(g.pcie_width_max)} "
+            f"(max link {link}), driver {show(g.driver)}, compute capability "
+            f"{'unknown' if g.capability is None else '.'.join(map(str, g.capability))}"
+        )
+    return lines

@@ -1,0 +1,103 @@
+"""Hardware probing: recorded machines parse to the right facts; unknowns stay unknown; no GPU never crashes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.cli import main
+from autotune.probe import GpuUnavailable, HardwareInfo, LiveSources, RecordedSources, describe, probe, record
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hardware"
+
+
+def recorded(name: str) -> HardwareInfo:
+    return probe(RecordedSources.load(FIXTURES / f"{name}.json"))
+
+
+def test_this_kind_of_machine() -> None:
+    hw = recorded("dev_xeon_amx")
+    assert hw.cpu.physical_cores == 2 and hw.cpu.arch == "x86_64"
+    assert hw.cpu.isa == {"avx2": True, "avx512": True, "avx512_bf16": True, "avx512_vnni": True, "amx": True,
+                          "neon": False, "sve": False}
+    assert hw.ram_total and hw.ram_total > 20 * 2**30 and hw.numa_nodes == 1
+    assert hw.gpus == () and "NVML" in hw.gpu_status
+
+
+def test_cpu_only_laptop_with_avx2_only() -> None:
+    hw = recorded("laptop_avx2")
+    isa = hw.cpu.isa
+    assert isa["avx2"] and not isa["avx512"] and not isa["avx512_bf16"] and not isa["amx"]
+    assert (hw.cpu.physical_cores, hw.cpu.logical_cores) == (4, 8)
+    assert hw.gpus == () and hw.gpu_status.startswith("no GPU")
+
+
+def test_rtx4090_on_pcie4_x16_with_threadripper() -> None:
+    hw = recorded("desktop_rtx4090_threadripper")
+    assert hw.cpu.physical_cores == 24 and hw.cpu.isa["avx512_bf16"] and not hw.cpu.isa["amx"]
+    (gpu,) = hw.gpus
+    assert gpu.name == "NVIDIA GeForce RTX 4090" and gpu.capability == (8, 9)
+    assert gpu.memory_total == 25757220864 and gpu.pcie_gbps == pytest.approx(31.5, rel=1e-3)
+    assert hw.gpu_status == "ok"
+
+
+def test_quadro_rtx6000_on_pcie3() -> None:
+    hw = recorded("workstation_quadro_rtx6000")
+    (gpu,) = hw.gpus
+    assert gpu.pcie_gen_max == 3 and gpu.pcie_gbps == pytest.approx(15.76, rel=1e-3)
+    assert gpu.capability == (7, 5) and hw.numa_nodes == 2
+    assert hw.cpu.isa["avx512_vnni"] and not hw.cpu.isa["avx512_bf16"]
+
+
+def test_unknown_values_are_none_and_shown_as_unknown() -> None:
+    hw = recorded("arm_partial")
+    assert hw.cpu.brand is None and hw.cpu.physical_cores is None and hw.ram_available is None
+    assert hw.cpu.isa["neon"] and hw.cpu.isa["sve"] and not hw.cpu.isa["avx2"]
+    assert hw.gpus[0].pcie_gbps is None and hw.gpus[0].capability is None
+    text = "\n".join(describe(hw))
+    assert "unknown" in text and "None" not in text
+
+
+def test_no_flags_means_unknown_isa_not_no() -> None:
+    hw = probe(RecordedSources({"cpu": {}, "cores": [None, None], "memory": [None, None]}))
+    assert set(hw.cpu.isa.values()) == {None}
+    assert hw.gpus == () and hw.gpu_status.startswith("no GPU")
+
+
+def test_round_trip_and_fingerprint() -> None:
+    for path in FIXTURES.glob("*.json"):
+        hw = probe(RecordedSources.load(path))
+        assert HardwareInfo.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+        assert set(hw.fingerprint()) == {"cpu", "cores", "threads", "ram_gib", "gpus", "vram", "driver"}
+
+
+def test_live_probe_on_this_machine_does_not_crash() -> None:
+    hw = probe(LiveSources())
+    assert hw.cpu.logical_cores and hw.ram_total
+    raw = record(LiveSources())
+    assert probe(RecordedSources(json.loads(json.dumps(raw)))).cpu == hw.cpu
+
+
+class BrokenNvml(RecordedSources):
+    def gpus(self) -> list:
+        raise GpuUnavailable("driver/library version mismatch")
+
+
+def test_gpu_errors_become_no_gpu() -> None:
+    hw = probe(BrokenNvml(json.loads((FIXTURES / "desktop_rtx4090_threadripper.json").read_text())))
+    assert hw.gpus == () and "version mismatch" in hw.gpu_status
+
+
+def test_probe_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["probe"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("CPU: ") and "RAM: " in out and "GPU" in out
+    assert main(["probe", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["cpu"]["logical_cores"] and "gpu_status" in data
+    assert main(["probe", "--record", str(tmp_path / "hw.json")]) == 0
+    capsys.readouterr()
+    assert main(["probe", "--from", str(tmp_path / "hw.json"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cpu"] == data["cpu"]
