@@ -43,6 +43,21 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--from", dest="source", metavar="FILE", help="read recorded readings instead of this machine")
     probe.set_defaults(func=_probe)
 
+    tune = sub.add_parser("autotune", help="measure this machine on a model and save the best plan as a profile")
+    tune.add_argument("--model", help="model folder to tune for")
+    tune.add_argument("--quick", action="store_true", help="fewer measurements (about 15 s)")
+    tune.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
+    tune.add_argument("--json", action="store_true")
+    tune.set_defaults(func=_autotune)
+
+    plan = sub.add_parser("plan", help="plan for hardware described in a JSON file, without running anything")
+    plan.add_argument("--hardware", required=True, metavar="HW.json", help="see the README for the schema")
+    plan.add_argument("--model", required=True, help="model folder or its config.json")
+    plan.add_argument("--trace", help="a routing trace recorded with --record-trace (default: synthetic)")
+    plan.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(func=_plan)
+
     bench = sub.add_parser("bench", help="benchmarks (print JSON)")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     decode = bench_sub.add_parser("decode", help="decode tokens/s, optionally against transformers")
@@ -92,10 +107,10 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--accelerator", choices=["auto", "none", "cuda", "emulated"], default="auto",
                    help="auto: CUDA when usable, else CPU only; emulated: the CPU plays a GPU (needs --vram-gb)")
     g.add_argument("--vram-gb", type=float, default=None, help="accelerator memory budget (caps CUDA)")
-    g.add_argument("--strategy", choices=["fiddler", "cpu", "fetch"], default="fiddler",
+    g.add_argument("--strategy", choices=["fiddler", "cpu", "fetch"], default=None,
                    help="fiddler: per-expert choice by latency; cpu: never copy weights; fetch: always copy")
     g.add_argument("--cache-ways", type=int, default=None, help="ways per index of the expert cache")
-    g.add_argument("--cache-policy", choices=["lru", "fifo", "lfu", "trace"], default="lru")
+    g.add_argument("--cache-policy", choices=["lru", "fifo", "lfu", "trace"], default=None, help="default: lru")
     g.add_argument("--max-inflight", type=int, default=4, help="background expert copies in flight at most")
     g.add_argument("--placement", metavar="FILE", help="pin the most popular experts of a recorded trace")
     g.add_argument("--cost", metavar="A,B,GPU,T",
@@ -110,6 +125,8 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                         "(default: 16 with AMX, else 8)")
     c.add_argument("--kernel-isa", choices=["auto", "base", "avx2", "avx512", "avx512bf16", "amx"], default="auto",
                    help="force a kernel variant (auto: the best this CPU supports)")
+    p.add_argument("--no-profile", action="store_true",
+                   help="ignore this machine's tuning profile (flags given explicitly always win over it)")
 
 
 def load_from_args(args: argparse.Namespace, batch: int = 1):  # -> runtime.loader.LoadedModel
@@ -124,7 +141,10 @@ def load_from_args(args: argparse.Namespace, batch: int = 1):  # -> runtime.load
         cost = CostModel.parse(args.cost) if args.cost else None
     except ValueError as e:
         raise Err(str(e)) from None
-    policy = OffloadPolicy(Strategy(args.strategy), args.cache_ways, Policy(args.cache_policy),
+    if not args.no_profile:
+        apply_profile(args)
+    policy = OffloadPolicy(Strategy(args.strategy or "fiddler"), args.cache_ways, Policy(args.cache_policy or "lru"),
+                           static=tuple(tuple(k) for k in getattr(args, "static_experts", ())),
                            max_inflight=args.max_inflight, cost=cost)
     isa = None if args.kernel_isa == "auto" else args.kernel_isa
     if isa is not None and isa not in available_isas():
@@ -135,6 +155,105 @@ def load_from_args(args: argparse.Namespace, batch: int = 1):  # -> runtime.load
                      args.quant_group, isa)
     return load(args.model, dtype=args.dtype, context=args.context, force=args.force, accelerator=args.accelerator,
                 vram_gb=args.vram_gb, policy=policy, batch=batch, placement=args.placement, cpu=cpu)
+
+
+def apply_profile(args: argparse.Namespace) -> None:
+    """Fill the settings the user did not give from this machine's profile for this model (if any)."""
+    from autotune.plan import Plan
+    from autotune.probe import probe
+    from autotune.profile import find_profile, model_fingerprint
+    from kernels.cpu import available_isas
+    from runtime.checkpoint import open_checkpoint
+    from runtime.loader import default_dtype, read_cpu_flags
+
+    ckpt = open_checkpoint(args.model)
+    dtype = default_dtype(read_cpu_flags()) if args.dtype == "auto" else args.dtype
+    found = find_profile(probe().fingerprint(), model_fingerprint(ckpt.raw_config, dtype))
+    if found.notice:
+        print(f"note: {found.notice}", file=sys.stderr)
+    if found.profile is None:
+        return
+    plan = Plan.from_dict(found.profile.plan)
+    if args.threads is None:
+        args.threads = plan.threads
+    if args.kernel_crossover is None and plan.crossover:
+        args.kernel_crossover = plan.crossover
+    if args.kernel_isa == "auto" and plan.kernel_isa in available_isas():
+        args.kernel_isa = plan.kernel_isa
+    if plan.accelerator:
+        args.strategy = args.strategy or plan.strategy
+        args.cache_policy = args.cache_policy or plan.cache_policy
+        if args.cache_ways is None and plan.cache_ways:
+            args.cache_ways = plan.cache_ways
+        if args.placement is None:
+            args.static_experts = found.profile.plan.get("static", [])
+
+
+def _autotune(args: argparse.Namespace) -> int:
+    from autotune.microbench import Step
+    from autotune.run import autotune
+
+    if not args.model:
+        raise TandemError("give the model to tune for: tandem autotune --model DIR")
+    def report(step: Step) -> None:
+        print(f"[{step.done}/{step.total}] {step.name}", file=sys.stderr)
+
+    tuned = autotune(args.model, args.dtype, args.quick, progress=None if args.json else report)
+    if args.json:
+        print(json.dumps(tuned.result.to_dict() | {"profile": str(tuned.path)}, indent=1))
+        return 0
+    plan, result = tuned.result.plan, tuned.result
+    cache = "none"
+    if plan.cache_ways:
+        cache = f"{plan.cache_indexes} indexes x {plan.cache_ways} ways ({plan.cache_policy})"
+    print(f"plan: {plan.threads} CPU threads, kernel {plan.kernel_isa or 'torch'} up to {plan.crossover or 0} tokens, "
+          f"{'accelerator: ' + plan.strategy if plan.accelerator else 'CPU only'}, cache {cache}, "
+          f"{plan.static_experts} static experts")
+    print(f"predicted decode: {result.predicted_tok_s:.1f} tok/s (hit rate {result.hit_rate:.0%})")
+    print(f"profile saved to {tuned.path}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from autotune.costs import from_hardware_file
+    from autotune.plan import ModelShape, make_plan
+    from runtime.checkpoint import open_checkpoint
+    from runtime.families import family_for
+
+    try:
+        hw = json.loads(Path(args.hardware).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise TandemError(f"cannot read hardware file {args.hardware}: {e}") from None
+    model = Path(args.model)
+    if model.is_file():
+        try:
+            raw = json.loads(model.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise TandemError(f"cannot read {model}: {e}") from None
+        cfg = family_for(raw.get("model_type")).parse(raw)
+    else:
+        cfg = open_checkpoint(model).config
+    item = 4 if args.dtype == "fp32" else 2
+    shape = ModelShape.from_config(cfg, item)
+    meas = from_hardware_file(hw, shape.expert_bytes, 6 * cfg.hidden_size * cfg.moe_intermediate_size)
+    trace = None
+    if args.trace:
+        import numpy as np
+
+        try:
+            with np.load(args.trace) as data:
+                trace = data["sequence"]
+        except (OSError, KeyError, ValueError) as e:
+            raise TandemError(f"cannot read trace {args.trace}: {e}; record one with --record-trace") from None
+    result = make_plan(shape, meas, trace)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1))
+    else:
+        p = result.plan
+        print(f"threads {p.threads}, {'accelerator, strategy ' + p.strategy if p.accelerator else 'CPU only'}, "
+              f"cache {p.cache_indexes} x {p.cache_ways} ({p.cache_policy}), {p.static_experts} static experts: "
+              f"{result.predicted_tok_s:.1f} tok/s predicted, hit rate {result.hit_rate:.0%}")
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:

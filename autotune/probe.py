@@ -9,6 +9,7 @@ as "unknown" — never a guess — and a missing NVML or driver means "no GPU", 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -116,6 +117,9 @@ class LiveSources:
     _cpu: dict[str, Any] | None = field(default=None, repr=False)
 
     def cpu(self) -> dict[str, Any]:
+        """/proc/cpuinfo where there is one (instant); py-cpuinfo elsewhere (about a second)."""
+        if self._cpu is None:
+            self._cpu = _proc_cpuinfo()
         if self._cpu is None:
             import cpuinfo
 
@@ -164,6 +168,27 @@ class LiveSources:
             return found
         finally:
             pynvml.nvmlShutdown()
+
+
+def _proc_cpuinfo() -> dict[str, Any] | None:
+    """The py-cpuinfo keys we use, read from Linux's /proc/cpuinfo (None elsewhere)."""
+    import platform
+
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key and key not in fields:
+            fields[key] = value.strip()
+        if not line.strip() and fields:
+            break  # the first processor is enough
+    flags = (fields.get("flags") or fields.get("features") or "").split()
+    return {"brand_raw": fields.get("model name") or fields.get("hardware"), "arch_string_raw": platform.machine(),
+            "flags": flags, "count": os.cpu_count()}
 
 
 def _nvml(fn: Any, *args: Any) -> Any:

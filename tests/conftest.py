@@ -66,3 +66,11 @@ def edit_config(folder: Path, **changes: Any) -> None:
     raw = json.loads(path.read_text())
     raw.update(changes)
     path.write_text(json.dumps(raw))
+
+
+@pytest.fixture(autouse=True)
+def tandem_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Saved state (profiles, later conversations) goes to a fresh folder per test, never the user's."""
+    home = tmp_path_factory.mktemp("tandem-home")
+    monkeypatch.setenv("TANDEM_HOME", str(home))
+    return home

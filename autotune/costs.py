@@ -1,0 +1,112 @@
+"""Measured (or estimated) latencies, and the cost model fitted from them.
+
+`Measurements` is what microbenchmarks produce or what a hardware description file (`tandem plan
+--hardware`) states; `fit_cpu` fits Fiddler's cpu_lat(s) = a + b·s per thread count; `roofline` fills in
+what was not measured from bandwidths and peak FLOPS (MoE-Lightning's hierarchical roofline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from runtime.errors import TandemError
+
+
+@dataclass(frozen=True)
+class CpuFit:
+    a_ms: float  # one token
+    b_ms: float  # each further token
+
+    def lat(self, tokens: int) -> float:
+        return self.a_ms + self.b_ms * max(0, tokens - 1)
+
+
+@dataclass
+class Measurements:
+    """Everything the planner needs to know about a machine, for one expert shape and dtype."""
+
+    cores: int
+    expert_bytes: int
+    cpu: dict[int, CpuFit]  # threads -> fit
+    dram_gbps: float | None = None
+    cpu_samples: dict[int, dict[int, float]] = field(default_factory=dict)  # threads -> tokens -> ms
+    kernel: dict[str, Any] = field(default_factory=dict)  # chosen variant and crossover
+    gpu_expert_ms: float | None = None
+    copy_expert_ms: float | None = None
+    h2d_gbps: float | None = None
+    d2h_gbps: float | None = None
+    vram_for_experts: int = 0  # bytes the accelerator can give to expert slots
+    token_overhead_ms: float = 0.0  # measured decode time per token not explained by the layer model
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.vram_for_experts > 0 and self.gpu_expert_ms is not None and self.copy_expert_ms is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cores": self.cores, "expert_bytes": self.expert_bytes, "dram_gbps": self.dram_gbps,
+            "cpu": {str(t): {"a_ms": f.a_ms, "b_ms": f.b_ms} for t, f in self.cpu.items()},
+            "cpu_samples": {str(t): {str(n): ms for n, ms in s.items()} for t, s in self.cpu_samples.items()},
+            "kernel": self.kernel, "gpu_expert_ms": self.gpu_expert_ms, "copy_expert_ms": self.copy_expert_ms,
+            "h2d_gbps": self.h2d_gbps, "d2h_gbps": self.d2h_gbps, "vram_for_experts": self.vram_for_experts,
+            "token_overhead_ms": self.token_overhead_ms,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Measurements:
+        return cls(
+            cores=int(d["cores"]), expert_bytes=int(d["expert_bytes"]),
+            cpu={int(t): CpuFit(float(f["a_ms"]), float(f["b_ms"])) for t, f in d["cpu"].items()},
+            dram_gbps=d.get("dram_gbps"),
+            cpu_samples={int(t): {int(n): float(ms) for n, ms in s.items()}
+                         for t, s in (d.get("cpu_samples") or {}).items()},
+            kernel=d.get("kernel") or {}, gpu_expert_ms=d.get("gpu_expert_ms"),
+            copy_expert_ms=d.get("copy_expert_ms"), h2d_gbps=d.get("h2d_gbps"), d2h_gbps=d.get("d2h_gbps"),
+            vram_for_experts=int(d.get("vram_for_experts") or 0),
+            token_overhead_ms=float(d.get("token_overhead_ms") or 0.0),
+        )
+
+
+def fit_cpu(samples: dict[int, float]) -> CpuFit:
+    """Least-squares a + b·(s - 1) over measured token counts (Fiddler's linear CPU model)."""
+    tokens = np.array(sorted(samples), dtype=float)
+    ms = np.array([samples[int(s)] for s in tokens])
+    if len(tokens) == 1:
+        return CpuFit(float(ms[0]), 0.0)
+    b, a = np.polyfit(tokens - 1, ms, 1)
+    return CpuFit(max(float(a), 1e-6), max(float(b), 0.0))
+
+
+def roofline_cpu(expert_bytes: int, flops_per_token: float, dram_gbps: float, gflops: float) -> CpuFit:
+    """Bandwidth-bound first token, compute-bound further tokens."""
+    return CpuFit(expert_bytes / dram_gbps / 1e6, flops_per_token / gflops / 1e6)
+
+
+def from_hardware_file(d: dict[str, Any], expert_bytes: int, flops_per_token: float) -> Measurements:
+    """A machine described by hand (see the README's HW.json schema) -> Measurements."""
+    try:
+        cores = int(d["cores"])
+        cpu: dict[int, CpuFit] = {}
+        for t, spec in (d.get("cpu_threads") or {}).items():
+            cpu[int(t)] = CpuFit(float(spec["expert_ms"]), float(spec.get("per_token_ms", 0.0)))
+        if not cpu:  # derive from bandwidth and FLOPS, assuming both scale with threads up to `cores`
+            bw, gf = float(d["cpu_bandwidth_gbps"]), float(d["cpu_gflops"])
+            for t in sorted({1, max(1, cores // 2), cores}):
+                cpu[t] = roofline_cpu(expert_bytes, flops_per_token, bw * min(1.0, 2 * t / cores), gf * t / cores)
+        gpu = d.get("gpu") or {}
+        copy_ms = gpu.get("copy_ms")
+        if copy_ms is None and gpu.get("h2d_gbps"):
+            copy_ms = expert_bytes / float(gpu["h2d_gbps"]) / 1e6
+        return Measurements(
+            cores=cores, expert_bytes=expert_bytes, cpu=cpu, dram_gbps=d.get("cpu_bandwidth_gbps"),
+            gpu_expert_ms=gpu.get("expert_ms"), copy_expert_ms=copy_ms, h2d_gbps=gpu.get("h2d_gbps"),
+            vram_for_experts=int(gpu.get("vram_bytes_for_experts") or 0),
+            token_overhead_ms=float(d.get("token_overhead_ms", 0.0)),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise TandemError(
+            f"hardware file is missing or has a bad value ({e!r}); see the HW.json schema in the README"
+        ) from None

@@ -1,0 +1,155 @@
+"""Microbenchmarks on the model's own expert shape: DRAM bandwidth, CPU expert latency per token count,
+thread count and kernel path, and (with CUDA) accelerator expert latency and copy bandwidth.
+
+Synthetic weights of the real shape, cycled through a working set larger than the caches. A progress
+callback reports each step. Budget on a 2-core machine: about a minute, `quick` about 15 seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from autotune.costs import Measurements, fit_cpu
+from autotune.plan import ModelShape
+from autotune.probe import HardwareInfo
+from kernels.cpu import CpuExecutor, read_bandwidth_probe
+
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+QUICK_TOKENS = (1, 4, 16, 64)
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    done: int
+    total: int
+
+
+Progress = Callable[[Step], None]
+
+
+def thread_candidates(hw: HardwareInfo) -> list[int]:
+    cores = hw.cpu.physical_cores or hw.cpu.logical_cores or 1
+    return sorted({1, max(1, cores // 2), cores})
+
+
+def _time(fn: Callable[[int], object], count: int, min_time: float) -> float:
+    fn(0)
+    calls, start = 0, time.perf_counter()
+    while True:
+        fn(calls % count)
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_time and calls >= min(count, 3):
+            return elapsed / calls * 1e3  # ms
+
+
+def dram_bandwidth(threads: int, size: int) -> float:
+    buf = torch.ones(size // 4)
+    read_bandwidth_probe(buf, threads)
+    best = 0.0
+    for _ in range(3):
+        start = time.perf_counter()
+        read_bandwidth_probe(buf, threads)
+        best = max(best, size / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def microbench(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype = torch.bfloat16, quick: bool = False,
+               progress: Progress | None = None) -> Measurements:
+    threads = thread_candidates(hw)
+    tokens = QUICK_TOKENS if quick else TOKENS
+    min_time = 0.04 if quick else 0.12
+    available = hw.ram_available or 4 * 2**30
+    working_set = int(min(available // 4, (2**30 if quick else 2 * 2**30)))
+    total = 1 + len(threads) + 1
+    done = 0
+
+    def step(name: str) -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(Step(name, done, total))
+
+    bw = dram_bandwidth(max(threads), working_set)
+    step(f"DRAM read bandwidth: {bw:.1f} GB/s")
+    h, i = shape.hidden, shape.inter
+    item = torch.empty((), dtype=dtype).element_size()
+    count = max(2, min(512, working_set // (3 * h * i * item)))  # small experts: the caches hold them anyway
+    weights = [tuple(torch.ones(s, dtype=dtype) * 0.01 for s in ((i, h), (i, h), (h, i))) for _ in range(count)]
+    samples: dict[int, dict[int, float]] = {}
+    torch_ms: dict[int, float] = {}
+    isa = None
+    crossover_cap = max(tokens)
+    for t in threads:
+        executor = CpuExecutor(h, i, dtype, threads=t, crossover=crossover_cap)
+        experts = [executor.prepare(*w) for w in weights]
+        isa = executor.isa_for(experts[0], 1)
+        samples[t] = {}
+        for n in tokens:
+            x = torch.ones(n, h, dtype=dtype)
+            samples[t][n] = _time(lambda k, x=x, e=experts: e[k](x), count, min_time)
+        step(f"CPU experts, {t} thread{'s' if t > 1 else ''}: " +
+             ", ".join(f"{n} tok {ms:.2f} ms" for n, ms in samples[t].items()))
+    best_t = min(threads, key=lambda t: samples[t][1])
+    torch_exec = CpuExecutor(h, i, dtype, threads=best_t, use_kernel=False)
+    torch_experts = [torch_exec.prepare(*w) for w in weights]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(best_t)  # torch's own path at the same thread count, then back as it was
+    try:
+        for n in tokens:
+            x = torch.ones(n, h, dtype=dtype)
+            torch_ms[n] = _time(lambda k, x=x: torch_experts[k](x), count, min_time)
+    finally:
+        torch.set_num_threads(previous)
+    # crossover: the largest token count up to which the compiled kernel is at least as fast as torch
+    crossover = 0
+    for n in tokens:
+        if samples[best_t][n] <= torch_ms[n]:
+            crossover = n
+        else:
+            break
+    fits = {t: fit_cpu({n: min(ms, torch_ms[n]) if t == best_t else ms for n, ms in s.items()})
+            for t, s in samples.items()}
+    step(f"crossover kernel -> torch after {crossover} tokens")
+    return Measurements(
+        cores=hw.cpu.physical_cores or hw.cpu.logical_cores or 1, expert_bytes=3 * h * i * item, cpu=fits,
+        dram_gbps=bw, cpu_samples=samples,
+        kernel={"isa": isa, "crossover": crossover or None, "torch_ms": {str(n): ms for n, ms in torch_ms.items()}},
+        **_gpu_measurements(shape, hw, dtype),
+    )
+
+
+def _gpu_measurements(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype) -> dict[str, object]:
+    """Accelerator expert latency, pinned copy bandwidth both ways and one expert's copy time (CUDA only)."""
+    if not hw.gpus or not torch.cuda.is_available():
+        return {}
+    dev = torch.device("cuda", 0)  # pragma: no cover - no GPU on test machines
+    h, i = shape.hidden, shape.inter  # pragma: no cover
+    gate, up, down = (torch.ones(s, dtype=dtype, device=dev) for s in ((i, h), (i, h), (h, i)))  # pragma: no cover
+    x = torch.ones(1, h, dtype=dtype, device=dev)  # pragma: no cover
+
+    def run() -> None:  # pragma: no cover
+        torch.nn.functional.linear(torch.nn.functional.silu(x @ gate.T) * (x @ up.T), down)
+
+    def timed(fn: Callable[[], object], reps: int = 20) -> float:  # pragma: no cover
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / reps * 1e3
+
+    host = torch.ones(3 * h * i, dtype=dtype, pin_memory=True)  # pragma: no cover
+    device = torch.empty_like(host, device=dev)  # pragma: no cover
+    copy_ms = timed(lambda: device.copy_(host, non_blocking=True))  # pragma: no cover
+    back_ms = timed(lambda: host.copy_(device, non_blocking=True))  # pragma: no cover
+    nbytes = host.numel() * host.element_size()  # pragma: no cover
+    free = min(g.memory_free or 0 for g in hw.gpus[:1])  # pragma: no cover
+    return {"gpu_expert_ms": timed(run), "copy_expert_ms": copy_ms, "h2d_gbps": nbytes / copy_ms / 1e6,
+            "d2h_gbps": nbytes / back_ms / 1e6, "vram_for_experts": int(free * 0.8)}  # pragma: no cover

@@ -1,0 +1,146 @@
+"""The planner: search placement policies with the simulator and pick the fastest predicted one.
+
+Pure function of (measurements, model shape, routing trace). On a CPU-only machine it still chooses the
+thread count, the kernel variant and crossover (from measurements) and leaves quantization off; with an
+accelerator it also chooses the strategy, static placement and the cache's ways, indexes and policy.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from autotune.costs import Measurements
+from autotune.simulate import SimCosts, SimPolicy, SimResult, simulate, synthetic_trace
+from runtime.config import ModelConfig
+from runtime.expert_cache import Policy
+from runtime.trace import most_popular
+from runtime.weights import attention_tensors
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_experts: int
+    top_k: int
+    sparse: tuple[bool, ...]
+    hidden: int
+    inter: int
+    expert_bytes: int
+    dense_layer_bytes: int  # non-expert weights read per layer per token (attention, norms, router)
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, dtype_bytes: int = 2) -> ModelShape:
+        attn = sum(int(np.prod(s)) for s in attention_tensors(cfg, 0).values())
+        dense = (attn + cfg.num_experts * cfg.hidden_size) * dtype_bytes
+        return cls(cfg.num_layers, cfg.num_experts, cfg.top_k, cfg.sparse_layers, cfg.hidden_size,
+                   cfg.moe_intermediate_size, 3 * cfg.hidden_size * cfg.moe_intermediate_size * dtype_bytes, dense)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i, s in enumerate(self.sparse) if s]
+
+
+@dataclass(frozen=True)
+class Plan:
+    threads: int
+    accelerator: bool = False
+    strategy: str = "cpu"
+    cache_indexes: int = 0
+    cache_ways: int = 0
+    cache_policy: str = "lru"
+    static_experts: int = 0
+    kernel_isa: str | None = None
+    crossover: int | None = None
+    quant: str | None = None  # off unless the user opts in
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"threads": self.threads, "accelerator": self.accelerator, "strategy": self.strategy,
+                "cache": {"indexes": self.cache_indexes, "ways": self.cache_ways, "policy": self.cache_policy},
+                "static_experts": self.static_experts, "kernel": {"isa": self.kernel_isa, "crossover": self.crossover},
+                "quant": self.quant or "none"}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        cache, kernel = d.get("cache") or {}, d.get("kernel") or {}
+        quant = d.get("quant")
+        return cls(int(d["threads"]), bool(d.get("accelerator")), d.get("strategy", "cpu"),
+                   int(cache.get("indexes", 0)), int(cache.get("ways", 0)), cache.get("policy", "lru"),
+                   int(d.get("static_experts", 0)), kernel.get("isa"), kernel.get("crossover"),
+                   None if quant in (None, "none") else quant)
+
+
+@dataclass
+class PlanResult:
+    plan: Plan
+    predicted_tok_s: float
+    hit_rate: float
+    alternatives: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"plan": self.plan.to_dict(), "predicted_tok_s": round(self.predicted_tok_s, 2),
+                "hit_rate": round(self.hit_rate, 4), "alternatives": self.alternatives}
+
+
+def sim_costs(shape: ModelShape, meas: Measurements, threads: int, accelerator: bool) -> SimCosts:
+    fit = meas.cpu[threads]
+    dram = meas.dram_gbps or 20.0
+    if accelerator:
+        gpu_gbps = shape.expert_bytes / (meas.gpu_expert_ms or 1.0) / 1e6  # the accelerator's effective bandwidth
+        dense = shape.dense_layer_bytes / gpu_gbps / 1e6
+        ship = 2 * shape.hidden * 4 / (meas.h2d_gbps or 10.0) / 1e6 + 0.01  # activations both ways + latency
+        return SimCosts(fit.a_ms, fit.b_ms, meas.gpu_expert_ms or 0.0, meas.copy_expert_ms or 0.0, dense, ship,
+                        meas.token_overhead_ms)
+    return SimCosts(fit.a_ms, fit.b_ms, dense_layer=shape.dense_layer_bytes / dram / 1e6,
+                    token=meas.token_overhead_ms)
+
+
+def candidates(shape: ModelShape, meas: Measurements) -> list[Plan]:
+    kernel = {"kernel_isa": meas.kernel.get("isa"), "crossover": meas.kernel.get("crossover")}
+    threads = sorted(meas.cpu)
+    plans = [Plan(t, **kernel) for t in threads]
+    if not meas.has_gpu:
+        return plans
+    moe = len(shape.moe_layers)
+    slots = min(meas.vram_for_experts // shape.expert_bytes, moe * shape.num_experts)
+    best_t = min(threads, key=lambda t: meas.cpu[t].lat(1))
+    ways_options = sorted({w for w in (shape.top_k, 2 * shape.top_k, 4 * shape.top_k, shape.num_experts)
+                           if 0 < w <= shape.num_experts})
+    for strategy in ("fiddler", "cpu", "fetch"):
+        for static in sorted({0, slots // 2, slots}):
+            cache_slots = slots - static
+            plans.append(Plan(best_t, True, strategy, static_experts=static, **kernel))
+            for ways in ways_options:
+                indexes = min(moe, cache_slots // ways)
+                if indexes == 0:
+                    continue
+                for policy in Policy:
+                    plans.append(Plan(best_t, True, strategy, indexes, ways, policy.value, static, **kernel))
+    return plans
+
+
+def evaluate(plan: Plan, shape: ModelShape, meas: Measurements, trace: np.ndarray) -> SimResult:
+    counts = np.zeros((shape.num_layers, shape.num_experts), dtype=np.int64)
+    for layer in range(shape.num_layers):
+        ids = trace[:, layer].ravel()
+        ids = ids[ids >= 0]
+        counts[layer] = np.bincount(ids, minlength=shape.num_experts)
+    static = tuple(most_popular(counts, plan.static_experts)) if plan.static_experts else ()
+    policy = SimPolicy(plan.accelerator, plan.strategy, static, tuple(shape.moe_layers[: plan.cache_indexes]),
+                       plan.cache_ways, Policy(plan.cache_policy))
+    return simulate(trace, sim_costs(shape, meas, plan.threads, plan.accelerator), policy, shape.expert_bytes)
+
+
+def make_plan(shape: ModelShape, meas: Measurements, trace: np.ndarray | None = None, keep: int = 5) -> PlanResult:
+    """The plan with the highest predicted decode tokens/s, and the runners-up."""
+    if trace is None:
+        trace = synthetic_trace(48, shape.num_layers, shape.num_experts, shape.top_k, sparse=shape.sparse)
+    scored = [(plan, evaluate(plan, shape, meas, trace)) for plan in candidates(shape, meas)]
+    scored.sort(key=lambda pr: (-pr[1].tok_s, pr[0].threads))
+    best, result = scored[0]
+    alternatives = [{"plan": p.to_dict(), "predicted_tok_s": round(r.tok_s, 2), "hit_rate": round(r.hit_rate, 4)}
+                    for p, r in itertools.islice(scored[1:], keep)]
+    return PlanResult(best, result.tok_s, result.hit_rate, alternatives)

@@ -1,0 +1,76 @@
+"""The whole auto-tune: probe, microbenchmark the model's expert shape, record a short routing trace,
+plan, and save the profile. Progress is reported through a callback (the CLI prints it; the TUI shows it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from autotune.microbench import Step, microbench
+from autotune.plan import ModelShape, Plan, PlanResult, evaluate, make_plan
+from autotune.probe import HardwareInfo, probe
+from autotune.profile import Profile, model_fingerprint, save_profile
+from runtime.checkpoint import open_checkpoint
+from runtime.engine import Engine, GenerationStats
+from runtime.loader import DTYPES, default_dtype, load
+from runtime.sampling import SamplingParams
+from runtime.trace import most_popular
+
+CALIBRATION_PROMPT = "Explain, step by step, how a mixture-of-experts language model decides which experts to use."
+
+
+@dataclass
+class Tuned:
+    hardware: HardwareInfo
+    result: PlanResult
+    profile: Profile
+    path: Path
+
+
+def record_trace(model_dir: str | Path, dtype: str, tokens: int = 32) -> tuple[np.ndarray, float, int]:
+    """Decode `tokens` tokens CPU-only (default settings): the routing sequence `[steps, layers, top_k]`,
+    the measured decode ms per token and the thread count it ran with (to calibrate the simulator)."""
+    loaded = load(model_dir, dtype=dtype, context=min(512, open_checkpoint(model_dir).config.max_position_embeddings))
+    prompt = loaded.tokenizer.encode(CALIBRATION_PROMPT)
+    stats = GenerationStats()
+    engine = Engine(loaded.model, ())  # no EOS: always the full count
+    for _ in engine.generate(prompt, SamplingParams(max_new_tokens=tokens), stats):
+        pass
+    recorder = loaded.model.experts.recorder
+    trace = np.stack(recorder.sequence) if recorder.sequence else np.zeros((0, loaded.model.cfg.num_layers, 1), int)
+    ms = 1000.0 / stats.decode_tok_s if stats.decode_tok_s else 0.0
+    return trace, ms, loaded.model.experts.executor.threads
+
+
+def autotune(model_dir: str | Path, dtype: str = "auto", quick: bool = False,
+             progress: Callable[[Step], None] | None = None, trace: np.ndarray | None = None) -> Tuned:
+    hw = probe()
+    name = default_dtype(set(hw.cpu.flags) or None) if dtype == "auto" else dtype
+    ckpt = open_checkpoint(model_dir)
+    shape = ModelShape.from_config(ckpt.config, torch.empty((), dtype=DTYPES[name]).element_size())
+    meas = microbench(shape, hw, DTYPES[name], quick=quick, progress=progress)
+    recorded, measured_ms, threads = record_trace(model_dir, name, tokens=16 if quick else 32)
+    if trace is None or len(trace) == 0:
+        trace = recorded
+    # Calibrate: what one real CPU-only decode took per token beyond what the layer model explains.
+    if threads in meas.cpu and len(recorded):
+        base = evaluate(Plan(threads), shape, meas, recorded).token_ms
+        meas.token_overhead_ms = max(0.0, measured_ms - base)
+    if progress:
+        progress(Step(f"calibration decode: {measured_ms:.2f} ms/token over a {len(recorded)}-token trace", 1, 1))
+    result = make_plan(shape, meas, trace if len(trace) else None)
+    plan = result.plan.to_dict()
+    if result.plan.static_experts:
+        counts = np.zeros((shape.num_layers, shape.num_experts), dtype=np.int64)
+        for layer in range(shape.num_layers):
+            ids = trace[:, layer].ravel()
+            counts[layer] = np.bincount(ids[ids >= 0], minlength=shape.num_experts)
+        plan["static"] = [list(k) for k in most_popular(counts, result.plan.static_experts)]
+    profile = Profile(hw.fingerprint(), model_fingerprint(ckpt.raw_config, name), meas.to_dict(), plan,
+                      {"tok_s": round(result.predicted_tok_s, 2), "hit_rate": round(result.hit_rate, 4),
+                       "alternatives": result.alternatives})
+    return Tuned(hw, result, profile, save_profile(profile))

@@ -1,0 +1,164 @@
+"""Trace-driven simulation of decode under a placement policy (MoE-Lightning's roofline costs, Fiddler's
+per-expert choice, the collaborative-inference cache), with the CPU, the accelerator and the copy engine
+as three concurrent resources.
+
+Replays a routing trace `[steps, layers, top_k]` (expert ids, -1 for dense layers) one decode token at a
+time. Per layer: the non-expert part runs first (on the accelerator if there is one); then resident experts
+queue on the accelerator, copied-on-demand experts queue on the copy engine and then the accelerator, the
+rest on the CPU; the layer ends when both sides are done. Misses in cached layers are post-fetched on the
+copy engine in the background (at most `max_inflight` at a time) and become hits once their copy has ended.
+The cache bookkeeping is the runtime's own `ExpertCache`, so eviction behaves exactly as at run time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime.expert_cache import ExpertCache, Key, Policy
+
+
+@dataclass(frozen=True)
+class SimCosts:
+    """Latencies in ms. CPU: `cpu_a + cpu_b * tokens` per expert at the planned thread count."""
+
+    cpu_a: float
+    cpu_b: float
+    gpu_expert: float = 0.0
+    copy_expert: float = 0.0  # one expert's weights host -> device
+    dense_layer: float = 0.0  # attention + router etc. of one layer (where the non-expert part runs)
+    ship: float = 0.0  # activations to the CPU and back, once per layer that has CPU experts
+    token: float = 0.0  # per-token work outside the layers (embedding, lm_head, sampling, interpreter)
+
+
+@dataclass(frozen=True)
+class SimPolicy:
+    accelerator: bool = False
+    strategy: str = "fiddler"  # fiddler | cpu | fetch
+    static: tuple[Key, ...] = ()
+    cache_layers: tuple[int, ...] = ()  # MoE layers the cache covers (N indexes)
+    ways: int = 0
+    policy: Policy = Policy.LRU
+    max_inflight: int = 4
+
+
+@dataclass
+class SimResult:
+    token_ms: float
+    hit_rate: float
+    bytes_moved: int
+    hits: int = 0
+    misses: int = 0
+    copies: int = 0
+    timeline: list[float] = field(default_factory=list)  # end time of each token, ms
+
+    @property
+    def tok_s(self) -> float:
+        return 1000.0 / self.token_ms if self.token_ms > 0 else 0.0
+
+
+class _Copy:
+    """A copy in simulated time: done once the simulation clock has passed its end."""
+
+    def __init__(self, clock: list[float], end: float) -> None:
+        self.clock, self.end = clock, end
+
+    def done(self) -> bool:
+        return self.clock[0] >= self.end
+
+    def exception(self) -> None:
+        return None
+
+    def result(self) -> None:
+        return None
+
+
+def simulate(trace: np.ndarray, costs: SimCosts, policy: SimPolicy, expert_bytes: int) -> SimResult:
+    """Predicted per-token decode latency, hit rate and bytes copied for `trace` under `policy`."""
+    steps = trace.shape[0]
+    clock = [0.0]  # shared with the simulated copies
+    cache = ExpertCache(list(policy.cache_layers), policy.ways if policy.cache_layers else 0, policy.policy,
+                        policy.max_inflight)
+    static = set(policy.static)
+    copy_free = 0.0  # when the copy engine is next idle
+    hits = misses = copies = 0
+    timeline: list[float] = []
+    for step in range(steps):
+        if policy.policy is Policy.TRACE and step == 0:
+            cache.new_request()
+        for layer in range(trace.shape[1]):
+            experts = [int(e) for e in trace[step, layer] if e >= 0]
+            t = clock[0] + costs.dense_layer
+            clock[0] = t
+            if not experts:
+                continue
+            if not policy.accelerator:
+                clock[0] = t + sum(costs.cpu_a + costs.cpu_b for _ in experts)
+                misses += len(experts)
+                continue
+            for e in experts:
+                cache.observe(layer, e, 1)
+            gpu_end, cpu_end, missed = t, t, []
+            for e in experts:
+                key = (layer, e)
+                resident = key in static or (cache.covers(layer) and cache.lookup(layer, e) is not None)
+                if resident:
+                    hits += 1
+                    gpu_end += costs.gpu_expert
+                    continue
+                misses += 1
+                fetch = policy.strategy == "fetch" or (
+                    policy.strategy == "fiddler" and costs.cpu_a + costs.cpu_b > costs.gpu_expert + costs.copy_expert)
+                if fetch:
+                    start = max(t, copy_free)
+                    copy_free = start + costs.copy_expert
+                    copies += 1
+                    gpu_end = max(gpu_end, copy_free) + costs.gpu_expert
+                    slot = cache.begin_fill(layer, e) if cache.covers(layer) else None
+                    if slot is not None:
+                        cache.start(slot, _Copy(clock, copy_free))  # type: ignore[arg-type]
+                else:
+                    cpu_end += costs.cpu_a + costs.cpu_b
+                    missed.append(e)
+            if missed:
+                cpu_end += costs.ship
+            clock[0] = max(gpu_end, cpu_end)
+            for e in missed:  # post-fetch in the background for later tokens
+                if not cache.covers(layer) or cache.inflight >= cache.max_inflight:
+                    continue
+                slot = cache.begin_fill(layer, e)
+                if slot is not None:
+                    start = max(clock[0], copy_free)
+                    copy_free = start + costs.copy_expert
+                    copies += 1
+                    cache.start(slot, _Copy(clock, copy_free))  # type: ignore[arg-type]
+        clock[0] += costs.token
+        timeline.append(clock[0])
+    total = hits + misses
+    return SimResult(clock[0] / steps if steps else 0.0, hits / total if total else 0.0, copies * expert_bytes,
+                     hits, misses, copies, timeline)
+
+
+def synthetic_trace(steps: int, layers: int, experts: int, top_k: int, reuse: float = 0.4,
+                    skew: float = 1.0, seed: int = 0, sparse: tuple[bool, ...] | None = None) -> np.ndarray:
+    """A routing trace with temporal locality: each token keeps each of the previous token's experts of a
+    layer with probability `reuse`, and draws the rest from a Zipf-like popularity (`skew` 0 = uniform)."""
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, experts + 1) ** skew
+    popularity = np.stack([rng.permutation(weights) for _ in range(layers)])  # [layers, experts]
+    popularity /= popularity.sum(1, keepdims=True)
+    trace = np.full((steps, layers, top_k), -1, dtype=np.int32)
+    for layer in range(layers):
+        if sparse is not None and not sparse[layer]:
+            continue
+        prev: list[int] = []
+        for step in range(steps):
+            chosen = [e for e in prev if rng.random() < reuse][:top_k]
+            while len(chosen) < top_k:
+                e = int(rng.choice(experts, p=popularity[layer]))
+                if e not in chosen:
+                    chosen.append(e)
+            trace[step, layer] = chosen
+            prev = chosen
+    return trace

@@ -1,0 +1,110 @@
+"""Auto-tuning end to end: microbenchmarks, plan, profile saved atomically and applied; broken profiles are
+set aside; `tandem plan` for hardware described in a file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.cli import main
+from autotune.profile import SCHEMA, Profile, find_profile, profiles_dir, save_profile
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hardware"
+
+
+def profile(**overrides) -> Profile:
+    return Profile(**({"machine": {"cpu": "x", "cores": 2}, "model": {"model_type": "mixtral", "config_sha256": "a",
+                                                                      "dtype": "bf16"},
+                       "measurements": {}, "plan": {"threads": 2}, "predicted": {}} | overrides))
+
+
+def test_save_and_find_profile(tandem_home: Path) -> None:
+    p = profile()
+    path = save_profile(p)
+    assert path.parent == profiles_dir() and str(tandem_home) in str(path)
+    assert not list(path.parent.glob(".profile-*"))  # no temporary file left behind
+    found = find_profile(p.machine, p.model)
+    assert found.profile is not None and found.profile.plan == {"threads": 2} and found.notice is None
+
+
+def test_other_hardware_is_noticed_not_used() -> None:
+    save_profile(profile())
+    found = find_profile({"cpu": "y", "cores": 64}, profile().model)
+    assert found.profile is None and "hardware changed" in found.notice
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"schema": SCHEMA + 1, "plan": {}}), "[]"])
+def test_corrupt_or_old_profile_is_set_aside(content: str) -> None:
+    p = profile()
+    path = save_profile(p)
+    path.write_text(content)
+    found = find_profile(p.machine, p.model)
+    assert found.profile is None and "set aside" in found.notice
+    assert not path.exists() and list(path.parent.glob("*.bad-*.json"))
+
+
+def test_autotune_quick_saves_a_profile_that_generate_applies(mixtral_dir: Path, capsys) -> None:
+    assert main(["autotune", "--model", str(mixtral_dir), "--quick", "--dtype", "fp32", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["predicted_tok_s"] > 0 and not result["plan"]["accelerator"]
+    assert Path(result["profile"]).exists()
+    threads = result["plan"]["threads"]
+    saved = json.loads(Path(result["profile"]).read_text())
+    assert saved["schema"] == SCHEMA and saved["measurements"]["cpu"] and saved["machine"]["cores"]
+
+    assert main(["generate", "--model", str(mixtral_dir), "--prompt", "hi", "--max-new-tokens", "2", "--dtype",
+                 "fp32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["cpu"]["threads"] == threads
+    other = 1 if threads != 1 else 2
+    assert main(["generate", "--model", str(mixtral_dir), "--prompt", "hi", "--max-new-tokens", "2", "--dtype",
+                 "fp32", "--json", "--threads", str(other)]) == 0  # a flag wins over the profile
+    assert json.loads(capsys.readouterr().out)["plan"]["cpu"]["threads"] == other
+
+
+def test_generate_notices_a_profile_from_other_hardware(mixtral_dir: Path, capsys) -> None:
+    from autotune.profile import model_fingerprint
+
+    raw = json.loads((mixtral_dir / "config.json").read_text())
+    save_profile(profile(machine={"cpu": "another machine"}, model=model_fingerprint(raw, "fp32")))
+    assert main(["generate", "--model", str(mixtral_dir), "--prompt", "hi", "--max-new-tokens", "1", "--dtype",
+                 "fp32"]) == 0
+    assert "note: the hardware changed" in capsys.readouterr().err
+
+
+def test_autotune_needs_a_model(capsys) -> None:
+    assert main(["autotune"]) == 2 and "--model" in capsys.readouterr().err
+
+
+HW_24GB = {"cores": 24, "cpu_threads": {"12": {"expert_ms": 14.0, "per_token_ms": 1.0},
+                                        "24": {"expert_ms": 9.0, "per_token_ms": 0.6}},
+           "gpu": {"expert_ms": 0.35, "h2d_gbps": 25.0, "vram_bytes_for_experts": 16 * 2**30}}
+
+
+def test_plan_for_described_hardware(tmp_path: Path, mixtral_dir: Path, capsys) -> None:
+    hw = tmp_path / "hw.json"
+    hw.write_text(json.dumps(HW_24GB))
+    assert main(["plan", "--hardware", str(hw), "--model", str(mixtral_dir / "config.json"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"plan", "predicted_tok_s", "hit_rate", "alternatives"}
+    assert set(out["plan"]) >= {"threads", "strategy", "cache", "static_experts"}
+    assert set(out["plan"]["cache"]) == {"indexes", "ways", "policy"} and out["plan"]["accelerator"]
+    cpu_only = tmp_path / "cpu.json"
+    cpu_only.write_text(json.dumps({"cores": 8, "cpu_bandwidth_gbps": 40, "cpu_gflops": 300}))
+    assert main(["plan", "--hardware", str(cpu_only), "--model", str(mixtral_dir)]) == 0
+    assert "CPU only" in capsys.readouterr().out
+
+
+def test_plan_with_recorded_trace_and_bad_files(tmp_path: Path, mixtral_dir: Path, capsys) -> None:
+    trace = tmp_path / "t.npz"
+    assert main(["generate", "--model", str(mixtral_dir), "--prompt", "hello", "--max-new-tokens", "6",
+                 "--record-trace", str(trace), "--json"]) == 0
+    hw = tmp_path / "hw.json"
+    hw.write_text(json.dumps(HW_24GB))
+    capsys.readouterr()
+    assert main(["plan", "--hardware", str(hw), "--model", str(mixtral_dir), "--trace", str(trace), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["predicted_tok_s"] > 0
+    hw.write_text(json.dumps({"gpu": {}}))
+    assert main(["plan", "--hardware", str(hw), "--model", str(mixtral_dir)]) == 2
+    assert "HW.json schema" in capsys.readouterr().err

@@ -1,0 +1,125 @@
+"""The simulator against hand-computed timelines; the planner's choices on recorded machines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from autotune.costs import CpuFit, Measurements, fit_cpu, from_hardware_file
+from autotune.plan import ModelShape, Plan, make_plan
+from autotune.simulate import SimCosts, SimPolicy, simulate, synthetic_trace
+from runtime.expert_cache import Policy
+
+# Two MoE layers, two experts, top-1. Step by step (ms):
+TRACE = np.array([[[0], [0]], [[0], [1]], [[1], [1]]], dtype=np.int32)  # [steps, layers, k]
+COSTS = SimCosts(cpu_a=2.0, cpu_b=0.0, gpu_expert=1.0, copy_expert=3.0, dense_layer=0.5)
+
+
+def test_cpu_only_timeline() -> None:
+    # every layer: 0.5 dense + 2 for its expert -> 2.5 per layer, 5 per token
+    r = simulate(TRACE, COSTS, SimPolicy(accelerator=False), expert_bytes=100)
+    assert r.timeline == [5.0, 10.0, 15.0] and r.token_ms == 5.0 and r.hit_rate == 0 and r.bytes_moved == 0
+
+
+def test_cache_with_post_fetch_timeline() -> None:
+    # Cache: layer 0 only, 1 way. Strategy cpu (misses on the CPU, copied in the background).
+    # step 0: L0 0.5 -> miss e0 on CPU -> 2.5; copy e0 2.5..5.5 | L1 3.0 -> miss -> 5.0
+    # step 1: L0 5.5 -> e0 ready (copy ended 5.5): hit on GPU -> 6.5 | L1 7.0 -> miss e1 -> 9.0
+    # step 2: L0 9.5 -> e1 miss -> 11.5; copy e1 evicts e0 | L1 12.0 -> miss -> 14.0
+    policy = SimPolicy(accelerator=True, strategy="cpu", cache_layers=(0,), ways=1, policy=Policy.LRU)
+    r = simulate(TRACE, COSTS, policy, expert_bytes=100)
+    assert r.timeline == [5.0, 9.0, 14.0]
+    assert (r.hits, r.misses, r.copies, r.bytes_moved) == (1, 5, 2, 200)
+
+
+def test_copy_not_finished_is_not_a_hit() -> None:
+    slow = SimCosts(cpu_a=2.0, cpu_b=0.0, gpu_expert=1.0, copy_expert=30.0, dense_layer=0.5)
+    policy = SimPolicy(accelerator=True, strategy="cpu", cache_layers=(0,), ways=1)
+    r = simulate(TRACE, slow, policy, expert_bytes=100)
+    assert r.hits == 0  # e0's copy (2.5..32.5) has not ended when step 1 reaches layer 0 at 5.5
+
+
+def test_fetch_strategy_and_static_placement_timelines() -> None:
+    # fetch, no cache: each expert copied (3) then run (1) after the copy engine is free.
+    # step 0: L0 t=0.5, copy 0.5..3.5, gpu -> 4.5 | L1 t=5.0, copy 5.0..8.0, gpu -> 9.0
+    r = simulate(TRACE[:1], COSTS, SimPolicy(accelerator=True, strategy="fetch"), expert_bytes=100)
+    assert r.timeline == [9.0] and r.copies == 2
+    # static: (0, 0) and (1, 1) pinned: step 0: L0 hit 0.5+1=1.5 | L1 e0 CPU 2.0+2=4.0
+    static = SimPolicy(accelerator=True, strategy="cpu", static=((0, 0), (1, 1)))
+    r = simulate(TRACE[:1], COSTS, static, expert_bytes=100)
+    assert r.timeline == [4.0] and r.hits == 1
+
+
+def test_synthetic_trace_has_the_asked_locality() -> None:
+    t = synthetic_trace(400, 3, 16, 2, reuse=0.5, seed=1, sparse=(True, False, True))
+    assert t.shape == (400, 3, 2) and (t[:, 1] == -1).all()
+    reused = np.mean([len(set(t[i, 0]) & set(t[i - 1, 0])) / 2 for i in range(1, 400)])
+    assert 0.35 < reused < 0.75
+    assert all(len(set(row)) == 2 for row in t[:, 0])
+
+
+def test_fit_cpu_recovers_a_line() -> None:
+    fit = fit_cpu({1: 2.0, 2: 2.5, 4: 3.5, 8: 5.5})
+    assert fit.a_ms == pytest.approx(2.0) and fit.b_ms == pytest.approx(0.5)
+    assert fit_cpu({1: 3.0}) == CpuFit(3.0, 0.0)
+
+
+SHAPE = ModelShape(num_layers=8, num_experts=8, top_k=2, sparse=(True,) * 8, hidden=4096, inter=14336,
+                   expert_bytes=352_321_536, dense_layer_bytes=100_000_000)
+
+
+def cpu_only(cores: int) -> Measurements:
+    fits = {t: CpuFit(12.0 * cores / t if t < cores else 12.0, 0.5) for t in (1, cores)}
+    return Measurements(cores=cores, expert_bytes=SHAPE.expert_bytes, cpu=fits, dram_gbps=30.0,
+                        kernel={"isa": "amx", "crossover": 16})
+
+
+def test_cpu_only_plan_has_no_accelerator_tier_and_uses_the_faster_thread_count() -> None:
+    result = make_plan(SHAPE, cpu_only(2))
+    assert not result.plan.accelerator and result.plan.threads == 2 and result.plan.cache_ways == 0
+    assert result.plan.kernel_isa == "amx" and result.plan.quant is None
+    assert result.predicted_tok_s > 0
+
+
+def test_measured_slower_threads_are_not_chosen() -> None:
+    meas = cpu_only(4)
+    meas.cpu[4] = CpuFit(20.0, 0.5)  # measured: 4 threads slower than 1 on this (odd) machine
+    meas.cpu[1] = CpuFit(15.0, 0.5)
+    assert make_plan(SHAPE, meas).plan.threads == 1
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hardware"
+
+
+@pytest.mark.parametrize("vram_gb", [4, 16, 24])
+def test_gpu_plans_stay_within_vram(vram_gb: int) -> None:
+    hw = {"cores": 24, "cpu_threads": {"12": {"expert_ms": 14.0, "per_token_ms": 1.0},
+                                       "24": {"expert_ms": 9.0, "per_token_ms": 0.6}},
+          "gpu": {"expert_ms": 0.35, "h2d_gbps": 25.0, "vram_bytes_for_experts": vram_gb * 2**30}}
+    meas = from_hardware_file(hw, SHAPE.expert_bytes, 6 * 4096 * 14336)
+    result = make_plan(SHAPE, meas)
+    plan = result.plan
+    used = (plan.static_experts + plan.cache_indexes * plan.cache_ways) * SHAPE.expert_bytes
+    assert plan.accelerator and used <= meas.vram_for_experts
+    for alt in result.alternatives:
+        p = Plan.from_dict(alt["plan"])
+        assert (p.static_experts + p.cache_indexes * p.cache_ways) * SHAPE.expert_bytes <= meas.vram_for_experts
+    assert result.predicted_tok_s > make_plan(SHAPE, Measurements(
+        24, SHAPE.expert_bytes, meas.cpu, kernel={})).predicted_tok_s  # a GPU helps
+
+
+def test_more_vram_never_predicted_slower() -> None:
+    speeds = []
+    for vram_gb in (4, 12, 24, 48):
+        hw = {"cores": 8, "cpu_bandwidth_gbps": 60, "cpu_gflops": 400,
+              "gpu": {"expert_ms": 0.35, "copy_ms": 14.0, "vram_bytes_for_experts": vram_gb * 2**30}}
+        speeds.append(make_plan(SHAPE, from_hardware_file(hw, SHAPE.expert_bytes, 6 * 4096 * 14336)).predicted_tok_s)
+    assert speeds == sorted(speeds)
+
+
+def test_plan_round_trips() -> None:
+    p = Plan(8, True, "fiddler", 4, 2, "lfu", 3, "amx", 16, None)
+    assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))) == p
