@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     offload.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
     offload.set_defaults(func=_bench_offload)
 
+    val = bench_sub.add_parser("plan", help="the planner and simulator against real runs (regret, prediction error)")
+    val.add_argument("--model", required=True)
+    val.add_argument("--expert-fraction", type=float, default=0.25)
+    val.add_argument("--tokens", type=int, default=32)
+    val.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
+    val.set_defaults(func=_bench_plan)
+
     kern = bench_sub.add_parser("kernels", help="CPU expert kernels against the DRAM roofline, beside torch")
     kern.add_argument("--shapes", default="mixtral,qwen3,olmoe,deepseek")
     kern.add_argument("--dtypes", default="bf16,fp16,fp32,int8,int4")
@@ -357,6 +364,13 @@ def _bench_kernels(args: argparse.Namespace) -> int:
         for r in rows:
             print(f"{r['shape']:8} {r['dtype']:5} {r['tokens']:>6} {r['impl']:>6} {r['latency_ms']:>9.3f} "
                   f"{r['gbps']:>7.1f} {r['ratio']:>7.2f}")
+    return 0
+
+
+def _bench_plan(args: argparse.Namespace) -> int:
+    from autotune.validate import validate
+
+    print(json.dumps(validate(args.model, args.expert_fraction, args.tokens, args.dtype), indent=1))
     return 0
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from runtime.errors import TandemError
 
 
@@ -40,6 +38,8 @@ class Measurements:
     d2h_gbps: float | None = None
     vram_for_experts: int = 0  # bytes the accelerator can give to expert slots
     token_overhead_ms: float = 0.0  # measured decode time per token not explained by the layer model
+    ship_ms: float | None = None  # measured cost of sending a layer's activations to the CPU and back
+    shared_device: bool = False  # the "accelerator" is the CPU itself (emulated): no real concurrency
 
     @property
     def has_gpu(self) -> bool:
@@ -52,7 +52,8 @@ class Measurements:
             "cpu_samples": {str(t): {str(n): ms for n, ms in s.items()} for t, s in self.cpu_samples.items()},
             "kernel": self.kernel, "gpu_expert_ms": self.gpu_expert_ms, "copy_expert_ms": self.copy_expert_ms,
             "h2d_gbps": self.h2d_gbps, "d2h_gbps": self.d2h_gbps, "vram_for_experts": self.vram_for_experts,
-            "token_overhead_ms": self.token_overhead_ms,
+            "token_overhead_ms": self.token_overhead_ms, "ship_ms": self.ship_ms,
+            "shared_device": self.shared_device,
         }
 
     @classmethod
@@ -66,18 +67,21 @@ class Measurements:
             kernel=d.get("kernel") or {}, gpu_expert_ms=d.get("gpu_expert_ms"),
             copy_expert_ms=d.get("copy_expert_ms"), h2d_gbps=d.get("h2d_gbps"), d2h_gbps=d.get("d2h_gbps"),
             vram_for_experts=int(d.get("vram_for_experts") or 0),
-            token_overhead_ms=float(d.get("token_overhead_ms") or 0.0),
+            token_overhead_ms=float(d.get("token_overhead_ms") or 0.0), ship_ms=d.get("ship_ms"),
+            shared_device=bool(d.get("shared_device")),
         )
 
 
 def fit_cpu(samples: dict[int, float]) -> CpuFit:
-    """Least-squares a + b·(s - 1) over measured token counts (Fiddler's linear CPU model)."""
-    tokens = np.array(sorted(samples), dtype=float)
-    ms = np.array([samples[int(s)] for s in tokens])
-    if len(tokens) == 1:
-        return CpuFit(float(ms[0]), 0.0)
-    b, a = np.polyfit(tokens - 1, ms, 1)
-    return CpuFit(max(float(a), 1e-6), max(float(b), 0.0))
+    """Fiddler's linear CPU model a + b·(s - 1). `a` is the measured one-token latency (decode lives there,
+    and a free intercept would be dragged by the kernel/torch switch at larger s); `b` is the least-squares
+    slope through that point."""
+    a = samples.get(1, min(samples.values()))
+    extra = [(s - 1, ms - a) for s, ms in samples.items() if s > 1]
+    if not extra:
+        return CpuFit(a, 0.0)
+    b = sum(x * y for x, y in extra) / sum(x * x for x, _ in extra)
+    return CpuFit(max(a, 1e-6), max(b, 0.0))
 
 
 def roofline_cpu(expert_bytes: int, flops_per_token: float, dram_gbps: float, gflops: float) -> CpuFit:

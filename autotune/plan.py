@@ -91,9 +91,9 @@ def sim_costs(shape: ModelShape, meas: Measurements, threads: int, accelerator: 
     if accelerator:
         gpu_gbps = shape.expert_bytes / (meas.gpu_expert_ms or 1.0) / 1e6  # the accelerator's effective bandwidth
         dense = shape.dense_layer_bytes / gpu_gbps / 1e6
-        ship = 2 * shape.hidden * 4 / (meas.h2d_gbps or 10.0) / 1e6 + 0.01  # activations both ways + latency
+        ship = meas.ship_ms if meas.ship_ms is not None else 2 * shape.hidden * 4 / (meas.h2d_gbps or 10.0) / 1e6 + 0.01
         return SimCosts(fit.a_ms, fit.b_ms, meas.gpu_expert_ms or 0.0, meas.copy_expert_ms or 0.0, dense, ship,
-                        meas.token_overhead_ms)
+                        meas.token_overhead_ms, meas.shared_device)
     return SimCosts(fit.a_ms, fit.b_ms, dense_layer=shape.dense_layer_bytes / dram / 1e6,
                     token=meas.token_overhead_ms)
 

@@ -30,6 +30,7 @@ class SimCosts:
     dense_layer: float = 0.0  # attention + router etc. of one layer (where the non-expert part runs)
     ship: float = 0.0  # activations to the CPU and back, once per layer that has CPU experts
     token: float = 0.0  # per-token work outside the layers (embedding, lm_head, sampling, interpreter)
+    shared: bool = False  # accelerator and copies run on the CPU itself (emulated): one resource, not three
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,8 @@ def simulate(trace: np.ndarray, costs: SimCosts, policy: SimPolicy, expert_bytes
                     missed.append(e)
             if missed:
                 cpu_end += costs.ship
-            clock[0] = max(gpu_end, cpu_end)
+            # three resources in parallel, or one (the emulated device shares the CPU's cores and memory)
+            clock[0] = (gpu_end - t) + (cpu_end - t) + t if costs.shared else max(gpu_end, cpu_end)
             for e in missed:  # post-fetch in the background for later tokens
                 if not cache.covers(layer) or cache.inflight >= cache.max_inflight:
                     continue
@@ -132,6 +134,8 @@ def simulate(trace: np.ndarray, costs: SimCosts, policy: SimPolicy, expert_bytes
                     start = max(clock[0], copy_free)
                     copy_free = start + costs.copy_expert
                     copies += 1
+                    if costs.shared:  # the copy takes the same cores and memory bandwidth as the CPU experts
+                        clock[0] += costs.copy_expert
                     cache.start(slot, _Copy(clock, copy_free))  # type: ignore[arg-type]
         clock[0] += costs.token
         timeline.append(clock[0])

@@ -123,3 +123,15 @@ def test_more_vram_never_predicted_slower() -> None:
 def test_plan_round_trips() -> None:
     p = Plan(8, True, "fiddler", 4, 2, "lfu", 3, "amx", 16, None)
     assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+
+
+def test_shared_device_serialises_the_three_resources() -> None:
+    # Emulated device: step 0: L0 0.5 -> CPU expert 2.0 -> 2.5, then the post-fetch copy occupies the same
+    # cores for 3.0 -> 5.5 | L1 6.0 -> CPU expert -> 8.0.
+    shared = SimCosts(cpu_a=2.0, cpu_b=0.0, gpu_expert=1.0, copy_expert=3.0, dense_layer=0.5, shared=True)
+    policy = SimPolicy(accelerator=True, strategy="cpu", cache_layers=(0,), ways=1)
+    assert simulate(TRACE[:1], shared, policy, expert_bytes=100).timeline == [8.0]
+    # a hit and a CPU expert in one layer add up instead of overlapping
+    static = SimPolicy(accelerator=True, strategy="cpu", static=((0, 0),))
+    two = np.array([[[0, 1], [-1, -1]]], dtype=np.int32)
+    assert simulate(two, shared, static, expert_bytes=100).timeline == [0.5 + 1.0 + 2.0 + 0.5]
