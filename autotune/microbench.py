@@ -66,7 +66,7 @@ def microbench(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype = torch.b
     min_time = 0.04 if quick else 0.12
     available = hw.ram_available or 4 * 2**30
     working_set = int(min(available // 4, (2**30 if quick else 2 * 2**30)))
-    total = 1 + len(threads) + 1
+    total = 1 + len(threads) + 2
     done = 0
 
     def step(name: str) -> None:
@@ -96,6 +96,21 @@ def microbench(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype = torch.b
         step(f"CPU experts, {t} thread{'s' if t > 1 else ''}: " +
              ", ".join(f"{n} tok {ms:.2f} ms" for n, ms in samples[t].items()))
     best_t = min(threads, key=lambda t: samples[t][1])
+    # every kernel variant this CPU has for these weights, at the best thread count: one token and a few
+    variants: dict[str, dict[int, float]] = {}
+    for v in CpuExecutor(h, i, dtype).isas:
+        ex = CpuExecutor(h, i, dtype, threads=best_t, crossover=crossover_cap, isa=v)
+        experts = [ex.prepare(*w) for w in weights]
+        if ex.isa_for(experts[0], 1) != v:
+            continue  # this variant cannot serve these weights
+        variants[v] = {}
+        for n in (1, 8):
+            x = torch.ones(n, h, dtype=dtype)
+            variants[v][n] = _time(lambda k, x=x, e=experts: e[k](x), count, min_time)
+    if variants:
+        isa = min(variants, key=lambda v: (variants[v][1], variants[v][8]))
+    step("kernel variants: " + ", ".join(f"{v} {ms[1]:.2f}/{ms[8]:.2f} ms" for v, ms in variants.items()) +
+         f" (1/8 tokens) -> {isa}")
     torch_exec = CpuExecutor(h, i, dtype, threads=best_t, use_kernel=False)
     torch_experts = [torch_exec.prepare(*w) for w in weights]
     previous = torch.get_num_threads()
@@ -119,7 +134,8 @@ def microbench(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype = torch.b
     return Measurements(
         cores=hw.cpu.physical_cores or hw.cpu.logical_cores or 1, expert_bytes=3 * h * i * item, cpu=fits,
         dram_gbps=bw, cpu_samples=samples,
-        kernel={"isa": isa, "crossover": crossover or None, "torch_ms": {str(n): ms for n, ms in torch_ms.items()}},
+        kernel={"isa": isa, "crossover": crossover or None, "torch_ms": {str(n): ms for n, ms in torch_ms.items()},
+                "variants": {v: {str(n): ms for n, ms in s.items()} for v, s in variants.items()}},
         **_gpu_measurements(shape, hw, dtype),
     )
 
