@@ -101,12 +101,15 @@ def from_hardware_file(d: dict[str, Any], expert_bytes: int, flops_per_token: fl
             for t in sorted({1, max(1, cores // 2), cores}):
                 cpu[t] = roofline_cpu(expert_bytes, flops_per_token, bw * min(1.0, 2 * t / cores), gf * t / cores)
         gpu = d.get("gpu") or {}
+        expert_ms = gpu.get("expert_ms")
+        if expert_ms is None and gpu.get("bandwidth_gbps"):  # roofline: decode reads the expert once
+            expert_ms = expert_bytes / float(gpu["bandwidth_gbps"]) / 1e6
         copy_ms = gpu.get("copy_ms")
         if copy_ms is None and gpu.get("h2d_gbps"):
             copy_ms = expert_bytes / float(gpu["h2d_gbps"]) / 1e6
         return Measurements(
             cores=cores, expert_bytes=expert_bytes, cpu=cpu, dram_gbps=d.get("cpu_bandwidth_gbps"),
-            gpu_expert_ms=gpu.get("expert_ms"), copy_expert_ms=copy_ms, h2d_gbps=gpu.get("h2d_gbps"),
+            gpu_expert_ms=expert_ms, copy_expert_ms=copy_ms, h2d_gbps=gpu.get("h2d_gbps"),
             vram_for_experts=int(gpu.get("vram_bytes_for_experts") or 0),
             token_overhead_ms=float(d.get("token_overhead_ms", 0.0)),
         )

@@ -120,6 +120,14 @@ def test_more_vram_never_predicted_slower() -> None:
     assert speeds == sorted(speeds)
 
 
+def test_specs_only_gpu_uses_the_roofline() -> None:
+    hw = {"cores": 8, "cpu_bandwidth_gbps": 60, "cpu_gflops": 400,
+          "gpu": {"bandwidth_gbps": 1000, "h2d_gbps": 25, "vram_bytes_for_experts": 8 * 2**30}}
+    meas = from_hardware_file(hw, SHAPE.expert_bytes, 6 * 4096 * 14336)
+    assert meas.gpu_expert_ms == pytest.approx(SHAPE.expert_bytes / 1e12 * 1e3)
+    assert meas.copy_expert_ms == pytest.approx(SHAPE.expert_bytes / 25e9 * 1e3) and meas.has_gpu
+
+
 def test_plan_round_trips() -> None:
     p = Plan(8, True, "fiddler", 4, 2, "lfu", 3, "amx", 16, None)
     assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))) == p
