@@ -18,7 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
-    gen.add_argument("--model", required=True, help="Hugging Face model folder (config.json + *.safetensors)")
+    gen.add_argument("--model", default=None,
+                     help="Hugging Face model folder (config.json + *.safetensors); default: the built-in model")
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-new-tokens", type=int, default=256)
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe.set_defaults(func=_probe)
 
     tune = sub.add_parser("autotune", help="measure this machine on a model and save the best plan as a profile")
-    tune.add_argument("--model", help="model folder to tune for")
+    tune.add_argument("--model", help="model folder to tune for (default: the built-in model)")
     tune.add_argument("--quick", action="store_true", help="fewer measurements (about 15 s)")
     tune.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
     tune.add_argument("--json", action="store_true")
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (print JSON)")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     decode = bench_sub.add_parser("decode", help="decode tokens/s, optionally against transformers")
-    decode.add_argument("--model", required=True)
+    decode.add_argument("--model", default=None, help="default: the built-in model")
     decode.add_argument("--prompt-tokens", type=int, default=32)
     decode.add_argument("--new-tokens", type=int, default=64)
     decode.add_argument("--repeats", type=int, default=3)
@@ -136,6 +137,21 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="ignore this machine's tuning profile (flags given explicitly always win over it)")
 
 
+def resolve_model(path: str | None) -> str:
+    """The folder to load: the one given, or the built-in model (built on first use, with progress)."""
+    if path:
+        return path
+    from runtime.builtin import builtin_dir, ensure_builtin
+
+    if not (builtin_dir() / "tandem-builtin.json").exists():
+        print("building the built-in model (SmolLM2-135M-Instruct as an 8-expert MoE), once…", file=sys.stderr)
+
+    def show(message: str, fraction: float) -> None:
+        print(f"\r  [{fraction:4.0%}] {message:<40}", end="" if fraction < 1 else "\n", file=sys.stderr, flush=True)
+
+    return str(ensure_builtin(show))
+
+
 def load_from_args(args: argparse.Namespace, batch: int = 1):  # -> runtime.loader.LoadedModel
     from kernels.cpu import CpuOptions, available_isas
     from runtime.cost import CostModel
@@ -144,6 +160,7 @@ def load_from_args(args: argparse.Namespace, batch: int = 1):  # -> runtime.load
     from runtime.expert_cache import Policy
     from runtime.loader import load
 
+    args.model = resolve_model(args.model)
     try:
         cost = CostModel.parse(args.cost) if args.cost else None
     except ValueError as e:
@@ -200,8 +217,7 @@ def _autotune(args: argparse.Namespace) -> int:
     from autotune.microbench import Step
     from autotune.run import autotune
 
-    if not args.model:
-        raise TandemError("give the model to tune for: tandem autotune --model DIR")
+    args.model = resolve_model(args.model)
     def report(step: Step) -> None:
         print(f"[{step.done}/{step.total}] {step.name}", file=sys.stderr)
 

