@@ -73,10 +73,6 @@ def test_generate_notices_a_profile_from_other_hardware(mixtral_dir: Path, capsy
     assert "note: the hardware changed" in capsys.readouterr().err
 
 
-def test_autotune_needs_a_model(capsys) -> None:
-    assert main(["autotune"]) == 2 and "--model" in capsys.readouterr().err
-
-
 HW_24GB = {"cores": 24, "cpu_threads": {"12": {"expert_ms": 14.0, "per_token_ms": 1.0},
                                         "24": {"expert_ms": 9.0, "per_token_ms": 0.6}},
            "gpu": {"expert_ms": 0.35, "h2d_gbps": 25.0, "vram_bytes_for_experts": 16 * 2**30}}

@@ -74,6 +74,13 @@ def test_chat_answer_mentions_paris(built: Path, monkeypatch, capsys) -> None:
     assert "Paris" in json.loads(capsys.readouterr().out)["text"]
 
 
+def test_autotune_defaults_to_the_builtin_model(built: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("TANDEM_HOME", str(built.parents[2]))
+    assert main(["autotune", "--quick", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["predicted_tok_s"] > 0 and Path(result["profile"]).exists()
+
+
 def test_ensure_rebuilds_only_when_needed(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
     calls: list[Path] = []
