@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from runtime.errors import CheckpointError
 from runtime.paths import cache_dir
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EXPERTS, TOP_K = 8, 2
 ROUTER_SEED = 1234
@@ -112,6 +112,7 @@ def build(source: Path, out: Path, progress: Progress | None = None) -> Path:
         }
         weight_map: dict[str, str] = {}
         files = []
+        total = 0
         for i in range(layers):
             p, b = f"model.layers.{i}", f"blk.{i}"
             shard |= {
@@ -133,10 +134,12 @@ def build(source: Path, out: Path, progress: Progress | None = None) -> Path:
                 name = f"model-{len(files) + 1:05d}.safetensors"
                 save_file({k: v.contiguous() for k, v in shard.items()}, str(tmp / name), metadata={"format": "pt"})
                 weight_map |= dict.fromkeys(shard, name)
+                total += sum(t.numel() * t.element_size() for t in shard.values())
                 files.append(name)
                 shard = {}
             say(f"built layer {i + 1}/{layers}", 0.1 + 0.8 * (i + 1) / layers)
-        (tmp / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}, indent=1))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         say("converting the tokenizer", 0.92)
         _write_tokenizer(source, tmp)
