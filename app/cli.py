@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from runtime.errors import TandemError
@@ -43,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--record", metavar="FILE", help="also save the raw readings (e.g. for a bug report)")
     probe.add_argument("--from", dest="source", metavar="FILE", help="read recorded readings instead of this machine")
     probe.set_defaults(func=_probe)
+
+    chat = sub.add_parser("chat", help="the chat app (terminal UI)")
+    chat.add_argument("model", nargs="?", default=None, help="model folder (default: the built-in model)")
+    chat.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
+    chat.add_argument("--context", type=int, default=None)
+    chat.add_argument("--force", action="store_true")
+    add_runtime_args(chat)
+    chat.set_defaults(func=_chat)
 
     tune = sub.add_parser("autotune", help="measure this machine on a model and save the best plan as a profile")
     tune.add_argument("--model", help="model folder to tune for (default: the built-in model)")
@@ -152,7 +160,12 @@ def resolve_model(path: str | None) -> str:
     return str(ensure_builtin(show))
 
 
-def load_from_args(args: argparse.Namespace, batch: int = 1):  # -> runtime.loader.LoadedModel
+def _note(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr)
+
+
+def load_from_args(args: argparse.Namespace, batch: int = 1, notify: Callable[[str], None] = _note):
+    """Load the model the arguments describe (a profile fills what they leave open). -> LoadedModel"""
     from kernels.cpu import CpuOptions, available_isas
     from runtime.cost import CostModel
     from runtime.dispatch import OffloadPolicy, Strategy
@@ -166,7 +179,7 @@ def load_from_args(args: argparse.Namespace, batch: int = 1):  # -> runtime.load
     except ValueError as e:
         raise Err(str(e)) from None
     if not args.no_profile:
-        apply_profile(args)
+        apply_profile(args, notify)
     policy = OffloadPolicy(Strategy(args.strategy or "fiddler"), args.cache_ways, Policy(args.cache_policy or "lru"),
                            static=tuple(tuple(k) for k in getattr(args, "static_experts", ())),
                            max_inflight=args.max_inflight, cost=cost)
@@ -181,7 +194,7 @@ def load_from_args(args: argparse.Namespace, batch: int = 1):  # -> runtime.load
                 vram_gb=args.vram_gb, policy=policy, batch=batch, placement=args.placement, cpu=cpu)
 
 
-def apply_profile(args: argparse.Namespace) -> None:
+def apply_profile(args: argparse.Namespace, notify: Callable[[str], None]) -> None:
     """Fill the settings the user did not give from this machine's profile for this model (if any)."""
     from autotune.plan import Plan
     from autotune.probe import probe
@@ -194,7 +207,7 @@ def apply_profile(args: argparse.Namespace) -> None:
     dtype = default_dtype(read_cpu_flags()) if args.dtype == "auto" else args.dtype
     found = find_profile(probe().fingerprint(), model_fingerprint(ckpt.raw_config, dtype))
     if found.notice:
-        print(f"note: {found.notice}", file=sys.stderr)
+        notify(found.notice)
     if found.profile is None:
         return
     plan = Plan.from_dict(found.profile.plan)
@@ -211,6 +224,19 @@ def apply_profile(args: argparse.Namespace) -> None:
             args.cache_ways = plan.cache_ways
         if args.placement is None:
             args.static_experts = found.profile.plan.get("static", [])
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from app.backend import RuntimeBackend
+    from app.tui import TandemApp
+
+    args.model = resolve_model(args.model)  # a first-time build shows its progress here, before the UI
+    notices: list[str] = []
+    app = TandemApp(lambda: RuntimeBackend(load_from_args(args, notify=notices.append)))
+    app.run()
+    for text in notices:
+        print(f"note: {text}", file=sys.stderr)
+    return 0
 
 
 def _autotune(args: argparse.Namespace) -> int:

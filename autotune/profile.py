@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.paths import data_dir
+from runtime.paths import atomic_write_json, data_dir
 
 SCHEMA = 1
 
@@ -55,17 +53,7 @@ def profile_path(machine: dict[str, Any], model: dict[str, Any]) -> Path:
 def save_profile(profile: Profile) -> Path:
     """Write atomically: a temporary file in the same folder, then rename over the old one."""
     profile.created = profile.created or time.strftime("%Y-%m-%dT%H:%M:%S")
-    path = profile.path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(asdict(profile), f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write_json(profile.path, asdict(profile))
 
 
 @dataclass

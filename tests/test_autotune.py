@@ -24,7 +24,7 @@ def test_save_and_find_profile(tandem_home: Path) -> None:
     p = profile()
     path = save_profile(p)
     assert path.parent == profiles_dir() and str(tandem_home) in str(path)
-    assert not list(path.parent.glob(".profile-*"))  # no temporary file left behind
+    assert not list(path.parent.glob(".*"))  # no temporary file left behind
     found = find_profile(p.machine, p.model)
     assert found.profile is not None and found.profile.plan == {"threads": 2} and found.notice is None
 

@@ -1,0 +1,77 @@
+"""What the chat app needs from a model, on top of the runtime's own generator and statistics API.
+
+`RuntimeBackend` wraps a loaded model; tests substitute a fake with the same methods. Text is produced
+here, from the engine's token ids, by the runtime's `StreamDecoder` — the engine itself never sees text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from runtime.engine import GenerationStats
+from runtime.loader import LoadedModel
+from runtime.sampling import SamplingParams
+from runtime.tokenizer import StreamDecoder
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Numbers for the status bar, read after (or during) a generation."""
+
+    tok_s: float
+    ttft_s: float
+    hit_rate: float | None  # None without an accelerator tier
+    context_used: int
+    context_size: int
+
+
+class ChatBackend(Protocol):
+    name: str
+    family: str
+    placement: str  # where work runs, in words
+
+    def stream(self, messages: list[dict[str, str]], params: SamplingParams) -> Iterator[str]: ...
+    def usage(self) -> Usage: ...
+    def activity(self) -> list[list[int]]: ...  # [layers][experts] activation counts of the last answer
+
+
+class RuntimeBackend:
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        ckpt, model = loaded.checkpoint, loaded.model
+        self.name = ckpt.path.name
+        self.family = ckpt.spec.display_name
+        plan = model.experts.describe()
+        cpu = plan["cpu"]
+        dtype = str(model.dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float32", "fp32")
+        if model.accel is None:
+            self.placement = f"CPU only · {cpu['threads']} threads · {dtype}"
+        else:
+            cached = plan["cache"]["indexes"] * plan["cache"]["ways"] + plan["static_experts"]
+            self.placement = f"{plan['accelerator'].upper()}: {cached} experts cached · CPU: {cpu['threads']} threads"
+        self.stats = GenerationStats()
+
+    def stream(self, messages: list[dict[str, str]], params: SamplingParams) -> Iterator[str]:
+        tok = self.loaded.tokenizer
+        prompt = tok.encode_chat(messages)
+        decoder = StreamDecoder(tok)
+        self.stats = GenerationStats()
+        for token in self.loaded.engine.generate(prompt, params, self.stats):
+            text = decoder.push(token)
+            if text:
+                yield text
+        tail = decoder.flush()
+        if tail:
+            yield tail
+
+    def usage(self) -> Usage:
+        s = self.stats
+        dispatch = self.loaded.model.experts.request_stats()
+        hit = dispatch.hit_rate if self.loaded.model.accel is not None else None
+        return Usage(s.decode_tok_s, s.ttft_s, hit, s.prompt_tokens + s.new_tokens, self.loaded.model.context)
+
+    def activity(self) -> list[list[int]]:
+        rec = self.loaded.model.experts.recorder
+        return (rec.prefill + rec.decode).tolist()

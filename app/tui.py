@@ -1,0 +1,264 @@
+"""`tandem chat`: the terminal chat app.
+
+Model loading and generation run in declared thread workers; they talk to the widgets through small
+message dataclasses. Tokens reach the screen in batches (at most every `REPAINT_S`), Escape stops an
+answer and keeps what was produced, conversations are saved after every turn.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
+from textual.widgets import Footer, Label, ListItem, ListView
+from textual.worker import get_current_worker
+
+from app.backend import ChatBackend
+from app.store import Conversation, ConversationStore, Turn
+from app.widgets import ChatMessage, Composer, ExpertHeatmap, StatusBar
+from runtime.errors import TandemError
+from runtime.sampling import SamplingParams
+
+REPAINT_S = 0.05
+
+
+@dataclass
+class ModelReady(Message):
+    backend: ChatBackend
+
+
+@dataclass
+class ModelFailed(Message):
+    error: str
+
+
+@dataclass
+class TokensArrived(Message):
+    text: str  # every token since the last batch
+
+
+@dataclass
+class AnswerDone(Message):
+    stopped: bool
+
+
+class TandemApp(App[None]):
+    CSS_PATH = "tandem.tcss"
+    TITLE = "Tandem"
+    # priority: they work while the composer has focus (its own keys would otherwise take them)
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", priority=True),
+        Binding("ctrl+n", "new_conversation", "New chat", priority=True),
+        Binding("ctrl+d", "delete_conversation", "Delete chat", priority=True),
+        Binding("ctrl+r", "retry", "Retry", priority=True),
+        Binding("ctrl+e", "toggle_experts", "Experts", priority=True),
+        Binding("ctrl+s", "export", "Export", priority=True),
+    ]
+    CONFIRM_S = 3.0
+
+    def __init__(self, load_backend: Callable[[], ChatBackend], store: ConversationStore | None = None,
+                 params: SamplingParams | None = None) -> None:
+        super().__init__()
+        self.load_backend = load_backend
+        self.store = store or ConversationStore()
+        self.params = params or SamplingParams(max_new_tokens=512, temperature=0.7, top_p=0.95, seed=None)
+        self.backend: ChatBackend | None = None
+        self.conversations: list[Conversation] = []
+        self.current = Conversation()
+        self.answer: ChatMessage | None = None
+        self.generating = False
+        self._delete_armed = 0.0
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="body"):
+            yield ListView(id="sidebar")
+            with Vertical(id="chat"):
+                yield VerticalScroll(id="messages")
+                yield Composer(id="composer")
+            yield ExpertHeatmap(id="experts")
+        yield StatusBar(id="status")
+        yield Footer()
+
+    # -- start-up -------------------------------------------------------------------------------
+    def on_mount(self) -> None:
+        self.conversations, notices = self.store.load_all()
+        for notice in notices:
+            self.notify(notice, severity="warning", timeout=10)
+        if self.conversations:
+            self.current = self.conversations[0]
+        else:
+            self.conversations = [self.current]
+        self.refresh_sidebar()
+        self.show_conversation()
+        self.query_one(StatusBar).update("loading the model…")
+        self.load_model()
+
+    @work(thread=True, exclusive=True, group="model")
+    def load_model(self) -> None:
+        try:
+            self.post_message(ModelReady(self.load_backend()))
+        except TandemError as e:
+            self.post_message(ModelFailed(str(e)))
+
+    def on_model_ready(self, message: ModelReady) -> None:
+        self.backend = message.backend
+        self.update_status()
+        self.query_one(Composer).focus()
+
+    def on_model_failed(self, message: ModelFailed) -> None:
+        self.query_one(StatusBar).update(f"model failed to load: {message.error}")
+        self.notify(message.error, title="The model could not be loaded", severity="error", timeout=30)
+
+    # -- conversations --------------------------------------------------------------------------
+    def refresh_sidebar(self) -> None:
+        sidebar = self.query_one("#sidebar", ListView)
+        sidebar.clear()
+        for conv in self.conversations:
+            sidebar.append(ListItem(Label(conv.title[:24]), name=conv.id))
+        sidebar.index = self.conversations.index(self.current)
+
+    def show_conversation(self) -> None:
+        box = self.query_one("#messages", VerticalScroll)
+        box.remove_children()
+        box.mount_all([ChatMessage(t.role, t.content) for t in self.current.turns])
+        box.scroll_end(animate=False)
+
+    @on(ListView.Selected, "#sidebar")
+    def pick_conversation(self, event: ListView.Selected) -> None:
+        if self.generating:
+            return
+        chosen = next((c for c in self.conversations if c.id == event.item.name), None)
+        if chosen is not None and chosen is not self.current:
+            self.current = chosen
+            self.show_conversation()
+
+    def action_new_conversation(self) -> None:
+        if self.generating:
+            return
+        self.current = Conversation()
+        self.conversations.insert(0, self.current)
+        self.refresh_sidebar()
+        self.show_conversation()
+        self.query_one(Composer).focus()
+
+    def action_delete_conversation(self) -> None:
+        """Deletes only when pressed twice within a few seconds: the first press asks for confirmation."""
+        if self.generating:
+            return
+        if time.monotonic() - self._delete_armed > self.CONFIRM_S:
+            self._delete_armed = time.monotonic()
+            self.notify(f"press Ctrl+D again to delete “{self.current.title}”", severity="warning")
+            return
+        self._delete_armed = 0.0
+        self.store.delete(self.current)
+        self.conversations.remove(self.current)
+        if not self.conversations:
+            self.conversations = [Conversation()]
+        self.current = self.conversations[0]
+        self.refresh_sidebar()
+        self.show_conversation()
+        self.notify("conversation deleted")
+
+    def action_export(self) -> None:
+        path = self.store.folder / f"{self.current.id}.md"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.current.to_markdown(), encoding="utf-8")
+        self.notify(f"exported to {path}")
+
+    # -- asking and answering -------------------------------------------------------------------
+    @on(Composer.Submitted)
+    def ask(self, event: Composer.Submitted) -> None:
+        if self.generating or self.backend is None:
+            self.notify("wait for the model" if self.backend is None else "an answer is still coming; Esc stops it")
+            return
+        if not self.current.turns:
+            self.current.title = event.text.splitlines()[0][:40]
+            self.refresh_sidebar()
+        self.current.turns.append(Turn("user", event.text))
+        box = self.query_one("#messages", VerticalScroll)
+        box.mount(ChatMessage("user", event.text))
+        self.start_answer()
+
+    def start_answer(self) -> None:
+        box = self.query_one("#messages", VerticalScroll)
+        self.answer = ChatMessage("assistant", "")
+        box.mount(self.answer)
+        box.scroll_end(animate=False)
+        self.generating = True
+        self.update_status("answering… (Esc stops)")
+        self.generate(self.current.messages())
+
+    @work(thread=True, exclusive=True, group="generate")
+    def generate(self, messages: list[dict[str, str]]) -> None:
+        worker = get_current_worker()
+        assert self.backend is not None
+        pending, last = [], time.monotonic()
+        stopped = False
+        try:
+            for piece in self.backend.stream(messages, self.params):
+                pending.append(piece)
+                if worker.is_cancelled:
+                    stopped = True
+                    break
+                if time.monotonic() - last >= REPAINT_S:
+                    self.post_message(TokensArrived("".join(pending)))
+                    pending, last = [], time.monotonic()
+        except TandemError as e:
+            self.post_message(ModelFailed(str(e)))
+        if pending:
+            self.post_message(TokensArrived("".join(pending)))
+        self.post_message(AnswerDone(stopped))
+
+    def on_tokens_arrived(self, message: TokensArrived) -> None:
+        if self.answer is not None:
+            self.answer.set_text(self.answer.text + message.text)
+            self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
+            self.update_status("answering… (Esc stops)")
+
+    def on_answer_done(self, message: AnswerDone) -> None:
+        self.generating = False
+        if self.answer is not None:
+            self.current.turns.append(Turn("assistant", self.answer.text))
+        self.store.save(self.current)
+        self.update_status("stopped" if message.stopped else "")
+        self.update_experts()
+
+    def action_stop(self) -> None:
+        if self.generating:
+            for worker in self.workers:
+                if worker.group == "generate":
+                    worker.cancel()
+
+    def action_retry(self) -> None:
+        """Ask the last question again (the previous answer is replaced)."""
+        if self.generating or not self.current.turns:
+            return
+        if self.current.turns[-1].role == "assistant":
+            self.current.turns.pop()
+            answers = self.query(ChatMessage).filter(".assistant")
+            if answers:
+                answers.last().remove()
+        self.start_answer()
+
+    # -- panels and status ----------------------------------------------------------------------
+    def action_toggle_experts(self) -> None:
+        panel = self.query_one(ExpertHeatmap)
+        panel.toggle_class("visible")
+        self.update_experts()
+
+    def update_experts(self) -> None:
+        panel = self.query_one(ExpertHeatmap)
+        if self.backend is not None and panel.has_class("visible"):
+            panel.show(self.backend.activity(), width=max(8, panel.size.width - 6))
+
+    def update_status(self, state: str = "") -> None:
+        if self.backend is None:
+            return
+        b = self.backend
+        self.query_one(StatusBar).show(b.name, b.family, b.placement, b.usage(), state)

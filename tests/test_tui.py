@@ -1,0 +1,165 @@
+"""The chat app, headless through Pilot: streaming, Escape, persistence, broken files, the real runtime."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from app.backend import RuntimeBackend, Usage
+from app.store import Conversation, ConversationStore, Turn
+from app.tui import TandemApp
+from app.widgets import ChatMessage, ExpertHeatmap, StatusBar
+from runtime.errors import CheckpointError
+from runtime.loader import load
+from runtime.sampling import SamplingParams
+
+
+class FakeBackend:
+    """Deterministic words at a controllable pace."""
+
+    name, family, placement = "fake-moe", "Mixtral", "CPU only · 2 threads · bf16"
+
+    def __init__(self, words: int = 12, delay: float = 0.0) -> None:
+        self.words, self.delay = words, delay
+        self.started = threading.Event()
+        self.produced = 0
+
+    def stream(self, messages: list[dict[str, str]], params: SamplingParams) -> Iterator[str]:
+        self.produced = 0
+        self.started.set()
+        for i in range(self.words):
+            time.sleep(self.delay)
+            self.produced += 1
+            yield f"word{i} "
+
+    def usage(self) -> Usage:
+        return Usage(42.5, 0.123, None, 10 + self.produced, 4096)
+
+    def activity(self) -> list[list[int]]:
+        return [[3, 0, 1, 0, 0, 0, 2, 0], [0, 0, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 5]]
+
+
+async def wait_until(pilot, condition, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        await pilot.pause(0.02)
+
+
+async def ask(pilot, app: TandemApp, text: str) -> None:
+    await wait_until(pilot, lambda: app.backend is not None)
+    composer = app.query_one("#composer")
+    composer.focus()
+    composer.insert(text)
+    await pilot.press("enter")
+
+
+async def test_message_streams_reply_and_status_shows_speed() -> None:
+    app = TandemApp(lambda: FakeBackend(words=12))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ask(pilot, app, "Hello there")
+        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+        answers = [m for m in app.query(ChatMessage) if m.role == "assistant"]
+        assert answers[-1].text == "".join(f"word{i} " for i in range(12))
+        status = str(app.query_one(StatusBar).render())
+        assert "42.5 tok/s" in status and "fake-moe" in status and "ctx" in status and "TTFT 123 ms" in status
+
+
+async def test_escape_stops_and_keeps_the_partial_answer() -> None:
+    backend = FakeBackend(words=500, delay=0.01)
+    app = TandemApp(lambda: backend)
+    async with app.run_test() as pilot:
+        await ask(pilot, app, "Tell me everything")
+        await wait_until(pilot, lambda: backend.produced >= 5)
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not app.generating)
+        kept = app.current.turns[-1]
+        assert kept.role == "assistant" and kept.content.startswith("word0 word1")
+        assert backend.produced < 500
+        assert "stopped" in str(app.query_one(StatusBar).render())
+
+
+async def test_conversations_are_saved_and_restored(tandem_home: Path) -> None:
+    app = TandemApp(lambda: FakeBackend(words=3))
+    async with app.run_test() as pilot:
+        await ask(pilot, app, "First question")
+        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+        await pilot.press("ctrl+n")
+        await ask(pilot, app, "Second question")
+        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+    again = TandemApp(lambda: FakeBackend())
+    async with again.run_test() as pilot:
+        await pilot.pause()
+        titles = sorted(c.title for c in again.conversations)
+        assert titles == ["First question", "Second question"]
+        assert [t.role for t in again.current.turns] == ["user", "assistant"]
+        assert len(again.query(ChatMessage)) == 2
+
+
+async def test_delete_and_export(tandem_home: Path) -> None:
+    app = TandemApp(lambda: FakeBackend(words=2))
+    async with app.run_test() as pilot:
+        await ask(pilot, app, "Keep me")
+        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+        await pilot.press("ctrl+s")
+        exported = list((tandem_home / "conversations").glob("*.md"))
+        assert exported and "Keep me" in exported[0].read_text()
+        await pilot.press("ctrl+d")
+        await pilot.pause()
+        assert len(ConversationStore().load_all()[0]) == 1  # the first press only asks
+        await pilot.press("ctrl+d")
+        await pilot.pause()
+        assert ConversationStore().load_all()[0] == []
+
+
+async def test_a_corrupt_conversation_file_does_not_crash(tandem_home: Path) -> None:
+    store = ConversationStore()
+    store.save(Conversation(title="good one", turns=[Turn("user", "hi"), Turn("assistant", "hello")]))
+    (store.folder / "broken.json").write_text("{ not json")
+    app = TandemApp(lambda: FakeBackend())
+    async with app.run_test() as pilot:
+        await pilot.pause()
+        assert [c.title for c in app.conversations] == ["good one"]
+        assert list(store.folder.glob("broken.bad-*"))
+
+
+async def test_a_model_that_fails_to_load_keeps_the_app_alive() -> None:
+    def broken() -> FakeBackend:
+        raise CheckpointError("model folder /nowhere does not exist")
+
+    app = TandemApp(broken)
+    async with app.run_test() as pilot:
+        await wait_until(pilot, lambda: "failed" in str(app.query_one(StatusBar).render()))
+        assert app.is_running and app.backend is None
+
+
+async def test_expert_heatmap_toggles_and_shows_rows() -> None:
+    app = TandemApp(lambda: FakeBackend(words=2))
+    async with app.run_test(size=(120, 30)) as pilot:
+        await ask(pilot, app, "hi")
+        await wait_until(pilot, lambda: not app.generating)
+        await pilot.press("ctrl+e")
+        await pilot.pause()
+        panel = app.query_one(ExpertHeatmap)
+        text = str(panel.render())
+        assert panel.display and "experts per cell: 1" in text and "(dense)" in text and "█" in text
+
+
+def test_heatmap_folds_128_experts() -> None:
+    panel = ExpertHeatmap()
+    panel.show([[1] * 128, [0] * 127 + [9]], width=40)
+    lines = str(panel.render()).splitlines()
+    assert "experts per cell: 4" in lines[0] and len(lines[1]) <= 4 + 40
+
+
+async def test_with_the_real_runtime(mixtral_dir: Path) -> None:
+    app = TandemApp(lambda: RuntimeBackend(load(mixtral_dir, dtype="fp32", context=128)),
+                    params=SamplingParams(max_new_tokens=8))
+    async with app.run_test() as pilot:
+        await ask(pilot, app, "Hello")
+        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2, timeout=30)
+        status = str(app.query_one(StatusBar).render())
+        assert "CPU only" in status and "tok/s" in status and f"/{128}" in status
+        assert app.backend.activity()
