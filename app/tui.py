@@ -8,18 +8,21 @@ answer and keeps what was produced, conversations are saved after every turn.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from textual import on, work
-from textual.app import App, ComposeResult
+from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
+from textual.screen import Screen
 from textual.widgets import Footer, Label, ListItem, ListView
 from textual.worker import get_current_worker
 
 from app.backend import ChatBackend
+from app.screens import HelpScreen, SettingsScreen
+from app.settings import Settings, load_settings, save_settings
 from app.store import Conversation, ConversationStore, Turn
 from app.widgets import ChatMessage, Composer, ExpertHeatmap, StatusBar
 from runtime.errors import TandemError
@@ -59,7 +62,10 @@ class TandemApp(App[None]):
         Binding("ctrl+r", "retry", "Retry", priority=True),
         Binding("ctrl+e", "toggle_experts", "Experts", priority=True),
         Binding("ctrl+s", "export", "Export", priority=True),
+        Binding("f2", "settings", "Settings", priority=True),
+        Binding("f1,question_mark", "help", "Help"),
     ]
+    COMPOSER_KEYS = [("Enter", "send"), ("Shift+Enter, Ctrl+J", "new line in the message")]
     CONFIRM_S = 3.0
 
     def __init__(self, load_backend: Callable[[], ChatBackend], store: ConversationStore | None = None,
@@ -67,7 +73,8 @@ class TandemApp(App[None]):
         super().__init__()
         self.load_backend = load_backend
         self.store = store or ConversationStore()
-        self.params = params or SamplingParams(max_new_tokens=512, temperature=0.7, top_p=0.95, seed=None)
+        self.settings, self.settings_notice = load_settings()
+        self.params = params or self.settings.params()
         self.backend: ChatBackend | None = None
         self.conversations: list[Conversation] = []
         self.current = Conversation()
@@ -88,6 +95,8 @@ class TandemApp(App[None]):
     # -- start-up -------------------------------------------------------------------------------
     def on_mount(self) -> None:
         self.conversations, notices = self.store.load_all()
+        if self.settings_notice:
+            notices.append(self.settings_notice)
         for notice in notices:
             self.notify(notice, severity="warning", timeout=10)
         if self.conversations:
@@ -192,7 +201,7 @@ class TandemApp(App[None]):
         box.scroll_end(animate=False)
         self.generating = True
         self.update_status("answering… (Esc stops)")
-        self.generate(self.current.messages())
+        self.generate(self.current.messages(self.settings.system_prompt))
 
     @work(thread=True, exclusive=True, group="generate")
     def generate(self, messages: list[dict[str, str]]) -> None:
@@ -245,6 +254,27 @@ class TandemApp(App[None]):
             if answers:
                 answers.last().remove()
         self.start_answer()
+
+    # -- settings, help, command palette --------------------------------------------------------
+    def action_settings(self) -> None:
+        def apply(new: Settings | None) -> None:
+            if new is not None:
+                self.settings, self.params = new, new.params()
+                save_settings(new)
+                self.notify("settings saved")
+
+        self.push_screen(SettingsScreen(self.settings), apply)
+
+    def action_help(self) -> None:
+        keys = [(b.key.replace("_", " ").replace(",", ", "), b.description) for b in self.BINDINGS]
+        self.push_screen(HelpScreen(self.COMPOSER_KEYS + keys + [("Ctrl+P", "command palette"),
+                                                                 ("Ctrl+Q", "quit")]))
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        for b in self.BINDINGS:
+            action = b.action
+            yield SystemCommand(b.description, f"{b.key}", lambda a=action: self.run_action(a))
 
     # -- panels and status ----------------------------------------------------------------------
     def action_toggle_experts(self) -> None:

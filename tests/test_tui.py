@@ -163,3 +163,46 @@ async def test_with_the_real_runtime(mixtral_dir: Path) -> None:
         status = str(app.query_one(StatusBar).render())
         assert "CPU only" in status and "tok/s" in status and f"/{128}" in status
         assert app.backend.activity()
+
+
+async def test_settings_are_edited_validated_and_saved(tandem_home: Path) -> None:
+    from textual.widgets import Button, Input
+
+    from app.screens import SettingsScreen
+    from app.settings import load_settings
+
+    app = TandemApp(lambda: FakeBackend())
+    async with app.run_test(size=(100, 40)) as pilot:
+        await pilot.press("f2")
+        await pilot.pause()
+        screen = app.screen
+        assert isinstance(screen, SettingsScreen)
+        screen.query_one("#temperature", Input).value = "hot"
+        screen.query_one("#save", Button).press()
+        await pilot.pause()
+        assert isinstance(app.screen, SettingsScreen) and "not a number" in str(screen.query_one("#error").render())
+        screen.query_one("#temperature", Input).value = "0.2"
+        screen.query_one("#system_prompt", Input).value = "Be brief."
+        screen.query_one("#save", Button).press()
+        await pilot.pause()
+        assert not isinstance(app.screen, SettingsScreen)
+        assert app.params.temperature == 0.2
+    saved, notice = load_settings()
+    assert saved.temperature == 0.2 and saved.system_prompt == "Be brief." and notice is None
+
+
+async def test_help_lists_every_key_and_the_palette_has_every_action() -> None:
+    from app.screens import HelpScreen
+
+    app = TandemApp(lambda: FakeBackend())
+    async with app.run_test(size=(100, 40)) as pilot:
+        await pilot.press("f1")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        text = " ".join(str(w.render()) for w in app.screen.query("Static"))
+        for b in TandemApp.BINDINGS:
+            assert b.description in text
+        assert "Shift+Enter" in text
+        await pilot.press("escape")
+        commands = {c.title for c in app.get_system_commands(app.screen)}
+        assert {b.description for b in TandemApp.BINDINGS} <= commands

@@ -1,0 +1,74 @@
+"""Modal screens of the chat app: settings (F2) and help (?)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, Static
+
+from app.settings import Settings
+from runtime.errors import GenerationError
+
+
+class SettingsScreen(ModalScreen[Settings | None]):
+    """Edit the generation settings; Save validates them, Escape cancels."""
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
+    DEFAULT_CSS = """
+    SettingsScreen { align: center middle; }
+    #form { width: 70; height: auto; max-height: 90%; border: thick $accent; background: $surface; padding: 1 2; }
+    #form Input { margin-bottom: 1; }
+    #error { color: $error; height: auto; }
+    """
+
+    def __init__(self, current: Settings) -> None:
+        super().__init__()
+        self.current = current
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="form"):
+            yield Label("Settings")
+            for f in fields(Settings):
+                if f.name == "schema":
+                    continue
+                yield Label(f.name.replace("_", " "))
+                yield Input(str(getattr(self.current, f.name)), id=f.name)
+            yield Static("", id="error")
+            with Horizontal():
+                yield Button("Save", variant="primary", id="save")
+                yield Button("Cancel", id="cancel")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "cancel":
+            self.dismiss(None)
+            return
+        values = {i.id: i.value for i in self.query(Input) if i.id}
+        try:
+            self.dismiss(Settings.from_strings(values))
+        except GenerationError as e:
+            self.query_one("#error", Static).update(str(e))
+
+
+class HelpScreen(ModalScreen[None]):
+    """Every key, in one place."""
+
+    BINDINGS = [Binding("escape,question_mark,q", "dismiss", "Close")]
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    #help { width: 64; height: auto; border: thick $accent; background: $surface; padding: 1 2; }
+    """
+
+    def __init__(self, keys: list[tuple[str, str]]) -> None:
+        super().__init__()
+        self.keys = keys
+
+    def compose(self) -> ComposeResult:
+        rows = "\n".join(f"{key:<16} {what}" for key, what in self.keys)
+        with Vertical(id="help"):
+            yield Label("Keys")
+            yield Static(rows)
+            yield Label("Ctrl+P opens the command palette with every action.")
