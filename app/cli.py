@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
     chat.add_argument("--context", type=int, default=None)
     chat.add_argument("--force", action="store_true")
+    chat.add_argument("--models-dir", action="append", default=[], metavar="DIR",
+                      help="a folder of model folders for the picker (Ctrl+O); repeatable (default: ~/models)")
     add_runtime_args(chat)
     chat.set_defaults(func=_chat)
 
@@ -230,9 +232,16 @@ def _chat(args: argparse.Namespace) -> int:
     from app.backend import RuntimeBackend
     from app.tui import TandemApp
 
-    args.model = resolve_model(args.model)  # a first-time build shows its progress here, before the UI
+    if args.model is None:
+        resolve_model(None)  # a first-time build of the built-in model shows its progress here, before the UI
     notices: list[str] = []
-    app = TandemApp(lambda: RuntimeBackend(load_from_args(args, notify=notices.append)))
+
+    def load_backend(path: str | None) -> RuntimeBackend:
+        args.model = path
+        return RuntimeBackend(load_from_args(args, notify=notices.append))
+
+    folders = [Path(p).expanduser() for p in args.models_dir] or [Path.home() / "models"]
+    app = TandemApp(load_backend, args.model, models_folders=folders)
     app.run()
     for text in notices:
         print(f"note: {text}", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from textual import on, work
 from textual.app import App, ComposeResult, SystemCommand
@@ -21,6 +22,7 @@ from textual.widgets import Footer, Label, ListItem, ListView
 from textual.worker import get_current_worker
 
 from app.backend import ChatBackend
+from app.picker import ModelEntry, PickerScreen, discover
 from app.screens import HelpScreen, SettingsScreen
 from app.settings import Settings, load_settings, save_settings
 from app.store import Conversation, ConversationStore, Turn
@@ -39,6 +41,7 @@ class ModelReady(Message):
 @dataclass
 class ModelFailed(Message):
     error: str
+    from_picker: bool = False
 
 
 @dataclass
@@ -63,15 +66,20 @@ class TandemApp(App[None]):
         Binding("ctrl+e", "toggle_experts", "Experts", priority=True),
         Binding("ctrl+s", "export", "Export", priority=True),
         Binding("f2", "settings", "Settings", priority=True),
+        Binding("ctrl+o", "pick_model", "Models", priority=True),
         Binding("f1,question_mark", "help", "Help"),
     ]
     COMPOSER_KEYS = [("Enter", "send"), ("Shift+Enter, Ctrl+J", "new line in the message")]
     CONFIRM_S = 3.0
 
-    def __init__(self, load_backend: Callable[[], ChatBackend], store: ConversationStore | None = None,
-                 params: SamplingParams | None = None) -> None:
+    def __init__(self, load_backend: Callable[[str | None], ChatBackend], model: str | None = None,
+                 store: ConversationStore | None = None, params: SamplingParams | None = None,
+                 models_folders: list[Path] | None = None) -> None:
+        """`load_backend(path)` loads a model folder (None: the built-in model) in a worker thread."""
         super().__init__()
         self.load_backend = load_backend
+        self.model_path = model
+        self.models_folders = models_folders or []
         self.store = store or ConversationStore()
         self.settings, self.settings_notice = load_settings()
         self.params = params or self.settings.params()
@@ -105,15 +113,15 @@ class TandemApp(App[None]):
             self.conversations = [self.current]
         self.refresh_sidebar()
         self.show_conversation()
-        self.query_one(StatusBar).update("loading the model…")
-        self.load_model()
+        self.load_model(self.model_path)
 
     @work(thread=True, exclusive=True, group="model")
-    def load_model(self) -> None:
+    def load_model(self, path: str | None, from_picker: bool = False) -> None:
+        self.call_from_thread(self.query_one(StatusBar).update, f"loading {path or 'the built-in model'}…")
         try:
-            self.post_message(ModelReady(self.load_backend()))
+            self.post_message(ModelReady(self.load_backend(path)))
         except TandemError as e:
-            self.post_message(ModelFailed(str(e)))
+            self.post_message(ModelFailed(str(e), from_picker))
 
     def on_model_ready(self, message: ModelReady) -> None:
         self.backend = message.backend
@@ -121,8 +129,23 @@ class TandemApp(App[None]):
         self.query_one(Composer).focus()
 
     def on_model_failed(self, message: ModelFailed) -> None:
+        if message.from_picker:  # back to the picker with the error; the current model stays loaded
+            self.update_status()
+            self.action_pick_model(message.error)
+            return
         self.query_one(StatusBar).update(f"model failed to load: {message.error}")
         self.notify(message.error, title="The model could not be loaded", severity="error", timeout=30)
+
+    def action_pick_model(self, error: str = "") -> None:
+        if self.generating:
+            return
+        from runtime.builtin import builtin_dir
+
+        def chosen(entry: ModelEntry | None) -> None:
+            if entry is not None:
+                self.load_model(entry.path, from_picker=True)
+
+        self.push_screen(PickerScreen(discover(self.models_folders, builtin_dir()), error), chosen)
 
     # -- conversations --------------------------------------------------------------------------
     def refresh_sidebar(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -57,7 +58,7 @@ async def ask(pilot, app: TandemApp, text: str) -> None:
 
 
 async def test_message_streams_reply_and_status_shows_speed() -> None:
-    app = TandemApp(lambda: FakeBackend(words=12))
+    app = TandemApp(lambda _: FakeBackend(words=12))
     async with app.run_test(size=(100, 30)) as pilot:
         await ask(pilot, app, "Hello there")
         await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
@@ -69,7 +70,7 @@ async def test_message_streams_reply_and_status_shows_speed() -> None:
 
 async def test_escape_stops_and_keeps_the_partial_answer() -> None:
     backend = FakeBackend(words=500, delay=0.01)
-    app = TandemApp(lambda: backend)
+    app = TandemApp(lambda _: backend)
     async with app.run_test() as pilot:
         await ask(pilot, app, "Tell me everything")
         await wait_until(pilot, lambda: backend.produced >= 5)
@@ -82,14 +83,14 @@ async def test_escape_stops_and_keeps_the_partial_answer() -> None:
 
 
 async def test_conversations_are_saved_and_restored(tandem_home: Path) -> None:
-    app = TandemApp(lambda: FakeBackend(words=3))
+    app = TandemApp(lambda _: FakeBackend(words=3))
     async with app.run_test() as pilot:
         await ask(pilot, app, "First question")
         await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
         await pilot.press("ctrl+n")
         await ask(pilot, app, "Second question")
         await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
-    again = TandemApp(lambda: FakeBackend())
+    again = TandemApp(lambda _: FakeBackend())
     async with again.run_test() as pilot:
         await pilot.pause()
         titles = sorted(c.title for c in again.conversations)
@@ -99,7 +100,7 @@ async def test_conversations_are_saved_and_restored(tandem_home: Path) -> None:
 
 
 async def test_delete_and_export(tandem_home: Path) -> None:
-    app = TandemApp(lambda: FakeBackend(words=2))
+    app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test() as pilot:
         await ask(pilot, app, "Keep me")
         await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
@@ -118,7 +119,7 @@ async def test_a_corrupt_conversation_file_does_not_crash(tandem_home: Path) -> 
     store = ConversationStore()
     store.save(Conversation(title="good one", turns=[Turn("user", "hi"), Turn("assistant", "hello")]))
     (store.folder / "broken.json").write_text("{ not json")
-    app = TandemApp(lambda: FakeBackend())
+    app = TandemApp(lambda _: FakeBackend())
     async with app.run_test() as pilot:
         await pilot.pause()
         assert [c.title for c in app.conversations] == ["good one"]
@@ -126,7 +127,7 @@ async def test_a_corrupt_conversation_file_does_not_crash(tandem_home: Path) -> 
 
 
 async def test_a_model_that_fails_to_load_keeps_the_app_alive() -> None:
-    def broken() -> FakeBackend:
+    def broken(path: str | None) -> FakeBackend:
         raise CheckpointError("model folder /nowhere does not exist")
 
     app = TandemApp(broken)
@@ -136,7 +137,7 @@ async def test_a_model_that_fails_to_load_keeps_the_app_alive() -> None:
 
 
 async def test_expert_heatmap_toggles_and_shows_rows() -> None:
-    app = TandemApp(lambda: FakeBackend(words=2))
+    app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test(size=(120, 30)) as pilot:
         await ask(pilot, app, "hi")
         await wait_until(pilot, lambda: not app.generating)
@@ -155,7 +156,7 @@ def test_heatmap_folds_128_experts() -> None:
 
 
 async def test_with_the_real_runtime(mixtral_dir: Path) -> None:
-    app = TandemApp(lambda: RuntimeBackend(load(mixtral_dir, dtype="fp32", context=128)),
+    app = TandemApp(lambda _: RuntimeBackend(load(mixtral_dir, dtype="fp32", context=128)),
                     params=SamplingParams(max_new_tokens=8))
     async with app.run_test() as pilot:
         await ask(pilot, app, "Hello")
@@ -171,7 +172,7 @@ async def test_settings_are_edited_validated_and_saved(tandem_home: Path) -> Non
     from app.screens import SettingsScreen
     from app.settings import load_settings
 
-    app = TandemApp(lambda: FakeBackend())
+    app = TandemApp(lambda _: FakeBackend())
     async with app.run_test(size=(100, 40)) as pilot:
         await pilot.press("f2")
         await pilot.pause()
@@ -194,7 +195,7 @@ async def test_settings_are_edited_validated_and_saved(tandem_home: Path) -> Non
 async def test_help_lists_every_key_and_the_palette_has_every_action() -> None:
     from app.screens import HelpScreen
 
-    app = TandemApp(lambda: FakeBackend())
+    app = TandemApp(lambda _: FakeBackend())
     async with app.run_test(size=(100, 40)) as pilot:
         await pilot.press("f1")
         await pilot.pause()
@@ -206,3 +207,35 @@ async def test_help_lists_every_key_and_the_palette_has_every_action() -> None:
         await pilot.press("escape")
         commands = {c.title for c in app.get_system_commands(app.screen)}
         assert {b.description for b in TandemApp.BINDINGS} <= commands
+
+
+async def test_picker_lists_a_models_folder_and_a_broken_model_keeps_the_app_alive(tmp_path: Path) -> None:
+    from app.picker import PickerScreen
+    from runtime.synth import tiny_config, write_test_model
+
+    folder = tmp_path / "models"
+    write_test_model(folder / "tiny-olmoe", tiny_config("olmoe"))
+    (folder / "broken").mkdir()
+    (folder / "broken" / "config.json").write_text(json.dumps(tiny_config("qwen3_moe")))
+    (folder / "broken" / "model.safetensors").write_bytes(b"garbage" * 100)
+
+    def load_backend(path: str | None) -> FakeBackend:
+        if path and path.endswith("broken"):
+            raise CheckpointError(f"{path}/model.safetensors is not a valid safetensors file")
+        return FakeBackend()
+
+    app = TandemApp(load_backend, models_folders=[folder])
+    async with app.run_test(size=(120, 30)) as pilot:
+        await wait_until(pilot, lambda: app.backend is not None)
+        await pilot.press("ctrl+o")
+        await pilot.pause()
+        picker = app.screen
+        assert isinstance(picker, PickerScreen)
+        names = [e.name for e in picker.entries]
+        assert "tiny-olmoe" in names and "broken" in names and names[0].startswith("built-in")
+        tiny = next(e for e in picker.entries if e.name == "tiny-olmoe")
+        assert tiny.family == "OLMoE" and tiny.experts == 8 and tiny.params > 0 and tiny.fits
+        picker.dismiss(next(e for e in picker.entries if e.name == "broken"))
+        await wait_until(pilot, lambda: isinstance(app.screen, PickerScreen) and app.screen is not picker)
+        assert "not a valid safetensors" in str(app.screen.query_one("#picker-error").render())
+        assert app.is_running and app.backend is not None  # the previous model is still loaded
