@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from runtime.engine import GenerationStats
 from runtime.loader import LoadedModel
 from runtime.sampling import SamplingParams
@@ -65,6 +67,11 @@ class RuntimeBackend:
         tail = decoder.flush()
         if tail:
             yield tail
+
+    def tuning_target(self) -> tuple[str, str, dict]:
+        """(model folder, dtype name, raw config): what a profile for this model is keyed by."""
+        dtype = "bf16" if self.loaded.model.dtype == torch.bfloat16 else "fp32"
+        return str(self.loaded.checkpoint.path), dtype, self.loaded.checkpoint.raw_config
 
     def usage(self) -> Usage:
         s = self.stats

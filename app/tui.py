@@ -27,6 +27,9 @@ from app.screens import HelpScreen, SettingsScreen
 from app.settings import Settings, load_settings, save_settings
 from app.store import Conversation, ConversationStore, Turn
 from app.widgets import ChatMessage, Composer, ExpertHeatmap, StatusBar
+from app.wizard import WizardScreen, needs_tuning
+from autotune.microbench import Step
+from autotune.run import Tuned, autotune
 from runtime.errors import TandemError
 from runtime.sampling import SamplingParams
 
@@ -67,6 +70,7 @@ class TandemApp(App[None]):
         Binding("ctrl+s", "export", "Export", priority=True),
         Binding("f2", "settings", "Settings", priority=True),
         Binding("ctrl+o", "pick_model", "Models", priority=True),
+        Binding("ctrl+t", "tune", "Auto-tune", priority=True),
         Binding("f1,question_mark", "help", "Help"),
     ]
     COMPOSER_KEYS = [("Enter", "send"), ("Shift+Enter, Ctrl+J", "new line in the message")]
@@ -74,12 +78,14 @@ class TandemApp(App[None]):
 
     def __init__(self, load_backend: Callable[[str | None], ChatBackend], model: str | None = None,
                  store: ConversationStore | None = None, params: SamplingParams | None = None,
-                 models_folders: list[Path] | None = None) -> None:
+                 models_folders: list[Path] | None = None,
+                 tune: Callable[[str, str, Callable[[Step], None]], Tuned] | None = None) -> None:
         """`load_backend(path)` loads a model folder (None: the built-in model) in a worker thread."""
         super().__init__()
         self.load_backend = load_backend
         self.model_path = model
         self.models_folders = models_folders or []
+        self.tune = tune or (lambda path, dtype, progress: autotune(path, dtype, progress=progress, save=False))
         self.store = store or ConversationStore()
         self.settings, self.settings_notice = load_settings()
         self.params = params or self.settings.params()
@@ -127,6 +133,24 @@ class TandemApp(App[None]):
         self.backend = message.backend
         self.update_status()
         self.query_one(Composer).focus()
+        target = getattr(self.backend, "tuning_target", None)
+        if target is not None:
+            _, dtype, raw = target()
+            if needs_tuning(raw, dtype):
+                self.action_tune()
+
+    def action_tune(self) -> None:
+        """The auto-tune wizard for the loaded model (offered on first run, or any time from the palette)."""
+        target = getattr(self.backend, "tuning_target", None)
+        if target is None or self.generating:
+            return
+        path, dtype, _ = target()
+
+        def done(saved: bool | None) -> None:
+            if saved:
+                self.notify("profile saved; it applies the next time this model loads")
+
+        self.push_screen(WizardScreen(lambda progress: self.tune(path, dtype, progress)), done)
 
     def on_model_failed(self, message: ModelFailed) -> None:
         if message.from_picker:  # back to the picker with the error; the current model stays loaded

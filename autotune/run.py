@@ -28,7 +28,7 @@ class Tuned:
     hardware: HardwareInfo
     result: PlanResult
     profile: Profile
-    path: Path
+    path: Path | None  # where it was saved (None: not saved yet)
 
 
 def record_trace(model_dir: str | Path, dtype: str, tokens: int = 32) -> tuple[np.ndarray, float, int]:
@@ -47,8 +47,9 @@ def record_trace(model_dir: str | Path, dtype: str, tokens: int = 32) -> tuple[n
 
 
 def autotune(model_dir: str | Path, dtype: str = "auto", quick: bool = False,
-             progress: Callable[[Step], None] | None = None, trace: np.ndarray | None = None) -> Tuned:
-    hw = probe()
+             progress: Callable[[Step], None] | None = None, trace: np.ndarray | None = None,
+             save: bool = True, hardware: HardwareInfo | None = None) -> Tuned:
+    hw = hardware or probe()
     name = default_dtype(set(hw.cpu.flags) or None) if dtype == "auto" else dtype
     ckpt = open_checkpoint(model_dir)
     shape = ModelShape.from_config(ckpt.config, torch.empty((), dtype=DTYPES[name]).element_size())
@@ -73,4 +74,4 @@ def autotune(model_dir: str | Path, dtype: str = "auto", quick: bool = False,
     profile = Profile(hw.fingerprint(), model_fingerprint(ckpt.raw_config, name), meas.to_dict(), plan,
                       {"tok_s": round(result.predicted_tok_s, 2), "hit_rate": round(result.hit_rate, 4),
                        "alternatives": result.alternatives})
-    return Tuned(hw, result, profile, save_profile(profile))
+    return Tuned(hw, result, profile, save_profile(profile) if save else None)

@@ -12,6 +12,7 @@ from app.backend import RuntimeBackend, Usage
 from app.store import Conversation, ConversationStore, Turn
 from app.tui import TandemApp
 from app.widgets import ChatMessage, ExpertHeatmap, StatusBar
+from autotune.microbench import Step
 from runtime.errors import CheckpointError
 from runtime.loader import load
 from runtime.sampling import SamplingParams
@@ -159,6 +160,13 @@ async def test_with_the_real_runtime(mixtral_dir: Path) -> None:
     app = TandemApp(lambda _: RuntimeBackend(load(mixtral_dir, dtype="fp32", context=128)),
                     params=SamplingParams(max_new_tokens=8))
     async with app.run_test() as pilot:
+        from textual.widgets import Button
+
+        from app.wizard import WizardScreen
+
+        await wait_until(pilot, lambda: isinstance(app.screen, WizardScreen))  # no profile yet: offered
+        app.screen.query_one("#skip", Button).press()
+        await pilot.pause()
         await ask(pilot, app, "Hello")
         await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2, timeout=30)
         status = str(app.query_one(StatusBar).render())
@@ -239,3 +247,54 @@ async def test_picker_lists_a_models_folder_and_a_broken_model_keeps_the_app_ali
         await wait_until(pilot, lambda: isinstance(app.screen, PickerScreen) and app.screen is not picker)
         assert "not a valid safetensors" in str(app.screen.query_one("#picker-error").render())
         assert app.is_running and app.backend is not None  # the previous model is still loaded
+
+
+class TunableFake(FakeBackend):
+    def tuning_target(self) -> tuple[str, str, dict]:
+        return "/models/fake", "bf16", {"model_type": "mixtral", "hidden_size": 64}
+
+
+def fake_tune(path: str, dtype: str, progress) -> object:
+    """The auto-tune on recorded hardware (a desktop with an RTX 4090) and stated measurements."""
+    from autotune.costs import from_hardware_file
+    from autotune.plan import ModelShape, make_plan
+    from autotune.probe import RecordedSources, probe
+    from autotune.profile import Profile, model_fingerprint
+    from autotune.run import Tuned
+
+    hw = probe(RecordedSources.load(Path(__file__).parent / "fixtures/hardware/desktop_rtx4090_threadripper.json"))
+    shape = ModelShape(8, 8, 2, (True,) * 8, 4096, 14336, 352_321_536, 100_000_000)
+    for i in range(3):
+        progress(Step(f"step {i + 1}", i + 1, 3))
+    meas = from_hardware_file({"cores": 24, "cpu_bandwidth_gbps": 60, "cpu_gflops": 600,
+                               "gpu": {"expert_ms": 0.35, "h2d_gbps": 25, "vram_bytes_for_experts": 16 * 2**30}},
+                              shape.expert_bytes, 6 * 4096 * 14336)
+    result = make_plan(shape, meas)
+    # keyed by this machine, so the app finds it afterwards
+    machine = probe().fingerprint()
+    profile = Profile(machine, model_fingerprint({"model_type": "mixtral", "hidden_size": 64}, dtype),
+                      meas.to_dict(), result.plan.to_dict(), {"tok_s": result.predicted_tok_s})
+    return Tuned(hw, result, profile, None)
+
+
+async def test_first_run_wizard_tunes_and_saves_a_profile(tandem_home: Path) -> None:
+    from textual.widgets import Button
+
+    from app.wizard import WizardScreen, needs_tuning
+
+    app = TandemApp(lambda _: TunableFake(), tune=fake_tune)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, WizardScreen))
+        wizard = app.screen
+        wizard.query_one("#start", Button).press()
+        await wait_until(pilot, lambda: not wizard.query_one("#save", Button).disabled)
+        assert "Predicted decode" in str(wizard.query_one("#step").render())
+        wizard.query_one("#save", Button).press()
+        await wait_until(pilot, lambda: not isinstance(app.screen, WizardScreen))
+    assert list((tandem_home / "profiles").glob("*.json"))
+    assert not needs_tuning({"model_type": "mixtral", "hidden_size": 64}, "bf16")
+    again = TandemApp(lambda _: TunableFake(), tune=fake_tune)
+    async with again.run_test() as pilot:  # tuned already: no wizard this time
+        await wait_until(pilot, lambda: again.backend is not None)
+        await pilot.pause(0.2)
+        assert not isinstance(again.screen, WizardScreen)
