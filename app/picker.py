@@ -109,7 +109,9 @@ class PickerScreen(ModalScreen[ModelEntry | None]):
         table = self.query_one(DataTable)
         table.add_columns("model", "family", "params", "experts", "on disk", "fits RAM", "from")
         for e in self.entries:
-            table.add_row(e.name, e.family, _human(e.params, ""), str(e.experts), _human(e.size_bytes, "B"),
+            unbuilt = e.source == "built-in" and e.size_bytes == 0
+            table.add_row(e.name, e.family, "135 M ×8" if unbuilt else _human(e.params, ""), str(e.experts),
+                          "built on first use" if unbuilt else _human(e.size_bytes, "B"),
                           "yes" if e.fits else "no (streams)", e.source)
         table.focus()
 

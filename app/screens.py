@@ -23,6 +23,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
     #form { width: 70; height: auto; max-height: 90%; border: thick $accent; background: $surface; padding: 1 2; }
     #form Input { margin-bottom: 1; }
     #error { color: $error; height: auto; }
+    #form Horizontal { height: auto; }
     """
 
     def __init__(self, current: Settings) -> None:
