@@ -37,6 +37,7 @@ class ChatBackend(Protocol):
     def stream(self, messages: list[dict[str, str]], params: SamplingParams) -> Iterator[str]: ...
     def usage(self) -> Usage: ...
     def activity(self) -> list[list[int]]: ...  # [layers][experts] activation counts of the last answer
+    # optional: where(): [layers][experts] -> "gpu" | "cpu" | "fetched" | "" (where each expert mostly ran)
 
 
 class RuntimeBackend:
@@ -82,3 +83,9 @@ class RuntimeBackend:
     def activity(self) -> list[list[int]]:
         rec = self.loaded.model.experts.recorder
         return (rec.prefill + rec.decode).tolist()
+
+    def where(self) -> list[list[str]]:
+        """Where each expert mostly ran during the last answer: "gpu" (resident), "fetched", "cpu" or ""."""
+        per = self.loaded.model.experts.request_stats().per_expert  # [layers, experts, 3]
+        names = ("gpu", "cpu", "fetched")
+        return [[names[int(c.argmax())] if c.any() else "" for c in row] for row in per]

@@ -332,7 +332,8 @@ class TandemApp(App[None]):
     def update_experts(self) -> None:
         panel = self.query_one(ExpertHeatmap)
         if self.backend is not None and panel.has_class("visible"):
-            panel.show(self.backend.activity(), width=max(8, panel.size.width - 6))
+            where = getattr(self.backend, "where", None)
+            panel.show(self.backend.activity(), width=max(8, panel.size.width - 6), where=where() if where else None)
 
     def update_status(self, state: str = "") -> None:
         if self.backend is None:

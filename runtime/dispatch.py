@@ -51,12 +51,19 @@ class OffloadPolicy:
 @dataclass
 class DispatchStats:
     num_layers: int
+    num_experts: int = 0
     per_layer: np.ndarray = field(init=False)  # [layers, 3] executions on gpu / cpu / fetched
+    per_expert: np.ndarray = field(init=False)  # [layers, experts, 3] the same, per expert
     hits: int = 0
     misses: int = 0
 
     def __post_init__(self) -> None:
         self.per_layer = np.zeros((self.num_layers, 3), dtype=np.int64)
+        self.per_expert = np.zeros((self.num_layers, max(1, self.num_experts), 3), dtype=np.int64)
+
+    def count(self, layer: int, expert: int, where: int) -> None:
+        self.per_layer[layer, where] += 1
+        self.per_expert[layer, expert, where] += 1
 
     bytes_h2d: int = 0  # bytes moved during this request (set by the dispatcher when asked)
     bytes_d2h: int = 0
@@ -112,7 +119,7 @@ class Dispatcher:
             for layer, block in blocks.items()
         }
         self.policy = policy or OffloadPolicy()
-        self.stats = DispatchStats(cfg.num_layers)
+        self.stats = DispatchStats(cfg.num_layers, cfg.num_experts)
         self.recorder = TraceRecorder(cfg.num_layers, cfg.num_experts, cfg.top_k)
         self.static: dict[Key, ExpertWeights] = {}
         self.slot_buffers: list[ExpertWeights] = []
@@ -179,7 +186,7 @@ class Dispatcher:
         """Per-request trace, TRACE-policy counts and statistics start afresh."""
         self.recorder.new_request()
         self.cache.new_request()
-        self.stats = DispatchStats(self.cfg.num_layers)
+        self.stats = DispatchStats(self.cfg.num_layers, self.cfg.num_experts)
         self._bytes_base = (self.accel.bytes_h2d, self.accel.bytes_d2h) if self.accel else (0, 0)
 
     def request_stats(self) -> DispatchStats:
@@ -205,9 +212,10 @@ class Dispatcher:
         weights, ids = route(logits, block.rule)  # [T, K], [T, K]
         self.recorder.record(layer, ids)
         if self.accel is None:  # CPU only: the reference combination
-            n = int(ids.unique().numel())
-            self.stats.per_layer[layer, CPU] += n
-            self.stats.misses += n
+            used = ids.unique().tolist()
+            for e in used:
+                self.stats.count(layer, e, CPU)
+            self.stats.misses += len(used)
             return combine(x, weights, ids, self.cpu_experts[layer], block.shared)
         weights = weights.to(x.dtype)
         if self.cache.policy is Policy.TRACE:
@@ -237,17 +245,17 @@ class Dispatcher:
                 weights = self.slot_buffers[hit.id] if hit is not None else None
             if weights is not None:
                 self.stats.hits += 1
-                self.stats.per_layer[layer, GPU] += 1
+                self.stats.count(layer, e, GPU)
                 gpu.append(_Job(e, tok, slot, weights, source, self.cpu_experts[layer][e]))
                 continue
             self.stats.misses += 1
             if self._should_fetch(tok.numel()):
-                self.stats.per_layer[layer, FETCHED] += 1
+                self.stats.count(layer, e, FETCHED)
                 in_use = frozenset((layer, j.expert) for j in gpu)
                 fetched = self._fetch_into_cache(layer, e, source, in_use)
                 gpu.append(_Job(e, tok, slot, fetched, source, self.cpu_experts[layer][e]))
             else:
-                self.stats.per_layer[layer, CPU] += 1
+                self.stats.count(layer, e, CPU)
                 cpu.append(_Job(e, tok, slot, None, source, self.cpu_experts[layer][e]))
         return gpu, cpu
 

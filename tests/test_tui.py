@@ -298,3 +298,22 @@ async def test_first_run_wizard_tunes_and_saves_a_profile(tandem_home: Path) -> 
         await wait_until(pilot, lambda: again.backend is not None)
         await pilot.pause(0.2)
         assert not isinstance(again.screen, WizardScreen)
+
+
+def test_heatmap_marks_where_experts_ran(mixtral_dir: Path) -> None:
+    from runtime.dispatch import OffloadPolicy, Strategy
+
+    loaded = load(mixtral_dir, dtype="fp32", context=64, accelerator="emulated", vram_gb=0.00079,
+                  policy=OffloadPolicy(Strategy.CPU))
+    backend = RuntimeBackend(loaded)
+    assert backend.placement.startswith("EMULATED:")
+    "".join(backend.stream([{"role": "user", "content": "hello there"}], SamplingParams(max_new_tokens=12)))
+    where = backend.where()
+    flat = {w for row in where for w in row}
+    assert "gpu" in flat and "cpu" in flat
+    panel = ExpertHeatmap()
+    panel.show(backend.activity(), width=40, where=where)
+    text = str(panel.render())
+    assert "GPU" in text and "copied" in text
+    assert backend.usage().hit_rate is not None
+    loaded.model.close()
