@@ -35,6 +35,12 @@ class ModelEntry:
         """Whether the weights fit in this machine's RAM (memory-mapped experts stream from disk otherwise)."""
         return self.size_bytes <= psutil.virtual_memory().total
 
+    def fits_vram(self, vram: int | None) -> str:
+        """All of it on the GPU, part of it (the rest on the CPU), or no GPU."""
+        if not vram:
+            return "no GPU"
+        return "all" if self.size_bytes <= vram * 0.9 else f"{min(99, int(100 * vram * 0.9 / self.size_bytes))}%"
+
 
 def describe_folder(folder: Path, source: str) -> ModelEntry | None:
     """A supported MoE checkpoint folder -> its entry; anything else -> None."""
@@ -94,10 +100,11 @@ class PickerScreen(ModalScreen[ModelEntry | None]):
     #picker-error { color: $error; height: auto; }
     """
 
-    def __init__(self, entries: list[ModelEntry], error: str = "") -> None:
+    def __init__(self, entries: list[ModelEntry], error: str = "", vram: int | None = None) -> None:
         super().__init__()
         self.entries = entries
         self.error = error
+        self.vram = vram  # bytes of GPU memory, None without a GPU
 
     def compose(self) -> ComposeResult:
         with Vertical(id="picker"):
@@ -107,12 +114,12 @@ class PickerScreen(ModalScreen[ModelEntry | None]):
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
-        table.add_columns("model", "family", "params", "experts", "on disk", "fits RAM", "from")
+        table.add_columns("model", "family", "params", "experts", "on disk", "fits RAM", "on GPU", "from")
         for e in self.entries:
             unbuilt = e.source == "built-in" and e.size_bytes == 0
             table.add_row(e.name, e.family, "135 M ×8" if unbuilt else _human(e.params, ""), str(e.experts),
                           "built on first use" if unbuilt else _human(e.size_bytes, "B"),
-                          "yes" if e.fits else "no (streams)", e.source)
+                          "yes" if e.fits else "no (streams)", e.fits_vram(self.vram), e.source)
         table.focus()
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:

@@ -73,3 +73,25 @@ class HelpScreen(ModalScreen[None]):
             yield Label("Keys")
             yield Static(rows)
             yield Label("Ctrl+P opens the command palette with every action.")
+
+
+class RenameScreen(ModalScreen[str | None]):
+    """A new title for the conversation: Enter saves, Escape cancels."""
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
+    DEFAULT_CSS = """
+    RenameScreen { align: center middle; }
+    #rename { width: 60; height: auto; border: thick $accent; background: $surface; padding: 1 2; }
+    """
+
+    def __init__(self, title: str) -> None:
+        super().__init__()
+        self.current = title
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="rename"):
+            yield Label("Rename the conversation")
+            yield Input(self.current, id="title")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value.strip() or None)

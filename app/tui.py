@@ -18,12 +18,12 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import Footer, Label, ListItem, ListView
+from textual.widgets import Footer, Label, ListItem, ListView, ProgressBar
 from textual.worker import get_current_worker
 
 from app.backend import ChatBackend
 from app.picker import ModelEntry, PickerScreen, discover
-from app.screens import HelpScreen, SettingsScreen
+from app.screens import HelpScreen, RenameScreen, SettingsScreen
 from app.settings import Settings, load_settings, save_settings
 from app.store import Conversation, ConversationStore, Turn
 from app.widgets import ChatMessage, Composer, ExpertHeatmap, StatusBar
@@ -68,6 +68,7 @@ class TandemApp(App[None]):
         Binding("ctrl+r", "retry", "Retry", priority=True),
         Binding("ctrl+e", "toggle_experts", "Experts", priority=True),
         Binding("ctrl+s", "export", "Export", priority=True),
+        Binding("f3", "rename", "Rename chat", priority=True),
         Binding("f2", "settings", "Settings", priority=True),
         Binding("ctrl+o", "pick_model", "Models", priority=True),
         Binding("ctrl+t", "tune", "Auto-tune", priority=True),
@@ -103,6 +104,7 @@ class TandemApp(App[None]):
                 yield VerticalScroll(id="messages")
                 yield Composer(id="composer")
             yield ExpertHeatmap(id="experts")
+        yield ProgressBar(id="loading", show_eta=False, show_percentage=False)
         yield StatusBar(id="status")
         yield Footer()
 
@@ -123,13 +125,18 @@ class TandemApp(App[None]):
 
     @work(thread=True, exclusive=True, group="model")
     def load_model(self, path: str | None, from_picker: bool = False) -> None:
-        self.call_from_thread(self.query_one(StatusBar).update, f"loading {path or 'the built-in model'}…")
+        self.call_from_thread(self.show_loading, f"loading {path or 'the built-in model'}…")
         try:
             self.post_message(ModelReady(self.load_backend(path)))
         except TandemError as e:
             self.post_message(ModelFailed(str(e), from_picker))
 
+    def show_loading(self, text: str) -> None:
+        self.query_one("#loading", ProgressBar).display = True  # indeterminate: loading has no step count
+        self.query_one(StatusBar).update(text)
+
     def on_model_ready(self, message: ModelReady) -> None:
+        self.query_one("#loading", ProgressBar).display = False
         self.backend = message.backend
         self.update_status()
         self.query_one(Composer).focus()
@@ -153,6 +160,7 @@ class TandemApp(App[None]):
         self.push_screen(WizardScreen(lambda progress: self.tune(path, dtype, progress)), done)
 
     def on_model_failed(self, message: ModelFailed) -> None:
+        self.query_one("#loading", ProgressBar).display = False
         if message.from_picker:  # back to the picker with the error; the current model stays loaded
             self.update_status()
             self.action_pick_model(message.error)
@@ -169,7 +177,11 @@ class TandemApp(App[None]):
             if entry is not None:
                 self.load_model(entry.path, from_picker=True)
 
-        self.push_screen(PickerScreen(discover(self.models_folders, builtin_dir()), error), chosen)
+        from autotune.probe import probe
+
+        gpus = probe().gpus
+        vram = gpus[0].memory_total if gpus else None
+        self.push_screen(PickerScreen(discover(self.models_folders, builtin_dir()), error, vram), chosen)
 
     # -- conversations --------------------------------------------------------------------------
     def refresh_sidebar(self) -> None:
@@ -220,6 +232,15 @@ class TandemApp(App[None]):
         self.refresh_sidebar()
         self.show_conversation()
         self.notify("conversation deleted")
+
+    def action_rename(self) -> None:
+        def apply(title: str | None) -> None:
+            if title:
+                self.current.title = title
+                self.store.save(self.current)
+                self.refresh_sidebar()
+
+        self.push_screen(RenameScreen(self.current.title), apply)
 
     def action_export(self) -> None:
         path = self.store.folder / f"{self.current.id}.md"

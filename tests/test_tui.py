@@ -317,3 +317,29 @@ def test_heatmap_marks_where_experts_ran(mixtral_dir: Path) -> None:
     assert "GPU" in text and "copied" in text
     assert backend.usage().hit_rate is not None
     loaded.model.close()
+
+
+async def test_rename_a_conversation(tandem_home: Path) -> None:
+    from textual.widgets import Input
+
+    from app.screens import RenameScreen
+
+    app = TandemApp(lambda _: FakeBackend(words=2))
+    async with app.run_test() as pilot:
+        await ask(pilot, app, "old title")
+        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+        await pilot.press("f3")
+        await pilot.pause()
+        assert isinstance(app.screen, RenameScreen)
+        field = app.screen.query_one("#title", Input)
+        field.value = "Expert caching notes"
+        await pilot.press("enter")
+        await pilot.pause()
+    assert [c.title for c in ConversationStore().load_all()[0]] == ["Expert caching notes"]
+
+
+def test_picker_vram_column() -> None:
+    from app.picker import ModelEntry
+
+    e = ModelEntry("/m", "m", "Mixtral", 46_700_000_000, 8, 93 * 10**9, "folder")
+    assert e.fits_vram(None) == "no GPU" and e.fits_vram(24 * 2**30) == "24%" and e.fits_vram(200 * 10**9) == "all"
