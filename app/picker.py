@@ -94,11 +94,6 @@ class PickerScreen(ModalScreen[ModelEntry | None]):
     """Choose a model; Escape keeps the current one. An error from a failed load is shown on top."""
 
     BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
-    DEFAULT_CSS = """
-    PickerScreen { align: center middle; }
-    #picker { width: 90%; height: 80%; border: thick $accent; background: $surface; padding: 0 1; }
-    #picker-error { color: $error; height: auto; }
-    """
 
     def __init__(self, entries: list[ModelEntry], error: str = "", vram: int | None = None) -> None:
         super().__init__()

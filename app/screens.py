@@ -18,13 +18,6 @@ class SettingsScreen(ModalScreen[Settings | None]):
     """Edit the generation settings; Save validates them, Escape cancels."""
 
     BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
-    DEFAULT_CSS = """
-    SettingsScreen { align: center middle; }
-    #form { width: 70; height: auto; max-height: 90%; border: thick $accent; background: $surface; padding: 1 2; }
-    #form Input { margin-bottom: 1; }
-    #error { color: $error; height: auto; }
-    #form Horizontal { height: auto; }
-    """
 
     def __init__(self, current: Settings) -> None:
         super().__init__()
@@ -58,10 +51,6 @@ class HelpScreen(ModalScreen[None]):
     """Every key, in one place."""
 
     BINDINGS = [Binding("escape,question_mark,q", "dismiss", "Close")]
-    DEFAULT_CSS = """
-    HelpScreen { align: center middle; }
-    #help { width: 64; height: auto; border: thick $accent; background: $surface; padding: 1 2; }
-    """
 
     def __init__(self, keys: list[tuple[str, str]]) -> None:
         super().__init__()
@@ -79,10 +68,6 @@ class RenameScreen(ModalScreen[str | None]):
     """A new title for the conversation: Enter saves, Escape cancels."""
 
     BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
-    DEFAULT_CSS = """
-    RenameScreen { align: center middle; }
-    #rename { width: 60; height: auto; border: thick $accent; background: $surface; padding: 1 2; }
-    """
 
     def __init__(self, title: str) -> None:
         super().__init__()

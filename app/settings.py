@@ -16,8 +16,8 @@ SCHEMA = 1
 @dataclass
 class Settings:
     system_prompt: str = ""
-    temperature: float = 0.7
-    top_p: float = 0.95
+    temperature: float = 0.2  # small local models answer best close to greedy
+    top_p: float = 0.9
     top_k: int = 0
     max_new_tokens: int = 512
     repetition_penalty: float = 1.0

@@ -17,7 +17,7 @@ from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
-from textual.screen import Screen
+from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Label, ListItem, ListView, ProgressBar
 from textual.worker import get_current_worker
 
@@ -66,6 +66,7 @@ class TandemApp(App[None]):
         Binding("ctrl+n", "new_conversation", "New chat", priority=True),
         Binding("ctrl+d", "delete_conversation", "Delete chat", priority=True),
         Binding("ctrl+r", "retry", "Retry", priority=True),
+        Binding("f4", "edit_last", "Edit last", priority=True),
         Binding("ctrl+e", "toggle_experts", "Experts", priority=True),
         Binding("ctrl+s", "export", "Export", priority=True),
         Binding("f3", "rename", "Rename chat", priority=True),
@@ -154,6 +155,7 @@ class TandemApp(App[None]):
         path, dtype, _ = target()
 
         def done(saved: bool | None) -> None:
+            self.query_one(Composer).focus()
             if saved:
                 self.notify("profile saved; it applies the next time this model loads")
 
@@ -235,6 +237,7 @@ class TandemApp(App[None]):
 
     def action_rename(self) -> None:
         def apply(title: str | None) -> None:
+            self.query_one(Composer).focus()
             if title:
                 self.current.title = title
                 self.store.save(self.current)
@@ -307,10 +310,13 @@ class TandemApp(App[None]):
         self.update_experts()
 
     def action_stop(self) -> None:
+        """Escape: stops an answer; otherwise closes the dialog on top (this binding has priority over theirs)."""
         if self.generating:
             for worker in self.workers:
                 if worker.group == "generate":
                     worker.cancel()
+        elif isinstance(self.screen, ModalScreen):
+            self.screen.dismiss(False if isinstance(self.screen, WizardScreen) else None)
 
     def action_retry(self) -> None:
         """Ask the last question again (the previous answer is replaced)."""
@@ -323,9 +329,27 @@ class TandemApp(App[None]):
                 answers.last().remove()
         self.start_answer()
 
+    def action_edit_last(self) -> None:
+        """Take the last question (and its answer) back into the composer to edit and send again."""
+        if self.generating or not self.current.turns:
+            return
+        while self.current.turns and self.current.turns[-1].role == "assistant":
+            self.current.turns.pop()
+        if not self.current.turns:
+            return
+        question = self.current.turns.pop()
+        messages = list(self.query(ChatMessage))
+        for widget in messages[len(self.current.turns):]:
+            widget.remove()
+        composer = self.query_one(Composer)
+        composer.text = question.content
+        composer.focus()
+        self.store.save(self.current)
+
     # -- settings, help, command palette --------------------------------------------------------
     def action_settings(self) -> None:
         def apply(new: Settings | None) -> None:
+            self.query_one(Composer).focus()
             if new is not None:
                 self.settings, self.params = new, new.params()
                 save_settings(new)

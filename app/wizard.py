@@ -40,13 +40,6 @@ class TuneDone(Message):
 class WizardScreen(ModalScreen[bool]):
     """Dismisses with True when a profile was saved."""
 
-    DEFAULT_CSS = """
-    WizardScreen { align: center middle; }
-    #wizard { width: 80; height: auto; border: thick $accent; background: $surface; padding: 1 2; }
-    #wizard ProgressBar { margin: 1 0; }
-    #wizard Horizontal { height: auto; }
-    #wizard Button { margin-right: 2; }
-    """
 
     def __init__(self, tune: Callable[[Callable[[Step], None]], Tuned]) -> None:
         super().__init__()

@@ -343,3 +343,48 @@ def test_picker_vram_column() -> None:
 
     e = ModelEntry("/m", "m", "Mixtral", 46_700_000_000, 8, 93 * 10**9, "folder")
     assert e.fits_vram(None) == "no GPU" and e.fits_vram(24 * 2**30) == "24%" and e.fits_vram(200 * 10**9) == "all"
+
+
+async def test_after_skipping_the_wizard_typing_goes_to_the_composer(tandem_home: Path) -> None:
+    from app.wizard import WizardScreen
+
+    app = TandemApp(lambda _: TunableFake(words=3), tune=fake_tune)
+    async with app.run_test() as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, WizardScreen))
+        await pilot.press("escape")  # Escape skips the wizard (and closes any dialog)
+        await wait_until(pilot, lambda: not isinstance(app.screen, WizardScreen))
+        await pilot.press("h", "i", "enter")
+        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+        assert app.current.turns[0].content == "hi"
+
+
+async def test_escape_closes_dialogs() -> None:
+    from app.screens import HelpScreen, SettingsScreen
+
+    app = TandemApp(lambda _: FakeBackend())
+    async with app.run_test(size=(100, 40)) as pilot:
+        await wait_until(pilot, lambda: app.backend is not None)
+        for key, screen in (("f2", SettingsScreen), ("f1", HelpScreen)):
+            await pilot.press(key)
+            await pilot.pause()
+            assert isinstance(app.screen, screen)
+            await pilot.press("escape")
+            await pilot.pause()
+            assert not isinstance(app.screen, screen)
+
+
+async def test_edit_the_last_message(tandem_home: Path) -> None:
+    from app.widgets import Composer
+
+    app = TandemApp(lambda _: FakeBackend(words=2))
+    async with app.run_test() as pilot:
+        await ask(pilot, app, "first try")
+        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+        await pilot.press("f4")
+        await pilot.pause()
+        assert app.current.turns == [] and app.query_one(Composer).text == "first try"
+        assert len(app.query(ChatMessage)) == 0
+        app.query_one(Composer).text = "second try"
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+        assert app.current.turns[0].content == "second try"
