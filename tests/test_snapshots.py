@@ -14,13 +14,13 @@ from tests.test_tui import FakeBackend, TunableFake, fake_tune, wait_until
 SIZE = (100, 30)
 
 
-async def answered(pilot) -> None:
+async def answered(pilot, question: str = "What is a mixture of experts?") -> None:
     app = pilot.app
     await wait_until(pilot, lambda: app.backend is not None)
     composer = app.query_one(Composer)
     composer.cursor_blink = False
     composer.focus()
-    composer.insert("What is a mixture of experts?")
+    composer.insert(question)
     await pilot.press("enter")
     await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
     await pilot.pause()
@@ -71,16 +71,9 @@ def test_chat_mid_answer_with_heatmap(snap_compare) -> None:
     really still running would hold the screenshot back)."""
 
     async def run(pilot) -> None:
-        app = pilot.app
-        await wait_until(pilot, lambda: app.backend is not None)
-        composer = app.query_one(Composer)
-        composer.cursor_blink = False
-        composer.focus()
-        composer.insert("Explain expert caching in two paragraphs.")
-        await pilot.press("enter")
-        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+        await answered(pilot, "Explain expert caching in two paragraphs.")
         await pilot.press("ctrl+e")
-        app.update_status("answering… (Esc stops)")
+        pilot.app.update_status("answering… (Esc stops)")
         await pilot.pause()
 
     assert snap_compare(TandemApp(lambda _: FakeBackend(words=20)), terminal_size=SIZE, run_before=run)
