@@ -160,6 +160,7 @@ class CpuExecutor:
             have = ", ".join(self.isas) or "none"
             raise ValueError(f"kernel variant {isa!r} is not available here (available: {have})")
         self.forced_isa = isa
+        self._isa_cache: dict[tuple[object, int], str | None] = {}  # (weight kind, tokens) -> variant
         t = max(1, crossover)
         self._x = torch.empty(t, hidden, dtype=torch.float32)
         self._out = torch.empty(t, hidden, dtype=torch.float32)
@@ -180,17 +181,23 @@ class CpuExecutor:
         return CpuExpert(gate, up, down, gate.dtype, self)
 
     def isa_for(self, expert: CpuExpert, tokens: int = 1) -> str | None:
+        key = (expert.kind, tokens)
+        if key not in self._isa_cache:  # the decode hot path asks this for every expert call
+            self._isa_cache[key] = self._choose_isa(expert.kind, tokens)
+        return self._isa_cache[key]
+
+    def _choose_isa(self, kind: object, tokens: int) -> str | None:
         if self.lib is None:
             return None
         isas = [i for i in self.isas if i not in BF16_ONLY]
-        if expert.kind == torch.bfloat16 and self.inter % 2 == 0:  # vdpbf16ps takes rows in pairs
+        if kind == torch.bfloat16 and self.inter % 2 == 0:  # vdpbf16ps takes rows in pairs
             isas.append("avx512bf16")
-        if expert.kind in AMX_KINDS and self.hidden % 32 == 0 and self.inter % 32 == 0 and tokens <= 16:
+        if kind in AMX_KINDS and self.hidden % 32 == 0 and self.inter % 32 == 0 and tokens <= 16:
             isas.append("amx")  # whole tiles; int8/int4 are turned into bf16 tiles on the way in
         isas = [i for i in isas if i in self.isas]
         if self.forced_isa in isas:
             return self.forced_isa
-        return best_isa(expert.kind, self.dtype, isas, tokens)
+        return best_isa(kind, self.dtype, isas, tokens)
 
     def run(self, expert: CpuExpert, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
