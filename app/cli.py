@@ -111,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--quant-group", type=int, choices=[32, 64, 128], default=64)
     quant.set_defaults(func=_bench_quant)
 
+    mbm = sub.add_parser("make-bench-model", help="write a random-weight checkpoint with a real model's shapes")
+    mbm.add_argument("--shape", required=True, help="mixtral, qwen3-30b-a3b, olmoe (deepseek-v2-lite: not yet)")
+    mbm.add_argument("--layers", type=int, default=None, help="fewer layers than the real model")
+    mbm.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    mbm.add_argument("--out", required=True)
+    mbm.set_defaults(func=_make_bench_model)
+
     synth = sub.add_parser("make-test-model", help="write a small random-weight checkpoint (for trying things out)")
     synth.add_argument("--family", default="mixtral", help="model_type: mixtral, qwen2_moe, qwen3_moe, olmoe")
     synth.add_argument("--out", required=True, help="folder to create")
@@ -429,6 +436,20 @@ def _bench_quant(args: argparse.Namespace) -> int:
     from app.bench import bench_quant
 
     print(json.dumps(bench_quant(args.model, args.new_tokens, group=args.quant_group), indent=1))
+    return 0
+
+
+def _make_bench_model(args: argparse.Namespace) -> int:
+    import torch
+
+    from runtime.bench_shapes import make_bench_model
+
+    if Path(args.out).exists():
+        raise TandemError(f"{args.out} already exists; choose a new folder")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    path = make_bench_model(args.shape, args.out, args.layers, dtype)
+    size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    print(f"wrote a random-weight {args.shape}-shaped checkpoint ({size / 2**30:.1f} GiB) to {path}")
     return 0
 
 

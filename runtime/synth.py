@@ -77,10 +77,17 @@ def write_test_model(
     dtype: torch.dtype = torch.float32,
     shard_bytes: int = 2 * 1024**3,
     std: float = 0.08,
+    routing_skew: float = 0.0,
+    router_scale: float = 1.0,
 ) -> Path:
     """Write config.json, random weights (sharded, with an index when >1 shard) and a tokenizer.
 
     Built in a temporary sibling folder and renamed into place, so a crash never leaves a half model.
+    Shards are generated and written one at a time, so the model is never whole in memory.
+    `routing_skew` > 0 makes routing behave more like a trained model's: every token's embedding shares a
+    common direction and each router favours its experts along it with Zipf-like strengths, so some experts
+    are popular and consecutive tokens reuse experts more often (0: plain random routing); `router_scale`
+    multiplies the routers' random part, making routing depend more on the token (less reuse).
     """
     out = Path(out)
     if out.exists():
@@ -93,7 +100,9 @@ def write_test_model(
         (tmp / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
         gen = torch.Generator().manual_seed(seed)
         shapes = dense_tensors(cfg, spec) | expert_tensors(cfg, spec)
-        _write_shards(tmp, shapes, gen, dtype, shard_bytes, std)
+        common = torch.randn(cfg.hidden_size, generator=gen)
+        skew = (common / common.norm(), routing_skew, router_scale) if routing_skew or router_scale != 1.0 else None
+        _write_shards(tmp, shapes, gen, dtype, shard_bytes, std, skew)
         write_tokenizer(tmp, min(cfg.vocab_size, 2048))
         tmp.rename(out)
     except BaseException:
@@ -102,14 +111,26 @@ def write_test_model(
     return out
 
 
-def _random(shape: tuple[int, ...], name: str, gen: torch.Generator, dtype: torch.dtype, std: float) -> torch.Tensor:
+def _random(shape: tuple[int, ...], name: str, gen: torch.Generator, dtype: torch.dtype, std: float,
+            skew: tuple[torch.Tensor, float, float] | None = None) -> torch.Tensor:
     if "norm" in name:  # RMSNorm weights near one, as after training
         return (1 + 0.1 * torch.randn(shape, generator=gen)).to(dtype)
-    return (torch.randn(shape, generator=gen) * std).to(dtype)
+    w = torch.randn(shape, generator=gen) * std
+    if skew is not None:
+        common, strength, scale = skew
+        if name == "model.embed_tokens.weight":  # every token carries the common direction
+            w += common * std * shape[1] ** 0.5 * strength
+        elif name.endswith(".gate.weight") and shape[0] > 1:  # a router: Zipf-like preference along it
+            w *= scale
+            popularity = 1.0 / torch.arange(1, shape[0] + 1) ** 0.8
+            popularity = popularity[torch.randperm(shape[0], generator=gen)]
+            w += popularity[:, None] * common[None, :] * std * shape[1] ** 0.5 * strength
+    return w.to(dtype)
 
 
 def _write_shards(
-    out: Path, shapes: dict[str, tuple[int, ...]], gen: torch.Generator, dtype: torch.dtype, limit: int, std: float
+    out: Path, shapes: dict[str, tuple[int, ...]], gen: torch.Generator, dtype: torch.dtype, limit: int, std: float,
+    skew: tuple[torch.Tensor, float, float] | None = None,
 ) -> None:
     item = torch.empty((), dtype=dtype).element_size()
     groups: list[list[str]] = [[]]
@@ -124,7 +145,7 @@ def _write_shards(
     weight_map: dict[str, str] = {}
     for i, names in enumerate(groups):
         file = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        tensors = {n: _random(shapes[n], n, gen, dtype, std) for n in names}
+        tensors = {n: _random(shapes[n], n, gen, dtype, std, skew) for n in names}
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         del tensors
         weight_map |= dict.fromkeys(names, file)

@@ -1,0 +1,50 @@
+"""Benchmark checkpoints: real shapes, streamed to shards, loadable, with trained-like routing locality."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app.cli import main
+from runtime.bench_shapes import SHAPES, bench_config, make_bench_model, reuse
+from runtime.checkpoint import open_checkpoint
+from runtime.errors import UnsupportedModelError
+
+
+def test_real_shapes() -> None:
+    olmoe = bench_config("olmoe")
+    assert (olmoe["hidden_size"], olmoe["intermediate_size"], olmoe["num_experts"], olmoe["num_experts_per_tok"],
+            olmoe["num_hidden_layers"]) == (2048, 1024, 64, 8, 16)
+    qwen = bench_config("qwen3-30b-a3b", layers=4)
+    assert (qwen["moe_intermediate_size"], qwen["num_experts"], qwen["num_hidden_layers"]) == (768, 128, 4)
+    mixtral = bench_config("mixtral")
+    assert (mixtral["hidden_size"], mixtral["intermediate_size"], mixtral["num_local_experts"]) == (4096, 14336, 8)
+    with pytest.raises(UnsupportedModelError, match="not a supported family"):
+        bench_config("deepseek-v2-lite")
+    with pytest.raises(UnsupportedModelError, match="choose one of"):
+        bench_config("gpt4")
+
+
+def test_written_checkpoint_has_the_shapes_and_is_sharded(tmp_path: Path) -> None:
+    # the real OLMoE widths, with a small vocabulary and two layers to keep the test quick
+    path = make_bench_model("olmoe", tmp_path / "m", layers=2, vocab_size=4096)
+    ckpt = open_checkpoint(path)
+    assert ckpt.config.num_experts == 64 and ckpt.config.moe_intermediate_size == 1024
+    name = "model.layers.1.mlp.experts.63.down_proj.weight"
+    expert = ckpt.where[name].infos[name]
+    assert expert.shape == (2048, 1024) and str(expert.dtype) == "torch.bfloat16"
+    assert json.loads((path / "config.json").read_text())["num_experts_per_tok"] == 8
+
+
+def test_reuse_metric() -> None:
+    seq = np.array([[[0, 1]], [[1, 2]], [[3, 4]]])  # reuse 1/2, then 0
+    assert reuse(seq) == pytest.approx(0.25)
+
+
+def test_cli(tmp_path: Path, capsys) -> None:
+    assert main(["make-bench-model", "--shape", "deepseek-v2-lite", "--out", str(tmp_path / "x")]) == 2
+    assert "not a supported family" in capsys.readouterr().err
+    assert set(SHAPES) == {"mixtral", "qwen3-30b-a3b", "olmoe"}
