@@ -183,3 +183,10 @@ def bench_quant(model_dir: str, new_tokens: int = 64, prompt_tokens: int = 16, g
             "greedy_agreement": round((got.argmax(-1) == ref.argmax(-1)).float().mean().item(), 4),
         }
     return result
+
+
+def bench_prompt_ids(tokenizer: object, n: int) -> list[int]:
+    """`n` prompt tokens from the bundled chat-like texts (repeated as needed)."""
+    text = (ASSETS / "bench_prompts.txt").read_text(encoding="utf-8")
+    ids = tokenizer.encode(text)  # type: ignore[attr-defined]
+    return (ids * (1 + n // max(1, len(ids))))[:n]

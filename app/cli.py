@@ -90,6 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
     offload.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
     offload.set_defaults(func=_bench_offload)
 
+    e2e = bench_sub.add_parser("e2e", help="Fiddler's scenarios end to end, optionally beside transformers")
+    e2e.add_argument("--model", default=None, help="default: the built-in model")
+    e2e.add_argument("--scenario", choices=["decode", "prefill", "beam", "all"], default="all")
+    e2e.add_argument("--quick", action="store_true", help="a few points per scenario (minutes, not hours)")
+    e2e.add_argument("--peer", choices=["transformers"], default=None)
+    e2e.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    e2e.add_argument("--plot", metavar="FILE.png", help="draw the results (needs matplotlib)")
+    e2e.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
+    e2e.add_argument("--context", type=int, default=None)
+    e2e.add_argument("--force", action="store_true")
+    add_runtime_args(e2e)
+    e2e.set_defaults(func=_bench_e2e)
+
     val = bench_sub.add_parser("plan", help="the planner and simulator against real runs (regret, prediction error)")
     val.add_argument("--model", required=True)
     val.add_argument("--expert-fraction", type=float, default=0.25)
@@ -422,6 +435,32 @@ def _bench_kernels(args: argparse.Namespace) -> int:
         for r in rows:
             print(f"{r['shape']:8} {r['dtype']:5} {r['tokens']:>6} {r['impl']:>6} {r['latency_ms']:>9.3f} "
                   f"{r['gbps']:>7.1f} {r['ratio']:>7.2f}")
+    return 0
+
+
+def _bench_e2e(args: argparse.Namespace) -> int:
+    from app.bench_e2e import bench_e2e, plot
+
+    if args.context is None:
+        args.context = 4096 + 64 if not args.quick else 2048 + 64
+    try:
+        loaded = load_from_args(args)
+    except TandemError:
+        args.context = None  # the model's own limit is smaller
+        loaded = load_from_args(args)
+    scenarios = ["decode", "prefill", "beam"] if args.scenario == "all" else [args.scenario]
+    result = bench_e2e(loaded, scenarios, args.quick, args.peer)
+    print(f"plan: {json.dumps(result['plan'])}")
+    print(f"{'scenario':8} {'in':>5} {'out':>4} {'beams':>5} {'tok/s':>8} {'TTFT s':>7} {'ITL ms':>7} "
+          f"{'peer':>8} {'ratio':>6} {'roofline':>8}")
+    for r in result["rows"]:
+        print(f"{r['scenario']:8} {r['input']:>5} {r['output']:>4} {r['beams']:>5} {r['tandem_tok_s']:>8.2f} "
+              f"{r['ttft_s']:>7.3f} {r['itl_ms']:>7.2f} {r.get('peer_tok_s', float('nan')):>8.2f} "
+              f"{r.get('ratio') or float('nan'):>6.2f} {r.get('roofline', float('nan')):>8.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
+    if args.plot:
+        plot(result, args.plot)
     return 0
 
 

@@ -1,0 +1,139 @@
+"""`tandem bench e2e`: the Fiddler evaluation scenarios, Tandem beside transformers in one process.
+
+Scenarios: decode (input × output lengths: tokens/s end to end, TTFT and inter-token latency), prefill (TTFT
+for long inputs) and beam search (widths; input 32, output 64). With `--peer transformers` the same prompt
+ids and settings go through transformers, alternating row by row, and each row gets the ratio. CPU-only
+decode rows also report the weight bytes touched per token and that traffic as a fraction of the DRAM
+bandwidth measured in the same run (the roofline).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from app.bench import bench_prompt_ids
+from autotune.microbench import dram_bandwidth
+from autotune.probe import probe
+from runtime.engine import Engine, GenerationStats
+from runtime.loader import LoadedModel
+from runtime.sampling import SamplingParams
+
+FULL = {
+    "decode": [(i, o) for i in (32, 64, 128, 256) for o in (64, 128, 256, 512)],
+    "prefill": [(n, 1) for n in (512, 1024, 2048, 4096)],
+    "beam": [(32, 64, w) for w in (4, 8, 12, 16)],
+}
+QUICK = {"decode": [(32, 64), (128, 64)], "prefill": [(512, 1), (2048, 1)], "beam": [(32, 32, 4), (32, 32, 8)]}
+
+
+def _tandem(loaded: LoadedModel, engine_for: Callable[[int], Engine], prompt: list[int], out: int,
+            beams: int) -> dict[str, float]:
+    engine = engine_for(beams)
+    stats = GenerationStats()
+    start = time.perf_counter()
+    n = sum(1 for _ in engine.generate(prompt, SamplingParams(max_new_tokens=out, beams=beams), stats))
+    total = time.perf_counter() - start
+    itl = stats.decode_s / max(1, n - 1) if beams == 1 else 0.0
+    return {"tok_s": n / total if total else 0.0, "ttft_s": stats.ttft_s, "itl_ms": itl * 1000, "tokens": n}
+
+
+def _peer(ref: Any, prompt: list[int], out: int, beams: int) -> dict[str, float]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        start = time.perf_counter()
+        ref(ids)  # the prefill alone, for time to first token
+        ttft = time.perf_counter() - start
+        start = time.perf_counter()
+        ref.generate(ids, max_new_tokens=out, min_new_tokens=out, do_sample=False, num_beams=beams, pad_token_id=0)
+        total = time.perf_counter() - start
+    return {"tok_s": out / total if total else 0.0, "ttft_s": ttft,
+            "itl_ms": max(0.0, total - ttft) / max(1, out - 1) * 1000 if beams == 1 else 0.0}
+
+
+def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, peer: str | None = None,
+              grid: dict[str, list[tuple[int, ...]]] | None = None) -> dict[str, Any]:
+    grid = grid or (QUICK if quick else FULL)
+    model, cfg = loaded.model, loaded.model.cfg
+    engines: dict[int, Engine] = {}
+
+    def engine_for(beams: int) -> Engine:
+        if beams not in engines:
+            if beams == 1:
+                engines[beams] = Engine(model, ())
+            else:  # beam search needs a KV cache row per beam
+                from runtime.loader import load
+
+                wide = load(loaded.checkpoint.path, dtype="bf16" if model.dtype == torch.bfloat16 else "fp32",
+                            context=model.context, batch=beams)
+                engines[beams] = Engine(wide.model, ())
+        return engines[beams]
+
+    ref = None
+    if peer == "transformers":
+        import transformers
+
+        ref = transformers.AutoModelForCausalLM.from_pretrained(loaded.checkpoint.path, dtype=model.dtype).eval()
+    item = model.dtype.itemsize
+    expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * item
+    dense_bytes = sum(t.numel() * t.element_size() for t in (model.embed[:1], model.norm, model.lm_head))
+    dense_bytes += sum(sum(w.numel() * w.element_size() for w in (a.q, a.k, a.v, a.o))
+                       for a in (layer.attn for layer in model.layers))
+    per_token = dense_bytes + cfg.num_moe_layers * cfg.top_k * expert_bytes  # weights read per decode token
+    bw = dram_bandwidth(torch.get_num_threads(), 2**30) if model.accel is None else None
+    rows = []
+    for scenario in scenarios:
+        for point in grid[scenario]:
+            n_in, n_out = point[0], point[1]
+            beams = point[2] if len(point) > 2 else 1
+            if n_in + n_out >= model.context:
+                continue
+            prompt = bench_prompt_ids(loaded.tokenizer, n_in)
+            ours = _tandem(loaded, engine_for, prompt, n_out, beams)
+            row: dict[str, Any] = {"scenario": scenario, "input": n_in, "output": n_out, "beams": beams,
+                                   "tandem_tok_s": round(ours["tok_s"], 3), "ttft_s": round(ours["ttft_s"], 4),
+                                   "itl_ms": round(ours["itl_ms"], 3)}
+            if scenario == "decode" and bw:
+                row["bytes_per_token"] = per_token
+                row["roofline"] = round(per_token * 1000 / max(ours["itl_ms"], 1e-9) / 1e9 / bw, 3)
+            if ref is not None:
+                theirs = _peer(ref, prompt, n_out, beams)
+                row |= {"peer_tok_s": round(theirs["tok_s"], 3), "peer_ttft_s": round(theirs["ttft_s"], 4),
+                        "ratio": round(ours["tok_s"] / theirs["tok_s"], 3) if theirs["tok_s"] else None}
+                if scenario == "prefill":
+                    row["ttft_ratio"] = round(theirs["ttft_s"] / ours["ttft_s"], 3) if ours["ttft_s"] else None
+            rows.append(row)
+    return {"machine": probe().to_dict(), "plan": model.experts.describe(), "dram_gbps": bw, "rows": rows}
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Bars per scenario (Tandem vs peer tokens/s) and the roofline fraction of decode rows, as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from runtime.errors import TandemError
+
+        raise TandemError("--plot needs matplotlib: pip install 'tandem[plot]' (or matplotlib)") from None
+    rows = result["rows"]
+    labels = [f"{r['scenario']}\n{r['input']}→{r['output']}" + (f" ×{r['beams']}" if r["beams"] > 1 else "")
+              for r in rows]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, len(rows) * 1.1), 7))
+    x = range(len(rows))
+    ax1.bar([i - 0.2 for i in x], [r["tandem_tok_s"] for r in rows], width=0.4, label="Tandem")
+    if any("peer_tok_s" in r for r in rows):
+        ax1.bar([i + 0.2 for i in x], [r.get("peer_tok_s", 0) for r in rows], width=0.4, label="transformers")
+    ax1.set_ylabel("tokens/s")
+    ax1.set_xticks(list(x), labels, fontsize=7)
+    ax1.legend()
+    ax2.bar(list(x), [r.get("roofline", 0) for r in rows], color="gray")
+    ax2.axhline(1.0, color="red", linewidth=0.8)
+    ax2.set_ylabel("decode: fraction of DRAM bandwidth")
+    ax2.set_xticks(list(x), labels, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

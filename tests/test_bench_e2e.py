@@ -1,0 +1,51 @@
+"""`tandem bench e2e` on a tiny checkpoint: every scenario, the peer, the JSON rows, the roofline column."""
+
+from __future__ import annotations
+
+import builtins
+import json
+from pathlib import Path
+
+import pytest
+
+from app.bench_e2e import bench_e2e, plot
+from app.cli import main
+from runtime.errors import TandemError
+from runtime.loader import load
+
+GRID = {"decode": [(16, 8)], "prefill": [(64, 1)], "beam": [(8, 6, 3)]}
+
+
+def test_rows_for_every_scenario_with_the_peer(mixtral_dir: Path) -> None:
+    loaded = load(mixtral_dir, dtype="fp32", context=128)
+    result = bench_e2e(loaded, ["decode", "prefill", "beam"], peer="transformers", grid=GRID)
+    assert set(result) >= {"machine", "plan", "rows"}
+    rows = {r["scenario"]: r for r in result["rows"]}
+    assert set(rows) == {"decode", "prefill", "beam"}
+    for r in rows.values():
+        assert {"scenario", "input", "output", "beams", "tandem_tok_s", "ttft_s", "itl_ms", "peer_tok_s",
+                "ratio"} <= set(r)
+        assert r["tandem_tok_s"] > 0 and r["peer_tok_s"] > 0 and r["ratio"] > 0
+    assert 0 < rows["decode"]["roofline"] and rows["decode"]["bytes_per_token"] > 0
+    assert rows["beam"]["beams"] == 3 and "ttft_ratio" in rows["prefill"]
+
+
+def test_cli_writes_json(mixtral_dir: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "e2e.json"
+    assert main(["bench", "e2e", "--model", str(mixtral_dir), "--scenario", "decode", "--quick", "--dtype", "fp32",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["input"] for r in data["rows"]] == [32, 128] and "decode" in capsys.readouterr().out
+
+
+def test_plot_without_matplotlib_is_explained(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_import = builtins.__import__
+
+    def no_matplotlib(name: str, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(TandemError, match="matplotlib"):
+        plot({"rows": []}, "x.png")
