@@ -1,7 +1,7 @@
 """`tandem bench e2e`: the Fiddler evaluation scenarios, Tandem beside transformers in one process.
 
 Scenarios: decode (input × output lengths: tokens/s end to end, TTFT and inter-token latency), prefill (TTFT
-for long inputs) and beam search (widths; input 32, output 64). With `--peer transformers` the same prompt
+for long inputs; tokens/s there is prompt tokens per second) and beam search (widths; input 32, output 64). With `--peer transformers` the same prompt
 ids and settings go through transformers, alternating row by row, and each row gets the ratio. CPU-only
 decode rows also report the weight bytes touched per token and that traffic as a fraction of the DRAM
 bandwidth measured in the same run (the roofline).
@@ -93,6 +93,8 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
                 continue
             prompt = bench_prompt_ids(loaded.tokenizer, n_in)
             ours = _tandem(loaded, engine_for, prompt, n_out, beams)
+            if scenario == "prefill":  # throughput of the prompt itself: input tokens per second of TTFT
+                ours["tok_s"] = n_in / ours["ttft_s"] if ours["ttft_s"] else 0.0
             row: dict[str, Any] = {"scenario": scenario, "input": n_in, "output": n_out, "beams": beams,
                                    "tandem_tok_s": round(ours["tok_s"], 3), "ttft_s": round(ours["ttft_s"], 4),
                                    "itl_ms": round(ours["itl_ms"], 3)}
@@ -101,6 +103,8 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
                 row["roofline"] = round(per_token * 1000 / max(ours["itl_ms"], 1e-9) / 1e9 / bw, 3)
             if ref is not None:
                 theirs = _peer(ref, prompt, n_out, beams)
+                if scenario == "prefill":
+                    theirs["tok_s"] = n_in / theirs["ttft_s"] if theirs["ttft_s"] else 0.0
                 row |= {"peer_tok_s": round(theirs["tok_s"], 3), "peer_ttft_s": round(theirs["ttft_s"], 4),
                         "ratio": round(ours["tok_s"] / theirs["tok_s"], 3) if theirs["tok_s"] else None}
                 if scenario == "prefill":
