@@ -1,10 +1,11 @@
 """`tandem bench e2e`: the Fiddler evaluation scenarios, Tandem beside transformers in one process.
 
-Scenarios: decode (input × output lengths: tokens/s end to end, TTFT and inter-token latency), prefill (TTFT
-for long inputs; tokens/s there is prompt tokens per second) and beam search (widths; input 32, output 64). With `--peer transformers` the same prompt
-ids and settings go through transformers, alternating row by row, and each row gets the ratio. CPU-only
-decode rows also report the weight bytes touched per token and that traffic as a fraction of the DRAM
-bandwidth measured in the same run (the roofline).
+Scenarios: decode (input × output lengths: tokens/s end to end, TTFT and inter-token latency), prefill
+(TTFT for long inputs; tokens/s there is prompt tokens per second) and beam search (widths; input 32,
+output 64). With `--peer transformers` the same prompt ids and settings go through transformers,
+alternating row by row, and each row gets the ratio. CPU-only decode rows also report the weight bytes
+touched per token and that traffic as a fraction of the DRAM bandwidth measured in the same run (the
+roofline).
 """
 
 from __future__ import annotations
