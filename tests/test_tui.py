@@ -58,11 +58,16 @@ async def ask(pilot, app: TandemApp, text: str) -> None:
     await pilot.press("enter")
 
 
+async def ask_and_wait(pilot, app: TandemApp, text: str) -> None:
+    """Ask, then wait for the whole answer."""
+    await ask(pilot, app, text)
+    await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+
+
 async def test_message_streams_reply_and_status_shows_speed() -> None:
     app = TandemApp(lambda _: FakeBackend(words=12))
     async with app.run_test(size=(100, 30)) as pilot:
-        await ask(pilot, app, "Hello there")
-        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+        await ask_and_wait(pilot, app, "Hello there")
         answers = [m for m in app.query(ChatMessage) if m.role == "assistant"]
         assert answers[-1].text == "".join(f"word{i} " for i in range(12))
         status = str(app.query_one(StatusBar).render())
@@ -86,11 +91,9 @@ async def test_escape_stops_and_keeps_the_partial_answer() -> None:
 async def test_conversations_are_saved_and_restored(tandem_home: Path) -> None:
     app = TandemApp(lambda _: FakeBackend(words=3))
     async with app.run_test() as pilot:
-        await ask(pilot, app, "First question")
-        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+        await ask_and_wait(pilot, app, "First question")
         await pilot.press("ctrl+n")
-        await ask(pilot, app, "Second question")
-        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+        await ask_and_wait(pilot, app, "Second question")
     again = TandemApp(lambda _: FakeBackend())
     async with again.run_test() as pilot:
         await pilot.pause()
@@ -103,8 +106,7 @@ async def test_conversations_are_saved_and_restored(tandem_home: Path) -> None:
 async def test_delete_and_export(tandem_home: Path) -> None:
     app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test() as pilot:
-        await ask(pilot, app, "Keep me")
-        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+        await ask_and_wait(pilot, app, "Keep me")
         await pilot.press("ctrl+s")
         exported = list((tandem_home / "conversations").glob("*.md"))
         assert exported and "Keep me" in exported[0].read_text()
@@ -326,8 +328,7 @@ async def test_rename_a_conversation(tandem_home: Path) -> None:
 
     app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test() as pilot:
-        await ask(pilot, app, "old title")
-        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+        await ask_and_wait(pilot, app, "old title")
         await pilot.press("f3")
         await pilot.pause()
         assert isinstance(app.screen, RenameScreen)
@@ -378,8 +379,7 @@ async def test_edit_the_last_message(tandem_home: Path) -> None:
 
     app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test() as pilot:
-        await ask(pilot, app, "first try")
-        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+        await ask_and_wait(pilot, app, "first try")
         await pilot.press("f4")
         await pilot.pause()
         assert app.current.turns == [] and app.query_one(Composer).text == "first try"
