@@ -7,43 +7,20 @@ the streaming read bandwidth measured at the start of the same run.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import CpuExecutor, CpuExpert, read_bandwidth_probe
+from autotune.microbench import dram_bandwidth, time_per_call
+from kernels.cpu import CpuExecutor, CpuExpert
 
 SHAPES = {"mixtral": (4096, 14336), "qwen3": (2048, 768), "olmoe": (2048, 1024), "deepseek": (2048, 1408)}
 DTYPES = ("bf16", "fp16", "fp32", "int8", "int4")
 TOKENS = (1, 2, 4, 8, 16, 64, 256)
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 WORKING_SET = 2 * 1024**3  # bytes of expert weights cycled through: beyond any cache
-
-
-def dram_bandwidth(threads: int, size: int = WORKING_SET, repeats: int = 3) -> float:
-    """Streaming read bandwidth in GB/s (best of `repeats`)."""
-    buf = torch.ones(size // 4)
-    read_bandwidth_probe(buf, threads)
-    best = 0.0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        read_bandwidth_probe(buf, threads)
-        best = max(best, size / (time.perf_counter() - start) / 1e9)
-    return best
-
-
-def _timed(fn: Callable[[int], None], count: int, min_time: float) -> float:
-    fn(0)  # warm-up
-    calls, start = 0, time.perf_counter()
-    while True:
-        fn(calls % count)
-        calls += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_time and calls >= count:
-            return elapsed / calls
 
 
 def bench_kernels(
@@ -67,7 +44,7 @@ def bench_kernels(
                 if peer is not None:
                     impls["torch"] = lambda k, x=x, p=peer: p(k, x)
                 for impl, fn in impls.items():
-                    latency = _timed(fn, len(ours), min_time)
+                    latency = time_per_call(fn, len(ours), min_time) / 1000
                     gbps = ours[0].nbytes / latency / 1e9
                     rows.append({"shape": shape, "dtype": dtype, "tokens": t, "threads": threads, "impl": impl,
                                  "latency_ms": round(latency * 1e3, 4), "gbps": round(gbps, 2),

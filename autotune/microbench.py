@@ -37,7 +37,8 @@ def thread_candidates(hw: HardwareInfo) -> list[int]:
     return sorted({1, max(1, cores // 2), cores})
 
 
-def _time(fn: Callable[[int], object], count: int, min_time: float) -> float:
+def time_per_call(fn: Callable[[int], object], count: int, min_time: float) -> float:
+    """Milliseconds per call of fn(k), k cycling through `count` inputs, for at least `min_time` seconds."""
     fn(0)
     calls, start = 0, time.perf_counter()
     while True:
@@ -48,7 +49,8 @@ def _time(fn: Callable[[int], object], count: int, min_time: float) -> float:
             return elapsed / calls * 1e3  # ms
 
 
-def dram_bandwidth(threads: int, size: int) -> float:
+def dram_bandwidth(threads: int, size: int = 2 * 2**30) -> float:
+    """Streaming read bandwidth in GB/s (best of three passes over `size` bytes)."""
     buf = torch.ones(size // 4)
     read_bandwidth_probe(buf, threads)
     best = 0.0
@@ -92,7 +94,7 @@ def microbench(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype = torch.b
         samples[t] = {}
         for n in tokens:
             x = torch.ones(n, h, dtype=dtype)
-            samples[t][n] = _time(lambda k, x=x, e=experts: e[k](x), count, min_time)
+            samples[t][n] = time_per_call(lambda k, x=x, e=experts: e[k](x), count, min_time)
         step(f"CPU experts, {t} thread{'s' if t > 1 else ''}: " +
              ", ".join(f"{n} tok {ms:.2f} ms" for n, ms in samples[t].items()))
     best_t = min(threads, key=lambda t: samples[t][1])
@@ -106,7 +108,7 @@ def microbench(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype = torch.b
         variants[v] = {}
         for n in (1, 8):
             x = torch.ones(n, h, dtype=dtype)
-            variants[v][n] = _time(lambda k, x=x, e=experts: e[k](x), count, min_time)
+            variants[v][n] = time_per_call(lambda k, x=x, e=experts: e[k](x), count, min_time)
     if variants:
         isa = min(variants, key=lambda v: (variants[v][1], variants[v][8]))
     step("kernel variants: " + ", ".join(f"{v} {ms[1]:.2f}/{ms[8]:.2f} ms" for v, ms in variants.items()) +
@@ -118,7 +120,7 @@ def microbench(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype = torch.b
     try:
         for n in tokens:
             x = torch.ones(n, h, dtype=dtype)
-            torch_ms[n] = _time(lambda k, x=x: torch_experts[k](x), count, min_time)
+            torch_ms[n] = time_per_call(lambda k, x=x: torch_experts[k](x), count, min_time)
     finally:
         torch.set_num_threads(previous)
     # crossover: the largest token count up to which the compiled kernel is at least as fast as torch

@@ -9,10 +9,11 @@ as "unknown" — never a guess — and a missing NVML or driver means "no GPU", 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from runtime.cpuinfo import proc_cpuinfo
 
 # PCIe payload bandwidth per lane and direction, GB/s, by generation (after line encoding).
 PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
@@ -119,7 +120,7 @@ class LiveSources:
     def cpu(self) -> dict[str, Any]:
         """/proc/cpuinfo where there is one (instant); py-cpuinfo elsewhere (about a second)."""
         if self._cpu is None:
-            self._cpu = _proc_cpuinfo()
+            self._cpu = proc_cpuinfo()
         if self._cpu is None:
             import cpuinfo
 
@@ -168,27 +169,6 @@ class LiveSources:
             return found
         finally:
             pynvml.nvmlShutdown()
-
-
-def _proc_cpuinfo() -> dict[str, Any] | None:
-    """The py-cpuinfo keys we use, read from Linux's /proc/cpuinfo (None elsewhere)."""
-    import platform
-
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip().lower()
-        if key and key not in fields:
-            fields[key] = value.strip()
-        if not line.strip() and fields:
-            break  # the first processor is enough
-    flags = (fields.get("flags") or fields.get("features") or "").split()
-    return {"brand_raw": fields.get("model name") or fields.get("hardware"), "arch_string_raw": platform.machine(),
-            "flags": flags, "count": os.cpu_count()}
 
 
 def _nvml(fn: Any, *args: Any) -> Any:

@@ -17,6 +17,7 @@ from kernels.cpu import CpuOptions
 from runtime.accelerator import make_accelerator
 from runtime.checkpoint import Checkpoint, open_checkpoint
 from runtime.config import ModelConfig
+from runtime.cpuinfo import proc_cpuinfo
 from runtime.dispatch import OffloadPolicy
 from runtime.engine import Engine
 from runtime.errors import GenerationError, ResourceError
@@ -58,14 +59,8 @@ def default_dtype(cpu_flags: set[str] | None) -> str:
 
 def read_cpu_flags() -> set[str] | None:
     """CPU feature flags from /proc/cpuinfo; None where that is not available (unknown)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        return None
-    return None
+    info = proc_cpuinfo()
+    return set(info["flags"]) if info and info["flags"] else None
 
 
 def resolve_context(cfg: ModelConfig, requested: int | None) -> int:
