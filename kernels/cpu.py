@@ -3,7 +3,9 @@
 Few tokens (decode, beams, short prompts; up to `crossover`): the compiled kernel in `csrc/expert.c`, which
 streams each weight row once for all tokens. Many tokens (prefill): torch's matrix multiply, which is
 compute-bound and good at it. Weights are used where they lie (memory-mapped, file dtype: no re-layout),
-unless quantization is asked for, which happens once when the expert is prepared.
+unless quantization is asked for, which happens once when the expert is prepared (int4 meant for AMX tiles
+is then also laid out in 32-row blocks, see `kernels/quant.py`). Quantized experts stay on the kernel for
+longer prompts too, a chunk of tokens at a time.
 
 Letters: n tokens, H hidden size, I expert width.
 """
@@ -21,14 +23,14 @@ import torch.nn.functional as F
 from kernels.quant import QuantizedMatrix, quantize_int4, quantize_int8
 
 ISAS = ("base", "avx2", "avx512", "avx512bf16", "amx")
-BF16_ONLY = ("avx512bf16", "amx")  # bf16 dot-product units: activations are rounded to bf16
+BF16_ONLY = ("avx512bf16", "amx")  # bf16 activations (AMX int8: 16-bit fixed point, about as fine)
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "int8": 3, "int4": 4}
 DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
 AMX_CROSSOVER = 16  # with AMX tiles the kernel stays at the bandwidth roofline up to a full tile of tokens
 AMX_MIN_TOKENS = 1  # measured here: AMX tiles beat vdpbf16ps from one token up
-AMX_MIN_TOKENS_QUANT = 2  # measured: one token streams int8/int4 faster through the four-row FMA kernel
 AMX_KINDS = (torch.bfloat16, "int8", "int4")
-QUANT_CHUNKS = 8  # int4 experts stay on the kernel up to this many chunks of `crossover` tokens
+QUANT_KINDS = ("int8", "int4")
+QUANT_CHUNKS = 8  # quantized experts stay on the kernel up to this many chunks of `crossover` tokens
 
 
 class _Args(ctypes.Structure):
@@ -71,7 +73,7 @@ def best_isa(kind: object, compute_dtype: torch.dtype, isas: list[str], tokens: 
     """The fastest variant for this weight kind and token count. The bf16 dot-product units (AMX tiles,
     vdpbf16ps) only where activations are bf16 anyway; AMX once there are enough tokens to fill its tiles."""
     if kind in AMX_KINDS and compute_dtype == torch.bfloat16:
-        if "amx" in isas and tokens >= (AMX_MIN_TOKENS if kind == torch.bfloat16 else AMX_MIN_TOKENS_QUANT):
+        if "amx" in isas and tokens >= AMX_MIN_TOKENS:
             return "amx"
         if kind == torch.bfloat16 and "avx512bf16" in isas:
             return "avx512bf16"
@@ -132,6 +134,10 @@ class CpuExpert:
         return tuple(w.dequantize(dtype) if isinstance(w, QuantizedMatrix) else w.to(dtype) for w in mats)  # type: ignore
 
     @property
+    def blocked(self) -> bool:
+        return isinstance(self.gate, QuantizedMatrix) and self.gate.blocked
+
+    @property
     def nbytes(self) -> int:
         return sum(w.nbytes if isinstance(w, QuantizedMatrix) else w.numel() * w.element_size()
                    for w in (self.gate, self.up, self.down))
@@ -168,32 +174,41 @@ class CpuExecutor:
         self._xb = torch.empty(max(t, 16), max(hidden, inter), dtype=torch.int16)
         self._args = _Args()
 
+    def amx_serves(self, kind: object) -> bool:
+        """Whether AMX tiles can run experts of this weight kind (whole tiles: int8 takes 64 values, others 32)."""
+        width = 64 if kind == "int8" else 32
+        return ("amx" in self.isas and kind in AMX_KINDS and self.dtype == torch.bfloat16
+                and self.hidden % width == 0 and self.inter % width == 0)
+
     def prepare(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> CpuExpert:
         """Wrap (or quantize) one expert's weights; unquantized weights are used in place, never copied."""
-        if self.quant == "int8":
-            return CpuExpert(quantize_int8(gate), quantize_int8(up), quantize_int8(down), "int8", self)
-        if self.quant == "int4":
+        if self.quant in QUANT_KINDS:
             g = self.group
-            return CpuExpert(quantize_int4(gate, g), quantize_int4(up, g), quantize_int4(down, g), "int4", self)
+            mats = [quantize_int8(w) if self.quant == "int8" else quantize_int4(w, g) for w in (gate, up, down)]
+            if self.quant == "int4" and self.forced_isa in (None, "amx") and self.amx_serves("int4"):
+                mats = [m.blocked_layout() for m in mats]  # AMX streams int4 in 32-row blocks
+            return CpuExpert(*mats, self.quant, self)
         if gate.dtype not in KINDS:
             raise ValueError(f"expert weights of dtype {gate.dtype} are not supported")
         gate, up, down = (w.contiguous() for w in (gate, up, down))  # memory-mapped weights already are
         return CpuExpert(gate, up, down, gate.dtype, self)
 
     def isa_for(self, expert: CpuExpert, tokens: int = 1) -> str | None:
-        key = (expert.kind, tokens)
+        key = (expert.kind, tokens, expert.blocked)
         if key not in self._isa_cache:  # the decode hot path asks this for every expert call
-            self._isa_cache[key] = self._choose_isa(expert.kind, tokens)
+            self._isa_cache[key] = self._choose_isa(expert.kind, tokens, expert.blocked)
         return self._isa_cache[key]
 
-    def _choose_isa(self, kind: object, tokens: int) -> str | None:
+    def _choose_isa(self, kind: object, tokens: int, blocked: bool) -> str | None:
         if self.lib is None:
             return None
+        if blocked:  # the block layout is AMX's alone
+            return "amx" if "amx" in self.isas and tokens <= AMX_CROSSOVER else None
         isas = [i for i in self.isas if i not in BF16_ONLY]
         if kind == torch.bfloat16 and self.inter % 2 == 0:  # vdpbf16ps takes rows in pairs
             isas.append("avx512bf16")
-        if kind in AMX_KINDS and self.hidden % 32 == 0 and self.inter % 32 == 0 and tokens <= 16:
-            isas.append("amx")  # whole tiles; int8/int4 are turned into bf16 tiles on the way in
+        if self.amx_serves(kind) and tokens <= AMX_CROSSOVER:
+            isas.append("amx")
         isas = [i for i in isas if i in self.isas]
         if self.forced_isa in isas:
             return self.forced_isa
@@ -201,21 +216,22 @@ class CpuExecutor:
 
     def run(self, expert: CpuExpert, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        isa = self.isa_for(expert, min(n, self.crossover))
         if n == 0:
             return x.new_zeros(0, self.hidden)
-        if isa is not None and n <= self.crossover:
+        step = min(self.crossover, AMX_CROSSOVER) if expert.blocked else self.crossover  # tokens per kernel call
+        isa = self.isa_for(expert, min(n, step))
+        if isa is not None and n <= step:
             return self._run_kernel(expert, x, isa).to(x.dtype)
-        if isa is not None and expert.kind == "int4" and n <= QUANT_CHUNKS * self.crossover:
-            # int4 has no fast torch path here: re-stream the weights once per chunk of tokens instead.
-            t = self.crossover
-            return torch.cat([self._run_kernel(expert, x[i : i + t], isa).to(x.dtype) for i in range(0, n, t)])
+        if isa is not None and expert.kind in QUANT_KINDS and n <= QUANT_CHUNKS * step:
+            # torch has no fast int4 path and its int8 one slows down with tokens: re-stream the weights once
+            # per chunk of tokens instead.
+            return torch.cat([self._run_kernel(expert, x[i : i + step], isa).to(x.dtype) for i in range(0, n, step)])
         return self._run_torch(expert, x)
 
     def _run_torch(self, expert: CpuExpert, x: torch.Tensor) -> torch.Tensor:
-        if expert.kind == "int8":  # torch's int8 weight-only matmul reads our layout as it is
+        if expert.kind == "int8":  # torch's int8 weight-only matmul reads the row-major layout as it is
             mm = torch.ops.aten._weight_int8pack_mm
-            g, u, d = expert.gate, expert.up, expert.down
+            g, u, d = (m.row_major() for m in (expert.gate, expert.up, expert.down))  # type: ignore[union-attr]
             h = F.silu(mm(x, g.data, g.scales.to(x.dtype))) * mm(x, u.data, u.scales.to(x.dtype))  # type: ignore
             return mm(h, d.data, d.scales.to(x.dtype))  # type: ignore[union-attr]
         gate, up, down = expert.dense(x.dtype)

@@ -55,7 +55,8 @@ def test_every_variant_matches_the_reference(isa: str, wdtype: torch.dtype, shap
     assert rel_err(got, want) < (2e-2 if compute == torch.bfloat16 else 1e-5)
 
 
-# AMX serves int8 and int4 (turned into bf16 tiles); vdpbf16ps serves neither.
+# AMX serves int8 (integer tiles, 16-bit fixed-point activations) and int4 (turned into bf16 tiles);
+# vdpbf16ps serves neither.
 QUANT_VARIANTS = [(q, g, isa) for q, g in (("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128))
                   for isa in ISAS if isa != "avx512bf16"]
 
@@ -74,6 +75,55 @@ def test_quantized_kernels_match_dequantized_reference(quant: str, group: int, i
     want = reference(x, *expert.dense(torch.float32))
     assert rel_err(expert(x), want) < (2e-2 if compute == torch.bfloat16 else 1e-5)
     assert rel_err(expert(x), reference(x, gate, up, down)) < (0.05 if quant == "int8" else 0.5)
+
+
+@pytest.mark.skipif("amx" not in ISAS, reason="this CPU (or kernel) has no AMX tiles")
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("tokens", [40, 200])  # chunks of 16 through the kernel; past 8 chunks torch's path
+def test_quantized_amx_experts_serve_long_prompts(quant: str, tokens: int) -> None:
+    h, i = 256, 128
+    gate, up, down = weights(h, i, torch.float32)
+    executor = CpuExecutor(h, i, torch.bfloat16, threads=2, quant=quant, group=64)
+    expert = executor.prepare(gate, up, down)
+    assert executor.isa_for(expert, 16) == "amx" and expert.blocked == (quant == "int4")
+    x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert rel_err(expert(x), reference(x, *expert.dense(torch.float32))) < 2e-2
+
+
+@pytest.mark.skipif("amx" not in ISAS, reason="this CPU (or kernel) has no AMX tiles")
+def test_int8_amx_keeps_small_activations_beside_an_outlier() -> None:
+    # 16-bit fixed point per token: a value 1000x the others sets the token's scale, and the others must still
+    # be resolved (to about 1/32 of their size at worst). The outlier meets zero weights, so the expected
+    # output is that of the token without it.
+    h, i = 128, 64
+    gate, up, down = weights(h, i, torch.float32)
+    gate[:, 7] = 0.0
+    up[:, 7] = 0.0
+    executor = CpuExecutor(h, i, torch.bfloat16, threads=2, quant="int8", isa="amx")
+    expert = executor.prepare(gate, up, down)
+    x = torch.randn(2, h, generator=torch.Generator().manual_seed(5)).bfloat16()
+    want = reference(x, *expert.dense(torch.float32))
+    x[:, 7] = 1000.0
+    assert rel_err(expert(x), want) < 2e-2
+
+
+def test_int8_amx_needs_widths_of_64() -> None:
+    executor = CpuExecutor(96, 64, torch.bfloat16, threads=2, quant="int8")
+    expert = executor.prepare(*weights(96, 64, torch.float32))
+    assert executor.isa_for(expert, 4) != "amx"
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert rel_err(expert(x), reference(x, *expert.dense(torch.float32))) < 2e-2
+
+
+def test_int4_block_layout_round_trips() -> None:
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
+    for group in (32, 64, 128):
+        q = quantize_int4(w, group)
+        b = q.blocked_layout()
+        assert b.blocked and not torch.equal(b.data, q.data)
+        assert torch.equal(b.dequantize(), q.dequantize()) and torch.equal(b.row_major().data, q.data)
+    with pytest.raises(ValueError):
+        quantize_int8(w).blocked_layout()
 
 
 @pytest.mark.skipif("amx" not in ISAS, reason="this CPU (or kernel) has no AMX tiles")

@@ -358,6 +358,48 @@ BF16_TARGET static void dot2_bf16_dp(const uint16_t *r0, const uint16_t *r1, con
 
 static inline float silu(float g) { return g / (1.f + expf(-g)); }
 
+/* g[i] = silu(g[i]) * g[I + i] for i in [lo, hi): 16 lanes at a time where AVX-512 is there. exp via 2^n * 2^f,
+ * |f| <= 1/2, with a degree-7 series for 2^f (relative error < 1e-7, below float rounding of the result). */
+AVX512_TARGET static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718f));  /* e^f = 2^(t - n) */
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+AVX512_TARGET static void swiglu512(float *g, int I, int lo, int hi) {
+    int i = lo;
+    for (; i + 16 <= hi; i += 16) {
+        const __m512 v = _mm512_loadu_ps(g + i);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), v));
+        const __m512 s = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+        _mm512_storeu_ps(g + i, _mm512_mul_ps(s, _mm512_loadu_ps(g + I + i)));
+    }
+    for (; i < hi; i++) g[i] = silu(g[i]) * g[I + i];
+}
+
+/* Inside a parallel region: the SwiGLU activation of act [T, 2I] (gate then up per token), in place,
+ * split across threads in blocks of 512 values. */
+static inline void swiglu_rows(float *act, int T, int I, int isa) {
+    const int blocks = (I + 511) / 512;
+    #pragma omp for schedule(static)
+    for (int b = 0; b < T * blocks; b++) {
+        float *g = act + (size_t)(b / blocks) * 2 * I;
+        const int lo = (b % blocks) * 512, hi = lo + 512 < I ? lo + 512 : I;
+        if (isa >= ISA_AVX512) swiglu512(g, I, lo, hi);
+        else for (int i = lo; i < hi; i++) g[i] = silu(g[i]) * g[I + i];
+    }
+}
+
 static size_t row_bytes(int kind, int n, int group) {
     switch (kind) {
         case K_FP32: return (size_t)n * 4;
@@ -388,12 +430,9 @@ BF16_TARGET static void expert_bf16dp(const tk_args *a) {
             const uint16_t *w = r < I ? gate + (size_t)r * H : up + (size_t)(r - I) * H;
             dot2_bf16_dp(w, w + H, a->xb, ld, T, H, a->act + r, 2 * I);
         }
+        swiglu_rows(a->act, T, I, a->isa);
         #pragma omp for schedule(static)
-        for (int t = 0; t < T; t++) {
-            float *g = a->act + (size_t)t * 2 * I;
-            for (int i = 0; i < I; i++) g[i] = silu(g[i]) * g[I + i];
-            to_bf16(g, a->xb + (size_t)t * ld, I);
-        }
+        for (int t = 0; t < T; t++) to_bf16(a->act + (size_t)t * 2 * I, a->xb + (size_t)t * ld, I);
         #pragma omp for schedule(static)
         for (int h = 0; h < H; h += 2) {
             if (h + 1 < H) dot2_bf16_dp(down + (size_t)h * I, down + (size_t)(h + 1) * I, a->xb, ld, T, I, a->out + h, H);
@@ -507,8 +546,7 @@ static void expert_generic(const tk_args *a) {
                 one_token_rows(r4, dot, kind, g, is_up ? up : gate, in_row, is_up ? a->up_scale : a->gate_scale,
                                I, H, a->x, a->act + (is_up ? I : 0), r);
             }
-            #pragma omp for schedule(static)
-            for (int i = 0; i < I; i++) a->act[i] = silu(a->act[i]) * a->act[I + i];
+            swiglu_rows(a->act, 1, I, a->isa);
             #pragma omp for schedule(static)
             for (int q = 0; q < dq; q++)
                 one_token_rows(r4, dot, kind, g, down, down_row, a->down_scale, H, I, a->act, a->out, q * 4);
@@ -524,11 +562,7 @@ static void expert_generic(const tk_args *a) {
             dot((gate_part ? gate : up) + (size_t)row * in_row, row_scale(s, kind, row),
                 row_scales(s, kind, row, H, g), g, a->x, H, T, H, a->act + r, 2 * I);
         }
-        #pragma omp for schedule(static)
-        for (int t = 0; t < T; t++) {
-            float *gv = a->act + (size_t)t * 2 * I;
-            for (int i = 0; i < I; i++) gv[i] = silu(gv[i]) * gv[I + i];
-        }
+        swiglu_rows(a->act, T, I, a->isa);
         #pragma omp for schedule(static)
         for (int h = 0; h < H; h++)
             dot(down + (size_t)h * down_row, row_scale(a->down_scale, kind, h),
@@ -542,7 +576,7 @@ static void expert_generic(const tk_args *a) {
  * row-major matrix (16 rows, stride = row bytes); activations are packed once per call in the pair-
  * interleaved layout the B operand needs (tokens padded to 16 with zeros). Tiles: 0,1 accumulators,
  * 2,3 weights, 4 activations. Needs hidden and expert widths that are multiples of 32. */
-#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512bf16")))
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -553,7 +587,8 @@ static int amx_usable(void) {
     if (state >= 0) return state;
     unsigned a, b, c, d;
     state = 0;
-    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) && (d & (1u << 24)))  /* AMX-BF16, AMX-TILE */
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) && (d & (1u << 24)) && (d & (1u << 25)))
+        /* AMX-BF16, AMX-TILE, AMX-INT8 */
         state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;  /* ask Linux for tile state */
     return state;
 }
@@ -562,7 +597,7 @@ AMX_TARGET static void amx_begin(void) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 5; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
     _tile_loadconfig(&cfg);
 }
 
@@ -571,162 +606,209 @@ static inline uint16_t bf16_round(float v) {
     return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-/* Chunk c of X [T, K] (row stride ldx) -> packed [16 k-pairs][16 tokens][2] bf16, zero for tokens >= T.
+/* Chunk c of X [T, K] (row stride ldx) -> packed [16 k-pairs][16 tokens][2] bf16. Columns of tokens >= T keep
+ * stale values: they only reach result columns that are never read (so nothing is cleared per call).
  * Called for every chunk inside the parallel region (omp for), so packing is split across threads. */
-static inline void amx_pack_chunk(const float *x, int ldx, int T, int c, uint16_t *xp) {
+AMX_TARGET static inline void amx_pack_chunk(const float *x, int ldx, int T, int c, uint16_t *xp) {
     uint16_t *dst = xp + (size_t)c * 512;
-    memset(dst, 0, 512 * sizeof(uint16_t));
+    const __m512i stride = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(16));  /* k-pair j -> dword j * 16 */
     for (int t = 0; t < T; t++) {
         const float *src = x + (size_t)t * ldx + c * 32;
-        for (int j = 0; j < 16; j++) {
-            dst[j * 32 + t * 2] = bf16_round(src[2 * j]);
-            dst[j * 32 + t * 2 + 1] = bf16_round(src[2 * j + 1]);
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));  /* 16 pairs */
+        _mm512_i32scatter_epi32((void *)(dst + t * 2), stride, (__m512i)v, 4);
+    }
+}
+
+/* int8 weights meet the activations as 16-bit fixed point: each token is scaled so its largest value is
+ * 32767 and rounded (about as fine as bf16 for every value within 2^7 of the largest, finer above), then
+ * split into a signed high byte and an unsigned low byte. Two integer tile products per weight tile
+ * (tdpbssd, tdpbsud) give W.x exactly up to that rounding, and the weights are tile-loaded straight from
+ * the row-major matrix: nothing is converted per weight, so int8 streams like bf16 at half the bytes.
+ * Packed chunk c (64 values): [16 k-quads][16 tokens][4] bytes (tokens >= T: stale, as for bf16). */
+AMX_TARGET static inline void amx_pack_int8_chunk(const float *x, int ldx, int T, const float *inv, int c,
+                                                  uint8_t *hi, uint8_t *lo) {
+    uint32_t *h = (uint32_t *)(hi + (size_t)c * 1024), *l = (uint32_t *)(lo + (size_t)c * 1024);
+    const __m512i stride = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(16));  /* k-quad q -> dword q * 16 */
+    for (int t = 0; t < T; t++) {
+        const float *src = x + (size_t)t * ldx + c * 64;
+        __m128i hq[4], lq[4];
+        for (int j = 0; j < 4; j++) {  /* 16 values: rounded to int16, split into bytes */
+            const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + j * 16), _mm512_set1_ps(inv[t])));
+            hq[j] = _mm512_cvtepi32_epi8(_mm512_srai_epi32(v, 8));
+            lq[j] = _mm512_cvtepi32_epi8(v);
+        }
+        const __m512i hv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(hq[1], hq[0])),
+                                              _mm256_set_m128i(hq[3], hq[2]), 1);
+        const __m512i lv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(lq[1], lq[0])),
+                                              _mm256_set_m128i(lq[3], lq[2]), 1);
+        _mm512_i32scatter_epi32((void *)(h + t), stride, hv, 4);
+        _mm512_i32scatter_epi32((void *)(l + t), stride, lv, 4);
+    }
+}
+
+/* Per-token scales for the fixed-point activations: scale[t] = max |x_t| / 32767, inv[t] = 1 / scale[t]. */
+AMX_TARGET static void int8_token_scales(const float *x, int ldx, int T, int K, float *scale, float *inv) {
+    for (int t = 0; t < T; t++) {
+        __m512 m = _mm512_setzero_ps();
+        for (int k = 0; k < K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + (size_t)t * ldx + k)));
+        const float top = _mm512_reduce_max_ps(m);
+        scale[t] = top > 0.f ? top / 32767.f : 1.f;
+        inv[t] = 1.f / scale[t];
+    }
+}
+
+/* int8 rows [r0, r0 + 32) of W [*, K] (K a multiple of 64): res[t * ldr + r] = row scale * token scale * W.x. */
+AMX_TARGET static void amx_rows32_int8(const int8_t *w, size_t rb, const float *s, int r0, int K, const uint8_t *hi,
+                                       const uint8_t *lo, const float *xscale, int T, float *res, int ldr) {
+    int32_t acc[4][16][16] __attribute__((aligned(64)));
+    const int8_t *a0 = w + (size_t)r0 * rb, *a1 = a0 + (size_t)16 * rb;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int c = 0; c < K / 64; c++) {
+        _tile_loadd(4, a0 + (size_t)c * 64, rb);
+        _tile_loadd(5, a1 + (size_t)c * 64, rb);
+        _tile_loadd(6, hi + (size_t)c * 1024, 64);
+        _tile_loadd(7, lo + (size_t)c * 1024, 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 5, 6);
+        _tile_dpbsud(2, 4, 7);
+        _tile_dpbsud(3, 5, 7);
+    }
+    _tile_stored(0, acc[0], 64);  /* tile numbers are immediates */
+    _tile_stored(1, acc[1], 64);
+    _tile_stored(2, acc[2], 64);
+    _tile_stored(3, acc[3], 64);
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 16; i++) {
+            const float scale = s[r0 + h * 16 + i];
+            for (int t = 0; t < T; t++)
+                res[(size_t)t * ldr + r0 + h * 16 + i] =
+                    ((float)acc[h][i][t] * 256.f + (float)acc[2 + h][i][t]) * xscale[t] * scale;
+        }
+}
+
+/* int4 piece p (group p) of rows r0..r0+31 as group/32 chunks of two bf16 tiles each. Each row's group scale
+ * is folded into a 16-entry table, bf16(q * scale) for q = -8..7 (the rounding of dequantizing to bf16), that
+ * the nibbles index (vpermw); the tiles then accumulate over the whole width like plain bf16 weights.
+ * Chunk order within a group: low nibbles (values j), then high (j + group/2). */
+AMX_TARGET static inline void int4_piece(const uint8_t *w, size_t rb, const float *s, int group, int r0, int p,
+                                         uint16_t deq[][2][16][32]) {
+    const int half = group / 2, ngroups = (int)(rb * 2 / group), lo_chunks = half / 32;
+    const __m512 values = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i low = _mm512_set1_epi16(15);
+    for (int i = 0; i < 32; i++) {
+        const uint8_t *q = w + (size_t)r0 * rb + ((size_t)p * 32 + i) * half;  /* blocked: 32 rows x group */
+        const float scale = s[(size_t)r0 * ngroups + (size_t)p * 32 + i];
+        /* measured: the prefetchers alone keep too few lines in flight for this stream; 4 KB ahead helps */
+        if (((i * half) & 63) == 0) _mm_prefetch((const char *)q + 4096, _MM_HINT_T0);
+        if ((i & 15) == 0) _mm_prefetch((const char *)(s + (size_t)r0 * ngroups + (size_t)p * 32 + i + 512), _MM_HINT_T0);
+        const __m512i lut = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(values, _mm512_set1_ps(scale))));
+        if (group == 32) {
+            __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
+            __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(15))),
+                                             _mm256_srli_epi16(b, 4), 1);
+            _mm512_store_si512((void *)deq[0][i / 16][i % 16], _mm512_permutexvar_epi16(idx, lut));
+            continue;
+        }
+        for (int j = 0; j < lo_chunks; j++) {
+            const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + j * 32)));
+            _mm512_store_si512((void *)deq[j][i / 16][i % 16], _mm512_permutexvar_epi16(_mm512_and_si512(b, low), lut));
+            _mm512_store_si512((void *)deq[lo_chunks + j][i / 16][i % 16],
+                               _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut));
         }
     }
 }
 
-/* int8 weights: 32 consecutive values of one row as bf16 (exact: |q| <= 127). The row's scale is
- * applied to the accumulated result instead, once per output. */
-AMX_TARGET static inline __m512i int8_to_bf16_32(const int8_t *q) {
-    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
-    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-}
-
-/* Rows [r0, r0 + 32) of W [*, K] against packed activations: res[t * ldr + r] for t < T.
- * bf16 weights are tile-loaded straight from memory; int8 rows are dequantized to bf16 in L1 first
- * (shared by all tokens), so int8 experts stream at their own, smaller size. */
-AMX_TARGET static void amx_rows32(int kind, const void *wv, size_t rb, const float *s, int r0, int K,
+/* bf16 or int4 rows [r0, r0 + 32) of W [*, K] against packed bf16 activations: res[t * ldr + r] for t < T.
+ * bf16 weights are tile-loaded straight from the row-major matrix. int4 weights (32-row block layout, read
+ * as one sequential stream) are converted to bf16 in L1 one group ahead, into the other half of a double
+ * buffer, while the tiles multiply the current group; the conversion is shared by all tokens. */
+AMX_TARGET static void amx_rows32(int kind, const void *wv, size_t rb, const float *s, int group, int r0, int K,
                                   const uint16_t *xp, int T, float *res, int ldr) {
-    float tmp[2][16][16];
-    uint16_t deq[2][16][32] __attribute__((aligned(64)));
+    float tmp[2][16][16] __attribute__((aligned(64)));
+    uint16_t deq[2][4][2][16][32] __attribute__((aligned(64)));
     _tile_zero(0);
     _tile_zero(1);
-    const uint16_t *a0 = (const uint16_t *)wv + (size_t)r0 * K, *a1 = a0 + (size_t)16 * K;
-    for (int c = 0; c < K / 32; c++) {
-        if (kind == K_BF16) {
+    if (kind == K_BF16) {
+        const uint16_t *a0 = (const uint16_t *)wv + (size_t)r0 * K, *a1 = a0 + (size_t)16 * K;
+        for (int c = 0; c < K / 32; c++) {
             _tile_loadd(2, a0 + (size_t)c * 32, K * 2);
             _tile_loadd(3, a1 + (size_t)c * 32, K * 2);
-        } else {
-            const int8_t *q = (const int8_t *)wv + (size_t)r0 * rb + (size_t)c * 32;
-            for (int i = 0; i < 32; i++) _mm512_store_si512((void *)deq[i / 16][i % 16], int8_to_bf16_32(q + i * rb));
-            _tile_loadd(2, deq[0], 64);
-            _tile_loadd(3, deq[1], 64);
+            _tile_loadd(4, xp + (size_t)c * 512, 64);
+            _tile_dpbf16ps(0, 2, 4);
+            _tile_dpbf16ps(1, 3, 4);
         }
-        _tile_loadd(4, xp + (size_t)c * 512, 64);
-        _tile_dpbf16ps(0, 2, 4);
-        _tile_dpbf16ps(1, 3, 4);
+    } else {
+        const int pieces = K / group, per_piece = group / 32;
+        int4_piece((const uint8_t *)wv, rb, s, group, r0, 0, deq[0]);
+        for (int p = 0; p < pieces; p++) {
+            if (p + 1 < pieces) int4_piece((const uint8_t *)wv, rb, s, group, r0, p + 1, deq[(p + 1) & 1]);
+            for (int j = 0; j < per_piece; j++) {
+                _tile_loadd(2, deq[p & 1][j][0], 64);
+                _tile_loadd(3, deq[p & 1][j][1], 64);
+                _tile_loadd(4, xp + (size_t)(p * per_piece + j) * 512, 64);
+                _tile_dpbf16ps(0, 2, 4);
+                _tile_dpbf16ps(1, 3, 4);
+            }
+        }
     }
     _tile_stored(0, tmp[0], 64);
     _tile_stored(1, tmp[1], 64);
     for (int h = 0; h < 2; h++)
-        for (int i = 0; i < 16; i++) {
-            const float scale = kind == K_INT8 ? s[r0 + h * 16 + i] : 1.f;
-            for (int t = 0; t < T; t++) res[(size_t)t * ldr + r0 + h * 16 + i] = tmp[h][i][t] * scale;
-        }
+        for (int i = 0; i < 16; i++)
+            for (int t = 0; t < T; t++) res[(size_t)t * ldr + r0 + h * 16 + i] = tmp[h][i][t];
 }
 
-/* int4 rows [r0, r0 + 32): nibbles become bf16 (-8..7, exact) through a 16-entry table (vpermw), the
- * tiles accumulate one group at a time, and each group's 16x16 result is scaled per row into float
- * accumulators. Conversion costs a few instructions per 32 weights, shared by all tokens. */
-/* Chunk c (32 values) of int4 rows r0..r0+31 as bf16 tiles: low nibbles first, then high, per group. */
-AMX_TARGET static inline void int4_chunk(const uint8_t *w, size_t rb, int group, int r0, int c, __m512i lut,
-                                         uint16_t deq[2][16][32]) {
-    const int half = group / 2, gi = c * 32 / group, o = c * 32 % group;
-    const __m512i low = _mm512_set1_epi16(15);
-    for (int i = 0; i < 32; i++) {
-        const uint8_t *q = w + (size_t)(r0 + i) * rb + (size_t)gi * half;
-        __m512i idx;
-        if (group == 32) {
-            __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
-            idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(15))),
-                                     _mm256_srli_epi16(b, 4), 1);
-        } else if (o < half) {
-            idx = _mm512_and_si512(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + o))), low);
-        } else {
-            idx = _mm512_srli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + o - half))), 4);
-        }
-        _mm512_store_si512((void *)deq[i / 16][i % 16], _mm512_permutexvar_epi16(idx, lut));
+/* Inside the parallel region: pack X [T, K] (row stride ldx) for the tiles, bf16 pairs or int8 fixed point. */
+AMX_TARGET static inline void amx_pack(int kind, const float *x, int ldx, int T, int K, uint16_t *xp, float *xscale,
+                            float *inv) {
+    if (kind == K_INT8) {
+        uint8_t *hi = (uint8_t *)xp, *lo = hi + (size_t)16 * K;
+        #pragma omp single
+        int8_token_scales(x, ldx, T, K, xscale, inv);
+        #pragma omp for schedule(static)
+        for (int c = 0; c < K / 64; c++) amx_pack_int8_chunk(x, ldx, T, inv, c, hi, lo);
+    } else {
+        #pragma omp for schedule(static)
+        for (int c = 0; c < K / 32; c++) amx_pack_chunk(x, ldx, T, c, xp);
     }
 }
 
-/* int4 rows [r0, r0 + 32): nibbles become bf16 (-8..7, exact) through a 16-entry table (vpermw); the tiles
- * accumulate one group at a time and each group's 16x16 results are scaled per row into float
- * accumulators (one chunk is converted ahead, into the other half of a double buffer). Measured here it
- * is conversion-bound (~flat in tokens): it wins from a few tokens up, the four-row FMA kernel at one. */
-AMX_TARGET static void amx_rows32_int4(const uint8_t *w, size_t rb, const float *s, int group, int r0, int K,
-                                       const uint16_t *xp, int T, float *res, int ldr) {
-    static const uint16_t table[32] __attribute__((aligned(64))) = {
-        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,  /* -8 .. -1 */
-        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,  /*  0 ..  7 */
-        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
-        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
-    const __m512i lut = _mm512_load_si512((const void *)table);
-    const int ngroups = K / group, chunks = K / 32, per_group = group / 32;
-    uint16_t deq[2][2][16][32] __attribute__((aligned(64)));
-    float tmp[2][16][16] __attribute__((aligned(64)));
-    __m512 acc[32];
-    for (int i = 0; i < 32; i++) acc[i] = _mm512_setzero_ps();
-    int4_chunk(w, rb, group, r0, 0, lut, deq[0]);
-    _tile_zero(0);
-    _tile_zero(1);
-    for (int c = 0; c < chunks; c++) {
-        if (c + 1 < chunks) int4_chunk(w, rb, group, r0, c + 1, lut, deq[(c + 1) & 1]);
-        _tile_loadd(2, deq[c & 1][0], 64);
-        _tile_loadd(3, deq[c & 1][1], 64);
-        _tile_loadd(4, xp + (size_t)c * 512, 64);
-        _tile_dpbf16ps(0, 2, 4);
-        _tile_dpbf16ps(1, 3, 4);
-        if ((c + 1) % per_group == 0) {  /* end of a group: scale its partial sums into the accumulators */
-            const int gi = c / per_group;
-            _tile_stored(0, tmp[0], 64);
-            _tile_stored(1, tmp[1], 64);
-            _tile_zero(0);
-            _tile_zero(1);
-            for (int i = 0; i < 32; i++)
-                acc[i] = _mm512_fmadd_ps(_mm512_load_ps(tmp[i / 16][i % 16]),
-                                         _mm512_set1_ps(s[(size_t)(r0 + i) * ngroups + gi]), acc[i]);
-        }
-    }
-    for (int i = 0; i < 32; i++) {
-        float lanes[16];
-        _mm512_storeu_ps(lanes, acc[i]);
-        for (int t = 0; t < T; t++) res[(size_t)t * ldr + r0 + i] = lanes[t];
+AMX_TARGET static inline void amx_rows(int kind, const void *w, size_t rb, const float *s, int group, int r0, int K,
+                                       const uint16_t *xp, const float *xscale, int T, float *res, int ldr) {
+    if (kind == K_INT8) {
+        const uint8_t *hi = (const uint8_t *)xp;
+        amx_rows32_int8((const int8_t *)w, rb, s, r0, K, hi, hi + (size_t)16 * K, xscale, T, res, ldr);
+    } else {
+        amx_rows32(kind, w, rb, s, group, r0, K, xp, T, res, ldr);
     }
 }
 
 AMX_TARGET static void expert_amx(const tk_args *a) {
     const int T = a->tokens, H = a->hidden, I = a->inter, kind = a->kind, g = a->group;
     const size_t in_row = row_bytes(kind, H, g), down_row = row_bytes(kind, I, g);
-    uint16_t *xp = a->xb;              /* packed activations: 16 * max(H, I) bf16 */
+    uint16_t *xp = a->xb;              /* packed activations: 32 * max(H, I) bytes */
+    float xscale[16], inv[16];         /* int8: per-token fixed-point scales */
     const int gate_blocks = I / 32, down_blocks = H / 32;
     #pragma omp parallel num_threads(a->threads)
     {
         amx_begin();
-        #pragma omp for schedule(static)
-        for (int c = 0; c < H / 32; c++) amx_pack_chunk(a->x, H, T, c, xp);
+        amx_pack(kind, a->x, H, T, H, xp, xscale, inv);
         #pragma omp for schedule(static)
         for (int b = 0; b < 2 * gate_blocks; b++) {
             const int is_up = b >= gate_blocks, r0 = (is_up ? b - gate_blocks : b) * 32;
-            if (kind == K_INT4)
-                amx_rows32_int4(is_up ? a->up : a->gate, in_row, is_up ? a->up_scale : a->gate_scale, g, r0, H, xp,
-                                T, a->act + (is_up ? I : 0), 2 * I);
-            else
-                amx_rows32(kind, is_up ? a->up : a->gate, in_row, is_up ? a->up_scale : a->gate_scale, r0, H, xp, T,
-                           a->act + (is_up ? I : 0), 2 * I);
+            amx_rows(kind, is_up ? a->up : a->gate, in_row, is_up ? a->up_scale : a->gate_scale, g, r0, H, xp,
+                     xscale, T, a->act + (is_up ? I : 0), 2 * I);
         }
+        swiglu_rows(a->act, T, I, a->isa);
+        amx_pack(kind, a->act, 2 * I, T, I, xp, xscale, inv);  /* the activation [T, I] for the down projection */
         #pragma omp for schedule(static)
-        for (int t = 0; t < T; t++) {
-            float *gv = a->act + (size_t)t * 2 * I;
-            for (int i = 0; i < I; i++) gv[i] = silu(gv[i]) * gv[I + i];
-        }
-        #pragma omp for schedule(static)  /* the activation [T, I] (row stride 2I) for the down projection */
-        for (int c = 0; c < I / 32; c++) amx_pack_chunk(a->act, 2 * I, T, c, xp);
-        #pragma omp for schedule(static)
-        for (int b = 0; b < down_blocks; b++) {
-            if (kind == K_INT4) amx_rows32_int4(a->down, down_row, a->down_scale, g, b * 32, I, xp, T, a->out, H);
-            else amx_rows32(kind, a->down, down_row, a->down_scale, b * 32, I, xp, T, a->out, H);
-        }
+        for (int b = 0; b < down_blocks; b++)
+            amx_rows(kind, a->down, down_row, a->down_scale, g, b * 32, I, xp, xscale, T, a->out, H);
         _tile_release();
     }
 }
@@ -760,6 +842,7 @@ int tk_expert(const tk_args *a) {
     if (a->isa == ISA_AMX) {
         if ((a->kind != K_BF16 && a->kind != K_INT8 && a->kind != K_INT4) || !a->xb || a->tokens > 16 ||
             a->hidden % 32 || a->inter % 32) return -5;
+        if (a->kind == K_INT8 && (a->hidden % 64 || a->inter % 64)) return -5;  /* int8 tiles take 64 values */
         expert_amx(a);
         return 0;
     }
