@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -43,6 +44,13 @@ class _Args(ctypes.Structure):
     ]
 
 
+class _LinearArgs(ctypes.Structure):
+    _fields_ = [
+        ("tokens", ctypes.c_int), ("inp", ctypes.c_int), ("out", ctypes.c_int), ("threads", ctypes.c_int),
+        ("w", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p), ("xb", ctypes.c_void_p),
+    ]
+
+
 @cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they were not built (the torch path is used then)."""
@@ -56,6 +64,10 @@ def library() -> ctypes.CDLL | None:
     lib.tk_isa_mask.restype = ctypes.c_int
     lib.tk_expert.argtypes = [ctypes.POINTER(_Args)]
     lib.tk_expert.restype = ctypes.c_int
+    lib.tk_experts.argtypes = [ctypes.POINTER(_Args), ctypes.c_int]
+    lib.tk_experts.restype = ctypes.c_int
+    lib.tk_linear.argtypes = [ctypes.POINTER(_LinearArgs)]
+    lib.tk_linear.restype = ctypes.c_int
     lib.tk_read_sum.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     lib.tk_read_sum.restype = ctypes.c_double
     return lib
@@ -167,12 +179,8 @@ class CpuExecutor:
             raise ValueError(f"kernel variant {isa!r} is not available here (available: {have})")
         self.forced_isa = isa
         self._isa_cache: dict[tuple[object, int], str | None] = {}  # (weight kind, tokens) -> variant
-        t = max(1, crossover)
-        self._x = torch.empty(t, hidden, dtype=torch.float32)
-        self._out = torch.empty(t, hidden, dtype=torch.float32)
-        self._act = torch.empty(t, 2 * inter, dtype=torch.float32)
-        self._xb = torch.empty(max(t, 16), max(hidden, inter), dtype=torch.int16)
-        self._args = _Args()
+        self._slots: list[_Slot] = []  # per expert of one call: buffers and arguments, grown on demand
+        self._batch = (_Args * 0)()
 
     def amx_serves(self, kind: object) -> bool:
         """Whether AMX tiles can run experts of this weight kind (whole tiles: int8 takes 64 values, others 32)."""
@@ -237,13 +245,60 @@ class CpuExecutor:
         gate, up, down = expert.dense(x.dtype)
         return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
+    def run_many(self, jobs: list[tuple[CpuExpert, torch.Tensor]], sink: Callable[[int, torch.Tensor], None]) -> None:
+        """Several experts of one layer, each on its own tokens; `sink(i, y)` receives job i's output [n, H]
+        (valid only during the call). Those the AMX kernel takes run together in one kernel call (one parallel
+        region for the layer), the rest one at a time."""
+        together = [i for i, (expert, x) in enumerate(jobs) if 0 < x.shape[0] <= AMX_CROSSOVER
+                    and x.shape[0] <= self.crossover and self.isa_for(expert, x.shape[0]) == "amx"]
+        if len(together) < 2:
+            together = []
+        for i, (expert, x) in enumerate(jobs):
+            if i not in together:
+                sink(i, self.run(expert, x))
+        if not together:
+            return
+        while len(self._slots) < len(together):
+            self._slots.append(_Slot(self.hidden, self.inter, self.crossover))
+        if len(self._batch) < len(together):
+            self._batch = (_Args * len(self._slots))()
+        for k, i in enumerate(together):
+            expert, x = jobs[i]
+            self._slots[k].fill(self._batch[k], self, expert, x, "amx")
+        code = self.lib.tk_experts(self._batch, len(together))  # type: ignore[union-attr]
+        if code != 0:
+            raise RuntimeError(f"CPU expert kernel rejected its arguments (code {code})")
+        for k, i in enumerate(together):
+            y = self._slots[k].out[: jobs[i][1].shape[0]]
+            sink(i, y.to(jobs[i][1].dtype))
+
     def _run_kernel(self, expert: CpuExpert, x: torch.Tensor, isa: str) -> torch.Tensor:
+        if not self._slots:
+            self._slots.append(_Slot(self.hidden, self.inter, self.crossover))
+        slot = self._slots[0]
+        slot.fill(slot.args, self, expert, x, isa)
+        code = self.lib.tk_expert(ctypes.byref(slot.args))  # type: ignore[union-attr]
+        if code != 0:
+            raise RuntimeError(f"CPU expert kernel rejected its arguments (code {code})")
+        return slot.out[: x.shape[0]]
+
+
+class _Slot:
+    """Preallocated buffers for one expert of a kernel call: input, output, activation scratch, packed input."""
+
+    def __init__(self, hidden: int, inter: int, crossover: int) -> None:
+        t = max(1, crossover)
+        self.x = torch.empty(t, hidden, dtype=torch.float32)
+        self.out = torch.empty(t, hidden, dtype=torch.float32)
+        self.act = torch.empty(t, 2 * inter, dtype=torch.float32)
+        self.xb = torch.empty(max(t, 16), max(hidden, inter), dtype=torch.int16)
+        self.args = _Args()
+
+    def fill(self, a: _Args, ex: CpuExecutor, expert: CpuExpert, x: torch.Tensor, isa: str) -> None:
         n = x.shape[0]
-        xs = self._x[:n]
-        xs.copy_(x)  # float32, contiguous
-        a = self._args
+        self.x[:n].copy_(x)  # float32, contiguous
         a.kind, a.isa, a.tokens = KINDS[expert.kind], ISAS.index(isa), n
-        a.hidden, a.inter, a.threads, a.group = self.hidden, self.inter, self.threads, self.group
+        a.hidden, a.inter, a.threads, a.group = ex.hidden, ex.inter, ex.threads, ex.group
         mats = (expert.gate, expert.up, expert.down)
         if isinstance(expert.gate, QuantizedMatrix):
             a.gate, a.up, a.down = (m.data.data_ptr() for m in mats)  # type: ignore[union-attr]
@@ -251,8 +306,41 @@ class CpuExecutor:
         else:
             a.gate, a.up, a.down = (m.data_ptr() for m in mats)  # type: ignore[union-attr]
             a.gate_scale = a.up_scale = a.down_scale = None
-        a.x, a.out, a.act, a.xb = xs.data_ptr(), self._out.data_ptr(), self._act.data_ptr(), self._xb.data_ptr()
-        code = self.lib.tk_expert(ctypes.byref(a))  # type: ignore[union-attr]
+        a.x, a.out, a.act, a.xb = self.x.data_ptr(), self.out.data_ptr(), self.act.data_ptr(), self.xb.data_ptr()
+
+
+class DenseLinear:
+    """`F.linear` for the decoder's dense matrices (attention projections, lm_head). A few bf16 tokens on a CPU
+    with AMX go through the kernel's tiles, which stream a matrix at nearly the DRAM bandwidth where torch's
+    matrix-vector path reaches about 0.75 of it here; anything else is `F.linear` itself.
+
+    Letters: n tokens (all leading dimensions together), I input width, O output width."""
+
+    def __init__(self, threads: int | None = None, use_kernel: bool = True) -> None:
+        self.lib = library() if use_kernel else None
+        self.ok = self.lib is not None and "amx" in available_isas()
+        self.threads = threads or torch.get_num_threads()
+        self._args = _LinearArgs()
+        self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        n, width = x.numel() // x.shape[-1], x.shape[-1]
+        if not (self.ok and n <= AMX_CROSSOVER and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+                and x.device.type == "cpu" and w.shape[0] % 32 == 0 and width % 32 == 0 and w.is_contiguous()):
+            return F.linear(x, w, bias)
+        key = (width, w.shape[0])
+        if key not in self._buffers:  # per matrix shape, reused: no allocation on the decode path
+            self._buffers[key] = (torch.empty(AMX_CROSSOVER, width), torch.empty(AMX_CROSSOVER, w.shape[0]),
+                                  torch.empty(16, width, dtype=torch.int16))
+        xs, ys, xb = self._buffers[key]
+        xs[:n].copy_(x.reshape(n, width))  # [n, I] float32
+        a = self._args
+        a.tokens, a.inp, a.out, a.threads = n, width, w.shape[0], self.threads
+        a.w, a.x, a.y, a.xb = w.data_ptr(), xs.data_ptr(), ys.data_ptr(), xb.data_ptr()
+        code = self.lib.tk_linear(ctypes.byref(a))  # type: ignore[union-attr]
         if code != 0:
-            raise RuntimeError(f"CPU expert kernel rejected its arguments (code {code})")
-        return self._out[:n]
+            raise RuntimeError(f"dense kernel rejected its arguments (code {code})")
+        y = ys[:n].to(x.dtype)  # [n, O]
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], w.shape[0])

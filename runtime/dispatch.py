@@ -26,7 +26,7 @@ from runtime.accelerator import Accelerator
 from runtime.config import ModelConfig
 from runtime.cost import CostModel
 from runtime.expert_cache import ExpertCache, Key, Policy
-from runtime.moe import ExpertWeights, MoEBlockWeights, combine, route
+from runtime.moe import ExpertWeights, MoEBlockWeights, route
 from runtime.trace import TraceRecorder
 
 GPU, CPU, FETCHED = 0, 1, 2  # columns of the per-layer statistics
@@ -211,12 +211,17 @@ class Dispatcher:
         logits = F.linear(x, block.router)  # [T, E]
         weights, ids = route(logits, block.rule)  # [T, K], [T, K]
         self.recorder.record(layer, ids)
-        if self.accel is None:  # CPU only: the reference combination
-            used = ids.unique().tolist()
-            for e in used:
+        if self.accel is None:  # CPU only: every expert through the executor, the layer's experts in one call
+            jobs = []
+            for e in ids.unique().tolist():
+                tok, slot = (ids == e).nonzero(as_tuple=True)  # [n], [n]
+                jobs.append(_Job(e, tok, slot, None, block.experts[e], self.cpu_experts[layer][e]))
                 self.stats.count(layer, e, CPU)
-            self.stats.misses += len(used)
-            return combine(x, weights, ids, self.cpu_experts[layer], block.shared)
+            self.stats.misses += len(jobs)
+            out = self._cpu_combine(x, weights.to(x.dtype), jobs)
+            if block.shared is not None:
+                out += block.shared(x)
+            return out
         weights = weights.to(x.dtype)
         if self.cache.policy is Policy.TRACE:
             for e, n in zip(*torch.unique(ids, return_counts=True), strict=True):
@@ -294,10 +299,17 @@ class Dispatcher:
         assert self.accel is not None
         xh = self.accel.to_host(x)  # [T, H] activations, not weights, cross the bus
         wh = self.accel.to_host(weights)  # [T, K] routing weights
-        out = torch.zeros_like(xh)  # [T, H]
-        for job in jobs:
-            y = job.cpu(xh[job.tok])  # [n, H]
-            out.index_add_(0, job.tok, y * wh[job.tok, job.slot].unsqueeze(-1))
+        return self._cpu_combine(xh, wh, jobs)
+
+    def _cpu_combine(self, x: torch.Tensor, weights: torch.Tensor, jobs: Sequence[_Job]) -> torch.Tensor:
+        """Host x [T, H], routing weights [T, K] -> the weighted sum of these CPU experts' outputs [T, H]."""
+        out = torch.zeros_like(x)  # [T, H]
+
+        def add(i: int, y: torch.Tensor) -> None:  # y [n, H]
+            job = jobs[i]
+            out.index_add_(0, job.tok, y * weights[job.tok, job.slot].unsqueeze(-1))
+
+        self.executor.run_many([(job.cpu, x[job.tok]) for job in jobs], add)
         return out
 
     def _post_fetch(self, layer: int, misses: Sequence[_Job], keep: frozenset[Key]) -> None:

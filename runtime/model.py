@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import CpuOptions
+from kernels.cpu import CpuOptions, DenseLinear
 from runtime.accelerator import Accelerator
 from runtime.checkpoint import Checkpoint
 from runtime.config import ModelConfig
@@ -116,6 +116,8 @@ class MoEModel:
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, context, dtype)
         self.cos, self.sin = (accel.place(cos, dtype, "RoPE tables"), accel.place(sin, dtype, "RoPE tables")) \
             if accel is not None else (cos, sin)
+        # Dense matrices (attention, lm_head): the kernel's AMX tiles for a few bf16 tokens, else F.linear.
+        self.linear = DenseLinear(cpu.threads if cpu else None, cpu.use_kernel if cpu else True)
         blocks = {i: layer.ffn for i, layer in enumerate(layers) if isinstance(layer.ffn, MoEBlockWeights)}
         self.experts = Dispatcher(cfg, blocks, dtype, accel, policy, cpu)
 
@@ -190,7 +192,7 @@ class MoEModel:
             x = x + y.view(B, T, -1)  # [B, T, H]
         if last_only:
             x = x[:, -1:]  # [B, 1, H]
-        logits = F.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        logits = self.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
         return logits if self.accel is None else self.accel.to_host(logits)
 
     def _attention(
@@ -198,9 +200,9 @@ class MoEModel:
     ) -> torch.Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
-        q = F.linear(x, a.q, a.q_bias)  # [B, T, Hq*D]
-        k = F.linear(x, a.k, a.k_bias)  # [B, T, Hkv*D]
-        v = F.linear(x, a.v, a.v_bias)  # [B, T, Hkv*D]
+        q = self.linear(x, a.q, a.q_bias)  # [B, T, Hq*D]
+        k = self.linear(x, a.k, a.k_bias)  # [B, T, Hkv*D]
+        v = self.linear(x, a.v, a.v_bias)  # [B, T, Hkv*D]
         if cfg.qk_norm == "full":
             q, k = rms_norm(q, a.q_norm, cfg.rms_norm_eps), rms_norm(k, a.k_norm, cfg.rms_norm_eps)
         if cfg.clip_qkv is not None:
@@ -223,4 +225,4 @@ class MoEModel:
             q, keys, values, attn_mask=mask, is_causal=(T > 1 and start == 0), enable_gqa=True
         )  # [B, Hq, T, D]
         out = out.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim)  # [B, T, Hq*D]
-        return F.linear(out, a.o, a.o_bias)
+        return self.linear(out, a.o, a.o_bias)

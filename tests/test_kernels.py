@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import CpuExecutor, CpuOptions, available_isas, library
+from kernels.cpu import CpuExecutor, CpuOptions, DenseLinear, available_isas, library
 from kernels.quant import quantize_int4, quantize_int8
 from runtime.moe import ExpertWeights
 
@@ -186,3 +186,35 @@ def test_thread_count_is_explicit() -> None:
     x = torch.randn(3, h)
     outs = [CpuExecutor(h, i, torch.float32, threads=t).prepare(gate, up, down)(x).clone() for t in (1, 2)]
     assert torch.allclose(outs[0], outs[1], atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("quant", [None, "int8", "int4"])
+def test_a_layers_experts_in_one_call_match_one_at_a_time(quant: str | None) -> None:
+    # run_many: the AMX-able experts of a layer go through one kernel call; others (too many tokens) alone.
+    h, i = 256, 128
+    executor = CpuExecutor(h, i, torch.bfloat16, threads=2, quant=quant)
+    experts = [executor.prepare(*weights(h, i, torch.float32, seed=s)) for s in range(4)]
+    xs = [torch.randn(n, h, generator=torch.Generator().manual_seed(n)).bfloat16() for n in (1, 3, 16, 40)]
+    got: dict[int, torch.Tensor] = {}
+    executor.run_many(list(zip(experts, xs, strict=True)), lambda k, y: got.__setitem__(k, y.clone()))
+    assert sorted(got) == [0, 1, 2, 3]
+    for k, (expert, x) in enumerate(zip(experts, xs, strict=True)):
+        assert got[k].shape == x.shape
+        assert rel_err(got[k], reference(x, *expert.dense(torch.float32))) < 2e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 16, 17])
+@pytest.mark.parametrize("shape", [(96, 64), (64, 40)])  # the second is not a whole number of tiles
+def test_dense_linear_matches_f_linear(tokens: int, shape) -> None:
+    out, inp = shape
+    g = torch.Generator().manual_seed(tokens)
+    w = (torch.randn(out, inp, generator=g) * 0.1).bfloat16()
+    bias = torch.randn(out, generator=g).bfloat16()
+    x = torch.randn(1, tokens, inp, generator=g).bfloat16()
+    linear = DenseLinear(threads=2)
+    for b in (None, bias):
+        want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        got = linear(x, w, b)
+        assert got.shape == (1, tokens, out) and got.dtype == torch.bfloat16
+        assert rel_err(got, want) < 2e-2

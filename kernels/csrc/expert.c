@@ -16,6 +16,7 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 #include <immintrin.h>
@@ -828,25 +829,150 @@ int tk_isa_mask(void) {
     return m;
 }
 
-/* Returns 0 on success, a negative code for arguments the kernel cannot serve. */
-int tk_expert(const tk_args *a) {
-    if (a->tokens <= 0) return 0;
+/* 0 when the kernel can serve these arguments, else a negative code. */
+static int expert_checks(const tk_args *a) {
     if (a->kind < K_FP32 || a->kind > K_INT4) return -1;
     if (!(tk_isa_mask() & (1 << a->isa))) return -2;
     if (a->kind == K_INT4 && (a->group % 32 || a->group > 128 || a->hidden % a->group || a->inter % a->group)) return -3;
-    if (a->isa == ISA_AVX512BF16) {
-        if (a->kind != K_BF16 || !a->xb || a->inter % 2) return -4;
-        expert_bf16dp(a);
-        return 0;
-    }
+    if (a->isa == ISA_AVX512BF16 && (a->kind != K_BF16 || !a->xb || a->inter % 2)) return -4;
     if (a->isa == ISA_AMX) {
         if ((a->kind != K_BF16 && a->kind != K_INT8 && a->kind != K_INT4) || !a->xb || a->tokens > 16 ||
             a->hidden % 32 || a->inter % 32) return -5;
         if (a->kind == K_INT8 && (a->hidden % 64 || a->inter % 64)) return -5;  /* int8 tiles take 64 values */
-        expert_amx(a);
+    }
+    return 0;
+}
+
+/* Returns 0 on success, a negative code for arguments the kernel cannot serve. */
+int tk_expert(const tk_args *a) {
+    if (a->tokens <= 0) return 0;
+    const int code = expert_checks(a);
+    if (code) return code;
+    if (a->isa == ISA_AVX512BF16) expert_bf16dp(a);
+    else if (a->isa == ISA_AMX) expert_amx(a);
+    else expert_generic(a);
+    return 0;
+}
+
+/* Several experts of one layer in one parallel region (decode: the top-k experts of a token). Each phase runs
+ * over all experts at once, so a layer pays one region and a handful of barriers instead of one set per
+ * expert, and the threads stream one long run of rows. Every entry must be an AMX call of the same kind and
+ * shape, each with its own buffers. */
+AMX_TARGET static void experts_amx(const tk_args *a, int n) {
+    const int H = a->hidden, I = a->inter, kind = a->kind, g = a->group;
+    const size_t in_row = row_bytes(kind, H, g), down_row = row_bytes(kind, I, g);
+    const int step = kind == K_INT8 ? 64 : 32, gate_blocks = I / 32, down_blocks = H / 32;
+    const int swi_blocks = (I + 511) / 512;
+    float (*xscale)[16] = malloc(sizeof(float[16]) * (size_t)n), (*inv)[16] = malloc(sizeof(float[16]) * (size_t)n);
+    if (!xscale || !inv) {  /* cannot happen in practice; one at a time then */
+        free(xscale);
+        free(inv);
+        for (int e = 0; e < n; e++) expert_amx(a + e);
+        return;
+    }
+    #pragma omp parallel num_threads(a->threads)
+    {
+        amx_begin();
+        if (kind == K_INT8) {
+            #pragma omp for schedule(static)
+            for (int e = 0; e < n; e++) int8_token_scales(a[e].x, H, a[e].tokens, H, xscale[e], inv[e]);
+        }
+        #pragma omp for schedule(static)
+        for (int j = 0; j < n * (H / step); j++) {
+            const tk_args *e = a + j / (H / step);
+            if (kind == K_INT8)
+                amx_pack_int8_chunk(e->x, H, e->tokens, inv[j / (H / step)], j % (H / step), (uint8_t *)e->xb,
+                                    (uint8_t *)e->xb + (size_t)16 * H);
+            else amx_pack_chunk(e->x, H, e->tokens, j % (H / step), e->xb);
+        }
+        #pragma omp for schedule(static)
+        for (int j = 0; j < n * 2 * gate_blocks; j++) {
+            const tk_args *e = a + j / (2 * gate_blocks);
+            const int b = j % (2 * gate_blocks), is_up = b >= gate_blocks, r0 = (is_up ? b - gate_blocks : b) * 32;
+            amx_rows(kind, is_up ? e->up : e->gate, in_row, is_up ? e->up_scale : e->gate_scale, g, r0, H, e->xb,
+                     xscale[j / (2 * gate_blocks)], e->tokens, e->act + (is_up ? I : 0), 2 * I);
+        }
+        #pragma omp for schedule(static)
+        for (int j = 0; j < n * 16 * swi_blocks; j++) {
+            const tk_args *e = a + j / (16 * swi_blocks);
+            const int t = j % (16 * swi_blocks) / swi_blocks, lo = j % swi_blocks * 512, hi = lo + 512 < I ? lo + 512 : I;
+            if (t < e->tokens) swiglu512(e->act + (size_t)t * 2 * I, I, lo, hi);
+        }
+        if (kind == K_INT8) {
+            #pragma omp for schedule(static)
+            for (int e = 0; e < n; e++) int8_token_scales(a[e].act, 2 * I, a[e].tokens, I, xscale[e], inv[e]);
+        }
+        #pragma omp for schedule(static)
+        for (int j = 0; j < n * (I / step); j++) {
+            const tk_args *e = a + j / (I / step);
+            if (kind == K_INT8)
+                amx_pack_int8_chunk(e->act, 2 * I, e->tokens, inv[j / (I / step)], j % (I / step), (uint8_t *)e->xb,
+                                    (uint8_t *)e->xb + (size_t)16 * I);
+            else amx_pack_chunk(e->act, 2 * I, e->tokens, j % (I / step), e->xb);
+        }
+        #pragma omp for schedule(static)
+        for (int j = 0; j < n * down_blocks; j++) {
+            const tk_args *e = a + j / down_blocks;
+            amx_rows(kind, e->down, down_row, e->down_scale, g, j % down_blocks * 32, I, e->xb,
+                     xscale[j / down_blocks], e->tokens, e->out, H);
+        }
+        _tile_release();
+    }
+    free(xscale);
+    free(inv);
+}
+
+/* n experts: one region when all are AMX calls of one kind and shape, else one after another. Returns 0, or
+ * the first negative code of tk_expert. */
+int tk_experts(const tk_args *a, int n) {
+    int same = n > 1 && a->isa == ISA_AMX;
+    for (int e = 0; e < n && same; e++) {
+        const tk_args *b = a + e;
+        same = b->isa == ISA_AMX && b->kind == a->kind && b->hidden == a->hidden && b->inter == a->inter &&
+               b->group == a->group && b->threads == a->threads && b->tokens >= 1;
+    }
+    if (same) {
+        for (int e = 0; e < n; e++) {  /* the same checks as one call */
+            const int code = expert_checks(a + e);
+            if (code) return code;
+        }
+        experts_amx(a, n);
         return 0;
     }
-    expert_generic(a);
+    for (int e = 0; e < n; e++) {
+        const int code = tk_expert(a + e);
+        if (code) return code;
+    }
+    return 0;
+}
+
+/* A dense bf16 matrix for a few tokens (attention projections, lm_head in decode): y [T, O] = x [T, I] . W^T,
+ * W [O, I] row-major, through the same AMX tiles as the experts. */
+typedef struct {
+    int tokens, in, out, threads;
+    const uint16_t *w;
+    const float *x;                      /* [T, I] */
+    float *y;                            /* [T, O] */
+    uint16_t *xb;                        /* scratch: 16 * I bf16 */
+} tk_linear_args;
+
+AMX_TARGET static void linear_amx(const tk_linear_args *a) {
+    #pragma omp parallel num_threads(a->threads)
+    {
+        amx_begin();
+        amx_pack(K_BF16, a->x, a->in, a->tokens, a->in, a->xb, NULL, NULL);
+        #pragma omp for schedule(static)
+        for (int b = 0; b < a->out / 32; b++)
+            amx_rows32(K_BF16, a->w, (size_t)a->in * 2, NULL, 0, b * 32, a->in, a->xb, a->tokens, a->y, a->out);
+        _tile_release();
+    }
+}
+
+int tk_linear(const tk_linear_args *a) {
+    if (a->tokens <= 0) return 0;
+    if (!(tk_isa_mask() & (1 << ISA_AMX))) return -2;
+    if (a->tokens > 16 || a->in % 32 || a->out % 32) return -5;
+    linear_amx(a);
     return 0;
 }
 
