@@ -2,18 +2,25 @@
 
 Scenarios: decode (input × output lengths: tokens/s end to end, TTFT and inter-token latency), prefill
 (TTFT for long inputs; tokens/s there is prompt tokens per second) and beam search (widths; input 32,
-output 64). With `--peer transformers` the same prompt ids and settings go through transformers,
-alternating row by row, and each row gets the ratio. CPU-only decode rows also report the weight bytes
+output 64). With `--peer transformers` the same prompt ids and settings go through transformers and each
+row gets the ratio: in this process, alternating row by row, when both copies of the weights fit in RAM
+(Tandem's memory-mapped pages and transformers' own); otherwise transformers runs in a child process after
+Tandem's rows, so the two never compete for memory. CPU-only decode rows also report the weight bytes
 touched per token and that traffic as a fraction of the DRAM bandwidth measured in the same run (the
 roofline).
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from app.bench import bench_prompt_ids
@@ -55,8 +62,42 @@ def _peer(ref: Any, prompt: list[int], out: int, beams: int) -> dict[str, float]
             "itl_ms": max(0.0, total - ttft) / max(1, out - 1) * 1000 if beams == 1 else 0.0}
 
 
+def _load_peer(path: str | Path, dtype: torch.dtype) -> Any:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def peer_child() -> None:
+    """Child-process side of an out-of-process peer: a JSON job on stdin, one result per point on stdout."""
+    job = json.loads(sys.stdin.read())
+    torch.set_num_threads(job["threads"])
+    ref = _load_peer(job["model"], getattr(torch, job["dtype"]))
+    results = [_peer(ref, p["prompt"], p["out"], p["beams"]) for p in job["points"]]
+    sys.stdout.write(json.dumps(results))
+
+
+def _peer_in_child(path: str | Path, dtype: torch.dtype, points: list[dict[str, Any]]) -> list[dict[str, float]]:
+    job = {"model": str(path), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+           "points": points}
+    done = subprocess.run([sys.executable, "-c", "from app.bench_e2e import peer_child; peer_child()"],
+                          input=json.dumps(job), capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        from runtime.errors import TandemError
+
+        tail = done.stderr.strip().splitlines()[-1:] or ["no message"]
+        raise TandemError(f"the transformers peer failed in its child process: {tail[0]}")
+    return json.loads(done.stdout)
+
+
+def peer_fits_beside(tandem_bytes: int, peer_bytes: int, total_ram: int | None = None) -> bool:
+    """Whether transformers' copy of the weights fits in RAM beside Tandem's memory-mapped pages (20% spare)."""
+    total = total_ram if total_ram is not None else psutil.virtual_memory().total
+    return tandem_bytes + peer_bytes <= 0.8 * total
+
+
 def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, peer: str | None = None,
-              grid: dict[str, list[tuple[int, ...]]] | None = None) -> dict[str, Any]:
+              grid: dict[str, list[tuple[int, ...]]] | None = None, peer_process: str = "auto") -> dict[str, Any]:
     grid = grid or (QUICK if quick else FULL)
     model, cfg = loaded.model, loaded.model.cfg
     engines: dict[int, Engine] = {}
@@ -74,10 +115,13 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
         return engines[beams]
 
     ref = None
+    in_child = False
     if peer == "transformers":
-        import transformers
-
-        ref = transformers.AutoModelForCausalLM.from_pretrained(loaded.checkpoint.path, dtype=model.dtype).eval()
+        on_disk = loaded.checkpoint.file_bytes  # transformers holds every weight in the compute dtype
+        fits = peer_fits_beside(on_disk, on_disk * max(1, model.dtype.itemsize // 2))
+        in_child = peer_process == "child" or (peer_process == "auto" and not fits)
+        if not in_child:
+            ref = _load_peer(loaded.checkpoint.path, model.dtype)
     item = model.dtype.itemsize
     expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * item
     dense_bytes = sum(t.numel() * t.element_size() for t in (model.embed[:1], model.norm, model.lm_head))
@@ -86,6 +130,8 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
     per_token = dense_bytes + cfg.num_moe_layers * cfg.top_k * expert_bytes  # weights read per decode token
     bw = dram_bandwidth(torch.get_num_threads(), 2**30) if model.accel is None else None
     rows = []
+    later: list[dict[str, Any]] = []  # points for a child-process peer, run after Tandem's rows
+    _tandem(loaded, engine_for, bench_prompt_ids(loaded.tokenizer, 16), 4, 1)  # warm-up: weights paged in
     for scenario in scenarios:
         for point in grid[scenario]:
             n_in, n_out = point[0], point[1]
@@ -103,15 +149,25 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
                 row["bytes_per_token"] = per_token
                 row["roofline"] = round(per_token * 1000 / max(ours["itl_ms"], 1e-9) / 1e9 / bw, 3)
             if ref is not None:
-                theirs = _peer(ref, prompt, n_out, beams)
-                if scenario == "prefill":
-                    theirs["tok_s"] = n_in / theirs["ttft_s"] if theirs["ttft_s"] else 0.0
-                row |= {"peer_tok_s": round(theirs["tok_s"], 3), "peer_ttft_s": round(theirs["ttft_s"], 4),
-                        "ratio": round(ours["tok_s"] / theirs["tok_s"], 3) if theirs["tok_s"] else None}
-                if scenario == "prefill":
-                    row["ttft_ratio"] = round(theirs["ttft_s"] / ours["ttft_s"], 3) if ours["ttft_s"] else None
+                _add_peer(row, _peer(ref, prompt, n_out, beams))
+            elif in_child:
+                later.append({"prompt": prompt, "out": n_out, "beams": beams})
             rows.append(row)
-    return {"machine": probe().to_dict(), "plan": model.experts.describe(), "dram_gbps": bw, "rows": rows}
+    if later:
+        for row, theirs in zip(rows, _peer_in_child(loaded.checkpoint.path, model.dtype, later), strict=True):
+            _add_peer(row, theirs)
+    peer_mode = None if peer is None else ("child process, after Tandem" if in_child else "same process, alternating")
+    return {"machine": probe().to_dict(), "plan": model.experts.describe(), "dram_gbps": bw, "peer": peer_mode,
+            "rows": rows}
+
+
+def _add_peer(row: dict[str, Any], theirs: dict[str, float]) -> None:
+    if row["scenario"] == "prefill":  # prompt tokens per second, as for Tandem's row
+        theirs["tok_s"] = row["input"] / theirs["ttft_s"] if theirs["ttft_s"] else 0.0
+    row |= {"peer_tok_s": round(theirs["tok_s"], 3), "peer_ttft_s": round(theirs["ttft_s"], 4),
+            "ratio": round(row["tandem_tok_s"] / theirs["tok_s"], 3) if theirs["tok_s"] else None}
+    if row["scenario"] == "prefill":
+        row["ttft_ratio"] = round(theirs["ttft_s"] / row["ttft_s"], 3) if row["ttft_s"] else None
 
 
 def plot(result: dict[str, Any], path: str) -> None:

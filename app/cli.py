@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--scenario", choices=["decode", "prefill", "beam", "all"], default="all")
     e2e.add_argument("--quick", action="store_true", help="a few points per scenario (minutes, not hours)")
     e2e.add_argument("--peer", choices=["transformers"], default=None)
+    e2e.add_argument("--peer-process", choices=["auto", "same", "child"], default="auto",
+                     help="where the peer runs: beside Tandem, alternating (when both copies fit in RAM), or in a "
+                          "child process after Tandem's rows (auto: the first that fits)")
     e2e.add_argument("--json", metavar="FILE", help="write the results as JSON")
     e2e.add_argument("--plot", metavar="FILE.png", help="draw the results (needs matplotlib)")
     e2e.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
@@ -449,8 +452,10 @@ def _bench_e2e(args: argparse.Namespace) -> int:
         args.context = None  # the model's own limit is smaller
         loaded = load_from_args(args)
     scenarios = ["decode", "prefill", "beam"] if args.scenario == "all" else [args.scenario]
-    result = bench_e2e(loaded, scenarios, args.quick, args.peer)
+    result = bench_e2e(loaded, scenarios, args.quick, args.peer, peer_process=args.peer_process)
     print(f"plan: {json.dumps(result['plan'])}")
+    if result["peer"]:
+        print(f"peer: transformers, {result['peer']}")
     print(f"{'scenario':8} {'in':>5} {'out':>4} {'beams':>5} {'tok/s':>8} {'TTFT s':>7} {'ITL ms':>7} "
           f"{'peer':>8} {'ratio':>6} {'roofline':>8}")
     for r in result["rows"]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.bench_e2e import bench_e2e, plot
+from app.bench_e2e import bench_e2e, peer_fits_beside, plot
 from app.cli import main
 from runtime.errors import TandemError
 from runtime.loader import load
@@ -28,6 +28,19 @@ def test_rows_for_every_scenario_with_the_peer(mixtral_dir: Path) -> None:
         assert r["tandem_tok_s"] > 0 and r["peer_tok_s"] > 0 and r["ratio"] > 0
     assert 0 < rows["decode"]["roofline"] and rows["decode"]["bytes_per_token"] > 0
     assert rows["beam"]["beams"] == 3 and "ttft_ratio" in rows["prefill"]
+
+
+def test_the_peer_runs_in_a_child_process_when_both_copies_would_not_fit(mixtral_dir: Path) -> None:
+    loaded = load(mixtral_dir, dtype="fp32", context=128)
+    same = bench_e2e(loaded, ["decode", "beam"], peer="transformers", grid=GRID, peer_process="same")
+    child = bench_e2e(loaded, ["decode", "beam"], peer="transformers", grid=GRID, peer_process="child")
+    assert same["peer"] == "same process, alternating" and child["peer"] == "child process, after Tandem"
+    for a, b in zip(same["rows"], child["rows"], strict=True):
+        assert (a["scenario"], a["input"], a["beams"]) == (b["scenario"], b["input"], b["beams"])
+        assert b["peer_tok_s"] > 0 and b["ratio"] > 0
+    gib = 2**30
+    assert peer_fits_beside(4 * gib, 4 * gib, total_ram=24 * gib)
+    assert not peer_fits_beside(14 * gib, 14 * gib, total_ram=24 * gib)  # full-depth OLMoE on this machine
 
 
 def test_cli_writes_json(mixtral_dir: Path, tmp_path: Path, capsys) -> None:
