@@ -131,7 +131,8 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
     bw = dram_bandwidth(torch.get_num_threads(), 2**30) if model.accel is None else None
     rows = []
     later: list[dict[str, Any]] = []  # points for a child-process peer, run after Tandem's rows
-    _tandem(loaded, engine_for, bench_prompt_ids(loaded.tokenizer, 16), 4, 1)  # warm-up: weights paged in
+    _touch_every_expert(loaded)
+    _tandem(loaded, engine_for, bench_prompt_ids(loaded.tokenizer, 16), 4, 1)  # warm-up
     for scenario in scenarios:
         for point in grid[scenario]:
             n_in, n_out = point[0], point[1]
@@ -159,6 +160,16 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
     peer_mode = None if peer is None else ("child process, after Tandem" if in_child else "same process, alternating")
     return {"machine": probe().to_dict(), "plan": model.experts.describe(), "dram_gbps": bw, "peer": peer_mode,
             "rows": rows}
+
+
+def _touch_every_expert(loaded: LoadedModel) -> None:
+    """Run each CPU expert once, so its memory-mapped pages are read and mapped before timing starts: the peer's
+    weights are loaded before its rows too, and a first touch costs a page fault per 4 KiB."""
+    model = loaded.model
+    zero = torch.zeros(1, model.cfg.hidden_size, dtype=model.dtype)
+    for experts in model.experts.cpu_experts.values():
+        for expert in experts:
+            expert(zero)
 
 
 def _add_peer(row: dict[str, Any], theirs: dict[str, float]) -> None:
