@@ -158,8 +158,11 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
         for row, theirs in zip(rows, _peer_in_child(loaded.checkpoint.path, model.dtype, later), strict=True):
             _add_peer(row, theirs)
     peer_mode = None if peer is None else ("child process, after Tandem" if in_child else "same process, alternating")
-    return {"machine": probe().to_dict(), "plan": model.experts.describe(), "dram_gbps": bw, "peer": peer_mode,
-            "rows": rows}
+    about = {"path": str(loaded.checkpoint.path), "family": cfg.model_type, "layers": cfg.num_layers,
+             "experts": cfg.num_experts, "top_k": cfg.top_k, "dtype": str(model.dtype).removeprefix("torch."),
+             "gib": round(loaded.checkpoint.file_bytes / 2**30, 1)}
+    return {"machine": probe().to_dict(), "model": about, "plan": model.experts.describe(), "dram_gbps": bw,
+            "peer": peer_mode, "rows": rows}
 
 
 def _touch_every_expert(loaded: LoadedModel) -> None:
@@ -195,17 +198,31 @@ def plot(result: dict[str, Any], path: str) -> None:
     rows = result["rows"]
     labels = [f"{r['scenario']}\n{r['input']}→{r['output']}" + (f" ×{r['beams']}" if r["beams"] > 1 else "")
               for r in rows]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, len(rows) * 1.1), 7))
-    x = range(len(rows))
+    fig, (ax0, ax1, ax2) = plt.subplots(3, 1, figsize=(max(6, len(rows) * 1.1), 9))
+    x = list(range(len(rows)))
+    ratios = [r.get("ratio") or 0 for r in rows]
+    ax0.bar(x, ratios, color="tab:green")
+    for i, v in enumerate(ratios):
+        if v:
+            ax0.text(i, v, f"{v:.2f}×", ha="center", va="bottom", fontsize=8)
+    ax0.axhline(1.0, color="red", linewidth=0.8)
+    ax0.set_ylabel("Tandem ÷ transformers")
+    ax0.set_xticks(x, labels, fontsize=7)
     ax1.bar([i - 0.2 for i in x], [r["tandem_tok_s"] for r in rows], width=0.4, label="Tandem")
     if any("peer_tok_s" in r for r in rows):
         ax1.bar([i + 0.2 for i in x], [r.get("peer_tok_s", 0) for r in rows], width=0.4, label="transformers")
-    ax1.set_ylabel("tokens/s")
-    ax1.set_xticks(list(x), labels, fontsize=7)
+    ax1.set_yscale("log")  # prefill (prompt tokens/s) and decode differ by orders of magnitude
+    ax1.set_ylabel("tokens/s (prefill: prompt tokens/s)")
+    ax1.set_xticks(x, labels, fontsize=7)
     ax1.legend()
-    ax2.bar(list(x), [r.get("roofline", 0) for r in rows], color="gray")
+    ax2.bar(x, [r.get("roofline", 0) for r in rows], color="gray")
     ax2.axhline(1.0, color="red", linewidth=0.8)
     ax2.set_ylabel("decode: fraction of DRAM bandwidth")
-    ax2.set_xticks(list(x), labels, fontsize=7)
+    ax2.set_xticks(x, labels, fontsize=7)
+    m = result.get("model")
+    if m:
+        threads = result.get("plan", {}).get("cpu", {}).get("threads")
+        fig.suptitle(f"{m['family']}-shaped, {m['layers']} layers, {m['experts']} experts top-{m['top_k']}, "
+                     f"{m['dtype']}, {m['gib']} GiB" + (f"; {threads} CPU threads" if threads else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import CpuExecutor, CpuOptions, DenseLinear, available_isas, library
+from kernels.cpu import CpuExecutor, CpuOptions, DenseLinear, available_isas, library, read_bandwidth_probe
 from kernels.quant import quantize_int4, quantize_int8
 from runtime.moe import ExpertWeights
 
@@ -218,3 +218,11 @@ def test_dense_linear_matches_f_linear(tokens: int, shape) -> None:
         got = linear(x, w, b)
         assert got.shape == (1, tokens, out) and got.dtype == torch.bfloat16
         assert rel_err(got, want) < 2e-2
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [0, 5, 1000003])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bandwidth_probe_reads_every_value(n: int, threads: int) -> None:
+    buf = torch.arange(n, dtype=torch.float32) % 7  # small integers: the float sum is exact
+    assert read_bandwidth_probe(buf, threads) == float(buf.double().sum())
