@@ -106,12 +106,8 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
         if beams not in engines:
             if beams == 1:
                 engines[beams] = Engine(model, ())
-            else:  # beam search needs a KV cache row per beam
-                from runtime.loader import load
-
-                wide = load(loaded.checkpoint.path, dtype="bf16" if model.dtype == torch.bfloat16 else "fp32",
-                            context=model.context, batch=beams)
-                engines[beams] = Engine(wide.model, ())
+            else:  # beam search needs a KV cache row per beam; the weights are shared
+                engines[beams] = Engine(model.with_batch(beams), ())
         return engines[beams]
 
     ref = None

@@ -164,6 +164,9 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--kernel-crossover", type=int, default=None,
                    help="up to this many tokens per expert use the compiled kernel; more use torch "
                         "(default: 16 with AMX, else 8)")
+    c.add_argument("--resident", action="store_true",
+                   help="copy the weights into RAM at load instead of reading them from the memory-mapped files "
+                        "(faster decode; needs RAM for the whole model and a longer load)")
     c.add_argument("--kernel-isa", choices=["auto", "base", "avx2", "avx512", "avx512bf16", "amx"], default="auto",
                    help="force a kernel variant (auto: the best this CPU supports)")
     p.add_argument("--no-profile", action="store_true",
@@ -214,7 +217,7 @@ def load_from_args(args: argparse.Namespace, batch: int = 1, notify: Callable[[s
     if args.threads is not None and args.threads < 1:
         raise Err("--threads must be at least 1")
     cpu = CpuOptions(args.threads, args.kernel_crossover, None if args.quant == "none" else args.quant,
-                     args.quant_group, isa)
+                     args.quant_group, isa, resident=args.resident)
     return load(args.model, dtype=args.dtype, context=args.context, force=args.force, accelerator=args.accelerator,
                 vram_gb=args.vram_gb, policy=policy, batch=batch, placement=args.placement, cpu=cpu)
 

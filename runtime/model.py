@@ -8,6 +8,7 @@ D head dim, V vocabulary.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -132,7 +133,7 @@ class MoEModel:
             """A non-expert weight in the compute dtype: on the accelerator, or in RAM (no copy if it matches)."""
             if accel is not None:
                 return accel.place(ckpt.tensor(name), dtype, name)
-            return ckpt.tensor(name).to(dtype)
+            return ckpt.tensor(name).to(dtype, copy=bool(cpu and cpu.resident))
 
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in ckpt.where else None
@@ -171,6 +172,12 @@ class MoEModel:
         embed = w("model.embed_tokens.weight")
         lm_head = embed if cfg.tie_word_embeddings else w("lm_head.weight")
         return cls(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, context, batch, accel, policy, cpu)
+
+    def with_batch(self, batch: int) -> MoEModel:
+        """The same model (weights, experts, dispatcher shared) with its own KV cache of `batch` rows."""
+        wide = copy.copy(self)
+        wide.cache = KVCache(self.cfg, batch, self.context, self.dtype, self.accel)
+        return wide
 
     def close(self) -> None:
         self.experts.close()

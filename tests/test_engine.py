@@ -71,3 +71,31 @@ def test_refuses_out_of_vocab_and_empty_prompts(engine: Engine) -> None:
 def test_seeded_sampling_reproduces(engine: Engine) -> None:
     params = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=123)
     assert list(engine.generate([1, 2, 3], params)) == list(engine.generate([1, 2, 3], params))
+
+
+def test_resident_weights_give_the_same_tokens_and_are_counted(mixtral_dir: Path) -> None:
+    from kernels.cpu import CpuOptions
+    from runtime.checkpoint import open_checkpoint
+    from runtime.loader import estimate_memory
+
+    prompt = [5, 9, 13, 2, 7]
+    params = SamplingParams(max_new_tokens=12)
+    mapped = load(mixtral_dir, dtype="bf16", context=64)
+    resident = load(mixtral_dir, dtype="bf16", context=64, cpu=CpuOptions(resident=True))
+    assert list(resident.engine.generate(prompt, params)) == list(mapped.engine.generate(prompt, params))
+    expert = resident.model.experts.cpu_experts[0][0]
+    source = resident.checkpoint.tensor("model.layers.0.block_sparse_moe.experts.0.w1.weight")
+    assert expert.gate.data_ptr() != source.data_ptr() and torch.equal(expert.gate, source)  # a copy in RAM
+    assert resident.model.lm_head.data_ptr() != resident.checkpoint.tensor("lm_head.weight").data_ptr()
+    ckpt = open_checkpoint(mixtral_dir)
+    cfg = ckpt.config
+    extra = (estimate_memory(ckpt, torch.bfloat16, 64, cpu=CpuOptions(resident=True)).weights
+             - estimate_memory(ckpt, torch.bfloat16, 64).weights)
+    assert extra == cfg.num_moe_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
+
+
+def test_a_wider_cache_shares_the_weights(engine: Engine) -> None:
+    wide = engine.model.with_batch(3)
+    assert wide.cache.k.shape[1] == 3 and wide.experts is engine.model.experts and wide.lm_head is engine.model.lm_head
+    beams = list(Engine(wide, ()).generate([1, 2, 3], SamplingParams(max_new_tokens=5, beams=3)))
+    assert len(beams) == 5
