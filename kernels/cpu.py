@@ -184,8 +184,9 @@ class CpuExecutor:
         self._batch = (_Args * 0)()
 
     def amx_serves(self, kind: object) -> bool:
-        """Whether AMX tiles can run experts of this weight kind (whole tiles: int8 takes 64 values, others 32)."""
-        width = 64 if kind == "int8" else 32
+        """Whether AMX tiles can run experts of this weight kind (whole tiles: int8 takes 64 values, bf16 32;
+        int4 is stored in pieces of 128 values)."""
+        width = {"int8": 64, "int4": 128}.get(kind, 32)  # type: ignore[call-overload]
         return ("amx" in self.isas and kind in AMX_KINDS and self.dtype == torch.bfloat16
                 and self.hidden % width == 0 and self.inter % width == 0)
 

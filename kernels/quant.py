@@ -4,11 +4,12 @@ int8: symmetric, one float32 scale per output row. int4: symmetric, one float32 
 `group` input values; each group is stored in group/2 bytes whose low nibble holds element j and high
 nibble element j + group/2 (values offset by 8), the layout the C kernel reads.
 
-Row-major is the stored layout. The AMX kernel turns int4 into bf16 32 rows at a time, one group each, and 32
-rows read side by side in such short pieces defeat the hardware prefetchers, so for it an int4 matrix is
-re-laid out in blocks (`blocked_layout()`): each block of 32 rows is stored group by group, 32 rows x one
-group's bytes (and the group's 32 scales side by side), so the kernel reads one sequential stream.
-Letters: B row blocks (rows / 32), P groups per row, S bytes per group.
+Row-major is the stored layout. With AMX, int4 matrices are re-laid out once (`blocked_layout()`) for the two
+kernels that read them: rows in blocks of BLOCK_ROWS, each block stored as 64-byte pieces of its rows' bytes,
+BLOCK_ROWS rows x 64 bytes after one another (scales likewise: per block, per group, the block's scales side by
+side). The one-token kernel then reads one sequential stream, a row's 64 bytes at a time, and the tile kernel
+(32 rows, one group at a time) reads two. Both need widths that are multiples of 128 values.
+Letters: B row blocks (rows / 8), P 64-byte pieces per row, G groups per row.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 GROUPS = (32, 64, 128)
+BLOCK_ROWS = 16  # rows per block of the int4 layout the AMX machines use (INT4_BLOCK_ROWS in csrc/expert.c)
 
 
 @dataclass(frozen=True)
@@ -30,15 +32,16 @@ class QuantizedMatrix:
     blocked: bool = False  # True: the AMX kernel's 32-row block layout (see the module docstring)
 
     def blocked_layout(self) -> QuantizedMatrix:
-        """This int4 matrix in 32-row blocks (its row count must be a multiple of 32)."""
+        """This int4 matrix in row blocks of 64-byte pieces (rows a multiple of BLOCK_ROWS, columns of 128)."""
         if self.blocked:
             return self
-        if self.kind != "int4" or self.data.shape[0] % 32:
-            raise ValueError("the block layout is for int4 matrices with a multiple of 32 rows")
+        n = BLOCK_ROWS
+        if self.kind != "int4" or self.data.shape[0] % n or self.cols % 128:
+            raise ValueError(f"the block layout is for int4 matrices with rows a multiple of {n} and columns of 128")
         rows, width = self.data.shape  # width: bytes per row
         groups = self.cols // self.group
-        data = self.data.reshape(rows // 32, 32, groups, width // groups).transpose(1, 2)  # [B, P, 32, S]
-        scales = self.scales.reshape(rows // 32, 32, groups).transpose(1, 2)  # [B, P, 32]
+        data = self.data.reshape(rows // n, n, width // 64, 64).transpose(1, 2)  # [B, P, n, 64]
+        scales = self.scales.reshape(rows // n, n, groups).transpose(1, 2)  # [B, G, n]
         return QuantizedMatrix(self.kind, data.reshape(rows, width).contiguous(),
                                scales.reshape(rows, groups).contiguous(), self.cols, self.group, blocked=True)
 
@@ -46,9 +49,9 @@ class QuantizedMatrix:
         if not self.blocked:
             return self
         rows, width = self.data.shape
-        groups = self.cols // self.group
-        data = self.data.reshape(rows // 32, groups, 32, width // groups).transpose(1, 2)  # [B, 32, P, S]
-        scales = self.scales.reshape(rows // 32, groups, 32).transpose(1, 2)  # [B, 32, P]
+        groups, n = self.cols // self.group, BLOCK_ROWS
+        data = self.data.reshape(rows // n, width // 64, n, 64).transpose(1, 2)  # [B, n, P, 64]
+        scales = self.scales.reshape(rows // n, groups, n).transpose(1, 2)  # [B, n, G]
         return QuantizedMatrix(self.kind, data.reshape(rows, width).contiguous(),
                                scales.reshape(rows, groups).contiguous(), self.cols, self.group)
 
