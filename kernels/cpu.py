@@ -31,7 +31,8 @@ AMX_CROSSOVER = 16  # with AMX tiles the kernel stays at the bandwidth roofline 
 AMX_MIN_TOKENS = 1  # measured here: AMX tiles beat vdpbf16ps from one token up
 AMX_KINDS = (torch.bfloat16, "int8", "int4")
 QUANT_KINDS = ("int8", "int4")
-QUANT_CHUNKS = 8  # quantized experts stay on the kernel up to this many chunks of `crossover` tokens
+QUANT_CHUNKS = 32  # quantized experts stay on the kernel up to this many chunks of tokens (measured: beyond
+# that, dequantizing once and using torch's matmul wins)
 
 
 class _Args(ctypes.Structure):
@@ -242,7 +243,8 @@ class CpuExecutor:
         return self._run_torch(expert, x)
 
     def _run_torch(self, expert: CpuExpert, x: torch.Tensor) -> torch.Tensor:
-        if expert.kind == "int8":  # torch's int8 weight-only matmul reads the row-major layout as it is
+        if expert.kind == "int8" and x.shape[0] <= AMX_CROSSOVER:
+            # torch's int8 weight-only matmul (reads the row-major layout as it is): fine for a few tokens only
             mm = torch.ops.aten._weight_int8pack_mm
             g, u, d = (m.row_major() for m in (expert.gate, expert.up, expert.down))  # type: ignore[union-attr]
             h = F.silu(mm(x, g.data, g.scales.to(x.dtype))) * mm(x, u.data, u.scales.to(x.dtype))  # type: ignore
