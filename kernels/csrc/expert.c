@@ -605,11 +605,6 @@ AMX_TARGET static void amx_begin(void) {
     _tile_loadconfig(&cfg);
 }
 
-static inline uint16_t bf16_round(float v) {
-    uint32_t u; memcpy(&u, &v, 4);
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
 /* Chunk c of X [T, K] (row stride ldx) -> packed [16 k-pairs][16 tokens][2] bf16. Columns of tokens >= T keep
  * stale values: they only reach result columns that are never read (so nothing is cleared per call).
  * Called for every chunk inside the parallel region (omp for), so packing is split across threads. */
@@ -895,31 +890,6 @@ AMX_TARGET static inline void amx_rows(int kind, const void *w, size_t rb, const
     }
 }
 
-AMX_TARGET static void expert_amx(const tk_args *a) {
-    const int T = a->tokens, H = a->hidden, I = a->inter, kind = a->kind, g = a->group;
-    const size_t in_row = row_bytes(kind, H, g), down_row = row_bytes(kind, I, g);
-    uint16_t *xp = a->xb;              /* packed activations: 32 * max(H, I) bytes */
-    float xscale[16], inv[16];         /* int8: per-token fixed-point scales */
-    const int gate_blocks = I / 32, down_blocks = H / 32;
-    #pragma omp parallel num_threads(a->threads)
-    {
-        amx_begin();
-        amx_pack(kind, a->x, H, T, H, xp, xscale, inv);
-        #pragma omp for schedule(static)
-        for (int b = 0; b < 2 * gate_blocks; b++) {
-            const int is_up = b >= gate_blocks, r0 = (is_up ? b - gate_blocks : b) * 32;
-            amx_rows(kind, is_up ? a->up : a->gate, in_row, is_up ? a->up_scale : a->gate_scale, g, r0, H, xp,
-                     xscale, T, a->act + (is_up ? I : 0), 2 * I);
-        }
-        swiglu_rows(a->act, T, I, a->isa);
-        amx_pack(kind, a->act, 2 * I, T, I, xp, xscale, inv);  /* the activation [T, I] for the down projection */
-        #pragma omp for schedule(static)
-        for (int b = 0; b < down_blocks; b++)
-            amx_rows(kind, a->down, down_row, a->down_scale, g, b * 32, I, xp, xscale, T, a->out, H);
-        _tile_release();
-    }
-}
-
 /* Bitmask of usable ISA variants: bit ISA_AVX2, ISA_AVX512, ISA_AVX512BF16 (baseline always works). */
 int tk_isa_mask(void) {
     static int cached = -1;
@@ -934,6 +904,8 @@ int tk_isa_mask(void) {
     cached = m;
     return m;
 }
+
+AMX_TARGET static void experts_amx(const tk_args *a, int n);
 
 /* 0 when the kernel can serve these arguments, else a negative code. */
 static int expert_checks(const tk_args *a) {
@@ -957,27 +929,23 @@ int tk_expert(const tk_args *a) {
     if (code) return code;
     if (a->isa == ISA_AVX512BF16) expert_bf16dp(a);
     else if (a->isa == ISA_AMX && a->kind == K_INT4 && a->tokens == 1) expert_int4_vnni(a);
-    else if (a->isa == ISA_AMX) expert_amx(a);
+    else if (a->isa == ISA_AMX) experts_amx(a, 1);
     else expert_generic(a);
     return 0;
 }
 
-/* Several experts of one layer in one parallel region (decode: the top-k experts of a token). Each phase runs
- * over all experts at once, so a layer pays one region and a handful of barriers instead of one set per
- * expert, and the threads stream one long run of rows. Every entry must be an AMX call of the same kind and
- * shape, each with its own buffers. */
+/* One expert, or several experts of one layer in one parallel region (decode: the top-k experts of a token),
+ * on AMX tiles. Each phase runs over all experts at once, so a layer pays one region and a handful of barriers
+ * instead of one set per expert, and the threads stream one long run of rows. Every entry must be an AMX call
+ * of the same kind and shape, each with its own buffers. Phases: pack the input, gate and up rows, SwiGLU,
+ * pack the activation, down rows. */
+#define AMX_BATCH 64  /* experts per region at most (their per-token scales live on the stack) */
 AMX_TARGET static void experts_amx(const tk_args *a, int n) {
     const int H = a->hidden, I = a->inter, kind = a->kind, g = a->group;
     const size_t in_row = row_bytes(kind, H, g), down_row = row_bytes(kind, I, g);
     const int step = kind == K_INT8 ? 64 : 32, gate_blocks = I / 32, down_blocks = H / 32;
     const int swi_blocks = (I + 511) / 512;
-    float (*xscale)[16] = malloc(sizeof(float[16]) * (size_t)n), (*inv)[16] = malloc(sizeof(float[16]) * (size_t)n);
-    if (!xscale || !inv) {  /* cannot happen in practice; one at a time then */
-        free(xscale);
-        free(inv);
-        for (int e = 0; e < n; e++) expert_amx(a + e);
-        return;
-    }
+    float xscale[AMX_BATCH][16], inv[AMX_BATCH][16];  /* int8: per-token fixed-point scales */
     #pragma omp parallel num_threads(a->threads)
     {
         amx_begin();
@@ -1026,8 +994,6 @@ AMX_TARGET static void experts_amx(const tk_args *a, int n) {
         }
         _tile_release();
     }
-    free(xscale);
-    free(inv);
 }
 
 /* n experts: one region when all are AMX calls of one kind and shape, else one after another. Returns 0, or
@@ -1045,7 +1011,7 @@ int tk_experts(const tk_args *a, int n) {
             const int code = expert_checks(a + e);
             if (code) return code;
         }
-        experts_amx(a, n);
+        for (int e = 0; e < n; e += AMX_BATCH) experts_amx(a + e, n - e < AMX_BATCH ? n - e : AMX_BATCH);
         return 0;
     }
     for (int e = 0; e < n; e++) {
