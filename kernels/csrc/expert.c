@@ -865,21 +865,6 @@ AMX_TARGET static void amx_rows32(int kind, const void *wv, size_t rb, const flo
             for (int t = 0; t < T; t++) res[(size_t)t * ldr + r0 + h * 16 + i] = tmp[h][i][t];
 }
 
-/* Inside the parallel region: pack X [T, K] (row stride ldx) for the tiles, bf16 pairs or int8 fixed point. */
-AMX_TARGET static inline void amx_pack(int kind, const float *x, int ldx, int T, int K, uint16_t *xp, float *xscale,
-                            float *inv) {
-    if (kind == K_INT8) {
-        uint8_t *hi = (uint8_t *)xp, *lo = hi + (size_t)16 * K;
-        #pragma omp single
-        int8_token_scales(x, ldx, T, K, xscale, inv);
-        #pragma omp for schedule(static)
-        for (int c = 0; c < K / 64; c++) amx_pack_int8_chunk(x, ldx, T, inv, c, hi, lo);
-    } else {
-        #pragma omp for schedule(static)
-        for (int c = 0; c < K / 32; c++) amx_pack_chunk(x, ldx, T, c, xp);
-    }
-}
-
 AMX_TARGET static inline void amx_rows(int kind, const void *w, size_t rb, const float *s, int group, int r0, int K,
                                        const uint16_t *xp, const float *xscale, int T, float *res, int ldr) {
     if (kind == K_INT8) {
@@ -1035,7 +1020,8 @@ AMX_TARGET static void linear_amx(const tk_linear_args *a) {
     #pragma omp parallel num_threads(a->threads)
     {
         amx_begin();
-        amx_pack(K_BF16, a->x, a->in, a->tokens, a->in, a->xb, NULL, NULL);
+        #pragma omp for schedule(static)
+        for (int c = 0; c < a->in / 32; c++) amx_pack_chunk(a->x, a->in, a->tokens, c, a->xb);
         #pragma omp for schedule(static)
         for (int b = 0; b < a->out / 32; b++)
             amx_rows32(K_BF16, a->w, (size_t)a->in * 2, NULL, 0, b * 32, a->in, a->xb, a->tokens, a->y, a->out);
