@@ -706,15 +706,22 @@ AMX_TARGET static inline void int4_piece(const uint8_t *w, size_t rb, const floa
     const int half = group / 2, ngroups = (int)(rb * 2 / group), lo_chunks = half / 32;
     const __m512 values = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     const __m512i low = _mm512_set1_epi16(15);
-    for (int i = 0; i < 32; i++) {
-        /* blocked (see kernels/quant.py): 8-row blocks of 64-byte pieces; the group starts in piece o / 64 */
-        const int r = r0 + i, o = p * half, R = INT4_BLOCK_ROWS;
-        const uint8_t *q = w + (size_t)(r / R) * R * rb + ((size_t)(o / 64) * R + r % R) * 64 + o % 64;
-        const float *sp = s + ((size_t)(r / R) * ngroups + p) * R + r % R;
+    /* blocked (see kernels/quant.py): blocks of R rows stored as 64-byte pieces; the group starts in piece o / 64 */
+    enum { R = INT4_BLOCK_ROWS };
+    const int o = p * half;
+    const uint8_t *q0 = w + (size_t)r0 * rb + (size_t)(o / 64) * R * 64 + o % 64;
+    const float *s0 = s + ((size_t)(r0 / R) * ngroups + p) * R;
+    const uint8_t *q = q0;
+    const float *sp = s0;
+    for (int i = 0; i < 32; i++, q += 64, sp++) {
+        if (i % R == 0 && i) {  /* the next block of rows */
+            q = q0 + (size_t)(i / R) * R * rb;
+            sp = s0 + (size_t)(i / R) * ngroups * R;
+        }
         const float scale = *sp;
         /* measured: the prefetchers alone keep too few lines in flight for these streams; 4 KB ahead helps */
         if (o % 64 == 0) _mm_prefetch((const char *)q + AMX4_PREFETCH, _MM_HINT_T0);
-        if (r % 16 == 0 && p % 2 == 0) _mm_prefetch((const char *)(sp + 512), _MM_HINT_T0);  /* scales */
+        if (i % R == 0 && p % 2 == 0) _mm_prefetch((const char *)(sp + 512), _MM_HINT_T0);  /* scales */
         const __m512i lut = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(values, _mm512_set1_ps(scale))));
         if (group == 32) {
             __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
