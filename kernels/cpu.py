@@ -3,8 +3,8 @@
 Few tokens (decode, beams, short prompts; up to `crossover`): the compiled kernel in `csrc/expert.c`, which
 streams each weight row once for all tokens. Many tokens (prefill): torch's matrix multiply, which is
 compute-bound and good at it. Weights are used where they lie (memory-mapped, file dtype: no re-layout),
-unless quantization is asked for, which happens once when the expert is prepared (int4 meant for AMX tiles
-is then also laid out in 32-row blocks, see `kernels/quant.py`). Quantized experts stay on the kernel for
+unless quantization is asked for, which happens once when the expert is prepared (for AMX the quantized
+matrices are then also laid out in row blocks, see `kernels/quant.py`). Quantized experts stay on the kernel for
 longer prompts too, a chunk of tokens at a time.
 
 Letters: n tokens, H hidden size, I expert width.
@@ -197,8 +197,8 @@ class CpuExecutor:
         if self.quant in QUANT_KINDS:
             g = self.group
             mats = [quantize_int8(w) if self.quant == "int8" else quantize_int4(w, g) for w in (gate, up, down)]
-            if self.quant == "int4" and self.forced_isa in (None, "amx") and self.amx_serves("int4"):
-                mats = [m.blocked_layout() for m in mats]  # AMX streams int4 in 32-row blocks
+            if self.forced_isa in (None, "amx") and self.amx_serves(self.quant):
+                mats = [m.blocked_layout() for m in mats]  # the AMX kernels read the block layout
             return CpuExpert(*mats, self.quant, self)
         if gate.dtype not in KINDS:
             raise ValueError(f"expert weights of dtype {gate.dtype} are not supported")

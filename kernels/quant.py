@@ -4,12 +4,12 @@ int8: symmetric, one float32 scale per output row. int4: symmetric, one float32 
 `group` input values; each group is stored in group/2 bytes whose low nibble holds element j and high
 nibble element j + group/2 (values offset by 8), the layout the C kernel reads.
 
-Row-major is the stored layout. With AMX, int4 matrices are re-laid out once (`blocked_layout()`) for the two
-kernels that read them: rows in blocks of BLOCK_ROWS, each block stored as 64-byte pieces of its rows' bytes,
-BLOCK_ROWS rows x 64 bytes after one another (scales likewise: per block, per group, the block's scales side by
-side). The one-token kernel then reads one sequential stream, a row's 64 bytes at a time, and the tile kernel
-(32 rows, one group at a time) reads two. Both need widths that are multiples of 128 values.
-Letters: B row blocks (rows / 8), P 64-byte pieces per row, G groups per row.
+Row-major is the stored layout. With AMX, matrices are re-laid out once (`blocked_layout()`) for the kernels
+that read them: rows in blocks of BLOCK_ROWS, each block stored as 64-byte pieces of its rows' bytes,
+BLOCK_ROWS rows x 64 bytes after one another (int4 scales likewise: per block, per group, the block's scales
+side by side; int8 keeps one scale per row). An int8 tile (16 rows x 64 values) is then one 1 KiB piece, the
+one-token int4 kernel reads one sequential stream, and the int4 tile kernel (32 rows, one group at a time)
+two. Widths must be multiples of 64 values (int8) or 128 (int4).
 """
 
 from __future__ import annotations
@@ -32,28 +32,33 @@ class QuantizedMatrix:
     blocked: bool = False  # True: the AMX kernel's 32-row block layout (see the module docstring)
 
     def blocked_layout(self) -> QuantizedMatrix:
-        """This int4 matrix in row blocks of 64-byte pieces (rows a multiple of BLOCK_ROWS, columns of 128)."""
+        """This matrix in row blocks of 64-byte pieces (rows a multiple of BLOCK_ROWS; row bytes of 64)."""
         if self.blocked:
             return self
         n = BLOCK_ROWS
-        if self.kind != "int4" or self.data.shape[0] % n or self.cols % 128:
-            raise ValueError(f"the block layout is for int4 matrices with rows a multiple of {n} and columns of 128")
         rows, width = self.data.shape  # width: bytes per row
-        groups = self.cols // self.group
+        if rows % n or width % 64 or (self.kind == "int4" and self.cols % 128):
+            raise ValueError(f"the block layout needs rows in multiples of {n} and 64-byte rows ({self.kind})")
         data = self.data.reshape(rows // n, n, width // 64, 64).transpose(1, 2)  # [B, P, n, 64]
-        scales = self.scales.reshape(rows // n, n, groups).transpose(1, 2)  # [B, G, n]
-        return QuantizedMatrix(self.kind, data.reshape(rows, width).contiguous(),
-                               scales.reshape(rows, groups).contiguous(), self.cols, self.group, blocked=True)
+        scales = self.scales
+        if self.kind == "int4":
+            groups = self.cols // self.group
+            scales = scales.reshape(rows // n, n, groups).transpose(1, 2).reshape(rows, groups)  # [B, G, n]
+        return QuantizedMatrix(self.kind, data.reshape(rows, width).contiguous(), scales.contiguous(), self.cols,
+                               self.group, blocked=True)
 
     def row_major(self) -> QuantizedMatrix:
         if not self.blocked:
             return self
         rows, width = self.data.shape
-        groups, n = self.cols // self.group, BLOCK_ROWS
+        n = BLOCK_ROWS
         data = self.data.reshape(rows // n, width // 64, n, 64).transpose(1, 2)  # [B, n, P, 64]
-        scales = self.scales.reshape(rows // n, groups, n).transpose(1, 2)  # [B, n, G]
-        return QuantizedMatrix(self.kind, data.reshape(rows, width).contiguous(),
-                               scales.reshape(rows, groups).contiguous(), self.cols, self.group)
+        scales = self.scales
+        if self.kind == "int4":
+            groups = self.cols // self.group
+            scales = scales.reshape(rows // n, groups, n).transpose(1, 2).reshape(rows, groups)  # [B, n, G]
+        return QuantizedMatrix(self.kind, data.reshape(rows, width).contiguous(), scales.contiguous(), self.cols,
+                               self.group)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.blocked:

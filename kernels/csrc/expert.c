@@ -622,8 +622,8 @@ AMX_TARGET static inline void amx_pack_chunk(const float *x, int ldx, int T, int
 /* int8 weights meet the activations as 16-bit fixed point: each token is scaled so its largest value is
  * 32767 and rounded (about as fine as bf16 for every value within 2^7 of the largest, finer above), then
  * split into a signed high byte and an unsigned low byte. Two integer tile products per weight tile
- * (tdpbssd, tdpbsud) give W.x exactly up to that rounding, and the weights are tile-loaded straight from
- * the row-major matrix: nothing is converted per weight, so int8 streams like bf16 at half the bytes.
+ * (tdpbssd, tdpbsud) give W.x exactly up to that rounding, and the weight tiles are loaded as they lie
+ * (block layout): nothing is converted per weight, so int8 streams like bf16 at half the bytes.
  * Packed chunk c (64 values): [16 k-quads][16 tokens][4] bytes (tokens >= T: stale, as for bf16). */
 AMX_TARGET static inline void amx_pack_int8_chunk(const float *x, int ldx, int T, const float *inv, int c,
                                                   uint8_t *hi, uint8_t *lo) {
@@ -658,7 +658,9 @@ AMX_TARGET static void int8_token_scales(const float *x, int ldx, int T, int K, 
     }
 }
 
-/* int8 rows [r0, r0 + 32) of W [*, K] (K a multiple of 64): res[t * ldr + r] = row scale * token scale * W.x. */
+/* int8 rows [r0, r0 + 32) of W [*, K] (K a multiple of 64): res[t * ldr + r] = row scale * token scale * W.x.
+ * W is in the block layout (kernels/quant.py): each tile, 16 rows x 64 values, is 1 KiB in one piece, so the
+ * rows stream as one sequence even when they are short. */
 AMX_TARGET static void amx_rows32_int8(const int8_t *w, size_t rb, const float *s, int r0, int K, const uint8_t *hi,
                                        const uint8_t *lo, const float *xscale, int T, float *res, int ldr) {
     int32_t acc[4][16][16] __attribute__((aligned(64)));
@@ -668,8 +670,8 @@ AMX_TARGET static void amx_rows32_int8(const int8_t *w, size_t rb, const float *
     _tile_zero(2);
     _tile_zero(3);
     for (int c = 0; c < K / 64; c++) {
-        _tile_loadd(4, a0 + (size_t)c * 64, rb);
-        _tile_loadd(5, a1 + (size_t)c * 64, rb);
+        _tile_loadd(4, a0 + (size_t)c * 1024, 64);
+        _tile_loadd(5, a1 + (size_t)c * 1024, 64);
         _tile_loadd(6, hi + (size_t)c * 1024, 64);
         _tile_loadd(7, lo + (size_t)c * 1024, 64);
         _tile_dpbssd(0, 4, 6);
