@@ -180,7 +180,7 @@ class CpuExecutor:
             have = ", ".join(self.isas) or "none"
             raise ValueError(f"kernel variant {isa!r} is not available here (available: {have})")
         self.forced_isa = isa
-        self._isa_cache: dict[tuple[object, int], str | None] = {}  # (weight kind, tokens) -> variant
+        self._isa_cache: dict[tuple[object, int, bool], str | None] = {}  # (kind, tokens, blocked) -> variant
         self._slots: list[_Slot] = []  # per expert of one call: buffers and arguments, grown on demand
         self._batch = (_Args * 0)()
 
@@ -260,9 +260,9 @@ class CpuExecutor:
                     and x.shape[0] <= self.crossover and self.isa_for(expert, x.shape[0]) == "amx"]
         if len(together) < 2:
             together = []
-        for i, (expert, x) in enumerate(jobs):
-            if i not in together:
-                sink(i, self.run(expert, x))
+        alone = set(range(len(jobs))).difference(together)
+        for i in sorted(alone):
+            sink(i, self.run(*jobs[i]))
         if not together:
             return
         while len(self._slots) < len(together):
