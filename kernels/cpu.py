@@ -28,7 +28,6 @@ BF16_ONLY = ("avx512bf16", "amx")  # bf16 activations (AMX int8: 16-bit fixed po
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "int8": 3, "int4": 4}
 DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
 AMX_CROSSOVER = 16  # with AMX tiles the kernel stays at the bandwidth roofline up to a full tile of tokens
-AMX_MIN_TOKENS = 1  # measured here: AMX tiles beat vdpbf16ps from one token up
 AMX_KINDS = (torch.bfloat16, "int8", "int4")
 QUANT_KINDS = ("int8", "int4")
 QUANT_CHUNKS = 32  # quantized experts stay on the kernel up to this many chunks of tokens (measured: beyond
@@ -82,11 +81,11 @@ def available_isas() -> list[str]:
     return [name for i, name in enumerate(ISAS) if mask & (1 << i)]
 
 
-def best_isa(kind: object, compute_dtype: torch.dtype, isas: list[str], tokens: int = 1) -> str | None:
-    """The fastest variant for this weight kind and token count. The bf16 dot-product units (AMX tiles,
-    vdpbf16ps) only where activations are bf16 anyway; AMX once there are enough tokens to fill its tiles."""
+def best_isa(kind: object, compute_dtype: torch.dtype, isas: list[str]) -> str | None:
+    """The fastest variant of those offered for this weight kind. The bf16 dot-product units (AMX tiles,
+    vdpbf16ps) only where activations are bf16 anyway; AMX (measured: ahead from one token up) before them."""
     if kind in AMX_KINDS and compute_dtype == torch.bfloat16:
-        if "amx" in isas and tokens >= AMX_MIN_TOKENS:
+        if "amx" in isas:
             return "amx"
         if kind == torch.bfloat16 and "avx512bf16" in isas:
             return "avx512bf16"
@@ -226,7 +225,7 @@ class CpuExecutor:
         isas = [i for i in isas if i in self.isas]
         if self.forced_isa in isas:
             return self.forced_isa
-        return best_isa(kind, self.dtype, isas, tokens)
+        return best_isa(kind, self.dtype, isas)
 
     def run(self, expert: CpuExpert, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]

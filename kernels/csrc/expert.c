@@ -647,8 +647,9 @@ AMX_TARGET static inline void amx_pack_int8_chunk(const float *x, int ldx, int T
     }
 }
 
-/* Per-token scales for the fixed-point activations: scale[t] = max |x_t| / 32767, inv[t] = 1 / scale[t]. */
-AMX_TARGET static void int8_token_scales(const float *x, int ldx, int T, int K, float *scale, float *inv) {
+/* Per-token scales for the 16-bit fixed-point activations (AMX int8, VNNI int4): scale[t] = max |x_t| / 32767,
+ * inv[t] = 1 / scale[t]. K is a multiple of 16. */
+AMX_TARGET static void token_scales(const float *x, int ldx, int T, int K, float *scale, float *inv) {
     for (int t = 0; t < T; t++) {
         __m512 m = _mm512_setzero_ps();
         for (int k = 0; k < K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + (size_t)t * ldx + k)));
@@ -692,12 +693,8 @@ AMX_TARGET static void amx_rows32_int8(const int8_t *w, size_t rb, const float *
         }
 }
 
-#ifndef INT4_BLOCK_ROWS
-#define INT4_BLOCK_ROWS 16  /* rows per block of the int4 layout (kernels/quant.py BLOCK_ROWS) */
-#endif
-#ifndef AMX4_PREFETCH
+#define INT4_BLOCK_ROWS 16  /* rows per block of the quantized layout: must equal kernels/quant.py BLOCK_ROWS */
 #define AMX4_PREFETCH 4096  /* bytes ahead in each block's stream; measured here */
-#endif
 
 /* int4 piece p (group p) of rows r0..r0+31 as group/32 chunks of two bf16 tiles each. Each row's group scale
  * is folded into a 16-entry table, bf16(q * scale) for q = -8..7 (the rounding of dequantizing to bf16), that
@@ -745,12 +742,10 @@ AMX_TARGET static inline void int4_piece(const uint8_t *w, size_t rb, const floa
  * The token is scaled to 16-bit fixed point (as for AMX int8) and laid out to match the weights' bytes: for
  * each 32 bytes of a row, the 32 values its low nibbles hold, then the 32 its high nibbles hold. vpdpwssd
  * multiplies the nibbles (minus 8, as int16) by them and sums pairs into int32 lanes; each lane lies in one
- * group, so a lane-wise group-scale vector turns the sums into floats. Rows go 8 at a time through the block
+ * group, so a lane-wise group-scale vector turns the sums into floats. Rows go 16 at a time through the block
  * layout, one sequential stream, no conversion to bf16 and no stores. */
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
-#ifndef VNNI_PREFETCH
 #define VNNI_PREFETCH 8192  /* bytes ahead in each 16-row stream; measured here (4 KB: 3 % slower) */
-#endif
 
 /* x [K] -> xq [K / 32][64] int16 (per 32 row bytes: low-nibble values, then high-nibble values). */
 VNNI_TARGET static void int4_vnni_pack(const float *x, int K, int group, float inv, int16_t *xq) {
@@ -797,24 +792,17 @@ VNNI_TARGET static void int4_vnni_rows16(const uint8_t *w, size_t rb, const floa
     for (int i = 0; i < 16; i++) res[r0 + i] = _mm512_reduce_add_ps(acc[i]) * xscale;
 }
 
-VNNI_TARGET static float int4_vnni_scale(const float *x, int K) {
-    __m512 m = _mm512_setzero_ps();
-    for (int k = 0; k < K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
-    const float top = _mm512_reduce_max_ps(m);
-    return top > 0.f ? top / 32767.f : 1.f;
-}
-
 static void expert_int4_vnni(const tk_args *a) {
     const int H = a->hidden, I = a->inter, g = a->group;
     const size_t in_row = (size_t)H / 2, down_row = (size_t)I / 2;
     int16_t *xq = (int16_t *)a->xb;  /* 2 * max(H, I) int16: fits the scratch */
-    float xscale = 0.f;
+    float xscale = 0.f, inv = 0.f;
     #pragma omp parallel num_threads(a->threads)
     {
         #pragma omp single
         {
-            xscale = int4_vnni_scale(a->x, H);
-            int4_vnni_pack(a->x, H, g, 1.f / xscale, xq);
+            token_scales(a->x, H, 1, H, &xscale, &inv);
+            int4_vnni_pack(a->x, H, g, inv, xq);
         }
         #pragma omp for schedule(static)
         for (int b = 0; b < 2 * I / 16; b++) {
@@ -825,8 +813,8 @@ static void expert_int4_vnni(const tk_args *a) {
         swiglu_rows(a->act, 1, I, ISA_AVX512);
         #pragma omp single
         {
-            xscale = int4_vnni_scale(a->act, I);
-            int4_vnni_pack(a->act, I, g, 1.f / xscale, xq);
+            token_scales(a->act, I, 1, I, &xscale, &inv);
+            int4_vnni_pack(a->act, I, g, inv, xq);
         }
         #pragma omp for schedule(static)
         for (int b = 0; b < H / 16; b++)
@@ -945,7 +933,7 @@ AMX_TARGET static void experts_amx(const tk_args *a, int n) {
         amx_begin();
         if (kind == K_INT8) {
             #pragma omp for schedule(static)
-            for (int e = 0; e < n; e++) int8_token_scales(a[e].x, H, a[e].tokens, H, xscale[e], inv[e]);
+            for (int e = 0; e < n; e++) token_scales(a[e].x, H, a[e].tokens, H, xscale[e], inv[e]);
         }
         #pragma omp for schedule(static)
         for (int j = 0; j < n * (H / step); j++) {
@@ -970,7 +958,7 @@ AMX_TARGET static void experts_amx(const tk_args *a, int n) {
         }
         if (kind == K_INT8) {
             #pragma omp for schedule(static)
-            for (int e = 0; e < n; e++) int8_token_scales(a[e].act, 2 * I, a[e].tokens, I, xscale[e], inv[e]);
+            for (int e = 0; e < n; e++) token_scales(a[e].act, 2 * I, a[e].tokens, I, xscale[e], inv[e]);
         }
         #pragma omp for schedule(static)
         for (int j = 0; j < n * (I / step); j++) {
