@@ -30,6 +30,7 @@ DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
 AMX_CROSSOVER = 16  # with AMX tiles the kernel stays at the bandwidth roofline up to a full tile of tokens
 AMX_KINDS = (torch.bfloat16, "int8", "int4")
 QUANT_KINDS = ("int8", "int4")
+AMX_BATCH = 64  # experts one kernel region takes at most (csrc/expert.c)
 QUANT_CHUNKS = 32  # quantized experts stay on the kernel up to this many chunks of tokens (measured: beyond
 # that, dequantizing once and using torch's matmul wins)
 
@@ -41,6 +42,18 @@ class _Args(ctypes.Structure):
         ("gate", ctypes.c_void_p), ("up", ctypes.c_void_p), ("down", ctypes.c_void_p),
         ("gate_scale", ctypes.c_void_p), ("up_scale", ctypes.c_void_p), ("down_scale", ctypes.c_void_p),
         ("x", ctypes.c_void_p), ("out", ctypes.c_void_p), ("act", ctypes.c_void_p), ("xb", ctypes.c_void_p),
+    ]
+
+
+class _Weights(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("gate", "up", "down", "gate_scale", "up_scale", "down_scale")]
+
+
+class _MoeArgs(ctypes.Structure):
+    _fields_ = [
+        ("tokens", ctypes.c_int), ("top_k", ctypes.c_int), ("experts", ctypes.c_int), ("slots", ctypes.c_int),
+        ("ids", ctypes.c_void_p), ("weights", ctypes.c_void_p), ("x", ctypes.c_void_p), ("out", ctypes.c_void_p),
+        ("table", ctypes.c_void_p), ("arena", ctypes.c_void_p), ("proto", _Args),
     ]
 
 
@@ -66,6 +79,10 @@ def library() -> ctypes.CDLL | None:
     lib.tk_expert.restype = ctypes.c_int
     lib.tk_experts.argtypes = [ctypes.POINTER(_Args), ctypes.c_int]
     lib.tk_experts.restype = ctypes.c_int
+    lib.tk_moe.argtypes = [ctypes.POINTER(_MoeArgs)]
+    lib.tk_moe.restype = ctypes.c_int
+    lib.tk_moe_slot_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.tk_moe_slot_bytes.restype = ctypes.c_size_t
     lib.tk_linear.argtypes = [ctypes.POINTER(_LinearArgs)]
     lib.tk_linear.restype = ctypes.c_int
     lib.tk_read_sum.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -155,6 +172,21 @@ class CpuExpert:
         return sum(w.nbytes if isinstance(w, QuantizedMatrix) else w.numel() * w.element_size()
                    for w in (self.gate, self.up, self.down))
 
+    def pointers(self) -> _Weights:
+        mats = (self.gate, self.up, self.down)
+        if isinstance(self.gate, QuantizedMatrix):
+            return _Weights(*(m.data.data_ptr() for m in mats), *(m.scales.data_ptr() for m in mats))  # type: ignore
+        return _Weights(*(m.data_ptr() for m in mats))  # type: ignore[union-attr]
+
+
+@dataclass(frozen=True)
+class LayerExperts:
+    """All experts of one MoE layer for `CpuExecutor.run_layer`: the kernel's table of their weight pointers
+    (valid while `experts` holds the weights)."""
+
+    experts: list[CpuExpert]
+    table: ctypes.Array[_Weights]
+
 
 class CpuExecutor:
     """Runs CPU experts with preallocated buffers and an explicit thread count.
@@ -182,6 +214,7 @@ class CpuExecutor:
         self._isa_cache: dict[tuple[object, int, bool], str | None] = {}  # (kind, tokens, blocked) -> variant
         self._slots: list[_Slot] = []  # per expert of one call: buffers and arguments, grown on demand
         self._batch = (_Args * 0)()
+        self._moe: tuple[_MoeArgs, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # run_layer's buffers
 
     def amx_serves(self, kind: object) -> bool:
         """Whether AMX tiles can run experts of this weight kind (whole tiles: int8 takes 64 values, bf16 32;
@@ -277,6 +310,38 @@ class CpuExecutor:
         for k, i in enumerate(together):
             y = self._slots[k].out[: jobs[i][1].shape[0]]
             sink(i, y.to(jobs[i][1].dtype))
+
+    def layer(self, experts: list[CpuExpert]) -> LayerExperts:
+        return LayerExperts(experts, (_Weights * len(experts))(*(e.pointers() for e in experts)))
+
+    def serves_layer(self, layer: LayerExperts, tokens: int) -> bool:
+        """Whether `run_layer` can take this many tokens (every expert then gets at most that many)."""
+        return (0 < tokens <= min(self.crossover, AMX_CROSSOVER) and self.lib is not None
+                and self.isa_for(layer.experts[0], tokens) is not None)
+
+    def run_layer(self, layer: LayerExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+                  ) -> torch.Tensor:
+        """A MoE layer's routed experts in one kernel call: x [T, H], expert ids [T, K], routing weights
+        [T, K] -> float32 [T, H], the weighted sum of each token's experts (valid until the next call)."""
+        T, K = ids.shape
+        if self._moe is None:
+            slots = min(len(layer.experts), AMX_BATCH)
+            arena = torch.empty(slots * self.lib.tk_moe_slot_bytes(self.hidden, self.inter), dtype=torch.uint8)  # type: ignore[union-attr]
+            xs, ys = torch.empty(AMX_CROSSOVER, self.hidden), torch.empty(AMX_CROSSOVER, self.hidden)
+            args = _MoeArgs(slots=slots, x=xs.data_ptr(), out=ys.data_ptr(), arena=arena.data_ptr())
+            self._moe = (args, xs, ys, arena)
+        a, xs, ys, _ = self._moe
+        expert = layer.experts[0]
+        isa = self.isa_for(expert, T)
+        a.proto = _Args(KINDS[expert.kind], ISAS.index(isa), 0, self.hidden, self.inter, self.threads, self.group)  # type: ignore[arg-type]
+        xs[:T].copy_(x)
+        ids, weights = ids.to(torch.int64).contiguous(), weights.float().contiguous()  # [T, K], [T, K]
+        a.tokens, a.top_k, a.experts = T, K, len(layer.experts)
+        a.ids, a.weights, a.table = ids.data_ptr(), weights.data_ptr(), ctypes.addressof(layer.table)
+        code = self.lib.tk_moe(ctypes.byref(a))  # type: ignore[union-attr]
+        if code != 0:
+            raise RuntimeError(f"CPU expert kernel rejected its arguments (code {code})")
+        return ys[:T]
 
     def _run_kernel(self, expert: CpuExpert, x: torch.Tensor, isa: str) -> torch.Tensor:
         if not self._slots:

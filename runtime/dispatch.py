@@ -65,6 +65,11 @@ class DispatchStats:
         self.per_layer[layer, where] += 1
         self.per_expert[layer, expert, where] += 1
 
+    def count_all(self, layer: int, used: np.ndarray, where: int) -> None:
+        """One execution at `where` for each expert of `layer` that `used` [experts] marks."""
+        self.per_layer[layer, where] += int(used.sum())
+        self.per_expert[layer, used, where] += 1
+
     bytes_h2d: int = 0  # bytes moved during this request (set by the dispatcher when asked)
     bytes_d2h: int = 0
 
@@ -118,6 +123,7 @@ class Dispatcher:
             layer: [self.executor.prepare(w.gate, w.up, w.down) for w in block.experts]
             for layer, block in blocks.items()
         }
+        self.cpu_layers = {layer: self.executor.layer(experts) for layer, experts in self.cpu_experts.items()}
         self.policy = policy or OffloadPolicy()
         self.stats = DispatchStats(cfg.num_layers, cfg.num_experts)
         self.recorder = TraceRecorder(cfg.num_layers, cfg.num_experts, cfg.top_k)
@@ -210,15 +216,20 @@ class Dispatcher:
         block = self.blocks[layer]
         logits = F.linear(x, block.router)  # [T, E]
         weights, ids = route(logits, block.rule)  # [T, K], [T, K]
-        self.recorder.record(layer, ids)
-        if self.accel is None:  # CPU only: every expert through the executor, the layer's experts in one call
-            jobs = []
-            for e in ids.unique().tolist():
-                tok, slot = (ids == e).nonzero(as_tuple=True)  # [n], [n]
-                jobs.append(_Job(e, tok, slot, None, block.experts[e], self.cpu_experts[layer][e]))
-                self.stats.count(layer, e, CPU)
-            self.stats.misses += len(jobs)
-            out = self._cpu_combine(x, weights.to(x.dtype), jobs)
+        counts = self.recorder.record(layer, ids)  # [E] routings per expert
+        if self.accel is None:  # CPU only: every expert through the executor
+            used = counts > 0  # [E]
+            self.stats.count_all(layer, used, CPU)
+            self.stats.misses += int(used.sum())
+            table = self.cpu_layers[layer]
+            if self.executor.serves_layer(table, x.shape[0]):  # a few tokens: the whole layer in one kernel call
+                out = self.executor.run_layer(table, x, ids, weights).to(x.dtype)  # [T, H]
+            else:
+                jobs = []
+                for e in np.flatnonzero(used).tolist():
+                    tok, slot = (ids == e).nonzero(as_tuple=True)  # [n], [n]
+                    jobs.append(_Job(e, tok, slot, None, block.experts[e], self.cpu_experts[layer][e]))
+                out = self._cpu_combine(x, weights.to(x.dtype), jobs)
             if block.shared is not None:
                 out += block.shared(x)
             return out

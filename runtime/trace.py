@@ -34,12 +34,14 @@ class TraceRecorder:
             self._step = np.full((self.num_layers, self.top_k), -1, dtype=np.int32)
             self.sequence.append(self._step)
 
-    def record(self, layer: int, ids: torch.Tensor) -> None:
-        """ids [T, K]: the experts chosen for every token of this forward pass at `layer`."""
+    def record(self, layer: int, ids: torch.Tensor) -> np.ndarray:
+        """ids [T, K]: the experts chosen for every token of this forward pass at `layer`. Returns the
+        routings per expert of this pass [experts]."""
         counts = torch.bincount(ids.flatten(), minlength=self.num_experts).cpu().numpy()
         (self.decode if self.phase == "decode" else self.prefill)[layer] += counts
         if self.phase == "decode" and self._step is not None:
             self._step[layer] = ids[0].cpu().numpy()  # the first sequence (beam 0) in a batch
+        return counts
 
     def save(self, path: str | Path, model: str) -> None:
         seq = np.stack(self.sequence) if self.sequence else np.zeros((0, self.num_layers, self.top_k), np.int32)

@@ -7,7 +7,7 @@ import torch
 
 from kernels.cpu import CpuExecutor, CpuOptions, DenseLinear, available_isas, library, read_bandwidth_probe
 from kernels.quant import quantize_int4, quantize_int8
-from runtime.moe import ExpertWeights
+from runtime.moe import ExpertWeights, RoutingRule, reference_moe, route
 
 ISAS = available_isas()
 needs_kernels = pytest.mark.skipif(library() is None, reason="the compiled kernels are not built on this machine")
@@ -202,6 +202,45 @@ def test_a_layers_experts_in_one_call_match_one_at_a_time(quant: str | None) -> 
     for k, (expert, x) in enumerate(zip(experts, xs, strict=True)):
         assert got[k].shape == x.shape
         assert rel_err(got[k], reference(x, *expert.dense(torch.float32))) < 2e-2
+
+
+@needs_kernels
+@pytest.mark.parametrize(("dtype", "quant", "isa"), [(torch.bfloat16, None, None), (torch.bfloat16, "int8", None),
+                                                     (torch.bfloat16, "int4", None), (torch.float32, None, "avx2")])
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+def test_a_whole_layer_in_one_call_matches_the_reference_moe(dtype, quant, isa, tokens: int) -> None:
+    # run_layer: grouping by expert, the experts, and the weighted sum all in the kernel. 100 experts, top-8:
+    # sixteen tokens reach more experts than one region takes (64), so the kernel runs them in two rounds.
+    if isa is not None and isa not in ISAS:
+        pytest.skip(f"{isa} is not available here")
+    h, i, n_experts, k = 256, 128, 100, 8
+    executor = CpuExecutor(h, i, dtype, threads=2, crossover=16, quant=quant, isa=isa)
+    experts = [executor.prepare(*weights(h, i, torch.float32, seed=s)) for s in range(n_experts)]
+    layer = executor.layer(experts)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, h, generator=g).to(dtype)
+    logits = torch.randn(tokens, n_experts, generator=g)
+    rule = RoutingRule(k, normalize=True)
+    weights_, ids = route(logits, rule)
+    assert executor.serves_layer(layer, tokens)
+    got = executor.run_layer(layer, x, ids, weights_).clone()
+    reference_experts = [ExpertWeights(*e.dense(torch.float32)) for e in experts]
+    want = reference_moe(x.float(), logits, rule, reference_experts)
+    assert got.shape == (tokens, h) and got.dtype == torch.float32
+    assert rel_err(got, want) < 2e-2
+    if tokens == 16:
+        assert len(ids.unique()) > 64  # the two-round case really happened
+
+
+@needs_kernels
+def test_run_layer_refuses_what_it_cannot_take() -> None:
+    h, i = 64, 32
+    executor = CpuExecutor(h, i, torch.float32, threads=2, crossover=4)
+    layer = executor.layer([executor.prepare(*weights(h, i, torch.float32, seed=s)) for s in range(4)])
+    assert not executor.serves_layer(layer, 5) and not executor.serves_layer(layer, 0)
+    x, w = torch.randn(1, h), torch.ones(1, 2)
+    with pytest.raises(RuntimeError, match="rejected"):  # expert 4 does not exist
+        executor.run_layer(layer, x, torch.tensor([[0, 4]]), w)
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 16, 17])

@@ -1003,6 +1003,79 @@ int tk_experts(const tk_args *a, int n) {
     return 0;
 }
 
+/* ---- a whole MoE layer for a few tokens -------------------------------------------------------------
+ * From the router's choice to the weighted sum in one call: the tokens are grouped by expert (experts in id
+ * order), each group's rows are copied into a slot of the caller's arena, the groups run through tk_experts
+ * (one parallel region on AMX) `slots` at a time, and each output row, times its routing weight, is added into
+ * out. What the decode loop would otherwise do per expert in Python (find the tokens, gather, scale, add). */
+typedef struct {
+    const void *gate, *up, *down;
+    const float *gate_scale, *up_scale, *down_scale;
+} tk_weights;
+
+typedef struct {
+    int tokens, top_k, experts, slots;   /* T <= 16, K, experts in the layer, arena slots (<= AMX_BATCH) */
+    const int64_t *ids;                  /* [T, K] chosen experts */
+    const float *weights;                /* [T, K] their routing weights */
+    const float *x;                      /* [T, H] */
+    float *out;                          /* [T, H] */
+    const tk_weights *table;             /* [experts] */
+    char *arena;                         /* slots * tk_moe_slot_bytes(H, I) */
+    tk_args proto;                       /* kind, isa, hidden, inter, threads, group of every expert call */
+} tk_moe_args;
+
+/* Scratch per slot: x [16, H], out [16, H], act [16, 2I] float32, xb [16, max(H, I)] 16-bit. */
+size_t tk_moe_slot_bytes(int hidden, int inter) {
+    const size_t wide = hidden > inter ? hidden : inter;
+    return 16 * ((size_t)hidden * 8 + (size_t)inter * 8 + wide * 2);
+}
+
+int tk_moe(const tk_moe_args *m) {
+    const int T = m->tokens, K = m->top_k, H = m->proto.hidden, I = m->proto.inter;
+    if (T <= 0) return 0;
+    if (T > 16 || K < 1 || m->slots < 1 || m->slots > AMX_BATCH) return -6;
+    for (int i = 0; i < T * K; i++)
+        if (m->ids[i] < 0 || m->ids[i] >= m->experts) return -6;
+    memset(m->out, 0, sizeof(float) * (size_t)T * H);
+    const size_t per = tk_moe_slot_bytes(H, I);
+    tk_args a[AMX_BATCH];
+    int rows[AMX_BATCH][16];
+    float rw[AMX_BATCH][16];
+    int n = 0, left = T * K;  /* jobs in the current round; routings not yet grouped */
+    for (int e = 0; e < m->experts && left; e++) {
+        int c = 0;
+        for (int i = 0; i < T * K; i++) {
+            if (m->ids[i] != e) continue;
+            if (c == 16) return -6;  /* a token chose this expert twice */
+            rows[n][c] = i / K;
+            rw[n][c++] = m->weights[i];
+        }
+        if (!c) continue;
+        left -= c;
+        char *slot = m->arena + per * (size_t)n;
+        a[n] = m->proto;
+        a[n].tokens = c;
+        a[n].gate = m->table[e].gate, a[n].up = m->table[e].up, a[n].down = m->table[e].down;
+        a[n].gate_scale = m->table[e].gate_scale, a[n].up_scale = m->table[e].up_scale;
+        a[n].down_scale = m->table[e].down_scale;
+        float *x = (float *)slot;
+        a[n].x = x, a[n].out = x + 16 * (size_t)H, a[n].act = x + 32 * (size_t)H;
+        a[n].xb = (uint16_t *)(a[n].act + 32 * (size_t)I);
+        for (int i = 0; i < c; i++) memcpy(x + (size_t)i * H, m->x + (size_t)rows[n][i] * H, sizeof(float) * H);
+        if (++n < m->slots && left) continue;
+        const int code = tk_experts(a, n);
+        if (code) return code;
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < a[j].tokens; i++) {
+                float *dst = m->out + (size_t)rows[j][i] * H;
+                const float *y = a[j].out + (size_t)i * H, w = rw[j][i];
+                for (int h = 0; h < H; h++) dst[h] += w * y[h];
+            }
+        n = 0;
+    }
+    return 0;
+}
+
 /* A dense bf16 matrix for a few tokens (attention projections, lm_head in decode): y [T, O] = x [T, I] . W^T,
  * W [O, I] row-major, through the same AMX tiles as the experts. */
 typedef struct {
