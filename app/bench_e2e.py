@@ -121,7 +121,7 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
     item = model.dtype.itemsize
     expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * item
     dense_bytes = sum(t.numel() * t.element_size() for t in (model.embed[:1], model.norm, model.lm_head))
-    dense_bytes += sum(sum(w.numel() * w.element_size() for w in (a.q, a.k, a.v, a.o))
+    dense_bytes += sum(sum(w.numel() * w.element_size() for w in (a.qkv, a.o))
                        for a in (layer.attn for layer in model.layers))
     per_token = dense_bytes + cfg.num_moe_layers * cfg.top_k * expert_bytes  # weights read per decode token
     bw = dram_bandwidth(torch.get_num_threads(), 2**30) if model.accel is None else None

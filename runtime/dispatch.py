@@ -13,7 +13,7 @@ Letters: T tokens in this pass, H hidden size, E experts, K experts per token, n
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -65,10 +65,12 @@ class DispatchStats:
         self.per_layer[layer, where] += 1
         self.per_expert[layer, expert, where] += 1
 
-    def count_all(self, layer: int, used: np.ndarray, where: int) -> None:
-        """One execution at `where` for each expert of `layer` that `used` [experts] marks."""
-        self.per_layer[layer, where] += int(used.sum())
-        self.per_expert[layer, used, where] += 1
+    def count_all(self, layer: int, used: np.ndarray, where: int) -> int:
+        """One execution at `where` for each expert of `layer` that `used` [experts] marks; returns how many."""
+        n = int(np.count_nonzero(used))
+        self.per_layer[layer, where] += n
+        self.per_expert[layer, :, where] += used
+        return n
 
     bytes_h2d: int = 0  # bytes moved during this request (set by the dispatcher when asked)
     bytes_d2h: int = 0
@@ -115,8 +117,10 @@ class Dispatcher:
     def __init__(
         self, cfg: ModelConfig, blocks: dict[int, MoEBlockWeights], dtype: torch.dtype,
         accel: Accelerator | None = None, policy: OffloadPolicy | None = None, cpu: CpuOptions | None = None,
+        linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
     ) -> None:
         self.cfg, self.blocks, self.dtype, self.accel = cfg, blocks, dtype, accel
+        self.linear = linear  # for the routers (the model's dense-matrix path)
         # Every expert that runs on the CPU runs through the kernels' executor (quantized here if asked).
         self.executor = (cpu or CpuOptions()).executor(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
         self.cpu_experts: dict[int, list[CpuExpert]] = {
@@ -214,13 +218,12 @@ class Dispatcher:
     def __call__(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (on the accelerator if there is one) -> the layer's MoE output [T, H], same device."""
         block = self.blocks[layer]
-        logits = F.linear(x, block.router)  # [T, E]
+        logits = self.linear(x, block.router)  # [T, E]
         weights, ids = route(logits, block.rule)  # [T, K], [T, K]
         counts = self.recorder.record(layer, ids)  # [E] routings per expert
         if self.accel is None:  # CPU only: every expert through the executor
             used = counts > 0  # [E]
-            self.stats.count_all(layer, used, CPU)
-            self.stats.misses += int(used.sum())
+            self.stats.misses += self.stats.count_all(layer, used, CPU)
             table = self.cpu_layers[layer]
             if self.executor.serves_layer(table, x.shape[0]):  # a few tokens: the whole layer in one kernel call
                 out = self.executor.run_layer(table, x, ids, weights).to(x.dtype)  # [T, H]

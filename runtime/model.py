@@ -47,13 +47,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 @dataclass
 class Attention:
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
+    qkv: torch.Tensor  # q, k and v projections stacked: [(Hq + 2 Hkv) * D, H], one matrix-vector pass for all three
     o: torch.Tensor
-    q_bias: torch.Tensor | None = None
-    k_bias: torch.Tensor | None = None
-    v_bias: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
@@ -120,7 +116,7 @@ class MoEModel:
         # Dense matrices (attention, lm_head): the kernel's AMX tiles for a few bf16 tokens, else F.linear.
         self.linear = DenseLinear(cpu.threads if cpu else None, cpu.use_kernel if cpu else True)
         blocks = {i: layer.ffn for i, layer in enumerate(layers) if isinstance(layer.ffn, MoEBlockWeights)}
-        self.experts = Dispatcher(cfg, blocks, dtype, accel, policy, cpu)
+        self.experts = Dispatcher(cfg, blocks, dtype, accel, policy, cpu, self.linear)
 
     @classmethod
     def from_checkpoint(
@@ -138,6 +134,13 @@ class MoEModel:
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in ckpt.where else None
 
+        def stacked(names: list[str], rows: list[int]) -> torch.Tensor:
+            """Several tensors along dim 0 as one (a missing bias counts as zeros), then placed like `w`."""
+            parts = [ckpt.tensor(n).to(dtype) if n in ckpt.where else torch.zeros(r, dtype=dtype)
+                     for n, r in zip(names, rows, strict=True)]
+            fused = torch.cat(parts)
+            return accel.place(fused, dtype, names[0]) if accel is not None else fused
+
         def mlp(prefix: str) -> ExpertWeights:
             return ExpertWeights(w(f"{prefix}.gate_proj.weight"), w(f"{prefix}.up_proj.weight"),
                                  w(f"{prefix}.down_proj.weight"))
@@ -147,11 +150,10 @@ class MoEModel:
         for i in range(cfg.num_layers):
             p = layer_prefix(i)
             a = f"{p}.self_attn"
+            rows = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
             attn = Attention(
-                w(f"{a}.q_proj.weight"), w(f"{a}.k_proj.weight"), w(f"{a}.v_proj.weight"), w(f"{a}.o_proj.weight"),
-                opt(f"{a}.q_proj.bias") if cfg.qkv_bias else None,
-                opt(f"{a}.k_proj.bias") if cfg.qkv_bias else None,
-                opt(f"{a}.v_proj.bias") if cfg.qkv_bias else None,
+                stacked([f"{a}.{n}_proj.weight" for n in "qkv"], rows), w(f"{a}.o_proj.weight"),
+                stacked([f"{a}.{n}_proj.bias" for n in "qkv"], rows) if cfg.qkv_bias else None,
                 opt(f"{a}.o_proj.bias") if cfg.o_bias else None,
                 opt(f"{a}.q_norm.weight") if cfg.qk_norm != "none" else None,
                 opt(f"{a}.k_norm.weight") if cfg.qk_norm != "none" else None,
@@ -207,9 +209,9 @@ class MoEModel:
     ) -> torch.Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
-        q = self.linear(x, a.q, a.q_bias)  # [B, T, Hq*D]
-        k = self.linear(x, a.k, a.k_bias)  # [B, T, Hkv*D]
-        v = self.linear(x, a.v, a.v_bias)  # [B, T, Hkv*D]
+        qkv = self.linear(x, a.qkv, a.qkv_bias)  # [B, T, (Hq + 2 Hkv) * D]
+        kv = cfg.num_kv_heads * cfg.head_dim
+        q, k, v = qkv.split((cfg.num_heads * cfg.head_dim, kv, kv), dim=-1)  # [B, T, Hq*D], [B, T, Hkv*D] x 2
         if cfg.qk_norm == "full":
             q, k = rms_norm(q, a.q_norm, cfg.rms_norm_eps), rms_norm(k, a.k_norm, cfg.rms_norm_eps)
         if cfg.clip_qkv is not None:
