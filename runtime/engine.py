@@ -134,37 +134,61 @@ class Engine:
         start = time.perf_counter()
         budget = min(params.max_new_tokens, self.context - n_prompt)
         logits = self.model.forward(torch.tensor([prompt_ids]), 0, last_only=True)[0, -1]  # [V]
-        self.model.cache.copy_rows(torch.zeros(k, dtype=torch.long), n_prompt)  # every beam shares the prompt
         scores = torch.log_softmax(logits, -1)[None]  # [1, V]: one row until the beams diverge
-        beams: list[list[int]] = [[]]
-        beam_scores = torch.zeros(1)
+        rows: list[list[int]] = [[]]  # the tokens of the beam held in each KV cache row
+        row_scores = torch.zeros(1)
         finished: list[tuple[float, list[int]]] = []
         pos = n_prompt
         for step in range(budget):
             if step:
-                last = torch.tensor([[b[-1]] for b in beams])  # [K, 1]
-                logits = self.model.forward(last, pos - 1, last_only=True, phase="decode")[:, -1]  # [K, V]
-                scores = beam_scores[:, None] + torch.log_softmax(logits, -1)  # [K, V]
+                last = torch.tensor([[r[-1]] for r in rows])  # [R, 1]
+                logits = self.model.forward(last, pos - 1, last_only=True, phase="decode")[:, -1]  # [R, V]
+                scores = row_scores[:, None] + torch.log_softmax(logits, -1)  # [R, V]
             top, flat = scores.flatten().topk(min(2 * k, scores.numel()))  # [2K]
             vocab = scores.shape[-1]
-            alive: list[tuple[float, int, int]] = []  # (score, source beam, token)
+            alive: list[tuple[float, int, int]] = []  # (score, source row, token)
             for s, i in zip(top.tolist(), flat.tolist(), strict=True):
                 src, tok = divmod(i, vocab)
                 if tok in self.eos_ids:
-                    finished.append((s / max(1, len(beams[src])), beams[src]))
+                    finished.append((s / max(1, len(rows[src])), rows[src]))
                 elif len(alive) < k:
                     alive.append((s, src, tok))
             if len(finished) >= k or not alive:
                 break
-            order = torch.tensor([src for _, src, _ in alive])
-            self.model.cache.copy_rows(order, pos)  # row b continues the history of beam order[b]
-            beams = [beams[src] + [tok] for _, src, tok in alive]
-            beam_scores = torch.tensor([s for s, _, _ in alive])
+            rows, row_scores = self._place_beams(alive, rows, pos)
             pos += 1
-        candidates = finished + [(float(s) / len(b), b) for s, b in zip(beam_scores.tolist(), beams, strict=True) if b]
+        candidates = finished + [(float(s) / len(b), b) for s, b in zip(row_scores.tolist(), rows, strict=True) if b]
         best = max(candidates, key=lambda c: c[0])[1] if candidates else []
         stats.ttft_s = time.perf_counter() - start
         stats.finish_reason = "eos" if finished and best is max(finished, key=lambda c: c[0])[1] else "length"
         for token in best:
             stats.new_tokens += 1
             yield token
+
+    def _place_beams(self, alive: list[tuple[float, int, int]], rows: list[list[int]], length: int
+                     ) -> tuple[list[list[int]], torch.Tensor]:
+        """The next beams into KV cache rows 0..len(alive)-1: each source row keeps its first continuation in
+        place, and only further continuations are copied (their source's first `length` positions) into rows
+        whose beam ended. Returns the beams' tokens and scores by row."""
+        n = len(alive)
+        target = [-1] * n
+        kept: set[int] = set()
+        for j, (_, src, _) in enumerate(alive):
+            if src < n and src not in kept:
+                kept.add(src)
+                target[j] = src
+        free = iter(r for r in range(n) if r not in kept)
+        copies = []
+        for j, (_, src, _) in enumerate(alive):
+            if target[j] < 0:
+                target[j] = next(free)
+                copies.append((target[j], src))
+        if copies:  # sources are kept rows or rows past n: none of them is overwritten here
+            dst, src = torch.tensor(copies).T  # [m], [m]
+            self.model.cache.copy_rows(dst, src, length)
+        new_rows: list[list[int]] = [[] for _ in range(n)]
+        scores = torch.empty(n)
+        for j, (s, src, tok) in enumerate(alive):
+            new_rows[target[j]] = rows[src] + [tok]
+            scores[target[j]] = s
+        return new_rows, scores

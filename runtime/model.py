@@ -77,10 +77,12 @@ class KVCache:
         self.context = context
         self.batch = batch
 
-    def copy_rows(self, order: torch.Tensor, length: int) -> None:
-        """Reorder batch rows (beam search): row b takes the first `length` positions of row order[b]."""
-        self.k[:, : order.numel(), :, :length] = self.k[:, order, :, :length]
-        self.v[:, : order.numel(), :, :length] = self.v[:, order, :, :length]
+    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, length: int) -> None:
+        """Beam search: batch row dst[j] takes the first `length` positions of row src[j] (the right side is
+        gathered before the write, so a source may also be a destination)."""
+        dst, src = dst.to(self.k.device), src.to(self.k.device)
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
     @staticmethod
     def nbytes(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype) -> int:

@@ -99,3 +99,36 @@ def test_a_wider_cache_shares_the_weights(engine: Engine) -> None:
     assert wide.cache.k.shape[1] == 3 and wide.experts is engine.model.experts and wide.lm_head is engine.model.lm_head
     beams = list(Engine(wide, ()).generate([1, 2, 3], SamplingParams(max_new_tokens=5, beams=3)))
     assert len(beams) == 5
+
+
+def reference_beam_search(engine: Engine, prompt: list[int], beams: int, steps: int, eos: set[int]) -> list[int]:
+    """Beam search by recomputing every hypothesis from scratch (no KV cache rows to reorder)."""
+    alive: list[tuple[float, list[int]]] = [(0.0, [])]
+    finished: list[tuple[float, list[int]]] = []
+    for _ in range(steps):
+        candidates = []
+        for score, toks in alive:
+            logp = torch.log_softmax(engine.model.forward(torch.tensor([prompt + toks]), 0)[0, -1], -1)
+            candidates += [(score + float(v), toks, t) for t, v in enumerate(logp.tolist())]
+        candidates.sort(key=lambda c: -c[0])
+        nxt: list[tuple[float, list[int]]] = []
+        for score, toks, t in candidates[: 2 * beams]:
+            if t in eos:
+                finished.append((score / max(1, len(toks)), toks))
+            elif len(nxt) < beams:
+                nxt.append((score, toks + [t]))
+        if len(finished) >= beams or not nxt:
+            break
+        alive = nxt
+    pool = finished + [(s / len(t), t) for s, t in alive if t]
+    return max(pool, key=lambda c: c[0])[1]
+
+
+@pytest.mark.parametrize("eos", [set(), {7, 11, 23}])
+def test_beam_search_equals_recomputing_every_hypothesis(mixtral_dir: Path, eos: set[int]) -> None:
+    # Beams move between KV cache rows (a row keeps its first continuation, others are copied in): the result
+    # must be what searching without any cache gives.
+    loaded = load(mixtral_dir, dtype="fp32", context=64, batch=4)
+    prompt = [3, 14, 15, 92]
+    got = list(Engine(loaded.model, eos).generate(prompt, SamplingParams(max_new_tokens=8, beams=4)))
+    assert got == reference_beam_search(loaded.engine, prompt, 4, 8, eos)
