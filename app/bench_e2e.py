@@ -150,14 +150,16 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
             elif in_child:
                 later.append({"prompt": prompt, "out": n_out, "beams": beams})
             rows.append(row)
-    if later:
+    plan = model.experts.describe()
+    if later:  # Tandem is done: its experts' RAM goes back before the peer loads its own copy
+        model.close()
         for row, theirs in zip(rows, _peer_in_child(loaded.checkpoint.path, model.dtype, later), strict=True):
             _add_peer(row, theirs)
     peer_mode = None if peer is None else ("child process, after Tandem" if in_child else "same process, alternating")
     about = {"path": str(loaded.checkpoint.path), "family": cfg.model_type, "layers": cfg.num_layers,
              "experts": cfg.num_experts, "top_k": cfg.top_k, "dtype": str(model.dtype).removeprefix("torch."),
              "gib": round(loaded.checkpoint.file_bytes / 2**30, 1)}
-    return {"machine": probe().to_dict(), "model": about, "plan": model.experts.describe(), "dram_gbps": bw,
+    return {"machine": probe().to_dict(), "model": about, "plan": plan, "dram_gbps": bw,
             "peer": peer_mode, "rows": rows}
 
 

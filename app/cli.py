@@ -164,9 +164,9 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--kernel-crossover", type=int, default=None,
                    help="up to this many tokens per expert use the compiled kernel; more use torch "
                         "(default: 16 with AMX, else 8)")
-    c.add_argument("--resident", action="store_true",
-                   help="copy the weights into RAM at load instead of reading them from the memory-mapped files "
-                        "(faster decode; needs RAM for the whole model and a longer load)")
+    c.add_argument("--resident", action=argparse.BooleanOptionalAction, default=None,
+                   help="read the experts into RAM at load instead of streaming them from the memory-mapped files "
+                        "(faster decode, a longer load; default: when they fit in 70%% of the available RAM)")
     c.add_argument("--kernel-isa", choices=["auto", "base", "avx2", "avx512", "avx512bf16", "amx"], default="auto",
                    help="force a kernel variant (auto: the best this CPU supports)")
     p.add_argument("--no-profile", action="store_true",
@@ -182,17 +182,19 @@ def resolve_model(path: str | None) -> str:
     if not (builtin_dir() / "tandem-builtin.json").exists():
         print("building the built-in model (SmolLM2-135M-Instruct as an 8-expert MoE), once…", file=sys.stderr)
 
-    def show(message: str, fraction: float) -> None:
-        print(f"\r  [{fraction:4.0%}] {message:<40}", end="" if fraction < 1 else "\n", file=sys.stderr, flush=True)
+    return str(ensure_builtin(_progress))
 
-    return str(ensure_builtin(show))
+
+def _progress(message: str, fraction: float) -> None:
+    print(f"\r  [{fraction:4.0%}] {message:<40}", end="" if fraction < 1 else "\n", file=sys.stderr, flush=True)
 
 
 def _note(text: str) -> None:
     print(f"note: {text}", file=sys.stderr)
 
 
-def load_from_args(args: argparse.Namespace, batch: int = 1, notify: Callable[[str], None] = _note):
+def load_from_args(args: argparse.Namespace, batch: int = 1, notify: Callable[[str], None] = _note,
+                   progress: Callable[[str, float], None] | None = _progress):
     """Load the model the arguments describe (a profile fills what they leave open). -> LoadedModel"""
     from kernels.cpu import CpuOptions, available_isas
     from runtime.cost import CostModel
@@ -219,7 +221,8 @@ def load_from_args(args: argparse.Namespace, batch: int = 1, notify: Callable[[s
     cpu = CpuOptions(args.threads, args.kernel_crossover, None if args.quant == "none" else args.quant,
                      args.quant_group, isa, resident=args.resident)
     return load(args.model, dtype=args.dtype, context=args.context, force=args.force, accelerator=args.accelerator,
-                vram_gb=args.vram_gb, policy=policy, batch=batch, placement=args.placement, cpu=cpu)
+                vram_gb=args.vram_gb, policy=policy, batch=batch, placement=args.placement, cpu=cpu,
+                progress=progress)
 
 
 def apply_profile(args: argparse.Namespace, notify: Callable[[str], None]) -> None:
@@ -264,7 +267,7 @@ def _chat(args: argparse.Namespace) -> int:
 
     def load_backend(path: str | None) -> RuntimeBackend:
         args.model = path
-        return RuntimeBackend(load_from_args(args, notify=notices.append))
+        return RuntimeBackend(load_from_args(args, notify=notices.append, progress=None))  # the UI shows its own
 
     folders = [Path(p).expanduser() for p in args.models_dir] or [Path.home() / "models"]
     app = TandemApp(load_backend, args.model, models_folders=folders)

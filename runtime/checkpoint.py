@@ -21,6 +21,7 @@ from runtime.safetensors_mmap import SafetensorsFile
 from runtime.weights import dense_tensors, expert_tensors
 
 INDEX = "model.safetensors.index.json"
+RAM_ALIGN = 64  # bytes: tensors read into RAM start on a cache line (in the files they often do not)
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
@@ -36,6 +37,21 @@ class Checkpoint:
     def tensor(self, name: str) -> torch.Tensor:
         """A zero-copy, memory-mapped view of one tensor, in its on-disk dtype."""
         return self.where[name].tensor(name)
+
+    def read_into_ram(self, names: list[str]) -> list[torch.Tensor]:
+        """Copies of these tensors in RAM (on-disk dtype), each starting on a cache line of one shared buffer."""
+        infos = [self.where[n].infos[n] for n in names]
+        offsets, total = [], 0
+        for info in infos:
+            offsets.append(total)
+            total += -(-info.nbytes // RAM_ALIGN) * RAM_ALIGN
+        buffer = torch.empty(total, dtype=torch.uint8)
+        view = memoryview(buffer.numpy())
+        out = []
+        for name, info, at in zip(names, infos, offsets, strict=True):
+            self.where[name].read_into(name, view[at : at + info.nbytes])
+            out.append(buffer[at : at + info.nbytes].view(info.dtype).view(info.shape))
+        return out
 
     def dtype(self, name: str) -> torch.dtype:
         return self.where[name].infos[name].dtype

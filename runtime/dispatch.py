@@ -123,6 +123,7 @@ class Dispatcher:
         self.linear = linear  # for the routers (the model's dense-matrix path)
         # Every expert that runs on the CPU runs through the kernels' executor (quantized here if asked).
         self.executor = (cpu or CpuOptions()).executor(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
+        self.resident = bool(cpu and cpu.resident)  # experts read into RAM (else memory-mapped)
         self.cpu_experts: dict[int, list[CpuExpert]] = {
             layer: [self.executor.prepare(w.gate, w.up, w.down) for w in block.experts]
             for layer, block in blocks.items()
@@ -186,7 +187,8 @@ class Dispatcher:
             "static_experts": len(self.static),
             "cache": {"indexes": self.cache.indexes, "ways": self.cache.ways, "policy": self.cache.policy.value},
             "cpu": {"threads": self.executor.threads, "crossover": self.executor.crossover,
-                    "quant": self.executor.quant or "none", "best_kernel": (self.executor.isas or ["torch"])[-1]},
+                    "quant": self.executor.quant or "none", "best_kernel": (self.executor.isas or ["torch"])[-1],
+                    "resident": self.resident},
             "budget_bytes": self.accel.budget if self.accel else 0,
             "used_bytes": self.accel.used if self.accel else 0,
         }
@@ -210,9 +212,15 @@ class Dispatcher:
         self.recorder.begin_step(phase)
 
     def close(self) -> None:
+        """Finish background copies, release the accelerator and the experts' memory (RAM copies included):
+        the model cannot generate afterwards."""
         if self.accel is not None:
             self.cache.wait_all()
             self.accel.close()
+        for block in self.blocks.values():
+            block.experts.clear()
+        self.cpu_experts.clear()
+        self.cpu_layers.clear()
 
     # -- the MoE layer ------------------------------------------------------------------------
     def __call__(self, layer: int, x: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,14 @@
 """From a model folder to a ready `Engine`: open, check the RAM budget, build the decoder, tokenizer.
 
 The RAM check covers what is *not* memory-mapped: non-expert weights in the compute dtype, the KV
-cache for the chosen context, and RoPE tables. Routed experts are memory-mapped and paged by the OS.
+cache for the chosen context, and RoPE tables. Routed experts are read into RAM when they fit with room to
+spare (or when asked), else memory-mapped and paged by the OS.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -100,6 +102,15 @@ def check_memory(estimate: MemoryEstimate, available: int, force: bool) -> None:
     )
 
 
+RESIDENT_SHARE = 0.7  # experts are read into RAM by default when everything then takes at most this share of it
+
+
+def resident_fits(total_with_resident: int, available: int) -> bool:
+    """Whether the experts go into RAM when nobody asked: only with room to spare (for the OS, other programs and
+    the KV cache growing), since the memory map would otherwise let the OS page them in and out."""
+    return total_with_resident <= RESIDENT_SHARE * available
+
+
 def available_ram() -> int:
     return psutil.virtual_memory().available
 
@@ -115,10 +126,12 @@ def load(
     batch: int = 1,
     placement: str | Path | None = None,
     cpu: CpuOptions | None = None,
+    progress: Callable[[str, float], None] | None = None,
 ) -> LoadedModel:
     """Open, check, and build everything needed to generate. `batch` is the number of sequences the KV
     cache holds (beam search needs one per beam); `accelerator` is auto, none, cuda or emulated;
-    `placement` is a recorded trace whose most popular experts are pinned on the accelerator."""
+    `placement` is a recorded trace whose most popular experts are pinned on the accelerator; `progress` hears
+    about long steps (message, fraction done)."""
     ckpt = open_checkpoint(path)
     if placement is not None:
         counts = load_popularity(placement, ckpt.config.num_layers, ckpt.config.num_experts)
@@ -137,11 +150,16 @@ def load(
             f"({cfg.moe_intermediate_size}) to be multiples of {cpu.group}; "
             + (f"use --quant-group {fits[0]}" if fits else "use --quant int8 for this model")
         )
-    check_memory(estimate_memory(ckpt, torch_dtype, ctx, batch, cpu), available_ram(), force)
+    cpu = cpu or CpuOptions()
+    available = available_ram()
+    if cpu.resident is None:  # unquantized experts into RAM when they fit with room to spare
+        in_ram = estimate_memory(ckpt, torch_dtype, ctx, batch, replace(cpu, resident=True)).total
+        cpu = replace(cpu, resident=cpu.quant is None and resident_fits(in_ram, available))
+    check_memory(estimate_memory(ckpt, torch_dtype, ctx, batch, cpu), available, force)
     tokenizer = Tokenizer.from_folder(ckpt.path)
     accel = make_accelerator(accelerator, vram_gb)
     try:
-        model = MoEModel.from_checkpoint(ckpt, torch_dtype, ctx, batch, accel, policy, cpu)
+        model = MoEModel.from_checkpoint(ckpt, torch_dtype, ctx, batch, accel, policy, cpu, progress)
     except BaseException:
         if accel is not None:
             accel.close()

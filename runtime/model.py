@@ -9,6 +9,8 @@ D head dim, V vocabulary.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +55,29 @@ class Attention:
     o_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+
+
+def routed_experts(ckpt: Checkpoint, layers: list[int], resident: bool,
+                   progress: Callable[[str, float], None] | None = None) -> dict[int, list[ExpertWeights]]:
+    """Each MoE layer's routed experts in their on-disk dtype: views of the memory-mapped files, or (resident)
+    copies read into RAM, two layers at a time (file reads release the GIL). Measured here: experts stream
+    ~10 % faster from such copies than from the file map, and reading beats faulting the map in ~3x."""
+    n = ckpt.config.num_experts
+
+    def one(layer: int) -> list[ExpertWeights]:
+        names = [name for e in range(n) for name in expert_names(ckpt.spec, layer, e)]
+        tensors = ckpt.read_into_ram(names) if resident else [ckpt.tensor(name) for name in names]
+        return [ExpertWeights(*tensors[3 * e : 3 * e + 3]) for e in range(n)]
+
+    if not resident:
+        return {layer: one(layer) for layer in layers}
+    out: dict[int, list[ExpertWeights]] = {}
+    with ThreadPoolExecutor(2) as pool:
+        for k, (layer, experts) in enumerate(zip(layers, pool.map(one, layers), strict=True)):
+            out[layer] = experts
+            if progress is not None:
+                progress("reading the experts into RAM", (k + 1) / len(layers))
+    return out
 
 
 @dataclass
@@ -124,6 +149,7 @@ class MoEModel:
     def from_checkpoint(
         cls, ckpt: Checkpoint, dtype: torch.dtype, context: int, batch: int = 1,
         accel: Accelerator | None = None, policy: OffloadPolicy | None = None, cpu: CpuOptions | None = None,
+        progress: Callable[[str, float], None] | None = None,
     ) -> MoEModel:
         cfg, spec = ckpt.config, ckpt.spec
 
@@ -162,19 +188,21 @@ class MoEModel:
             )
             ffn: MoEBlockWeights | ExpertWeights
             if cfg.sparse_layers[i]:
-                # Routed experts stay memory-mapped in their on-disk dtype: nothing is copied here.
-                experts = [ExpertWeights(*(ckpt.tensor(n) for n in expert_names(spec, i, e)))
-                           for e in range(cfg.num_experts)]
                 shared = None
                 if cfg.shared_expert_intermediate_size:
                     shared = SharedExpert(mlp(f"{p}.mlp.shared_expert"), w(f"{p}.mlp.shared_expert_gate.weight"))
-                ffn = MoEBlockWeights(w(router_name(spec, i)), experts, rule, shared)
+                ffn = MoEBlockWeights(w(router_name(spec, i)), [], rule, shared)  # routed experts: below
             else:
                 ffn = mlp(f"{p}.mlp")
             layers.append(DecoderLayer(w(f"{p}.input_layernorm.weight"), w(f"{p}.post_attention_layernorm.weight"),
                                        attn, ffn))
         embed = w("model.embed_tokens.weight")
         lm_head = embed if cfg.tie_word_embeddings else w("lm_head.weight")
+        # Last, as the longest step when they are read into RAM: whatever does not fit has failed by now.
+        resident = bool(cpu and cpu.resident and not cpu.quant)  # quantized experts are RAM copies anyway
+        moe = [i for i in range(cfg.num_layers) if cfg.sparse_layers[i]]
+        for i, experts in routed_experts(ckpt, moe, resident, progress).items():
+            layers[i].ffn.experts.extend(experts)  # type: ignore[union-attr]
         return cls(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, context, batch, accel, policy, cpu)
 
     def with_batch(self, batch: int) -> MoEModel:

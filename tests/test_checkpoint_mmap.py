@@ -1,4 +1,4 @@
-"""Opening a checkpoint memory-maps it: expert weights are never copied, peak RSS stays far below the file."""
+"""Opening a checkpoint memory-maps it (peak RSS far below the file); experts are copied into RAM only when they fit."""
 
 from __future__ import annotations
 
@@ -9,15 +9,18 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu import CpuOptions
+from runtime import loader
 from runtime.checkpoint import open_checkpoint
-from runtime.loader import load
+from runtime.loader import RESIDENT_SHARE, estimate_memory, load, resident_fits, resolve_context
 from runtime.synth import tiny_config, write_test_model
 
 _MEASURE = """
 import json, resource, sys
+from kernels.cpu import CpuOptions
 from runtime.loader import load
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-loaded = load(sys.argv[1], dtype="bf16")
+loaded = load(sys.argv[1], dtype="bf16", cpu=CpuOptions(resident=False))  # the path for models that do not fit
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"growth_kib": after - before, "file_bytes": loaded.checkpoint.file_bytes}))
 """
@@ -37,15 +40,31 @@ def test_peak_rss_during_load_is_far_below_file_size(tmp_path: Path) -> None:
     assert growth < 0.1 * result["file_bytes"], f"RSS grew {growth / 2**20:.0f} MiB while opening"
 
 
-def test_expert_weights_are_views_of_the_file(tmp_path: Path) -> None:
+def test_expert_weights_are_views_of_the_file_unless_they_fit_in_ram(tmp_path: Path, monkeypatch) -> None:
     folder = write_test_model(tmp_path / "m", tiny_config("olmoe"))
-    loaded = load(folder, dtype="fp32")
-    expert = loaded.model.layers[0].ffn.experts[3]
-    shard = loaded.checkpoint.shards[0]
-    raw = torch.frombuffer(shard._map, dtype=torch.uint8)
-    lo, hi = raw.data_ptr(), raw.data_ptr() + raw.numel()
-    for w in (expert.gate, expert.up, expert.down):
-        assert lo <= w.data_ptr() < hi  # points into the memory map: not a copy
+    ckpt = open_checkpoint(folder)
+    names = [f"model.layers.0.mlp.experts.3.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+
+    def experts_in_map(loaded) -> bool:
+        expert = loaded.model.layers[0].ffn.experts[3]
+        raw = torch.frombuffer(loaded.checkpoint.shards[0]._map, dtype=torch.uint8)
+        lo, hi = raw.data_ptr(), raw.data_ptr() + raw.numel()
+        mats = (expert.gate, expert.up, expert.down)
+        inside = [lo <= w.data_ptr() < hi for w in mats]
+        assert all(torch.equal(w, ckpt.tensor(n)) for w, n in zip(mats, names, strict=True))
+        assert all(inside) or not any(inside)
+        return all(inside)
+
+    assert experts_in_map(load(folder, dtype="fp32", cpu=CpuOptions(resident=False)))  # views: not copies
+    copied = load(folder, dtype="fp32")  # nobody asked, and a tiny model fits: read into RAM
+    assert not experts_in_map(copied) and copied.model.experts.describe()["cpu"]["resident"]
+    assert all(w.data_ptr() % 64 == 0 for w in (copied.model.layers[0].ffn.experts[3].gate,))
+    # too little RAM to spare: the memory map, although the model alone would fit
+    context = resolve_context(ckpt.config, None)
+    with_copies = estimate_memory(ckpt, torch.float32, context, cpu=CpuOptions(resident=True)).total
+    monkeypatch.setattr(loader, "available_ram", lambda: int(with_copies / RESIDENT_SHARE) - 1)
+    assert not resident_fits(with_copies, loader.available_ram())
+    assert experts_in_map(load(folder, dtype="fp32"))
 
 
 def test_synthetic_writer_matches_transformers_layout(tmp_path: Path) -> None:
