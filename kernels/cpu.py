@@ -53,7 +53,7 @@ class _MoeArgs(ctypes.Structure):
     _fields_ = [
         ("tokens", ctypes.c_int), ("top_k", ctypes.c_int), ("experts", ctypes.c_int), ("slots", ctypes.c_int),
         ("ids", ctypes.c_void_p), ("weights", ctypes.c_void_p), ("x", ctypes.c_void_p), ("out", ctypes.c_void_p),
-        ("table", ctypes.c_void_p), ("arena", ctypes.c_void_p), ("proto", _Args),
+        ("table", ctypes.c_void_p), ("arena", ctypes.c_void_p), ("proto", _Args), ("out_bf16", ctypes.c_void_p),
     ]
 
 
@@ -61,6 +61,7 @@ class _LinearArgs(ctypes.Structure):
     _fields_ = [
         ("tokens", ctypes.c_int), ("inp", ctypes.c_int), ("out", ctypes.c_int), ("threads", ctypes.c_int),
         ("w", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p), ("xb", ctypes.c_void_p),
+        ("yb", ctypes.c_void_p),
     ]
 
 
@@ -320,7 +321,8 @@ class CpuExecutor:
     def run_layer(self, layer: LayerExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                   ) -> torch.Tensor:
         """A MoE layer's routed experts in one kernel call: x [T, H], expert ids [T, K], routing weights
-        [T, K] -> float32 [T, H], the weighted sum of each token's experts (valid until the next call)."""
+        [T, K] -> [T, H], the weighted sum of each token's experts: a new bf16 tensor for bf16 x, else float32
+        (valid until the next call)."""
         T, K = ids.shape
         if self._moe is None:
             slots = min(len(layer.experts), AMX_BATCH)
@@ -336,10 +338,12 @@ class CpuExecutor:
         ids, weights = ids.to(torch.int64).contiguous(), weights.float().contiguous()  # [T, K], [T, K]
         a.tokens, a.top_k, a.experts = T, K, len(layer.experts)
         a.ids, a.weights, a.table = ids.data_ptr(), weights.data_ptr(), ctypes.addressof(layer.table)
+        out = torch.empty(T, self.hidden, dtype=torch.bfloat16) if x.dtype == torch.bfloat16 else None
+        a.out_bf16 = out.data_ptr() if out is not None else None
         code = self.lib.tk_moe(ctypes.byref(a))  # type: ignore[union-attr]
         if code != 0:
             raise RuntimeError(f"CPU expert kernel rejected its arguments (code {code})")
-        return ys[:T]
+        return out if out is not None else ys[:T]
 
     def _run_kernel(self, expert: CpuExpert, x: torch.Tensor, isa: str) -> torch.Tensor:
         if not self._slots:
@@ -403,13 +407,11 @@ class DenseLinear:
                                   torch.empty(16, width, dtype=torch.int16))
         xs, ys, xb = self._buffers[key]
         xs[:n].copy_(x.reshape(n, width))  # [n, I] float32
+        y = torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype)  # [..., O]: the kernel writes it in bf16
         a = self._args
         a.tokens, a.inp, a.out, a.threads = n, width, w.shape[0], self.threads
-        a.w, a.x, a.y, a.xb = w.data_ptr(), xs.data_ptr(), ys.data_ptr(), xb.data_ptr()
+        a.w, a.x, a.y, a.xb, a.yb = w.data_ptr(), xs.data_ptr(), ys.data_ptr(), xb.data_ptr(), y.data_ptr()
         code = self.lib.tk_linear(ctypes.byref(a))  # type: ignore[union-attr]
         if code != 0:
             raise RuntimeError(f"dense kernel rejected its arguments (code {code})")
-        y = ys[:n].to(x.dtype)  # [n, O]
-        if bias is not None:
-            y = y + bias
-        return y.view(*x.shape[:-1], w.shape[0])
+        return y if bias is None else y + bias

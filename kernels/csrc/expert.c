@@ -1022,7 +1022,15 @@ typedef struct {
     const tk_weights *table;             /* [experts] */
     char *arena;                         /* slots * tk_moe_slot_bytes(H, I) */
     tk_args proto;                       /* kind, isa, hidden, inter, threads, group of every expert call */
+    uint16_t *out_bf16;                  /* NULL, or [T, H]: out rounded to bf16 as well (nearest even) */
 } tk_moe_args;
+
+static inline uint16_t bf16_of(float f) {  /* round to nearest even; NaN -> quiet NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 /* Scratch per slot: x [16, H], out [16, H], act [16, 2I] float32, xb [16, max(H, I)] 16-bit. */
 size_t tk_moe_slot_bytes(int hidden, int inter) {
@@ -1073,6 +1081,8 @@ int tk_moe(const tk_moe_args *m) {
             }
         n = 0;
     }
+    if (m->out_bf16)
+        for (size_t i = 0; i < (size_t)T * H; i++) m->out_bf16[i] = bf16_of(m->out[i]);
     return 0;
 }
 
@@ -1084,6 +1094,7 @@ typedef struct {
     const float *x;                      /* [T, I] */
     float *y;                            /* [T, O] */
     uint16_t *xb;                        /* scratch: 16 * I bf16 */
+    uint16_t *yb;                        /* NULL, or [T, O]: y rounded to bf16 as well (nearest even) */
 } tk_linear_args;
 
 AMX_TARGET static void linear_amx(const tk_linear_args *a) {
@@ -1093,8 +1104,12 @@ AMX_TARGET static void linear_amx(const tk_linear_args *a) {
         #pragma omp for schedule(static)
         for (int c = 0; c < a->in / 32; c++) amx_pack_chunk(a->x, a->in, a->tokens, c, a->xb);
         #pragma omp for schedule(static)
-        for (int b = 0; b < a->out / 32; b++)
+        for (int b = 0; b < a->out / 32; b++) {
             amx_rows32(K_BF16, a->w, (size_t)a->in * 2, NULL, 0, b * 32, a->in, a->xb, a->tokens, a->y, a->out);
+            if (a->yb)  /* while the block is in cache: no separate conversion pass over the output */
+                for (int t = 0; t < a->tokens; t++)
+                    to_bf16(a->y + (size_t)t * a->out + b * 32, a->yb + (size_t)t * a->out + b * 32, 32);
+        }
         _tile_release();
     }
 }
