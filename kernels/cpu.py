@@ -84,6 +84,9 @@ def library() -> ctypes.CDLL | None:
     lib.tk_moe.restype = ctypes.c_int
     lib.tk_moe_slot_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.tk_moe_slot_bytes.restype = ctypes.c_size_t
+    lib.tk_rms_norm_bf16.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_int, ctypes.c_int, ctypes.c_float]
+    lib.tk_rms_norm_bf16.restype = None
     lib.tk_linear.argtypes = [ctypes.POINTER(_LinearArgs)]
     lib.tk_linear.restype = ctypes.c_int
     lib.tk_read_sum.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -332,8 +335,9 @@ class CpuExecutor:
             self._moe = (args, xs, ys, arena)
         a, xs, ys, _ = self._moe
         expert = layer.experts[0]
-        isa = self.isa_for(expert, T)
-        a.proto = _Args(KINDS[expert.kind], ISAS.index(isa), 0, self.hidden, self.inter, self.threads, self.group)  # type: ignore[arg-type]
+        kind, isa = KINDS[expert.kind], ISAS.index(self.isa_for(expert, T))  # type: ignore[arg-type]
+        if (a.proto.kind, a.proto.isa, a.proto.hidden) != (kind, isa, self.hidden):
+            a.proto = _Args(kind, isa, 0, self.hidden, self.inter, self.threads, self.group)
         xs[:T].copy_(x)
         ids, weights = ids.to(torch.int64).contiguous(), weights.float().contiguous()  # [T, K], [T, K]
         a.tokens, a.top_k, a.experts = T, K, len(layer.experts)
@@ -415,3 +419,21 @@ class DenseLinear:
         if code != 0:
             raise RuntimeError(f"dense kernel rejected its arguments (code {code})")
         return y if bias is None else y + bias
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of bf16 x [..., n] with a bf16 weight [n] in one kernel call, rounded where the reference rounds
+    (`runtime.model.rms_norm`). Needs the compiled kernels (`library()` is not None)."""
+    lib = library()
+    if lib is None or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError("rms_norm_bf16 takes bf16 CPU tensors and needs the compiled kernels")
+    n = x.shape[-1]
+    rows = x.numel() // n
+    flat = x.reshape(rows, n)  # a view when the rows are evenly spaced (q or k out of the stacked projection)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    weight = weight.contiguous()
+    y = torch.empty(x.shape, dtype=torch.bfloat16)
+    lib.tk_rms_norm_bf16(flat.data_ptr(), flat.stride(0) if rows > 1 else n, weight.data_ptr(), y.data_ptr(),
+                         rows, n, eps)
+    return y

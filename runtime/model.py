@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import CpuOptions, DenseLinear
+from kernels.cpu import CpuOptions, DenseLinear, library, rms_norm_bf16
 from runtime.accelerator import Accelerator
 from runtime.checkpoint import Checkpoint
 from runtime.config import ModelConfig
@@ -142,6 +142,9 @@ class MoEModel:
             if accel is not None else (cos, sin)
         # Dense matrices (attention, lm_head): the kernel's AMX tiles for a few bf16 tokens, else F.linear.
         self.linear = DenseLinear(cpu.threads if cpu else None, cpu.use_kernel if cpu else True)
+        # RMSNorm: one kernel call for bf16 on the CPU (rounded like the reference), else the reference itself.
+        fast_norm = (cpu.use_kernel if cpu else True) and library() is not None and dtype == torch.bfloat16
+        self.rms_norm = rms_norm_bf16 if fast_norm and self.device.type == "cpu" else rms_norm
         blocks = {i: layer.ffn for i, layer in enumerate(layers) if isinstance(layer.ffn, MoEBlockWeights)}
         self.experts = Dispatcher(cfg, blocks, dtype, accel, policy, cpu, self.linear)
 
@@ -224,14 +227,14 @@ class MoEModel:
         x = F.embedding(ids.to(self.device), self.embed)  # [B, T, H]
         cos, sin = self.cos[start : start + T], self.sin[start : start + T]  # [T, D]
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, self.cfg.rms_norm_eps)
+            h = self.rms_norm(x, layer.input_norm, self.cfg.rms_norm_eps)
             x = x + self._attention(i, layer.attn, h, start, cos, sin)
-            h = rms_norm(x, layer.post_norm, self.cfg.rms_norm_eps).view(B * T, -1)  # [B*T, H]
+            h = self.rms_norm(x, layer.post_norm, self.cfg.rms_norm_eps).view(B * T, -1)  # [B*T, H]
             y = self.experts(i, h) if isinstance(layer.ffn, MoEBlockWeights) else layer.ffn(h)  # [B*T, H]
             x = x + y.view(B, T, -1)  # [B, T, H]
         if last_only:
             x = x[:, -1:]  # [B, 1, H]
-        logits = self.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        logits = self.linear(self.rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
         return logits if self.accel is None else self.accel.to_host(logits)
 
     def _attention(
@@ -243,14 +246,14 @@ class MoEModel:
         kv = cfg.num_kv_heads * cfg.head_dim
         q, k, v = qkv.split((cfg.num_heads * cfg.head_dim, kv, kv), dim=-1)  # [B, T, Hq*D], [B, T, Hkv*D] x 2
         if cfg.qk_norm == "full":
-            q, k = rms_norm(q, a.q_norm, cfg.rms_norm_eps), rms_norm(k, a.k_norm, cfg.rms_norm_eps)
+            q, k = self.rms_norm(q, a.q_norm, cfg.rms_norm_eps), self.rms_norm(k, a.k_norm, cfg.rms_norm_eps)
         if cfg.clip_qkv is not None:
             q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
         q = q.view(B, T, cfg.num_heads, cfg.head_dim)  # [B, T, Hq, D]
         k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, D]
         v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, D]
         if cfg.qk_norm == "head":
-            q, k = rms_norm(q, a.q_norm, cfg.rms_norm_eps), rms_norm(k, a.k_norm, cfg.rms_norm_eps)
+            q, k = self.rms_norm(q, a.q_norm, cfg.rms_norm_eps), self.rms_norm(k, a.k_norm, cfg.rms_norm_eps)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
         end = start + T

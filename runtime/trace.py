@@ -37,10 +37,11 @@ class TraceRecorder:
     def record(self, layer: int, ids: torch.Tensor) -> np.ndarray:
         """ids [T, K]: the experts chosen for every token of this forward pass at `layer`. Returns the
         routings per expert of this pass [experts]."""
-        counts = torch.bincount(ids.flatten(), minlength=self.num_experts).cpu().numpy()
+        chosen = ids.cpu().numpy()  # [T, K]
+        counts = np.bincount(chosen.ravel(), minlength=self.num_experts)
         (self.decode if self.phase == "decode" else self.prefill)[layer] += counts
         if self.phase == "decode" and self._step is not None:
-            self._step[layer] = ids[0].cpu().numpy()  # the first sequence (beam 0) in a batch
+            self._step[layer] = chosen[0]  # the first sequence (beam 0) in a batch
         return counts
 
     def save(self, path: str | Path, model: str) -> None:

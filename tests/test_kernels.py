@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import CpuExecutor, CpuOptions, DenseLinear, available_isas, library, read_bandwidth_probe
+from kernels.cpu import (
+    CpuExecutor,
+    CpuOptions,
+    DenseLinear,
+    available_isas,
+    library,
+    read_bandwidth_probe,
+    rms_norm_bf16,
+)
 from kernels.quant import quantize_int4, quantize_int8
 from runtime.moe import ExpertWeights, RoutingRule, reference_moe, route
 
@@ -270,3 +278,22 @@ def test_dense_linear_matches_f_linear(tokens: int, shape) -> None:
 def test_bandwidth_probe_reads_every_value(n: int, threads: int) -> None:
     buf = torch.arange(n, dtype=torch.float32) % 7  # small integers: the float sum is exact
     assert read_bandwidth_probe(buf, threads) == float(buf.double().sum())
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(1, 1, 2048), (3, 5, 256), (2, 7, 100), (1, 1, 17)])
+def test_rms_norm_kernel_rounds_like_the_reference(shape) -> None:
+    from runtime.model import rms_norm
+
+    g = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(shape, generator=g) * 3).bfloat16()
+    w = torch.randn(shape[-1], generator=g).bfloat16()
+    assert torch.equal(rms_norm_bf16(x, w, 1e-6), rms_norm(x, w, 1e-6))
+    qkv = torch.randn(2, 3, 384, generator=g).bfloat16()  # q and k as views into a stacked projection
+    q, k, _ = qkv.split((256, 64, 64), -1)
+    wq, wk = torch.randn(256, generator=g).bfloat16(), torch.randn(32, generator=g).bfloat16()
+    assert torch.equal(rms_norm_bf16(q, wq, 1e-6), rms_norm(q, wq, 1e-6))
+    heads = k.reshape(2, 3, 2, 32)  # per-head norm over a non-contiguous view
+    assert torch.equal(rms_norm_bf16(heads, wk, 1e-5), rms_norm(heads, wk, 1e-5))
+    with pytest.raises(ValueError, match="bf16"):
+        rms_norm_bf16(x.float(), w, 1e-6)

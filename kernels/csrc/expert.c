@@ -1122,6 +1122,25 @@ int tk_linear(const tk_linear_args *a) {
     return 0;
 }
 
+/* RMSNorm of bf16 rows exactly as the reference rounds it (runtime/model.py rms_norm): in float32,
+ * h = bf16(x * 1/sqrt(mean(x^2) + eps)), y = bf16(h * w). One call instead of seven small torch ops per norm
+ * (the decode loop runs two to four per layer). Row r of x starts at x + r * ldx; y is [rows, n]. */
+void tk_rms_norm_bf16(const uint16_t *x, size_t ldx, const uint16_t *w, uint16_t *y, int rows, int n, float eps) {
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *xr = x + (size_t)r * ldx;
+        float part[16] = {0};
+        int i = 0;
+        for (; i + 16 <= n; i += 16)
+            for (int j = 0; j < 16; j++) { const float v = bf16f(xr[i + j]); part[j] += v * v; }
+        float ss = 0;
+        for (; i < n; i++) { const float v = bf16f(xr[i]); ss += v * v; }
+        for (int j = 0; j < 16; j++) ss += part[j];
+        const float inv = 1.f / sqrtf(ss / (float)n + eps);
+        uint16_t *yr = y + (size_t)r * n;
+        for (i = 0; i < n; i++) yr[i] = bf16_of(bf16f(bf16_of(bf16f(xr[i]) * inv)) * bf16f(w[i]));
+    }
+}
+
 /* Streaming read bandwidth probe: sums n floats with `threads` threads (the result defeats dead-code removal).
  * Each thread reads its share as 8 streams side by side: measured here, one stream per thread reaches only
  * about 0.75 of what the memory system delivers to the expert kernels, which keep many rows in flight. */
