@@ -2,7 +2,9 @@
 
 For each expert shape, weight dtype and token count: the latency of one expert with the weights cycling
 through more experts than the caches hold, the effective GB/s of weight bytes read, and that divided by
-the streaming read bandwidth measured at the start of the same run.
+the streaming read bandwidth measured at the start of the same run. Implementations: "tandem" (one expert per
+call), "layer" (the family's top-k experts per call, as a MoE layer runs them in decode; latency per expert)
+and "torch".
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from autotune.microbench import dram_bandwidth, time_per_call
 from kernels.cpu import CpuExecutor, CpuExpert
 
 SHAPES = {"mixtral": (4096, 14336), "qwen3": (2048, 768), "olmoe": (2048, 1024), "deepseek": (2048, 1408)}
+TOP_K = {"mixtral": 2, "qwen3": 8, "olmoe": 8, "deepseek": 6}  # experts per token in each family
 DTYPES = ("bf16", "fp16", "fp32", "int8", "int4")
 TOKENS = (1, 2, 4, 8, 16, 64, 256)
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -35,16 +38,23 @@ def bench_kernels(
         for dtype in dtypes:
             if progress:
                 progress(f"{shape} {dtype}: preparing experts")
-            ours, peer = _experts(h, i, dtype, threads, working_set)
-            compute = ours[0].executor.dtype
+            k = TOP_K[shape]
+            ours, peer = _experts(h, i, dtype, threads, working_set, k)
+            executor = ours[0].executor
+            layers = [executor.layer(ours[j : j + k]) for j in range(0, len(ours) - k + 1, k)]
             gen = torch.Generator().manual_seed(1)
             for t in tokens:
-                x = torch.randn(t, h, generator=gen).to(compute)
-                impls: dict[str, Callable[[int], object]] = {"tandem": lambda k, x=x, e=ours: e[k](x)}
+                x = torch.randn(t, h, generator=gen).to(executor.dtype)
+                ids, weights = torch.arange(k).repeat(t, 1), torch.full((t, k), 1 / k)  # [t, k]: all k experts
+                impls: dict[str, tuple[Callable[[int], object], int, int]] = {  # (call j, calls to cycle, experts)
+                    "tandem": (lambda j, x=x, e=ours: e[j](x), len(ours), 1)}
+                if executor.serves_layer(layers[0], t):
+                    impls["layer"] = (lambda j, x=x, ids=ids, w=weights, ex=executor, ls=layers:
+                                      ex.run_layer(ls[j], x, ids, w), len(layers), k)
                 if peer is not None:
-                    impls["torch"] = lambda k, x=x, p=peer: p(k, x)
-                for impl, fn in impls.items():
-                    latency = time_per_call(fn, len(ours), min_time) / 1000
+                    impls["torch"] = (lambda j, x=x, p=peer: p(j, x), len(ours), 1)
+                for impl, (fn, calls, per_call) in impls.items():
+                    latency = time_per_call(fn, calls, min_time) / 1000 / per_call
                     gbps = ours[0].nbytes / latency / 1e9
                     rows.append({"shape": shape, "dtype": dtype, "tokens": t, "threads": threads, "impl": impl,
                                  "latency_ms": round(latency * 1e3, 4), "gbps": round(gbps, 2),
@@ -57,8 +67,10 @@ def bench_kernels(
 Peer = Callable[[int, torch.Tensor], object]
 
 
-def _experts(h: int, i: int, dtype: str, threads: int, working_set: int) -> tuple[list[CpuExpert], Peer | None]:
-    """Enough random experts of this shape and dtype to exceed the caches, and plain torch's way to run them:
+def _experts(h: int, i: int, dtype: str, threads: int, working_set: int, at_least: int = 1
+             ) -> tuple[list[CpuExpert], Peer | None]:
+    """Enough random experts of this shape and dtype to exceed the caches (and at least `at_least`), and plain
+    torch's way to run them:
     F.linear's default path, or torch's int8 weight-only matmul (torch's int4 CPU kernel needs its own
     packing: no torch row for int4)."""
     stored = TORCH_DTYPES.get(dtype, torch.bfloat16)
@@ -67,7 +79,7 @@ def _experts(h: int, i: int, dtype: str, threads: int, working_set: int) -> tupl
     executor = CpuExecutor(h, i, compute, threads=threads, quant=quant)
     gen = torch.Generator().manual_seed(0)
     ours: list[CpuExpert] = []
-    while not ours or len(ours) * ours[0].nbytes < working_set:
+    while len(ours) < at_least or len(ours) * ours[0].nbytes < working_set:
         ws = [(torch.randn(s, generator=gen) * 0.02).to(stored) for s in ((i, h), (i, h), (h, i))]
         ours.append(executor.prepare(*ws))  # quantized right away: the bf16 original is dropped
     if dtype in TORCH_DTYPES:

@@ -60,6 +60,10 @@ def test_bench_kernels_rows_have_the_documented_keys() -> None:
     assert rows and all(set(r) == keys for r in rows)
     assert {(r["dtype"], r["impl"]) for r in rows} >= {("bf16", "tandem"), ("bf16", "torch"), ("int8", "torch"),
                                                       ("int4", "tandem")}
+    from kernels.cpu import library
+
+    if library() is not None:  # the experts a MoE layer runs together, in one kernel call
+        assert {(r["dtype"], r["tokens"]) for r in rows if r["impl"] == "layer"} >= {("bf16", 1), ("bf16", 16)}
 
 
 def test_bench_quant_reports_drift_and_agreement(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
