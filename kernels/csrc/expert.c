@@ -693,6 +693,7 @@ AMX_TARGET static void amx_rows32_int8(const int8_t *w, size_t rb, const float *
         }
 }
 
+#define AMX_BATCH 64  /* experts per region at most (their per-token scales live on the stack) */
 #define INT4_BLOCK_ROWS 16  /* rows per block of the quantized layout: must equal kernels/quant.py BLOCK_ROWS */
 #define AMX4_PREFETCH 4096  /* bytes ahead in each block's stream; measured here */
 
@@ -792,33 +793,42 @@ VNNI_TARGET static void int4_vnni_rows16(const uint8_t *w, size_t rb, const floa
     for (int i = 0; i < 16; i++) res[r0 + i] = _mm512_reduce_add_ps(acc[i]) * xscale;
 }
 
-static void expert_int4_vnni(const tk_args *a) {
-    const int H = a->hidden, I = a->inter, g = a->group;
+/* n one-token int4 experts of one layer in one parallel region (one alone: n = 1), phase by phase like
+ * experts_amx: pack each input, gate and up rows of all, SwiGLU, pack each activation, down rows of all. */
+static void experts_int4_vnni(const tk_args *a, int n) {
+    const int H = a->hidden, I = a->inter, g = a->group, swi_blocks = (I + 511) / 512;
     const size_t in_row = (size_t)H / 2, down_row = (size_t)I / 2;
-    int16_t *xq = (int16_t *)a->xb;  /* 2 * max(H, I) int16: fits the scratch */
-    float xscale = 0.f, inv = 0.f;
+    float xscale[AMX_BATCH], inv[AMX_BATCH];  /* each token's fixed-point scale */
     #pragma omp parallel num_threads(a->threads)
     {
-        #pragma omp single
-        {
-            token_scales(a->x, H, 1, H, &xscale, &inv);
-            int4_vnni_pack(a->x, H, g, inv, xq);
+        #pragma omp for schedule(static)
+        for (int e = 0; e < n; e++) {  /* xb: 2 * max(H, I) int16, fits the scratch */
+            token_scales(a[e].x, H, 1, H, &xscale[e], &inv[e]);
+            int4_vnni_pack(a[e].x, H, g, inv[e], (int16_t *)a[e].xb);
         }
         #pragma omp for schedule(static)
-        for (int b = 0; b < 2 * I / 16; b++) {
-            const int is_up = b >= I / 16, r0 = (is_up ? b - I / 16 : b) * 16;
-            int4_vnni_rows16(is_up ? a->up : a->gate, in_row, is_up ? a->up_scale : a->gate_scale, g, r0, H, xq,
-                            xscale, a->act + (is_up ? I : 0));
-        }
-        swiglu_rows(a->act, 1, I, ISA_AVX512);
-        #pragma omp single
-        {
-            token_scales(a->act, I, 1, I, &xscale, &inv);
-            int4_vnni_pack(a->act, I, g, inv, xq);
+        for (int j = 0; j < n * (2 * I / 16); j++) {
+            const tk_args *e = a + j / (2 * I / 16);
+            const int b = j % (2 * I / 16), is_up = b >= I / 16, r0 = (is_up ? b - I / 16 : b) * 16;
+            int4_vnni_rows16(is_up ? e->up : e->gate, in_row, is_up ? e->up_scale : e->gate_scale, g, r0, H,
+                             (const int16_t *)e->xb, xscale[j / (2 * I / 16)], e->act + (is_up ? I : 0));
         }
         #pragma omp for schedule(static)
-        for (int b = 0; b < H / 16; b++)
-            int4_vnni_rows16(a->down, down_row, a->down_scale, g, b * 16, I, xq, xscale, a->out);
+        for (int j = 0; j < n * swi_blocks; j++) {
+            const int lo = j % swi_blocks * 512;
+            swiglu512(a[j / swi_blocks].act, I, lo, lo + 512 < I ? lo + 512 : I);
+        }
+        #pragma omp for schedule(static)
+        for (int e = 0; e < n; e++) {
+            token_scales(a[e].act, I, 1, I, &xscale[e], &inv[e]);
+            int4_vnni_pack(a[e].act, I, g, inv[e], (int16_t *)a[e].xb);
+        }
+        #pragma omp for schedule(static)
+        for (int j = 0; j < n * (H / 16); j++) {
+            const tk_args *e = a + j / (H / 16);
+            int4_vnni_rows16(e->down, down_row, e->down_scale, g, j % (H / 16) * 16, I, (const int16_t *)e->xb,
+                             xscale[j / (H / 16)], e->out);
+        }
     }
 }
 
@@ -910,7 +920,7 @@ int tk_expert(const tk_args *a) {
     const int code = expert_checks(a);
     if (code) return code;
     if (a->isa == ISA_AVX512BF16) expert_bf16dp(a);
-    else if (a->isa == ISA_AMX && a->kind == K_INT4 && a->tokens == 1) expert_int4_vnni(a);
+    else if (a->isa == ISA_AMX && a->kind == K_INT4 && a->tokens == 1) experts_int4_vnni(a, 1);
     else if (a->isa == ISA_AMX) experts_amx(a, 1);
     else expert_generic(a);
     return 0;
@@ -921,7 +931,6 @@ int tk_expert(const tk_args *a) {
  * instead of one set per expert, and the threads stream one long run of rows. Every entry must be an AMX call
  * of the same kind and shape, each with its own buffers. Phases: pack the input, gate and up rows, SwiGLU,
  * pack the activation, down rows. */
-#define AMX_BATCH 64  /* experts per region at most (their per-token scales live on the stack) */
 AMX_TARGET static void experts_amx(const tk_args *a, int n) {
     const int H = a->hidden, I = a->inter, kind = a->kind, g = a->group;
     const size_t in_row = row_bytes(kind, H, g), down_row = row_bytes(kind, I, g);
@@ -981,19 +990,24 @@ AMX_TARGET static void experts_amx(const tk_args *a, int n) {
 /* n experts: one region when all are AMX calls of one kind and shape, else one after another. Returns 0, or
  * the first negative code of tk_expert. */
 int tk_experts(const tk_args *a, int n) {
+    const int vnni = a->kind == K_INT4 && a->tokens == 1;  /* one-token int4 has its own kernel */
     int same = n > 1 && a->isa == ISA_AMX;
     for (int e = 0; e < n && same; e++) {
         const tk_args *b = a + e;
         same = b->isa == ISA_AMX && b->kind == a->kind && b->hidden == a->hidden && b->inter == a->inter &&
                b->group == a->group && b->threads == a->threads && b->tokens >= 1 &&
-               !(b->kind == K_INT4 && b->tokens == 1);  /* one-token int4 has its own kernel */
+               (b->kind == K_INT4 && b->tokens == 1) == vnni;
     }
     if (same) {
         for (int e = 0; e < n; e++) {  /* the same checks as one call */
             const int code = expert_checks(a + e);
             if (code) return code;
         }
-        for (int e = 0; e < n; e += AMX_BATCH) experts_amx(a + e, n - e < AMX_BATCH ? n - e : AMX_BATCH);
+        for (int e = 0; e < n; e += AMX_BATCH) {
+            const int m = n - e < AMX_BATCH ? n - e : AMX_BATCH;
+            if (vnni) experts_int4_vnni(a + e, m);
+            else experts_amx(a + e, m);
+        }
         return 0;
     }
     for (int e = 0; e < n; e++) {
