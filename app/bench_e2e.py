@@ -124,11 +124,13 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
     dense_bytes += sum(sum(w.numel() * w.element_size() for w in (a.qkv, a.o))
                        for a in (layer.attn for layer in model.layers))
     per_token = dense_bytes + cfg.num_moe_layers * cfg.top_k * expert_bytes  # weights read per decode token
-    bw = dram_bandwidth(torch.get_num_threads(), 2**30) if model.accel is None else None
     rows = []
     later: list[dict[str, Any]] = []  # points for a child-process peer, run after Tandem's rows
     _touch_every_expert(loaded)
     _tandem(loaded, engine_for, bench_prompt_ids(loaded.tokenizer, 16), 4, 1)  # warm-up
+    # DRAM bandwidth, before and after Tandem's rows (the best of both: just after a load the OS may still be
+    # reclaiming memory, which measured here as 25 instead of 32 GB/s)
+    probes = [dram_bandwidth(torch.get_num_threads(), 2**30)] if model.accel is None else []
     for scenario in scenarios:
         for point in grid[scenario]:
             n_in, n_out = point[0], point[1]
@@ -142,14 +144,19 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
             row: dict[str, Any] = {"scenario": scenario, "input": n_in, "output": n_out, "beams": beams,
                                    "tandem_tok_s": round(ours["tok_s"], 3), "ttft_s": round(ours["ttft_s"], 4),
                                    "itl_ms": round(ours["itl_ms"], 3)}
-            if scenario == "decode" and bw:
+            if scenario == "decode" and probes:
                 row["bytes_per_token"] = per_token
-                row["roofline"] = round(per_token * 1000 / max(ours["itl_ms"], 1e-9) / 1e9 / bw, 3)
             if ref is not None:
                 _add_peer(row, _peer(ref, prompt, n_out, beams))
             elif in_child:
                 later.append({"prompt": prompt, "out": n_out, "beams": beams})
             rows.append(row)
+    bw = None
+    if probes:
+        bw = max(probes + [dram_bandwidth(torch.get_num_threads(), 2**30)])
+        for row in rows:
+            if "bytes_per_token" in row:  # the weights read per token as a fraction of what DRAM delivers
+                row["roofline"] = round(per_token * 1000 / max(row["itl_ms"], 1e-9) / 1e9 / bw, 3)
     plan = model.experts.describe()
     if later:  # Tandem is done: its experts' RAM goes back before the peer loads its own copy
         model.close()

@@ -62,7 +62,8 @@ class SafetensorsFile:
 
     def read_into(self, name: str, out: memoryview) -> None:
         """Copy one tensor's bytes into `out` with plain file reads: no page faults on the memory map, which
-        cost more than the copy itself when a whole model is brought into RAM."""
+        cost more than the copy itself when a whole model is brought into RAM. The file's cached pages for it
+        are then dropped: the copy is what is used, and two copies of a large model would fill the RAM."""
         info = self.infos[name]
         done = 0
         try:
@@ -72,6 +73,7 @@ class SafetensorsFile:
                     if got <= 0:
                         raise OSError(f"the file ends before tensor {name!r} does")
                     done += got
+                os.posix_fadvise(f.fileno(), info.start, info.nbytes, os.POSIX_FADV_DONTNEED)
         except OSError as e:
             raise CheckpointError(f"cannot read {name!r} from {self.path}: {e}; check the file and the disk") from None
 
