@@ -178,6 +178,7 @@ class CpuExpert:
                    for w in (self.gate, self.up, self.down))
 
     def pointers(self) -> _Weights:
+        """The kernel's view of this expert: its weight (and scale) addresses."""
         mats = (self.gate, self.up, self.down)
         if isinstance(self.gate, QuantizedMatrix):
             return _Weights(*(m.data.data_ptr() for m in mats), *(m.scales.data_ptr() for m in mats))  # type: ignore

@@ -41,6 +41,12 @@ typedef struct {
 } tk_args;
 
 static inline float bf16f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t bf16_of(float f) {  /* round to nearest even; NaN -> quiet NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 /* ---- row dot products, generic C (vectorised by the compiler for each target) ---------------------- */
 #define DOT_BODY(WT, CONV)                                                                          \
@@ -244,10 +250,7 @@ BF16_TARGET static void to_bf16(const float *src, uint16_t *dst, int n) {
         __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16), _mm512_loadu_ps(src + k));
         _mm512_storeu_si512((void *)(dst + k), (__m512i)v);
     }
-    for (; k < n; k++) {  /* round to nearest even, like the vector path */
-        uint32_t u; memcpy(&u, src + k, 4);
-        dst[k] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-    }
+    for (; k < n; k++) dst[k] = bf16_of(src[k]);  /* round to nearest even, like the vector path */
 }
 
 /* M tokens (1..8) share every loaded weight vector; one token splits the row over 4 accumulators. */
@@ -1039,12 +1042,6 @@ typedef struct {
     uint16_t *out_bf16;                  /* NULL, or [T, H]: out rounded to bf16 as well (nearest even) */
 } tk_moe_args;
 
-static inline uint16_t bf16_of(float f) {  /* round to nearest even; NaN -> quiet NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* Scratch per slot: x [16, H], out [16, H], act [16, 2I] float32, xb [16, max(H, I)] 16-bit. */
 size_t tk_moe_slot_bytes(int hidden, int inter) {
