@@ -267,7 +267,7 @@ def _chat(args: argparse.Namespace) -> int:
 
     def load_backend(path: str | None) -> RuntimeBackend:
         args.model = path
-        return RuntimeBackend(load_from_args(args, notify=notices.append, progress=None))  # the UI shows its own
+        return RuntimeBackend(load_from_args(args, notify=notices.append, progress=app.loading_progress))
 
     folders = [Path(p).expanduser() for p in args.models_dir] or [Path.home() / "models"]
     app = TandemApp(load_backend, args.model, models_folders=folders)

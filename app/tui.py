@@ -132,9 +132,16 @@ class TandemApp(App[None]):
         except TandemError as e:
             self.post_message(ModelFailed(str(e), from_picker))
 
-    def show_loading(self, text: str) -> None:
-        self.query_one("#loading", ProgressBar).display = True  # indeterminate: loading has no step count
+    def show_loading(self, text: str, fraction: float | None = None) -> None:
+        """The loading bar: indeterminate, or `fraction` done when the loader reports it."""
+        bar = self.query_one("#loading", ProgressBar)
+        bar.display = True
+        bar.update(total=None if fraction is None else 100, progress=0 if fraction is None else 100 * fraction)
         self.query_one(StatusBar).update(text)
+
+    def loading_progress(self, message: str, fraction: float) -> None:
+        """For the loader, from the loading worker's thread: a long step's progress (reading experts into RAM)."""
+        self.call_from_thread(self.show_loading, f"{message} {fraction:.0%}", fraction)
 
     def on_model_ready(self, message: ModelReady) -> None:
         self.query_one("#loading", ProgressBar).display = False

@@ -8,6 +8,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from textual.widgets import ProgressBar
+
 from app.backend import RuntimeBackend, Usage
 from app.store import Conversation, ConversationStore, Turn
 from app.tui import TandemApp
@@ -72,6 +74,24 @@ async def test_message_streams_reply_and_status_shows_speed() -> None:
         assert answers[-1].text == "".join(f"word{i} " for i in range(12))
         status = str(app.query_one(StatusBar).render())
         assert "42.5 tok/s" in status and "fake-moe" in status and "ctx" in status and "TTFT 123 ms" in status
+
+
+async def test_loading_shows_the_loaders_progress() -> None:
+    reported, release = threading.Event(), threading.Event()
+
+    def load_backend(_: str | None) -> FakeBackend:
+        app.loading_progress("reading the experts into RAM", 0.5)
+        reported.set()
+        release.wait(10)
+        return FakeBackend()
+
+    app = TandemApp(load_backend)
+    async with app.run_test() as pilot:
+        bar = app.query_one("#loading", ProgressBar)
+        await wait_until(pilot, lambda: "reading the experts into RAM 50%" in str(app.query_one(StatusBar).render()))
+        assert reported.is_set() and bar.display and bar.total == 100 and bar.progress == 50
+        release.set()
+        await wait_until(pilot, lambda: not bar.display)
 
 
 async def test_escape_stops_and_keeps_the_partial_answer() -> None:
