@@ -186,7 +186,11 @@ def resolve_model(path: str | None) -> str:
 
 
 def _progress(message: str, fraction: float) -> None:
-    print(f"\r  [{fraction:4.0%}] {message:<40}", end="" if fraction < 1 else "\n", file=sys.stderr, flush=True)
+    """A long step's progress on stderr: one updating line on a terminal, only the end in a log."""
+    if sys.stderr.isatty():
+        print(f"\r  [{fraction:4.0%}] {message:<40}", end="" if fraction < 1 else "\n", file=sys.stderr, flush=True)
+    elif fraction >= 1:
+        print(f"  {message}: done", file=sys.stderr, flush=True)
 
 
 def _note(text: str) -> None:

@@ -78,3 +78,11 @@ def test_bench_quant_reports_drift_and_agreement(tmp_path: Path, capsys: pytest.
         v = result["variants"][name]
         assert 0 <= v["greedy_agreement"] <= 1 and v["max_abs_logit_drift"] > 0
     assert result["variants"]["int8"]["relative_drift"] < result["variants"]["int4"]["relative_drift"]
+
+
+def test_progress_in_a_log_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from app.cli import _progress
+
+    for fraction in (0.25, 0.5, 1.0):  # stderr is not a terminal here
+        _progress("reading the experts into RAM", fraction)
+    assert capsys.readouterr().err == "  reading the experts into RAM: done\n"
