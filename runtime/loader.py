@@ -92,13 +92,16 @@ def estimate_memory(
     return MemoryEstimate(weights, kv, rope + logits)
 
 
-def check_memory(estimate: MemoryEstimate, available: int, force: bool) -> None:
+def check_memory(estimate: MemoryEstimate, available: int, force: bool, resident: bool = False) -> None:
     if estimate.total <= available or force:
         return
+    where = "with its experts read into RAM" if resident else "outside its memory-mapped experts"
+    fix = "--no-resident, " if resident else ""
     raise ResourceError(
-        f"not enough RAM: this model needs about {estimate.total / GIB:.2f} GiB outside its memory-mapped experts "
+        f"not enough RAM: this model needs about {estimate.total / GIB:.2f} GiB {where} "
         f"(weights {estimate.weights / GIB:.2f} GiB + KV cache {estimate.kv_cache / GIB:.2f} GiB), but only "
-        f"{available / GIB:.2f} GiB is available; close other programs, lower --context, or pass --force to try anyway"
+        f"{available / GIB:.2f} GiB is available; close other programs, lower --context, {fix}or pass --force to "
+        "try anyway"
     )
 
 
@@ -155,7 +158,8 @@ def load(
     if cpu.resident is None:  # unquantized experts into RAM when they fit with room to spare
         in_ram = estimate_memory(ckpt, torch_dtype, ctx, batch, replace(cpu, resident=True)).total
         cpu = replace(cpu, resident=cpu.quant is None and resident_fits(in_ram, available))
-    check_memory(estimate_memory(ckpt, torch_dtype, ctx, batch, cpu), available, force)
+    check_memory(estimate_memory(ckpt, torch_dtype, ctx, batch, cpu), available, force,
+                 bool(cpu.resident and cpu.quant is None))
     tokenizer = Tokenizer.from_folder(ckpt.path)
     accel = make_accelerator(accelerator, vram_gb)
     try:

@@ -118,8 +118,11 @@ def test_memory_check_is_pure() -> None:
     est = MemoryEstimate(weights=6 * gib, kv_cache=3 * gib, other=gib)
     check_memory(est, available=10 * gib, force=False)
     check_memory(est, available=gib, force=True)
-    with pytest.raises(ResourceError, match=r"about 10.00 GiB .* only 9.00 GiB"):
+    with pytest.raises(ResourceError, match=r"about 10.00 GiB .* only 9.00 GiB") as refused:
         check_memory(est, available=9 * gib, force=False)
+    assert "memory-mapped" in str(refused.value) and "--no-resident" not in str(refused.value)
+    with pytest.raises(ResourceError, match=r"read into RAM .* --no-resident"):  # asked for copies in RAM
+        check_memory(est, available=9 * gib, force=False, resident=True)
 
 
 def test_estimate_counts_kv_cache_for_context(mixtral_dir: Path) -> None:
