@@ -26,7 +26,7 @@ from runtime.errors import GenerationError, ResourceError
 from runtime.model import KVCache, MoEModel
 from runtime.tokenizer import Tokenizer
 from runtime.trace import load_popularity, most_popular
-from runtime.weights import dense_tensors
+from runtime.weights import dense_tensors, expert_names
 
 DEFAULT_CONTEXT = 4096
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -87,8 +87,10 @@ def estimate_memory(
     kv = KVCache.nbytes(cfg, batch, context, dtype)
     rope = 2 * context * cfg.head_dim * item
     logits = 4 * cfg.vocab_size * 4
-    quantized = (cpu or CpuOptions()).expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, item)
-    weights += quantized * cfg.num_moe_layers * cfg.num_experts  # quantized experts live in RAM
+    first = next(i for i in range(cfg.num_layers) if cfg.sparse_layers[i])
+    stored = torch.empty((), dtype=ckpt.dtype(expert_names(ckpt.spec, first, 0)[0])).element_size()
+    in_ram = (cpu or CpuOptions()).expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, stored)
+    weights += in_ram * cfg.num_moe_layers * cfg.num_experts  # quantized or resident experts live in RAM
     return MemoryEstimate(weights, kv, rope + logits)
 
 
