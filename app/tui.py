@@ -87,7 +87,9 @@ class TandemApp(App[None]):
         self.load_backend = load_backend
         self.model_path = model
         self.models_folders = models_folders or []
-        self.tune = tune or (lambda path, dtype, progress: autotune(path, dtype, progress=progress, save=False))
+        # the calibration decode reuses the model in memory (a second copy might not fit beside it)
+        self.tune = tune or (lambda path, dtype, progress: autotune(path, dtype, progress=progress, save=False,
+                                                                     loaded=getattr(self.backend, "loaded", None)))
         self.store = store or ConversationStore()
         self.settings, self.settings_notice = load_settings()
         self.params = params or self.settings.params()

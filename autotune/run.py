@@ -16,7 +16,7 @@ from autotune.probe import HardwareInfo, probe
 from autotune.profile import Profile, model_fingerprint, save_profile
 from runtime.checkpoint import open_checkpoint
 from runtime.engine import Engine, GenerationStats
-from runtime.loader import DTYPES, default_dtype, load
+from runtime.loader import DTYPES, LoadedModel, default_dtype, load
 from runtime.sampling import SamplingParams
 from runtime.trace import most_popular
 
@@ -31,10 +31,15 @@ class Tuned:
     path: Path | None  # where it was saved (None: not saved yet)
 
 
-def record_trace(model_dir: str | Path, dtype: str, tokens: int = 32) -> tuple[np.ndarray, float, int]:
+def record_trace(model_dir: str | Path, dtype: str, tokens: int = 32, loaded: LoadedModel | None = None
+                 ) -> tuple[np.ndarray, float, int]:
     """Decode `tokens` tokens CPU-only (default settings): the routing sequence `[steps, layers, top_k]`,
-    the measured decode ms per token and the thread count it ran with (to calibrate the simulator)."""
-    loaded = load(model_dir, dtype=dtype, context=min(512, open_checkpoint(model_dir).config.max_position_embeddings))
+    the measured decode ms per token and the thread count it ran with (to calibrate the simulator).
+    `loaded`: this folder already in memory (the chat app's model), decoded with instead of a second copy,
+    which might not fit beside it, when it runs CPU-only and unquantized."""
+    if loaded is None or loaded.model.accel is not None or loaded.model.experts.executor.quant:
+        context = min(512, open_checkpoint(model_dir).config.max_position_embeddings)
+        loaded = load(model_dir, dtype=dtype, context=context)
     prompt = loaded.tokenizer.encode(CALIBRATION_PROMPT)
     stats = GenerationStats()
     engine = Engine(loaded.model, ())  # no EOS: always the full count
@@ -48,13 +53,13 @@ def record_trace(model_dir: str | Path, dtype: str, tokens: int = 32) -> tuple[n
 
 def autotune(model_dir: str | Path, dtype: str = "auto", quick: bool = False,
              progress: Callable[[Step], None] | None = None, trace: np.ndarray | None = None,
-             save: bool = True, hardware: HardwareInfo | None = None) -> Tuned:
+             save: bool = True, hardware: HardwareInfo | None = None, loaded: LoadedModel | None = None) -> Tuned:
     hw = hardware or probe()
     name = default_dtype(set(hw.cpu.flags) or None) if dtype == "auto" else dtype
     ckpt = open_checkpoint(model_dir)
     shape = ModelShape.from_config(ckpt.config, torch.empty((), dtype=DTYPES[name]).element_size())
     meas = microbench(shape, hw, DTYPES[name], quick=quick, progress=progress)
-    recorded, measured_ms, threads = record_trace(model_dir, name, tokens=16 if quick else 32)
+    recorded, measured_ms, threads = record_trace(model_dir, name, tokens=16 if quick else 32, loaded=loaded)
     if trace is None or len(trace) == 0:
         trace = recorded
     # Calibrate: what one real CPU-only decode took per token beyond what the layer model explains.
