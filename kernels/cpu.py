@@ -2,7 +2,8 @@
 
 Few tokens (decode, beams, short prompts; up to `crossover`): the compiled kernel in `csrc/expert.c`, which
 streams each weight row once for all tokens. Many tokens (prefill): torch's matrix multiply, which is
-compute-bound and good at it. Weights are used where they lie (memory-mapped, file dtype: no re-layout),
+compute-bound and good at it. Weights are used where they lie (read into RAM or memory-mapped by the loader,
+file dtype: no re-layout),
 unless quantization is asked for, which happens once when the expert is prepared (for AMX the quantized
 matrices are then also laid out in row blocks, see `kernels/quant.py`). Quantized experts stay on the kernel for
 longer prompts too, a chunk of tokens at a time.

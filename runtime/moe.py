@@ -51,7 +51,8 @@ class SharedExpert:
 
 @dataclass(frozen=True)
 class MoEBlockWeights:
-    """One MoE layer: router, routed experts (host, memory-mapped), routing rule, optional shared expert."""
+    """One MoE layer: router, routed experts (host: RAM copies or memory-mapped), routing rule, optional shared
+    expert."""
 
     router: torch.Tensor  # [E, H]
     experts: list[ExpertWeights]

@@ -75,7 +75,7 @@ def dense_tensors(cfg: ModelConfig, spec: FamilySpec) -> dict[str, Shape]:
 
 
 def expert_tensors(cfg: ModelConfig, spec: FamilySpec) -> dict[str, Shape]:
-    """Every routed expert's weights: these stay memory-mapped."""
+    """Every routed expert's weights: kept in the file's dtype (memory-mapped, or read into RAM when they fit)."""
     h, inter = cfg.hidden_size, cfg.moe_intermediate_size
     out: dict[str, Shape] = {}
     for i in range(cfg.num_layers):
