@@ -378,13 +378,9 @@ class _Slot:
         self.x[:n].copy_(x)  # float32, contiguous
         a.kind, a.isa, a.tokens = KINDS[expert.kind], ISAS.index(isa), n
         a.hidden, a.inter, a.threads, a.group = ex.hidden, ex.inter, ex.threads, ex.group
-        mats = (expert.gate, expert.up, expert.down)
-        if isinstance(expert.gate, QuantizedMatrix):
-            a.gate, a.up, a.down = (m.data.data_ptr() for m in mats)  # type: ignore[union-attr]
-            a.gate_scale, a.up_scale, a.down_scale = (m.scales.data_ptr() for m in mats)  # type: ignore[union-attr]
-        else:
-            a.gate, a.up, a.down = (m.data_ptr() for m in mats)  # type: ignore[union-attr]
-            a.gate_scale = a.up_scale = a.down_scale = None
+        w = expert.pointers()
+        a.gate, a.up, a.down, a.gate_scale, a.up_scale, a.down_scale = (
+            w.gate, w.up, w.down, w.gate_scale, w.up_scale, w.down_scale)
         a.x, a.out, a.act, a.xb = self.x.data_ptr(), self.out.data_ptr(), self.act.data_ptr(), self.xb.data_ptr()
 
 

@@ -229,15 +229,15 @@ class Dispatcher:
         logits = self.linear(x, block.router)  # [T, E]
         weights, ids = route(logits, block.rule)  # [T, K], [T, K]
         counts = self.recorder.record(layer, ids)  # [E] routings per expert
+        chosen = np.flatnonzero(counts).tolist()  # the experts this pass uses, in id order
         if self.accel is None:  # CPU only: every expert through the executor
-            used = counts > 0  # [E]
-            self.stats.misses += self.stats.count_all(layer, used, CPU)
+            self.stats.misses += self.stats.count_all(layer, counts > 0, CPU)
             table = self.cpu_layers[layer]
             if self.executor.serves_layer(table, x.shape[0]):  # a few tokens: the whole layer in one kernel call
                 out = self.executor.run_layer(table, x, ids, weights).to(x.dtype)  # [T, H]
             else:
                 jobs = []
-                for e in np.flatnonzero(used).tolist():
+                for e in chosen:
                     tok, slot = (ids == e).nonzero(as_tuple=True)  # [n], [n]
                     jobs.append(_Job(e, tok, slot, None, block.experts[e], self.cpu_experts[layer][e]))
                 out = self._cpu_combine(x, weights.to(x.dtype), jobs)
@@ -246,9 +246,9 @@ class Dispatcher:
             return out
         weights = weights.to(x.dtype)
         if self.cache.policy is Policy.TRACE:
-            for e, n in zip(*torch.unique(ids, return_counts=True), strict=True):
-                self.cache.observe(layer, int(e), int(n))
-        gpu_jobs, cpu_jobs = self._plan(layer, ids, block)
+            for e in chosen:
+                self.cache.observe(layer, e, int(counts[e]))
+        gpu_jobs, cpu_jobs = self._plan(layer, ids, chosen, block)
         if not cpu_jobs:  # nothing to overlap with: run the device work right here
             out = self._run_device(x, weights, gpu_jobs, block)
         else:  # launch the device work, compute the CPU experts meanwhile, then combine
@@ -258,12 +258,13 @@ class Dispatcher:
         self._post_fetch(layer, cpu_jobs, keep=frozenset((layer, j.expert) for j in gpu_jobs))
         return out
 
-    def _plan(self, layer: int, ids: torch.Tensor, block: MoEBlockWeights) -> tuple[list[_Job], list[_Job]]:
+    def _plan(self, layer: int, ids: torch.Tensor, chosen: list[int], block: MoEBlockWeights
+              ) -> tuple[list[_Job], list[_Job]]:
         gpu: list[_Job] = []
         cpu: list[_Job] = []
         resident = {e: w for (lay, e), w in self.static.items() if lay == layer}
         ids = ids.cpu()  # [T, K] (token bookkeeping stays on the host)
-        for e in ids.unique().tolist():
+        for e in chosen:
             tok, slot = (ids == e).nonzero(as_tuple=True)  # [n], [n]
             source = block.experts[e]
             weights = resident.get(e)

@@ -87,10 +87,11 @@ def estimate_memory(
     kv = KVCache.nbytes(cfg, batch, context, dtype)
     rope = 2 * context * cfg.head_dim * item
     logits = 4 * cfg.vocab_size * 4
-    first = next(i for i in range(cfg.num_layers) if cfg.sparse_layers[i])
-    stored = torch.empty((), dtype=ckpt.dtype(expert_names(ckpt.spec, first, 0)[0])).element_size()
-    in_ram = (cpu or CpuOptions()).expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, stored)
-    weights += in_ram * cfg.num_moe_layers * cfg.num_experts  # quantized or resident experts live in RAM
+    first = next((i for i in range(cfg.num_layers) if cfg.sparse_layers[i]), None)
+    if first is not None:  # quantized or resident experts live in RAM, resident ones in the file's dtype
+        stored = ckpt.dtype(expert_names(ckpt.spec, first, 0)[0]).itemsize
+        in_ram = (cpu or CpuOptions()).expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, stored)
+        weights += in_ram * cfg.num_moe_layers * cfg.num_experts
     return MemoryEstimate(weights, kv, rope + logits)
 
 

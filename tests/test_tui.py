@@ -52,6 +52,12 @@ async def wait_until(pilot, condition, timeout: float = 10.0) -> None:
         await pilot.pause(0.02)
 
 
+async def press(pilot, *keys: str) -> None:
+    """Press keys and let the app settle (screens push and pop between key presses)."""
+    await pilot.press(*keys)
+    await pilot.pause()
+
+
 async def ask(pilot, app: TandemApp, text: str) -> None:
     await wait_until(pilot, lambda: app.backend is not None)
     composer = app.query_one("#composer")
@@ -130,11 +136,9 @@ async def test_delete_and_export(tandem_home: Path) -> None:
         await pilot.press("ctrl+s")
         exported = list((tandem_home / "conversations").glob("*.md"))
         assert exported and "Keep me" in exported[0].read_text()
-        await pilot.press("ctrl+d")
-        await pilot.pause()
+        await press(pilot, "ctrl+d")
         assert len(ConversationStore().load_all()[0]) == 1  # the first press only asks
-        await pilot.press("ctrl+d")
-        await pilot.pause()
+        await press(pilot, "ctrl+d")
         assert ConversationStore().load_all()[0] == []
 
 
@@ -164,8 +168,7 @@ async def test_expert_heatmap_toggles_and_shows_rows() -> None:
     async with app.run_test(size=(120, 30)) as pilot:
         await ask(pilot, app, "hi")
         await wait_until(pilot, lambda: not app.generating)
-        await pilot.press("ctrl+e")
-        await pilot.pause()
+        await press(pilot, "ctrl+e")
         panel = app.query_one(ExpertHeatmap)
         text = str(panel.render())
         assert panel.display and "experts per cell: 1" in text and "(dense)" in text and "█" in text
@@ -204,8 +207,7 @@ async def test_settings_are_edited_validated_and_saved(tandem_home: Path) -> Non
 
     app = TandemApp(lambda _: FakeBackend())
     async with app.run_test(size=(100, 40)) as pilot:
-        await pilot.press("f2")
-        await pilot.pause()
+        await press(pilot, "f2")
         screen = app.screen
         assert isinstance(screen, SettingsScreen)
         screen.query_one("#temperature", Input).value = "hot"
@@ -227,8 +229,7 @@ async def test_help_lists_every_key_and_the_palette_has_every_action() -> None:
 
     app = TandemApp(lambda _: FakeBackend())
     async with app.run_test(size=(100, 40)) as pilot:
-        await pilot.press("f1")
-        await pilot.pause()
+        await press(pilot, "f1")
         assert isinstance(app.screen, HelpScreen)
         text = " ".join(str(w.render()) for w in app.screen.query("Static"))
         for b in TandemApp.BINDINGS:
@@ -257,8 +258,7 @@ async def test_picker_lists_a_models_folder_and_a_broken_model_keeps_the_app_ali
     app = TandemApp(load_backend, models_folders=[folder])
     async with app.run_test(size=(120, 30)) as pilot:
         await wait_until(pilot, lambda: app.backend is not None)
-        await pilot.press("ctrl+o")
-        await pilot.pause()
+        await press(pilot, "ctrl+o")
         picker = app.screen
         assert isinstance(picker, PickerScreen)
         names = [e.name for e in picker.entries]
@@ -349,13 +349,11 @@ async def test_rename_a_conversation(tandem_home: Path) -> None:
     app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test() as pilot:
         await ask_and_wait(pilot, app, "old title")
-        await pilot.press("f3")
-        await pilot.pause()
+        await press(pilot, "f3")
         assert isinstance(app.screen, RenameScreen)
         field = app.screen.query_one("#title", Input)
         field.value = "Expert caching notes"
-        await pilot.press("enter")
-        await pilot.pause()
+        await press(pilot, "enter")
     assert [c.title for c in ConversationStore().load_all()[0]] == ["Expert caching notes"]
 
 
@@ -386,11 +384,9 @@ async def test_escape_closes_dialogs() -> None:
     async with app.run_test(size=(100, 40)) as pilot:
         await wait_until(pilot, lambda: app.backend is not None)
         for key, screen in (("f2", SettingsScreen), ("f1", HelpScreen)):
-            await pilot.press(key)
-            await pilot.pause()
+            await press(pilot, key)
             assert isinstance(app.screen, screen)
-            await pilot.press("escape")
-            await pilot.pause()
+            await press(pilot, "escape")
             assert not isinstance(app.screen, screen)
 
 
@@ -400,8 +396,7 @@ async def test_edit_the_last_message(tandem_home: Path) -> None:
     app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test() as pilot:
         await ask_and_wait(pilot, app, "first try")
-        await pilot.press("f4")
-        await pilot.pause()
+        await press(pilot, "f4")
         assert app.current.turns == [] and app.query_one(Composer).text == "first try"
         assert len(app.query(ChatMessage)) == 0
         app.query_one(Composer).text = "second try"
