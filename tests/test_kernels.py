@@ -15,7 +15,7 @@ from kernels.cpu import (
     rms_norm_bf16,
 )
 from kernels.quant import quantize_int4, quantize_int8
-from runtime.moe import ExpertWeights, RoutingRule, reference_moe, route
+from runtime.moe import ExpertWeights, RoutingRule, combine, reference_moe, route
 
 ISAS = available_isas()
 needs_kernels = pytest.mark.skipif(library() is None, reason="the compiled kernels are not built on this machine")
@@ -214,7 +214,8 @@ def test_a_layers_experts_in_one_call_match_one_at_a_time(quant: str | None) -> 
 
 @needs_kernels
 @pytest.mark.parametrize(("dtype", "quant", "isa"), [(torch.bfloat16, None, None), (torch.bfloat16, "int8", None),
-                                                     (torch.bfloat16, "int4", None), (torch.float32, None, "avx2")])
+                                                     (torch.bfloat16, "int4", None), (torch.float32, None, "avx2"),
+                                                     (torch.float32, None, "avx512"), (torch.float16, None, None)])
 @pytest.mark.parametrize("tokens", [1, 3, 16])
 def test_a_whole_layer_in_one_call_matches_the_reference_moe(dtype, quant, isa, tokens: int) -> None:
     # run_layer: grouping by expert, the experts, and the weighted sum all in the kernel. 100 experts, top-8:
@@ -240,6 +241,27 @@ def test_a_whole_layer_in_one_call_matches_the_reference_moe(dtype, quant, isa, 
         assert torch.equal(got, executor._moe[2][:tokens].to(torch.bfloat16))
     if tokens == 16:
         assert len(ids.unique()) > 64  # the two-round case really happened
+
+
+@needs_kernels
+@pytest.mark.parametrize(("dtype", "quant", "isa"), [(torch.float32, "", "avx512"), (torch.float16, "", None),
+                                                     (torch.bfloat16, "", None), (torch.bfloat16, "int4", None)])
+def test_one_token_experts_of_a_layer_each_read_their_own_token(dtype, quant: str, isa) -> None:
+    # Every expert gets exactly one token and the tokens differ (with one token for all, a mix-up of inputs would
+    # go unseen): AMX tiles and int4 on VNNI run the experts in one parallel region, AVX-512 rows one by one.
+    if isa is not None and isa not in ISAS:
+        pytest.skip(f"{isa} is not available here")
+    h, i = 256, 132 if quant == "" and dtype != torch.bfloat16 else 128  # 132: rows left over after the fours
+    executor = CpuExecutor(h, i, dtype, threads=2, quant=quant or None, isa=isa)
+    stored = torch.float32 if quant else dtype  # weights in the compute dtype, or quantized from float32
+    experts = [executor.prepare(*weights(h, i, stored, seed=s)) for s in range(6)]
+    assert executor.isa_for(experts[0]) == {torch.float32: "avx512", torch.float16: "avx512"}.get(dtype, "amx")
+    x = torch.randn(3, h, generator=torch.Generator().manual_seed(3)).to(dtype)
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5]])  # [T, K]: no expert shared
+    w = torch.tensor([[0.7, 0.3], [0.4, 0.6], [0.5, 0.5]])  # [T, K]
+    got = executor.run_layer(executor.layer(experts), x, ids, w).clone()
+    want = combine(x.float(), w, ids, [ExpertWeights(*e.dense(torch.float32)) for e in experts])
+    assert rel_err(got, want) < 2e-2
 
 
 @needs_kernels

