@@ -171,7 +171,7 @@ class CpuExpert:
 
     @property
     def blocked(self) -> bool:
-        return isinstance(self.gate, QuantizedMatrix) and self.gate.blocked
+        return any(isinstance(m, QuantizedMatrix) and m.blocked for m in (self.gate, self.up, self.down))
 
     @property
     def nbytes(self) -> int:
@@ -236,7 +236,7 @@ class CpuExecutor:
             g = self.group
             mats = [quantize_int8(w) if self.quant == "int8" else quantize_int4(w, g) for w in (gate, up, down)]
             if self.forced_isa in (None, "amx") and self.amx_serves(self.quant):
-                mats = [m.blocked_layout() for m in mats]  # the AMX kernels read the block layout
+                mats = [m.amx_layout() for m in mats]  # the layouts the AMX kernels read
             return CpuExpert(*mats, self.quant, self)
         if gate.dtype not in KINDS:
             raise ValueError(f"expert weights of dtype {gate.dtype} are not supported")

@@ -14,7 +14,7 @@ from kernels.cpu import (
     read_bandwidth_probe,
     rms_norm_bf16,
 )
-from kernels.quant import quantize_int4, quantize_int8
+from kernels.quant import INT8_BLOCKED_BELOW, quantize_int4, quantize_int8
 from runtime.moe import ExpertWeights, RoutingRule, combine, reference_moe, route
 
 ISAS = available_isas()
@@ -95,6 +95,20 @@ def test_quantized_amx_experts_serve_long_prompts(quant: str, tokens: int) -> No
     expert = executor.prepare(gate, up, down)
     assert executor.isa_for(expert, 16) == "amx" and expert.blocked  # AMX reads the block layout
     x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert rel_err(expert(x), reference(x, *expert.dense(torch.float32))) < 2e-2
+
+
+@pytest.mark.skipif("amx" not in ISAS, reason="this CPU (or kernel) has no AMX tiles")
+@pytest.mark.parametrize(("h", "i"), [(4096, 64), (128, 4096)])  # long gate/up rows, or long down rows
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+def test_int8_amx_reads_long_rows_row_major_and_short_ones_in_blocks(h: int, i: int, tokens: int) -> None:
+    gate, up, down = weights(h, i, torch.float32)
+    executor = CpuExecutor(h, i, torch.bfloat16, threads=2, quant="int8")
+    expert = executor.prepare(gate, up, down)
+    long_in = h >= INT8_BLOCKED_BELOW  # gate and up rows are h bytes, down rows i
+    assert (expert.gate.blocked, expert.up.blocked, expert.down.blocked) == (not long_in, not long_in, long_in)
+    assert expert.blocked and executor.isa_for(expert, tokens) == "amx"
+    x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(tokens)).bfloat16()
     assert rel_err(expert(x), reference(x, *expert.dense(torch.float32))) < 2e-2
 
 

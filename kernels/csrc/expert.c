@@ -634,7 +634,7 @@ AMX_TARGET static inline void amx_pack_chunk(const float *x, int ldx, int T, int
  * 32767 and rounded (about as fine as bf16 for every value within 2^7 of the largest, finer above), then
  * split into a signed high byte and an unsigned low byte. Two integer tile products per weight tile
  * (tdpbssd, tdpbsud) give W.x exactly up to that rounding, and the weight tiles are loaded as they lie
- * (block layout): nothing is converted per weight, so int8 streams like bf16 at half the bytes.
+ * (block layout for short rows): nothing is converted per weight, so int8 streams like bf16 at half the bytes.
  * Packed chunk c (64 values): [16 k-quads][16 tokens][4] bytes (tokens >= T: stale, as for bf16). */
 AMX_TARGET static inline void amx_pack_int8_chunk(const float *x, int ldx, int T, const float *inv, int c,
                                                   uint8_t *hi, uint8_t *lo) {
@@ -671,19 +671,23 @@ AMX_TARGET static void token_scales(const float *x, int ldx, int T, int K, float
 }
 
 /* int8 rows [r0, r0 + 32) of W [*, K] (K a multiple of 64): res[t * ldr + r] = row scale * token scale * W.x.
- * W is in the block layout (kernels/quant.py): each tile, 16 rows x 64 values, is 1 KiB in one piece, so the
- * rows stream as one sequence even when they are short. */
+ * Rows shorter than INT8_BLOCKED_BELOW bytes are in the block layout (kernels/quant.py): each tile, 16 rows x 64
+ * values, is 1 KiB in one piece, so short rows stream as one sequence; longer rows are row-major, where the 16
+ * rows of a tile stream side by side (measured faster from 4 KiB rows up, slower at 2 KiB). */
+#define INT8_BLOCKED_BELOW 4096
 AMX_TARGET static void amx_rows32_int8(const int8_t *w, size_t rb, const float *s, int r0, int K, const uint8_t *hi,
                                        const uint8_t *lo, const float *xscale, int T, float *res, int ldr) {
     int32_t acc[4][16][16] __attribute__((aligned(64)));
-    const int8_t *a0 = w + (size_t)r0 * rb, *a1 = a0 + (size_t)16 * rb;
+    const int8_t *a0 = w + (size_t)r0 * rb, *a1 = a0 + (size_t)16 * rb;  /* both layouts: 16 rows from here */
+    const int blocked = rb < INT8_BLOCKED_BELOW;
+    const size_t step = blocked ? 1024 : 64, stride = blocked ? 64 : rb;  /* chunk c of the 16 rows; row stride */
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int c = 0; c < K / 64; c++) {
-        _tile_loadd(4, a0 + (size_t)c * 1024, 64);
-        _tile_loadd(5, a1 + (size_t)c * 1024, 64);
+        _tile_loadd(4, a0 + (size_t)c * step, stride);
+        _tile_loadd(5, a1 + (size_t)c * step, stride);
         _tile_loadd(6, hi + (size_t)c * 1024, 64);
         _tile_loadd(7, lo + (size_t)c * 1024, 64);
         _tile_dpbssd(0, 4, 6);
