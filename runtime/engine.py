@@ -184,8 +184,7 @@ class Engine:
                 target[j] = next(free)
                 copies.append((target[j], src))
         if copies:  # sources are kept rows or rows past n: none of them is overwritten here
-            dst, src = torch.tensor(copies).T  # [m], [m]
-            self.model.cache.copy_rows(dst, src, length)
+            self.model.cache.copy_rows(copies, length)
         new_rows: list[list[int]] = [[] for _ in range(n)]
         scores = torch.empty(n)
         for j, (s, src, tok) in enumerate(alive):
