@@ -9,8 +9,8 @@ that read them (int8 only when its rows are shorter than INT8_BLOCKED_BELOW byte
 BLOCK_ROWS, each block stored as 64-byte pieces of its rows' bytes, BLOCK_ROWS rows x 64 bytes after one another
 (int4 scales likewise: per block, per group, the block's scales side by side; int8 keeps one scale per row). An
 int8 tile (16 rows x 64 values) is then one 1 KiB piece, the one-token int4 kernel reads one sequential stream,
-and the int4 tile kernel (32 rows, one group at a time)
-two. Widths must be multiples of 64 values (int8) or 128 (int4).
+and the int4 tile kernel (32 rows, one group at a time) two. Widths must be multiples of 64 values (int8) or 128
+(int4).
 """
 
 from __future__ import annotations
