@@ -128,8 +128,9 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
     later: list[dict[str, Any]] = []  # points for a child-process peer, run after Tandem's rows
     _touch_every_expert(loaded)
     _tandem(loaded, engine_for, bench_prompt_ids(loaded.tokenizer, 16), 4, 1)  # warm-up
-    # DRAM bandwidth, before and after Tandem's rows (the best of both: just after a load the OS may still be
-    # reclaiming memory, which measured here as 25 instead of 32 GB/s)
+    # DRAM bandwidth: probed before Tandem's rows, before each decode row and after them all; the best counts (the
+    # probe alone moves between 25 and 33 GB/s here from one minute to the next, on a shared machine, and just
+    # after a load while the OS reclaims memory)
     probes = [dram_bandwidth(torch.get_num_threads(), 2**30)] if model.accel is None else []
     for scenario in scenarios:
         for point in grid[scenario]:
@@ -138,6 +139,8 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
             if n_in + n_out >= model.context:
                 continue
             prompt = bench_prompt_ids(loaded.tokenizer, n_in)
+            if scenario == "decode" and probes:
+                probes.append(dram_bandwidth(torch.get_num_threads(), 2**30))
             ours = _tandem(loaded, engine_for, prompt, n_out, beams)
             if scenario == "prefill":  # throughput of the prompt itself: input tokens per second of TTFT
                 ours["tok_s"] = n_in / ours["ttft_s"] if ours["ttft_s"] else 0.0
