@@ -118,8 +118,10 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
         in_child = peer_process == "child" or (peer_process == "auto" and not fits)
         if not in_child:
             ref = _load_peer(loaded.checkpoint.path, model.dtype)
-    item = model.dtype.itemsize
-    expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * item
+    layer_experts = next(iter(model.experts.cpu_experts.values()), [])
+    # one expert's bytes as the kernels read them: the file's dtype, or quantized (int8, int4 with their scales)
+    expert_bytes = layer_experts[0].nbytes if layer_experts else \
+        3 * cfg.hidden_size * cfg.moe_intermediate_size * model.dtype.itemsize
     dense_bytes = sum(t.numel() * t.element_size() for t in (model.embed[:1], model.norm, model.lm_head))
     dense_bytes += sum(sum(w.numel() * w.element_size() for w in (a.qkv, a.o))
                        for a in (layer.attn for layer in model.layers))

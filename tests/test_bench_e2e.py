@@ -10,6 +10,7 @@ import pytest
 
 from app.bench_e2e import bench_e2e, peer_fits_beside, plot
 from app.cli import main
+from kernels.cpu import CpuOptions
 from runtime.errors import TandemError
 from runtime.loader import load
 
@@ -28,6 +29,18 @@ def test_rows_for_every_scenario_with_the_peer(mixtral_dir: Path) -> None:
         assert r["tandem_tok_s"] > 0 and r["peer_tok_s"] > 0 and r["ratio"] > 0
     assert 0 < rows["decode"]["roofline"] and rows["decode"]["bytes_per_token"] > 0
     assert rows["beam"]["beams"] == 3 and "ttft_ratio" in rows["prefill"]
+
+
+def test_bytes_per_token_count_the_experts_as_stored(mixtral_dir: Path) -> None:
+    # the roofline's numerator: quantized experts are read as int8 (plus scales), not in the compute dtype
+    per_token, expert = {}, {}
+    for quant in (None, "int8"):
+        loaded = load(mixtral_dir, dtype="fp32", context=64, cpu=CpuOptions(quant=quant))
+        per_token[quant] = bench_e2e(loaded, ["decode"], grid={"decode": [(8, 4)]})["rows"][0]["bytes_per_token"]
+        expert[quant] = next(iter(loaded.model.experts.cpu_experts.values()))[0].nbytes
+    cfg = loaded.model.cfg
+    assert expert["int8"] < expert[None] / 3  # float32 file weights: 4 bytes each, against 1 plus a scale per row
+    assert per_token[None] - per_token["int8"] == cfg.num_moe_layers * cfg.top_k * (expert[None] - expert["int8"])
 
 
 def test_the_peer_runs_in_a_child_process_when_both_copies_would_not_fit(mixtral_dir: Path) -> None:
