@@ -229,7 +229,6 @@ class Dispatcher:
         logits = self.linear(x, block.router)  # [T, E]
         weights, ids = route(logits, block.rule)  # [T, K], [T, K]
         counts = self.recorder.record(layer, ids)  # [E] routings per expert
-        chosen = np.flatnonzero(counts).tolist()  # the experts this pass uses, in id order
         if self.accel is None:  # CPU only: every expert through the executor
             self.stats.misses += self.stats.count_all(layer, counts > 0, CPU)
             table = self.cpu_layers[layer]
@@ -237,13 +236,14 @@ class Dispatcher:
                 out = self.executor.run_layer(table, x, ids, weights).to(x.dtype)  # [T, H]
             else:
                 jobs = []
-                for e in chosen:
+                for e in np.flatnonzero(counts).tolist():  # the experts this pass uses, in id order
                     tok, slot = (ids == e).nonzero(as_tuple=True)  # [n], [n]
                     jobs.append(_Job(e, tok, slot, None, block.experts[e], self.cpu_experts[layer][e]))
                 out = self._cpu_combine(x, weights.to(x.dtype), jobs)
             if block.shared is not None:
                 out += block.shared(x)
             return out
+        chosen = np.flatnonzero(counts).tolist()  # the experts this pass uses, in id order
         weights = weights.to(x.dtype)
         if self.cache.policy is Policy.TRACE:
             for e in chosen:
