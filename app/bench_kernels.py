@@ -90,8 +90,10 @@ def _experts(h: int, i: int, dtype: str, threads: int, working_set: int, at_leas
     if dtype == "int8":
         mm = torch.ops.aten._weight_int8pack_mm
 
-        def int8(k: int, x: torch.Tensor) -> torch.Tensor:
-            g, u, d = ours[k].gate, ours[k].up, ours[k].down
+        plain = [[m.row_major() for m in (e.gate, e.up, e.down)] for e in ours]  # type: ignore[union-attr]
+
+        def int8(k: int, x: torch.Tensor) -> torch.Tensor:  # torch's kernel reads the row-major layout
+            g, u, d = plain[k]
             a = F.silu(mm(x, g.data, g.scales.to(x.dtype))) * mm(x, u.data, u.scales.to(x.dtype))  # type: ignore
             return mm(a, d.data, d.scales.to(x.dtype))  # type: ignore[union-attr]
         return ours, int8

@@ -5,7 +5,8 @@ streams each weight row once for all tokens. Many tokens (prefill): torch's matr
 compute-bound and good at it. Weights are used where they lie (read into RAM or memory-mapped by the loader,
 file dtype: no re-layout),
 unless quantization is asked for, which happens once when the expert is prepared (for AMX the quantized
-matrices are then also laid out in row blocks, see `kernels/quant.py`). Quantized experts stay on the kernel for
+matrices are then laid out as its kernels read them: row blocks, or row-major for long int8 rows, see
+`kernels/quant.py`). Quantized experts stay on the kernel for
 longer prompts too, a chunk of tokens at a time.
 
 Letters: n tokens, H hidden size, I expert width.
@@ -161,6 +162,7 @@ class CpuExpert:
     down: torch.Tensor | QuantizedMatrix  # [H, I]
     kind: object  # a torch dtype, "int8" or "int4"
     executor: CpuExecutor
+    amx_layout: bool = False  # quantized and laid out for the AMX kernels: only they (or torch, converted) read it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
         return self.executor.run(self, x)
@@ -168,10 +170,6 @@ class CpuExpert:
     def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         mats = (self.gate, self.up, self.down)
         return tuple(w.dequantize(dtype) if isinstance(w, QuantizedMatrix) else w.to(dtype) for w in mats)  # type: ignore
-
-    @property
-    def blocked(self) -> bool:
-        return any(isinstance(m, QuantizedMatrix) and m.blocked for m in (self.gate, self.up, self.down))
 
     @property
     def nbytes(self) -> int:
@@ -218,7 +216,7 @@ class CpuExecutor:
             have = ", ".join(self.isas) or "none"
             raise ValueError(f"kernel variant {isa!r} is not available here (available: {have})")
         self.forced_isa = isa
-        self._isa_cache: dict[tuple[object, int, bool], str | None] = {}  # (kind, tokens, blocked) -> variant
+        self._isa_cache: dict[tuple[object, int, bool], str | None] = {}  # (kind, tokens, amx_layout) -> variant
         self._slots: list[_Slot] = []  # per expert of one call: buffers and arguments, grown on demand
         self._batch = (_Args * 0)()
         self._moe: tuple[_MoeArgs, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # run_layer's buffers
@@ -235,24 +233,25 @@ class CpuExecutor:
         if self.quant in QUANT_KINDS:
             g = self.group
             mats = [quantize_int8(w) if self.quant == "int8" else quantize_int4(w, g) for w in (gate, up, down)]
-            if self.forced_isa in (None, "amx") and self.amx_serves(self.quant):
+            amx = self.forced_isa in (None, "amx") and self.amx_serves(self.quant)
+            if amx:
                 mats = [m.amx_layout() for m in mats]  # the layouts the AMX kernels read
-            return CpuExpert(*mats, self.quant, self)
+            return CpuExpert(*mats, self.quant, self, amx_layout=amx)
         if gate.dtype not in KINDS:
             raise ValueError(f"expert weights of dtype {gate.dtype} are not supported")
         gate, up, down = (w.contiguous() for w in (gate, up, down))  # memory-mapped weights already are
         return CpuExpert(gate, up, down, gate.dtype, self)
 
     def isa_for(self, expert: CpuExpert, tokens: int = 1) -> str | None:
-        key = (expert.kind, tokens, expert.blocked)
+        key = (expert.kind, tokens, expert.amx_layout)
         if key not in self._isa_cache:  # the decode hot path asks this for every expert call
-            self._isa_cache[key] = self._choose_isa(expert.kind, tokens, expert.blocked)
+            self._isa_cache[key] = self._choose_isa(expert.kind, tokens, expert.amx_layout)
         return self._isa_cache[key]
 
-    def _choose_isa(self, kind: object, tokens: int, blocked: bool) -> str | None:
+    def _choose_isa(self, kind: object, tokens: int, amx_layout: bool) -> str | None:
         if self.lib is None:
             return None
-        if blocked:  # the block layout is AMX's alone
+        if amx_layout:  # laid out for the AMX kernels alone
             return "amx" if "amx" in self.isas and tokens <= AMX_CROSSOVER else None
         isas = [i for i in self.isas if i not in BF16_ONLY]
         if kind == torch.bfloat16 and self.inter % 2 == 0:  # vdpbf16ps takes rows in pairs
@@ -268,7 +267,7 @@ class CpuExecutor:
         n = x.shape[0]
         if n == 0:
             return x.new_zeros(0, self.hidden)
-        step = min(self.crossover, AMX_CROSSOVER) if expert.blocked else self.crossover  # tokens per kernel call
+        step = min(self.crossover, AMX_CROSSOVER) if expert.amx_layout else self.crossover  # tokens per kernel call
         isa = self.isa_for(expert, min(n, step))
         if isa is not None and n <= step:
             return self._run_kernel(expert, x, isa).to(x.dtype)

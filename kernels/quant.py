@@ -34,7 +34,7 @@ class QuantizedMatrix:
     scales: torch.Tensor  # float32 [rows] | [rows, cols / group]
     cols: int
     group: int = 0
-    blocked: bool = False  # True: the AMX kernel's 32-row block layout (see the module docstring)
+    blocked: bool = False  # True: the AMX kernels' block layout of BLOCK_ROWS rows (see the module docstring)
 
     def blocked_layout(self) -> QuantizedMatrix:
         """This matrix in row blocks of 64-byte pieces (rows a multiple of BLOCK_ROWS; row bytes of 64)."""

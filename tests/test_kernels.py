@@ -93,22 +93,40 @@ def test_quantized_amx_experts_serve_long_prompts(quant: str, tokens: int) -> No
     gate, up, down = weights(h, i, torch.float32)
     executor = CpuExecutor(h, i, torch.bfloat16, threads=2, quant=quant, group=64)
     expert = executor.prepare(gate, up, down)
-    assert executor.isa_for(expert, 16) == "amx" and expert.blocked  # AMX reads the block layout
+    assert executor.isa_for(expert, 16) == "amx" and expert.amx_layout  # laid out for AMX
     x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(3)).bfloat16()
     assert rel_err(expert(x), reference(x, *expert.dense(torch.float32))) < 2e-2
 
 
 @pytest.mark.skipif("amx" not in ISAS, reason="this CPU (or kernel) has no AMX tiles")
-@pytest.mark.parametrize(("h", "i"), [(4096, 64), (128, 4096)])  # long gate/up rows, or long down rows
+@pytest.mark.parametrize(("h", "i", "layouts"), [
+    (4096, 64, ("rows", "blocks")),  # gate/up rows of INT8_BLOCKED_BELOW bytes stay row-major, down rows of 64 not
+    (128, 4096, ("blocks", "rows")),
+    (3072, 64, ("blocks", "blocks")),  # just under the threshold: the kernel must agree on which is which
+    (4096, 4096, ("rows", "rows")),
+])
 @pytest.mark.parametrize("tokens", [1, 5, 16])
-def test_int8_amx_reads_long_rows_row_major_and_short_ones_in_blocks(h: int, i: int, tokens: int) -> None:
+def test_int8_amx_layouts_by_row_length_match_the_reference(h: int, i: int, layouts, tokens: int) -> None:
     gate, up, down = weights(h, i, torch.float32)
     executor = CpuExecutor(h, i, torch.bfloat16, threads=2, quant="int8")
     expert = executor.prepare(gate, up, down)
-    long_in = h >= INT8_BLOCKED_BELOW  # gate and up rows are h bytes, down rows i
-    assert (expert.gate.blocked, expert.up.blocked, expert.down.blocked) == (not long_in, not long_in, long_in)
-    assert expert.blocked and executor.isa_for(expert, tokens) == "amx"
+    got = tuple("blocks" if m.blocked else "rows" for m in (expert.gate, expert.up, expert.down))
+    assert got == (layouts[0], layouts[0], layouts[1])
+    assert expert.amx_layout and executor.isa_for(expert, tokens) == "amx"
     x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+    assert rel_err(expert(x), reference(x, *expert.dense(torch.float32))) < 2e-2
+
+
+@pytest.mark.skipif("amx" not in ISAS, reason="this CPU (or kernel) has no AMX tiles")
+def test_row_major_int8_experts_stay_on_amx_for_long_prompts() -> None:
+    # nothing of this expert is in blocks, yet it was laid out for AMX: with a crossover above what one AMX call
+    # takes, 40 tokens still go through AMX in chunks of 16 (not the far slower AVX-512 int8 rows)
+    h = i = INT8_BLOCKED_BELOW
+    executor = CpuExecutor(h, i, torch.bfloat16, threads=2, quant="int8", crossover=32)
+    expert = executor.prepare(*weights(h, i, torch.float32))
+    assert not any(m.blocked for m in (expert.gate, expert.up, expert.down))
+    assert executor.isa_for(expert, 32) is None and executor.isa_for(expert, 16) == "amx"
+    x = torch.randn(40, h, generator=torch.Generator().manual_seed(40)).bfloat16()
     assert rel_err(expert(x), reference(x, *expert.dense(torch.float32))) < 2e-2
 
 
@@ -266,7 +284,8 @@ def test_one_token_experts_of_a_layer_each_read_their_own_token(dtype, quant: st
     path = "amx" if dtype == torch.bfloat16 else "avx512"  # the path under test
     if path not in ISAS:
         pytest.skip(f"{path} is not available here")
-    h, i = 256, 132 if quant == "" and dtype != torch.bfloat16 else 128  # 132: rows left over after the fours
+    # 130: two rows left over after the four-row kernel, and two values after the last 16 in each down row
+    h, i = 256, 130 if quant == "" and dtype != torch.bfloat16 else 128
     executor = CpuExecutor(h, i, dtype, threads=2, quant=quant or None, isa=isa)
     stored = torch.float32 if quant else dtype  # weights in the compute dtype, or quantized from float32
     experts = [executor.prepare(*weights(h, i, stored, seed=s)) for s in range(6)]

@@ -848,8 +848,8 @@ static void experts_int4_vnni(const tk_args *a, int n) {
 }
 
 /* bf16 or int4 rows [r0, r0 + 32) of W [*, K] against packed bf16 activations: res[t * ldr + r] for t < T.
- * bf16 weights are tile-loaded straight from the row-major matrix. int4 weights (32-row block layout, read
- * as one sequential stream) are converted to bf16 in L1 one group ahead, into the other half of a double
+ * bf16 weights are tile-loaded straight from the row-major matrix. int4 weights (block layout: the 32 rows are
+ * two blocks, each read as one sequential stream) are converted to bf16 in L1 one group ahead, into the other half of a double
  * buffer, while the tiles multiply the current group; the conversion is shared by all tokens. */
 AMX_TARGET static void amx_rows32(int kind, const void *wv, size_t rb, const float *s, int group, int r0, int K,
                                   const uint16_t *xp, int T, float *res, int ldr) {
