@@ -3,11 +3,10 @@
 Few tokens (decode, beams, short prompts; up to `crossover`): the compiled kernel in `csrc/expert.c`, which
 streams each weight row once for all tokens. Many tokens (prefill): torch's matrix multiply, which is
 compute-bound and good at it. Weights are used where they lie (read into RAM or memory-mapped by the loader,
-file dtype: no re-layout),
-unless quantization is asked for, which happens once when the expert is prepared (for AMX the quantized
-matrices are then laid out as its kernels read them: row blocks, or row-major for long int8 rows, see
-`kernels/quant.py`). Quantized experts stay on the kernel for
-longer prompts too, a chunk of tokens at a time.
+file dtype: no re-layout), unless quantization is asked for, which happens once when the expert is prepared (for
+AMX the quantized matrices are then laid out as its kernels read them: row blocks, or row-major for long int8
+rows, see `kernels/quant.py`). Quantized experts stay on the kernel for longer prompts too, a chunk of tokens at
+a time.
 
 Letters: n tokens, H hidden size, I expert width.
 """
@@ -139,6 +138,11 @@ class CpuOptions:
     resident: bool | None = None  # read the weights into RAM at load (they stream faster from there than from the
     # memory map); None: the loader decides by the RAM available
 
+    @property
+    def experts_in_ram(self) -> bool:
+        """Whether unquantized experts are read into RAM (quantized ones are RAM copies whatever this says)."""
+        return bool(self.resident) and self.quant is None
+
     def executor(self, hidden: int, inter: int, compute_dtype: torch.dtype) -> CpuExecutor:
         return CpuExecutor(hidden, inter, compute_dtype, self.threads, self.crossover, self.quant, self.group,
                            self.isa, self.use_kernel)
@@ -150,7 +154,7 @@ class CpuOptions:
             return params + (2 * inter + hidden) * 4
         if self.quant == "int4":
             return params // 2 + params // self.group * 4
-        return params * stored if self.resident else 0
+        return params * stored if self.experts_in_ram else 0
 
 
 @dataclass(frozen=True)

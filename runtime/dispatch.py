@@ -123,7 +123,7 @@ class Dispatcher:
         self.linear = linear  # for the routers (the model's dense-matrix path)
         # Every expert that runs on the CPU runs through the kernels' executor (quantized here if asked).
         self.executor = (cpu or CpuOptions()).executor(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
-        self.resident = bool(cpu and cpu.resident)  # experts read into RAM (else memory-mapped)
+        self.resident = bool(cpu and cpu.experts_in_ram)  # experts read into RAM (else memory-mapped or quantized)
         self.cpu_experts: dict[int, list[CpuExpert]] = {
             layer: [self.executor.prepare(w.gate, w.up, w.down) for w in block.experts]
             for layer, block in blocks.items()

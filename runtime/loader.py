@@ -161,8 +161,7 @@ def load(
     if cpu.resident is None:  # unquantized experts into RAM when they fit with room to spare
         in_ram = estimate_memory(ckpt, torch_dtype, ctx, batch, replace(cpu, resident=True)).total
         cpu = replace(cpu, resident=cpu.quant is None and resident_fits(in_ram, available))
-    check_memory(estimate_memory(ckpt, torch_dtype, ctx, batch, cpu), available, force,
-                 bool(cpu.resident and cpu.quant is None))
+    check_memory(estimate_memory(ckpt, torch_dtype, ctx, batch, cpu), available, force, cpu.experts_in_ram)
     tokenizer = Tokenizer.from_folder(ckpt.path)
     accel = make_accelerator(accelerator, vram_gb)
     try:

@@ -205,9 +205,8 @@ class MoEModel:
         embed = w("model.embed_tokens.weight")
         lm_head = embed if cfg.tie_word_embeddings else w("lm_head.weight")
         # Last, as the longest step when they are read into RAM: whatever does not fit has failed by now.
-        resident = bool(cpu and cpu.resident and not cpu.quant)  # quantized experts are RAM copies anyway
         moe = [i for i in range(cfg.num_layers) if cfg.sparse_layers[i]]
-        for i, experts in routed_experts(ckpt, moe, resident, progress).items():
+        for i, experts in routed_experts(ckpt, moe, bool(cpu and cpu.experts_in_ram), progress).items():
             layers[i].ffn.experts.extend(experts)  # type: ignore[union-attr]
         return cls(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, context, batch, accel, policy, cpu)
 

@@ -808,10 +808,22 @@ VNNI_TARGET static void int4_vnni_rows16(const uint8_t *w, size_t rb, const floa
     for (int i = 0; i < 16; i++) res[r0 + i] = _mm512_reduce_add_ps(acc[i]) * xscale;
 }
 
+/* Inside a parallel region, the SwiGLU phase of n experts: each one's act [tokens, 2I] (gate then up per token)
+ * in place, split across threads in blocks of 512 values (AVX-512). */
+static inline void experts_swiglu(const tk_args *a, int n) {
+    const int I = a->inter, blocks = (I + 511) / 512;
+    #pragma omp for schedule(static)
+    for (int j = 0; j < n * 16 * blocks; j++) {
+        const tk_args *e = a + j / (16 * blocks);
+        const int t = j % (16 * blocks) / blocks, lo = j % blocks * 512, hi = lo + 512 < I ? lo + 512 : I;
+        if (t < e->tokens) swiglu512(e->act + (size_t)t * 2 * I, I, lo, hi);
+    }
+}
+
 /* n one-token int4 experts of one layer in one parallel region (one alone: n = 1), phase by phase like
  * experts_amx: pack each input, gate and up rows of all, SwiGLU, pack each activation, down rows of all. */
 static void experts_int4_vnni(const tk_args *a, int n) {
-    const int H = a->hidden, I = a->inter, g = a->group, swi_blocks = (I + 511) / 512;
+    const int H = a->hidden, I = a->inter, g = a->group;
     const size_t in_row = (size_t)H / 2, down_row = (size_t)I / 2;
     float xscale[AMX_BATCH], inv[AMX_BATCH];  /* each token's fixed-point scale */
     #pragma omp parallel num_threads(a->threads)
@@ -828,11 +840,7 @@ static void experts_int4_vnni(const tk_args *a, int n) {
             int4_vnni_rows16(is_up ? e->up : e->gate, in_row, is_up ? e->up_scale : e->gate_scale, g, r0, H,
                              (const int16_t *)e->xb, xscale[j / (2 * I / 16)], e->act + (is_up ? I : 0));
         }
-        #pragma omp for schedule(static)
-        for (int j = 0; j < n * swi_blocks; j++) {
-            const int lo = j % swi_blocks * 512;
-            swiglu512(a[j / swi_blocks].act, I, lo, lo + 512 < I ? lo + 512 : I);
-        }
+        experts_swiglu(a, n);
         #pragma omp for schedule(static)
         for (int e = 0; e < n; e++) {
             token_scales(a[e].act, I, 1, I, &xscale[e], &inv[e]);
@@ -849,8 +857,8 @@ static void experts_int4_vnni(const tk_args *a, int n) {
 
 /* bf16 or int4 rows [r0, r0 + 32) of W [*, K] against packed bf16 activations: res[t * ldr + r] for t < T.
  * bf16 weights are tile-loaded straight from the row-major matrix. int4 weights (block layout: the 32 rows are
- * two blocks, each read as one sequential stream) are converted to bf16 in L1 one group ahead, into the other half of a double
- * buffer, while the tiles multiply the current group; the conversion is shared by all tokens. */
+ * two blocks, each read as one sequential stream) are converted to bf16 in L1 one group ahead, into the other
+ * half of a double buffer, while the tiles multiply the current group; the conversion is shared by all tokens. */
 AMX_TARGET static void amx_rows32(int kind, const void *wv, size_t rb, const float *s, int group, int r0, int K,
                                   const uint16_t *xp, int T, float *res, int ldr) {
     float tmp[2][16][16] __attribute__((aligned(64)));
@@ -950,7 +958,6 @@ AMX_TARGET static void experts_amx(const tk_args *a, int n) {
     const int H = a->hidden, I = a->inter, kind = a->kind, g = a->group;
     const size_t in_row = row_bytes(kind, H, g), down_row = row_bytes(kind, I, g);
     const int step = kind == K_INT8 ? 64 : 32, gate_blocks = I / 32, down_blocks = H / 32;
-    const int swi_blocks = (I + 511) / 512;
     float xscale[AMX_BATCH][16], inv[AMX_BATCH][16];  /* int8: per-token fixed-point scales */
     #pragma omp parallel num_threads(a->threads)
     {
@@ -974,12 +981,7 @@ AMX_TARGET static void experts_amx(const tk_args *a, int n) {
             amx_rows(kind, is_up ? e->up : e->gate, in_row, is_up ? e->up_scale : e->gate_scale, g, r0, H, e->xb,
                      xscale[j / (2 * gate_blocks)], e->tokens, e->act + (is_up ? I : 0), 2 * I);
         }
-        #pragma omp for schedule(static)
-        for (int j = 0; j < n * 16 * swi_blocks; j++) {
-            const tk_args *e = a + j / (16 * swi_blocks);
-            const int t = j % (16 * swi_blocks) / swi_blocks, lo = j % swi_blocks * 512, hi = lo + 512 < I ? lo + 512 : I;
-            if (t < e->tokens) swiglu512(e->act + (size_t)t * 2 * I, I, lo, hi);
-        }
+        experts_swiglu(a, n);
         if (kind == K_INT8) {
             #pragma omp for schedule(static)
             for (int e = 0; e < n; e++) token_scales(a[e].act, 2 * I, a[e].tokens, I, xscale[e], inv[e]);
