@@ -9,7 +9,7 @@ import pytest
 
 from app.tui import TandemApp
 from app.widgets import Composer
-from tests.test_tui import FakeBackend, TunableFake, fake_tune, wait_until
+from tests.test_tui import FakeBackend, TunableFake, fake_tune, wait_for_screen, wait_until
 
 SIZE = (100, 30)
 
@@ -60,7 +60,7 @@ def test_wizard(snap_compare) -> None:
     from app.wizard import WizardScreen
 
     async def run(pilot) -> None:
-        await wait_until(pilot, lambda: isinstance(pilot.app.screen, WizardScreen))
+        await wait_for_screen(pilot, pilot.app, WizardScreen)
         await pilot.pause()
 
     assert snap_compare(TandemApp(lambda _: TunableFake(), tune=fake_tune), terminal_size=SIZE, run_before=run)

@@ -52,6 +52,12 @@ async def wait_until(pilot, condition, timeout: float = 10.0) -> None:
         await pilot.pause(0.02)
 
 
+async def wait_for_screen(pilot, app, kind: type, timeout: float = 10.0):
+    """Wait until a screen of this kind is on top *and* composed (it is on top before its widgets exist)."""
+    await wait_until(pilot, lambda: isinstance(app.screen, kind) and app.screen.is_mounted, timeout)
+    return app.screen
+
+
 async def press(pilot, *keys: str) -> None:
     """Press keys and let the app settle (screens push and pop between key presses)."""
     await pilot.press(*keys)
@@ -189,7 +195,7 @@ async def test_with_the_real_runtime(mixtral_dir: Path) -> None:
 
         from app.wizard import WizardScreen
 
-        await wait_until(pilot, lambda: isinstance(app.screen, WizardScreen))  # no profile yet: offered
+        await wait_for_screen(pilot, app, WizardScreen)  # no profile yet: offered
         app.screen.query_one("#skip", Button).press()
         await pilot.pause()
         await ask(pilot, app, "Hello")
@@ -266,7 +272,8 @@ async def test_picker_lists_a_models_folder_and_a_broken_model_keeps_the_app_ali
         tiny = next(e for e in picker.entries if e.name == "tiny-olmoe")
         assert tiny.family == "OLMoE" and tiny.experts == 8 and tiny.params > 0 and tiny.fits
         picker.dismiss(next(e for e in picker.entries if e.name == "broken"))
-        await wait_until(pilot, lambda: isinstance(app.screen, PickerScreen) and app.screen is not picker)
+        await wait_until(pilot, lambda: isinstance(app.screen, PickerScreen) and app.screen is not picker
+                         and app.screen.is_mounted)
         assert "not a valid safetensors" in str(app.screen.query_one("#picker-error").render())
         assert app.is_running and app.backend is not None  # the previous model is still loaded
 
@@ -306,7 +313,7 @@ async def test_first_run_wizard_tunes_and_saves_a_profile(tandem_home: Path) -> 
 
     app = TandemApp(lambda _: TunableFake(), tune=fake_tune)
     async with app.run_test(size=(100, 30)) as pilot:
-        await wait_until(pilot, lambda: isinstance(app.screen, WizardScreen))
+        await wait_for_screen(pilot, app, WizardScreen)
         wizard = app.screen
         wizard.query_one("#start", Button).press()
         await wait_until(pilot, lambda: not wizard.query_one("#save", Button).disabled)
@@ -369,7 +376,7 @@ async def test_after_skipping_the_wizard_typing_goes_to_the_composer(tandem_home
 
     app = TandemApp(lambda _: TunableFake(words=3), tune=fake_tune)
     async with app.run_test() as pilot:
-        await wait_until(pilot, lambda: isinstance(app.screen, WizardScreen))
+        await wait_for_screen(pilot, app, WizardScreen)
         await pilot.press("escape")  # Escape skips the wizard (and closes any dialog)
         await wait_until(pilot, lambda: not isinstance(app.screen, WizardScreen))
         await pilot.press("h", "i", "enter")
