@@ -673,8 +673,13 @@ AMX_TARGET static void token_scales(const float *x, int ldx, int T, int K, float
 /* int8 rows [r0, r0 + 32) of W [*, K] (K a multiple of 64): res[t * ldr + r] = row scale * token scale * W.x.
  * Rows shorter than INT8_BLOCKED_BELOW bytes are in the block layout (kernels/quant.py): each tile, 16 rows x 64
  * values, is 1 KiB in one piece, so short rows stream as one sequence; longer rows are row-major, where the 16
- * rows of a tile stream side by side (measured faster from 4 KiB rows up, slower at 2 KiB). */
+ * rows of a tile stream side by side (measured faster from 4 KiB rows up, slower at 2 KiB). The two 16-row
+ * blocks are short streams that cross pages often: prefetching their tiles a little ahead measured 5-8 % faster
+ * on 2048x768 experts (on row-major rows it measured slower). */
 #define INT8_BLOCKED_BELOW 4096
+#ifndef INT8_BLOCK_PREFETCH
+#define INT8_BLOCK_PREFETCH 1024
+#endif
 AMX_TARGET static void amx_rows32_int8(const int8_t *w, size_t rb, const float *s, int r0, int K, const uint8_t *hi,
                                        const uint8_t *lo, const float *xscale, int T, float *res, int ldr) {
     int32_t acc[4][16][16] __attribute__((aligned(64)));
@@ -685,7 +690,16 @@ AMX_TARGET static void amx_rows32_int8(const int8_t *w, size_t rb, const float *
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
+    const size_t block = (size_t)16 * rb;  /* blocked: bytes of one 16-row block */
     for (int c = 0; c < K / 64; c++) {
+        if (blocked) {  /* each block's next tiles, INT8_BLOCK_PREFETCH bytes ahead (past the end: the next rows') */
+            const size_t off = (size_t)c * 1024 + INT8_BLOCK_PREFETCH;
+            const char *p = (const char *)a0 + (off < block ? off : off + block);
+            for (int i = 0; i < 16; i++) {
+                _mm_prefetch(p + i * 64, _MM_HINT_T0);
+                _mm_prefetch(p + block + i * 64, _MM_HINT_T0);
+            }
+        }
         _tile_loadd(4, a0 + (size_t)c * step, stride);
         _tile_loadd(5, a1 + (size_t)c * step, stride);
         _tile_loadd(6, hi + (size_t)c * 1024, 64);
