@@ -48,7 +48,7 @@ VARIANTS = [(isa, w) for isa in ISAS for w in (torch.float32, torch.bfloat16, to
 
 @needs_kernels
 @pytest.mark.parametrize("isa, wdtype", VARIANTS)
-@pytest.mark.parametrize("shape", [(64, 32), (96, 80), (130, 66), (70, 33), (256, 192)])  # odd sizes too
+@pytest.mark.parametrize("shape", [(64, 32), (96, 80), (130, 66), (70, 33), (115, 51), (256, 192)])  # odd sizes too
 @pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8])
 def test_every_variant_matches_the_reference(isa: str, wdtype: torch.dtype, shape, tokens: int) -> None:
     h, i = shape
