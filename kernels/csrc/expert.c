@@ -729,7 +729,6 @@ AMX_TARGET static void amx_rows32_int8(const int8_t *w, size_t rb, const float *
 
 #define AMX_BATCH 64  /* experts per region at most (their per-token scales live on the stack) */
 #define INT4_BLOCK_ROWS 16  /* rows per block of the quantized layout: must equal kernels/quant.py BLOCK_ROWS */
-#define AMX4_PREFETCH 4096  /* bytes ahead in each block's stream; measured here */
 
 /* int4 piece p (group p) of rows r0..r0+31 as group/32 chunks of two bf16 tiles each. Each row's group scale
  * is folded into a 16-entry table, bf16(q * scale) for q = -8..7 (the rounding of dequantizing to bf16), that
@@ -753,8 +752,10 @@ AMX_TARGET static inline void int4_piece(const uint8_t *w, size_t rb, const floa
             sp = s0 + (size_t)(i / R) * ngroups * R;
         }
         const float scale = *sp;
-        /* measured: the prefetchers alone keep too few lines in flight for these streams; 4 KB ahead helps */
-        if (o % 64 == 0) _mm_prefetch((const char *)q + AMX4_PREFETCH, _MM_HINT_T0);
+        /* the prefetchers alone keep too few lines in flight for these streams: each line of the next 32 rows
+         * (the call after this one) is asked for here. Measured against a fixed 4 KB ahead: 2048x768 experts at
+         * 8 tokens 8 % faster, 4096x14336 1-2 %. */
+        if (o % 64 == 0) _mm_prefetch((const char *)q + 32 * rb, _MM_HINT_T0);
         if (i % R == 0 && p % 2 == 0) _mm_prefetch((const char *)(sp + 512), _MM_HINT_T0);  /* scales */
         const __m512i lut = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(values, _mm512_set1_ps(scale))));
         if (group == 32) {
