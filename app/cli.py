@@ -20,7 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
     gen.add_argument("--model", default=None,
                      help="Hugging Face model folder (config.json + *.safetensors); default: the built-in model")
-    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("text", nargs="?", help="the prompt text (or --prompt); - reads it from standard input")
+    gen.add_argument("-p", "--prompt", default=None, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -347,14 +348,24 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prompt_text(text: str | None, prompt: str | None) -> str:
+    """The prompt, given either way (`-` as the text: read from standard input)."""
+    if (text is None) == (prompt is None):
+        raise TandemError("give the prompt once: tandem generate \"your prompt\" (or --prompt, or - to read stdin)")
+    given = text if text is not None else prompt
+    assert given is not None
+    return sys.stdin.read() if given == "-" else given
+
+
 def _generate(args: argparse.Namespace) -> int:
     from runtime.engine import GenerationStats
     from runtime.sampling import SamplingParams
     from runtime.tokenizer import StreamDecoder
 
+    text = _prompt_text(args.text, args.prompt)
     loaded = load_from_args(args, batch=args.beams)
     tok = loaded.tokenizer
-    prompt = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    prompt = tok.encode_chat([{"role": "user", "content": text}]) if args.chat else tok.encode(text)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed, beams=args.beams,

@@ -138,6 +138,22 @@ def test_prompt_longer_than_context(mixtral_dir: Path, capsys) -> None:
     assert code == 2 and "context holds 16" in err and "--context" in err
 
 
+def test_prompt_given_as_text_option_or_stdin(mixtral_dir: Path, capsys, monkeypatch) -> None:
+    import io
+
+    common = ["--model", str(mixtral_dir), "--max-new-tokens", "3", "--dtype", "fp32", "--json"]
+    outputs = []
+    for args in (["hello there"], ["--prompt", "hello there"], ["-"]):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("hello there"))
+        assert main(["generate", *args, *common]) == 0
+        out = json.loads(capsys.readouterr().out)
+        outputs.append((out["prompt_tokens"], out["tokens"]))
+    assert len(outputs[0][0]) > 1 and outputs[0] == outputs[1] == outputs[2]  # the same prompt each way
+    for args in ([], ["hi", "--prompt", "hi"]):
+        assert main(["generate", *args, *common]) == 2
+        assert "give the prompt once" in capsys.readouterr().err
+
+
 def test_context_beyond_model_limit(mixtral_dir: Path, capsys) -> None:
     code = main(["generate", "--model", str(mixtral_dir), "--prompt", "hi", "--context", "100000"])
     assert code == 2 and "exceeds" in capsys.readouterr().err
