@@ -37,6 +37,7 @@ class ChatBackend(Protocol):
     def stream(self, messages: list[dict[str, str]], params: SamplingParams) -> Iterator[str]: ...
     def usage(self) -> Usage: ...
     def activity(self) -> list[list[int]]: ...  # [layers][experts] activation counts of the last answer
+    def close(self) -> None: ...  # release its memory; it is not used afterwards
     # optional: where(): [layers][experts] -> "gpu" | "cpu" | "fetched" | "" (where each expert mostly ran)
 
 
@@ -83,6 +84,9 @@ class RuntimeBackend:
     def activity(self) -> list[list[int]]:
         rec = self.loaded.model.experts.recorder
         return (rec.prefill + rec.decode).tolist()
+
+    def close(self) -> None:
+        self.loaded.model.close()
 
     def where(self) -> list[list[str]]:
         """Where each expert mostly ran during the last answer: "gpu" (resident), "fetched", "cpu" or ""."""

@@ -30,7 +30,7 @@ from app.widgets import ChatMessage, Composer, ExpertHeatmap, StatusBar
 from app.wizard import WizardScreen, needs_tuning
 from autotune.microbench import Step
 from autotune.run import Tuned, autotune
-from runtime.errors import TandemError
+from runtime.errors import ResourceError, TandemError
 from runtime.sampling import SamplingParams
 
 REPAINT_S = 0.05
@@ -94,6 +94,7 @@ class TandemApp(App[None]):
         self.settings, self.settings_notice = load_settings()
         self.params = params or self.settings.params()
         self.backend: ChatBackend | None = None
+        self.loading = False
         self.conversations: list[Conversation] = []
         self.current = Conversation()
         self.answer: ChatMessage | None = None
@@ -126,13 +127,38 @@ class TandemApp(App[None]):
         self.show_conversation()
         self.load_model(self.model_path)
 
-    @work(thread=True, exclusive=True, group="model")
     def load_model(self, path: str | None, from_picker: bool = False) -> None:
-        self.call_from_thread(self.show_loading, f"loading {path or 'the built-in model'}…")
+        """Load in the background; the current model stays until the new one is ready, unless the two do not fit
+        in memory side by side: then the current one is let go first and the load tried once more. No answer
+        starts meanwhile."""
+        self.loading = True
+        self.load_worker(path, from_picker)
+
+    @work(thread=True, exclusive=True, group="model")
+    def load_worker(self, path: str | None, from_picker: bool) -> None:
+        name = path or "the built-in model"
+        self.call_from_thread(self.show_loading, f"loading {name}…")
         try:
-            self.post_message(ModelReady(self.load_backend(path)))
+            try:
+                backend = self.load_backend(path)
+            except ResourceError:
+                current = self.backend
+                if current is None or not self.call_from_thread(self.unload_model, f"unloaded {current.name} to "
+                                                                f"make room; loading {name}…"):
+                    raise
+                backend = self.load_backend(path)
+            self.post_message(ModelReady(backend))
         except TandemError as e:
             self.post_message(ModelFailed(str(e), from_picker))
+
+    def unload_model(self, text: str) -> bool:
+        """Let the current model go (its memory too), unless it is answering: False then."""
+        if self.generating or self.backend is None:
+            return False
+        old, self.backend = self.backend, None
+        old.close()
+        self.show_loading(text)
+        return True
 
     def show_loading(self, text: str, fraction: float | None = None) -> None:
         """The loading bar: indeterminate, or `fraction` done when the loader reports it."""
@@ -147,7 +173,10 @@ class TandemApp(App[None]):
 
     def on_model_ready(self, message: ModelReady) -> None:
         self.query_one("#loading", ProgressBar).display = False
-        self.backend = message.backend
+        self.loading = False
+        old, self.backend = self.backend, message.backend
+        if old is not None:  # released now rather than whenever it is collected (accelerator memory, RAM copies)
+            old.close()
         self.update_status()
         self.query_one(Composer).focus()
         target = getattr(self.backend, "tuning_target", None)
@@ -159,7 +188,7 @@ class TandemApp(App[None]):
     def action_tune(self) -> None:
         """The auto-tune wizard for the loaded model (offered on first run, or any time from the palette)."""
         target = getattr(self.backend, "tuning_target", None)
-        if target is None or self.generating:
+        if target is None or self.generating or self.loading:
             return
         path, dtype, _ = target()
 
@@ -172,7 +201,8 @@ class TandemApp(App[None]):
 
     def on_model_failed(self, message: ModelFailed) -> None:
         self.query_one("#loading", ProgressBar).display = False
-        if message.from_picker:  # back to the picker with the error; the current model stays loaded
+        self.loading = False
+        if message.from_picker:  # back to the picker with the error; the current model stays loaded (if it could)
             self.update_status()
             self.action_pick_model(message.error)
             return
@@ -261,10 +291,19 @@ class TandemApp(App[None]):
         self.notify(f"exported to {path}")
 
     # -- asking and answering -------------------------------------------------------------------
+    def ready_to_answer(self) -> bool:
+        """Whether an answer can start now (no answer running, a model loaded and none loading); says why not."""
+        if self.generating:
+            self.notify("an answer is still coming; Esc stops it")
+        elif self.loading:
+            self.notify("wait for the model")
+        elif self.backend is None:
+            self.notify("no model is loaded: Ctrl+O picks one")
+        return not (self.generating or self.loading or self.backend is None)
+
     @on(Composer.Submitted)
     def ask(self, event: Composer.Submitted) -> None:
-        if self.generating or self.backend is None:
-            self.notify("wait for the model" if self.backend is None else "an answer is still coming; Esc stops it")
+        if not self.ready_to_answer():
             return
         if not self.current.turns:
             self.current.title = event.text.splitlines()[0][:40]
@@ -329,7 +368,7 @@ class TandemApp(App[None]):
 
     def action_retry(self) -> None:
         """Ask the last question again (the previous answer is replaced)."""
-        if self.generating or not self.current.turns:
+        if not self.current.turns or not self.ready_to_answer():
             return
         if self.current.turns[-1].role == "assistant":
             self.current.turns.pop()

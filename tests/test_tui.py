@@ -25,10 +25,11 @@ class FakeBackend:
 
     name, family, placement = "fake-moe", "Mixtral", "CPU only · 2 threads · bf16"
 
-    def __init__(self, words: int = 12, delay: float = 0.0) -> None:
-        self.words, self.delay = words, delay
+    def __init__(self, words: int = 12, delay: float = 0.0, path: str | None = None) -> None:
+        self.words, self.delay, self.path = words, delay, path
         self.started = threading.Event()
         self.produced = 0
+        self.closed = False
 
     def stream(self, messages: list[dict[str, str]], params: SamplingParams) -> Iterator[str]:
         self.produced = 0
@@ -43,6 +44,9 @@ class FakeBackend:
 
     def activity(self) -> list[list[int]]:
         return [[3, 0, 1, 0, 0, 0, 2, 0], [0, 0, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 5]]
+
+    def close(self) -> None:
+        self.closed = True
 
 
 async def wait_until(pilot, condition, timeout: float = 10.0) -> None:
@@ -410,3 +414,53 @@ async def test_edit_the_last_message(tandem_home: Path) -> None:
         await pilot.press("enter")
         await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
         assert app.current.turns[0].content == "second try"
+
+
+class Memory:
+    """Fake loading with room for `room` models at a time ("huge" never fits); what was loaded, in order."""
+
+    def __init__(self, room: int) -> None:
+        self.room, self.loaded = room, []
+
+    def load(self, path: str | None) -> FakeBackend:
+        from runtime.errors import ResourceError
+
+        if path == "huge" or sum(not b.closed for b in self.loaded) >= self.room:
+            raise ResourceError(f"not enough RAM for {path}")
+        self.loaded.append(FakeBackend(words=2, path=path))
+        return self.loaded[-1]
+
+
+async def test_a_new_model_replaces_the_old_one_which_is_released() -> None:
+    memory = Memory(room=2)
+    app = TandemApp(memory.load)
+    async with app.run_test() as pilot:
+        await wait_until(pilot, lambda: app.backend is not None)
+        first = app.backend
+        app.load_model("second", from_picker=True)
+        assert app.loading
+        await wait_until(pilot, lambda: not app.loading)
+        assert app.backend.path == "second" and first.closed and not app.backend.closed
+
+
+async def test_a_model_that_fits_only_alone_unloads_the_current_one_first() -> None:
+    from app.picker import PickerScreen
+
+    memory = Memory(room=1)
+    app = TandemApp(memory.load)
+    async with app.run_test() as pilot:
+        await wait_until(pilot, lambda: app.backend is not None)
+        first = app.backend
+        app.load_model("second", from_picker=True)
+        await wait_until(pilot, lambda: not app.loading)
+        assert app.backend.path == "second" and first.closed  # tried beside it, then alone
+        second = app.backend
+        app.load_model("huge", from_picker=True)  # fits not even alone: no model left, the picker says why
+        await wait_for_screen(pilot, app, PickerScreen)
+        assert second.closed and app.backend is None and not app.loading
+        assert "not enough RAM for huge" in str(app.screen.query_one("#picker-error").render())
+        app.screen.dismiss(None)
+        await pilot.pause()
+        app.query_one("#composer").insert("hello")
+        await pilot.press("enter")
+        assert not app.current.turns and any("no model is loaded" in n.message for n in app._notifications)
