@@ -271,6 +271,8 @@ def test_a_whole_layer_in_one_call_matches_the_reference_moe(dtype, quant, isa, 
     assert rel_err(got, want) < 2e-2
     if dtype == torch.bfloat16:  # rounded once, from the float32 sum, as torch rounds
         assert torch.equal(got, executor._moe[2][:tokens].to(torch.bfloat16))
+        wide = torch.stack([x, x], dim=2).view(tokens, 2 * h)[:, ::2]  # the same x, not contiguous: copied first
+        assert not wide.is_contiguous() and torch.equal(executor.run_layer(layer, wide, ids, weights_), got)
     if tokens == 16:
         assert len(ids.unique()) > 64  # the two-round case really happened
 

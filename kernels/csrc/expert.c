@@ -1074,6 +1074,7 @@ typedef struct {
     char *arena;                         /* slots * tk_moe_slot_bytes(H, I) */
     tk_args proto;                       /* kind, isa, hidden, inter, threads, group of every expert call */
     uint16_t *out_bf16;                  /* NULL, or [T, H]: out rounded to bf16 as well (nearest even) */
+    const uint16_t *x_bf16;              /* NULL, or [T, H] bf16: read instead of x (no float copy made first) */
 } tk_moe_args;
 
 
@@ -1114,7 +1115,15 @@ int tk_moe(const tk_moe_args *m) {
         float *x = (float *)slot;
         a[n].x = x, a[n].out = x + 16 * (size_t)H, a[n].act = x + 32 * (size_t)H;
         a[n].xb = (uint16_t *)(a[n].act + 32 * (size_t)I);
-        for (int i = 0; i < c; i++) memcpy(x + (size_t)i * H, m->x + (size_t)rows[n][i] * H, sizeof(float) * H);
+        for (int i = 0; i < c; i++) {
+            float *dst = x + (size_t)i * H;
+            if (m->x_bf16) {
+                const uint16_t *src = m->x_bf16 + (size_t)rows[n][i] * H;
+                for (int h = 0; h < H; h++) dst[h] = bf16f(src[h]);
+            } else {
+                memcpy(dst, m->x + (size_t)rows[n][i] * H, sizeof(float) * H);
+            }
+        }
         if (++n < m->slots && left) continue;
         const int code = tk_experts(a, n);
         if (code) return code;
