@@ -730,15 +730,39 @@ AMX_TARGET static void amx_rows32_int8(const int8_t *w, size_t rb, const float *
 #define AMX_BATCH 64  /* experts per region at most (their per-token scales live on the stack) */
 #define INT4_BLOCK_ROWS 16  /* rows per block of the quantized layout: must equal kernels/quant.py BLOCK_ROWS */
 
+/* One row of an int4 piece into the tile rows deq[..][i / 16][i % 16]; `second`: the row's half of a two-row
+ * table is entries 16-31 (a constant after inlining). */
+AMX_TARGET static inline void int4_row(const uint8_t *q, __m512i lut, int second, int group, int lo_chunks, int i,
+                                       uint16_t deq[][2][16][32]) {
+    const __m512i low = _mm512_set1_epi16(15), sixteen = _mm512_set1_epi16(16), above = _mm512_set1_epi16(256);
+    if (group == 32) {
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
+        __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(15))),
+                                         _mm256_srli_epi16(b, 4), 1);
+        if (second) idx = _mm512_or_si512(idx, sixteen);
+        _mm512_store_si512((void *)deq[0][i / 16][i % 16], _mm512_permutexvar_epi16(idx, lut));
+        return;
+    }
+    for (int j = 0; j < lo_chunks; j++) {
+        __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + j * 32)));
+        /* second row: low nibble | 16 in one step ((b & 15) | 16); 256 shifted right by 4 is 16 */
+        const __m512i lo = second ? _mm512_ternarylogic_epi32(b, low, sixteen, 0xEA) : _mm512_and_si512(b, low);
+        if (second) b = _mm512_or_si512(b, above);
+        _mm512_store_si512((void *)deq[j][i / 16][i % 16], _mm512_permutexvar_epi16(lo, lut));
+        _mm512_store_si512((void *)deq[lo_chunks + j][i / 16][i % 16],
+                           _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut));
+    }
+}
+
 /* int4 piece p (group p) of rows r0..r0+31 as group/32 chunks of two bf16 tiles each. Each row's group scale
  * is folded into a 16-entry table, bf16(q * scale) for q = -8..7 (the rounding of dequantizing to bf16), that
- * the nibbles index (vpermw); the tiles then accumulate over the whole width like plain bf16 weights.
+ * the nibbles index (vpermw); the tiles then accumulate over the whole width like plain bf16 weights. Two rows
+ * share one 32-entry table (one conversion for both): 2-5 % faster at 8 tokens than a table per row.
  * Chunk order within a group: low nibbles (values j), then high (j + group/2). */
 AMX_TARGET static inline void int4_piece(const uint8_t *w, size_t rb, const float *s, int group, int r0, int p,
                                          uint16_t deq[][2][16][32]) {
     const int half = group / 2, ngroups = (int)(rb * 2 / group), lo_chunks = half / 32;
     const __m512 values = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    const __m512i low = _mm512_set1_epi16(15);
     /* blocked (see kernels/quant.py): blocks of R rows stored as 64-byte pieces; the group starts in piece o / 64 */
     enum { R = INT4_BLOCK_ROWS };
     const int o = p * half;
@@ -746,31 +770,23 @@ AMX_TARGET static inline void int4_piece(const uint8_t *w, size_t rb, const floa
     const float *s0 = s + ((size_t)(r0 / R) * ngroups + p) * R;
     const uint8_t *q = q0;
     const float *sp = s0;
-    for (int i = 0; i < 32; i++, q += 64, sp++) {
+    for (int i = 0; i < 32; i += 2, q += 128, sp += 2) {
         if (i % R == 0 && i) {  /* the next block of rows */
             q = q0 + (size_t)(i / R) * R * rb;
             sp = s0 + (size_t)(i / R) * ngroups * R;
         }
-        const float scale = *sp;
         /* the prefetchers alone keep too few lines in flight for these streams: each line of the next 32 rows
          * (the call after this one) is asked for here. Measured against a fixed 4 KB ahead: 2048x768 experts at
          * 8 tokens 8 % faster, 4096x14336 1-2 %. */
-        if (o % 64 == 0) _mm_prefetch((const char *)q + 32 * rb, _MM_HINT_T0);
+        if (o % 64 == 0) {
+            _mm_prefetch((const char *)q + 32 * rb, _MM_HINT_T0);
+            _mm_prefetch((const char *)q + 64 + 32 * rb, _MM_HINT_T0);
+        }
         if (i % R == 0 && p % 2 == 0) _mm_prefetch((const char *)(sp + 512), _MM_HINT_T0);  /* scales */
-        const __m512i lut = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(values, _mm512_set1_ps(scale))));
-        if (group == 32) {
-            __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
-            __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(15))),
-                                             _mm256_srli_epi16(b, 4), 1);
-            _mm512_store_si512((void *)deq[0][i / 16][i % 16], _mm512_permutexvar_epi16(idx, lut));
-            continue;
-        }
-        for (int j = 0; j < lo_chunks; j++) {
-            const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + j * 32)));
-            _mm512_store_si512((void *)deq[j][i / 16][i % 16], _mm512_permutexvar_epi16(_mm512_and_si512(b, low), lut));
-            _mm512_store_si512((void *)deq[lo_chunks + j][i / 16][i % 16],
-                               _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut));
-        }
+        const __m512i lut = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(values, _mm512_set1_ps(sp[1])),
+                                                         _mm512_mul_ps(values, _mm512_set1_ps(sp[0])));  /* [i | i+1] */
+        int4_row(q, lut, 0, group, lo_chunks, i, deq);
+        int4_row(q + 64, lut, 1, group, lo_chunks, i + 1, deq);
     }
 }
 
