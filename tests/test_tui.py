@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from textual.widgets import ProgressBar
 
 from app.backend import RuntimeBackend, Usage
@@ -15,7 +16,7 @@ from app.store import Conversation, ConversationStore, Turn
 from app.tui import TandemApp
 from app.widgets import ChatMessage, ExpertHeatmap, StatusBar
 from autotune.microbench import Step
-from runtime.errors import CheckpointError
+from runtime.errors import CheckpointError, ResourceError
 from runtime.loader import load
 from runtime.sampling import SamplingParams
 
@@ -417,22 +418,22 @@ async def test_edit_the_last_message(tandem_home: Path) -> None:
 
 
 class Memory:
-    """Fake loading with room for `room` models at a time ("huge" never fits); what was loaded, in order."""
+    """Fake loading with room for `room` models at a time ("huge" never fits); every attempt, and what loaded."""
 
     def __init__(self, room: int) -> None:
-        self.room, self.loaded = room, []
+        self.room, self.loaded, self.attempts = room, [], []
 
     def load(self, path: str | None) -> FakeBackend:
-        from runtime.errors import ResourceError
-
+        self.attempts.append(path)
         if path == "huge" or sum(not b.closed for b in self.loaded) >= self.room:
             raise ResourceError(f"not enough RAM for {path}")
         self.loaded.append(FakeBackend(words=2, path=path))
         return self.loaded[-1]
 
 
-async def test_a_new_model_replaces_the_old_one_which_is_released() -> None:
-    memory = Memory(room=2)
+@pytest.mark.parametrize("room", [2, 1])
+async def test_a_new_model_replaces_the_old_one_which_is_released(room: int) -> None:
+    memory = Memory(room)
     app = TandemApp(memory.load)
     async with app.run_test() as pilot:
         await wait_until(pilot, lambda: app.backend is not None)
@@ -441,9 +442,11 @@ async def test_a_new_model_replaces_the_old_one_which_is_released() -> None:
         assert app.loading
         await wait_until(pilot, lambda: not app.loading)
         assert app.backend.path == "second" and first.closed and not app.backend.closed
+    # with room for one: tried beside the first, then again once the first was unloaded
+    assert memory.attempts == [None, "second"] + (["second"] if room == 1 else [])
 
 
-async def test_a_model_that_fits_only_alone_unloads_the_current_one_first() -> None:
+async def test_a_model_that_fits_not_even_alone_leaves_none_and_the_picker_says_why() -> None:
     from app.picker import PickerScreen
 
     memory = Memory(room=1)
@@ -451,13 +454,9 @@ async def test_a_model_that_fits_only_alone_unloads_the_current_one_first() -> N
     async with app.run_test() as pilot:
         await wait_until(pilot, lambda: app.backend is not None)
         first = app.backend
-        app.load_model("second", from_picker=True)
-        await wait_until(pilot, lambda: not app.loading)
-        assert app.backend.path == "second" and first.closed  # tried beside it, then alone
-        second = app.backend
-        app.load_model("huge", from_picker=True)  # fits not even alone: no model left, the picker says why
+        app.load_model("huge", from_picker=True)
         await wait_for_screen(pilot, app, PickerScreen)
-        assert second.closed and app.backend is None and not app.loading
+        assert first.closed and app.backend is None and not app.loading
         assert "not enough RAM for huge" in str(app.screen.query_one("#picker-error").render())
         app.screen.dismiss(None)
         await pilot.pause()
