@@ -7,6 +7,7 @@ answer and keeps what was produced, conversations are saved after every turn.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -39,12 +40,20 @@ REPAINT_S = 0.05
 @dataclass
 class ModelReady(Message):
     backend: ChatBackend
+    path: str | None  # its folder (None: the built-in model)
+    load: int = 0  # which load_model call: replies of a load since replaced are stale
 
 
 @dataclass
 class ModelFailed(Message):
     error: str
     from_picker: bool = False
+    load: int = 0
+
+
+@dataclass
+class AnswerFailed(Message):
+    error: str
 
 
 @dataclass
@@ -94,7 +103,10 @@ class TandemApp(App[None]):
         self.settings, self.settings_notice = load_settings()
         self.params = params or self.settings.params()
         self.backend: ChatBackend | None = None
+        self.backend_path: str | None = None
         self.loading = False
+        self.loads = 0  # load_model calls so far
+        self.retired: list[ChatBackend] = []  # replaced while answering: closed when the answer is done
         self.conversations: list[Conversation] = []
         self.current = Conversation()
         self.answer: ChatMessage | None = None
@@ -129,36 +141,57 @@ class TandemApp(App[None]):
 
     def load_model(self, path: str | None, from_picker: bool = False) -> None:
         """Load in the background; the current model stays until the new one is ready, unless the two do not fit
-        in memory side by side: then the current one is let go first and the load tried once more. No answer
-        starts meanwhile."""
+        in memory side by side: then the current one is let go first and the load tried once more (and should
+        that fail too, the current one is loaded again). No answer starts meanwhile."""
         self.loading = True
-        self.load_worker(path, from_picker)
+        self.loads += 1
+        self.load_worker(path, from_picker, self.loads)
 
     @work(thread=True, exclusive=True, group="model")
-    def load_worker(self, path: str | None, from_picker: bool) -> None:
+    def load_worker(self, path: str | None, from_picker: bool, load: int) -> None:
         name = path or "the built-in model"
         self.call_from_thread(self.show_loading, f"loading {name}…")
+        too_big = ""
         try:
-            try:
-                backend = self.load_backend(path)
-            except ResourceError:
-                current = self.backend
-                if current is None or not self.call_from_thread(self.unload_model, f"unloaded {current.name} to "
-                                                                f"make room; loading {name}…"):
-                    raise
-                backend = self.load_backend(path)
-            self.post_message(ModelReady(backend))
+            backend = self.load_backend(path)
+        except ResourceError as e:
+            too_big = str(e)  # retried below, outside this handler (its traceback would keep the partial load)
         except TandemError as e:
-            self.post_message(ModelFailed(str(e), from_picker))
+            self.post_message(ModelFailed(str(e), from_picker, load))
+            return
+        if not too_big:
+            self.post_message(ModelReady(backend, path, load))
+            return
+        previous = self.call_from_thread(self.unload_model, name)
+        if previous is False:  # nothing to let go, or it is busy
+            self.post_message(ModelFailed(too_big, from_picker, load))
+            return
+        try:
+            self.post_message(ModelReady(self.load_backend(path), path, load))
+            return
+        except TandemError as e:
+            error = str(e)
+        try:  # back to the model that was let go for it
+            self.post_message(ModelReady(self.load_backend(previous), previous, load))
+            error += f"; {previous or 'the built-in model'} is loaded again"
+        except TandemError as e:
+            error += f"; {previous or 'the built-in model'} could not be loaded again either: {e}"
+        self.post_message(ModelFailed(error, from_picker, load))
 
-    def unload_model(self, text: str) -> bool:
-        """Let the current model go (its memory too), unless it is answering: False then."""
-        if self.generating or self.backend is None:
+    def unload_model(self, name: str) -> str | None | bool:
+        """Let the current model go, memory included, to make room for `name`: its folder (None: built-in), or
+        False when there is none or it is busy (answering, or being tuned)."""
+        if self.backend is None or self.generating or self.tuning():
             return False
         old, self.backend = self.backend, None
+        self.show_loading(f"unloaded {old.name} to make room; loading {name}…")
         old.close()
-        self.show_loading(text)
-        return True
+        del old
+        gc.collect()  # the model's own reference cycles: its memory goes back now, before the retry measures RAM
+        return self.backend_path
+
+    def tuning(self) -> bool:
+        return any(isinstance(screen, WizardScreen) for screen in self.screen_stack)
 
     def show_loading(self, text: str, fraction: float | None = None) -> None:
         """The loading bar: indeterminate, or `fraction` done when the loader reports it."""
@@ -172,11 +205,17 @@ class TandemApp(App[None]):
         self.call_from_thread(self.show_loading, f"{message} {fraction:.0%}", fraction)
 
     def on_model_ready(self, message: ModelReady) -> None:
+        if message.load != self.loads:  # a load since replaced by another: not wanted any more
+            message.backend.close()
+            return
         self.query_one("#loading", ProgressBar).display = False
         self.loading = False
-        old, self.backend = self.backend, message.backend
+        old, self.backend, self.backend_path = self.backend, message.backend, message.path
         if old is not None:  # released now rather than whenever it is collected (accelerator memory, RAM copies)
-            old.close()
+            if self.generating:
+                self.retired.append(old)
+            else:
+                old.close()
         self.update_status()
         self.query_one(Composer).focus()
         target = getattr(self.backend, "tuning_target", None)
@@ -200,9 +239,11 @@ class TandemApp(App[None]):
         self.push_screen(WizardScreen(lambda progress: self.tune(path, dtype, progress)), done)
 
     def on_model_failed(self, message: ModelFailed) -> None:
+        if message.load != self.loads:
+            return
         self.query_one("#loading", ProgressBar).display = False
         self.loading = False
-        if message.from_picker:  # back to the picker with the error; the current model stays loaded (if it could)
+        if message.from_picker:  # back to the picker with the error; the current model stays loaded
             self.update_status()
             self.action_pick_model(message.error)
             return
@@ -210,13 +251,19 @@ class TandemApp(App[None]):
         self.notify(message.error, title="The model could not be loaded", severity="error", timeout=30)
 
     def action_pick_model(self, error: str = "") -> None:
-        if self.generating:
+        if self.generating or self.loading or self.tuning():
+            self.notify("wait until the current " + ("answer is done" if self.generating else
+                                                      "model has loaded" if self.loading else "tuning is done"))
             return
         from runtime.builtin import builtin_dir
 
         def chosen(entry: ModelEntry | None) -> None:
-            if entry is not None:
-                self.load_model(entry.path, from_picker=True)
+            if entry is None:
+                return
+            if self.generating:  # started from the keyboard while the picker was open
+                self.notify("an answer is still coming: pick the model again when it is done")
+                return
+            self.load_model(entry.path, from_picker=True)
 
         from autotune.probe import probe
 
@@ -338,7 +385,7 @@ class TandemApp(App[None]):
                     self.post_message(TokensArrived("".join(pending)))
                     pending, last = [], time.monotonic()
         except TandemError as e:
-            self.post_message(ModelFailed(str(e)))
+            self.post_message(AnswerFailed(str(e)))
         if pending:
             self.post_message(TokensArrived("".join(pending)))
         self.post_message(AnswerDone(stopped))
@@ -349,8 +396,14 @@ class TandemApp(App[None]):
             self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
             self.update_status("answering… (Esc stops)")
 
+    def on_answer_failed(self, message: AnswerFailed) -> None:
+        self.notify(message.error, title="The answer failed", severity="error", timeout=30)
+
     def on_answer_done(self, message: AnswerDone) -> None:
         self.generating = False
+        for old in self.retired:
+            old.close()
+        self.retired.clear()
         if self.answer is not None:
             self.current.turns.append(Turn("assistant", self.answer.text))
         self.store.save(self.current)

@@ -286,7 +286,7 @@ def test_one_token_experts_of_a_layer_each_read_their_own_token(dtype, quant: st
     path = "amx" if dtype == torch.bfloat16 else "avx512"  # the path under test
     if path not in ISAS:
         pytest.skip(f"{path} is not available here")
-    # 130: two rows left over after the four-row kernel, and two values after the last 16 in each down row
+    # 130: two rows left over after the four-row kernel, and two values after the last 32-value step in each down row
     h, i = 256, 130 if quant == "" and dtype != torch.bfloat16 else 128
     executor = CpuExecutor(h, i, dtype, threads=2, quant=quant or None, isa=isa)
     stored = torch.float32 if quant else dtype  # weights in the compute dtype, or quantized from float32

@@ -31,12 +31,15 @@ class FakeBackend:
         self.started = threading.Event()
         self.produced = 0
         self.closed = False
+        self.hold: threading.Event | None = None  # when given: after the first word, wait for it to be set
 
     def stream(self, messages: list[dict[str, str]], params: SamplingParams) -> Iterator[str]:
         self.produced = 0
         self.started.set()
         for i in range(self.words):
             time.sleep(self.delay)
+            if i == 1 and self.hold is not None:
+                self.hold.wait(10)
             self.produced += 1
             yield f"word{i} "
 
@@ -418,13 +421,16 @@ async def test_edit_the_last_message(tandem_home: Path) -> None:
 
 
 class Memory:
-    """Fake loading with room for `room` models at a time ("huge" never fits); every attempt, and what loaded."""
+    """Fake loading with room for `room` models at a time ("huge" never fits, "slow" takes a while); every
+    attempt, and what loaded."""
 
     def __init__(self, room: int) -> None:
         self.room, self.loaded, self.attempts = room, [], []
 
     def load(self, path: str | None) -> FakeBackend:
         self.attempts.append(path)
+        if path == "slow":
+            time.sleep(0.5)
         if path == "huge" or sum(not b.closed for b in self.loaded) >= self.room:
             raise ResourceError(f"not enough RAM for {path}")
         self.loaded.append(FakeBackend(words=2, path=path))
@@ -446,7 +452,7 @@ async def test_a_new_model_replaces_the_old_one_which_is_released(room: int) -> 
     assert memory.attempts == [None, "second"] + (["second"] if room == 1 else [])
 
 
-async def test_a_model_that_fits_not_even_alone_leaves_none_and_the_picker_says_why() -> None:
+async def test_a_model_that_fits_not_even_alone_brings_the_current_one_back() -> None:
     from app.picker import PickerScreen
 
     memory = Memory(room=1)
@@ -456,10 +462,72 @@ async def test_a_model_that_fits_not_even_alone_leaves_none_and_the_picker_says_
         first = app.backend
         app.load_model("huge", from_picker=True)
         await wait_for_screen(pilot, app, PickerScreen)
-        assert first.closed and app.backend is None and not app.loading
-        assert "not enough RAM for huge" in str(app.screen.query_one("#picker-error").render())
-        app.screen.dismiss(None)
+        assert memory.attempts == [None, "huge", "huge", None]  # beside it, alone, then the first one again
+        assert first.closed and app.backend is not first and app.backend.path is None and not app.loading
+        error = str(app.screen.query_one("#picker-error").render())
+        assert "not enough RAM for huge" in error and "the built-in model is loaded again" in error
+
+
+async def test_a_replaced_load_is_dropped_and_a_replaced_answering_model_closed_after_its_answer() -> None:
+    memory = Memory(room=3)
+    app = TandemApp(memory.load)
+    async with app.run_test() as pilot:
+        await wait_until(pilot, lambda: app.backend is not None)
+        app.load_model("slow")
+        await wait_until(pilot, lambda: "slow" in memory.attempts)
+        app.load_model("fast")  # the slow load cannot be stopped; its model must not win when it comes
+        await wait_until(pilot, lambda: any(b.path == "slow" and b.closed for b in memory.loaded))
+        assert app.backend.path == "fast" and not app.backend.closed
+        answering = app.backend
+        answering.words, answering.hold = 5, threading.Event()
+        await ask(pilot, app, "hello")
+        await wait_until(pilot, lambda: answering.produced == 1)
+        app.load_model("other")  # (the picker refuses while answering; a model can still arrive then)
+        await wait_until(pilot, lambda: app.backend.path == "other")
+        assert app.generating and not answering.closed  # still answering with it
+        answering.hold.set()
+        await wait_until(pilot, lambda: not app.generating)
+        assert answering.closed and app.current.turns[-1].content.split() == [f"word{i}" for i in range(5)]
+
+
+async def test_no_model_picking_while_answering_loading_or_tuning() -> None:
+    from app.picker import PickerScreen
+
+    app = TandemApp(lambda _: FakeBackend(words=50, delay=0.02))
+    async with app.run_test() as pilot:
+        await ask(pilot, app, "hello")
+        await wait_until(pilot, lambda: app.generating)
+        app.action_pick_model()
         await pilot.pause()
-        app.query_one("#composer").insert("hello")
-        await pilot.press("enter")
-        assert not app.current.turns and any("no model is loaded" in n.message for n in app._notifications)
+        assert not isinstance(app.screen, PickerScreen)
+        assert any("answer is done" in n.message for n in app._notifications)
+        await press(pilot, "escape")
+        await wait_until(pilot, lambda: not app.generating)
+        app.loading = True  # as while a model loads
+        app.action_pick_model()
+        await pilot.pause()
+        assert not isinstance(app.screen, PickerScreen)
+        assert any("model has loaded" in n.message for n in app._notifications)
+
+
+async def test_an_answer_that_fails_says_so_and_leaves_loading_alone() -> None:
+    from runtime.errors import GenerationError
+
+    release = threading.Event()
+
+    class Failing(FakeBackend):
+        def stream(self, messages, params):  # type: ignore[override]
+            yield "partial "
+            release.wait(10)
+            raise GenerationError("the context is full: start a new conversation")
+
+    app = TandemApp(lambda _: Failing())
+    async with app.run_test() as pilot:
+        await ask(pilot, app, "hello")
+        await wait_until(pilot, lambda: app.generating)
+        app.loading = True  # as if a model were loading meanwhile: the answer's error must not end that
+        release.set()
+        await wait_until(pilot, lambda: not app.generating)
+        await pilot.pause()
+        assert any(n.title == "The answer failed" and "context is full" in n.message for n in app._notifications)
+        assert app.loading and app.current.turns[-1].content == "partial "
