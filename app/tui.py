@@ -42,6 +42,12 @@ class ModelReady(Message):
     backend: ChatBackend
     path: str | None  # its folder (None: the built-in model)
     load: int = 0  # which load_model call: replies of a load since replaced are stale
+    restored: bool = False  # the previous model, loaded again after the new one failed
+
+
+@dataclass
+class TuningFinished(Message):
+    pass
 
 
 @dataclass
@@ -106,7 +112,8 @@ class TandemApp(App[None]):
         self.backend_path: str | None = None
         self.loading = False
         self.loads = 0  # load_model calls so far
-        self.retired: list[ChatBackend] = []  # replaced while answering: closed when the answer is done
+        self.retired: list[ChatBackend] = []  # replaced while answering or tuning: closed when that is done
+        self.tuning_active = False  # a measurement on the loaded model is running (set in the wizard's worker)
         self.conversations: list[Conversation] = []
         self.current = Conversation()
         self.answer: ChatMessage | None = None
@@ -162,8 +169,8 @@ class TandemApp(App[None]):
         if not too_big:
             self.post_message(ModelReady(backend, path, load))
             return
-        previous = self.call_from_thread(self.unload_model, name)
-        if previous is False:  # nothing to let go, or it is busy
+        previous = self.call_from_thread(self.unload_model, name, load)
+        if previous is False:  # nothing to let go, it is busy, or this load has been superseded
             self.post_message(ModelFailed(too_big, from_picker, load))
             return
         try:
@@ -172,16 +179,16 @@ class TandemApp(App[None]):
         except TandemError as e:
             error = str(e)
         try:  # back to the model that was let go for it
-            self.post_message(ModelReady(self.load_backend(previous), previous, load))
+            self.post_message(ModelReady(self.load_backend(previous), previous, load, restored=True))
             error += f"; {previous or 'the built-in model'} is loaded again"
         except TandemError as e:
             error += f"; {previous or 'the built-in model'} could not be loaded again either: {e}"
         self.post_message(ModelFailed(error, from_picker, load))
 
-    def unload_model(self, name: str) -> str | None | bool:
-        """Let the current model go, memory included, to make room for `name`: its folder (None: built-in), or
-        False when there is none or it is busy (answering, or being tuned)."""
-        if self.backend is None or self.generating or self.tuning():
+    def unload_model(self, name: str, load: int) -> str | None | bool:
+        """Let the current model go, memory included, to make room for `name` (load number `load`): its folder
+        (None: built-in), or False when there is none, it is busy (answering, being tuned) or the load is stale."""
+        if load != self.loads or self.backend is None or self.generating or self.tuning():
             return False
         old, self.backend = self.backend, None
         self.show_loading(f"unloaded {old.name} to make room; loading {name}…")
@@ -191,7 +198,15 @@ class TandemApp(App[None]):
         return self.backend_path
 
     def tuning(self) -> bool:
-        return any(isinstance(screen, WizardScreen) for screen in self.screen_stack)
+        """The tuning wizard is open, or its measurement still runs (it goes on after the wizard is closed)."""
+        return self.tuning_active or any(isinstance(screen, WizardScreen) for screen in self.screen_stack)
+
+    def release_retired(self) -> None:
+        """Close the models replaced while in use, once nothing uses them."""
+        if not (self.generating or self.tuning_active):
+            for old in self.retired:
+                old.close()
+            self.retired.clear()
 
     def show_loading(self, text: str, fraction: float | None = None) -> None:
         """The loading bar: indeterminate, or `fraction` done when the loader reports it."""
@@ -212,14 +227,12 @@ class TandemApp(App[None]):
         self.loading = False
         old, self.backend, self.backend_path = self.backend, message.backend, message.path
         if old is not None:  # released now rather than whenever it is collected (accelerator memory, RAM copies)
-            if self.generating:
-                self.retired.append(old)
-            else:
-                old.close()
+            self.retired.append(old)
+            self.release_retired()
         self.update_status()
         self.query_one(Composer).focus()
         target = getattr(self.backend, "tuning_target", None)
-        if target is not None:
+        if target is not None and not message.restored:
             _, dtype, raw = target()
             if needs_tuning(raw, dtype):
                 self.action_tune()
@@ -227,7 +240,7 @@ class TandemApp(App[None]):
     def action_tune(self) -> None:
         """The auto-tune wizard for the loaded model (offered on first run, or any time from the palette)."""
         target = getattr(self.backend, "tuning_target", None)
-        if target is None or self.generating or self.loading:
+        if target is None or self.generating or self.loading or self.tuning():
             return
         path, dtype, _ = target()
 
@@ -236,7 +249,19 @@ class TandemApp(App[None]):
             if saved:
                 self.notify("profile saved; it applies the next time this model loads")
 
-        self.push_screen(WizardScreen(lambda progress: self.tune(path, dtype, progress)), done)
+        self.push_screen(WizardScreen(lambda progress: self.measure(path, dtype, progress)), done)
+
+    def measure(self, path: str, dtype: str, progress: Callable[[Step], None]) -> Tuned:
+        """In the wizard's worker thread: the tuning run, the model marked busy meanwhile."""
+        self.tuning_active = True
+        try:
+            return self.tune(path, dtype, progress)
+        finally:
+            self.tuning_active = False
+            self.post_message(TuningFinished())
+
+    def on_tuning_finished(self, message: TuningFinished) -> None:
+        self.release_retired()
 
     def on_model_failed(self, message: ModelFailed) -> None:
         if message.load != self.loads:
@@ -251,19 +276,15 @@ class TandemApp(App[None]):
         self.notify(message.error, title="The model could not be loaded", severity="error", timeout=30)
 
     def action_pick_model(self, error: str = "") -> None:
-        if self.generating or self.loading or self.tuning():
-            self.notify("wait until the current " + ("answer is done" if self.generating else
-                                                      "model has loaded" if self.loading else "tuning is done"))
+        if any(isinstance(screen, PickerScreen) for screen in self.screen_stack):
+            return
+        if self.busy():
             return
         from runtime.builtin import builtin_dir
 
         def chosen(entry: ModelEntry | None) -> None:
-            if entry is None:
-                return
-            if self.generating:  # started from the keyboard while the picker was open
-                self.notify("an answer is still coming: pick the model again when it is done")
-                return
-            self.load_model(entry.path, from_picker=True)
+            if entry is not None and not self.busy():  # (an answer may have started from the keyboard meanwhile)
+                self.load_model(entry.path, from_picker=True)
 
         from autotune.probe import probe
 
@@ -338,15 +359,23 @@ class TandemApp(App[None]):
         self.notify(f"exported to {path}")
 
     # -- asking and answering -------------------------------------------------------------------
-    def ready_to_answer(self) -> bool:
-        """Whether an answer can start now (no answer running, a model loaded and none loading); says why not."""
+    def busy(self) -> bool:
+        """Whether an answer, a model load or a tuning run is under way (saying which); nothing else may start."""
         if self.generating:
             self.notify("an answer is still coming; Esc stops it")
         elif self.loading:
             self.notify("wait for the model")
-        elif self.backend is None:
+        elif self.tuning():
+            self.notify("the model is being tuned; wait until that is done")
+        return self.generating or self.loading or self.tuning()
+
+    def ready_to_answer(self) -> bool:
+        """Whether an answer can start now (nothing else under way, a model loaded); says why not."""
+        if self.busy():
+            return False
+        if self.backend is None:
             self.notify("no model is loaded: Ctrl+O picks one")
-        return not (self.generating or self.loading or self.backend is None)
+        return self.backend is not None
 
     @on(Composer.Submitted)
     def ask(self, event: Composer.Submitted) -> None:
@@ -401,9 +430,7 @@ class TandemApp(App[None]):
 
     def on_answer_done(self, message: AnswerDone) -> None:
         self.generating = False
-        for old in self.retired:
-            old.close()
-        self.retired.clear()
+        self.release_retired()
         if self.answer is not None:
             self.current.turns.append(Turn("assistant", self.answer.text))
         self.store.save(self.current)

@@ -424,8 +424,8 @@ class Memory:
     """Fake loading with room for `room` models at a time ("huge" never fits, "slow" takes a while); every
     attempt, and what loaded."""
 
-    def __init__(self, room: int) -> None:
-        self.room, self.loaded, self.attempts = room, [], []
+    def __init__(self, room: int, kind: type[FakeBackend] = FakeBackend) -> None:
+        self.room, self.kind, self.loaded, self.attempts = room, kind, [], []
 
     def load(self, path: str | None) -> FakeBackend:
         self.attempts.append(path)
@@ -433,7 +433,7 @@ class Memory:
             time.sleep(0.5)
         if path == "huge" or sum(not b.closed for b in self.loaded) >= self.room:
             raise ResourceError(f"not enough RAM for {path}")
-        self.loaded.append(FakeBackend(words=2, path=path))
+        self.loaded.append(self.kind(words=2, path=path))
         return self.loaded[-1]
 
 
@@ -452,20 +452,36 @@ async def test_a_new_model_replaces_the_old_one_which_is_released(room: int) -> 
     assert memory.attempts == [None, "second"] + (["second"] if room == 1 else [])
 
 
-async def test_a_model_that_fits_not_even_alone_brings_the_current_one_back() -> None:
+async def test_a_model_that_fits_not_even_alone_brings_the_current_one_back(tandem_home: Path) -> None:
     from app.picker import PickerScreen
+    from app.wizard import WizardScreen
 
-    memory = Memory(room=1)
-    app = TandemApp(memory.load)
+    memory = Memory(room=1, kind=TunableFake)
+    app = TandemApp(memory.load, tune=fake_tune)
     async with app.run_test() as pilot:
-        await wait_until(pilot, lambda: app.backend is not None)
+        await wait_for_screen(pilot, app, WizardScreen)  # not tuned yet: offered; skipped
+        await press(pilot, "escape")
         first = app.backend
         app.load_model("huge", from_picker=True)
         await wait_for_screen(pilot, app, PickerScreen)
         assert memory.attempts == [None, "huge", "huge", None]  # beside it, alone, then the first one again
         assert first.closed and app.backend is not first and app.backend.path is None and not app.loading
-        error = str(app.screen.query_one("#picker-error").render())
+        error = str(app.screen.query_one("#picker-error").render())  # (the wizard is not offered again)
         assert "not enough RAM for huge" in error and "the built-in model is loaded again" in error
+
+
+async def test_a_superseded_load_that_runs_out_of_memory_leaves_the_newer_model_alone() -> None:
+    memory = Memory(room=1)
+    app = TandemApp(memory.load)
+    async with app.run_test() as pilot:
+        await wait_until(pilot, lambda: app.backend is not None)
+        app.load_model("slow")  # will not fit beside the first: it would unload whatever is loaded then
+        await wait_until(pilot, lambda: "slow" in memory.attempts)
+        app.load_model("fast")  # unloads the first, then loads
+        await wait_until(pilot, lambda: memory.attempts.count("fast") == 2 and not app.loading)
+        await pilot.pause(0.8)  # the slow load has failed by now
+        assert memory.attempts == [None, "slow", "fast", "fast"]  # it did not unload "fast" to try again
+        assert app.backend.path == "fast" and not app.backend.closed
 
 
 async def test_a_replaced_load_is_dropped_and_a_replaced_answering_model_closed_after_its_answer() -> None:
@@ -490,7 +506,7 @@ async def test_a_replaced_load_is_dropped_and_a_replaced_answering_model_closed_
         assert answering.closed and app.current.turns[-1].content.split() == [f"word{i}" for i in range(5)]
 
 
-async def test_no_model_picking_while_answering_loading_or_tuning() -> None:
+async def test_no_model_picking_while_answering_or_loading() -> None:
     from app.picker import PickerScreen
 
     app = TandemApp(lambda _: FakeBackend(words=50, delay=0.02))
@@ -500,14 +516,46 @@ async def test_no_model_picking_while_answering_loading_or_tuning() -> None:
         app.action_pick_model()
         await pilot.pause()
         assert not isinstance(app.screen, PickerScreen)
-        assert any("answer is done" in n.message for n in app._notifications)
+        assert any("answer is still coming" in n.message for n in app._notifications)
         await press(pilot, "escape")
         await wait_until(pilot, lambda: not app.generating)
         app.loading = True  # as while a model loads
         app.action_pick_model()
         await pilot.pause()
         assert not isinstance(app.screen, PickerScreen)
-        assert any("model has loaded" in n.message for n in app._notifications)
+        assert any("wait for the model" in n.message for n in app._notifications)
+
+
+async def test_a_tuning_run_keeps_its_model_even_after_its_wizard_is_closed(tandem_home: Path) -> None:
+    from textual.widgets import Button
+
+    from app.picker import PickerScreen
+    from app.wizard import WizardScreen
+
+    go = threading.Event()
+
+    def slow_tune(path: str, dtype: str, progress) -> object:
+        go.wait(10)
+        return fake_tune(path, dtype, progress)
+
+    app = TandemApp(lambda path: TunableFake(words=2, path=path), tune=slow_tune)
+    async with app.run_test() as pilot:
+        wizard = await wait_for_screen(pilot, app, WizardScreen)  # no profile yet: offered
+        measured = app.backend
+        wizard.query_one("#start", Button).press()
+        await wait_until(pilot, lambda: app.tuning_active)
+        await press(pilot, "escape")  # the wizard closes; its measurement goes on with the model
+        assert not isinstance(app.screen, WizardScreen) and app.tuning()
+        app.action_pick_model()
+        await pilot.pause()
+        assert not isinstance(app.screen, PickerScreen)
+        assert any("being tuned" in n.message for n in app._notifications)
+        app.load_model("other")  # a model arriving meanwhile: the measured one is closed only afterwards
+        await wait_until(pilot, lambda: app.backend.path == "other")
+        assert not measured.closed
+        go.set()
+        await wait_until(pilot, lambda: measured.closed)
+        assert not app.tuning() and not app.backend.closed
 
 
 async def test_an_answer_that_fails_says_so_and_leaves_loading_alone() -> None:
