@@ -421,16 +421,17 @@ async def test_edit_the_last_message(tandem_home: Path) -> None:
 
 
 class Memory:
-    """Fake loading with room for `room` models at a time ("huge" never fits, "slow" takes a while); every
+    """Fake loading with room for `room` models at a time ("huge" never fits, "slow" waits for `gate`); every
     attempt, and what loaded."""
 
     def __init__(self, room: int, kind: type[FakeBackend] = FakeBackend) -> None:
         self.room, self.kind, self.loaded, self.attempts = room, kind, [], []
+        self.gate = threading.Event()
 
     def load(self, path: str | None) -> FakeBackend:
         self.attempts.append(path)
         if path == "slow":
-            time.sleep(0.5)
+            self.gate.wait(10)
         if path == "huge" or sum(not b.closed for b in self.loaded) >= self.room:
             raise ResourceError(f"not enough RAM for {path}")
         self.loaded.append(self.kind(words=2, path=path))
@@ -475,13 +476,18 @@ async def test_a_superseded_load_that_runs_out_of_memory_leaves_the_newer_model_
     app = TandemApp(memory.load)
     async with app.run_test() as pilot:
         await wait_until(pilot, lambda: app.backend is not None)
+        unloads = []
+        unload = app.unload_model
+        app.unload_model = lambda name, load: unloads.append(load) or unload(name, load)  # type: ignore[method-assign]
         app.load_model("slow")  # will not fit beside the first: it would unload whatever is loaded then
         await wait_until(pilot, lambda: "slow" in memory.attempts)
         app.load_model("fast")  # unloads the first, then loads
-        await wait_until(pilot, lambda: memory.attempts.count("fast") == 2 and not app.loading)
-        await pilot.pause(0.8)  # the slow load has failed by now
-        assert memory.attempts == [None, "slow", "fast", "fast"]  # it did not unload "fast" to try again
+        await wait_until(pilot, lambda: getattr(app.backend, "path", None) == "fast")
+        memory.gate.set()  # now the slow load finds no room
+        await wait_until(pilot, lambda: len(unloads) == 2)
+        assert unloads == [3, 2]  # both asked; the superseded load (2) was refused:
         assert app.backend.path == "fast" and not app.backend.closed
+        assert memory.attempts == [None, "slow", "fast", "fast"]
 
 
 async def test_a_replaced_load_is_dropped_and_a_replaced_answering_model_closed_after_its_answer() -> None:
@@ -492,6 +498,8 @@ async def test_a_replaced_load_is_dropped_and_a_replaced_answering_model_closed_
         app.load_model("slow")
         await wait_until(pilot, lambda: "slow" in memory.attempts)
         app.load_model("fast")  # the slow load cannot be stopped; its model must not win when it comes
+        await wait_until(pilot, lambda: getattr(app.backend, "path", None) == "fast")
+        memory.gate.set()
         await wait_until(pilot, lambda: any(b.path == "slow" and b.closed for b in memory.loaded))
         assert app.backend.path == "fast" and not app.backend.closed
         answering = app.backend
