@@ -436,14 +436,14 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     """RMSNorm of bf16 x [..., n] with a bf16 weight [n] in one kernel call, rounded where the reference rounds
     (`runtime.model.rms_norm`). Needs the compiled kernels (`library()` is not None)."""
     lib = library()
-    if lib is None or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu":
-        raise ValueError("rms_norm_bf16 takes bf16 CPU tensors and needs the compiled kernels")
+    if (lib is None or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
+            or not weight.is_contiguous()):  # (checks only: this runs several times per layer in decode)
+        raise ValueError("rms_norm_bf16 takes bf16 CPU tensors (a contiguous weight) and needs the compiled kernels")
     n = x.shape[-1]
     rows = x.numel() // n
     flat = x.reshape(rows, n)  # a view when the rows are evenly spaced (q or k out of the stacked projection)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    weight = weight.contiguous()
     y = torch.empty(x.shape, dtype=torch.bfloat16)
     lib.tk_rms_norm_bf16(flat.data_ptr(), flat.stride(0) if rows > 1 else n, weight.data_ptr(), y.data_ptr(),
                          rows, n, eps)

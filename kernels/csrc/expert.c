@@ -683,9 +683,7 @@ AMX_TARGET static void token_scales(const float *x, int ldx, int T, int K, float
  * blocks are short streams that cross pages often: prefetching their tiles a little ahead measured 5-8 % faster
  * on 2048x768 experts (on row-major rows it measured slower). */
 #define INT8_BLOCKED_BELOW 4096
-#ifndef INT8_BLOCK_PREFETCH
 #define INT8_BLOCK_PREFETCH 1024
-#endif
 AMX_TARGET static void amx_rows32_int8(const int8_t *w, size_t rb, const float *s, int r0, int K, const uint8_t *hi,
                                        const uint8_t *lo, const float *xscale, int T, float *res, int ldr) {
     int32_t acc[4][16][16] __attribute__((aligned(64)));
