@@ -65,6 +65,13 @@ def dram_bandwidth(threads: int, size: int = 2 * 2**30) -> float:
     return best
 
 
+def choose_variant(variants: dict[str, dict[int, float]]) -> str:
+    """"auto", or the variant faster than it at one token and at eight (the fastest at one token of those)."""
+    auto = variants["auto"]
+    better = [v for v, ms in variants.items() if ms[1] < auto[1] and ms[8] < auto[8]]
+    return min(better, key=lambda v: variants[v][1]) if better else "auto"
+
+
 def microbench(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype = torch.bfloat16, quick: bool = False,
                progress: Progress | None = None) -> Measurements:
     threads = thread_candidates(hw)
@@ -102,19 +109,21 @@ def microbench(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype = torch.b
         step(f"CPU experts, {t} thread{'s' if t > 1 else ''}: " +
              ", ".join(f"{n} tok {ms:.2f} ms" for n, ms in samples[t].items()))
     best_t = min(threads, key=lambda t: samples[t][1])
-    # every kernel variant this CPU has for these weights, at the best thread count: one token and a few
+    # the executor's own choice per token count ("auto") and every kernel variant this CPU has for these weights,
+    # at the best thread count, at one token and a few. A forced variant replaces "auto" only where it is faster
+    # at both: forcing applies at every token count, and the best variant for one token need not be for eight.
     variants: dict[str, dict[int, float]] = {}
-    for v in CpuExecutor(h, i, dtype).isas:
-        ex = CpuExecutor(h, i, dtype, threads=best_t, crossover=crossover_cap, isa=v)
-        experts = [ex.prepare(*w) for w in weights]
-        if ex.isa_for(experts[0], 1) != v:
-            continue  # this variant cannot serve these weights
-        variants[v] = {}
-        for n in (1, 8):
-            x = torch.ones(n, h, dtype=dtype)
-            variants[v][n] = time_per_call(lambda k, x=x, e=experts: e[k](x), count, min_time)
-    if variants:
-        isa = min(variants, key=lambda v: (variants[v][1], variants[v][8]))
+    if isa is not None:
+        for v in ["auto", *CpuExecutor(h, i, dtype).isas]:
+            ex = CpuExecutor(h, i, dtype, threads=best_t, crossover=crossover_cap, isa=None if v == "auto" else v)
+            experts = [ex.prepare(*w) for w in weights]
+            if v != "auto" and ex.isa_for(experts[0], 1) != v:
+                continue  # this variant cannot serve these weights
+            variants[v] = {}
+            for n in (1, 8):
+                x = torch.ones(n, h, dtype=dtype)
+                variants[v][n] = time_per_call(lambda k, x=x, e=experts: e[k](x), count, min_time)
+        isa = choose_variant(variants)
     step("kernel variants: " + ", ".join(f"{v} {ms[1]:.2f}/{ms[8]:.2f} ms" for v, ms in variants.items()) +
          f" (1/8 tokens) -> {isa}")
     torch_exec = CpuExecutor(h, i, dtype, threads=best_t, use_kernel=False)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.cli import main
+from autotune.microbench import choose_variant
 from autotune.profile import SCHEMA, Profile, find_profile, profiles_dir, save_profile
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hardware"
@@ -61,6 +62,15 @@ def test_autotune_quick_saves_a_profile_that_generate_applies(mixtral_dir: Path,
     assert main(["generate", "--model", str(mixtral_dir), "--prompt", "hi", "--max-new-tokens", "2", "--dtype",
                  "fp32", "--json", "--threads", str(other)]) == 0  # a flag wins over the profile
     assert json.loads(capsys.readouterr().out)["plan"]["cpu"]["threads"] == other
+
+
+def test_a_kernel_variant_is_forced_only_where_it_beats_the_default_at_one_and_eight_tokens() -> None:
+    # Forcing applies at every token count: one-token speed alone must not pick it (here avx512 serves one token
+    # best, which "auto" already does, and is slow at eight).
+    auto = {1: 1.0, 8: 1.2}
+    assert choose_variant({"auto": auto, "avx512": {1: 0.9, 8: 3.0}, "amx": {1: 1.3, 8: 1.2}}) == "auto"
+    assert choose_variant({"auto": auto, "avx512": {1: 0.9, 8: 1.1}, "avx2": {1: 0.95, 8: 1.0}}) == "avx512"
+    assert choose_variant({"auto": auto}) == "auto"
 
 
 def test_generate_notices_a_profile_from_other_hardware(mixtral_dir: Path, capsys) -> None:

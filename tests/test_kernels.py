@@ -279,22 +279,27 @@ def test_a_whole_layer_in_one_call_matches_the_reference_moe(dtype, quant, isa, 
 
 @needs_kernels
 @pytest.mark.parametrize(("dtype", "quant", "isa"), [(torch.float32, "", "avx512"), (torch.float16, "", None),
-                                                     (torch.bfloat16, "", None), (torch.bfloat16, "int4", None)])
+                                                     (torch.bfloat16, "", None), (torch.bfloat16, "", "amx"),
+                                                     (torch.bfloat16, "int4", None), (torch.bfloat16, "int8", None)])
 def test_one_token_experts_of_a_layer_each_read_their_own_token(dtype, quant: str, isa) -> None:
     # Every expert gets exactly one token and the tokens differ (with one token for all, a mix-up of inputs would
-    # go unseen): AMX tiles and int4 on VNNI run the experts in one parallel region, AVX-512 rows one by one.
-    path = "amx" if dtype == torch.bfloat16 else "avx512"  # the path under test
+    # go unseen). All experts run in one kernel call: AMX tiles, int4 on VNNI, or AVX-512 rows, where each thread
+    # streams four quarters of its run side by side, across the experts' boundaries; one-token int8 on AMX takes
+    # 8 experts per activation tile, so 10 make two rounds.
+    path = "amx" if quant or isa == "amx" else "avx512"  # the path under test
     if path not in ISAS:
         pytest.skip(f"{path} is not available here")
-    # 130: two rows left over after the four-row kernel, and two values after the last 32-value step in each down row
-    h, i = 256, 130 if quant == "" and dtype != torch.bfloat16 else 128
+    # AVX-512 rows: 10 x 2 x 131 gate/up rows and 10 x 250 down rows split in two leave quarters of unequal length
+    # (rows for the one-row kernel); 131 and 250 values leave values after the last 32-value step of each row.
+    h, i = (250, 131) if path == "avx512" else (256, 128)
     executor = CpuExecutor(h, i, dtype, threads=2, quant=quant or None, isa=isa)
     stored = torch.float32 if quant else dtype  # weights in the compute dtype, or quantized from float32
-    experts = [executor.prepare(*weights(h, i, stored, seed=s)) for s in range(6)]
+    experts = [executor.prepare(*weights(h, i, stored, seed=s)) for s in range(10)]
     assert executor.isa_for(experts[0]) == path
-    x = torch.randn(3, h, generator=torch.Generator().manual_seed(3)).to(dtype)
-    ids = torch.tensor([[0, 1], [2, 3], [4, 5]])  # [T, K]: no expert shared
-    w = torch.tensor([[0.7, 0.3], [0.4, 0.6], [0.5, 0.5]])  # [T, K]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, h, generator=g).to(dtype)
+    ids = torch.arange(10).view(5, 2)  # [T, K]: no expert shared
+    w = torch.rand(5, 2, generator=g).softmax(dim=1)  # [T, K]
     got = executor.run_layer(executor.layer(experts), x, ids, w).clone()
     want = combine(x.float(), w, ids, [ExpertWeights(*e.dense(torch.float32)) for e in experts])
     assert rel_err(got, want) < 2e-2
