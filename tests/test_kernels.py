@@ -317,14 +317,16 @@ def test_run_layer_refuses_what_it_cannot_take() -> None:
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 16, 17])
-@pytest.mark.parametrize("shape", [(96, 64), (64, 40)])  # the second is not a whole number of tiles
-def test_dense_linear_matches_f_linear(tokens: int, shape) -> None:
+@pytest.mark.parametrize("shape", [(96, 64), (160, 64), (64, 40)])  # the last is not a whole number of tiles
+@pytest.mark.parametrize("threads", [2, 3])  # one token, 160 rows, 3 threads: runs of 53, 53, 54 rows, in quarters
+                                             # of 14 rows but the last (11 or 12): rows for the one-row kernel
+def test_dense_linear_matches_f_linear(tokens: int, shape, threads: int) -> None:
     out, inp = shape
     g = torch.Generator().manual_seed(tokens)
     w = (torch.randn(out, inp, generator=g) * 0.1).bfloat16()
     bias = torch.randn(out, generator=g).bfloat16()
     x = torch.randn(1, tokens, inp, generator=g).bfloat16()
-    linear = DenseLinear(threads=2)
+    linear = DenseLinear(threads=threads)
     for b in (None, bias):
         want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
         got = linear(x, w, b)

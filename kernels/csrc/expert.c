@@ -1368,11 +1368,40 @@ AMX_TARGET static void linear_amx(const tk_linear_args *a) {
     }
 }
 
+/* One token: each thread's run of rows streamed as four quarters side by side, as for one-token experts
+ * (one_token_phase). Measured per call, Python included: 2048x2048 bf16 0.36 -> 0.31 ms, 50304x2048 7.5 -> 7.0 ms
+ * (0.86 and 0.93 of the probe's bandwidth, against 0.74 and 0.86 on the tiles). */
+static void linear_one_token(const tk_linear_args *a) {
+    const size_t rb = (size_t)a->in * 2;
+    #pragma omp parallel num_threads(a->threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int lo = (int)((long)a->out * t / nt), hi = (int)((long)a->out * (t + 1) / nt), len = (hi - lo + 3) / 4;
+        const float *x[4] = {a->x, a->x, a->x, a->x}, *none[4] = {NULL, NULL, NULL, NULL};
+        for (int i = 0; i < len; i++) {
+            if (lo + 3 * len + i < hi) {
+                const char *w[4];
+                float *res[4];
+                for (int j = 0; j < 4; j++) {
+                    w[j] = (const char *)a->w + (size_t)(lo + j * len + i) * rb;
+                    res[j] = a->y + lo + j * len + i;
+                }
+                rows4_bf16(w, none, 0, x, a->in, res);
+            } else {
+                for (int r = lo + i; r < hi; r += len)
+                    fma_bf16((const char *)a->w + (size_t)r * rb, 1.f, NULL, 0, a->x, a->in, 1, a->in, a->y + r, 1);
+            }
+        }
+        if (a->yb) to_bf16(a->y + lo, a->yb + lo, hi - lo);
+    }
+}
+
 int tk_linear(const tk_linear_args *a) {
     if (a->tokens <= 0) return 0;
     if (!(tk_isa_mask() & (1 << ISA_AMX))) return -2;
     if (a->tokens > 16 || a->in % 32 || a->out % 32) return -5;
-    linear_amx(a);
+    if (a->tokens == 1) linear_one_token(a);
+    else linear_amx(a);
     return 0;
 }
 
