@@ -298,10 +298,11 @@ class CpuExecutor:
 
     def run_many(self, jobs: list[tuple[CpuExpert, torch.Tensor]], sink: Callable[[int, torch.Tensor], None]) -> None:
         """Several experts of one layer, each on its own tokens; `sink(i, y)` receives job i's output [n, H]
-        (valid only during the call). Those the AMX kernel takes run together in one kernel call (one parallel
-        region for the layer), the rest one at a time."""
+        (valid only during the call). Those the AMX tiles or the one-token AVX-512 rows take go through one kernel
+        call (one parallel region for the layer when all are alike), the rest one at a time."""
+        isas = [self.isa_for(expert, x.shape[0]) for expert, x in jobs]
         together = [i for i, (expert, x) in enumerate(jobs) if 0 < x.shape[0] <= AMX_CROSSOVER
-                    and x.shape[0] <= self.crossover and self.isa_for(expert, x.shape[0]) == "amx"]
+                    and x.shape[0] <= self.crossover and (isas[i] == "amx" or isas[i] == "avx512" and x.shape[0] == 1)]
         if len(together) < 2:
             together = []
         alone = set(range(len(jobs))).difference(together)
@@ -315,7 +316,7 @@ class CpuExecutor:
             self._batch = (_Args * len(self._slots))()
         for k, i in enumerate(together):
             expert, x = jobs[i]
-            self._slots[k].fill(self._batch[k], self, expert, x, "amx")
+            self._slots[k].fill(self._batch[k], self, expert, x, isas[i])  # type: ignore[arg-type]
         code = self.lib.tk_experts(self._batch, len(together))  # type: ignore[union-attr]
         if code != 0:
             raise RuntimeError(f"CPU expert kernel rejected its arguments (code {code})")

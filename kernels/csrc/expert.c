@@ -10,10 +10,11 @@
  *
  * ISA variants are separate functions compiled with target attributes, chosen at run time from what the
  * CPU supports (or forced by the caller): baseline C, AVX2+FMA+F16C, AVX-512, and for bf16 weights with
- * bf16 activations AVX512_BF16 (vdpbf16ps) and AMX tiles (which keep up to 16 tokens at the roofline). On AMX
- * machines int8 runs on integer tiles and one-token int4 on AVX512-VNNI, both against 16-bit fixed-point
- * activations; int4 for more tokens becomes bf16 tiles through per-group tables. Several experts of a layer
- * can run in one parallel region (tk_experts), and dense matrices through the same tiles (tk_linear).
+ * bf16 activations AVX512_BF16 (vdpbf16ps) and AMX tiles (which keep 2-16 tokens near the roofline). One token
+ * goes through AVX-512 rows, four long runs per thread (one_token_phase). On AMX machines int8 runs on integer
+ * tiles and one-token int4 on AVX512-VNNI, both against 16-bit fixed-point activations; int4 for more tokens
+ * becomes bf16 tiles through per-group tables. Several experts of a layer can run in one parallel region
+ * (tk_experts), and dense matrices through the same kernels (tk_linear).
  * Loaded through ctypes; the tiny Python module init below only makes it an importable extension.
  */
 #include <Python.h>
@@ -1213,8 +1214,8 @@ AMX_TARGET static void experts_amx(const tk_args *a, int n) {
     }
 }
 
-/* n experts: one region when all are AMX calls of one kind and shape, else one after another. Returns 0, or
- * the first negative code of tk_expert. */
+/* n experts: one region when all are AMX calls of one kind and shape, or all one-token AVX-512 calls of one kind
+ * and shape, else one after another. Returns 0, or the first negative code of tk_expert. */
 int tk_experts(const tk_args *a, int n) {
     int alike = n > 1 && a->isa == ISA_AVX512;  /* one-token experts on AVX-512 rows: one region too */
     for (int e = 0; e < n && alike; e++) {
