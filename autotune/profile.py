@@ -16,7 +16,7 @@ from typing import Any
 
 from runtime.paths import atomic_write_json, data_dir
 
-SCHEMA = 1
+SCHEMA = 2  # 2: the kernel variant is "auto" unless one beats it at 1 and 8 tokens (1 forced the fastest at 1)
 
 
 def profiles_dir() -> Path:

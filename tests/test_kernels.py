@@ -103,6 +103,7 @@ def test_quantized_amx_experts_serve_long_prompts(quant: str, tokens: int) -> No
     (4096, 64, ("rows", "blocks")),  # gate/up rows of INT8_BLOCKED_BELOW bytes stay row-major, down rows of 64 not
     (128, 4096, ("blocks", "rows")),
     (3072, 64, ("blocks", "blocks")),  # just under the threshold: the kernel must agree on which is which
+    (192, 64, ("blocks", "blocks")),  # one token: 12 down blocks, 6 per thread, in quarters of 2, 2, 2, 0
     (4096, 4096, ("rows", "rows")),
 ])
 @pytest.mark.parametrize("tokens", [1, 5, 16])

@@ -10,10 +10,11 @@
  *
  * ISA variants are separate functions compiled with target attributes, chosen at run time from what the
  * CPU supports (or forced by the caller): baseline C, AVX2+FMA+F16C, AVX-512, and for bf16 weights with
- * bf16 activations AVX512_BF16 (vdpbf16ps) and AMX tiles (which keep 2-16 tokens near the roofline). One token
- * goes through AVX-512 rows, four long runs per thread (one_token_phase). On AMX machines int8 runs on integer
- * tiles and one-token int4 on AVX512-VNNI, both against 16-bit fixed-point activations; int4 for more tokens
- * becomes bf16 tiles through per-group tables. Several experts of a layer can run in one parallel region
+ * bf16 activations AVX512_BF16 (vdpbf16ps) and AMX tiles (which keep 2-16 tokens near the roofline). One token of
+ * fp32, bf16 or fp16 weights goes through AVX-512 rows, four long runs per thread (one_token_phase). On AMX
+ * machines int8 runs on integer tiles (one token: row-major rows on the AVX-512 rows) and one-token int4 on
+ * AVX512-VNNI, both against 16-bit fixed-point activations; int4 for more tokens becomes bf16 tiles through
+ * per-group tables. Several experts of a layer can run in one parallel region
  * (tk_experts), and dense matrices through the same kernels (tk_linear).
  * Loaded through ctypes; the tiny Python module init below only makes it an importable extension.
  */
@@ -1214,43 +1215,52 @@ AMX_TARGET static void experts_amx(const tk_args *a, int n) {
     }
 }
 
-/* n experts: one region when all are AMX calls of one kind and shape, or all one-token AVX-512 calls of one kind
- * and shape, else one after another. Returns 0, or the first negative code of tk_expert. */
+/* The shared parallel region an expert call can join (tk_experts): 0 none (it runs alone), else one of these. */
+enum { REGION_NONE, REGION_ROWS, REGION_INT4_VNNI, REGION_INT8_ONE, REGION_AMX, REGIONS };
+static int region_of(const tk_args *b) {
+    if (b->isa == ISA_AVX512 && b->tokens == 1) return REGION_ROWS;  /* experts_one_token */
+    if (b->isa != ISA_AMX) return REGION_NONE;
+    if (b->tokens == 1 && b->kind == K_INT4) return REGION_INT4_VNNI;
+    if (b->tokens == 1 && b->kind == K_INT8) return REGION_INT8_ONE;
+    return REGION_AMX;
+}
+
+static void run_region(int region, const tk_args *a, int n) {
+    switch (region) {
+        case REGION_ROWS: experts_one_token(a, n); break;
+        case REGION_INT4_VNNI: experts_int4_vnni(a, n); break;
+        case REGION_INT8_ONE: experts_int8_one_token(a, n); break;
+        default: experts_amx(a, n); break;
+    }
+}
+
+/* n experts of one layer (same kind and shape), each with its own tokens and buffers: those that can share a
+ * parallel region (region_of: one-token AVX-512 rows, one-token int4 or int8 on an AMX machine, AMX tiles) run
+ * in one region per kind of region, AMX_BATCH at a time; the rest, or all when the shapes differ, one after
+ * another. Returns 0, or the first negative code of the checks. */
 int tk_experts(const tk_args *a, int n) {
-    int alike = n > 1 && a->isa == ISA_AVX512;  /* one-token experts on AVX-512 rows: one region too */
-    for (int e = 0; e < n && alike; e++) {
-        const tk_args *b = a + e;
-        alike = b->isa == a->isa && b->kind == a->kind && b->hidden == a->hidden && b->inter == a->inter &&
-                b->group == a->group && b->threads == a->threads && b->tokens == 1 && !expert_checks(b);
-    }
-    if (alike) {
-        experts_one_token(a, n);
-        return 0;
-    }
-    const int vnni = (a->kind == K_INT4 || a->kind == K_INT8) && a->tokens == 1;  /* their own one-token kernels */
-    int same = n > 1 && a->isa == ISA_AMX;
-    for (int e = 0; e < n && same; e++) {
-        const tk_args *b = a + e;
-        same = b->isa == ISA_AMX && b->kind == a->kind && b->hidden == a->hidden && b->inter == a->inter &&
-               b->group == a->group && b->threads == a->threads && b->tokens >= 1 &&
-               ((b->kind == K_INT4 || b->kind == K_INT8) && b->tokens == 1) == vnni;
-    }
-    if (same) {
-        for (int e = 0; e < n; e++) {  /* the same checks as one call */
-            const int code = expert_checks(a + e);
-            if (code) return code;
-        }
-        for (int e = 0; e < n; e += AMX_BATCH) {
-            const int m = n - e < AMX_BATCH ? n - e : AMX_BATCH;
-            if (vnni && a->kind == K_INT4) experts_int4_vnni(a + e, m);
-            else if (vnni) experts_int8_one_token(a + e, m);
-            else experts_amx(a + e, m);
-        }
-        return 0;
-    }
+    int alike = 1;
     for (int e = 0; e < n; e++) {
-        const int code = tk_expert(a + e);
+        const tk_args *b = a + e;
+        if (b->tokens <= 0) continue;
+        const int code = expert_checks(b);
         if (code) return code;
+        alike = alike && b->kind == a->kind && b->hidden == a->hidden && b->inter == a->inter &&
+                b->group == a->group && b->threads == a->threads;
+    }
+    tk_args group[AMX_BATCH];
+    for (int region = REGION_NONE; region < REGIONS; region++) {
+        int m = 0;
+        for (int e = 0; e < n; e++) {
+            if (a[e].tokens <= 0 || (alike ? region_of(a + e) : REGION_NONE) != region) continue;
+            if (region == REGION_NONE) {
+                tk_expert(a + e);
+                continue;
+            }
+            group[m++] = a[e];
+            if (m == AMX_BATCH) run_region(region, group, m), m = 0;
+        }
+        if (m) run_region(region, group, m);
     }
     return 0;
 }
@@ -1258,7 +1268,7 @@ int tk_experts(const tk_args *a, int n) {
 /* ---- a whole MoE layer for a few tokens -------------------------------------------------------------
  * From the router's choice to the weighted sum in one call: the tokens are grouped by expert (experts in id
  * order), each group's rows are copied into a slot of the caller's arena, the groups run through tk_experts
- * (one parallel region on AMX) `slots` at a time, and each output row, times its routing weight, is added into
+ * (shared parallel regions) `slots` at a time, and each output row, times its routing weight, is added into
  * out. What the decode loop would otherwise do per expert in Python (find the tokens, gather, scale, add). */
 typedef struct {
     const void *gate, *up, *down;
@@ -1342,7 +1352,7 @@ int tk_moe(const tk_moe_args *m) {
 }
 
 /* A dense bf16 matrix for a few tokens (attention projections, lm_head in decode): y [T, O] = x [T, I] . W^T,
- * W [O, I] row-major, through the same AMX tiles as the experts. */
+ * W [O, I] row-major, through the same kernels as the experts (one token: AVX-512 rows, more: AMX tiles). */
 typedef struct {
     int tokens, in, out, threads;
     const uint16_t *w;
