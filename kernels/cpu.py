@@ -403,23 +403,25 @@ class _Slot:
 
 
 class DenseLinear:
-    """`F.linear` for the decoder's dense matrices (attention projections, lm_head). A few bf16 tokens on a CPU
-    with AMX go through the kernel (one token: AVX-512 rows, four long runs per thread; more: the tiles), which
-    streams a matrix at 0.86-0.93 of the probe's bandwidth where torch's matrix-vector path reaches about 0.75
-    of it here; anything else is `F.linear` itself.
+    """`F.linear` for the decoder's dense matrices (attention projections, lm_head). bf16 goes through the kernel
+    for one token on a CPU with AVX-512 (four long runs of rows per thread) and for up to 16 on one with AMX
+    (tiles): it streams a matrix at 0.86-0.93 of the probe's bandwidth where torch's matrix-vector path reaches
+    about 0.5-0.75 of it here. Anything else is `F.linear` itself. `isas`: the kernel variants to assume
+    (default: what this CPU has).
 
     Letters: n tokens (all leading dimensions together), I input width, O output width."""
 
-    def __init__(self, threads: int | None = None, use_kernel: bool = True) -> None:
+    def __init__(self, threads: int | None = None, use_kernel: bool = True, isas: list[str] | None = None) -> None:
         self.lib = library() if use_kernel else None
-        self.ok = self.lib is not None and "amx" in available_isas()
+        isas = available_isas() if isas is None else isas
+        self.most = 0 if self.lib is None else AMX_CROSSOVER if "amx" in isas else 1 if "avx512" in isas else 0
         self.threads = threads or torch.get_num_threads()
         self._args = _LinearArgs()
         self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         n, width = x.numel() // x.shape[-1], x.shape[-1]
-        if not (self.ok and n <= AMX_CROSSOVER and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+        if not (0 < n <= self.most and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
                 and x.device.type == "cpu" and w.shape[0] % 32 == 0 and width % 32 == 0 and w.is_contiguous()):
             return F.linear(x, w, bias)
         key = (width, w.shape[0])

@@ -1407,16 +1407,19 @@ static void linear_one_token(const tk_linear_args *a) {
                     fma_bf16((const char *)a->w + (size_t)r * rb, 1.f, NULL, 0, a->x, a->in, 1, a->in, a->y + r, 1);
             }
         }
-        if (a->yb) to_bf16(a->y + lo, a->yb + lo, hi - lo);
+        if (a->yb && (tk_isa_mask() & (1 << ISA_AVX512BF16))) to_bf16(a->y + lo, a->yb + lo, hi - lo);
+        else if (a->yb) for (int r = lo; r < hi; r++) a->yb[r] = bf16_of(a->y[r]);  /* the same rounding */
     }
 }
 
+/* One token needs AVX-512 (the four-row kernel), more tokens AMX tiles. */
 int tk_linear(const tk_linear_args *a) {
     if (a->tokens <= 0) return 0;
-    if (!(tk_isa_mask() & (1 << ISA_AMX))) return -2;
     if (a->tokens > 16 || a->in % 32 || a->out % 32) return -5;
-    if (a->tokens == 1) linear_one_token(a);
-    else linear_amx(a);
+    const int isa = tk_isa_mask();
+    if (a->tokens == 1 && (isa & (1 << ISA_AVX512))) linear_one_token(a);
+    else if (isa & (1 << ISA_AMX)) linear_amx(a);
+    else return -2;
     return 0;
 }
 
