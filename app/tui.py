@@ -240,7 +240,7 @@ class TandemApp(App[None]):
     def action_tune(self) -> None:
         """The auto-tune wizard for the loaded model (offered on first run, or any time from the palette)."""
         target = getattr(self.backend, "tuning_target", None)
-        if target is None or self.generating or self.loading or self.tuning():
+        if target is None or self.busy():
             return
         path, dtype, _ = target()
 

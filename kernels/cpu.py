@@ -272,11 +272,15 @@ class CpuExecutor:
             return self.forced_isa
         return best_isa(kind, self.dtype, isas, tokens)
 
+    def _step(self, expert: CpuExpert) -> int:
+        """Tokens per kernel call for this expert."""
+        return min(self.crossover, AMX_CROSSOVER) if expert.amx_layout else self.crossover
+
     def run(self, expert: CpuExpert, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         if n == 0:
             return x.new_zeros(0, self.hidden)
-        step = min(self.crossover, AMX_CROSSOVER) if expert.amx_layout else self.crossover  # tokens per kernel call
+        step = self._step(expert)
         isa = self.isa_for(expert, min(n, step))
         if isa is not None and n <= step:
             return self._run_kernel(expert, x, isa).to(x.dtype)
@@ -298,11 +302,11 @@ class CpuExecutor:
 
     def run_many(self, jobs: list[tuple[CpuExpert, torch.Tensor]], sink: Callable[[int, torch.Tensor], None]) -> None:
         """Several experts of one layer, each on its own tokens; `sink(i, y)` receives job i's output [n, H]
-        (valid only during the call). Those the AMX tiles or the one-token AVX-512 rows take go through one kernel
-        call (one parallel region for the layer when all are alike), the rest one at a time."""
+        (valid only during the call). Those the kernel takes in one call go through one kernel call, which runs
+        those that can share a parallel region together (csrc/expert.c `tk_experts`); the rest one at a time."""
         isas = [self.isa_for(expert, x.shape[0]) for expert, x in jobs]
-        together = [i for i, (expert, x) in enumerate(jobs) if 0 < x.shape[0] <= AMX_CROSSOVER
-                    and x.shape[0] <= self.crossover and (isas[i] == "amx" or isas[i] == "avx512" and x.shape[0] == 1)]
+        together = [i for i, (expert, x) in enumerate(jobs)
+                    if isas[i] is not None and 0 < x.shape[0] <= self._step(expert)]
         if len(together) < 2:
             together = []
         alone = set(range(len(jobs))).difference(together)

@@ -568,10 +568,21 @@ static inline row_ref one_token_row(const tk_args *a, int down, int q) {
  * sequences side by side (row i of each quarter), as the bandwidth probe does. Measured on 2048x768 bf16
  * experts (with ROWS4_PREFETCH): 0.94 of the probe's bandwidth, against 0.79 for four neighbouring rows at a
  * time (four streams one row long) and 0.86 for eight quarters. Ends with a barrier. */
+/* Inside a parallel region: this thread's contiguous share [lo, hi) of `total` items, and the length of its
+ * quarters (item i of quarter j is lo + j * len + i, while below hi: the last quarter is the shortest). */
+typedef struct { int lo, hi, len; } thread_run;
+static inline thread_run this_threads_run(int total) {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    thread_run r = {(int)((long)total * t / nt), (int)((long)total * (t + 1) / nt), 0};
+    r.len = (r.hi - r.lo + 3) / 4;
+    return r;
+}
+
 static void one_token_phase(const tk_args *a, int n, int down, rows4_fn r4, dot_fn dot) {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads(), K = down ? a->inter : a->hidden;
+    const int K = down ? a->inter : a->hidden;
     const int per = down ? a->hidden : a->inter, total = n * (down ? per : 2 * per);  /* rows per matrix, all */
-    const int lo = (int)((long)total * t / nt), hi = (int)((long)total * (t + 1) / nt), len = (hi - lo + 3) / 4;
+    const thread_run run = this_threads_run(total);
+    const int lo = run.lo, hi = run.hi, len = run.len;
     const size_t rb = row_bytes(a->kind, K, a->group);
     const int s_step = a->kind == K_INT8 ? 1 : a->kind == K_INT4 ? K / a->group : 0;  /* scales per row */
     row_ref r[4];
@@ -623,10 +634,6 @@ static void expert_generic(const tk_args *a) {
     const dot_fn dot = pick_dot(kind, a->isa);
     const char *gate = a->gate, *up = a->up, *down = a->down;
     const size_t in_row = row_bytes(kind, H, g), down_row = row_bytes(kind, I, g);
-    if (T == 1 && a->isa >= ISA_AVX512) {
-        experts_one_token(a, 1);
-        return;
-    }
     #pragma omp parallel num_threads(a->threads)
     {
         #pragma omp for schedule(static)
@@ -979,18 +986,12 @@ AMX_TARGET static void int8_pack_columns(const float *const *x, const float *inv
     }
 }
 
-/* Block q of a phase (16 rows of one matrix of one expert): weights, row scales, expert, results. */
+/* Block q of a phase (16 rows of one matrix of one expert): weights, row scales, expert, results. Both layouts
+ * keep a block's 16 rows from its first row's place on, so the row lookup serves. */
 typedef struct { const int8_t *w; const float *s; int e; float *res; } int8_block;
 static inline int8_block int8_block_at(const tk_args *a, int down, int q) {
-    const int per = (down ? a->hidden : a->inter) / 16, bpe = down ? per : 2 * per;  /* blocks per matrix, expert */
-    const tk_args *e = a + q / bpe;
-    const int b = q % bpe, up = !down && b >= per, r0 = (up ? b - per : b) * 16;
-    const size_t rb = down ? (size_t)a->inter : (size_t)a->hidden;
-    int8_block k;
-    k.w = (const int8_t *)(down ? e->down : up ? e->up : e->gate) + (size_t)r0 * rb;
-    k.s = (down ? e->down_scale : up ? e->up_scale : e->gate_scale) + r0;
-    k.e = q / bpe;
-    k.res = (down ? e->out : e->act + (up ? a->inter : 0)) + r0;
+    const row_ref r = one_token_row(a, down, q * 16);
+    const int8_block k = {(const int8_t *)r.w, r.s, q * 16 / (down ? a->hidden : 2 * a->inter), r.res};
     return k;
 }
 
@@ -1038,14 +1039,12 @@ AMX_TARGET static void int8_one_token_phase(const tk_args *a, int n, int down, f
     int8_t *xp = (int8_t *)a[0].xb;  /* K * 16 bytes: fits the first expert's scratch */
     #pragma omp for schedule(static)
     for (int c = 0; c < K / 64; c++) int8_pack_columns(x, inv, n, c, xp);
-    const int total = n * (down ? a->hidden : 2 * a->inter) / 16;
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int lo = (int)((long)total * t / nt), hi = (int)((long)total * (t + 1) / nt), len = (hi - lo + 3) / 4;
-    for (int i = 0; i < len; i++) {  /* block i of each quarter of this thread's run */
+    const thread_run run = this_threads_run(n * (down ? a->hidden : 2 * a->inter) / 16);  /* in 16-row blocks */
+    for (int i = 0; i < run.len; i++) {  /* block i of each quarter of this thread's run */
         int8_block k[4];
         int m = 0;
-        for (int j = 0; j < 4; j++)
-            if (lo + j * len + i < hi) k[m++] = int8_block_at(a, down, lo + j * len + i);
+        for (int j = 0; j < 4 && run.lo + j * run.len + i < run.hi; j++)
+            k[m++] = int8_block_at(a, down, run.lo + j * run.len + i);
         int8_blocks4(k, m, K, xp, xscale);
     }
     #pragma omp barrier
@@ -1151,15 +1150,33 @@ static int expert_checks(const tk_args *a) {
     return 0;
 }
 
+/* The shared parallel region an expert call can join (tk_experts): 0 none (it runs alone), else one of these. */
+enum { REGION_NONE, REGION_ROWS, REGION_INT4_VNNI, REGION_INT8_ONE, REGION_AMX, REGIONS };
+static int region_of(const tk_args *b) {
+    if (b->isa == ISA_AVX512 && b->tokens == 1) return REGION_ROWS;  /* experts_one_token */
+    if (b->isa != ISA_AMX) return REGION_NONE;
+    if (b->tokens == 1 && b->kind == K_INT4) return REGION_INT4_VNNI;
+    if (b->tokens == 1 && b->kind == K_INT8) return REGION_INT8_ONE;
+    return REGION_AMX;
+}
+
+static void run_region(int region, const tk_args *a, int n) {
+    switch (region) {
+        case REGION_ROWS: experts_one_token(a, n); break;
+        case REGION_INT4_VNNI: experts_int4_vnni(a, n); break;
+        case REGION_INT8_ONE: experts_int8_one_token(a, n); break;
+        default: experts_amx(a, n); break;
+    }
+}
+
 /* Returns 0 on success, a negative code for arguments the kernel cannot serve. */
 int tk_expert(const tk_args *a) {
     if (a->tokens <= 0) return 0;
     const int code = expert_checks(a);
     if (code) return code;
-    if (a->isa == ISA_AVX512BF16) expert_bf16dp(a);
-    else if (a->isa == ISA_AMX && a->kind == K_INT4 && a->tokens == 1) experts_int4_vnni(a, 1);
-    else if (a->isa == ISA_AMX && a->kind == K_INT8 && a->tokens == 1) experts_int8_one_token(a, 1);
-    else if (a->isa == ISA_AMX) experts_amx(a, 1);
+    const int region = region_of(a);
+    if (region != REGION_NONE) run_region(region, a, 1);
+    else if (a->isa == ISA_AVX512BF16) expert_bf16dp(a);
     else expert_generic(a);
     return 0;
 }
@@ -1216,25 +1233,6 @@ AMX_TARGET static void experts_amx(const tk_args *a, int n) {
                      xscale[j / down_blocks], e->tokens, e->out, H);
         }
         _tile_release();
-    }
-}
-
-/* The shared parallel region an expert call can join (tk_experts): 0 none (it runs alone), else one of these. */
-enum { REGION_NONE, REGION_ROWS, REGION_INT4_VNNI, REGION_INT8_ONE, REGION_AMX, REGIONS };
-static int region_of(const tk_args *b) {
-    if (b->isa == ISA_AVX512 && b->tokens == 1) return REGION_ROWS;  /* experts_one_token */
-    if (b->isa != ISA_AMX) return REGION_NONE;
-    if (b->tokens == 1 && b->kind == K_INT4) return REGION_INT4_VNNI;
-    if (b->tokens == 1 && b->kind == K_INT8) return REGION_INT8_ONE;
-    return REGION_AMX;
-}
-
-static void run_region(int region, const tk_args *a, int n) {
-    switch (region) {
-        case REGION_ROWS: experts_one_token(a, n); break;
-        case REGION_INT4_VNNI: experts_int4_vnni(a, n); break;
-        case REGION_INT8_ONE: experts_int8_one_token(a, n); break;
-        default: experts_amx(a, n); break;
     }
 }
 
@@ -1390,8 +1388,8 @@ static void linear_one_token(const tk_linear_args *a) {
     const size_t rb = (size_t)a->in * 2;
     #pragma omp parallel num_threads(a->threads)
     {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int lo = (int)((long)a->out * t / nt), hi = (int)((long)a->out * (t + 1) / nt), len = (hi - lo + 3) / 4;
+        const thread_run run = this_threads_run(a->out);
+        const int lo = run.lo, hi = run.hi, len = run.len;
         const float *x[4] = {a->x, a->x, a->x, a->x}, *none[4] = {NULL, NULL, NULL, NULL};
         for (int i = 0; i < len; i++) {
             if (lo + 3 * len + i < hi) {
