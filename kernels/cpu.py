@@ -158,7 +158,7 @@ class CpuOptions:
         if self.quant == "int8":
             return params + (2 * inter + hidden) * 4
         if self.quant == "int4":
-            return params // 2 + params // self.group * 4
+            return params // 2 + params // self.group * 2  # bf16 scale per group
         return params * stored if self.experts_in_ram else 0
 
 

@@ -1,7 +1,9 @@
 """Weight-only quantization of expert matrices for the CPU kernels.
 
-int8: symmetric, one float32 scale per output row. int4: symmetric, one float32 scale per group of
-`group` input values; each group is stored in group/2 bytes whose low nibble holds element j and high
+int8: symmetric, one float32 scale per output row. int4: symmetric, one bfloat16 scale per group of
+`group` input values (the values are rounded against the stored scale; bf16 rather than float32 makes an
+expert 6 % smaller at group 64 and one-token decode about as much faster, for a relative scale error of at
+most 2^-9, far below int4's own); each group is stored in group/2 bytes whose low nibble holds element j and high
 nibble element j + group/2 (values offset by 8), the layout the C kernel reads.
 
 Row-major is the stored layout. With AMX, matrices are re-laid out once (`amx_layout()`) for the kernels
@@ -31,7 +33,7 @@ INT8_BLOCKED_BELOW = 4096
 class QuantizedMatrix:
     kind: str  # "int8" | "int4"
     data: torch.Tensor  # int8 [rows, cols] | uint8 [rows, cols / 2]
-    scales: torch.Tensor  # float32 [rows] | [rows, cols / group]
+    scales: torch.Tensor  # int8: float32 [rows] | int4: bfloat16 [rows, cols / group]
     cols: int
     group: int = 0
     blocked: bool = False  # True: the AMX kernels' block layout of BLOCK_ROWS rows (see the module docstring)
@@ -81,11 +83,11 @@ class QuantizedMatrix:
         lo = (packed & 15).to(torch.int8) - 8
         hi = (packed >> 4).to(torch.int8) - 8
         values = torch.cat([lo, hi], dim=-1).float()  # [rows, groups, group]
-        return (values * self.scales[:, :, None]).reshape(rows, self.cols).to(dtype)
+        return (values * self.scales.float()[:, :, None]).reshape(rows, self.cols).to(dtype)
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size() + self.scales.numel() * 4
+        return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
 
 
 def quantize_int8(w: torch.Tensor) -> QuantizedMatrix:
@@ -104,8 +106,8 @@ def quantize_int4(w: torch.Tensor, group: int) -> QuantizedMatrix:
     if cols % group:
         raise ValueError(f"int4 with group {group} needs a width divisible by it (got {cols})")
     g = w.float().reshape(rows, cols // group, group)  # [rows, groups, group]
-    scales = g.abs().amax(dim=-1).clamp(min=1e-12) / 7  # [rows, groups]
-    q = (torch.round(g / scales[..., None]).clamp(-8, 7) + 8).to(torch.uint8)  # [rows, groups, group]
+    scales = (g.abs().amax(dim=-1).clamp(min=1e-12) / 7).to(torch.bfloat16)  # [rows, groups]
+    q = (torch.round(g / scales.float()[..., None]).clamp(-8, 7) + 8).to(torch.uint8)  # [rows, groups, group]
     half = group // 2
     packed = q[..., :half] | (q[..., half:] << 4)  # [rows, groups, group/2]
     return QuantizedMatrix("int4", packed.reshape(rows, cols // 2).contiguous(), scales.contiguous(), cols, group)

@@ -4,8 +4,8 @@
  * sequential stream, and reused for all tokens of the call while it sits in L1. The whole expert runs in
  * one OpenMP region: gate and up rows (one fused pass over 2I rows), then the activation, then down rows.
  *
- * Weight kinds: fp32, bf16, fp16 (row-major [rows, cols]); int8 with one scale per row; int4 with one
- * scale per group of `group` values, stored as bytes whose low nibble is element j and high nibble
+ * Weight kinds: fp32, bf16, fp16 (row-major [rows, cols]); int8 with one float scale per row; int4 with one
+ * bf16 scale per group of `group` values, stored as bytes whose low nibble is element j and high nibble
  * element j + group/2 of the group (values offset by 8). Activations are float32.
  *
  * ISA variants are separate functions compiled with target attributes, chosen at run time from what the
@@ -35,7 +35,7 @@ enum { ISA_BASE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AMX =
 typedef struct {
     int kind, isa, tokens, hidden, inter, threads, group;
     const void *gate, *up, *down;        /* [I, H], [I, H], [H, I] */
-    const float *gate_scale, *up_scale, *down_scale;
+    const void *gate_scale, *up_scale, *down_scale;  /* int8: float per row; int4: bf16 [rows, groups] */
     const float *x;                      /* [T, H] */
     float *out;                          /* [T, H] */
     float *act;                          /* scratch [T, 2I] */
@@ -74,7 +74,7 @@ static inline uint16_t bf16_of(float f) {  /* round to nearest even; NaN -> quie
             _Pragma("omp simd reduction(+:a)")                                                     \
             for (int j = 0; j < half; j++)                                                         \
                 a += (float)((int)(q[j] & 15) - 8) * xg[j] + (float)((int)(q[j] >> 4) - 8) * xg[j + half]; \
-            total += a * gscale[g];                                                                \
+            total += a * bf16f(gscale[g]);                                                         \
         }                                                                                          \
         res[(size_t)t * ldr] = total;                                                              \
     }
@@ -84,15 +84,15 @@ static inline uint16_t bf16_of(float f) {  /* round to nearest even; NaN -> quie
 #define F16(v) ((float)(v))
 
 #define DEFINE_DOTS(SUFFIX, ATTR)                                                                  \
-ATTR static void dot_fp32_##SUFFIX(const void *wrow, float scale, const float *gscale, int group,   \
+ATTR static void dot_fp32_##SUFFIX(const void *wrow, float scale, const uint16_t *gscale, int group,   \
         const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)gscale; (void)group; DOT_BODY(float, IDENT) } \
-ATTR static void dot_bf16_##SUFFIX(const void *wrow, float scale, const float *gscale, int group,   \
+ATTR static void dot_bf16_##SUFFIX(const void *wrow, float scale, const uint16_t *gscale, int group,   \
         const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)gscale; (void)group; DOT_BODY(uint16_t, bf16f) } \
-ATTR static void dot_fp16_##SUFFIX(const void *wrow, float scale, const float *gscale, int group,   \
+ATTR static void dot_fp16_##SUFFIX(const void *wrow, float scale, const uint16_t *gscale, int group,   \
         const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)gscale; (void)group; DOT_BODY(_Float16, F16) } \
-ATTR static void dot_int8_##SUFFIX(const void *wrow, float scale, const float *gscale, int group,   \
+ATTR static void dot_int8_##SUFFIX(const void *wrow, float scale, const uint16_t *gscale, int group,   \
         const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)gscale; (void)group; DOT_BODY(int8_t, I8) } \
-ATTR static void dot_int4_##SUFFIX(const void *wrow, float scale, const float *gscale, int group,   \
+ATTR static void dot_int4_##SUFFIX(const void *wrow, float scale, const uint16_t *gscale, int group,   \
         const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)scale; INT4_BODY }
 
 DEFINE_DOTS(base, )
@@ -138,7 +138,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void NAME##_m(const W
         res[(size_t)j * ldr] = sum * scale;                                                                \
     }                                                                                                      \
 }                                                                                                          \
-AVX512_TARGET static void NAME(const void *wrow, float scale, const float *gscale, int group,               \
+AVX512_TARGET static void NAME(const void *wrow, float scale, const uint16_t *gscale, int group,               \
         const float *x, int ldx, int nt, int n, float *res, int ldr) {                                     \
     (void)gscale; (void)group;                                                                             \
     const WT *w = (const WT *)wrow;                                                                        \
@@ -184,13 +184,14 @@ DEFINE_FMA_TOKENS(fma_int8, int8_t, LOAD_INT8, I8)
     if (m > 3) FMA4_STEP2(7, 3, XOFF, WV);                                                                \
 } while (0)
 #define FMA4_STEP2(A, J, XOFF, WV) a##A = _mm512_fmadd_ps(WV, _mm512_loadu_ps(x + (size_t)(J) * ldx + (XOFF)), a##A)
-AVX512_TARGET static inline __attribute__((always_inline)) void int4_m(const uint8_t *w, const float *gscale,
+AVX512_TARGET static inline __attribute__((always_inline)) void int4_m(const uint8_t *w, const uint16_t *gscale,
         int group, const float *x, int ldx, int m, int n, float *res, int ldr) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     const int half = group / 2;
     const __m512i low = _mm512_set1_epi32(15);
     for (int g = 0; g < n / group; g++) {
-        const __m512 sc = _mm512_set1_ps(gscale[g]), off = _mm512_set1_ps(-8.f * gscale[g]);
+        const float gs = bf16f(gscale[g]);
+        const __m512 sc = _mm512_set1_ps(gs), off = _mm512_set1_ps(-8.f * gs);
         const uint8_t *q = w + (size_t)g * half;
         const int base = g * group;
         for (int j = 0; j < half; j += 16) {
@@ -210,7 +211,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void int4_m(const uin
     for (int j = 0; j < m; j++) res[(size_t)j * ldr] = _mm512_reduce_add_ps(acc[j]);
 }
 
-AVX512_TARGET static void fma_int4(const void *wrow, float scale, const float *gscale, int group,
+AVX512_TARGET static void fma_int4(const void *wrow, float scale, const uint16_t *gscale, int group,
                                    const float *x, int ldx, int nt, int n, float *res, int ldr) {
     (void)scale;
     const uint8_t *w = (const uint8_t *)wrow;
@@ -231,7 +232,7 @@ AVX512_TARGET static void fma_int4(const void *wrow, float scale, const float *g
     }
 }
 
-typedef void (*dot_fn)(const void *, float, const float *, int, const float *, int, int, int, float *, int);
+typedef void (*dot_fn)(const void *, float, const uint16_t *, int, const float *, int, int, int, float *, int);
 
 static dot_fn pick_dot(int kind, int isa) {
     static const dot_fn table[3][5] = {
@@ -418,13 +419,13 @@ static size_t row_bytes(int kind, int n, int group) {
     }
 }
 
-static const float *row_scales(const float *s, int kind, int row, int n, int group) {
+static const uint16_t *row_scales(const void *s, int kind, int row, int n, int group) {
     if (kind != K_INT4 || !s) return NULL;
-    return s + (size_t)row * (n / group);
+    return (const uint16_t *)s + (size_t)row * (n / group);
 }
 
-static float row_scale(const float *s, int kind, int row) {
-    return (kind == K_INT8 && s) ? s[row] : 1.f;
+static float row_scale(const void *s, int kind, int row) {
+    return (kind == K_INT8 && s) ? ((const float *)s)[row] : 1.f;
 }
 
 BF16_TARGET static void expert_bf16dp(const tk_args *a) {
@@ -464,7 +465,7 @@ BF16_TARGET static void expert_bf16dp(const tk_args *a) {
 #define ROWS4_PREFETCH 2048
 #define PREFETCH_AHEAD(p) _mm_prefetch((const char *)(p) + ROWS4_PREFETCH, _MM_HINT_T0)
 #define DEFINE_ROWS4(NAME, WT, LOADW_, CONV, SCALED)                                                        \
-AVX512_TARGET static void NAME(const char *const *rows, const float *const *scales, int group,              \
+AVX512_TARGET static void NAME(const char *const *rows, const void *const *scales, int group,               \
                                const float *const *x, int n, float *const *res) {                           \
     (void)group;                                                                                            \
     const WT *w0 = (const WT *)rows[0], *w1 = (const WT *)rows[1];                                           \
@@ -487,7 +488,7 @@ AVX512_TARGET static void NAME(const char *const *rows, const float *const *scal
         if (kk + 16 <= n) { rs[j] = _mm512_fmadd_ps(LOADW(ws[j] + kk), _mm512_loadu_ps(x[j] + kk), rs[j]); kk += 16; } \
         float s = _mm512_reduce_add_ps(rs[j]);                                                              \
         for (; kk < n; kk++) s += CONV(ws[j][kk]) * x[j][kk];                                               \
-        *res[j] = SCALED ? s * *scales[j] : s;                                                              \
+        *res[j] = SCALED ? s * *(const float *)scales[j] : s;                                               \
     }                                                                                                       \
 }
 #define LOADW LOAD_FP32
@@ -506,7 +507,7 @@ DEFINE_ROWS4(rows4_int8, int8_t, LOAD_INT8, I8, 1)
 /* int4, one token, four rows: each row's group scale folds into the unpacked weights. */
 #define INT4_ROW(J)                                                                                         \
     do {                                                                                                    \
-        const float sc = s##J[g];                                                                           \
+        const float sc = bf16f(s##J[g]);                                                                    \
         __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q##J + (size_t)g * half + j))); \
         __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, low)), _mm512_set1_ps(sc),   \
                                     _mm512_set1_ps(-8.f * sc));                                             \
@@ -515,12 +516,12 @@ DEFINE_ROWS4(rows4_int8, int8_t, LOAD_INT8, I8, 1)
         r##J = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x[J] + (size_t)g * group + j), r##J);                   \
         h##J = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x[J] + (size_t)g * group + j + half), h##J);            \
     } while (0)
-AVX512_TARGET static void rows4_int4(const char *const *rows, const float *const *scales, int group,
+AVX512_TARGET static void rows4_int4(const char *const *rows, const void *const *scales, int group,
                                      const float *const *x, int n, float *const *res) {
     const uint8_t *q0 = (const uint8_t *)rows[0], *q1 = (const uint8_t *)rows[1], *q2 = (const uint8_t *)rows[2];
     const uint8_t *q3 = (const uint8_t *)rows[3];
     const int ngroups = n / group, half = group / 2;
-    const float *s0 = scales[0], *s1 = scales[1], *s2 = scales[2], *s3 = scales[3];
+    const uint16_t *s0 = scales[0], *s1 = scales[1], *s2 = scales[2], *s3 = scales[3];
     const __m512i low = _mm512_set1_epi32(15);
     __m512 r0 = _mm512_setzero_ps(), r1 = r0, r2 = r0, r3 = r0, h0 = r0, h1 = r0, h2 = r0, h3 = r0;
     for (int g = 0; g < ngroups; g++) {
@@ -538,11 +539,11 @@ AVX512_TARGET static void rows4_int4(const char *const *rows, const float *const
     *res[3] = _mm512_reduce_add_ps(_mm512_add_ps(r3, h3));
 }
 
-typedef void (*rows4_fn)(const char *const *, const float *const *, int, const float *const *, int, float *const *);
+typedef void (*rows4_fn)(const char *const *, const void *const *, int, const float *const *, int, float *const *);
 
 /* Row q of a one-token phase over n experts: gate and up rows (q < n * 2I, expert by expert, gate then up),
  * or down rows; where its weights, scales (int8: the row's, int4: its groups', else NULL), input and result lie. */
-typedef struct { const char *w; const float *s, *x; float *res; int e; } row_ref;
+typedef struct { const char *w; const void *s; const float *x; float *res; int e; } row_ref;
 static inline row_ref one_token_row(const tk_args *a, int down, int q) {
     const int H = a->hidden, I = a->inter, kind = a->kind;
     row_ref r;
@@ -550,14 +551,14 @@ static inline row_ref one_token_row(const tk_args *a, int down, int q) {
         const tk_args *e = a + q / H;
         const int row = q % H;
         r.w = (const char *)e->down + (size_t)row * row_bytes(kind, I, a->group);
-        r.s = kind == K_INT8 ? e->down_scale + row : row_scales(e->down_scale, kind, row, I, a->group);
+        r.s = kind == K_INT8 ? (const float *)e->down_scale + row : (const void *)row_scales(e->down_scale, kind, row, I, a->group);
         r.x = e->act, r.res = e->out + row, r.e = q / H;
     } else {
         const tk_args *e = a + q / (2 * I);
         const int up = q % (2 * I) >= I, row = q % I;
-        const float *s = up ? e->up_scale : e->gate_scale;
+        const void *s = up ? e->up_scale : e->gate_scale;
         r.w = (const char *)(up ? e->up : e->gate) + (size_t)row * row_bytes(kind, H, a->group);
-        r.s = kind == K_INT8 ? s + row : row_scales(s, kind, row, H, a->group);
+        r.s = kind == K_INT8 ? (const float *)s + row : (const void *)row_scales(s, kind, row, H, a->group);
         r.x = e->x, r.res = e->act + (up ? I : 0) + row, r.e = q / (2 * I);
     }
     return r;
@@ -584,7 +585,7 @@ static void one_token_phase(const tk_args *a, int n, int down, rows4_fn r4, dot_
     const thread_run run = this_threads_run(total);
     const int lo = run.lo, hi = run.hi, len = run.len;
     const size_t rb = row_bytes(a->kind, K, a->group);
-    const int s_step = a->kind == K_INT8 ? 1 : a->kind == K_INT4 ? K / a->group : 0;  /* scales per row */
+    const size_t s_step = a->kind == K_INT8 ? sizeof(float) : a->kind == K_INT4 ? K / a->group * sizeof(uint16_t) : 0;  /* scale bytes per row */
     row_ref r[4];
     int left[4] = {0, 0, 0, 0};  /* rows left in the matrix each quarter is in (0: look the next row up) */
     for (int i = 0; i < len; i++) {
@@ -596,17 +597,18 @@ static void one_token_phase(const tk_args *a, int n, int down, rows4_fn r4, dot_
             }
         if (m == 4) {
             const char *w[4] = {r[0].w, r[1].w, r[2].w, r[3].w};
-            const float *s[4] = {r[0].s, r[1].s, r[2].s, r[3].s}, *x[4] = {r[0].x, r[1].x, r[2].x, r[3].x};
+            const void *s[4] = {r[0].s, r[1].s, r[2].s, r[3].s};
+            const float *x[4] = {r[0].x, r[1].x, r[2].x, r[3].x};
             float *res[4] = {r[0].res, r[1].res, r[2].res, r[3].res};
             r4(w, s, a->group, x, K, res);
         } else {
             for (int j = 0; j < m; j++)
-                dot(r[j].w, a->kind == K_INT8 ? *r[j].s : 1.f, a->kind == K_INT4 ? r[j].s : NULL, a->group, r[j].x,
+                dot(r[j].w, a->kind == K_INT8 ? *(const float *)r[j].s : 1.f, a->kind == K_INT4 ? r[j].s : NULL, a->group, r[j].x,
                     K, 1, K, r[j].res, 1);
         }
         for (int j = 0; j < m; j++) {  /* each quarter's next row */
             r[j].w += rb, r[j].res++, left[j]--;
-            if (s_step) r[j].s += s_step;
+            if (s_step) r[j].s = (const char *)r[j].s + s_step;
         }
     }
     #pragma omp barrier
@@ -639,7 +641,7 @@ static void expert_generic(const tk_args *a) {
         #pragma omp for schedule(static)
         for (int r = 0; r < 2 * I; r++) {
             const int gate_part = r < I, row = gate_part ? r : r - I;
-            const float *s = gate_part ? a->gate_scale : a->up_scale;
+            const void *s = gate_part ? a->gate_scale : a->up_scale;
             dot((gate_part ? gate : up) + (size_t)row * in_row, row_scale(s, kind, row),
                 row_scales(s, kind, row, H, g), g, a->x, H, T, H, a->act + r, 2 * I);
         }
@@ -820,7 +822,7 @@ AMX_TARGET static inline void int4_row(const uint8_t *q, __m512i lut, int second
  * the nibbles index (vpermw); the tiles then accumulate over the whole width like plain bf16 weights. Two rows
  * share one 32-entry table (one conversion for both): 2-5 % faster at 8 tokens than a table per row.
  * Chunk order within a group: low nibbles (values j), then high (j + group/2). */
-AMX_TARGET static inline void int4_piece(const uint8_t *w, size_t rb, const float *s, int group, int r0, int p,
+AMX_TARGET static inline void int4_piece(const uint8_t *w, size_t rb, const uint16_t *s, int group, int r0, int p,
                                          uint16_t deq[][2][16][32]) {
     const int half = group / 2, ngroups = (int)(rb * 2 / group), lo_chunks = half / 32;
     const __m512 values = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
@@ -828,9 +830,9 @@ AMX_TARGET static inline void int4_piece(const uint8_t *w, size_t rb, const floa
     enum { R = INT4_BLOCK_ROWS };
     const int o = p * half;
     const uint8_t *q0 = w + (size_t)r0 * rb + (size_t)(o / 64) * R * 64 + o % 64;
-    const float *s0 = s + ((size_t)(r0 / R) * ngroups + p) * R;
+    const uint16_t *s0 = s + ((size_t)(r0 / R) * ngroups + p) * R;
     const uint8_t *q = q0;
-    const float *sp = s0;
+    const uint16_t *sp = s0;
     for (int i = 0; i < 32; i += 2, q += 128, sp += 2) {
         if (i % R == 0 && i) {  /* the next block of rows */
             q = q0 + (size_t)(i / R) * R * rb;
@@ -843,9 +845,13 @@ AMX_TARGET static inline void int4_piece(const uint8_t *w, size_t rb, const floa
             _mm_prefetch((const char *)q + 32 * rb, _MM_HINT_T1);
             _mm_prefetch((const char *)q + 64 + 32 * rb, _MM_HINT_T1);
         }
-        if (i % R == 0 && p % 2 == 0) _mm_prefetch((const char *)(sp + 512), _MM_HINT_T0);  /* scales */
-        const __m512i lut = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(values, _mm512_set1_ps(sp[1])),
-                                                         _mm512_mul_ps(values, _mm512_set1_ps(sp[0])));  /* [i | i+1] */
+        if (i % R == 0 && p % 2 == 0) _mm_prefetch((const char *)(sp + 1024), _MM_HINT_T0);  /* scales, 2 KB ahead */
+        uint32_t both;  /* rows i and i + 1: two bf16 scales side by side, widened to floats in each lane */
+        memcpy(&both, sp, 4);
+        const __m512i pair = _mm512_set1_epi32((int)both);
+        const __m512 s0 = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+        const __m512 s1 = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32((int)0xFFFF0000u)));
+        const __m512i lut = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(values, s1), _mm512_mul_ps(values, s0));  /* [i | i+1] */
         int4_row(q, lut, 0, group, lo_chunks, i, deq);
         int4_row(q + 64, lut, 1, group, lo_chunks, i + 1, deq);
     }
@@ -891,12 +897,12 @@ VNNI_TARGET static void int4_vnni_pack(const float *x, int K, int group, float i
 
 /* 16 rows [r0, r0 + 16) of a blocked int4 W [*, K] against the packed token: res[r] = W.x (the token's
  * fixed-point scale applied). The rows are one block; the lines of each piece they need are prefetched. */
-VNNI_TARGET static void int4_vnni_rows16(const uint8_t *w, size_t rb, const float *s, int group, int r0, int K,
+VNNI_TARGET static void int4_vnni_rows16(const uint8_t *w, size_t rb, const uint16_t *s, int group, int r0, int K,
                                          const int8_t *xp, float xscale, float *res) {
     enum { R = INT4_BLOCK_ROWS };
     const int ngroups = K / group, per_piece = 128 / group;  /* groups per 64 weight bytes: 4, 2 or 1 */
     const uint8_t *blk = w + (size_t)(r0 / R) * R * rb;  /* r0 is a multiple of R: the rows are one whole block */
-    const float *sb = s + (size_t)(r0 / R) * ngroups * R;
+    const uint16_t *sb = s + (size_t)(r0 / R) * ngroups * R;
     const __m512i low = _mm512_set1_epi8(15);
     __m512 acc[16];
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
@@ -907,7 +913,7 @@ VNNI_TARGET static void int4_vnni_rows16(const uint8_t *w, size_t rb, const floa
         const __m512i hh = _mm512_loadu_si512((const void *)(xc + 128));
         const __m512i hl = _mm512_loadu_si512((const void *)(xc + 192));
         const __m512i sums = _mm512_loadu_si512((const void *)(xc + 256));
-        const float *sc = sb + (size_t)p * per_piece * R;  /* the piece's groups: sc[g * R + i], row i */
+        const uint16_t *sc = sb + (size_t)p * per_piece * R;  /* the piece's groups: sc[g * R + i], row i */
         #pragma GCC unroll 16
         for (int i = 0; i < 16; i++) {  /* unrolled, the accumulators stay in registers: 0.060 -> 0.047 ms */
             _mm_prefetch((const char *)piece + VNNI_PREFETCH + i * 64, _MM_HINT_T1);
@@ -916,12 +922,12 @@ VNNI_TARGET static void int4_vnni_rows16(const uint8_t *w, size_t rb, const floa
             const __m512i hi = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ql, lh), qh, hh);
             const __m512i lo = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ql, ll), qh, hl);
             const __m512i d = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi, 7), lo), sums);
-            __m512 scale = _mm512_set1_ps(sc[i]);
-            if (per_piece == 2) scale = _mm512_mask_broadcastss_ps(scale, 0xFF00, _mm_load_ss(sc + R + i));
+            __m512 scale = _mm512_set1_ps(bf16f(sc[i]));
+            if (per_piece == 2) scale = _mm512_mask_mov_ps(scale, 0xFF00, _mm512_set1_ps(bf16f(sc[R + i])));
             if (per_piece == 4) {
-                scale = _mm512_mask_broadcastss_ps(scale, 0x00F0, _mm_load_ss(sc + R + i));
-                scale = _mm512_mask_broadcastss_ps(scale, 0x0F00, _mm_load_ss(sc + 2 * R + i));
-                scale = _mm512_mask_broadcastss_ps(scale, 0xF000, _mm_load_ss(sc + 3 * R + i));
+                scale = _mm512_mask_mov_ps(scale, 0x00F0, _mm512_set1_ps(bf16f(sc[R + i])));
+                scale = _mm512_mask_mov_ps(scale, 0x0F00, _mm512_set1_ps(bf16f(sc[2 * R + i])));
+                scale = _mm512_mask_mov_ps(scale, 0xF000, _mm512_set1_ps(bf16f(sc[3 * R + i])));
             }
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[i]);
         }
@@ -1094,7 +1100,7 @@ AMX_TARGET static void experts_int8_one_token(const tk_args *a, int n) {
  * bf16 weights are tile-loaded straight from the row-major matrix. int4 weights (block layout: the 32 rows are
  * two blocks, each read as one sequential stream) are converted to bf16 in L1 one group ahead, into the other
  * half of a double buffer, while the tiles multiply the current group; the conversion is shared by all tokens. */
-AMX_TARGET static void amx_rows32(int kind, const void *wv, size_t rb, const float *s, int group, int r0, int K,
+AMX_TARGET static void amx_rows32(int kind, const void *wv, size_t rb, const uint16_t *s, int group, int r0, int K,
                                   const uint16_t *xp, int T, float *res, int ldr) {
     float tmp[2][16][16] __attribute__((aligned(64)));
     uint16_t deq[2][4][2][16][32] __attribute__((aligned(64)));
@@ -1130,7 +1136,7 @@ AMX_TARGET static void amx_rows32(int kind, const void *wv, size_t rb, const flo
             for (int t = 0; t < T; t++) res[(size_t)t * ldr + r0 + h * 16 + i] = tmp[h][i][t];
 }
 
-AMX_TARGET static inline void amx_rows(int kind, const void *w, size_t rb, const float *s, int group, int r0, int K,
+AMX_TARGET static inline void amx_rows(int kind, const void *w, size_t rb, const void *s, int group, int r0, int K,
                                        const uint16_t *xp, const float *xscale, int T, float *res, int ldr) {
     if (kind == K_INT8) {
         const uint8_t *hi = (const uint8_t *)xp;
@@ -1296,7 +1302,7 @@ int tk_experts(const tk_args *a, int n) {
  * out. What the decode loop would otherwise do per expert in Python (find the tokens, gather, scale, add). */
 typedef struct {
     const void *gate, *up, *down;
-    const float *gate_scale, *up_scale, *down_scale;
+    const void *gate_scale, *up_scale, *down_scale;  /* as in tk_args */
 } tk_weights;
 
 typedef struct {
@@ -1412,7 +1418,8 @@ static void linear_one_token(const tk_linear_args *a) {
     {
         const thread_run run = this_threads_run(a->out);
         const int lo = run.lo, hi = run.hi, len = run.len;
-        const float *x[4] = {a->x, a->x, a->x, a->x}, *none[4] = {NULL, NULL, NULL, NULL};
+        const float *x[4] = {a->x, a->x, a->x, a->x};
+        const void *none[4] = {NULL, NULL, NULL, NULL};
         for (int i = 0; i < len; i++) {
             if (lo + 3 * len + i < hi) {
                 const char *w[4];
