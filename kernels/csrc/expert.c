@@ -13,8 +13,8 @@
  * bf16 activations AVX512_BF16 (vdpbf16ps) and AMX tiles (which keep 2-16 tokens near the roofline). One token of
  * fp32, bf16 or fp16 weights goes through AVX-512 rows, four long runs per thread (one_token_phase). On AMX
  * machines int8 runs on integer tiles (one token: row-major rows on the AVX-512 rows) against 16-bit fixed-point
- * activations, and one-token int4 on AVX512-VNNI against 15-bit fixed point; int4 for more tokens becomes bf16 tiles through
- * per-group tables. Several experts of a layer can run in one parallel region
+ * activations, and one-token int4 on AVX512-VNNI against 15-bit fixed point; int4 for more tokens becomes bf16
+ * tiles through per-group tables. Several experts of a layer can run in one parallel region
  * (tk_experts), and dense matrices through the same kernels (tk_linear).
  * Loaded through ctypes; the tiny Python module init below only makes it an importable extension.
  */
@@ -551,7 +551,8 @@ static inline row_ref one_token_row(const tk_args *a, int down, int q) {
         const tk_args *e = a + q / H;
         const int row = q % H;
         r.w = (const char *)e->down + (size_t)row * row_bytes(kind, I, a->group);
-        r.s = kind == K_INT8 ? (const float *)e->down_scale + row : (const void *)row_scales(e->down_scale, kind, row, I, a->group);
+        r.s = kind == K_INT8 ? (const float *)e->down_scale + row
+                             : (const void *)row_scales(e->down_scale, kind, row, I, a->group);
         r.x = e->act, r.res = e->out + row, r.e = q / H;
     } else {
         const tk_args *e = a + q / (2 * I);
@@ -585,7 +586,8 @@ static void one_token_phase(const tk_args *a, int n, int down, rows4_fn r4, dot_
     const thread_run run = this_threads_run(total);
     const int lo = run.lo, hi = run.hi, len = run.len;
     const size_t rb = row_bytes(a->kind, K, a->group);
-    const size_t s_step = a->kind == K_INT8 ? sizeof(float) : a->kind == K_INT4 ? K / a->group * sizeof(uint16_t) : 0;  /* scale bytes per row */
+    const size_t s_step = a->kind == K_INT8   ? sizeof(float)  /* scale bytes per row */
+                          : a->kind == K_INT4 ? K / a->group * sizeof(uint16_t) : 0;
     row_ref r[4];
     int left[4] = {0, 0, 0, 0};  /* rows left in the matrix each quarter is in (0: look the next row up) */
     for (int i = 0; i < len; i++) {
@@ -603,8 +605,8 @@ static void one_token_phase(const tk_args *a, int n, int down, rows4_fn r4, dot_
             r4(w, s, a->group, x, K, res);
         } else {
             for (int j = 0; j < m; j++)
-                dot(r[j].w, a->kind == K_INT8 ? *(const float *)r[j].s : 1.f, a->kind == K_INT4 ? r[j].s : NULL, a->group, r[j].x,
-                    K, 1, K, r[j].res, 1);
+                dot(r[j].w, a->kind == K_INT8 ? *(const float *)r[j].s : 1.f, a->kind == K_INT4 ? r[j].s : NULL,
+                    a->group, r[j].x, K, 1, K, r[j].res, 1);
         }
         for (int j = 0; j < m; j++) {  /* each quarter's next row */
             r[j].w += rb, r[j].res++, left[j]--;
@@ -851,7 +853,8 @@ AMX_TARGET static inline void int4_piece(const uint8_t *w, size_t rb, const uint
         const __m512i pair = _mm512_set1_epi32((int)both);
         const __m512 s0 = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
         const __m512 s1 = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32((int)0xFFFF0000u)));
-        const __m512i lut = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(values, s1), _mm512_mul_ps(values, s0));  /* [i | i+1] */
+        const __m512i lut = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(values, s1),
+                                                         _mm512_mul_ps(values, s0));  /* [i | i+1] */
         int4_row(q, lut, 0, group, lo_chunks, i, deq);
         int4_row(q + 64, lut, 1, group, lo_chunks, i + 1, deq);
     }
@@ -877,7 +880,7 @@ AMX_TARGET static inline void int4_piece(const uint8_t *w, size_t rb, const uint
 VNNI_TARGET static void int4_vnni_pack(const float *x, int K, int group, float inv, int8_t *xp) {
     const int half = group / 2;
     const __m512 s = _mm512_set1_ps(inv);
-    const __m512i seven = _mm512_set1_epi32(127);
+    const __m512i low7 = _mm512_set1_epi32(127);
     for (int b = 0; b < K / 2; b += 16) {  /* 16 weight bytes: 16 consecutive values for each nibble */
         const int g = b / half, j = b % half;
         int8_t *dst = xp + (size_t)(b / 64) * VNNI_PIECE + b % 64;
@@ -886,7 +889,7 @@ VNNI_TARGET static void int4_vnni_pack(const float *x, int K, int group, float i
         for (int n = 0; n < 2; n++) {  /* low nibbles' values, high nibbles' values */
             const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src[n]), s));
             _mm_storeu_si128((__m128i *)(dst + n * 128), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 7)));
-            _mm_storeu_si128((__m128i *)(dst + n * 128 + 64), _mm512_cvtepi32_epi8(_mm512_and_si512(q, seven)));
+            _mm_storeu_si128((__m128i *)(dst + n * 128 + 64), _mm512_cvtepi32_epi8(_mm512_and_si512(q, low7)));
             sum = _mm512_add_epi32(sum, q);
         }
         int32_t v[16], *lanes = (int32_t *)(xp + (size_t)(b / 64) * VNNI_PIECE + 256) + b % 64 / 4;
