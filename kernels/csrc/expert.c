@@ -565,11 +565,6 @@ static inline row_ref one_token_row(const tk_args *a, int down, int q) {
     return r;
 }
 
-/* Inside a parallel region: one phase of n one-token experts (gate and up, or down). The rows of all of them,
- * in order, are shared out in one contiguous run per thread, and each thread streams its run as four long
- * sequences side by side (row i of each quarter), as the bandwidth probe does. Measured on 2048x768 bf16
- * experts (with ROWS4_PREFETCH): 0.94 of the probe's bandwidth, against 0.79 for four neighbouring rows at a
- * time (four streams one row long) and 0.86 for eight quarters. Ends with a barrier. */
 /* Inside a parallel region: this thread's contiguous share [lo, hi) of `total` items, and the length of its
  * quarters (item i of quarter j is lo + j * len + i, while below hi: the last quarter is the shortest). */
 typedef struct { int lo, hi, len; } thread_run;
@@ -580,6 +575,11 @@ static inline thread_run this_threads_run(int total) {
     return r;
 }
 
+/* Inside a parallel region: one phase of n one-token experts (gate and up, or down). The rows of all of them,
+ * in order, are shared out in one contiguous run per thread, and each thread streams its run as four long
+ * sequences side by side (row i of each quarter), as the bandwidth probe does. Measured on 2048x768 bf16
+ * experts (with ROWS4_PREFETCH): 0.94 of the probe's bandwidth, against 0.79 for four neighbouring rows at a
+ * time (four streams one row long) and 0.86 for eight quarters. Ends with a barrier. */
 static void one_token_phase(const tk_args *a, int n, int down, rows4_fn r4, dot_fn dot) {
     const int K = down ? a->inter : a->hidden;
     const int per = down ? a->hidden : a->inter, total = n * (down ? per : 2 * per);  /* rows per matrix, all */
@@ -605,8 +605,8 @@ static void one_token_phase(const tk_args *a, int n, int down, rows4_fn r4, dot_
             r4(w, s, a->group, x, K, res);
         } else {
             for (int j = 0; j < m; j++)
-                dot(r[j].w, a->kind == K_INT8 ? *(const float *)r[j].s : 1.f, a->kind == K_INT4 ? r[j].s : NULL,
-                    a->group, r[j].x, K, 1, K, r[j].res, 1);
+                dot(r[j].w, row_scale(r[j].s, a->kind, 0), a->kind == K_INT4 ? r[j].s : NULL, a->group, r[j].x,
+                    K, 1, K, r[j].res, 1);
         }
         for (int j = 0; j < m; j++) {  /* each quarter's next row */
             r[j].w += rb, r[j].res++, left[j]--;
@@ -616,7 +616,17 @@ static void one_token_phase(const tk_args *a, int n, int down, rows4_fn r4, dot_
     #pragma omp barrier
 }
 
-static inline void experts_swiglu(const tk_args *a, int n);
+/* Inside a parallel region, the SwiGLU phase of n experts: each one's act [tokens, 2I] (gate then up per token)
+ * in place, split across threads in blocks of 512 values (AVX-512). */
+static inline void experts_swiglu(const tk_args *a, int n) {
+    const int I = a->inter, blocks = (I + 511) / 512;
+    #pragma omp for schedule(static)
+    for (int j = 0; j < n * 16 * blocks; j++) {
+        const tk_args *e = a + j / (16 * blocks);
+        const int t = j % (16 * blocks) / blocks, lo = j % blocks * 512, hi = lo + 512 < I ? lo + 512 : I;
+        if (t < e->tokens) swiglu512(e->act + (size_t)t * 2 * I, I, lo, hi);
+    }
+}
 
 /* n one-token experts of one layer (one alone: n = 1) in one parallel region, AVX-512 rows four at a time,
  * phase by phase over all of them: gate and up rows, SwiGLU, down rows. Every entry has the same kind and shape
@@ -898,14 +908,13 @@ VNNI_TARGET static void int4_vnni_pack(const float *x, int K, int group, float i
     }
 }
 
-/* 16 rows [r0, r0 + 16) of a blocked int4 W [*, K] against the packed token: res[r] = W.x (the token's
- * fixed-point scale applied). The rows are one block; the lines of each piece they need are prefetched. */
-VNNI_TARGET static void int4_vnni_rows16(const uint8_t *w, size_t rb, const uint16_t *s, int group, int r0, int K,
-                                         const int8_t *xp, float xscale, float *res) {
+/* One block of a blocked int4 W (16 rows of K values from blk, their scales from sb) against the packed token:
+ * res[i] = W.x (the token's fixed-point scale applied). The lines of each piece it needs are prefetched. */
+VNNI_TARGET static void int4_vnni_rows16(const uint8_t *blk, const uint16_t *sb, int group, int K, const int8_t *xp,
+                                         float xscale, float *res) {
     enum { R = INT4_BLOCK_ROWS };
-    const int ngroups = K / group, per_piece = 128 / group;  /* groups per 64 weight bytes: 4, 2 or 1 */
-    const uint8_t *blk = w + (size_t)(r0 / R) * R * rb;  /* r0 is a multiple of R: the rows are one whole block */
-    const uint16_t *sb = s + (size_t)(r0 / R) * ngroups * R;
+    const int per_piece = 128 / group;  /* groups per 64 weight bytes: 4, 2 or 1 */
+    const size_t rb = (size_t)K / 2;
     const __m512i low = _mm512_set1_epi8(15);
     __m512 acc[16];
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
@@ -935,52 +944,36 @@ VNNI_TARGET static void int4_vnni_rows16(const uint8_t *w, size_t rb, const uint
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[i]);
         }
     }
-    for (int i = 0; i < 16; i++) res[r0 + i] = _mm512_reduce_add_ps(acc[i]) * xscale;
+    for (int i = 0; i < 16; i++) res[i] = _mm512_reduce_add_ps(acc[i]) * xscale;
 }
 
-/* Inside a parallel region, the SwiGLU phase of n experts: each one's act [tokens, 2I] (gate then up per token)
- * in place, split across threads in blocks of 512 values (AVX-512). */
-static inline void experts_swiglu(const tk_args *a, int n) {
-    const int I = a->inter, blocks = (I + 511) / 512;
+/* Inside a parallel region: one phase of n one-token int4 experts (gate and up, or down): each one's input packed
+ * into its scratch (xb: 32 max(H, I) bytes, 2.5 a value here), then the blocks of all. Both layouts keep a block's
+ * 16 rows and their scales from its first row's place on, so the row lookup finds it. */
+VNNI_TARGET static void int4_vnni_phase(const tk_args *a, int n, int down, float *xscale, float *inv) {
+    const int K = down ? a->inter : a->hidden;
     #pragma omp for schedule(static)
-    for (int j = 0; j < n * 16 * blocks; j++) {
-        const tk_args *e = a + j / (16 * blocks);
-        const int t = j % (16 * blocks) / blocks, lo = j % blocks * 512, hi = lo + 512 < I ? lo + 512 : I;
-        if (t < e->tokens) swiglu512(e->act + (size_t)t * 2 * I, I, lo, hi);
+    for (int e = 0; e < n; e++) {
+        const float *x = down ? a[e].act : a[e].x;
+        token_scales(x, K, 1, K, VNNI_TOP, &xscale[e], &inv[e]);
+        int4_vnni_pack(x, K, a->group, inv[e], (int8_t *)a[e].xb);
+    }
+    #pragma omp for schedule(static)
+    for (int q = 0; q < n * (down ? a->hidden : 2 * a->inter) / 16; q++) {
+        const row_ref r = one_token_row(a, down, q * 16);
+        int4_vnni_rows16((const uint8_t *)r.w, r.s, a->group, K, (const int8_t *)a[r.e].xb, xscale[r.e], r.res);
     }
 }
 
 /* n one-token int4 experts of one layer in one parallel region (one alone: n = 1), phase by phase like
  * experts_amx: pack each input, gate and up rows of all, SwiGLU, pack each activation, down rows of all. */
 static void experts_int4_vnni(const tk_args *a, int n) {
-    const int H = a->hidden, I = a->inter, g = a->group;
     float xscale[AMX_BATCH], inv[AMX_BATCH];  /* each token's fixed-point scale */
     #pragma omp parallel num_threads(a->threads)
     {
-        #pragma omp for schedule(static)
-        for (int e = 0; e < n; e++) {  /* xb: 32 max(H, I) bytes, fits the packed token (2.5 bytes a value) */
-            token_scales(a[e].x, H, 1, H, VNNI_TOP, &xscale[e], &inv[e]);
-            int4_vnni_pack(a[e].x, H, g, inv[e], (int8_t *)a[e].xb);
-        }
-        #pragma omp for schedule(static)
-        for (int j = 0; j < n * (2 * I / 16); j++) {
-            const tk_args *e = a + j / (2 * I / 16);
-            const int b = j % (2 * I / 16), is_up = b >= I / 16, r0 = (is_up ? b - I / 16 : b) * 16;
-            int4_vnni_rows16(is_up ? e->up : e->gate, (size_t)H / 2, is_up ? e->up_scale : e->gate_scale, g, r0, H,
-                             (const int8_t *)e->xb, xscale[j / (2 * I / 16)], e->act + (is_up ? I : 0));
-        }
+        int4_vnni_phase(a, n, 0, xscale, inv);
         experts_swiglu(a, n);
-        #pragma omp for schedule(static)
-        for (int e = 0; e < n; e++) {
-            token_scales(a[e].act, I, 1, I, VNNI_TOP, &xscale[e], &inv[e]);
-            int4_vnni_pack(a[e].act, I, g, inv[e], (int8_t *)a[e].xb);
-        }
-        #pragma omp for schedule(static)
-        for (int j = 0; j < n * (H / 16); j++) {
-            const tk_args *e = a + j / (H / 16);
-            int4_vnni_rows16(e->down, (size_t)I / 2, e->down_scale, g, j % (H / 16) * 16, I, (const int8_t *)e->xb,
-                             xscale[j / (H / 16)], e->out);
-        }
+        int4_vnni_phase(a, n, 1, xscale, inv);
     }
 }
 
@@ -1018,8 +1011,8 @@ AMX_TARGET static void int8_pack_columns(const float *const *x, const float *inv
     }
 }
 
-/* Block q of a phase (16 rows of one matrix of one expert): weights, row scales, expert, results. Both layouts
- * keep a block's 16 rows from its first row's place on, so the row lookup serves. */
+/* Block q of a phase (16 rows of one matrix of one expert): weights, row scales, expert, results, found through
+ * the row lookup as for int4 (int4_vnni_phase). */
 typedef struct { const int8_t *w; const float *s; int e; float *res; } int8_block;
 static inline int8_block int8_block_at(const tk_args *a, int down, int q) {
     const row_ref r = one_token_row(a, down, q * 16);
