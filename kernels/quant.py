@@ -9,10 +9,11 @@ nibble element j + group/2 (values offset by 8), the layout the C kernel reads.
 Row-major is the stored layout. With AMX, matrices are re-laid out once (`amx_layout()`) for the kernels
 that read them (int8 only when its rows are shorter than INT8_BLOCKED_BELOW bytes): rows in blocks of
 BLOCK_ROWS, each block stored as 64-byte pieces of its rows' bytes, BLOCK_ROWS rows x 64 bytes after one another
-(int4 scales likewise: per block, per group, the block's scales side by side; int8 keeps one scale per row). An
-int8 tile (16 rows x 64 values) is then one 1 KiB piece, the one-token int4 kernel reads one sequential stream,
-and the int4 tile kernel (32 rows, one group at a time) two. Widths must be multiples of 64 values (int8) or 128
-(int4).
+(int4 scales likewise: per block, per group, the block's scales side by side; int8 keeps one scale per row).
+An int8 piece (16 rows x 64 values, 1 KiB) is stored by 4-value column: [16 quads][16 rows][4 bytes], the layout
+of a tile's second operand, where one 64-byte line holds a quad of every row (the one-token VNNI kernel
+multiplies it by one broadcast quad of the token). The one-token int4 kernel reads one sequential stream, and the
+int4 tile kernel (32 rows, one group at a time) two. Widths must be multiples of 64 values (int8) or 128 (int4).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class QuantizedMatrix:
         if rows % n or width % 64 or (self.kind == "int4" and self.cols % 128):
             raise ValueError(f"the block layout needs rows in multiples of {n} and 64-byte rows ({self.kind})")
         data = self.data.reshape(rows // n, n, width // 64, 64).transpose(1, 2)  # [B, P, n, 64]
+        if self.kind == "int8":
+            data = data.reshape(rows // n, width // 64, n, 16, 4).transpose(2, 3)  # [B, P, 16, n, 4]
         scales = self.scales
         if self.kind == "int4":
             groups = self.cols // self.group
@@ -65,7 +68,10 @@ class QuantizedMatrix:
             return self
         rows, width = self.data.shape
         n = BLOCK_ROWS
-        data = self.data.reshape(rows // n, width // 64, n, 64).transpose(1, 2)  # [B, n, P, 64]
+        data = self.data
+        if self.kind == "int8":
+            data = data.reshape(rows // n, width // 64, 16, n, 4).transpose(2, 3)  # [B, P, n, 16, 4]
+        data = data.reshape(rows // n, width // 64, n, 64).transpose(1, 2)  # [B, n, P, 64]
         scales = self.scales
         if self.kind == "int4":
             groups = self.cols // self.group
