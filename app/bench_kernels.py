@@ -4,8 +4,8 @@ For each expert shape, weight dtype and token count: the latency of one expert w
 through more experts than the caches hold, the effective GB/s of weight bytes read, and that divided by
 the streaming read bandwidth measured at the start of the same run. Implementations: "tandem" (one expert per
 call), "layer" (the family's top-k experts per call, as a MoE layer runs them in decode; latency per expert)
-and "torch". They are timed in turns, `rounds` times, and each row keeps its fastest round: on a shared machine
-one slow moment (another process streaming memory) would otherwise decide a row.
+and "torch". They are timed in turns (reversed every other round), `rounds` times, and each row keeps its fastest
+round: on a shared machine one slow moment (another process streaming memory) would otherwise decide a row.
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ def bench_kernels(
                 if peer is not None:
                     impls["torch"] = (lambda j, x=x, p=peer: p(j, x), len(ours), 1)
                 best = {impl: float("inf") for impl in impls}
-                for _ in range(rounds):  # implementations take turns; each keeps its fastest round
-                    for impl, (fn, calls, per_call) in impls.items():
+                for r in range(rounds):  # implementations take turns, in reverse order every other round so that
+                    # none always runs first after the previous row; each keeps its fastest round
+                    for impl, (fn, calls, per_call) in list(impls.items())[:: -1 if r % 2 else 1]:
                         best[impl] = min(best[impl], time_per_call(fn, calls, min_time / rounds) / 1000 / per_call)
                 for impl, latency in best.items():
                     gbps = ours[0].nbytes / latency / 1e9
