@@ -4,9 +4,8 @@ Few tokens (decode, beams, short prompts; up to `crossover`): the compiled kerne
 streams each weight row once for all tokens. Many tokens (prefill): torch's matrix multiply, which is
 compute-bound and good at it. Weights are used where they lie (read into RAM or memory-mapped by the loader,
 file dtype: no re-layout), unless quantization is asked for, which happens once when the expert is prepared (for
-AMX the quantized matrices are then laid out as its kernels read them: row blocks, or row-major for long int8
-rows, see `kernels/quant.py`). Quantized experts stay on the kernel for longer prompts too, a chunk of tokens at
-a time.
+AMX the quantized matrices are then laid out as its kernels read them, in row blocks: see `kernels/quant.py`).
+Quantized experts stay on the kernel for longer prompts too, a chunk of tokens at a time.
 
 Letters: n tokens, H hidden size, I expert width.
 """
@@ -244,7 +243,7 @@ class CpuExecutor:
             mats = [quantize_int8(w) if self.quant == "int8" else quantize_int4(w, g) for w in (gate, up, down)]
             amx = self.forced_isa in (None, "amx") and self.amx_serves(self.quant)
             if amx:
-                mats = [m.amx_layout() for m in mats]  # the layouts the AMX kernels read
+                mats = [m.blocked_layout() for m in mats]  # the layout the AMX kernels read
             return CpuExpert(*mats, self.quant, self, amx_layout=amx)
         if gate.dtype not in KINDS:
             raise ValueError(f"expert weights of dtype {gate.dtype} are not supported")

@@ -6,9 +6,9 @@ expert 6 % smaller at group 64 and one-token decode about as much faster, for a 
 most 2^-9, far below int4's own); each group is stored in group/2 bytes whose low nibble holds element j and high
 nibble element j + group/2 (values offset by 8), the layout the C kernel reads.
 
-Row-major is the stored layout. With AMX, matrices are re-laid out once (`amx_layout()`) for the kernels
-that read them (int8 only when its rows are shorter than INT8_BLOCKED_BELOW bytes): rows in blocks of
-BLOCK_ROWS, each block stored as 64-byte pieces of its rows' bytes, BLOCK_ROWS rows x 64 bytes after one another
+Row-major is the stored layout. With AMX, matrices are re-laid out once (`blocked_layout()`) for the kernels
+that read them: rows in blocks of BLOCK_ROWS, each block stored as 64-byte pieces of its rows' bytes, BLOCK_ROWS
+rows x 64 bytes after one another
 (int4 scales likewise: per block, per group, the block's scales side by side; int8 keeps one scale per row).
 An int8 piece (16 rows x 64 values, 1 KiB) is stored by 4-value column: [16 quads][16 rows][4 bytes], the layout
 of a tile's second operand, where one 64-byte line holds a quad of every row (the one-token VNNI kernel
@@ -24,10 +24,6 @@ import torch
 
 GROUPS = (32, 64, 128)
 BLOCK_ROWS = 16  # rows per block of the int4 layout the AMX machines use (INT4_BLOCK_ROWS in csrc/expert.c)
-# int8 rows of at least this many bytes stay row-major for AMX (INT8_BLOCKED_BELOW in csrc/expert.c): the 16 rows
-# of a tile then stream side by side, measured 6-12 % faster than one 1 KiB piece after another for 4 KiB rows
-# and longer (Mixtral-sized 4096 x 14336: 24.4 -> 27.3 GB/s); 2 KiB rows measured 2-7 % slower that way.
-INT8_BLOCKED_BELOW = 4096
 
 
 @dataclass(frozen=True)
@@ -57,11 +53,6 @@ class QuantizedMatrix:
         return QuantizedMatrix(self.kind, data.reshape(rows, width).contiguous(), scales.contiguous(), self.cols,
                                self.group, blocked=True)
 
-    def amx_layout(self) -> QuantizedMatrix:
-        """This matrix as the AMX kernels read it: int4 in blocks, int8 in blocks when its rows are short."""
-        if self.kind == "int8" and self.data.shape[1] >= INT8_BLOCKED_BELOW:
-            return self.row_major()
-        return self.blocked_layout()
 
     def row_major(self) -> QuantizedMatrix:
         if not self.blocked:

@@ -14,7 +14,7 @@ from kernels.cpu import (
     read_bandwidth_probe,
     rms_norm_bf16,
 )
-from kernels.quant import INT8_BLOCKED_BELOW, quantize_int4, quantize_int8
+from kernels.quant import quantize_int4, quantize_int8
 from runtime.moe import ExpertWeights, RoutingRule, combine, reference_moe, route
 
 ISAS = available_isas()
@@ -99,33 +99,31 @@ def test_quantized_amx_experts_serve_long_prompts(quant: str, tokens: int) -> No
 
 
 @pytest.mark.skipif("amx" not in ISAS, reason="this CPU (or kernel) has no AMX tiles")
-@pytest.mark.parametrize(("h", "i", "layouts"), [
-    (4096, 64, ("rows", "blocks")),  # gate/up rows of INT8_BLOCKED_BELOW bytes stay row-major, down rows of 64 not
-    (128, 4096, ("blocks", "rows")),
-    (3072, 64, ("blocks", "blocks")),  # just under the threshold: the kernel must agree on which is which
-    (192, 64, ("blocks", "blocks")),  # one token: 12 down blocks, 6 per thread, in quarters of 2, 2, 2, 0
-    (4096, 4096, ("rows", "rows")),
+@pytest.mark.parametrize(("h", "i"), [
+    (4096, 64),  # rows of 4 KiB and of 64 bytes
+    (128, 4096),
+    (3072, 64),
+    (192, 64),  # one token: 12 down blocks, 6 per thread, in quarters of 2, 2, 2, 0
+    (4096, 4096),
 ])
 @pytest.mark.parametrize("tokens", [1, 5, 16])
-def test_int8_amx_layouts_by_row_length_match_the_reference(h: int, i: int, layouts, tokens: int) -> None:
+def test_int8_amx_blocks_of_short_and_long_rows_match_the_reference(h: int, i: int, tokens: int) -> None:
     gate, up, down = weights(h, i, torch.float32)
     executor = CpuExecutor(h, i, torch.bfloat16, threads=2, quant="int8")
     expert = executor.prepare(gate, up, down)
-    got = tuple("blocks" if m.blocked else "rows" for m in (expert.gate, expert.up, expert.down))
-    assert got == (layouts[0], layouts[0], layouts[1])
+    assert all(m.blocked for m in (expert.gate, expert.up, expert.down))
     assert expert.amx_layout and executor.isa_for(expert, tokens) == "amx"
     x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(tokens)).bfloat16()
     assert rel_err(expert(x), reference(x, *expert.dense(torch.float32))) < 2e-2
 
 
 @pytest.mark.skipif("amx" not in ISAS, reason="this CPU (or kernel) has no AMX tiles")
-def test_row_major_int8_experts_stay_on_amx_for_long_prompts() -> None:
-    # nothing of this expert is in blocks, yet it was laid out for AMX: with a crossover above what one AMX call
-    # takes, 40 tokens still go through AMX in chunks of 16 (not the far slower AVX-512 int8 rows)
-    h = i = INT8_BLOCKED_BELOW
+def test_int8_amx_experts_stay_on_amx_for_long_prompts() -> None:
+    # laid out for AMX: with a crossover above what one AMX call takes, 40 tokens still go through AMX in chunks
+    # of 16 (not torch, which would first convert the layout back)
+    h = i = 256
     executor = CpuExecutor(h, i, torch.bfloat16, threads=2, quant="int8", crossover=32)
     expert = executor.prepare(*weights(h, i, torch.float32))
-    assert not any(m.blocked for m in (expert.gate, expert.up, expert.down))
     assert executor.isa_for(expert, 32) is None and executor.isa_for(expert, 16) == "amx"
     x = torch.randn(40, h, generator=torch.Generator().manual_seed(40)).bfloat16()
     assert rel_err(expert(x), reference(x, *expert.dense(torch.float32))) < 2e-2

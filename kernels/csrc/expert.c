@@ -13,7 +13,7 @@
  * bf16 activations AVX512_BF16 (vdpbf16ps) and AMX tiles (which keep 2-16 tokens near the roofline). One token of
  * fp32, bf16 or fp16 weights goes through AVX-512 rows, four long runs per thread (one_token_phase). On AMX
  * machines int8 runs on integer tiles against 16-bit fixed-point activations; one token of int8 or int4 on
- * AVX512-VNNI against 15-bit fixed point (row-major int8 rows: the AVX-512 rows); int4 for more tokens becomes bf16
+ * AVX512-VNNI against 15-bit fixed point; int4 for more tokens becomes bf16
  * tiles through per-group tables. Several experts of a layer can run in one parallel region
  * (tk_experts), and dense matrices through the same kernels (tk_linear).
  * Loaded through ctypes; the tiny Python module init below only makes it an importable extension.
@@ -714,14 +714,11 @@ AMX_TARGET static inline void amx_pack_chunk(const float *x, int ldx, int T, int
  * split into a signed high byte and an unsigned low byte. Two integer tile products per weight tile
  * (tdpbssd, tdpbsud) give W.x exactly up to that rounding, and the weight tiles are loaded as they lie
  * (block layout for short rows): nothing is converted per weight, so int8 streams like bf16 at half the bytes.
- * Packed chunk c (64 values), 1 KiB: for row-major weights (the tiles' first operand) [16 k-quads][16 tokens][4]
- * bytes, for the block layout (second operand) [16 tokens][64] bytes, by `token_rows` (tokens >= T: stale, as
+ * Packed chunk c (64 values), 1 KiB: [16 tokens][64] bytes, the tiles' first operand (tokens >= T: stale, as
  * for bf16). */
 AMX_TARGET static inline void amx_pack_int8_chunk(const float *x, int ldx, int T, const float *inv, int c,
-                                                  int token_rows, uint8_t *hi, uint8_t *lo) {
-    uint32_t *h = (uint32_t *)(hi + (size_t)c * 1024), *l = (uint32_t *)(lo + (size_t)c * 1024);
-    const __m512i stride = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32(16));  /* k-quad q -> dword q * 16 */
+                                                  uint8_t *hi, uint8_t *lo) {
+    uint8_t *h = hi + (size_t)c * 1024, *l = lo + (size_t)c * 1024;
     for (int t = 0; t < T; t++) {
         const float *src = x + (size_t)t * ldx + c * 64;
         __m128i hq[4], lq[4];
@@ -734,13 +731,8 @@ AMX_TARGET static inline void amx_pack_int8_chunk(const float *x, int ldx, int T
                                               _mm256_set_m128i(hq[3], hq[2]), 1);
         const __m512i lv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(lq[1], lq[0])),
                                               _mm256_set_m128i(lq[3], lq[2]), 1);
-        if (token_rows) {
-            _mm512_storeu_si512((void *)(h + t * 16), hv);
-            _mm512_storeu_si512((void *)(l + t * 16), lv);
-        } else {
-            _mm512_i32scatter_epi32((void *)(h + t), stride, hv, 4);
-            _mm512_i32scatter_epi32((void *)(l + t), stride, lv, 4);
-        }
+        _mm512_storeu_si512((void *)(h + t * 64), hv);
+        _mm512_storeu_si512((void *)(l + t * 64), lv);
     }
 }
 
@@ -757,49 +749,38 @@ AMX_TARGET static void token_scales(const float *x, int ldx, int T, int K, float
     }
 }
 
-/* int8 rows [r0, r0 + 32) of W [*, K] (K a multiple of 64): res[t * ldr + r] = row scale * token scale * W.x.
- * Rows shorter than INT8_BLOCKED_BELOW bytes are in the block layout (kernels/quant.py): each tile, 16 rows x 64
- * values, is 1 KiB in one piece, so short rows stream as one sequence; longer rows are row-major, where the 16
- * rows of a tile stream side by side (measured faster from 4 KiB rows up, slower at 2 KiB). The two 16-row
- * blocks are short streams that cross pages often: prefetching their tiles a little ahead measured 5-8 % faster
- * on 2048x768 experts (on row-major rows it measured slower). */
-#define INT8_BLOCKED_BELOW 4096
+/* int8 rows [r0, r0 + 32) of W [*, K] (K a multiple of 64) in the block layout (kernels/quant.py): res[t * ldr + r]
+ * = row scale * token scale * W.x. Each tile, 16 rows x 64 values stored by 4-value column, is 1 KiB in one piece
+ * and the tiles' second operand (the tokens are the first: results [token][row]). The two 16-row blocks are short
+ * streams that cross pages often: prefetching their tiles a little ahead measured 5-8 % faster on 2048x768
+ * experts. Against row-major rows of 4 KiB and more (16 rows of a tile streaming side by side), measured on
+ * 4096x14336 experts: 2-3 % faster at 8 tokens, and one token 3-4 % faster through the VNNI kernel below. */
 #define INT8_BLOCK_PREFETCH 1024
 AMX_TARGET static void amx_rows32_int8(const int8_t *w, size_t rb, const float *s, int r0, int K, const uint8_t *hi,
                                        const uint8_t *lo, const float *xscale, int T, float *res, int ldr) {
     int32_t acc[4][16][16] __attribute__((aligned(64)));
-    const int8_t *a0 = w + (size_t)r0 * rb, *a1 = a0 + (size_t)16 * rb;  /* both layouts: 16 rows from here */
-    const int blocked = rb < INT8_BLOCKED_BELOW;
-    const size_t step = blocked ? 1024 : 64, stride = blocked ? 64 : rb;  /* chunk c of the 16 rows; row stride */
+    const int8_t *a0 = w + (size_t)r0 * rb, *a1 = a0 + (size_t)16 * rb;  /* the two blocks */
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    const size_t block = (size_t)16 * rb;  /* blocked: bytes of one 16-row block */
+    const size_t block = (size_t)16 * rb;  /* bytes of one 16-row block */
     for (int c = 0; c < K / 64; c++) {
-        if (blocked) {  /* each block's next tiles, INT8_BLOCK_PREFETCH bytes ahead (past the end: the next rows') */
-            const size_t off = (size_t)c * 1024 + INT8_BLOCK_PREFETCH;
-            const char *p = (const char *)a0 + (off < block ? off : off + block);
-            for (int i = 0; i < 16; i++) {
-                _mm_prefetch(p + i * 64, _MM_HINT_T0);
-                _mm_prefetch(p + block + i * 64, _MM_HINT_T0);
-            }
+        /* each block's next tiles, INT8_BLOCK_PREFETCH bytes ahead (past the end: the next rows') */
+        const size_t off = (size_t)c * 1024 + INT8_BLOCK_PREFETCH;
+        const char *p = (const char *)a0 + (off < block ? off : off + block);
+        for (int i = 0; i < 16; i++) {
+            _mm_prefetch(p + i * 64, _MM_HINT_T0);
+            _mm_prefetch(p + block + i * 64, _MM_HINT_T0);
         }
-        _tile_loadd(4, a0 + (size_t)c * step, stride);
-        _tile_loadd(5, a1 + (size_t)c * step, stride);
+        _tile_loadd(4, a0 + (size_t)c * 1024, 64);
+        _tile_loadd(5, a1 + (size_t)c * 1024, 64);
         _tile_loadd(6, hi + (size_t)c * 1024, 64);
         _tile_loadd(7, lo + (size_t)c * 1024, 64);
-        if (blocked) {  /* weights second: results [token][row] */
-            _tile_dpbssd(0, 6, 4);
-            _tile_dpbssd(1, 6, 5);
-            _tile_dpbusd(2, 7, 4);
-            _tile_dpbusd(3, 7, 5);
-        } else {  /* weights first: results [row][token] */
-            _tile_dpbssd(0, 4, 6);
-            _tile_dpbssd(1, 5, 6);
-            _tile_dpbsud(2, 4, 7);
-            _tile_dpbsud(3, 5, 7);
-        }
+        _tile_dpbssd(0, 6, 4);  /* tokens' hi bytes (signed) x weights */
+        _tile_dpbssd(1, 6, 5);
+        _tile_dpbusd(2, 7, 4);  /* lo bytes (unsigned) x weights */
+        _tile_dpbusd(3, 7, 5);
     }
     _tile_stored(0, acc[0], 64);  /* tile numbers are immediates */
     _tile_stored(1, acc[1], 64);
@@ -808,10 +789,9 @@ AMX_TARGET static void amx_rows32_int8(const int8_t *w, size_t rb, const float *
     for (int h = 0; h < 2; h++)
         for (int i = 0; i < 16; i++) {
             const float scale = s[r0 + h * 16 + i];
-            for (int t = 0; t < T; t++) {
-                const int32_t hs = blocked ? acc[h][t][i] : acc[h][i][t], ls = blocked ? acc[2 + h][t][i] : acc[2 + h][i][t];
-                res[(size_t)t * ldr + r0 + h * 16 + i] = ((float)hs * 256.f + (float)ls) * xscale[t] * scale;
-            }
+            for (int t = 0; t < T; t++)
+                res[(size_t)t * ldr + r0 + h * 16 + i] =
+                    ((float)acc[h][t][i] * 256.f + (float)acc[2 + h][t][i]) * xscale[t] * scale;
         }
 }
 
@@ -992,10 +972,7 @@ static void experts_int4_vnni(const tk_args *a, int n) {
 }
 
 /* ---- int8, one token, on a CPU with AMX ------------------------------------------------------------------
- * The weights are laid out for the AMX tiles (kernels/quant.py), so the one-token kernels read those layouts.
- * Row-major rows (INT8_BLOCKED_BELOW bytes and longer) go through the AVX-512 four-row kernel, four long runs per
- * thread (one_token_phase): 0.92 of the probe's bandwidth on 4096x14336 experts against 0.81 on tiles.
- * Rows in the block layout go through AVX512-VNNI: each 64-byte line of a piece holds one 4-value column (quad)
+ * The weights are in the block layout of the AMX tiles (kernels/quant.py), and one token goes through AVX512-VNNI: each 64-byte line of a piece holds one 4-value column (quad)
  * of the block's 16 rows, and one vpdpbusd multiplies it by that quad of the token, broadcast. A block then needs
  * two accumulators, so each thread streams four quarters of its run of blocks side by side (as one_token_phase
  * does), every line prefetched a little ahead. The weights are made unsigned (w + 128: one xor) and the token is
@@ -1069,10 +1046,6 @@ VNNI_TARGET static void int8_vnni_blocks4(const int8_block *k, int m, int K, con
 /* Inside a parallel region: one phase of n one-token int8 experts in their AMX layout. Ends with a barrier. */
 AMX_TARGET static void int8_one_token_phase(const tk_args *a, int n, int down, float *xscale, int32_t (*bias)[2]) {
     const int K = down ? a->inter : a->hidden;
-    if (K >= INT8_BLOCKED_BELOW) {
-        one_token_phase(a, n, down, rows4_int8, pick_dot(K_INT8, ISA_AVX512));
-        return;
-    }
     #pragma omp for schedule(static)
     for (int e = 0; e < n; e++) {
         const float *x = down ? a[e].act : a[e].x;
@@ -1237,8 +1210,8 @@ AMX_TARGET static void experts_amx(const tk_args *a, int n) {
         for (int j = 0; j < n * (H / step); j++) {
             const tk_args *e = a + j / (H / step);
             if (kind == K_INT8)
-                amx_pack_int8_chunk(e->x, H, e->tokens, inv[j / (H / step)], j % (H / step), H < INT8_BLOCKED_BELOW,
-                                    (uint8_t *)e->xb, (uint8_t *)e->xb + (size_t)16 * H);
+                amx_pack_int8_chunk(e->x, H, e->tokens, inv[j / (H / step)], j % (H / step), (uint8_t *)e->xb,
+                                    (uint8_t *)e->xb + (size_t)16 * H);
             else amx_pack_chunk(e->x, H, e->tokens, j % (H / step), e->xb);
         }
         #pragma omp for schedule(static)
@@ -1257,8 +1230,8 @@ AMX_TARGET static void experts_amx(const tk_args *a, int n) {
         for (int j = 0; j < n * (I / step); j++) {
             const tk_args *e = a + j / (I / step);
             if (kind == K_INT8)
-                amx_pack_int8_chunk(e->act, 2 * I, e->tokens, inv[j / (I / step)], j % (I / step), I < INT8_BLOCKED_BELOW,
-                                    (uint8_t *)e->xb, (uint8_t *)e->xb + (size_t)16 * I);
+                amx_pack_int8_chunk(e->act, 2 * I, e->tokens, inv[j / (I / step)], j % (I / step), (uint8_t *)e->xb,
+                                    (uint8_t *)e->xb + (size_t)16 * I);
             else amx_pack_chunk(e->act, 2 * I, e->tokens, j % (I / step), e->xb);
         }
         #pragma omp for schedule(static)
