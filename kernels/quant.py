@@ -8,12 +8,14 @@ nibble element j + group/2 (values offset by 8), the layout the C kernel reads.
 
 Row-major is the stored layout. With AMX, matrices are re-laid out once (`blocked_layout()`) for the kernels
 that read them: rows in blocks of BLOCK_ROWS, each block stored as 64-byte pieces of its rows' bytes, BLOCK_ROWS
-rows x 64 bytes after one another
-(int4 scales likewise: per block, per group, the block's scales side by side; int8 keeps one scale per row).
-An int8 piece (16 rows x 64 values, 1 KiB) is stored by 4-value column: [16 quads][16 rows][4 bytes], the layout
-of a tile's second operand, where one 64-byte line holds a quad of every row (the one-token VNNI kernel
-multiplies it by one broadcast quad of the token). The one-token int4 kernel reads one sequential stream, and the
-int4 tile kernel (32 rows, one group at a time) two. Widths must be multiples of 64 values (int8) or 128 (int4).
+rows x 64 bytes after one another (int4 scales likewise: per block, per group, the block's scales side by side;
+int8 keeps one scale per row). An int8 piece (16 rows x 64 values, 1 KiB) is stored by 4-value column:
+[16 quads][16 rows][4 bytes], the layout of a tile's second operand, where one 64-byte line holds a quad of every
+row (the one-token VNNI kernel multiplies it by one broadcast quad of the token). The one-token int4 kernel reads
+one sequential stream, and the int4 tile kernel (32 rows, one group at a time) two. Widths must be multiples of
+64 values (int8) or 128 (int4).
+
+Letters: B blocks, P 64-byte pieces per row, n BLOCK_ROWS, G groups per row.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 GROUPS = (32, 64, 128)
-BLOCK_ROWS = 16  # rows per block of the int4 layout the AMX machines use (INT4_BLOCK_ROWS in csrc/expert.c)
+BLOCK_ROWS = 16  # rows per block of the layout the AMX machines use (INT4_BLOCK_ROWS in csrc/expert.c)
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,6 @@ class QuantizedMatrix:
             scales = scales.reshape(rows // n, n, groups).transpose(1, 2).reshape(rows, groups)  # [B, G, n]
         return QuantizedMatrix(self.kind, data.reshape(rows, width).contiguous(), scales.contiguous(), self.cols,
                                self.group, blocked=True)
-
 
     def row_major(self) -> QuantizedMatrix:
         if not self.blocked:

@@ -11,11 +11,11 @@
  * ISA variants are separate functions compiled with target attributes, chosen at run time from what the
  * CPU supports (or forced by the caller): baseline C, AVX2+FMA+F16C, AVX-512, and for bf16 weights with
  * bf16 activations AVX512_BF16 (vdpbf16ps) and AMX tiles (which keep 2-16 tokens near the roofline). One token of
- * fp32, bf16 or fp16 weights goes through AVX-512 rows, four long runs per thread (one_token_phase). On AMX
- * machines int8 runs on integer tiles against 16-bit fixed-point activations; one token of int8 or int4 on
- * AVX512-VNNI against 15-bit fixed point; int4 for more tokens becomes bf16
- * tiles through per-group tables. Several experts of a layer can run in one parallel region
- * (tk_experts), and dense matrices through the same kernels (tk_linear).
+ * fp32, bf16 or fp16 weights goes through AVX-512 rows, four long runs per thread (stream_rows). On AMX
+ * machines int8 runs on integer tiles against 16-bit fixed-point activations, one token of int8 or int4 on
+ * AVX512-VNNI against 15-bit fixed point, and int4 for more tokens as bf16 tiles through per-group tables.
+ * Several experts of a layer can run in one parallel region (tk_experts), and dense matrices through the same
+ * kernels (tk_linear).
  * Loaded through ctypes; the tiny Python module init below only makes it an importable extension.
  */
 #include <Python.h>
@@ -458,7 +458,7 @@ BF16_TARGET static void expert_bf16dp(const tk_args *a) {
  * rows may belong to different experts), result *res[j]. */
 #define FMA_ROW(J) a##J = _mm512_fmadd_ps(LOADW(w##J + k), _mm512_loadu_ps(x[J] + k), a##J);                 \
                    b##J = _mm512_fmadd_ps(LOADW(w##J + k + 16), _mm512_loadu_ps(x[J] + k + 16), b##J)
-/* The four rows lie far apart (one_token_phase), each the head of a long sequential run: asking for each line
+/* The four rows lie far apart (stream_rows), each the head of a long sequential run: asking for each line
  * 2 KB ahead of the four measured 0.93-0.95 of the probe's bandwidth on 2048x768 and 4096x14336 experts (bf16
  * and fp16), against 0.80 with none and 0.90 at 512 bytes or 4 KB. Two vectors per row per step (two chains
  * each): fp16 +1-3 %. */
@@ -575,26 +575,28 @@ static inline thread_run this_threads_run(int total) {
     return r;
 }
 
-/* Inside a parallel region: one phase of n one-token experts (gate and up, or down). The rows of all of them,
- * in order, are shared out in one contiguous run per thread, and each thread streams its run as four long
- * sequences side by side (row i of each quarter), as the bandwidth probe does. Measured on 2048x768 bf16
- * experts (with ROWS4_PREFETCH): 0.94 of the probe's bandwidth, against 0.79 for four neighbouring rows at a
- * time (four streams one row long) and 0.86 for eight quarters. Ends with a barrier. */
-static void one_token_phase(const tk_args *a, int n, int down, rows4_fn r4, dot_fn dot) {
-    const int K = down ? a->inter : a->hidden;
-    const int per = down ? a->hidden : a->inter, total = n * (down ? per : 2 * per);  /* rows per matrix, all */
+/* Where row q of a one-token pass lies (see one_token_row); `src` is the caller's description of the rows. */
+typedef row_ref (*row_lookup)(const void *src, int q);
+
+/* Inside a parallel region: `total` one-token rows of K values, found through `find` (`per` rows a matrix), shared
+ * out in one contiguous run per thread; each thread streams its run as four long sequences side by side (row i of
+ * each quarter), as the bandwidth probe does. Measured on 2048x768 bf16 experts (with ROWS4_PREFETCH): 0.94 of
+ * the probe's bandwidth, against 0.79 for four neighbouring rows at a time (four streams one row long) and 0.86
+ * for eight quarters. */
+static void stream_rows(row_lookup find, const void *src, int total, int per, int K, int kind, int group,
+                        rows4_fn r4, dot_fn dot) {
     const thread_run run = this_threads_run(total);
     const int lo = run.lo, hi = run.hi, len = run.len;
-    const size_t rb = row_bytes(a->kind, K, a->group);
-    const size_t s_step = a->kind == K_INT8   ? sizeof(float)  /* scale bytes per row */
-                          : a->kind == K_INT4 ? K / a->group * sizeof(uint16_t) : 0;
+    const size_t rb = row_bytes(kind, K, group);
+    const size_t s_step = kind == K_INT8   ? sizeof(float)  /* scale bytes per row */
+                          : kind == K_INT4 ? K / group * sizeof(uint16_t) : 0;
     row_ref r[4];
     int left[4] = {0, 0, 0, 0};  /* rows left in the matrix each quarter is in (0: look the next row up) */
     for (int i = 0; i < len; i++) {
         int m = 0;  /* quarters still going: the first m (the last one is the shortest) */
         for (int j = 0; j < 4 && lo + j * len + i < hi; j++, m++)
             if (!left[j]) {  /* a quarter's first row, or the first of the next matrix */
-                r[j] = one_token_row(a, down, lo + j * len + i);
+                r[j] = find(src, lo + j * len + i);
                 left[j] = per - (lo + j * len + i) % per;
             }
         if (m == 4) {
@@ -602,17 +604,32 @@ static void one_token_phase(const tk_args *a, int n, int down, rows4_fn r4, dot_
             const void *s[4] = {r[0].s, r[1].s, r[2].s, r[3].s};
             const float *x[4] = {r[0].x, r[1].x, r[2].x, r[3].x};
             float *res[4] = {r[0].res, r[1].res, r[2].res, r[3].res};
-            r4(w, s, a->group, x, K, res);
+            r4(w, s, group, x, K, res);
         } else {
             for (int j = 0; j < m; j++)
-                dot(r[j].w, row_scale(r[j].s, a->kind, 0), a->kind == K_INT4 ? r[j].s : NULL, a->group, r[j].x,
-                    K, 1, K, r[j].res, 1);
+                dot(r[j].w, row_scale(r[j].s, kind, 0), kind == K_INT4 ? r[j].s : NULL, group, r[j].x, K, 1, K,
+                    r[j].res, 1);
         }
         for (int j = 0; j < m; j++) {  /* each quarter's next row */
             r[j].w += rb, r[j].res++, left[j]--;
             if (s_step) r[j].s = (const char *)r[j].s + s_step;
         }
     }
+}
+
+typedef struct { const tk_args *a; int down; } phase_rows;
+static row_ref phase_row(const void *src, int q) {
+    const phase_rows *p = (const phase_rows *)src;
+    return one_token_row(p->a, p->down, q);
+}
+
+/* Inside a parallel region: one phase of n one-token experts (gate and up, or down), the rows of all of them in
+ * order through stream_rows. Ends with a barrier. */
+static void one_token_phase(const tk_args *a, int n, int down, rows4_fn r4, dot_fn dot) {
+    const int per = down ? a->hidden : a->inter;  /* rows per matrix */
+    const phase_rows src = {a, down};
+    stream_rows(phase_row, &src, n * (down ? per : 2 * per), per, down ? a->inter : a->hidden, a->kind, a->group,
+                r4, dot);
     #pragma omp barrier
 }
 
@@ -709,11 +726,13 @@ AMX_TARGET static inline void amx_pack_chunk(const float *x, int ldx, int T, int
     }
 }
 
+#define AMX_INT8_TOP 32767.f  /* the token's largest value in the tiles' 16-bit fixed point */
+
 /* int8 weights meet the activations as 16-bit fixed point: each token is scaled so its largest value is
  * 32767 and rounded (about as fine as bf16 for every value within 2^7 of the largest, finer above), then
  * split into a signed high byte and an unsigned low byte. Two integer tile products per weight tile
- * (tdpbssd, tdpbsud) give W.x exactly up to that rounding, and the weight tiles are loaded as they lie
- * (block layout for short rows): nothing is converted per weight, so int8 streams like bf16 at half the bytes.
+ * (tdpbssd, tdpbusd) give W.x exactly up to that rounding, and the weight tiles are loaded as they lie
+ * (block layout): nothing is converted per weight, so int8 streams like bf16 at half the bytes.
  * Packed chunk c (64 values), 1 KiB: [16 tokens][64] bytes, the tiles' first operand (tokens >= T: stale, as
  * for bf16). */
 AMX_TARGET static inline void amx_pack_int8_chunk(const float *x, int ldx, int T, const float *inv, int c,
@@ -738,7 +757,7 @@ AMX_TARGET static inline void amx_pack_int8_chunk(const float *x, int ldx, int T
 
 /* Per-token scales for fixed-point activations (AMX int8, VNNI int4): scale[t] = max |x_t| / top,
  * inv[t] = 1 / scale[t]. K is a multiple of 16. */
-AMX_TARGET static void token_scales(const float *x, int ldx, int T, int K, float top_value, float *scale,
+AVX512_TARGET static void token_scales(const float *x, int ldx, int T, int K, float top_value, float *scale,
                                     float *inv) {
     for (int t = 0; t < T; t++) {
         __m512 m = _mm512_setzero_ps();
@@ -972,14 +991,15 @@ static void experts_int4_vnni(const tk_args *a, int n) {
 }
 
 /* ---- int8, one token, on a CPU with AMX ------------------------------------------------------------------
- * The weights are in the block layout of the AMX tiles (kernels/quant.py), and one token goes through AVX512-VNNI: each 64-byte line of a piece holds one 4-value column (quad)
- * of the block's 16 rows, and one vpdpbusd multiplies it by that quad of the token, broadcast. A block then needs
- * two accumulators, so each thread streams four quarters of its run of blocks side by side (as one_token_phase
- * does), every line prefetched a little ahead. The weights are made unsigned (w + 128: one xor) and the token is
- * in 15-bit fixed point x = 128 hi + lo (hi a signed byte, lo in [0, 127]) as for int4; the offset leaves
- * 128 Σ hi and 128 Σ lo, taken off exactly per token. Measured on 2048x768 experts, a layer of 8 from DRAM:
- * 0.174 -> 0.163 ms per expert against the integer tiles this replaced (0.86 -> 0.91 of the probe), about the
- * speed of a loop that only loads the lines in that order; tiles with the same prefetch gained 1 %. */
+ * The weights are in the block layout of the AMX tiles (kernels/quant.py), and one token goes through
+ * AVX512-VNNI: each 64-byte line of a piece holds one 4-value column (quad) of the block's 16 rows, and one
+ * vpdpbusd multiplies it by that quad of the token, broadcast. A block then needs two accumulators, so each
+ * thread streams four quarters of its run of blocks side by side (as stream_rows does), every line prefetched a
+ * little ahead. The weights are made unsigned (w + 128: one xor) and the token is in 15-bit fixed point
+ * x = 128 hi + lo (hi a signed byte, lo in [0, 127]) as for int4; the offset leaves 128 Σ hi and 128 Σ lo, taken
+ * off exactly per token. Measured on 2048x768 experts, a layer of 8 from DRAM: 0.174 -> 0.163 ms per expert
+ * against the integer tiles this replaced (0.86 -> 0.91 of the probe), about the speed of a loop that only loads
+ * the lines in that order; tiles with the same prefetch gained 1 %. */
 #define INT8_VNNI_TOP 16383.f  /* the token's largest value in fixed point: hi = x >> 7 stays a signed byte */
 
 /* x [K] -> hi bytes [K] then lo bytes [K] at xp; bias = {128 Σ hi, 128 Σ lo}. */
@@ -997,23 +1017,15 @@ VNNI_TARGET static void int8_vnni_pack(const float *x, int K, float inv, int8_t 
     bias[1] = 128 * _mm512_reduce_add_epi32(sl);
 }
 
-/* Block q of a phase (16 rows of one matrix of one expert): weights, row scales, expert, results, found through
- * the row lookup as for int4 (int4_vnni_phase). */
-typedef struct { const int8_t *w; const float *s; int e; float *res; } int8_block;
-static inline int8_block int8_block_at(const tk_args *a, int down, int q) {
-    const row_ref r = one_token_row(a, down, q * 16);
-    const int8_block k = {(const int8_t *)r.w, r.s, r.e, r.res};
-    return k;
-}
-
-/* Up to four blocks (m; the missing ones repeat the first, their results unused) of K values per row against
- * their experts' packed tokens (in each one's xb): res = row scale * token scale * W.x. */
-VNNI_TARGET static void int8_vnni_blocks4(const int8_block *k, int m, int K, const tk_args *a,
+/* Up to four blocks (m; the missing ones repeat the first, their results unused), each found by its first row
+ * (one_token_row), of K values per row against their experts' packed tokens (in each one's xb):
+ * res = row scale * token scale * W.x. */
+VNNI_TARGET static void int8_vnni_blocks4(const row_ref *k, int m, int K, const tk_args *a,
                                           const int32_t (*bias)[2], const float *xscale) {
     const int8_t *w[4], *xh[4], *xl[4];
     for (int j = 0; j < 4; j++) {
-        const int8_block *b = k + (j < m ? j : 0);
-        w[j] = b->w, xh[j] = (const int8_t *)a[b->e].xb, xl[j] = xh[j] + K;
+        const row_ref *b = k + (j < m ? j : 0);
+        w[j] = (const int8_t *)b->w, xh[j] = (const int8_t *)a[b->e].xb, xl[j] = xh[j] + K;
     }
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512i h[4], l[4];
@@ -1039,12 +1051,13 @@ VNNI_TARGET static void int8_vnni_blocks4(const int8_block *k, int m, int K, con
         const __m512 hs = _mm512_cvtepi32_ps(_mm512_sub_epi32(h[j], _mm512_set1_epi32(bias[e][0])));
         const __m512 ls = _mm512_cvtepi32_ps(_mm512_sub_epi32(l[j], _mm512_set1_epi32(bias[e][1])));
         const __m512 v = _mm512_fmadd_ps(hs, _mm512_set1_ps(128.f), ls);
-        _mm512_storeu_ps(k[j].res, _mm512_mul_ps(_mm512_mul_ps(v, _mm512_loadu_ps(k[j].s)), _mm512_set1_ps(xscale[e])));
+        const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps((const float *)k[j].s), _mm512_set1_ps(xscale[e]));
+        _mm512_storeu_ps(k[j].res, _mm512_mul_ps(v, scale));
     }
 }
 
 /* Inside a parallel region: one phase of n one-token int8 experts in their AMX layout. Ends with a barrier. */
-AMX_TARGET static void int8_one_token_phase(const tk_args *a, int n, int down, float *xscale, int32_t (*bias)[2]) {
+VNNI_TARGET static void int8_one_token_phase(const tk_args *a, int n, int down, float *xscale, int32_t (*bias)[2]) {
     const int K = down ? a->inter : a->hidden;
     #pragma omp for schedule(static)
     for (int e = 0; e < n; e++) {
@@ -1055,10 +1068,10 @@ AMX_TARGET static void int8_one_token_phase(const tk_args *a, int n, int down, f
     }
     const thread_run run = this_threads_run(n * (down ? a->hidden : 2 * a->inter) / 16);  /* in 16-row blocks */
     for (int i = 0; i < run.len; i++) {  /* block i of each quarter of this thread's run */
-        int8_block k[4];
+        row_ref k[4];
         int m = 0;
         for (int j = 0; j < 4 && run.lo + j * run.len + i < run.hi; j++)
-            k[m++] = int8_block_at(a, down, run.lo + j * run.len + i);
+            k[m++] = one_token_row(a, down, (run.lo + j * run.len + i) * 16);
         int8_vnni_blocks4(k, m, K, a, (const int32_t (*)[2])bias, xscale);
     }
     #pragma omp barrier
@@ -1204,7 +1217,7 @@ AMX_TARGET static void experts_amx(const tk_args *a, int n) {
         amx_begin();
         if (kind == K_INT8) {
             #pragma omp for schedule(static)
-            for (int e = 0; e < n; e++) token_scales(a[e].x, H, a[e].tokens, H, 32767.f, xscale[e], inv[e]);
+            for (int e = 0; e < n; e++) token_scales(a[e].x, H, a[e].tokens, H, AMX_INT8_TOP, xscale[e], inv[e]);
         }
         #pragma omp for schedule(static)
         for (int j = 0; j < n * (H / step); j++) {
@@ -1224,7 +1237,7 @@ AMX_TARGET static void experts_amx(const tk_args *a, int n) {
         experts_swiglu(a, n);
         if (kind == K_INT8) {
             #pragma omp for schedule(static)
-            for (int e = 0; e < n; e++) token_scales(a[e].act, 2 * I, a[e].tokens, I, 32767.f, xscale[e], inv[e]);
+            for (int e = 0; e < n; e++) token_scales(a[e].act, 2 * I, a[e].tokens, I, AMX_INT8_TOP, xscale[e], inv[e]);
         }
         #pragma omp for schedule(static)
         for (int j = 0; j < n * (I / step); j++) {
@@ -1389,33 +1402,22 @@ AMX_TARGET static void linear_amx(const tk_linear_args *a) {
     }
 }
 
-/* One token: each thread's run of rows streamed as four quarters side by side, as for one-token experts
- * (one_token_phase). Measured per call, Python included: 2048x2048 bf16 0.36 -> 0.31 ms, 50304x2048 7.5 -> 7.0 ms
- * (0.86 and 0.93 of the probe's bandwidth, against 0.74 and 0.86 on the tiles). */
+static row_ref linear_row(const void *src, int q) {
+    const tk_linear_args *a = (const tk_linear_args *)src;
+    const row_ref r = {(const char *)a->w + (size_t)q * a->in * 2, NULL, a->x, a->y + q, 0};
+    return r;
+}
+
+/* One token: the rows streamed as for one-token experts (stream_rows). Measured per call, Python included:
+ * 2048x2048 bf16 0.36 -> 0.31 ms, 50304x2048 7.5 -> 7.0 ms (0.86 and 0.93 of the probe's bandwidth, against 0.74
+ * and 0.86 on the tiles). */
 static void linear_one_token(const tk_linear_args *a) {
-    const size_t rb = (size_t)a->in * 2;
     #pragma omp parallel num_threads(a->threads)
     {
-        const thread_run run = this_threads_run(a->out);
-        const int lo = run.lo, hi = run.hi, len = run.len;
-        const float *x[4] = {a->x, a->x, a->x, a->x};
-        const void *none[4] = {NULL, NULL, NULL, NULL};
-        for (int i = 0; i < len; i++) {
-            if (lo + 3 * len + i < hi) {
-                const char *w[4];
-                float *res[4];
-                for (int j = 0; j < 4; j++) {
-                    w[j] = (const char *)a->w + (size_t)(lo + j * len + i) * rb;
-                    res[j] = a->y + lo + j * len + i;
-                }
-                rows4_bf16(w, none, 0, x, a->in, res);
-            } else {
-                for (int r = lo + i; r < hi; r += len)
-                    fma_bf16((const char *)a->w + (size_t)r * rb, 1.f, NULL, 0, a->x, a->in, 1, a->in, a->y + r, 1);
-            }
-        }
-        if (a->yb && (tk_isa_mask() & (1 << ISA_AVX512BF16))) to_bf16(a->y + lo, a->yb + lo, hi - lo);
-        else if (a->yb) for (int r = lo; r < hi; r++) a->yb[r] = bf16_of(a->y[r]);  /* the same rounding */
+        stream_rows(linear_row, a, a->out, a->out, a->in, K_BF16, 0, rows4_bf16, fma_bf16);
+        const thread_run run = this_threads_run(a->out);  /* this thread's rows, as stream_rows shared them */
+        if (a->yb && (tk_isa_mask() & (1 << ISA_AVX512BF16))) to_bf16(a->y + run.lo, a->yb + run.lo, run.hi - run.lo);
+        else if (a->yb) for (int r = run.lo; r < run.hi; r++) a->yb[r] = bf16_of(a->y[r]);  /* the same rounding */
     }
 }
 
