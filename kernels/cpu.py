@@ -230,9 +230,9 @@ class CpuExecutor:
         self._moe: tuple[_MoeArgs, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # run_layer's buffers
 
     def amx_serves(self, kind: object) -> bool:
-        """Whether AMX tiles can run experts of this weight kind (whole tiles: int8 takes 64 values, bf16 32;
-        int4 is stored in pieces of 128 values)."""
-        width = {"int8": 64, "int4": 128}.get(kind, 32)  # type: ignore[call-overload]
+        """Whether AMX tiles can run experts of this weight kind (whole tiles: bf16 takes 32 values; int8 and
+        int4 are stored in chunks of 64)."""
+        width = 64 if kind in QUANT_KINDS else 32
         return ("amx" in self.isas and kind in AMX_KINDS and self.dtype == torch.bfloat16
                 and self.hidden % width == 0 and self.inter % width == 0)
 

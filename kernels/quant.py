@@ -7,15 +7,15 @@ most 2^-9, far below int4's own); each group is stored in group/2 bytes whose lo
 nibble element j + group/2 (values offset by 8), the layout the C kernel reads.
 
 Row-major is the stored layout. With AMX, matrices are re-laid out once (`blocked_layout()`) for the kernels
-that read them: rows in blocks of BLOCK_ROWS, each block stored as 64-byte pieces of its rows' bytes, BLOCK_ROWS
-rows x 64 bytes after one another (int4 scales likewise: per block, per group, the block's scales side by side;
-int8 keeps one scale per row). An int8 piece (16 rows x 64 values, 1 KiB) is stored by 4-value column:
-[16 quads][16 rows][4 bytes], the layout of a tile's second operand, where one 64-byte line holds a quad of every
-row (the one-token VNNI kernel multiplies it by one broadcast quad of the token). The one-token int4 kernel reads
-one sequential stream, and the int4 tile kernel (32 rows, one group at a time) two. Widths must be multiples of
-64 values (int8) or 128 (int4).
+that read them: rows in blocks of BLOCK_ROWS = 16, each block stored as 64-value chunks of its rows, one chunk
+after another, in the order of a tile's second operand, where one 64-byte line holds a 4-value column (quad) of
+every row. An int8 chunk (1 KiB) is [16 quads][16 rows][4 bytes]. An int4 chunk (512 bytes) is
+[8 lines][16 rows][4 bytes], whose low nibbles are quad l of the chunk and high nibbles quad l + 8 (values 4l..4l+3
+and 32+4l..32+4l+3): unpacking a line gives two lines of the int8 order. The one-token VNNI kernels multiply a line
+by one broadcast quad of the token; the tiles load the lines as they are (int4: once unpacked). Scales: int8 keeps
+one per row; int4's, per block and group, the block's 16 side by side. Widths must be multiples of 64 values.
 
-Letters: B blocks, P 64-byte pieces per row, n BLOCK_ROWS, G groups per row.
+Letters: B blocks, C 64-value chunks per row, n BLOCK_ROWS, G groups per row, L lines of a chunk, h nibble half.
 """
 
 from __future__ import annotations
@@ -38,49 +38,57 @@ class QuantizedMatrix:
     blocked: bool = False  # True: the AMX kernels' block layout of BLOCK_ROWS rows (see the module docstring)
 
     def blocked_layout(self) -> QuantizedMatrix:
-        """This matrix in row blocks of 64-byte pieces (rows a multiple of BLOCK_ROWS; row bytes of 64)."""
+        """This matrix in blocks of BLOCK_ROWS rows and 64-value chunks (see the module docstring)."""
         if self.blocked:
             return self
-        n = BLOCK_ROWS
-        rows, width = self.data.shape  # width: bytes per row
-        if rows % n or width % 64 or (self.kind == "int4" and self.cols % 128):
-            raise ValueError(f"the block layout needs rows in multiples of {n} and 64-byte rows ({self.kind})")
-        data = self.data.reshape(rows // n, n, width // 64, 64).transpose(1, 2)  # [B, P, n, 64]
+        n, rows, cols = BLOCK_ROWS, self.data.shape[0], self.cols
+        if rows % n or cols % 64:
+            raise ValueError(f"the block layout needs rows in multiples of {n} and widths of 64 values ({self.kind})")
         if self.kind == "int8":
-            data = data.reshape(rows // n, width // 64, n, 16, 4).transpose(2, 3)  # [B, P, 16, n, 4]
-        scales = self.scales
-        if self.kind == "int4":
-            groups = self.cols // self.group
-            scales = scales.reshape(rows // n, n, groups).transpose(1, 2).reshape(rows, groups)  # [B, G, n]
-        return QuantizedMatrix(self.kind, data.reshape(rows, width).contiguous(), scales.contiguous(), self.cols,
-                               self.group, blocked=True)
+            data = self.data.reshape(rows // n, n, cols // 64, 16, 4).permute(0, 2, 3, 1, 4)  # [B, C, 16, n, 4]
+        else:
+            u = self._nibbles().reshape(rows // n, n, cols // 64, 2, 8, 4)  # [B, n, C, h, L, 4]
+            u = u.permute(0, 2, 3, 4, 1, 5)  # [B, C, h, L, n, 4]
+            data = u[:, :, 0] | (u[:, :, 1] << 4)  # [B, C, L, n, 4]
+        return QuantizedMatrix(self.kind, data.reshape(self.data.shape).contiguous(), self._scales_by_block(True),
+                               cols, self.group, blocked=True)
 
     def row_major(self) -> QuantizedMatrix:
         if not self.blocked:
             return self
-        rows, width = self.data.shape
-        n = BLOCK_ROWS
-        data = self.data
+        n, rows, cols = BLOCK_ROWS, self.data.shape[0], self.cols
         if self.kind == "int8":
-            data = data.reshape(rows // n, width // 64, 16, n, 4).transpose(2, 3)  # [B, P, n, 16, 4]
-        data = data.reshape(rows // n, width // 64, n, 64).transpose(1, 2)  # [B, n, P, 64]
-        scales = self.scales
-        if self.kind == "int4":
-            groups = self.cols // self.group
-            scales = scales.reshape(rows // n, groups, n).transpose(1, 2).reshape(rows, groups)  # [B, n, G]
-        return QuantizedMatrix(self.kind, data.reshape(rows, width).contiguous(), scales.contiguous(), self.cols,
-                               self.group)
+            data = self.data.reshape(rows // n, cols // 64, 16, n, 4).permute(0, 3, 1, 2, 4)  # [B, n, C, 16, 4]
+        else:
+            d = self.data.reshape(rows // n, cols // 64, 8, n, 4)  # [B, C, L, n, 4]
+            u = torch.stack([d & 15, d >> 4], dim=2)  # [B, C, h, L, n, 4]
+            u = u.permute(0, 4, 1, 2, 3, 5).reshape(rows, cols // self.group, 2, self.group // 2)  # [rows, G, 2, g/2]
+            data = u[:, :, 0] | (u[:, :, 1] << 4)  # [rows, G, g/2]
+        return QuantizedMatrix(self.kind, data.reshape(self.data.shape).contiguous(), self._scales_by_block(False),
+                               cols, self.group)
+
+    def _nibbles(self) -> torch.Tensor:
+        """Row-major int4 as one byte per value, q + 8: [rows, cols]."""
+        rows = self.data.shape[0]
+        packed = self.data.view(rows, -1, self.group // 2)  # [rows, G, g/2]
+        return torch.cat([packed & 15, packed >> 4], dim=-1).reshape(rows, self.cols)
+
+    def _scales_by_block(self, blocked: bool) -> torch.Tensor:
+        """int4 scales [rows, G] <-> per block, per group, the block's rows side by side ([B, G, n])."""
+        if self.kind != "int4":
+            return self.scales
+        rows, n, groups = self.scales.shape[0], BLOCK_ROWS, self.cols // self.group
+        if blocked:
+            return self.scales.reshape(rows // n, n, groups).transpose(1, 2).reshape(rows, groups).contiguous()
+        return self.scales.reshape(rows // n, groups, n).transpose(1, 2).reshape(rows, groups).contiguous()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.blocked:
             return self.row_major().dequantize(dtype)
         if self.kind == "int8":
             return (self.data.float() * self.scales[:, None]).to(dtype)
-        rows, half = self.data.shape[0], self.group // 2
-        packed = self.data.view(rows, -1, half)  # [rows, groups, group/2]
-        lo = (packed & 15).to(torch.int8) - 8
-        hi = (packed >> 4).to(torch.int8) - 8
-        values = torch.cat([lo, hi], dim=-1).float()  # [rows, groups, group]
+        rows = self.data.shape[0]
+        values = (self._nibbles().to(torch.int8) - 8).float().view(rows, -1, self.group)  # [rows, G, g]
         return (values * self.scales.float()[:, :, None]).reshape(rows, self.cols).to(dtype)
 
     @property

@@ -63,7 +63,7 @@ def test_every_variant_matches_the_reference(isa: str, wdtype: torch.dtype, shap
     assert rel_err(got, want) < (2e-2 if compute == torch.bfloat16 else 1e-5)
 
 
-# AMX serves int8 (integer tiles, 16-bit fixed-point activations) and int4 (turned into bf16 tiles);
+# AMX serves int8 and int4 (integer tiles against 16-bit fixed-point activations; one token on VNNI);
 # vdpbf16ps serves neither.
 QUANT_VARIANTS = [(q, g, isa) for q, g in (("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128))
                   for isa in ISAS if isa != "avx512bf16"]
@@ -98,23 +98,52 @@ def test_quantized_amx_experts_serve_long_prompts(quant: str, tokens: int) -> No
     assert rel_err(expert(x), reference(x, *expert.dense(torch.float32))) < 2e-2
 
 
+BLOCK_SHAPES = [
+    (4096, 64, 2),  # rows of 4 KiB and of 64 bytes
+    (128, 4096, 2),
+    (3072, 64, 2),
+    (192, 64, 2),  # one token: 12 down blocks, 6 per thread, in quarters of 2, 2, 2, 0
+    (320, 192, 2),  # widths of 64 values that are not whole 128s
+    (320, 192, 3),  # 20 down blocks on 3 threads: runs of 6, 7, 7, in halves of 4 and 3 (tiles), quarters (VNNI)
+    (4096, 4096, 2),
+]
+
+
 @pytest.mark.skipif("amx" not in ISAS, reason="this CPU (or kernel) has no AMX tiles")
-@pytest.mark.parametrize(("h", "i"), [
-    (4096, 64),  # rows of 4 KiB and of 64 bytes
-    (128, 4096),
-    (3072, 64),
-    (192, 64),  # one token: 12 down blocks, 6 per thread, in quarters of 2, 2, 2, 0
-    (4096, 4096),
-])
-@pytest.mark.parametrize("tokens", [1, 5, 16])
-def test_int8_amx_blocks_of_short_and_long_rows_match_the_reference(h: int, i: int, tokens: int) -> None:
+@pytest.mark.parametrize(("h", "i", "threads", "quant", "group"), [
+    (h, i, threads, quant, group) for h, i, threads in BLOCK_SHAPES
+    for quant, group in (("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128))
+    if h % group == i % group == 0 and (h * i < 2**24 or group == 64)])  # the largest: one int4 group size
+@pytest.mark.parametrize("tokens", [1, 5, 9, 16])  # 9 and 16: tokens 8-15 in a second pass over each block
+def test_quantized_amx_blocks_of_short_and_long_rows_match_the_reference(h: int, i: int, threads: int, quant: str,
+                                                                          group: int, tokens: int) -> None:
     gate, up, down = weights(h, i, torch.float32)
-    executor = CpuExecutor(h, i, torch.bfloat16, threads=2, quant="int8")
+    executor = CpuExecutor(h, i, torch.bfloat16, threads=threads, quant=quant, group=group)
     expert = executor.prepare(gate, up, down)
     assert all(m.blocked for m in (expert.gate, expert.up, expert.down))
     assert expert.amx_layout and executor.isa_for(expert, tokens) == "amx"
     x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(tokens)).bfloat16()
     assert rel_err(expert(x), reference(x, *expert.dense(torch.float32))) < 2e-2
+
+
+@pytest.mark.skipif("amx" not in ISAS, reason="this CPU (or kernel) has no AMX tiles")
+@pytest.mark.parametrize(("quant", "group"), [("int8", 64), ("int4", 32), ("int4", 128)])
+def test_quantized_amx_layer_experts_with_unequal_token_counts(quant: str, group: int) -> None:
+    # One region for all: each thread streams two halves of its run of blocks side by side, so one tile pass
+    # pairs blocks of experts with different tokens, and past 8 tokens some blocks have a second pass and their
+    # partners none.
+    h, i, n_experts = 256, 128, 4
+    executor = CpuExecutor(h, i, torch.bfloat16, threads=2, quant=quant, group=group)
+    experts = [executor.prepare(*weights(h, i, torch.float32, seed=s)) for s in range(n_experts)]
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(16, h, generator=g).bfloat16()
+    ids = torch.tensor([[0, 1]] * 11 + [[2, 3]] * 2 + [[0, 2]] * 3)  # [T, K]: tokens per expert 14, 11, 5, 2
+    w = torch.rand(16, 2, generator=g).softmax(dim=1)  # [T, K]
+    layer = executor.layer(experts)
+    assert executor.serves_layer(layer, 16) and executor.isa_for(experts[0], 16) == "amx"
+    got = executor.run_layer(layer, x, ids, w).clone()
+    want = combine(x.float(), w, ids, [ExpertWeights(*e.dense(torch.float32)) for e in experts])
+    assert rel_err(got, want) < 2e-2
 
 
 @pytest.mark.skipif("amx" not in ISAS, reason="this CPU (or kernel) has no AMX tiles")
