@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from kernels.quant import QuantizedMatrix, quantize_int4, quantize_int8
 
 ISAS = ("base", "avx2", "avx512", "avx512bf16", "amx")
-BF16_ONLY = ("avx512bf16", "amx")  # bf16 activations (AMX int8: 16-bit fixed point, about as fine)
+BF16_ONLY = ("avx512bf16", "amx")  # bf16 activations (AMX int8 and int4: 16-bit fixed point, about as fine)
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "int8": 3, "int4": 4}
 DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
 AMX_CROSSOVER = 16  # with AMX tiles the kernel stays at the bandwidth roofline up to a full tile of tokens
@@ -264,8 +264,8 @@ class CpuExecutor:
         isas = [i for i in self.isas if i not in BF16_ONLY]
         if kind == torch.bfloat16 and self.inter % 2 == 0:  # vdpbf16ps takes rows in pairs
             isas.append("avx512bf16")
-        if self.amx_serves(kind) and tokens <= AMX_CROSSOVER:
-            isas.append("amx")
+        if self.amx_serves(kind) and tokens <= AMX_CROSSOVER and kind not in QUANT_KINDS:
+            isas.append("amx")  # quantized weights reach AMX only in its block layout (the branch above)
         isas = [i for i in isas if i in self.isas]
         if self.forced_isa in isas:
             return self.forced_isa

@@ -137,7 +137,8 @@ def test_quantized_amx_layer_experts_with_unequal_token_counts(quant: str, group
     experts = [executor.prepare(*weights(h, i, torch.float32, seed=s)) for s in range(n_experts)]
     g = torch.Generator().manual_seed(11)
     x = torch.randn(16, h, generator=g).bfloat16()
-    ids = torch.tensor([[0, 1]] * 11 + [[2, 3]] * 2 + [[0, 2]] * 3)  # [T, K]: tokens per expert 14, 11, 5, 2
+    ids = torch.tensor([[0, 2]] * 11 + [[1, 3]] * 2 + [[0, 1]] * 3)  # [T, K]: tokens per expert 14, 5, 11, 2; each
+    # thread's halves pair experts 0 and 1 (14 and 5 tokens), 2 and 3 (11 and 2)
     w = torch.rand(16, 2, generator=g).softmax(dim=1)  # [T, K]
     layer = executor.layer(experts)
     assert executor.serves_layer(layer, 16) and executor.isa_for(experts[0], 16) == "amx"
@@ -173,6 +174,19 @@ def test_int8_amx_keeps_small_activations_beside_an_outlier() -> None:
     want = reference(x, *expert.dense(torch.float32))
     x[:, 7] = 1000.0
     assert rel_err(expert(x), want) < 2e-2
+
+
+@needs_kernels
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_experts_forced_off_amx_never_reach_its_kernels(quant: str) -> None:
+    # forced onto a variant that cannot serve them, quantized experts stay in the row-major layout, which the AMX
+    # kernels cannot read: whatever runs instead must not be AMX
+    executor = CpuExecutor(256, 128, torch.bfloat16, threads=2, quant=quant, isa="avx512bf16" if "avx512bf16" in ISAS
+                           else None)
+    expert = executor.prepare(*weights(256, 128, torch.float32))
+    assert not expert.amx_layout and executor.isa_for(expert, 4) != "amx"
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    assert rel_err(expert(x), reference(x, *expert.dense(torch.float32))) < 2e-2
 
 
 def test_int8_amx_needs_widths_of_64() -> None:

@@ -19,6 +19,7 @@
  * Loaded through ctypes; the tiny Python module init below only makes it an importable extension.
  */
 #include <Python.h>
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -39,7 +40,7 @@ typedef struct {
     const float *x;                      /* [T, H] */
     float *out;                          /* [T, H] */
     float *act;                          /* scratch [T, 2I] */
-    uint16_t *xb;                        /* scratch [max(T, 16), max(H, I)] bf16 (AVX512_BF16 and AMX paths) */
+    uint16_t *xb;                        /* scratch of 32 max(H, I) bytes (AVX512_BF16, AMX and VNNI paths) */
 } tk_args;
 
 static inline float bf16f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
@@ -767,14 +768,15 @@ AVX512_TARGET static void token_scales(const float *x, int ldx, int T, int K, fl
         __m512 m = _mm512_setzero_ps();
         for (int k = 0; k < K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + (size_t)t * ldx + k)));
         const float top = _mm512_reduce_max_ps(m);
-        scale[t] = top > 0.f ? top / top_value : 1.f;
+        scale[t] = top >= FLT_MIN * top_value ? top / top_value : 1.f;  /* tinier: inv would overflow; all round to 0 */
         inv[t] = 1.f / scale[t];
     }
 }
 
 #define AMX_BATCH 64  /* experts per region at most (their per-token scales live on the stack) */
 #define INT4_BLOCK_ROWS 16  /* rows per block of the quantized layout: must equal kernels/quant.py BLOCK_ROWS */
-#define INT4_PREFETCH 1024  /* bytes ahead in each block's stream, into L1 (2-8 KB, or into L2: no faster) */
+_Static_assert(INT4_BLOCK_ROWS == 16, "the tile kernels and VNNI lines take blocks of 16 rows");
+#define BLOCK_PREFETCH 1024  /* bytes ahead in each stream of blocks, into L1 (int4 tiles: 2-8 KB, or into L2, no faster) */
 
 /* int4 chunk c of a block (512 bytes: 64 values of its 16 rows, kernels/quant.py) -> dst, the int8 order of a
  * tile's second operand: low nibbles quad l, high nibbles quad l + 8, each q + 8 - 8. */
@@ -782,7 +784,7 @@ AMX_TARGET static inline void int4_unpack_chunk(const uint8_t *blk, int c, int8_
     const __m512i low = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
     for (int l = 0; l < 8; l++) {
         const uint8_t *line = blk + (size_t)c * 512 + l * 64;
-        _mm_prefetch((const char *)line + INT4_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)line + BLOCK_PREFETCH, _MM_HINT_T0);
         const __m512i v = _mm512_loadu_si512((const void *)line);
         _mm512_store_si512((void *)dst[l], _mm512_sub_epi8(_mm512_and_si512(v, low), eight));
         _mm512_store_si512((void *)dst[8 + l], _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), eight));
@@ -799,24 +801,26 @@ typedef void (*tile_blocks_fn)(const tile_block b[2], int group, int K, int ldr)
  * own tokens: res = row scale * token scale * W.x. Each 1 KiB chunk (16 rows x 64 values stored by 4-value column)
  * is a tile's second operand as it lies, loaded with its lines prefetched a little ahead. Tiles: results 0 and 1,
  * tokens 4 and 7, weights 5 and 6. */
-#define INT8_BLOCK_PREFETCH 1024
 AMX_TARGET static void amx_int8_blocks2(const tile_block b[2], int group, int K, int ldr) {
     (void)group;
     int32_t acc[2][16][16] __attribute__((aligned(64)));  /* [block]: rows t (hi sums), 8 + t (lo) */
     const int8_t *w0 = (const int8_t *)b[0].w, *w1 = (const int8_t *)b[1].w;
+    const int two = b[1].T > 0;  /* else the second block has no tokens: skipped */
     _tile_zero(0);
     _tile_zero(1);
     for (int c = 0; c < K / 64; c++) {
         for (int i = 0; i < 16; i++) {  /* past a block's end: the next block of its stream */
-            _mm_prefetch((const char *)w0 + (size_t)c * 1024 + INT8_BLOCK_PREFETCH + i * 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)w1 + (size_t)c * 1024 + INT8_BLOCK_PREFETCH + i * 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)w0 + (size_t)c * 1024 + BLOCK_PREFETCH + i * 64, _MM_HINT_T0);
+            if (two) _mm_prefetch((const char *)w1 + (size_t)c * 1024 + BLOCK_PREFETCH + i * 64, _MM_HINT_T0);
         }
         _tile_loadd(5, w0 + (size_t)c * 1024, 64);
-        _tile_loadd(6, w1 + (size_t)c * 1024, 64);
         _tile_loadd(4, b[0].xp + (size_t)c * 2048, 64);
-        _tile_loadd(7, b[1].xp + (size_t)c * 2048, 64);
         _tile_dpbssd(0, 4, 5);
-        _tile_dpbssd(1, 7, 6);
+        if (two) {
+            _tile_loadd(6, w1 + (size_t)c * 1024, 64);
+            _tile_loadd(7, b[1].xp + (size_t)c * 2048, 64);
+            _tile_dpbssd(1, 7, 6);
+        }
     }
     _tile_stored(0, acc[0], 64);  /* tile numbers are immediates */
     _tile_stored(1, acc[1], 64);
@@ -859,30 +863,33 @@ AMX_TARGET static void amx_int4_blocks2(const tile_block b[2], int group, int K,
     int32_t acc[2][16][16] __attribute__((aligned(64)));
     int8_t wq[2][2][16][64] __attribute__((aligned(64)));  /* [chunk parity][block]: unpacked */
     __m512 f[2][8];  /* [block][token]: 16 rows' sums */
+    const int two = b[1].T > 0;  /* else the second block has no tokens: skipped */
     for (int t = 0; t < 8; t++) f[0][t] = f[1][t] = _mm512_setzero_ps();
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     int4_unpack_chunk((const uint8_t *)b[0].w, 0, wq[0][0]);
-    int4_unpack_chunk((const uint8_t *)b[1].w, 0, wq[0][1]);
+    if (two) int4_unpack_chunk((const uint8_t *)b[1].w, 0, wq[0][1]);
     for (int c = 0; c < K / 64; c++) {
         if (c + 1 < K / 64) {
             int4_unpack_chunk((const uint8_t *)b[0].w, c + 1, wq[(c + 1) & 1][0]);
-            int4_unpack_chunk((const uint8_t *)b[1].w, c + 1, wq[(c + 1) & 1][1]);
+            if (two) int4_unpack_chunk((const uint8_t *)b[1].w, c + 1, wq[(c + 1) & 1][1]);
         }
         for (int o = 0; o < 64; o += span) {  /* one or two tile products */
             const int g = (c * 64 + o) / group;
             _tile_loadd(5, wq[c & 1][0][o / 4], 64);
-            _tile_loadd(6, wq[c & 1][1][o / 4], 64);
             _tile_loadd(4, b[0].xp + (size_t)c * 2048 + o, 64);
-            _tile_loadd(7, b[1].xp + (size_t)c * 2048 + o, 64);
+            if (two) {
+                _tile_loadd(6, wq[c & 1][1][o / 4], 64);
+                _tile_loadd(7, b[1].xp + (size_t)c * 2048 + o, 64);
+            }
             if (g & 1) {  /* tile numbers are immediates */
                 _tile_dpbssd(2, 4, 5);
-                _tile_dpbssd(3, 7, 6);
+                if (two) _tile_dpbssd(3, 7, 6);
             } else {
                 _tile_dpbssd(0, 4, 5);
-                _tile_dpbssd(1, 7, 6);
+                if (two) _tile_dpbssd(1, 7, 6);
             }
             if ((c * 64 + o + span) % group || g == 0) continue;
             /* group g is complete: read out group g - 1, whose products are long done */
@@ -915,9 +922,9 @@ AMX_TARGET static void amx_int4_blocks2(const tile_block b[2], int group, int K,
 
 /* Inside a parallel region: one phase of n int8 or int4 experts on AMX tiles (gate and up, or down), their tokens
  * packed (experts_amx). Each thread streams its run of 16-row blocks as two halves side by side, block i of each:
- * on 2048x768 int4 experts at 8 tokens, the unpacking alone streamed 0.80 of the probe's bandwidth so, against
- * 0.61 for neighbouring blocks in pairs. Tokens 8-15 take a second pass, which finds the blocks in cache. Ends
- * with a barrier. */
+ * on 2048x768 int4 experts at 8 tokens, only streaming and unpacking the blocks that way reached 0.80 of the
+ * probe's bandwidth, against 0.61 for neighbouring blocks in pairs. Tokens 8-15 take a second pass, which finds
+ * the blocks in cache; a block without tokens there is skipped. Ends with a barrier. */
 AMX_TARGET static void fixed_amx_phase(const tk_args *a, int n, int down, float (*xscale)[16]) {
     const int K = down ? a->inter : a->hidden, ldr = down ? a->hidden : 2 * a->inter;
     const tile_blocks_fn blocks2 = a->kind == K_INT8 ? amx_int8_blocks2 : amx_int4_blocks2;
@@ -957,7 +964,6 @@ AMX_TARGET static void fixed_amx_phase(const tk_args *a, int n, int down, float 
  * (13 vector operations per 64 weight bytes there, 7 here). */
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define VNNI_TOP 16383.f  /* the token's largest value in fixed point: hi = x >> 7 stays a signed byte */
-#define VNNI_PREFETCH 1024  /* bytes ahead in each quarter's stream, into L1 */
 
 /* x [K] -> hi bytes [K], lo bytes [K], then {Σ hi, Σ lo} (int32) of each `span` values, at xp. */
 VNNI_TARGET static void vnni_pack(const float *x, int K, int span, float inv, int8_t *xp) {
@@ -1002,7 +1008,7 @@ VNNI_TARGET static void int8_vnni_blocks4(const row_ref *k, int m, int K, int gr
                 int32_t th, tl;
                 memcpy(&th, xh[j] + c * 64 + q * 4, 4);
                 memcpy(&tl, xl[j] + c * 64 + q * 4, 4);
-                _mm_prefetch((const char *)w[j] + o + VNNI_PREFETCH, _MM_HINT_T0);
+                _mm_prefetch((const char *)w[j] + o + BLOCK_PREFETCH, _MM_HINT_T0);
                 const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w[j] + o)), flip);
                 h[j] = _mm512_dpbusd_epi32(h[j], wu, _mm512_set1_epi32(th));
                 l[j] = _mm512_dpbusd_epi32(l[j], wu, _mm512_set1_epi32(tl));
@@ -1057,7 +1063,7 @@ VNNI_TARGET static void int4_vnni_blocks4(const row_ref *k, int m, int K, int gr
                 memcpy(&la, xl[j] + c * 64 + q * 4, 4);
                 memcpy(&hb, xh[j] + c * 64 + 32 + q * 4, 4);
                 memcpy(&lb, xl[j] + c * 64 + 32 + q * 4, 4);
-                _mm_prefetch((const char *)w[j] + o + VNNI_PREFETCH, _MM_HINT_T0);
+                _mm_prefetch((const char *)w[j] + o + BLOCK_PREFETCH, _MM_HINT_T0);
                 const __m512i v = _mm512_loadu_si512((const void *)(w[j] + o));
                 const __m512i ua = _mm512_and_si512(v, low), ub = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
                 hA[j] = _mm512_dpbusd_epi32(hA[j], ua, _mm512_set1_epi32(ha));
@@ -1158,7 +1164,8 @@ AMX_TARGET static void experts_amx(const tk_args *a, int n);
 static int expert_checks(const tk_args *a) {
     if (a->kind < K_FP32 || a->kind > K_INT4) return -1;
     if (!(tk_isa_mask() & (1 << a->isa))) return -2;
-    if (a->kind == K_INT4 && (a->group % 32 || a->group > 128 || a->hidden % a->group || a->inter % a->group)) return -3;
+    if (a->kind == K_INT4 && ((a->group != 32 && a->group != 64 && a->group != 128) || a->hidden % a->group ||
+                              a->inter % a->group)) return -3;
     if (a->isa == ISA_AVX512BF16 && (a->kind != K_BF16 || !a->xb || a->inter % 2)) return -4;
     if (a->isa == ISA_AMX) {
         if ((a->kind != K_BF16 && a->kind != K_INT8 && a->kind != K_INT4) || !a->xb || a->tokens > 16 ||
