@@ -774,8 +774,19 @@ AVX512_TARGET static void token_scales(const float *x, int ldx, int T, int K, fl
 }
 
 #define AMX_BATCH 64  /* experts per region at most (their per-token scales live on the stack) */
-#define INT4_BLOCK_ROWS 16  /* rows per block of the quantized layout: must equal kernels/quant.py BLOCK_ROWS */
-_Static_assert(INT4_BLOCK_ROWS == 16, "the tile kernels and VNNI lines take blocks of 16 rows");
+#define BLOCK_ROWS 16  /* rows per block of the int8/int4 layout: must equal kernels/quant.py BLOCK_ROWS */
+_Static_assert(BLOCK_ROWS == 16, "the tile kernels and VNNI lines take blocks of 16 rows");
+
+/* Inside a parallel region: block i of each of the `parts` parts of this thread's run of 16-row blocks in a
+ * one-phase pass (gate and up, or down) of quantized experts: k[0..parts), where the missing ones (past the run's
+ * end: the last part is the shortest) repeat the first. Returns how many are real (at least 1 for i < run.len). */
+static int blocks_of_parts(const tk_args *a, int down, thread_run run, int i, int parts, row_ref *k) {
+    int m = 0;
+    for (int j = 0; j < parts && run.lo + j * run.len + i < run.hi; j++)
+        k[m++] = one_token_row(a, down, (run.lo + j * run.len + i) * BLOCK_ROWS);
+    for (int j = m; j < parts; j++) k[j] = k[0];
+    return m;
+}
 #define BLOCK_PREFETCH 1024  /* bytes ahead in each stream of blocks, into L1 (int4 tiles: 2-8 KB, or into L2, no faster) */
 
 /* int4 chunk c of a block (512 bytes: 64 values of its 16 rows, kernels/quant.py) -> dst, the int8 order of a
@@ -840,11 +851,31 @@ AMX_TARGET static void amx_int8_blocks2(const tile_block b[2], int group, int K,
  * scales. */
 AMX_TARGET static inline void int4_group_sums(int32_t acc[2][16][16], const tile_block b[2], int g, __m512 f[2][8]) {
     for (int j = 0; j < 2; j++) {
-        const __m512 scale = LOAD_BF16((const uint16_t *)b[j].s + (size_t)g * INT4_BLOCK_ROWS);
+        const __m512 scale = LOAD_BF16((const uint16_t *)b[j].s + (size_t)g * BLOCK_ROWS);
         for (int t = 0; t < b[j].T; t++) {
             const __m512i v = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512((const void *)acc[j][t]), 8),
                                                _mm512_load_si512((const void *)acc[j][8 + t]));
             f[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), scale, f[j][t]);
+        }
+    }
+}
+
+/* The int4 result tiles of one group set (odd: 2, 3; even: 0, 1) -> acc; `zero`: cleared for the group after
+ * next. Tile numbers are immediates, hence the branches. */
+AMX_TARGET static inline void int4_read_out(int odd, int zero, int32_t acc[2][16][16]) {
+    if (odd) {
+        _tile_stored(2, acc[0], 64);
+        _tile_stored(3, acc[1], 64);
+        if (zero) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+    } else {
+        _tile_stored(0, acc[0], 64);
+        _tile_stored(1, acc[1], 64);
+        if (zero) {
+            _tile_zero(0);
+            _tile_zero(1);
         }
     }
 }
@@ -892,28 +923,11 @@ AMX_TARGET static void amx_int4_blocks2(const tile_block b[2], int group, int K,
                 if (two) _tile_dpbssd(1, 7, 6);
             }
             if ((c * 64 + o + span) % group || g == 0) continue;
-            /* group g is complete: read out group g - 1, whose products are long done */
-            if (g & 1) {
-                _tile_stored(0, acc[0], 64);
-                _tile_stored(1, acc[1], 64);
-                _tile_zero(0);
-                _tile_zero(1);
-            } else {
-                _tile_stored(2, acc[0], 64);
-                _tile_stored(3, acc[1], 64);
-                _tile_zero(2);
-                _tile_zero(3);
-            }
+            int4_read_out(!(g & 1), 1, acc);  /* group g is complete: read out g - 1, whose products are long done */
             int4_group_sums(acc, b, g - 1, f);
         }
     }
-    if ((groups - 1) & 1) {  /* the last group */
-        _tile_stored(2, acc[0], 64);
-        _tile_stored(3, acc[1], 64);
-    } else {
-        _tile_stored(0, acc[0], 64);
-        _tile_stored(1, acc[1], 64);
-    }
+    int4_read_out((groups - 1) & 1, 0, acc);  /* the last group */
     int4_group_sums(acc, b, groups - 1, f);
     for (int j = 0; j < 2; j++)
         for (int t = 0; t < b[j].T; t++)
@@ -928,18 +942,16 @@ AMX_TARGET static void amx_int4_blocks2(const tile_block b[2], int group, int K,
 AMX_TARGET static void fixed_amx_phase(const tk_args *a, int n, int down, float (*xscale)[16]) {
     const int K = down ? a->inter : a->hidden, ldr = down ? a->hidden : 2 * a->inter;
     const tile_blocks_fn blocks2 = a->kind == K_INT8 ? amx_int8_blocks2 : amx_int4_blocks2;
-    const thread_run run = this_threads_run(n * ldr / 16, 2);  /* in 16-row blocks */
+    const thread_run run = this_threads_run(n * ldr / BLOCK_ROWS, 2);
     for (int i = 0; i < run.len; i++) {
         row_ref r[2];
-        int m = 0;
-        for (int j = 0; j < 2 && run.lo + j * run.len + i < run.hi; j++)
-            r[m++] = one_token_row(a, down, (run.lo + j * run.len + i) * 16);
+        const int m = blocks_of_parts(a, down, run, i, 2, r);
         for (int h = 0; h < 2; h++) {  /* tokens 0-7, 8-15 */
             tile_block b[2];
             int any = 0;
             for (int j = 0; j < 2; j++) {
-                const row_ref *q = r + (j < m ? j : 0);  /* a missing second block repeats the first, unstored */
-                const int T = j < m ? a[q->e].tokens - 8 * h : 0;
+                const row_ref *q = r + j;
+                const int T = j < m ? a[q->e].tokens - 8 * h : 0;  /* a missing second block: no tokens */
                 b[j] = (tile_block){q->w, q->s, (const int8_t *)a[q->e].xb + h * 1024, xscale[q->e] + 8 * h,
                                     T < 0 ? 0 : T > 8 ? 8 : T, q->res + (size_t)8 * h * ldr};
                 any |= b[j].T > 0;
@@ -983,8 +995,8 @@ VNNI_TARGET static void vnni_pack(const float *x, int K, int span, float inv, in
     }
 }
 
-/* Up to four blocks (m; the missing ones repeat the first, their results unused), each found by its first row
- * (one_token_row), of K values per row against their experts' packed tokens (in each one's xb, vnni_pack):
+/* Four blocks (blocks_of_parts: the first m real, the rest repeat the first and are not stored), each found by its
+ * first row, of K values per row against their experts' packed tokens (in each one's xb, vnni_pack):
  * res = scale * token scale * W.x. */
 typedef void (*vnni_blocks_fn)(const row_ref *, int, int, int, const tk_args *, const float *);
 
@@ -992,10 +1004,7 @@ VNNI_TARGET static void int8_vnni_blocks4(const row_ref *k, int m, int K, int gr
                                           const float *xscale) {
     (void)group;
     const int8_t *w[4], *xh[4], *xl[4];
-    for (int j = 0; j < 4; j++) {
-        const row_ref *b = k + (j < m ? j : 0);
-        w[j] = (const int8_t *)b->w, xh[j] = (const int8_t *)a[b->e].xb, xl[j] = xh[j] + K;
-    }
+    for (int j = 0; j < 4; j++) w[j] = (const int8_t *)k[j].w, xh[j] = (const int8_t *)a[k[j].e].xb, xl[j] = xh[j] + K;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512i h[4], l[4];
     for (int j = 0; j < 4; j++) h[j] = l[j] = _mm512_setzero_si512();
@@ -1032,7 +1041,7 @@ VNNI_TARGET static inline __m512 int4_group(__m512 f, __m512i h, __m512i l, cons
                                            int g) {
     const __m512i d = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(h, 7), l),
                                        _mm512_set1_epi32(8 * (128 * sums[2 * g] + sums[2 * g + 1])));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), LOAD_BF16(sc + (size_t)g * INT4_BLOCK_ROWS), f);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), LOAD_BF16(sc + (size_t)g * BLOCK_ROWS), f);
 }
 
 VNNI_TARGET static void int4_vnni_blocks4(const row_ref *k, int m, int K, int group, const tk_args *a,
@@ -1041,9 +1050,8 @@ VNNI_TARGET static void int4_vnni_blocks4(const row_ref *k, int m, int K, int gr
     const int8_t *xh[4], *xl[4];
     const uint16_t *sc[4];
     for (int j = 0; j < 4; j++) {
-        const row_ref *b = k + (j < m ? j : 0);
-        w[j] = (const uint8_t *)b->w, sc[j] = (const uint16_t *)b->s;
-        xh[j] = (const int8_t *)a[b->e].xb, xl[j] = xh[j] + K;
+        w[j] = (const uint8_t *)k[j].w, sc[j] = (const uint16_t *)k[j].s;
+        xh[j] = (const int8_t *)a[k[j].e].xb, xl[j] = xh[j] + K;
     }
     const __m512i low = _mm512_set1_epi8(15);
     __m512 f[4];
@@ -1100,12 +1108,10 @@ VNNI_TARGET static void vnni_one_token_phase(const tk_args *a, int n, int down, 
         token_scales(x, K, 1, K, VNNI_TOP, &xscale[e], &inv);
         vnni_pack(x, K, a->kind == K_INT8 ? K : a->group, inv, (int8_t *)a[e].xb);
     }
-    const thread_run run = this_threads_run(n * (down ? a->hidden : 2 * a->inter) / 16, 4);  /* in 16-row blocks */
+    const thread_run run = this_threads_run(n * (down ? a->hidden : 2 * a->inter) / BLOCK_ROWS, 4);
     for (int i = 0; i < run.len; i++) {  /* block i of each quarter of this thread's run */
         row_ref k[4];
-        int m = 0;
-        for (int j = 0; j < 4 && run.lo + j * run.len + i < run.hi; j++)
-            k[m++] = one_token_row(a, down, (run.lo + j * run.len + i) * 16);
+        const int m = blocks_of_parts(a, down, run, i, 4, k);
         blocks4(k, m, K, a->group, a, xscale);
     }
     #pragma omp barrier
