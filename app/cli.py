@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -526,6 +527,19 @@ def _make_test_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _apply_cpu_mask() -> None:
+    """TANDEM_CPU_FEATURES: refuse a mask that cannot be read, and cap torch's own kernels at the masked CPU (torch
+    reads its variables at its first operation, which has not run yet; a value the user set wins)."""
+    from kernels.isa import masked_features, torch_isa_environment
+
+    try:
+        removed = masked_features()
+    except ValueError as e:
+        raise TandemError(str(e)) from None
+    for name, value in torch_isa_environment(removed).items():
+        os.environ.setdefault(name, value)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -533,6 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
+        _apply_cpu_mask()
         return args.func(args)
     except TandemError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from kernels.isa import mask_flags, masked_features, present_features
 from runtime.cpuinfo import proc_cpuinfo
 
 # PCIe payload bandwidth per lane and direction, GB/s, by generation (after line encoding).
@@ -35,6 +36,7 @@ class CpuInfo:
     flags: tuple[str, ...]
     physical_cores: int | None
     logical_cores: int | None
+    masked: tuple[str, ...] = ()  # features this CPU has that TANDEM_CPU_FEATURES hides (absent from `flags`)
 
     @property
     def isa(self) -> dict[str, bool | None]:
@@ -81,7 +83,7 @@ class HardwareInfo:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HardwareInfo:
-        cpu = CpuInfo(**{**d["cpu"], "flags": tuple(d["cpu"]["flags"])})
+        cpu = CpuInfo(**{**d["cpu"], "flags": tuple(d["cpu"]["flags"]), "masked": tuple(d["cpu"].get("masked", ()))})
         gpus = tuple(GpuInfo(**{**g, "capability": tuple(g["capability"]) if g.get("capability") else None})
                      for g in d.get("gpus", ()))
         return cls(cpu, d.get("ram_total"), d.get("ram_available"), d.get("numa_nodes"), gpus,
@@ -94,7 +96,7 @@ class HardwareInfo:
             "ram_gib": round(self.ram_total / 2**30) if self.ram_total else None,
             "gpus": [g.name for g in self.gpus], "vram": [g.memory_total for g in self.gpus],
             "driver": self.gpus[0].driver if self.gpus else None,
-        }
+        } | ({"masked": list(self.cpu.masked)} if self.cpu.masked else {})  # a masked CPU is another machine
 
 
 class ProbeSources(Protocol):
@@ -236,11 +238,14 @@ def record(sources: ProbeSources) -> dict[str, Any]:
     return out
 
 
-def parse_cpu(raw: dict[str, Any], cores: tuple[int | None, int | None]) -> CpuInfo:
-    flags = tuple(sorted(str(f).lower() for f in raw.get("flags") or ()))
+def parse_cpu(raw: dict[str, Any], cores: tuple[int | None, int | None], removed: frozenset[str] = frozenset()
+              ) -> CpuInfo:
+    """The CPU as read, less the features in `removed` (TANDEM_CPU_FEATURES)."""
+    flags = [str(f).lower() for f in raw.get("flags") or ()]
     arch = raw.get("arch_string_raw") or raw.get("arch")
-    return CpuInfo(raw.get("brand_raw") or None, arch.lower() if isinstance(arch, str) else None, flags,
-                   cores[0], cores[1] or raw.get("count"))
+    return CpuInfo(raw.get("brand_raw") or None, arch.lower() if isinstance(arch, str) else None,
+                   tuple(sorted(mask_flags(flags, removed))), cores[0], cores[1] or raw.get("count"),
+                   tuple(sorted(present_features(flags) & removed)))
 
 
 def parse_gpu(index: int, raw: dict[str, Any]) -> GpuInfo:
@@ -250,10 +255,11 @@ def parse_gpu(index: int, raw: dict[str, Any]) -> GpuInfo:
                    (int(cap[0]), int(cap[1])) if cap else None)
 
 
-def probe(sources: ProbeSources | None = None) -> HardwareInfo:
-    """Read everything; a failure to read one thing makes that thing unknown, not the whole probe fail."""
+def probe(sources: ProbeSources | None = None, removed: frozenset[str] | None = None) -> HardwareInfo:
+    """Read everything; a failure to read one thing makes that thing unknown, not the whole probe fail.
+    `removed`: CPU features to hide (default: what TANDEM_CPU_FEATURES removes)."""
     src = sources if sources is not None else LiveSources()
-    cpu = parse_cpu(src.cpu(), src.cores())
+    cpu = parse_cpu(src.cpu(), src.cores(), masked_features() if removed is None else removed)
     total, available = src.memory()
     try:
         gpus = tuple(parse_gpu(i, g) for i, g in enumerate(src.gpus()))
@@ -275,7 +281,8 @@ def describe(hw: HardwareInfo) -> list[str]:
     lines = [
         f"CPU: {show(hw.cpu.brand)} ({show(hw.cpu.arch)}), {show(hw.cpu.physical_cores)} cores / "
         f"{show(hw.cpu.logical_cores)} threads",
-        "  ISA: " + ", ".join(f"{k}={'unknown' if v is None else ('yes' if v else 'no')}" for k, v in isa.items()),
+        "  ISA: " + ", ".join(f"{k}={'unknown' if v is None else ('yes' if v else 'no')}" for k, v in isa.items())
+        + (f" (as if without {', '.join(hw.cpu.masked)}: TANDEM_CPU_FEATURES)" if hw.cpu.masked else ""),
         f"RAM: {gib(hw.ram_total)} total, {gib(hw.ram_available)} available; NUMA nodes: {show(hw.numa_nodes)}",
     ]
     if not hw.gpus:

@@ -21,9 +21,10 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from kernels.isa import masked_features
 from kernels.quant import QuantizedMatrix, quantize_int4, quantize_int8
 
-ISAS = ("base", "avx2", "avx512", "avx512bf16", "amx")
+ISAS = ("base", "avx2", "avx512", "avx512bf16", "amx")  # each named after the CPU feature it needs (base: none)
 BF16_ONLY = ("avx512bf16", "amx")  # bf16 activations (AMX int8 and int4: 16-bit fixed point, about as fine)
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "int8": 3, "int4": 4}
 DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
@@ -77,6 +78,11 @@ def library() -> ctypes.CDLL | None:
     except OSError:
         return None
     lib.tk_isa_mask.restype = ctypes.c_int
+    lib.tk_limit_isas.argtypes = [ctypes.c_int]
+    lib.tk_limit_isas.restype = None
+    # As if the CPU lacked what TANDEM_CPU_FEATURES removes (the VNNI kernels run only beside AMX, which goes too)
+    removed = masked_features()
+    lib.tk_limit_isas(sum(1 << i for i, name in enumerate(ISAS) if name not in removed))
     lib.tk_expert.argtypes = [ctypes.POINTER(_Args)]
     lib.tk_expert.restype = ctypes.c_int
     lib.tk_experts.argtypes = [ctypes.POINTER(_Args), ctypes.c_int]

@@ -16,6 +16,7 @@ import psutil
 import torch
 
 from kernels.cpu import CpuOptions
+from kernels.isa import mask_flags, masked_features
 from runtime.accelerator import make_accelerator
 from runtime.checkpoint import Checkpoint, open_checkpoint
 from runtime.config import ModelConfig
@@ -60,9 +61,10 @@ def default_dtype(cpu_flags: set[str] | None) -> str:
 
 
 def read_cpu_flags() -> set[str] | None:
-    """CPU feature flags from /proc/cpuinfo; None where that is not available (unknown)."""
+    """CPU feature flags from /proc/cpuinfo, less what TANDEM_CPU_FEATURES removes; None where that is not
+    available (unknown)."""
     info = proc_cpuinfo()
-    return set(info["flags"]) if info and info["flags"] else None
+    return set(mask_flags(info["flags"], masked_features())) if info and info["flags"] else None
 
 
 def resolve_context(cfg: ModelConfig, requested: int | None) -> int:

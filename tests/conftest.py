@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from kernels.isa import masked_features, torch_isa_environment
 from runtime.synth import tiny_config, write_tokenizer
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A run under TANDEM_CPU_FEATURES caps torch's kernels too, as the command line does (before torch's first op).
+    for name, value in torch_isa_environment(masked_features()).items():
+        os.environ.setdefault(name, value)
 
 # Each case: (id, family, overrides). Together they cover shared expert on/off, norm_topk_prob both
 # ways, dense layers (decoder_sparse_step / mlp_only_layers), tied embeddings, biases and q/k clipping.
@@ -74,3 +82,20 @@ def tandem_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mo
     home = tmp_path_factory.mktemp("tandem-home")
     monkeypatch.setenv("TANDEM_HOME", str(home))
     return home
+
+
+@pytest.fixture
+def cpu_features(monkeypatch: pytest.MonkeyPatch):
+    """`cpu_features("-amx,...")`: from here to the end of the test, this process plays the masked CPU (the kernel
+    library is told again after the test)."""
+    from kernels.cpu import library
+
+    def play(mask: str) -> None:
+        monkeypatch.setenv("TANDEM_CPU_FEATURES", mask)
+        library.cache_clear()
+        library()
+
+    yield play
+    monkeypatch.undo()
+    library.cache_clear()
+    library()

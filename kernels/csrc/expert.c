@@ -1149,19 +1149,27 @@ AMX_TARGET static void amx_rows32(const uint16_t *w, int r0, int K, const uint16
             for (int t = 0; t < T; t++) res[(size_t)t * ldr + r0 + h * 16 + i] = tmp[h][i][t];
 }
 
-/* Bitmask of usable ISA variants: bit ISA_AVX2, ISA_AVX512, ISA_AVX512BF16 (baseline always works). */
+/* Bitmask of usable ISA variants: bit ISA_AVX2, ISA_AVX512, ISA_AVX512BF16, ISA_AMX (baseline always works), within
+ * the limit set by tk_limit_isas. Every choice and check in this file goes through it, so a limit makes the
+ * kernels behave as on a CPU without the features left out. */
+static int isa_limit = ~0;
+
+void tk_limit_isas(int allowed) { isa_limit = allowed | (1 << ISA_BASE); }
+
 int tk_isa_mask(void) {
     static int cached = -1;
-    if (cached >= 0) return cached;
-    __builtin_cpu_init();
-    int m = 1 << ISA_BASE;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) m |= 1 << ISA_AVX2;
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-        m |= 1 << ISA_AVX512;
-    if ((m & (1 << ISA_AVX512)) && __builtin_cpu_supports("avx512bf16")) m |= 1 << ISA_AVX512BF16;
-    if ((m & (1 << ISA_AVX512BF16)) && __builtin_cpu_supports("avx512vnni") && amx_usable()) m |= 1 << ISA_AMX;
-    cached = m;
-    return m;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        int m = 1 << ISA_BASE;
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) m |= 1 << ISA_AVX2;
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl"))
+            m |= 1 << ISA_AVX512;
+        if ((m & (1 << ISA_AVX512)) && __builtin_cpu_supports("avx512bf16")) m |= 1 << ISA_AVX512BF16;
+        if ((m & (1 << ISA_AVX512BF16)) && __builtin_cpu_supports("avx512vnni") && amx_usable()) m |= 1 << ISA_AMX;
+        cached = m;
+    }
+    return cached & isa_limit;
 }
 
 AMX_TARGET static void experts_amx(const tk_args *a, int n);
