@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -44,6 +45,24 @@ def test_copies_run_on_their_own_thread() -> None:
     seen: list[str] = []
     accel.submit(lambda: seen.append(threading.current_thread().name)).result()
     assert seen and seen[0] != threading.current_thread().name
+    accel.close()
+
+
+def test_the_side_threads_use_one_core_and_leave_every_other_thread_alone() -> None:
+    def count_on_a_new_thread() -> int:
+        seen: list[int] = []
+        thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        return seen[0]
+
+    cores = torch.get_num_threads()
+    assert cores > 1 or (os.cpu_count() or 1) == 1  # more than one, or the test could not tell the counts apart
+    accel = EmulatedAccelerator(budget=10**6)
+    accel.copy_async([accel.empty((4,), torch.float32, "slot")], [torch.ones(4)]).result(timeout=5)  # copier up
+    assert accel.submit(torch.get_num_threads).result() == 1  # the emulated device's stream: one core
+    assert accel._copier.submit(torch.get_num_threads).result() == 1  # the copy engine: one core
+    assert count_on_a_new_thread() == cores and torch.get_num_threads() == cores  # (the chat app's workers)
     accel.close()
 
 
