@@ -63,7 +63,7 @@ class _LinearArgs(ctypes.Structure):
     _fields_ = [
         ("tokens", ctypes.c_int), ("inp", ctypes.c_int), ("out", ctypes.c_int), ("threads", ctypes.c_int),
         ("w", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p), ("xb", ctypes.c_void_p),
-        ("yb", ctypes.c_void_p),
+        ("yb", ctypes.c_void_p), ("isa", ctypes.c_int),
     ]
 
 
@@ -416,38 +416,59 @@ class _Slot:
 
 
 class DenseLinear:
-    """`F.linear` for the decoder's dense matrices (attention projections, lm_head). bf16 goes through the kernel
-    for one token on a CPU with AVX-512 (four long runs of rows per thread) and for up to 16 on one with AMX
-    (tiles): it streams a matrix at 0.86-0.93 of the probe's bandwidth where torch's matrix-vector path reaches
-    about 0.5-0.75 of it here. Anything else is `F.linear` itself. `isas`: the kernel variants to assume
-    (default: what this CPU has).
+    """`F.linear` for the decoder's dense matrices (attention projections, routers, lm_head). bf16 matrices go
+    through the kernel for up to 16 tokens on any CPU: one token on the AVX-512 rows (four long runs per thread),
+    more on AMX tiles, else rows through the variant's dot products. It streams a matrix at 0.86-0.93 of the
+    probe's bandwidth where torch's matrix-vector path reaches about 0.5-0.75 of it here, and its float32 sums can
+    be had as they are (`out_dtype`): logits that bf16 would round to steps of 1/8 around 16-32, where near ties
+    become exact ties. Anything else is `F.linear` itself. `isa` forces a kernel variant (as `CpuOptions.isa`).
 
     Letters: n tokens (all leading dimensions together), I input width, O output width."""
 
-    def __init__(self, threads: int | None = None, use_kernel: bool = True, isas: list[str] | None = None) -> None:
+    def __init__(self, threads: int | None = None, use_kernel: bool = True, isa: str | None = None) -> None:
         self.lib = library() if use_kernel else None
-        isas = available_isas() if isas is None else isas
-        self.most = 0 if self.lib is None else AMX_CROSSOVER if "amx" in isas else 1 if "avx512" in isas else 0
+        self.isa = -1 if isa is None else ISAS.index(isa)
+        # bf16 results for more tokens than this: torch's matrix product. With AVX512_BF16 but no AMX, oneDNN's
+        # is as fast at 4 tokens and faster beyond (the kernel measured 0.88x at 8 tokens, 0.78x at 16, 2048x2048
+        # here); elsewhere the kernel is as fast or faster up to 16 (AVX2 1.0-1.17x, AVX-512 without bf16 2-3x,
+        # plain C 2x).
+        best = (available_isas() or ["base"])[-1]
+        self.bf16_most = 4 if best == "avx512bf16" else AMX_CROSSOVER
         self.threads = threads or torch.get_num_threads()
         self._args = _LinearArgs()
         self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [..., I] . w [O, I]^T (+ bias) -> [..., O] in `out_dtype` (default: x's)."""
+        out_dtype = out_dtype or x.dtype
         n, width = x.numel() // x.shape[-1], x.shape[-1]
-        if not (0 < n <= self.most and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+        if not (self.lib is not None and n > 0 and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
                 and x.device.type == "cpu" and w.shape[0] % 32 == 0 and width % 32 == 0 and w.is_contiguous()):
+            return F.linear(x, w, bias).to(out_dtype)
+        if out_dtype == torch.bfloat16 and n > self.bf16_most:
             return F.linear(x, w, bias)
+        if n > AMX_CROSSOVER:  # float32 sums for many tokens: 16 at a time
+            rows = x.reshape(n, width)  # [n, I]
+            return torch.cat([self(rows[i : i + AMX_CROSSOVER], w, bias, out_dtype)
+                              for i in range(0, n, AMX_CROSSOVER)]).view(*x.shape[:-1], w.shape[0])
         key = (width, w.shape[0])
         if key not in self._buffers:  # per matrix shape, reused: no allocation on the decode path
             self._buffers[key] = (torch.empty(AMX_CROSSOVER, width), torch.empty(AMX_CROSSOVER, w.shape[0]),
                                   torch.empty(16, width, dtype=torch.int16))
         xs, ys, xb = self._buffers[key]
         xs[:n].copy_(x.reshape(n, width))  # [n, I] float32
-        y = torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype)  # [..., O]: the kernel writes it in bf16
+        y = torch.empty(*x.shape[:-1], w.shape[0], dtype=out_dtype)  # [..., O]
         a = self._args
-        a.tokens, a.inp, a.out, a.threads = n, width, w.shape[0], self.threads
-        a.w, a.x, a.y, a.xb, a.yb = w.data_ptr(), xs.data_ptr(), ys.data_ptr(), xb.data_ptr(), y.data_ptr()
-        code = self.lib.tk_linear(ctypes.byref(a))  # type: ignore[union-attr]
+        a.tokens, a.inp, a.out, a.threads, a.isa = n, width, w.shape[0], self.threads, self.isa
+        a.w, a.x, a.xb = w.data_ptr(), xs.data_ptr(), xb.data_ptr()
+        if out_dtype == torch.float32:  # the kernel's sums as they are
+            a.y, a.yb = y.data_ptr(), None
+        elif out_dtype == torch.bfloat16:  # rounded by the kernel
+            a.y, a.yb = ys.data_ptr(), y.data_ptr()
+        else:
+            raise ValueError(f"DenseLinear gives bf16 or float32 results, not {out_dtype}")
+        code = self.lib.tk_linear(ctypes.byref(a))
         if code != 0:
             raise RuntimeError(f"dense kernel rejected its arguments (code {code})")
         return y if bias is None else y + bias

@@ -143,10 +143,11 @@ class MoEModel:
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, context, dtype)
         self.cos, self.sin = (accel.place(cos, dtype, "RoPE tables"), accel.place(sin, dtype, "RoPE tables")) \
             if accel is not None else (cos, sin)
-        # Dense matrices (attention, lm_head): the kernel's AMX tiles for a few bf16 tokens, else F.linear.
-        self.linear = DenseLinear(cpu.threads if cpu else None, cpu.use_kernel if cpu else True)
+        # Dense matrices (attention, routers, lm_head): the kernel for a few bf16 tokens, else F.linear.
+        cpu = cpu or CpuOptions()
+        self.linear = DenseLinear(cpu.threads, cpu.use_kernel, cpu.isa)
         # RMSNorm: one kernel call for bf16 on the CPU (rounded like the reference), else the reference itself.
-        fast_norm = (cpu.use_kernel if cpu else True) and library() is not None and dtype == torch.bfloat16
+        fast_norm = cpu.use_kernel and library() is not None and dtype == torch.bfloat16
         self.rms_norm = rms_norm_bf16 if fast_norm and self.device.type == "cpu" else rms_norm
         blocks = {i: layer.ffn for i, layer in enumerate(layers) if isinstance(layer.ffn, MoEBlockWeights)}
         self.experts = Dispatcher(cfg, blocks, dtype, accel, policy, cpu, self.linear)
@@ -236,7 +237,9 @@ class MoEModel:
             x = x + y.view(B, T, -1)  # [B, T, H]
         if last_only:
             x = x[:, -1:]  # [B, 1, H]
-        logits = self.linear(self.rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        # float32 logits, not rounded to the compute dtype: bf16 steps of 1/8 around 16-32 turn near ties into
+        # exact ties, which argmax then breaks by token id
+        logits = self.linear(self.rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head, out_dtype=torch.float32)
         return logits if self.accel is None else self.accel.to_host(logits)
 
     def _attention(

@@ -1,4 +1,5 @@
-"""CPU expert kernels against the reference expert: every variant, dtype, quantization, odd shapes, 0/1/many tokens."""
+"""CPU expert kernels against the reference expert: every variant, dtype, quantization, odd shapes, 0/1/many tokens.
+Marked `isa`: run again under every CPU feature mask this machine can play (tests/run_masks.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kernels.cpu import (
 from kernels.quant import quantize_int4, quantize_int8
 from runtime.moe import ExpertWeights, RoutingRule, combine, reference_moe, route
 
+pytestmark = pytest.mark.isa
 ISAS = available_isas()
 needs_kernels = pytest.mark.skipif(library() is None, reason="the compiled kernels are not built on this machine")
 
@@ -360,32 +362,32 @@ def test_run_layer_refuses_what_it_cannot_take() -> None:
         executor.run_layer(layer, x, torch.tensor([[0, 4]]), w)
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 16, 17])
+@needs_kernels
+@pytest.mark.parametrize("tokens", [1, 2, 5, 16, 17])
 @pytest.mark.parametrize("shape", [(96, 64), (160, 64), (64, 40)])  # the last is not a whole number of tiles
 @pytest.mark.parametrize("threads", [2, 3])  # one token, 160 rows, 3 threads: runs of 53, 53, 54 rows, in quarters
                                              # of 14 rows but the last (11 or 12): rows for the one-row kernel
-@pytest.mark.parametrize("amx", [True, False])  # without AMX tiles, only one token goes through the kernel
-def test_dense_linear_matches_f_linear(tokens: int, shape, threads: int, amx: bool) -> None:
-    if "avx512" not in ISAS or (amx and "amx" not in ISAS):
-        pytest.skip("this CPU (or kernel) lacks the variant under test")
+@pytest.mark.parametrize("isa", [None, *ISAS])  # None: the kernel's own choice by token count
+def test_dense_linear_matches_f_linear(tokens: int, shape, threads: int, isa: str | None) -> None:
     out, inp = shape
     g = torch.Generator().manual_seed(tokens)
     w = (torch.randn(out, inp, generator=g) * 0.1).bfloat16()
     bias = torch.randn(out, generator=g).bfloat16()
     x = torch.randn(1, tokens, inp, generator=g).bfloat16()
-    linear = DenseLinear(threads=threads, isas=None if amx else [i for i in ISAS if i != "amx"])
+    linear = DenseLinear(threads=threads, isa=isa)
     for b in (None, bias):
         want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
         got = linear(x, w, b)
         assert got.shape == (1, tokens, out) and got.dtype == torch.bfloat16
         assert rel_err(got, want) < 2e-2
-        kernel = inp % 32 == 0 and (tokens == 1 or amx and tokens <= 16)
-        assert bool(linear._buffers) == kernel
+        kernel = inp % 32 == 0 and tokens <= linear.bf16_most
+        assert bool(linear._buffers) == kernel or b is not None  # (more tokens: float32 in chunks, below)
         if kernel and b is None:  # the kernel's own bf16 rounding is torch's
             ys = linear._buffers[(inp, out)][1][:tokens]  # [n, O] float32, as the kernel computed them
             assert torch.equal(got.view(tokens, out), ys.to(torch.bfloat16))
-
-
+        # float32 sums as they are (logits): bf16 x and w multiply exactly, only the sums round
+        exact = linear(x, w, b, out_dtype=torch.float32)
+        assert exact.dtype == torch.float32 and rel_err(exact, want) < (1e-5 if inp % 32 == 0 else 1e-2)
 @needs_kernels
 @pytest.mark.parametrize("n", [0, 5, 1000003])
 @pytest.mark.parametrize("threads", [1, 2])

@@ -1391,8 +1391,9 @@ int tk_moe(const tk_moe_args *m) {
     return 0;
 }
 
-/* A dense bf16 matrix for a few tokens (attention projections, lm_head in decode): y [T, O] = x [T, I] . W^T,
- * W [O, I] row-major, through the same kernels as the experts (one token: AVX-512 rows, more: AMX tiles). */
+/* A dense bf16 matrix for a few tokens (attention projections, routers, lm_head in decode and beams): y [T, O] =
+ * x [T, I] . W^T, W [O, I] row-major, through the same kernels as the experts (one token: AVX-512 rows; more: AMX
+ * tiles; without those, rows through the dot products of the variant). */
 typedef struct {
     int tokens, in, out, threads;
     const uint16_t *w;
@@ -1400,7 +1401,18 @@ typedef struct {
     float *y;                            /* [T, O] */
     uint16_t *xb;                        /* scratch: 16 * I bf16 */
     uint16_t *yb;                        /* NULL, or [T, O]: y rounded to bf16 as well (nearest even) */
+    int isa;                             /* the variant to use, or -1: the best for this CPU and token count */
 } tk_linear_args;
+
+/* Outputs [lo, hi) of every token rounded into yb (the same rounding either way). */
+static void linear_round(const tk_linear_args *a, int lo, int hi) {
+    if (!a->yb) return;
+    for (int t = 0; t < a->tokens; t++) {
+        const size_t at = (size_t)t * a->out + lo;
+        if (tk_isa_mask() & (1 << ISA_AVX512BF16)) to_bf16(a->y + at, a->yb + at, hi - lo);
+        else for (int r = 0; r < hi - lo; r++) a->yb[at + r] = bf16_of(a->y[at + r]);
+    }
+}
 
 AMX_TARGET static void linear_amx(const tk_linear_args *a) {
     #pragma omp parallel num_threads(a->threads)
@@ -1411,9 +1423,7 @@ AMX_TARGET static void linear_amx(const tk_linear_args *a) {
         #pragma omp for schedule(static)
         for (int b = 0; b < a->out / 32; b++) {
             amx_rows32(a->w, b * 32, a->in, a->xb, a->tokens, a->y, a->out);
-            if (a->yb)  /* while the block is in cache: no separate conversion pass over the output */
-                for (int t = 0; t < a->tokens; t++)
-                    to_bf16(a->y + (size_t)t * a->out + b * 32, a->yb + (size_t)t * a->out + b * 32, 32);
+            linear_round(a, b * 32, b * 32 + 32);  /* while the block is in cache: no separate pass over y */
         }
         _tile_release();
     }
@@ -1426,26 +1436,56 @@ static row_ref linear_row(const void *src, int q) {
 }
 
 /* One token: the rows streamed as for one-token experts (stream_rows). Measured per call, Python included:
- * 2048x2048 bf16 0.36 -> 0.31 ms, 50304x2048 7.5 -> 7.0 ms (0.86 and 0.93 of the probe's bandwidth, against 0.74
- * and 0.86 on the tiles). */
+ * 2048x2048 bf16 0.31 ms, 50304x2048 7.0 ms (0.86 and 0.93 of the probe's bandwidth, against 0.74 and 0.86 on
+ * the tiles). */
 static void linear_one_token(const tk_linear_args *a) {
     #pragma omp parallel num_threads(a->threads)
     {
         stream_rows(linear_row, a, a->out, a->out, a->in, K_BF16, 0, rows4_bf16, fma_bf16);
         const thread_run run = this_threads_run(a->out, 4);  /* this thread's rows, as stream_rows shared them */
-        if (a->yb && (tk_isa_mask() & (1 << ISA_AVX512BF16))) to_bf16(a->y + run.lo, a->yb + run.lo, run.hi - run.lo);
-        else if (a->yb) for (int r = run.lo; r < run.hi; r++) a->yb[r] = bf16_of(a->y[r]);  /* the same rounding */
+        linear_round(a, run.lo, run.hi);
     }
 }
 
-/* One token needs AVX-512 (the four-row kernel), more tokens AMX tiles. */
+/* Any token count on any variant: pairs of rows, each read once for all tokens, through the experts' dot
+ * products (AVX512_BF16: vdpbf16ps against x rounded to bf16, which is exact when x came from bf16). */
+static void linear_rows(const tk_linear_args *a, int isa) {
+    const int T = a->tokens, I = a->in, O = a->out;
+    const dot_fn dot = pick_dot(K_BF16, isa);
+    #pragma omp parallel num_threads(a->threads)
+    {
+        if (isa == ISA_AVX512BF16) {
+            #pragma omp for schedule(static)
+            for (int t = 0; t < T; t++) to_bf16(a->x + (size_t)t * I, a->xb + (size_t)t * I, I);
+        }
+        #pragma omp for schedule(static)
+        for (int r = 0; r < O; r += 32) {  /* O is a multiple of 32 (checked) */
+            for (int q = r; q < r + 32; q += 2) {
+                const uint16_t *w = a->w + (size_t)q * I;
+                if (isa == ISA_AVX512BF16) dot2_bf16_dp(w, w + I, a->xb, I, T, I, a->y + q, O);
+                else for (int j = 0; j < 2; j++) dot(w + (size_t)j * I, 1.f, NULL, 0, a->x, I, T, I, a->y + q + j, O);
+            }
+            linear_round(a, r, r + 32);
+        }
+    }
+}
+
+/* The variant as asked (or, for -1, the best: one token on the AVX-512 rows, more on AMX tiles, else the rows of
+ * the best dot product). Returns 0, or a negative code for arguments the kernel cannot serve. */
 int tk_linear(const tk_linear_args *a) {
     if (a->tokens <= 0) return 0;
     if (a->tokens > 16 || a->in % 32 || a->out % 32) return -5;
-    const int isa = tk_isa_mask();
-    if (a->tokens == 1 && (isa & (1 << ISA_AVX512))) linear_one_token(a);
-    else if (isa & (1 << ISA_AMX)) linear_amx(a);
-    else return -2;
+    const int mask = tk_isa_mask();
+    int isa = a->isa;
+    if (isa < 0) {
+        isa = ISA_BASE;
+        while (isa < ISA_AMX && (mask & (1 << (isa + 1)))) isa++;
+        if (a->tokens == 1 && isa >= ISA_AVX512) isa = ISA_AVX512;
+    }
+    if (isa < ISA_BASE || isa > ISA_AMX || !(mask & (1 << isa))) return -2;
+    if (isa == ISA_AMX) linear_amx(a);
+    else if (isa == ISA_AVX512 && a->tokens == 1) linear_one_token(a);
+    else linear_rows(a, isa);
     return 0;
 }
 
