@@ -296,7 +296,9 @@ class CpuExecutor:
         if isa is not None and expert.kind in QUANT_KINDS and n <= QUANT_CHUNKS * step:
             # torch has no fast int4 path and its int8 one slows down with tokens: re-stream the weights once
             # per chunk of tokens instead.
-            return torch.cat([self._run_kernel(expert, x[i : i + step], isa).to(x.dtype) for i in range(0, n, step)])
+            # (each chunk copied out of the reused buffer before the next overwrites it, float32 included)
+            return torch.cat([self._run_kernel(expert, x[i : i + step], isa).to(x.dtype, copy=True)
+                              for i in range(0, n, step)])
         return self._run_torch(expert, x)
 
     def _run_torch(self, expert: CpuExpert, x: torch.Tensor) -> torch.Tensor:

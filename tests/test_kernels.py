@@ -65,6 +65,47 @@ def test_every_variant_matches_the_reference(isa: str, wdtype: torch.dtype, shap
     assert rel_err(got, want) < (2e-2 if compute == torch.bfloat16 else 1e-5)
 
 
+# What the automatic choice can take on this CPU (as masked): every weight kind, in both compute dtypes.
+AUTO_CASES = [(w, c, None, 64) for w in (torch.float32, torch.bfloat16, torch.float16)
+              for c in (torch.float32, torch.bfloat16)] + [
+    (torch.float32, c, q, g) for q, g in (("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128))
+    for c in (torch.float32, torch.bfloat16)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("wdtype, compute, quant, group", AUTO_CASES)
+@pytest.mark.parametrize("shape", [(256, 128), (130, 66)])  # whole tiles and blocks, and neither
+def test_the_automatic_choice_matches_the_reference_at_every_token_count(wdtype, compute, quant, group, shape
+                                                                         ) -> None:
+    # From one token to one past the crossover (the kernel, then torch or chunks of the kernel): one expert alone,
+    # then the experts of a layer in one call, each on its own number of tokens, then whole layers of a few tokens.
+    h, i = shape
+    if quant == "int4" and (h % group or i % group):
+        pytest.skip("int4 takes whole groups")
+    executor = CpuExecutor(h, i, compute, threads=2, quant=quant, group=group)
+    experts = [executor.prepare(*weights(h, i, wdtype, seed=s)) for s in range(8)]
+    tol = 2e-2 if compute == torch.bfloat16 else 1e-5
+    counts = range(1, executor.crossover + 2)
+    xs = [torch.randn(n, h, generator=torch.Generator().manual_seed(n)).to(compute) for n in counts]
+    for x in xs:
+        assert rel_err(experts[0](x), reference(x, *experts[0].dense(torch.float32))) < tol, x.shape[0]
+    jobs = [(experts[k % 8], x) for k, x in enumerate(xs)]
+    got: dict[int, torch.Tensor] = {}
+    executor.run_many(jobs, lambda k, y: got.__setitem__(k, y.clone()))
+    for k, (expert, x) in enumerate(jobs):
+        assert rel_err(got[k], reference(x, *expert.dense(torch.float32))) < tol, x.shape[0]
+    layer, rule = executor.layer(experts), RoutingRule(2, normalize=True)
+    reference_experts = [ExpertWeights(*e.dense(torch.float32)) for e in experts]
+    for tokens in counts:
+        if not executor.serves_layer(layer, tokens):
+            continue
+        g = torch.Generator().manual_seed(100 + tokens)
+        x, logits = torch.randn(tokens, h, generator=g).to(compute), torch.randn(tokens, 8, generator=g)
+        weights_, ids = route(logits, rule)
+        got_layer = executor.run_layer(layer, x, ids, weights_)
+        assert rel_err(got_layer, reference_moe(x.float(), logits, rule, reference_experts)) < tol, tokens
+
+
 # AMX serves int8 and int4 (integer tiles against 16-bit fixed-point activations; one token on VNNI);
 # vdpbf16ps serves neither.
 QUANT_VARIANTS = [(q, g, isa) for q, g in (("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128))
