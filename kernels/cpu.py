@@ -94,6 +94,8 @@ def library() -> ctypes.CDLL | None:
     lib.tk_rms_norm_bf16.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p,
                                      ctypes.c_int, ctypes.c_int, ctypes.c_float]
     lib.tk_rms_norm_bf16.restype = None
+    lib.tk_rms_norm_f32.argtypes = lib.tk_rms_norm_bf16.argtypes
+    lib.tk_rms_norm_f32.restype = None
     lib.tk_linear.argtypes = [ctypes.POINTER(_LinearArgs)]
     lib.tk_linear.restype = ctypes.c_int
     lib.tk_read_sum.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -477,18 +479,20 @@ class DenseLinear:
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of bf16 x [..., n] with a bf16 weight [n] in one kernel call, rounded where the reference rounds
-    (`runtime.model.rms_norm`). Needs the compiled kernels (`library()` is not None)."""
+    """RMSNorm of bf16 or float32 x [..., n] (the residual stream) with a bf16 weight [n] in one kernel call: a bf16
+    result, rounded where the reference rounds (`runtime.model.rms_norm`). Needs the compiled kernels (`library()`
+    is not None)."""
     lib = library()
-    if (lib is None or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
-            or not weight.is_contiguous()):  # (checks only: this runs several times per layer in decode)
-        raise ValueError("rms_norm_bf16 takes bf16 CPU tensors (a contiguous weight) and needs the compiled kernels")
+    if (lib is None or x.dtype not in (torch.bfloat16, torch.float32) or weight.dtype != torch.bfloat16
+            or x.device.type != "cpu" or not weight.is_contiguous()):  # (checks only: several times per layer)
+        raise ValueError("rms_norm_bf16 takes bf16 or float32 CPU tensors with a contiguous bf16 weight and needs the "
+                         "compiled kernels")
     n = x.shape[-1]
     rows = x.numel() // n
     flat = x.reshape(rows, n)  # a view when the rows are evenly spaced (q or k out of the stacked projection)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     y = torch.empty(x.shape, dtype=torch.bfloat16)
-    lib.tk_rms_norm_bf16(flat.data_ptr(), flat.stride(0) if rows > 1 else n, weight.data_ptr(), y.data_ptr(),
-                         rows, n, eps)
+    norm = lib.tk_rms_norm_f32 if x.dtype == torch.float32 else lib.tk_rms_norm_bf16
+    norm(flat.data_ptr(), flat.stride(0) if rows > 1 else n, weight.data_ptr(), y.data_ptr(), rows, n, eps)
     return y

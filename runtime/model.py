@@ -26,9 +26,13 @@ from runtime.weights import expert_names, layer_prefix, router_name
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in float32 like the reference implementations."""
+    """RMSNorm over the last dim, computed in float32 like the reference implementations, into the weight's dtype.
+    x in the weight's dtype rounds where transformers rounds; a float32 residual stream under bf16 weights rounds
+    once, at the end."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if x.dtype == torch.float32 and weight.dtype != torch.float32:
+        return (xf * weight.float()).to(weight.dtype)
     return weight * xf.to(x.dtype)
 
 
@@ -227,7 +231,10 @@ class MoEModel:
         `phase` ("prefill" or "decode") labels the step in the expert activation trace."""
         B, T = ids.shape
         self.experts.begin_step(phase)
-        x = F.embedding(ids.to(self.device), self.embed)  # [B, T, H]
+        # The residual stream in float32, whatever the compute dtype (as llama.cpp keeps it): each layer adds to it
+        # unrounded, and only the inputs of the matrix products are rounded, so bf16 picks fp32's top-1 token more
+        # often (README, bf16 numerics).
+        x = F.embedding(ids.to(self.device), self.embed).float()  # [B, T, H]
         cos, sin = self.cos[start : start + T], self.sin[start : start + T]  # [T, D]
         for i, layer in enumerate(self.layers):
             h = self.rms_norm(x, layer.input_norm, self.cfg.rms_norm_eps)

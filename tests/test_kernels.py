@@ -50,13 +50,13 @@ VARIANTS = [(isa, w) for isa in ISAS for w in (torch.float32, torch.bfloat16, to
 
 @needs_kernels
 @pytest.mark.parametrize("isa, wdtype", VARIANTS)
-@pytest.mark.parametrize("shape", [(64, 32), (96, 80), (130, 66), (70, 33), (115, 51), (256, 192)])  # odd sizes too
-@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("shape", [(64, 32), (96, 80), (130, 66), (70, 33), (115, 51), (67, 40), (256, 192)])  # odd
+@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8, 12])  # 12: vdpbf16ps rounds the activations (no hi + lo)
 def test_every_variant_matches_the_reference(isa: str, wdtype: torch.dtype, shape, tokens: int) -> None:
     h, i = shape
     compute = torch.bfloat16 if isa in BF16_ONLY else torch.float32
     gate, up, down = weights(h, i, wdtype)
-    executor = CpuExecutor(h, i, compute, threads=2, isa=isa)
+    executor = CpuExecutor(h, i, compute, threads=2, isa=isa, crossover=16)
     expert = executor.prepare(gate, up, down)
     x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(tokens)).to(compute)
     want = reference(x, gate, up, down)
@@ -446,6 +446,9 @@ def test_rms_norm_kernel_rounds_like_the_reference(shape) -> None:
     x = (torch.randn(shape, generator=g) * 3).bfloat16()
     w = torch.randn(shape[-1], generator=g).bfloat16()
     assert torch.equal(rms_norm_bf16(x, w, 1e-6), rms_norm(x, w, 1e-6))
+    residual = torch.randn(shape, generator=g) * 3  # the float32 residual stream: one rounding, at the end
+    assert torch.equal(rms_norm_bf16(residual, w, 1e-6), rms_norm(residual, w, 1e-6))
+    assert rms_norm(residual, w, 1e-6).dtype == torch.bfloat16
     qkv = torch.randn(2, 3, 384, generator=g).bfloat16()  # q and k as views into a stacked projection
     q, k, _ = qkv.split((256, 64, 64), -1)
     wq, wk = torch.randn(256, generator=g).bfloat16(), torch.randn(32, generator=g).bfloat16()
@@ -453,7 +456,7 @@ def test_rms_norm_kernel_rounds_like_the_reference(shape) -> None:
     heads = k.reshape(2, 3, 2, 32)  # per-head norm over a non-contiguous view
     assert torch.equal(rms_norm_bf16(heads, wk, 1e-5), rms_norm(heads, wk, 1e-5))
     with pytest.raises(ValueError, match="bf16"):
-        rms_norm_bf16(x.float(), w, 1e-6)
+        rms_norm_bf16(x.half(), w, 1e-6)
 
 
 @pytest.mark.parametrize("quant,group", [("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128)])

@@ -314,11 +314,29 @@ BF16_TARGET static void dot_bf16_dp(const uint16_t *w, const uint16_t *xb, int l
     }
 }
 
-/* Two weight rows x m tokens: each loaded activation vector feeds two rows, halving activation loads. */
-#define DP2_STEP(J) do { __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + (size_t)(J) * ldx + k)); \
-    b##J = _mm512_dpbf16_ps(b##J, w0, xv); c##J = _mm512_dpbf16_ps(c##J, w1, xv); } while (0)
+/* float32 values as hi + lo, two bf16 each (hi = the value rounded, lo = what is left, rounded): 16 significant
+ * bits, so a dot product against both is as close to float32's as makes no difference at bf16 weights. */
+BF16_TARGET static void to_bf16_split(const float *src, uint16_t *hi, uint16_t *lo, int n) {
+    int k = 0;
+    for (; k + 16 <= n; k += 16) {
+        const __m512 v = _mm512_loadu_ps(src + k);
+        const __m256bh h = _mm512_cvtneps_pbh(v);
+        const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+        _mm256_storeu_si256((__m256i *)(hi + k), (__m256i)h);
+        _mm256_storeu_si256((__m256i *)(lo + k), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, back)));
+    }
+    for (; k < n; k++) { hi[k] = bf16_of(src[k]); lo[k] = bf16_of(src[k] - bf16f(hi[k])); }
+}
+
+/* Two weight rows x m tokens: each loaded activation vector feeds two rows, halving activation loads. With
+ * `split`, each token's activations are hi + lo pairs (lo at xlo, same layout) and both go into its sums. */
+#define DP2_X(P, J) ((__m512bh)_mm512_loadu_si512((const void *)((P) + (size_t)(J) * ldx + k)))
+#define DP2_STEP(J) do { __m512bh xv = DP2_X(xb, J);                                                             \
+    b##J = _mm512_dpbf16_ps(b##J, w0, xv); c##J = _mm512_dpbf16_ps(c##J, w1, xv);                              \
+    if (split) { xv = DP2_X(xlo, J); b##J = _mm512_dpbf16_ps(b##J, w0, xv); c##J = _mm512_dpbf16_ps(c##J, w1, xv); } \
+} while (0)
 BF16_TARGET static inline __attribute__((always_inline)) void dp2_tokens(const uint16_t *r0, const uint16_t *r1,
-        const uint16_t *xb, int ldx, int m, int n, float *res, int ldr) {
+        const uint16_t *xb, const uint16_t *xlo, int split, int ldx, int m, int n, float *res, int ldr) {
     __m512 b0 = _mm512_setzero_ps(), b1 = b0, b2 = b0, b3 = b0, b4 = b0, b5 = b0, b6 = b0, b7 = b0;
     __m512 c0 = b0, c1 = b0, c2 = b0, c3 = b0, c4 = b0, c5 = b0, c6 = b0, c7 = b0;
     int k = 0;
@@ -337,8 +355,12 @@ BF16_TARGET static inline __attribute__((always_inline)) void dp2_tokens(const u
     __m512 bs[8] = {b0, b1, b2, b3, b4, b5, b6, b7}, cs[8] = {c0, c1, c2, c3, c4, c5, c6, c7};
     for (int j = 0; j < m; j++) {
         float s0 = _mm512_reduce_add_ps(bs[j]), s1 = _mm512_reduce_add_ps(cs[j]);
-        const uint16_t *xt = xb + (size_t)j * ldx;
-        for (int kk = k; kk < n; kk++) { s0 += bf16f(r0[kk]) * bf16f(xt[kk]); s1 += bf16f(r1[kk]) * bf16f(xt[kk]); }
+        const uint16_t *xt = xb + (size_t)j * ldx, *xl = split ? xlo + (size_t)j * ldx : NULL;
+        for (int kk = k; kk < n; kk++) {
+            const float v = bf16f(xt[kk]) + (split ? bf16f(xl[kk]) : 0.f);
+            s0 += bf16f(r0[kk]) * v;
+            s1 += bf16f(r1[kk]) * v;
+        }
         res[(size_t)j * ldr] = s0;
         res[(size_t)j * ldr + 1] = s1;
     }
@@ -356,14 +378,29 @@ BF16_TARGET static void dot2_bf16_dp(const uint16_t *r0, const uint16_t *r1, con
         float *r = res + (size_t)t * ldr;
         switch (m) {
             case 1: dot_bf16_dp(r0, xs, ldx, 1, n, r, ldr); dot_bf16_dp(r1, xs, ldx, 1, n, r + 1, ldr); break;
-            case 2: dp2_tokens(r0, r1, xs, ldx, 2, n, r, ldr); break;
-            case 3: dp2_tokens(r0, r1, xs, ldx, 3, n, r, ldr); break;
-            case 4: dp2_tokens(r0, r1, xs, ldx, 4, n, r, ldr); break;
-            case 5: dp2_tokens(r0, r1, xs, ldx, 5, n, r, ldr); break;
-            case 6: dp2_tokens(r0, r1, xs, ldx, 6, n, r, ldr); break;
-            case 7: dp2_tokens(r0, r1, xs, ldx, 7, n, r, ldr); break;
-            default: dp2_tokens(r0, r1, xs, ldx, 8, n, r, ldr); break;
+            case 2: dp2_tokens(r0, r1, xs, NULL, 0, ldx, 2, n, r, ldr); break;
+            case 3: dp2_tokens(r0, r1, xs, NULL, 0, ldx, 3, n, r, ldr); break;
+            case 4: dp2_tokens(r0, r1, xs, NULL, 0, ldx, 4, n, r, ldr); break;
+            case 5: dp2_tokens(r0, r1, xs, NULL, 0, ldx, 5, n, r, ldr); break;
+            case 6: dp2_tokens(r0, r1, xs, NULL, 0, ldx, 6, n, r, ldr); break;
+            case 7: dp2_tokens(r0, r1, xs, NULL, 0, ldx, 7, n, r, ldr); break;
+            default: dp2_tokens(r0, r1, xs, NULL, 0, ldx, 8, n, r, ldr); break;
         }
+    }
+}
+
+/* dot2_bf16_dp against hi + lo activations (to_bf16_split; lo at xlo), nt <= 8 tokens. */
+BF16_TARGET static void dot2_bf16_dp_split(const uint16_t *r0, const uint16_t *r1, const uint16_t *xb,
+                                           const uint16_t *xlo, int ldx, int nt, int n, float *res, int ldr) {
+    switch (nt) {
+        case 1: dp2_tokens(r0, r1, xb, xlo, 1, ldx, 1, n, res, ldr); break;
+        case 2: dp2_tokens(r0, r1, xb, xlo, 1, ldx, 2, n, res, ldr); break;
+        case 3: dp2_tokens(r0, r1, xb, xlo, 1, ldx, 3, n, res, ldr); break;
+        case 4: dp2_tokens(r0, r1, xb, xlo, 1, ldx, 4, n, res, ldr); break;
+        case 5: dp2_tokens(r0, r1, xb, xlo, 1, ldx, 5, n, res, ldr); break;
+        case 6: dp2_tokens(r0, r1, xb, xlo, 1, ldx, 6, n, res, ldr); break;
+        case 7: dp2_tokens(r0, r1, xb, xlo, 1, ldx, 7, n, res, ldr); break;
+        default: dp2_tokens(r0, r1, xb, xlo, 1, ldx, 8, n, res, ldr); break;
     }
 }
 
@@ -430,8 +467,8 @@ static float row_scale(const void *s, int kind, int row) {
 }
 
 BF16_TARGET static void expert_bf16dp(const tk_args *a) {
-    const int T = a->tokens, H = a->hidden, I = a->inter, ld = H > I ? H : I;
-    const uint16_t *gate = a->gate, *up = a->up, *down = a->down;
+    const int T = a->tokens, H = a->hidden, I = a->inter, ld = H > I ? H : I, split = T <= 8;
+    const uint16_t *gate = a->gate, *up = a->up, *down = a->down, *xlo = a->xb + (size_t)T * ld;
     #pragma omp parallel num_threads(a->threads)
     {
         #pragma omp for schedule(static)
@@ -442,12 +479,31 @@ BF16_TARGET static void expert_bf16dp(const tk_args *a) {
             dot2_bf16_dp(w, w + H, a->xb, ld, T, H, a->act + r, 2 * I);
         }
         swiglu_rows(a->act, T, I, a->isa);
+        /* x was bf16 already; the activations are not, and rounding them is the one rounding this path would add
+         * to the float32 ones: up to 8 tokens they go in as hi + lo (the scratch holds 16 rows), more are rounded */
         #pragma omp for schedule(static)
-        for (int t = 0; t < T; t++) to_bf16(a->act + (size_t)t * 2 * I, a->xb + (size_t)t * ld, I);
+        for (int t = 0; t < T; t++) {
+            const float *act = a->act + (size_t)t * 2 * I;
+            if (split) to_bf16_split(act, a->xb + (size_t)t * ld, xlo + (size_t)t * ld, I);
+            else to_bf16(act, a->xb + (size_t)t * ld, I);
+        }
         #pragma omp for schedule(static)
-        for (int h = 0; h < H; h += 2) {
-            if (h + 1 < H) dot2_bf16_dp(down + (size_t)h * I, down + (size_t)(h + 1) * I, a->xb, ld, T, I, a->out + h, H);
-            else dot_bf16_dp(down + (size_t)h * I, a->xb, ld, T, I, a->out + h, H);
+        for (int h = 0; h < H - 1; h += 2) {
+            const uint16_t *r0 = down + (size_t)h * I, *r1 = r0 + I;
+            if (split) dot2_bf16_dp_split(r0, r1, a->xb, xlo, ld, T, I, a->out + h, H);
+            else dot2_bf16_dp(r0, r1, a->xb, ld, T, I, a->out + h, H);
+        }
+        if (H % 2) {  /* the last row alone (once, by one thread) */
+            #pragma omp single
+            {
+                const uint16_t *row = down + (size_t)(H - 1) * I;
+                dot_bf16_dp(row, a->xb, ld, T, I, a->out + H - 1, H);
+                if (split) {
+                    float rest[8];
+                    dot_bf16_dp(row, xlo, ld, T, I, rest, 1);
+                    for (int t = 0; t < T; t++) a->out[(size_t)t * H + H - 1] += rest[t];
+                }
+            }
         }
     }
 }
@@ -1489,23 +1545,40 @@ int tk_linear(const tk_linear_args *a) {
     return 0;
 }
 
-/* RMSNorm of bf16 rows exactly as the reference rounds it (runtime/model.py rms_norm): in float32,
- * h = bf16(x * 1/sqrt(mean(x^2) + eps)), y = bf16(h * w). One call instead of seven small torch ops per norm
- * (the decode loop runs two to four per layer). Row r of x starts at x + r * ldx; y is [rows, n]. */
-void tk_rms_norm_bf16(const uint16_t *x, size_t ldx, const uint16_t *w, uint16_t *y, int rows, int n, float eps) {
+/* RMSNorm of bf16 or float32 rows exactly as the reference rounds it (runtime/model.py rms_norm), in float32:
+ * bf16 x (q/k norms): h = bf16(x * 1/sqrt(mean(x^2) + eps)), y = bf16(h * w); float32 x (the residual stream):
+ * y = bf16(x * 1/sqrt(...) * w), rounded once. One call instead of seven small torch ops per norm (the decode loop
+ * runs two to four per layer). Row r of x starts at x + r * ldx (in elements); y is [rows, n]. */
+static inline float norm_value(const void *x, int f32, size_t i) {
+    return f32 ? ((const float *)x)[i] : bf16f(((const uint16_t *)x)[i]);
+}
+
+static void rms_norm_rows(const void *x, int f32, size_t ldx, const uint16_t *w, uint16_t *y, int rows, int n,
+                          float eps) {
     for (int r = 0; r < rows; r++) {
-        const uint16_t *xr = x + (size_t)r * ldx;
+        const size_t row = (size_t)r * ldx;
         float part[16] = {0};
         int i = 0;
         for (; i + 16 <= n; i += 16)
-            for (int j = 0; j < 16; j++) { const float v = bf16f(xr[i + j]); part[j] += v * v; }
+            for (int j = 0; j < 16; j++) { const float v = norm_value(x, f32, row + i + j); part[j] += v * v; }
         float ss = 0;
-        for (; i < n; i++) { const float v = bf16f(xr[i]); ss += v * v; }
+        for (; i < n; i++) { const float v = norm_value(x, f32, row + i); ss += v * v; }
         for (int j = 0; j < 16; j++) ss += part[j];
         const float inv = 1.f / sqrtf(ss / (float)n + eps);
         uint16_t *yr = y + (size_t)r * n;
-        for (i = 0; i < n; i++) yr[i] = bf16_of(bf16f(bf16_of(bf16f(xr[i]) * inv)) * bf16f(w[i]));
+        for (i = 0; i < n; i++) {
+            const float h = norm_value(x, f32, row + i) * inv;
+            yr[i] = bf16_of((f32 ? h : bf16f(bf16_of(h))) * bf16f(w[i]));
+        }
     }
+}
+
+void tk_rms_norm_bf16(const uint16_t *x, size_t ldx, const uint16_t *w, uint16_t *y, int rows, int n, float eps) {
+    rms_norm_rows(x, 0, ldx, w, y, rows, n, eps);
+}
+
+void tk_rms_norm_f32(const float *x, size_t ldx, const uint16_t *w, uint16_t *y, int rows, int n, float eps) {
+    rms_norm_rows(x, 1, ldx, w, y, rows, n, eps);
 }
 
 /* Streaming read bandwidth probe: sums n floats with `threads` threads (the result defeats dead-code removal).
