@@ -17,9 +17,11 @@ $(STAMP): pyproject.toml $(wildcard kernels/csrc/*.c)
 chat: $(STAMP)
 	$(BIN)/tandem chat
 
+# The whole suite, then the tests marked `isa` under each CPU feature mask this machine can play.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+	$(BIN)/python tests/run_masks.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -7,17 +7,30 @@ Decode tokens/s is (N - 1) / (time for N tokens - time for 1 token), measured th
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from itertools import chain, cycle, repeat
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from runtime.cpuinfo import proc_cpuinfo
 from runtime.engine import Engine, GenerationStats
+from runtime.errors import TandemError
 from runtime.loader import LoadedModel, load
+from runtime.model import MoEModel
 from runtime.sampling import SamplingParams
 from runtime.synth import ASSETS
+
+if TYPE_CHECKING:
+    from kernels.cpu import CpuOptions
 
 
 def _timed(fn: Callable[[int], None], n: int) -> float:
@@ -149,6 +162,18 @@ def bench_offload(
     }
 
 
+def teacher_forced(model: MoEModel, ids: list[int], sizes: Iterable[int]) -> Iterator[torch.Tensor]:
+    """Feed `ids` through the model in chunks of `sizes` tokens (each after the ones before it, from the KV cache),
+    yielding each chunk's float32 logits [n, V]: row i predicts the token after the chunk's i-th."""
+    pos = 0
+    for size in sizes:
+        if pos >= len(ids):
+            return
+        chunk = ids[pos : pos + size]
+        yield model.forward(torch.tensor([chunk]), pos, phase="prefill" if pos == 0 else "decode")[0]
+        pos += len(chunk)
+
+
 def bench_quant(model_dir: str, new_tokens: int = 64, prompt_tokens: int = 16, group: int = 64) -> dict[str, Any]:
     """Quality of int8/int4 CPU experts against the unquantized model (same dtype), teacher-forced:
     the unquantized greedy continuation is fed to every variant one token at a time (the decode path),
@@ -162,19 +187,14 @@ def bench_quant(model_dir: str, new_tokens: int = 64, prompt_tokens: int = 16, g
     text = (ASSETS / "tokenizer_corpus.txt").read_text(encoding="utf-8")
     prompt = base.tokenizer.encode(text)[:prompt_tokens]
     tokens = list(Engine(base.model, ()).generate(prompt, SamplingParams(max_new_tokens=new_tokens)))
-    sequence = prompt + tokens
-    logits: dict[str, list[torch.Tensor]] = {}
-    for name, loaded in models.items():
-        model = loaded.model
-        steps = [model.forward(torch.tensor([prompt]), 0, last_only=True)[0, -1]]
-        for pos in range(len(prompt), len(sequence) - 1):
-            steps.append(model.forward(torch.tensor([[sequence[pos]]]), pos, last_only=True, phase="decode")[0, -1])
-        logits[name] = steps
-    ref = torch.stack(logits["none"])  # [steps, V]
+    sequence = prompt + tokens[:-1]  # the prompt, then each step's token: logits for every new token
+    logits = {name: torch.cat(list(teacher_forced(loaded.model, sequence, chain([len(prompt)], repeat(1)))))
+              [len(prompt) - 1 :] for name, loaded in models.items()}  # [steps, V]
+    ref = logits["none"]
     result: dict[str, Any] = {"model": str(model_dir), "dtype": str(base.model.dtype).removeprefix("torch."),
                               "steps": len(ref), "int4_group": group, "variants": {}}
     for name in ("int8", "int4"):
-        got = torch.stack(logits[name])
+        got = logits[name]
         drift = (got - ref).abs()
         result["variants"][name] = {
             "max_abs_logit_drift": round(drift.max().item(), 4),
@@ -183,6 +203,97 @@ def bench_quant(model_dir: str, new_tokens: int = 64, prompt_tokens: int = 16, g
             "greedy_agreement": round((got.argmax(-1) == ref.argmax(-1)).float().mean().item(), 4),
         }
     return result
+
+
+# Chunks of a teacher-forced pass: decode steps, then every count of tokens a layer kernel call takes (each
+# expert gets at most that many), then more than it takes (experts one by one, some above the crossover).
+NUMERICS_CHUNKS = (1, 1, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 17)
+NUMERICS_MARGIN = 0.01  # every bf16 path agrees with fp32 at least as often as the best one, minus one point
+
+
+def numerics_paths() -> dict[str, CpuOptions]:
+    """The bf16 paths this CPU (as masked) can take: the kernels' own choice and each variant forced (`--kernel-isa`),
+    which the contract covers, and torch alone (what runs where the kernels could not be built), which it does
+    not: its logits are torch's bf16 results, rounded."""
+    from kernels.cpu import CpuOptions, available_isas
+
+    return {"auto": CpuOptions(), **{f"isa={isa}": CpuOptions(isa=isa) for isa in available_isas()},
+            "torch": CpuOptions(use_kernel=False)}
+
+
+NUMERICS_OUTSIDE = ("torch",)  # paths measured but not held to the contract (see numerics_paths)
+
+
+def numerics_top1(model_dir: str | Path, dtype: str, opts: CpuOptions, tokens: int) -> torch.Tensor:
+    """The top-1 token at each of the first `tokens` positions of the bundled texts, teacher-forced in
+    NUMERICS_CHUNKS."""
+    text = "".join((ASSETS / name).read_text(encoding="utf-8") for name in ("tokenizer_corpus.txt",
+                                                                             "bench_prompts.txt"))
+    loaded = load(model_dir, dtype=dtype, context=tokens + 1, cpu=opts)
+    try:
+        ids = loaded.tokenizer.encode(text)[:tokens]
+        if len(ids) < tokens:
+            raise TandemError(f"the bundled texts hold only {len(ids)} tokens of this model; ask for fewer")
+        return torch.cat([t.argmax(-1) for t in teacher_forced(loaded.model, ids, cycle(NUMERICS_CHUNKS))])
+    finally:
+        loaded.model.close()
+
+
+def bench_numerics(model_dir: str | Path, tokens: int = 1024, paths: list[str] | None = None, masks: bool = False,
+                   masked_paths: list[str] | None = None, reference: list[int] | None = None,
+                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """How often each bf16 path picks the same top-1 token as the fp32 path, teacher-forced over `tokens` tokens
+    of the bundled texts fed in NUMERICS_CHUNKS, and whether each is within NUMERICS_MARGIN of the best of all.
+
+    `paths`: this CPU's (default: every one). `masks`: then `masked_paths` (default: every one) again under each
+    feature mask this CPU can play (kernels.isa.masks_to_play), each in a child process with torch capped too,
+    against the same fp32 tokens. `reference`: those fp32 top-1 tokens, given
+    (how the children get them) instead of measured. Result: "cpus" maps the mask of each run ("" for the CPU as
+    the process found it) to its paths."""
+    from kernels.cpu import CpuOptions
+    from kernels.isa import ENV, masks_to_play
+
+    def say(message: str) -> None:
+        if progress:
+            progress(message)
+
+    options = numerics_paths()
+    if reference is None:
+        say(f"fp32: {tokens} tokens")
+        ref = numerics_top1(model_dir, "fp32", CpuOptions(), tokens)
+    else:
+        ref = torch.tensor(reference)
+    cpus: dict[str, dict[str, float]] = {os.environ.get(ENV, ""): {}}
+    for name in list(options) if paths is None else paths:
+        say(f"{name}: {tokens} tokens" + (f" ({ENV}={os.environ[ENV]})" if os.environ.get(ENV) else ""))
+        cpus[os.environ.get(ENV, "")][name] = (numerics_top1(model_dir, "bf16", options[name], tokens) == ref
+                                               ).float().mean().item()
+    info = proc_cpuinfo()
+    for mask, _ in masks_to_play(info["flags"] if info else []) if masks else []:
+        cpus[mask] = _numerics_child(model_dir, tokens, ref, mask, masked_paths)
+    best = max((a for run in cpus.values() for name, a in run.items() if name not in NUMERICS_OUTSIDE), default=0.0)
+    return {"model": str(model_dir), "tokens": tokens, "chunks": list(NUMERICS_CHUNKS), "best": round(best, 4),
+            "margin": NUMERICS_MARGIN,
+            "cpus": {mask: {name: {"agreement": round(a, 4), "contract": name not in NUMERICS_OUTSIDE,
+                                   "within_margin": a >= best - NUMERICS_MARGIN} for name, a in run.items()}
+                     for mask, run in cpus.items()}}
+
+
+def _numerics_child(model_dir: str | Path, tokens: int, ref: torch.Tensor, mask: str, paths: list[str] | None
+                    ) -> dict[str, float]:
+    """`tandem bench numerics` under a feature mask, in a child process (torch reads its caps at start-up)."""
+    from kernels.isa import ENV
+
+    with tempfile.TemporaryDirectory() as tmp:
+        reference = Path(tmp) / "fp32-top1.json"
+        reference.write_text(json.dumps(ref.tolist()), encoding="utf-8")
+        command = [sys.executable, "-m", "app.cli", "bench", "numerics", "--model", str(model_dir), "--tokens",
+                   str(tokens), "--reference", str(reference)] + (["--paths", ",".join(paths)] if paths else [])
+        done = subprocess.run(command, env={**os.environ, ENV: mask}, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise TandemError(f"numerics under {ENV}={mask} failed: {done.stderr.strip()[-500:]}")
+    run = json.loads(done.stdout)["cpus"][mask]
+    return {name: row["agreement"] for name, row in run.items()}
 
 
 def bench_prompt_ids(tokenizer: object, n: int) -> list[int]:

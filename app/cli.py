@@ -129,6 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--quant-group", type=int, choices=[32, 64, 128], default=64)
     quant.set_defaults(func=_bench_quant)
 
+    num = bench_sub.add_parser("numerics", help="bf16 paths against fp32: top-1 agreement, teacher-forced")
+    num.add_argument("--model", default=None, help="model folder (default: the built-in model)")
+    num.add_argument("--tokens", type=int, default=1024, help="tokens of the bundled texts to feed")
+    num.add_argument("--paths", default=None, help="comma list of paths (default: every one this CPU can take)")
+    num.add_argument("--masks", action="store_true",
+                     help="then every path again as each CPU with fewer features this one can play")
+    num.add_argument("--reference", default=None, help=argparse.SUPPRESS)  # fp32 top-1 tokens (JSON), for --masks
+    num.set_defaults(func=_bench_numerics)
+
     mbm = sub.add_parser("make-bench-model", help="write a random-weight checkpoint with a real model's shapes")
     mbm.add_argument("--shape", required=True, help="mixtral, qwen3-30b-a3b, olmoe (deepseek-v2-lite: not yet)")
     mbm.add_argument("--layers", type=int, default=None, help="fewer layers than the real model")
@@ -502,6 +511,33 @@ def _bench_quant(args: argparse.Namespace) -> int:
     from app.bench import bench_quant
 
     print(json.dumps(bench_quant(args.model, args.new_tokens, group=args.quant_group), indent=1))
+    return 0
+
+
+def _bench_numerics(args: argparse.Namespace) -> int:
+    from app.bench import bench_numerics, numerics_paths
+
+    known = list(numerics_paths())
+    paths = None if args.paths is None else [p.strip() for p in args.paths.split(",") if p.strip()]
+    if paths is not None and (not paths or set(paths) - set(known)):
+        raise TandemError(f"--paths takes a comma list of {', '.join(known)} (the paths this CPU can take)")
+    if args.tokens < 1:
+        raise TandemError("--tokens must be at least 1")
+
+    def step(message: str) -> None:
+        print(f"  {message}", file=sys.stderr)
+
+    reference = None
+    if args.reference is not None:
+        try:
+            reference = json.loads(Path(args.reference).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise TandemError(f"cannot read the reference tokens {args.reference}: {e}") from None
+        if not isinstance(reference, list) or len(reference) != args.tokens:
+            raise TandemError(f"{args.reference} does not hold {args.tokens} reference tokens")
+    result = bench_numerics(resolve_model(args.model), args.tokens, paths, args.masks, reference=reference,
+                            progress=step)
+    print(json.dumps(result, indent=1))
     return 0
 
 

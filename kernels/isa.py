@@ -44,6 +44,23 @@ def parse_feature_mask(text: str | None) -> frozenset[str]:
     return frozenset(removed)
 
 
+# The CPUs one machine can play, most features first: without AMX (AMD Zen 4 and 5), without its bf16 dot products
+# too (Intel Ice Lake), AVX2 only (Intel client CPUs, AMD Zen 1-3), no SIMD at all.
+MASKS = ("-amx", "-amx,-avx512bf16", "-amx,-avx512bf16,-avx512vnni,-avx512", "-avx2")
+
+
+def masks_to_play(flags: list[str] | tuple[str, ...]) -> list[tuple[str, frozenset[str]]]:
+    """The MASKS that hide something a CPU with these (unmasked) flags has, each with what it hides; a mask that
+    hides only what an earlier one did is left out."""
+    have = present_features(flags)
+    out: list[tuple[str, frozenset[str]]] = []
+    for mask in MASKS:
+        hidden = have & parse_feature_mask(mask)
+        if hidden and hidden not in {h for _, h in out}:
+            out.append((mask, hidden))
+    return out
+
+
 def masked_features() -> frozenset[str]:
     """The features `TANDEM_CPU_FEATURES` removes in this process (read here and nowhere else)."""
     return parse_feature_mask(os.environ.get(ENV))

@@ -90,8 +90,8 @@ def cpu_features(monkeypatch: pytest.MonkeyPatch):
     library is told again after the test)."""
     from kernels.cpu import library
 
-    def play(mask: str) -> None:
-        monkeypatch.setenv("TANDEM_CPU_FEATURES", mask)
+    def play(mask: str) -> None:  # on top of the mask the run itself may have
+        monkeypatch.setenv("TANDEM_CPU_FEATURES", ",".join(filter(None, (os.environ.get("TANDEM_CPU_FEATURES"), mask))))
         library.cache_clear()
         library()
 

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from app.bench import NUMERICS_OUTSIDE, bench_numerics, numerics_paths
 from app.cli import main
+from kernels.isa import ENV, masks_to_play
 from runtime import builtin
+from runtime.cpuinfo import proc_cpuinfo
 from runtime.loader import load
 from runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow  # ~40 s: one build, one dense reference, a few generations (still run in CI)
 
+NUMERICS_TOKENS = 1024  # at 512 the paths spread over 1.4 points here, at 1024 over 0.7
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
 
@@ -67,11 +72,28 @@ def test_routing_depends_on_the_token(built: Path) -> None:
     assert used.sum(1).min() >= 3  # every layer spread its tokens over several of its 8 experts
 
 
+@pytest.mark.isa
 def test_chat_answer_mentions_paris(built: Path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("TANDEM_HOME", str(built.parents[2]))
     assert main(["generate", "--chat", "--prompt", "What is the capital of France?", "--max-new-tokens", "40",
-                 "--json"]) == 0  # no --model: the built-in one
+                 "--dtype", "bf16", "--no-profile", "--json"]) == 0  # no --model: the built-in one
     assert "Paris" in json.loads(capsys.readouterr().out)["text"]
+
+
+def test_every_bf16_path_agrees_with_fp32_nearly_as_often_as_the_best(built: Path) -> None:
+    # Teacher-forced over the bundled texts, through decode steps and every token count a layer call takes: the
+    # kernels' own choice on this CPU and on each CPU with fewer features it can play (torch capped too), and every
+    # variant forced, pick fp32's top-1 token at least as often as the best of them, minus one point. (The README's
+    # table: every path under every mask, `tandem bench numerics --masks`.)
+    paths = [name for name in numerics_paths() if name not in NUMERICS_OUTSIDE]
+    result = bench_numerics(built, tokens=NUMERICS_TOKENS, paths=paths, masks=True, masked_paths=["auto"])
+    here = os.environ.get(ENV, "")
+    agreement = {(mask, name): row["agreement"] for mask, run in result["cpus"].items() for name, row in run.items()}
+    info = proc_cpuinfo()
+    assert set(result["cpus"]) == {here} | {mask for mask, _ in masks_to_play(info["flags"] if info else [])}
+    assert set(result["cpus"][here]) == set(paths) and "auto" in paths
+    assert result["best"] >= 0.97, agreement  # bf16 itself: below this, something is broken for every path
+    assert all(row["within_margin"] for run in result["cpus"].values() for row in run.values()), agreement
 
 
 def test_autotune_defaults_to_the_builtin_model(built: Path, monkeypatch, capsys) -> None:

@@ -12,9 +12,10 @@ import torch
 
 from autotune.probe import RecordedSources, describe, probe
 from kernels import cpu
-from kernels.isa import mask_flags, parse_feature_mask, present_features, torch_isa_environment
+from kernels.isa import MASKS, mask_flags, masks_to_play, parse_feature_mask, present_features, torch_isa_environment
 from runtime.loader import default_dtype, read_cpu_flags
 
+pytestmark = pytest.mark.isa
 FIXTURES = Path(__file__).parent / "fixtures" / "hardware"
 
 
@@ -42,6 +43,16 @@ def test_flags_of_every_avx512_subset_go_with_avx512() -> None:
     assert mask_flags(flags, parse_feature_mask("-avx512bf16")) == [f for f in flags[:-2] if "bf16" not in f]
     assert mask_flags(flags, parse_feature_mask("-avx512")) == ["fma", "avx2"]
     assert mask_flags(flags, parse_feature_mask("-avx2")) == ["fma"]
+
+
+def test_the_masks_a_cpu_can_play() -> None:
+    xeon = ["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"]
+    assert [m for m, _ in masks_to_play(xeon)] == list(MASKS)
+    zen4 = xeon[:4]  # -amx hides nothing there
+    assert masks_to_play(zen4) == [("-amx,-avx512bf16", {"avx512bf16"}),
+                                   (MASKS[2], {"avx512", "avx512vnni", "avx512bf16"}),
+                                   ("-avx2", {"avx2", "avx512", "avx512vnni", "avx512bf16"})]
+    assert masks_to_play(["avx2", "fma"]) == [("-avx2", {"avx2"})] and masks_to_play([]) == []
 
 
 def test_torch_is_capped_at_the_masked_cpu() -> None:

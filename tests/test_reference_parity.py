@@ -1,4 +1,5 @@
-"""Tandem's decoder against transformers on tiny random checkpoints of every family (fp32)."""
+"""Tandem's decoder against transformers on tiny random checkpoints of every family (fp32). Marked `isa`: run again
+under every CPU feature mask this machine can play (tests/run_masks.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from app.cli import main
 from runtime.loader import load
 from tests.conftest import CASES
 
+pytestmark = pytest.mark.isa
 TOL = 1e-4
 
 
