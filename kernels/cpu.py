@@ -32,6 +32,10 @@ AMX_CROSSOVER = 16  # with AMX tiles the kernel stays at the bandwidth roofline 
 AMX_KINDS = (torch.bfloat16, "int8", "int4")
 QUANT_KINDS = ("int8", "int4")
 AMX_BATCH = 64  # experts one kernel region takes at most (csrc/expert.c)
+# float32 x against bf16 dense weights stays on the kernel, 16 tokens a call, up to this many calls; beyond, a
+# float32 copy of the matrix for torch pays for itself (measured, 6144x2048: 6.4 against 24 ms at 17 tokens, 21
+# against 30 at 64, even at 128 with AVX-512 and at 64 with AVX2).
+FLOAT_CHUNKS = 4
 QUANT_CHUNKS = 32  # quantized experts stay on the kernel up to this many chunks of tokens (measured: beyond
 # that, dequantizing once and using torch's matmul wins)
 
@@ -54,8 +58,7 @@ class _MoeArgs(ctypes.Structure):
     _fields_ = [
         ("tokens", ctypes.c_int), ("top_k", ctypes.c_int), ("experts", ctypes.c_int), ("slots", ctypes.c_int),
         ("ids", ctypes.c_void_p), ("weights", ctypes.c_void_p), ("x", ctypes.c_void_p), ("out", ctypes.c_void_p),
-        ("table", ctypes.c_void_p), ("arena", ctypes.c_void_p), ("proto", _Args), ("out_bf16", ctypes.c_void_p),
-        ("x_bf16", ctypes.c_void_p),
+        ("table", ctypes.c_void_p), ("arena", ctypes.c_void_p), ("proto", _Args), ("x_bf16", ctypes.c_void_p),
     ]
 
 
@@ -315,8 +318,9 @@ class CpuExecutor:
 
     def run_many(self, jobs: list[tuple[CpuExpert, torch.Tensor]], sink: Callable[[int, torch.Tensor], None]) -> None:
         """Several experts of one layer, each on its own tokens; `sink(i, y)` receives job i's output [n, H]
-        (valid only during the call). Those the kernel takes in one call go through one kernel call, which runs
-        those that can share a parallel region together (csrc/expert.c `tk_experts`); the rest one at a time."""
+        (valid only during the call; float32 from the kernel, x's dtype from torch). Those the kernel takes in one
+        call go through one kernel call, which runs those that can share a parallel region together
+        (csrc/expert.c `tk_experts`); the rest one at a time."""
         isas = [self.isa_for(expert, x.shape[0]) for expert, x in jobs]
         together = [i for i, (expert, x) in enumerate(jobs)
                     if isas[i] is not None and 0 < x.shape[0] <= self._step(expert)]
@@ -338,8 +342,7 @@ class CpuExecutor:
         if code != 0:
             raise RuntimeError(f"CPU expert kernel rejected its arguments (code {code})")
         for k, i in enumerate(together):
-            y = self._slots[k].out[: jobs[i][1].shape[0]]
-            sink(i, y.to(jobs[i][1].dtype))
+            sink(i, self._slots[k].out[: jobs[i][1].shape[0]])  # float32, as the kernel summed it
 
     def layer(self, experts: list[CpuExpert]) -> LayerExperts:
         return LayerExperts(experts, (_Weights * len(experts))(*(e.pointers() for e in experts)))
@@ -352,16 +355,16 @@ class CpuExecutor:
     def run_layer(self, layer: LayerExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                   ) -> torch.Tensor:
         """A MoE layer's routed experts in one kernel call: x [T, H], expert ids [T, K], routing weights
-        [T, K] -> [T, H], the weighted sum of each token's experts: a new bf16 tensor for bf16 x, else float32
-        (valid until the next call)."""
+        [T, K] -> [T, H], the weighted sum of each token's experts as a new float32 tensor (not rounded to x's
+        dtype: it goes into the float32 residual stream)."""
         T, K = ids.shape
         if self._moe is None:
             slots = min(len(layer.experts), AMX_BATCH)
             arena = torch.empty(slots * self.lib.tk_moe_slot_bytes(self.hidden, self.inter), dtype=torch.uint8)  # type: ignore[union-attr]
-            xs, ys = torch.empty(AMX_CROSSOVER, self.hidden), torch.empty(AMX_CROSSOVER, self.hidden)
-            args = _MoeArgs(slots=slots, x=xs.data_ptr(), out=ys.data_ptr(), arena=arena.data_ptr())
-            self._moe = (args, xs, ys, arena)
-        a, xs, ys, _ = self._moe
+            xs = torch.empty(AMX_CROSSOVER, self.hidden)
+            args = _MoeArgs(slots=slots, x=xs.data_ptr(), arena=arena.data_ptr())
+            self._moe = (args, xs, arena)
+        a, xs, _ = self._moe
         expert = layer.experts[0]
         kind, isa = KINDS[expert.kind], ISAS.index(self.isa_for(expert, T))  # type: ignore[arg-type]
         if (a.proto.kind, a.proto.isa, a.proto.hidden) != (kind, isa, self.hidden):
@@ -379,12 +382,12 @@ class CpuExecutor:
             weights = weights.float().contiguous()  # [T, K]
         a.tokens, a.top_k, a.experts = T, K, len(layer.experts)
         a.ids, a.weights, a.table = ids.data_ptr(), weights.data_ptr(), ctypes.addressof(layer.table)
-        out = torch.empty(T, self.hidden, dtype=torch.bfloat16) if x.dtype == torch.bfloat16 else None
-        a.out_bf16 = out.data_ptr() if out is not None else None
+        out = torch.empty(T, self.hidden)  # [T, H] float32
+        a.out = out.data_ptr()
         code = self.lib.tk_moe(ctypes.byref(a))  # type: ignore[union-attr]
         if code != 0:
             raise RuntimeError(f"CPU expert kernel rejected its arguments (code {code})")
-        return out if out is not None else ys[:T]
+        return out
 
     def _run_kernel(self, expert: CpuExpert, x: torch.Tensor, isa: str) -> torch.Tensor:
         if not self._slots:
@@ -436,23 +439,29 @@ class DenseLinear:
         # is as fast at 4 tokens and faster beyond (the kernel measured 0.88x at 8 tokens, 0.78x at 16, 2048x2048
         # here); elsewhere the kernel is as fast or faster up to 16 (AVX2 1.0-1.17x, AVX-512 without bf16 2-3x,
         # plain C 2x).
-        best = (available_isas() or ["base"])[-1]
-        self.bf16_most = 4 if best == "avx512bf16" else AMX_CROSSOVER
+        have = available_isas() or ["base"]
+        self.bf16_most = 4 if have[-1] == "avx512bf16" else AMX_CROSSOVER
+        # float32 x: a variant that keeps it so (AVX512_BF16 and AMX would round it to bf16), unless one is forced
+        self.float_isa = self.isa if isa is not None else ISAS.index([i for i in have if i not in BF16_ONLY][-1])
         self.threads = threads or torch.get_num_threads()
         self._args = _LinearArgs()
         self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x [..., I] . w [O, I]^T (+ bias) -> [..., O] in `out_dtype` (default: x's)."""
+        """x [..., I] . w [O, I]^T (+ bias) -> [..., O] in `out_dtype` (default: x's). x bf16 or float32 (against
+        bf16 weights: computed as against a float32 copy of them)."""
         out_dtype = out_dtype or x.dtype
         n, width = x.numel() // x.shape[-1], x.shape[-1]
-        if not (self.lib is not None and n > 0 and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
-                and x.device.type == "cpu" and w.shape[0] % 32 == 0 and width % 32 == 0 and w.is_contiguous()):
-            return F.linear(x, w, bias).to(out_dtype)
+        if not (self.lib is not None and n > 0 and x.dtype in (torch.bfloat16, torch.float32)
+                and w.dtype == torch.bfloat16 and x.device.type == "cpu" and w.shape[0] % 32 == 0
+                and width % 32 == 0 and w.is_contiguous()):
+            return F.linear(x, w.to(x.dtype), bias).to(out_dtype)  # (weights kept in another dtype: per call)
         if out_dtype == torch.bfloat16 and n > self.bf16_most:
-            return F.linear(x, w, bias)
-        if n > AMX_CROSSOVER:  # float32 sums for many tokens: 16 at a time
+            return F.linear(x, w.to(x.dtype), bias)
+        if n > FLOAT_CHUNKS * AMX_CROSSOVER and x.dtype == torch.float32:  # a long prefill against bf16 weights:
+            return F.linear(x, w.float(), bias).to(out_dtype)  # torch, on a float32 copy made for the call
+        if n > AMX_CROSSOVER:  # float32 sums, or float32 x: 16 tokens at a time
             rows = x.reshape(n, width)  # [n, I]
             return torch.cat([self(rows[i : i + AMX_CROSSOVER], w, bias, out_dtype)
                               for i in range(0, n, AMX_CROSSOVER)]).view(*x.shape[:-1], w.shape[0])
@@ -464,7 +473,8 @@ class DenseLinear:
         xs[:n].copy_(x.reshape(n, width))  # [n, I] float32
         y = torch.empty(*x.shape[:-1], w.shape[0], dtype=out_dtype)  # [..., O]
         a = self._args
-        a.tokens, a.inp, a.out, a.threads, a.isa = n, width, w.shape[0], self.threads, self.isa
+        a.tokens, a.inp, a.out, a.threads = n, width, w.shape[0], self.threads
+        a.isa = self.float_isa if x.dtype == torch.float32 else self.isa
         a.w, a.x, a.xb = w.data_ptr(), xs.data_ptr(), xb.data_ptr()
         if out_dtype == torch.float32:  # the kernel's sums as they are
             a.y, a.yb = y.data_ptr(), None

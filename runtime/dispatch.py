@@ -233,13 +233,13 @@ class Dispatcher:
             self.stats.misses += self.stats.count_all(layer, counts > 0, CPU)
             table = self.cpu_layers[layer]
             if self.executor.serves_layer(table, x.shape[0]):  # a few tokens: the whole layer in one kernel call
-                out = self.executor.run_layer(table, x, ids, weights).to(x.dtype)  # [T, H]
+                out = self.executor.run_layer(table, x, ids, weights)  # [T, H] float32
             else:
                 jobs = []
                 for e in np.flatnonzero(counts).tolist():  # the experts this pass uses, in id order
                     tok, slot = (ids == e).nonzero(as_tuple=True)  # [n], [n]
                     jobs.append(_Job(e, tok, slot, None, block.experts[e], self.cpu_experts[layer][e]))
-                out = self._cpu_combine(x, weights.to(x.dtype), jobs)
+                out = self._cpu_combine(x, weights, jobs)
             if block.shared is not None:
                 out += block.shared(x)
             return out
@@ -325,12 +325,14 @@ class Dispatcher:
         return self._cpu_combine(xh, wh, jobs)
 
     def _cpu_combine(self, x: torch.Tensor, weights: torch.Tensor, jobs: Sequence[_Job]) -> torch.Tensor:
-        """Host x [T, H], routing weights [T, K] -> the weighted sum of these CPU experts' outputs [T, H]."""
-        out = torch.zeros_like(x)  # [T, H]
+        """Host x [T, H], routing weights [T, K] -> the weighted sum of these CPU experts' outputs [T, H], summed
+        in float32 (it goes into the float32 residual stream)."""
+        out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
+        weights = weights.float()  # [T, K]
 
         def add(i: int, y: torch.Tensor) -> None:  # y [n, H]
             job = jobs[i]
-            out.index_add_(0, job.tok, y * weights[job.tok, job.slot].unsqueeze(-1))
+            out.index_add_(0, job.tok, y.float() * weights[job.tok, job.slot].unsqueeze(-1))
 
         self.executor.run_many([(job.cpu, x[job.tok]) for job in jobs], add)
         return out

@@ -74,6 +74,17 @@ def dense_tensors(cfg: ModelConfig, spec: FamilySpec) -> dict[str, Shape]:
     return out
 
 
+def dense_matrices(cfg: ModelConfig, spec: FamilySpec) -> set[str]:
+    """The dense tensors the decoder multiplies by through `DenseLinear` (or looks rows up in): the embedding,
+    lm_head, attention projections and routers."""
+    names = {"model.embed_tokens.weight", "lm_head.weight"}
+    for i in range(cfg.num_layers):
+        names |= {n for n in attention_tensors(cfg, i) if n.endswith("_proj.weight")}
+        if cfg.sparse_layers[i]:
+            names.add(router_name(spec, i))
+    return names
+
+
 def expert_tensors(cfg: ModelConfig, spec: FamilySpec) -> dict[str, Shape]:
     """Every routed expert's weights: kept in the file's dtype (memory-mapped, or read into RAM when they fit)."""
     h, inter = cfg.hidden_size, cfg.moe_intermediate_size

@@ -134,3 +134,33 @@ def test_beam_search_equals_recomputing_every_hypothesis(mixtral_dir: Path, eos:
     prompt = [3, 14, 15, 92]
     got = list(Engine(loaded.model, eos).generate(prompt, SamplingParams(max_new_tokens=8, beams=4)))
     assert got == reference_beam_search(loaded.engine, prompt, 4, 8, eos)
+
+
+def test_float32_compute_keeps_bf16_matrices_as_stored(tmp_path: Path) -> None:
+    # The kernels multiply float32 activations by bf16 rows exactly as by a float32 copy: the matrices stay bf16
+    # (half the bytes to stream and hold), the rest (norms, dense MLPs) is converted, and the RAM estimate agrees.
+    from kernels.cpu import CpuOptions, library
+    from runtime.checkpoint import open_checkpoint
+    from runtime.loader import estimate_memory
+    from runtime.synth import tiny_config, write_test_model
+
+    if library() is None:
+        pytest.skip("the compiled kernels are not built on this machine")
+    folder = write_test_model(tmp_path / "m", tiny_config("qwen2_moe", hidden_size=64, num_hidden_layers=3,
+                                                          decoder_sparse_step=2), dtype=torch.bfloat16)
+    kept = load(folder, dtype="fp32", context=64)
+    converted = load(folder, dtype="fp32", context=64, cpu=CpuOptions(use_kernel=False))
+    model = kept.model
+    assert model.lm_head.dtype == model.embed.dtype == model.layers[0].attn.qkv.dtype == torch.bfloat16
+    assert model.layers[1].ffn.router.dtype == torch.bfloat16 and model.layers[0].input_norm.dtype == torch.float32
+    assert model.layers[0].ffn.gate.dtype == torch.float32  # a dense layer's MLP: converted
+    assert converted.model.lm_head.dtype == converted.model.layers[0].attn.qkv.dtype == torch.float32
+    ids = torch.tensor([[5, 9, 13, 2, 7, 11, 3]])
+    want = converted.model.forward(ids, 0)
+    assert (model.forward(ids, 0) - want).abs().max() < 1e-4 * want.abs().max()
+    ckpt = open_checkpoint(folder)
+    saved = (estimate_memory(ckpt, torch.float32, 64, cpu=CpuOptions(use_kernel=False)).weights
+             - estimate_memory(ckpt, torch.float32, 64).weights)
+    halved = sum(t.numel() * 2 for t in (model.embed, model.lm_head, model.layers[1].ffn.router)) + sum(
+        (layer.attn.qkv.numel() + layer.attn.o.numel()) * 2 for layer in model.layers)
+    assert saved == halved

@@ -366,41 +366,27 @@ BF16_TARGET static inline __attribute__((always_inline)) void dp2_tokens(const u
     }
 }
 
-/* Rows r and r+1 (adjacent in the output: res[t*ldr + 0/1]) for nt tokens, DP2_TOKENS at a time. */
+/* Rows r and r+1 (adjacent in the output: res[t*ldr + 0/1]) for nt tokens, DP2_TOKENS at a time; xlo: NULL, or
+ * the lo halves of hi + lo activations (to_bf16_split), laid out as xb. */
 #ifndef DP2_TOKENS
 #define DP2_TOKENS 8
 #endif
-BF16_TARGET static void dot2_bf16_dp(const uint16_t *r0, const uint16_t *r1, const uint16_t *xb, int ldx, int nt,
-                                     int n, float *res, int ldr) {
+#define DP2_CASE(M, SPLIT) case M: dp2_tokens(r0, r1, xs, xl, SPLIT, ldx, M, n, r, ldr); break
+#define DP2_SWITCH(SPLIT) switch (m) {                                                                        \
+    DP2_CASE(1, SPLIT); DP2_CASE(2, SPLIT); DP2_CASE(3, SPLIT); DP2_CASE(4, SPLIT);                          \
+    DP2_CASE(5, SPLIT); DP2_CASE(6, SPLIT); DP2_CASE(7, SPLIT); default: DP2_CASE(8, SPLIT);                   \
+}
+BF16_TARGET static void dot2_bf16_dp(const uint16_t *r0, const uint16_t *r1, const uint16_t *xb, const uint16_t *xlo,
+                                     int ldx, int nt, int n, float *res, int ldr) {
     for (int t = 0; t < nt; t += DP2_TOKENS) {
         const int m = nt - t < DP2_TOKENS ? nt - t : DP2_TOKENS;
-        const uint16_t *xs = xb + (size_t)t * ldx;
+        const uint16_t *xs = xb + (size_t)t * ldx, *xl = xlo ? xlo + (size_t)t * ldx : NULL;
         float *r = res + (size_t)t * ldr;
-        switch (m) {
-            case 1: dot_bf16_dp(r0, xs, ldx, 1, n, r, ldr); dot_bf16_dp(r1, xs, ldx, 1, n, r + 1, ldr); break;
-            case 2: dp2_tokens(r0, r1, xs, NULL, 0, ldx, 2, n, r, ldr); break;
-            case 3: dp2_tokens(r0, r1, xs, NULL, 0, ldx, 3, n, r, ldr); break;
-            case 4: dp2_tokens(r0, r1, xs, NULL, 0, ldx, 4, n, r, ldr); break;
-            case 5: dp2_tokens(r0, r1, xs, NULL, 0, ldx, 5, n, r, ldr); break;
-            case 6: dp2_tokens(r0, r1, xs, NULL, 0, ldx, 6, n, r, ldr); break;
-            case 7: dp2_tokens(r0, r1, xs, NULL, 0, ldx, 7, n, r, ldr); break;
-            default: dp2_tokens(r0, r1, xs, NULL, 0, ldx, 8, n, r, ldr); break;
-        }
-    }
-}
-
-/* dot2_bf16_dp against hi + lo activations (to_bf16_split; lo at xlo), nt <= 8 tokens. */
-BF16_TARGET static void dot2_bf16_dp_split(const uint16_t *r0, const uint16_t *r1, const uint16_t *xb,
-                                           const uint16_t *xlo, int ldx, int nt, int n, float *res, int ldr) {
-    switch (nt) {
-        case 1: dp2_tokens(r0, r1, xb, xlo, 1, ldx, 1, n, res, ldr); break;
-        case 2: dp2_tokens(r0, r1, xb, xlo, 1, ldx, 2, n, res, ldr); break;
-        case 3: dp2_tokens(r0, r1, xb, xlo, 1, ldx, 3, n, res, ldr); break;
-        case 4: dp2_tokens(r0, r1, xb, xlo, 1, ldx, 4, n, res, ldr); break;
-        case 5: dp2_tokens(r0, r1, xb, xlo, 1, ldx, 5, n, res, ldr); break;
-        case 6: dp2_tokens(r0, r1, xb, xlo, 1, ldx, 6, n, res, ldr); break;
-        case 7: dp2_tokens(r0, r1, xb, xlo, 1, ldx, 7, n, res, ldr); break;
-        default: dp2_tokens(r0, r1, xb, xlo, 1, ldx, 8, n, res, ldr); break;
+        if (xlo) DP2_SWITCH(1)
+        else if (m == 1) {  /* one token: each row over four accumulators */
+            dot_bf16_dp(r0, xs, ldx, 1, n, r, ldr);
+            dot_bf16_dp(r1, xs, ldx, 1, n, r + 1, ldr);
+        } else DP2_SWITCH(0)
     }
 }
 
@@ -476,7 +462,7 @@ BF16_TARGET static void expert_bf16dp(const tk_args *a) {
         #pragma omp for schedule(static)
         for (int r = 0; r < 2 * I; r += 2) {  /* I is even (checked), so a pair never straddles gate/up */
             const uint16_t *w = r < I ? gate + (size_t)r * H : up + (size_t)(r - I) * H;
-            dot2_bf16_dp(w, w + H, a->xb, ld, T, H, a->act + r, 2 * I);
+            dot2_bf16_dp(w, w + H, a->xb, NULL, ld, T, H, a->act + r, 2 * I);
         }
         swiglu_rows(a->act, T, I, a->isa);
         /* x was bf16 already; the activations are not, and rounding them is the one rounding this path would add
@@ -490,8 +476,7 @@ BF16_TARGET static void expert_bf16dp(const tk_args *a) {
         #pragma omp for schedule(static)
         for (int h = 0; h < H - 1; h += 2) {
             const uint16_t *r0 = down + (size_t)h * I, *r1 = r0 + I;
-            if (split) dot2_bf16_dp_split(r0, r1, a->xb, xlo, ld, T, I, a->out + h, H);
-            else dot2_bf16_dp(r0, r1, a->xb, ld, T, I, a->out + h, H);
+            dot2_bf16_dp(r0, r1, a->xb, split ? xlo : NULL, ld, T, I, a->out + h, H);
         }
         if (H % 2) {  /* the last row alone (once, by one thread) */
             #pragma omp single
@@ -1380,7 +1365,6 @@ typedef struct {
     const tk_weights *table;             /* [experts] */
     char *arena;                         /* slots * tk_moe_slot_bytes(H, I) */
     tk_args proto;                       /* kind, isa, hidden, inter, threads, group of every expert call */
-    uint16_t *out_bf16;                  /* NULL, or [T, H]: out rounded to bf16 as well (nearest even) */
     const uint16_t *x_bf16;              /* NULL, or [T, H] bf16: read instead of x (no float copy made first) */
 } tk_moe_args;
 
@@ -1442,8 +1426,6 @@ int tk_moe(const tk_moe_args *m) {
             }
         n = 0;
     }
-    if (m->out_bf16)
-        for (size_t i = 0; i < (size_t)T * H; i++) m->out_bf16[i] = bf16_of(m->out[i]);
     return 0;
 }
 
@@ -1518,7 +1500,7 @@ static void linear_rows(const tk_linear_args *a, int isa) {
         for (int r = 0; r < O; r += 32) {  /* O is a multiple of 32 (checked) */
             for (int q = r; q < r + 32; q += 2) {
                 const uint16_t *w = a->w + (size_t)q * I;
-                if (isa == ISA_AVX512BF16) dot2_bf16_dp(w, w + I, a->xb, I, T, I, a->y + q, O);
+                if (isa == ISA_AVX512BF16) dot2_bf16_dp(w, w + I, a->xb, NULL, I, T, I, a->y + q, O);
                 else for (int j = 0; j < 2; j++) dot(w + (size_t)j * I, 1.f, NULL, 0, a->x, I, T, I, a->y + q + j, O);
             }
             linear_round(a, r, r + 32);
@@ -1585,33 +1567,31 @@ void tk_rms_norm_f32(const float *x, size_t ldx, const uint16_t *w, uint16_t *y,
  * Each thread reads its share as 8 streams side by side: measured here, one stream per thread reaches only
  * about 0.75 of what the memory system delivers to the expert kernels, which keep many rows in flight. */
 #define PROBE_STREAMS 8
-__attribute__((target("avx2,fma")))
-static double sum_avx2(const float *p, size_t n, int threads) {
-    double total = 0;
-    #pragma omp parallel num_threads(threads) reduction(+:total)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const size_t lo = n / nt * t, hi = t == nt - 1 ? n : n / nt * (t + 1);
-        const size_t seg = (hi - lo) / PROBE_STREAMS / 8 * 8;  /* floats per stream, whole vectors */
-        __m256 acc[PROBE_STREAMS];
-        for (int s = 0; s < PROBE_STREAMS; s++) acc[s] = _mm256_setzero_ps();
-        for (size_t i = 0; i < seg; i += 8)
-            for (int s = 0; s < PROBE_STREAMS; s++) acc[s] = _mm256_add_ps(acc[s], _mm256_loadu_ps(p + lo + s * seg + i));
-        for (int s = 1; s < PROBE_STREAMS; s++) acc[0] = _mm256_add_ps(acc[0], acc[s]);
-        float lanes[8];
-        _mm256_storeu_ps(lanes, acc[0]);
-        for (int j = 0; j < 8; j++) total += lanes[j];
-        for (size_t i = lo + PROBE_STREAMS * seg; i < hi; i++) total += p[i];  /* the tail */
-    }
-    return total;
+/* Plain C that the compiler vectorises for the target (8 lanes: one AVX2 vector, two SSE2 ones), so that without
+ * AVX2 the probe still measures the memory, not a chain of dependent scalar adds. */
+#define DEFINE_SUM(NAME, ATTR)                                                                              \
+ATTR static double NAME(const float *p, size_t n, int threads) {                                            \
+    double total = 0;                                                                                       \
+    _Pragma("omp parallel num_threads(threads) reduction(+:total)")                                         \
+    {                                                                                                       \
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();                                     \
+        const size_t lo = n / nt * t, hi = t == nt - 1 ? n : n / nt * (t + 1);                              \
+        const size_t seg = (hi - lo) / PROBE_STREAMS / 8 * 8;  /* floats per stream, whole groups of 8 */   \
+        float acc[PROBE_STREAMS][8] = {{0}};                                                                \
+        for (size_t i = 0; i < seg; i += 8)                                                                 \
+            for (int s = 0; s < PROBE_STREAMS; s++)                                                         \
+                for (int j = 0; j < 8; j++) acc[s][j] += p[lo + s * seg + i + j];                           \
+        for (int s = 0; s < PROBE_STREAMS; s++)                                                             \
+            for (int j = 0; j < 8; j++) total += acc[s][j];                                                 \
+        for (size_t i = lo + PROBE_STREAMS * seg; i < hi; i++) total += p[i];  /* the tail */               \
+    }                                                                                                       \
+    return total;                                                                                           \
 }
+DEFINE_SUM(sum_base, )
+DEFINE_SUM(sum_avx2, __attribute__((target("avx2,fma"))))
 
 double tk_read_sum(const float *p, size_t n, int threads) {
-    if (tk_isa_mask() & (1 << ISA_AVX2)) return sum_avx2(p, n, threads);
-    double total = 0;
-    #pragma omp parallel for num_threads(threads) reduction(+:total)
-    for (size_t i = 0; i < n; i++) total += p[i];
-    return total;
+    return (tk_isa_mask() & (1 << ISA_AVX2)) ? sum_avx2(p, n, threads) : sum_base(p, n, threads);
 }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu", "Tandem CPU expert kernels (called via ctypes).", -1, NULL};
