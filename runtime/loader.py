@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from kernels.cpu import CpuOptions, library
+from kernels.cpu import CpuOptions
 from kernels.isa import mask_flags, masked_features
 from runtime.accelerator import make_accelerator
 from runtime.checkpoint import Checkpoint, open_checkpoint
@@ -24,10 +24,10 @@ from runtime.cpuinfo import proc_cpuinfo
 from runtime.dispatch import OffloadPolicy
 from runtime.engine import Engine
 from runtime.errors import GenerationError, ResourceError
-from runtime.model import KVCache, MoEModel, matrix_dtype
+from runtime.model import KVCache, MoEModel, kept_dtypes
 from runtime.tokenizer import Tokenizer
 from runtime.trace import load_popularity, most_popular
-from runtime.weights import dense_matrices, dense_tensors, expert_names
+from runtime.weights import dense_tensors, expert_names
 
 DEFAULT_CONTEXT = 4096
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -85,14 +85,8 @@ def estimate_memory(
 ) -> MemoryEstimate:
     cfg = ckpt.config
     item = torch.empty((), dtype=dtype).element_size()
-    kernels = library() is not None and (cpu is None or cpu.use_kernel)
-    matrices = dense_matrices(cfg, ckpt.spec)
-
-    def kept(name: str) -> int:  # bytes per value as the model keeps it (MoEModel.from_checkpoint)
-        return matrix_dtype(ckpt.dtype(name), dtype, kernels).itemsize if name in matrices else item
-
-    weights = sum(math.prod(s) * kept(name) for name, s in dense_tensors(cfg, ckpt.spec).items()
-                  if name in ckpt.where)
+    kept = kept_dtypes(ckpt, dtype, cpu)  # as MoEModel.from_checkpoint keeps them
+    weights = sum(math.prod(s) * kept(name).itemsize for name, s in dense_tensors(cfg, ckpt.spec).items())
     kv = KVCache.nbytes(cfg, batch, context, dtype)
     rope = 2 * context * cfg.head_dim * item
     logits = 4 * cfg.vocab_size * 4

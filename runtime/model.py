@@ -36,12 +36,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def matrix_dtype(stored: torch.dtype, compute: torch.dtype, kernels: bool) -> torch.dtype:
-    """The dtype a dense matrix (weights.dense_matrices) is kept in on the CPU: bf16 as stored under float32
-    compute when the kernels multiply by it (they read bf16 rows against float32 activations, exactly as a float32
-    copy would compute, streaming half its bytes: decode about 1.7x faster without native bf16); else the compute
-    dtype."""
-    return stored if kernels and compute == torch.float32 and stored == torch.bfloat16 else compute
+def kept_dtypes(ckpt: Checkpoint, compute: torch.dtype, cpu: CpuOptions | None) -> Callable[[str], torch.dtype]:
+    """The dtype each non-expert weight is kept in on the CPU: the compute dtype, but a dense matrix
+    (weights.dense_matrices) of a bf16 file stays bf16 under float32 compute when the kernels multiply by it (they
+    read bf16 rows against float32 activations exactly as a float32 copy would compute, streaming half its bytes:
+    decode about 1.7x faster without native bf16)."""
+    matrices = dense_matrices(ckpt.config, ckpt.spec)
+    keep = compute == torch.float32 and library() is not None and (cpu is None or cpu.use_kernel)
+
+    def kept(name: str) -> torch.dtype:
+        return torch.bfloat16 if keep and name in matrices and ckpt.dtype(name) == torch.bfloat16 else compute
+    return kept
 
 
 def rope_tables(head_dim: int, theta: float, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,14 +176,7 @@ class MoEModel:
         progress: Callable[[str, float], None] | None = None,
     ) -> MoEModel:
         cfg, spec = ckpt.config, ckpt.spec
-        kernels = library() is not None and (cpu is None or cpu.use_kernel)
-        matrices = dense_matrices(cfg, spec)
-
-        def kept(name: str) -> torch.dtype:
-            """The dtype a weight is kept in: the compute dtype, or a matrix's own (matrix_dtype)."""
-            if accel is not None or name not in matrices:
-                return dtype
-            return matrix_dtype(ckpt.dtype(name), dtype, kernels)
+        kept = kept_dtypes(ckpt, dtype, cpu) if accel is None else lambda name: dtype
 
         def w(name: str) -> torch.Tensor:
             """A non-expert weight: on the accelerator, or in RAM (no copy if its dtype is kept)."""
