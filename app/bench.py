@@ -251,7 +251,7 @@ def bench_numerics(model_dir: str | Path, tokens: int = 1024, paths: list[str] |
     (how the children get them) instead of measured. Result: "cpus" maps the mask of each run ("" for the CPU as
     the process found it) to its paths."""
     from kernels.cpu import CpuOptions
-    from kernels.isa import ENV, masks_to_play
+    from kernels.isa import ENV, masked_features, masks_to_play, present_features
 
     def say(message: str) -> None:
         if progress:
@@ -269,8 +269,11 @@ def bench_numerics(model_dir: str | Path, tokens: int = 1024, paths: list[str] |
         cpus[os.environ.get(ENV, "")][name] = (numerics_top1(model_dir, "bf16", options[name], tokens) == ref
                                                ).float().mean().item()
     info = proc_cpuinfo()
-    for mask, _ in masks_to_play(info["flags"] if info else []) if masks else []:
-        cpus[mask] = _numerics_child(model_dir, tokens, ref, mask, masked_paths)
+    flags = info["flags"] if info else []
+    here = present_features(flags) & masked_features()
+    for mask, hidden in masks_to_play(flags) if masks else []:
+        if hidden != here:  # (the CPU this process plays was measured above)
+            cpus[mask] = _numerics_child(model_dir, tokens, ref, mask, masked_paths)
     best = max((a for run in cpus.values() for name, a in run.items() if name not in NUMERICS_OUTSIDE), default=0.0)
     return {"model": str(model_dir), "tokens": tokens, "chunks": list(NUMERICS_CHUNKS), "best": round(best, 4),
             "margin": NUMERICS_MARGIN,

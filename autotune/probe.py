@@ -228,14 +228,22 @@ class RecordedSources:
 
 
 def record(sources: ProbeSources) -> dict[str, Any]:
-    """The raw readings of `sources` in the form `RecordedSources` reads back."""
+    """The raw readings of `sources` in the form `RecordedSources` reads back (with the features this machine
+    was playing without, which the replay hides again)."""
     out: dict[str, Any] = {"cpu": sources.cpu(), "cores": list(sources.cores()), "memory": list(sources.memory()),
-                           "numa_nodes": sources.numa_nodes()}
+                           "numa_nodes": sources.numa_nodes(), "cpu_features_removed": sorted(_removed_by(sources))}
     try:
         out["gpus"] = sources.gpus()
     except GpuUnavailable as e:
         out["gpus"], out["gpu_error"] = None, str(e)
     return out
+
+
+def _removed_by(sources: ProbeSources) -> frozenset[str]:
+    """The features hidden from these readings: TANDEM_CPU_FEATURES for this machine, the recorded ones else."""
+    if isinstance(sources, RecordedSources):
+        return frozenset(sources.data.get("cpu_features_removed") or ())
+    return masked_features()
 
 
 def parse_cpu(raw: dict[str, Any], cores: tuple[int | None, int | None], removed: frozenset[str] = frozenset()
@@ -257,9 +265,10 @@ def parse_gpu(index: int, raw: dict[str, Any]) -> GpuInfo:
 
 def probe(sources: ProbeSources | None = None, removed: frozenset[str] | None = None) -> HardwareInfo:
     """Read everything; a failure to read one thing makes that thing unknown, not the whole probe fail.
-    `removed`: CPU features to hide (default: what TANDEM_CPU_FEATURES removes)."""
+    `removed`: CPU features to hide (default: what TANDEM_CPU_FEATURES removes from this machine; for a recorded
+    one, what it was playing without when recorded)."""
     src = sources if sources is not None else LiveSources()
-    cpu = parse_cpu(src.cpu(), src.cores(), masked_features() if removed is None else removed)
+    cpu = parse_cpu(src.cpu(), src.cores(), _removed_by(src) if removed is None else removed)
     total, available = src.memory()
     try:
         gpus = tuple(parse_gpu(i, g) for i, g in enumerate(src.gpus()))

@@ -12,11 +12,25 @@ import torch
 
 from autotune.probe import RecordedSources, describe, probe
 from kernels import cpu
-from kernels.isa import MASKS, mask_flags, masks_to_play, parse_feature_mask, present_features, torch_isa_environment
+from kernels.isa import (
+    MASKS,
+    flag_feature,
+    mask_flags,
+    masks_to_play,
+    parse_feature_mask,
+    present_features,
+    torch_isa_environment,
+)
+from runtime.cpuinfo import proc_cpuinfo
 from runtime.loader import default_dtype, read_cpu_flags
 
 pytestmark = pytest.mark.isa
 FIXTURES = Path(__file__).parent / "fixtures" / "hardware"
+
+
+def proc_flags() -> list[str]:
+    info = proc_cpuinfo()
+    return info["flags"] if info else []
 
 
 def test_removing_a_feature_removes_what_needs_it() -> None:
@@ -80,6 +94,15 @@ def test_the_probe_and_the_profile_key_see_the_masked_cpu() -> None:
     laptop = RecordedSources.load(FIXTURES / "laptop_avx2.json")
     assert probe(laptop, removed=parse_feature_mask("-amx")).fingerprint() == probe(laptop, removed=frozenset()
                                                                                       ).fingerprint()
+
+
+def test_the_live_probe_plays_the_mask_a_recorded_machine_stays_as_recorded(cpu_features) -> None:
+    cpu_features("-avx2")
+    live = probe()
+    assert not any(flag_feature(f) for f in live.cpu.flags)  # no AVX2, AVX-512 or AMX flag left
+    assert set(live.cpu.masked) == present_features(proc_flags()) if proc_flags() else live.cpu.masked == ()
+    recorded = probe(RecordedSources.load(FIXTURES / "dev_xeon_amx.json"))
+    assert recorded.cpu.isa["amx"] and recorded.cpu.masked == ()
 
 
 def test_the_kernels_default_dtype_and_crossover_follow_the_mask(cpu_features) -> None:
