@@ -247,9 +247,8 @@ def bench_numerics(model_dir: str | Path, tokens: int = 1024, paths: list[str] |
 
     `paths`: this CPU's (default: every one). `masks`: then `masked_paths` (default: every one) again under each
     feature mask this CPU can play (kernels.isa.masks_to_play), each in a child process with torch capped too,
-    against the same fp32 tokens. `reference`: those fp32 top-1 tokens, given
-    (how the children get them) instead of measured. Result: "cpus" maps the mask of each run ("" for the CPU as
-    the process found it) to its paths."""
+    against the same fp32 tokens. `reference`: those fp32 top-1 tokens, given (how the children get them) instead
+    of measured. Result: "cpus" maps the mask of each run ("" for the CPU as the process found it) to its paths."""
     from kernels.cpu import CpuOptions
     from kernels.isa import ENV, masked_features, masks_to_play, present_features
 
@@ -263,16 +262,16 @@ def bench_numerics(model_dir: str | Path, tokens: int = 1024, paths: list[str] |
         ref = numerics_top1(model_dir, "fp32", CpuOptions(), tokens)
     else:
         ref = torch.tensor(reference)
-    cpus: dict[str, dict[str, float]] = {os.environ.get(ENV, ""): {}}
+    playing = os.environ.get(ENV, "")
+    run: dict[str, float] = {}
     for name in list(options) if paths is None else paths:
-        say(f"{name}: {tokens} tokens" + (f" ({ENV}={os.environ[ENV]})" if os.environ.get(ENV) else ""))
-        cpus[os.environ.get(ENV, "")][name] = (numerics_top1(model_dir, "bf16", options[name], tokens) == ref
-                                               ).float().mean().item()
+        say(f"{name}: {tokens} tokens" + (f" ({ENV}={playing})" if playing else ""))
+        run[name] = (numerics_top1(model_dir, "bf16", options[name], tokens) == ref).float().mean().item()
+    cpus = {playing: run}
     info = proc_cpuinfo()
     flags = info["flags"] if info else []
-    here = present_features(flags) & masked_features()
     for mask, hidden in masks_to_play(flags) if masks else []:
-        if hidden != here:  # (the CPU this process plays was measured above)
+        if hidden != present_features(flags) & masked_features():  # (the CPU this process plays: measured above)
             cpus[mask] = _numerics_child(model_dir, tokens, ref, mask, masked_paths)
     best = max((a for run in cpus.values() for name, a in run.items() if name not in NUMERICS_OUTSIDE), default=0.0)
     return {"model": str(model_dir), "tokens": tokens, "chunks": list(NUMERICS_CHUNKS), "best": round(best, 4),
