@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.isa import masked_features
-from kernels.quant import QuantizedMatrix, quantize_int4, quantize_int8
+from kernels.quant import GROUPS, QuantizedMatrix, quantize_int4, quantize_int8
 
 ISAS = ("base", "avx2", "avx512", "avx512bf16", "amx")  # each named after the CPU feature it needs (base: none)
 BF16_ONLY = ("avx512bf16", "amx")  # bf16 activations (AMX int8 and int4: 16-bit fixed point, about as fine)
@@ -38,6 +38,44 @@ AMX_BATCH = 64  # experts one kernel region takes at most (csrc/expert.c)
 FLOAT_CHUNKS = 4
 QUANT_CHUNKS = 32  # quantized experts stay on the kernel up to this many chunks of tokens (measured: beyond
 # that, dequantizing once and using torch's matmul wins)
+MAX_THREADS = 4096  # a sanity bound: libgomp takes any positive count and allocates per thread
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+# Every argument is checked here, in Python, before C sees it: C trusts the sizes it is given, so a wrong shape
+# would read past the end of a tensor or crash the process. These checks are a few attribute reads per call.
+def check_threads(threads: object) -> int:
+    """A thread count the kernels can take: a whole number from 1 to MAX_THREADS."""
+    if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= MAX_THREADS:
+        raise ValueError(f"thread count must be a whole number from 1 to {MAX_THREADS}, not {threads!r}")
+    return threads
+
+
+def _check_size(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive whole number, not {value!r}")
+    return value
+
+
+def _check_matrix(name: str, w: torch.Tensor, shape: tuple[int, int]) -> None:
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, not {type(w).__name__}")
+    if w.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, not {w.device}")
+    if tuple(w.shape) != shape:
+        raise ValueError(f"{name} has shape {list(w.shape)}; this executor needs {list(shape)}")
+
+
+def _check_rows(name: str, x: torch.Tensor, width: int, most: int | None = None) -> None:
+    """x [n, width], a float CPU tensor (at most `most` rows)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, not {type(x).__name__}")
+    if x.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"{name} has shape {list(x.shape)}; expected [tokens, {width}]")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.device.type != "cpu":
+        raise ValueError(f"{name} must be a float32, bf16 or fp16 CPU tensor, not {x.dtype} on {x.device}")
+    if most is not None and x.shape[0] > most:
+        raise ValueError(f"{name} has {x.shape[0]} rows; this call takes at most {most}")
 
 
 class _Args(ctypes.Structure):
@@ -134,6 +172,9 @@ def best_isa(kind: object, compute_dtype: torch.dtype, isas: list[str], tokens: 
 
 def read_bandwidth_probe(buffer: torch.Tensor, threads: int) -> float:
     """Sum a float32 buffer with the kernel library's streaming loop (for DRAM bandwidth measurement)."""
+    check_threads(threads)
+    if buffer.dtype != torch.float32 or not buffer.is_contiguous() or buffer.device.type != "cpu":
+        raise ValueError("the bandwidth probe sums a contiguous float32 CPU buffer")
     lib = library()
     if lib is None:
         return float(buffer.sum())
@@ -227,8 +268,18 @@ class CpuExecutor:
         crossover: int | None = None, quant: str | None = None, group: int = 64, isa: str | None = None,
         use_kernel: bool = True,
     ) -> None:
-        self.hidden, self.inter, self.dtype = hidden, inter, compute_dtype
-        self.threads = threads or torch.get_num_threads()
+        self.hidden, self.inter = _check_size("hidden size", hidden), _check_size("expert width", inter)
+        if compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"experts compute in float32 or bf16, not {compute_dtype}")
+        if quant not in (None, *QUANT_KINDS):
+            raise ValueError(f"quantization must be one of {', '.join(QUANT_KINDS)} or None, not {quant!r}")
+        if quant == "int4" and (group not in GROUPS or hidden % group or inter % group):
+            raise ValueError(f"int4 groups must be one of {GROUPS} and divide the hidden size and expert width "
+                             f"({hidden}, {inter}), not {group!r}")
+        if crossover is not None:
+            _check_size("crossover", crossover)
+        self.dtype = compute_dtype
+        self.threads = check_threads(torch.get_num_threads() if threads is None else threads)
         self.quant, self.group = quant, group
         self.lib = library() if use_kernel else None
         self.isas = available_isas() if self.lib is not None else []
@@ -253,6 +304,14 @@ class CpuExecutor:
 
     def prepare(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> CpuExpert:
         """Wrap (or quantize) one expert's weights; unquantized weights are used in place, never copied."""
+        h, i = self.hidden, self.inter
+        for name, w, shape in (("gate", gate, (i, h)), ("up", up, (i, h)), ("down", down, (h, i))):
+            _check_matrix(name, w, shape)
+        if not gate.dtype == up.dtype == down.dtype:
+            raise ValueError(f"an expert's gate, up and down must share one dtype, not {gate.dtype}, {up.dtype}, "
+                             f"{down.dtype}")
+        if not gate.dtype.is_floating_point:
+            raise ValueError(f"expert weights must be floating point, not {gate.dtype}")
         if self.quant in QUANT_KINDS:
             g = self.group
             mats = [quantize_int8(w) if self.quant == "int8" else quantize_int4(w, g) for w in (gate, up, down)]
@@ -261,7 +320,7 @@ class CpuExecutor:
                 mats = [m.blocked_layout() for m in mats]  # the layout the AMX kernels read
             return CpuExpert(*mats, self.quant, self, amx_layout=amx)
         if gate.dtype not in KINDS:
-            raise ValueError(f"expert weights of dtype {gate.dtype} are not supported")
+            raise ValueError(f"expert weights of dtype {gate.dtype} are not supported (float32, bf16 or fp16)")
         gate, up, down = (w.contiguous() for w in (gate, up, down))  # memory-mapped weights already are
         return CpuExpert(gate, up, down, gate.dtype, self)
 
@@ -290,7 +349,18 @@ class CpuExecutor:
         """Tokens per kernel call for this expert."""
         return min(self.crossover, AMX_CROSSOVER) if expert.amx_layout else self.crossover
 
+    def _check_expert(self, expert: CpuExpert) -> None:
+        """The expert was prepared for this executor's sizes (its kernel reads them as this executor's)."""
+        if not isinstance(expert, CpuExpert):
+            raise TypeError(f"expected an expert from CpuExecutor.prepare, not {type(expert).__name__}")
+        ex = expert.executor
+        if (ex.hidden, ex.inter, ex.quant, ex.group) != (self.hidden, self.inter, self.quant, self.group):
+            raise ValueError(f"this expert was prepared for {ex.hidden}x{ex.inter} ({ex.quant or 'unquantized'}); "
+                             f"this executor runs {self.hidden}x{self.inter} ({self.quant or 'unquantized'})")
+
     def run(self, expert: CpuExpert, x: torch.Tensor) -> torch.Tensor:
+        self._check_expert(expert)
+        _check_rows("x", x, self.hidden)
         n = x.shape[0]
         if n == 0:
             return x.new_zeros(0, self.hidden)
@@ -321,6 +391,9 @@ class CpuExecutor:
         (valid only during the call; float32 from the kernel, x's dtype from torch). Those the kernel takes in one
         call go through one kernel call, which runs those that can share a parallel region together
         (csrc/expert.c `tk_experts`); the rest one at a time."""
+        for expert, x in jobs:
+            self._check_expert(expert)
+            _check_rows("x", x, self.hidden)
         isas = [self.isa_for(expert, x.shape[0]) for expert, x in jobs]
         together = [i for i, (expert, x) in enumerate(jobs)
                     if isas[i] is not None and 0 < x.shape[0] <= self._step(expert)]
@@ -345,6 +418,14 @@ class CpuExecutor:
             sink(i, self._slots[k].out[: jobs[i][1].shape[0]])  # float32, as the kernel summed it
 
     def layer(self, experts: list[CpuExpert]) -> LayerExperts:
+        """One layer's experts for `run_layer`, which runs them all as one kind: they must share it."""
+        if not experts:
+            raise ValueError("a layer needs at least one expert")
+        for e in experts:
+            self._check_expert(e)
+        kinds = {(e.kind, e.amx_layout) for e in experts}
+        if len(kinds) > 1:
+            raise ValueError(f"a layer's experts must share one weight kind, not {sorted(str(k) for k, _ in kinds)}")
         return LayerExperts(experts, (_Weights * len(experts))(*(e.pointers() for e in experts)))
 
     def serves_layer(self, layer: LayerExperts, tokens: int) -> bool:
@@ -357,7 +438,17 @@ class CpuExecutor:
         """A MoE layer's routed experts in one kernel call: x [T, H], expert ids [T, K], routing weights
         [T, K] -> [T, H], the weighted sum of each token's experts as a new float32 tensor (not rounded to x's
         dtype: it goes into the float32 residual stream)."""
+        if layer.experts[0].executor is not self:
+            self._check_expert(layer.experts[0])
+        if ids.dim() != 2 or weights.shape != ids.shape:
+            raise ValueError(f"expert ids {list(ids.shape)} and routing weights {list(weights.shape)} must both be "
+                             "[tokens, top_k]")
         T, K = ids.shape
+        _check_rows("x", x, self.hidden, min(self.crossover, AMX_CROSSOVER))
+        if x.shape[0] != T or T == 0:
+            raise ValueError(f"x has {x.shape[0]} rows but the routing has {T}; both need at least one")
+        if not self.serves_layer(layer, T):
+            raise ValueError(f"run_layer cannot take {T} tokens of these experts here; use run_many")
         if self._moe is None:
             slots = min(len(layer.experts), AMX_BATCH)
             arena = torch.empty(slots * self.lib.tk_moe_slot_bytes(self.hidden, self.inter), dtype=torch.uint8)  # type: ignore[union-attr]
@@ -433,6 +524,8 @@ class DenseLinear:
     Letters: n tokens (all leading dimensions together), I input width, O output width."""
 
     def __init__(self, threads: int | None = None, use_kernel: bool = True, isa: str | None = None) -> None:
+        if isa is not None and isa not in ISAS:
+            raise ValueError(f"kernel variant {isa!r} does not exist; choose one of {', '.join(ISAS)}")
         self.lib = library() if use_kernel else None
         self.isa = -1 if isa is None else ISAS.index(isa)
         # bf16 results for more tokens than this: torch's matrix product. With AVX512_BF16 but no AMX, oneDNN's
@@ -443,7 +536,7 @@ class DenseLinear:
         self.bf16_most = 4 if have[-1] == "avx512bf16" else AMX_CROSSOVER
         # float32 x: a variant that keeps it so (AVX512_BF16 and AMX would round it to bf16), unless one is forced
         self.float_isa = self.isa if isa is not None else ISAS.index([i for i in have if i not in BF16_ONLY][-1])
-        self.threads = threads or torch.get_num_threads()
+        self.threads = check_threads(torch.get_num_threads() if threads is None else threads)
         self._args = _LinearArgs()
         self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -452,7 +545,14 @@ class DenseLinear:
         """x [..., I] . w [O, I]^T (+ bias) -> [..., O] in `out_dtype` (default: x's). x bf16 or float32 (against
         bf16 weights: computed as against a float32 copy of them)."""
         out_dtype = out_dtype or x.dtype
-        n, width = x.numel() // x.shape[-1], x.shape[-1]
+        if out_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"DenseLinear gives bf16 or float32 results, not {out_dtype}")
+        if w.dim() != 2 or x.dim() == 0 or x.shape[-1] != w.shape[1]:
+            raise ValueError(f"x {list(x.shape)} does not fit the matrix {list(w.shape)}: expected [..., {w.shape[-1]}]"
+                             " against [out, in]")
+        if bias is not None and tuple(bias.shape) != (w.shape[0],):
+            raise ValueError(f"bias has shape {list(bias.shape)}; expected [{w.shape[0]}]")
+        n, width = (x.numel() // x.shape[-1] if x.shape[-1] else 0), x.shape[-1]
         if not (self.lib is not None and n > 0 and x.dtype in (torch.bfloat16, torch.float32)
                 and w.dtype == torch.bfloat16 and x.device.type == "cpu" and w.shape[0] % 32 == 0
                 and width % 32 == 0 and w.is_contiguous()):
@@ -478,10 +578,8 @@ class DenseLinear:
         a.w, a.x, a.xb = w.data_ptr(), xs.data_ptr(), xb.data_ptr()
         if out_dtype == torch.float32:  # the kernel's sums as they are
             a.y, a.yb = y.data_ptr(), None
-        elif out_dtype == torch.bfloat16:  # rounded by the kernel
+        else:  # bf16, rounded by the kernel
             a.y, a.yb = ys.data_ptr(), y.data_ptr()
-        else:
-            raise ValueError(f"DenseLinear gives bf16 or float32 results, not {out_dtype}")
         code = self.lib.tk_linear(ctypes.byref(a))
         if code != 0:
             raise RuntimeError(f"dense kernel rejected its arguments (code {code})")
@@ -497,7 +595,11 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
             or x.device.type != "cpu" or not weight.is_contiguous()):  # (checks only: several times per layer)
         raise ValueError("rms_norm_bf16 takes bf16 or float32 CPU tensors with a contiguous bf16 weight and needs the "
                          "compiled kernels")
-    n = x.shape[-1]
+    n = x.shape[-1] if x.dim() else 0
+    if weight.shape != (n,) or n == 0:
+        raise ValueError(f"the norm's weight has shape {list(weight.shape)}; x [..., {n}] needs [{n}]")
+    if not eps > 0 or eps == float("inf"):
+        raise ValueError(f"eps must be a positive finite number, not {eps!r}")
     rows = x.numel() // n
     flat = x.reshape(rows, n)  # a view when the rows are evenly spaced (q or k out of the stacked projection)
     if flat.stride(-1) != 1:

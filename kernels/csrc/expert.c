@@ -1217,6 +1217,7 @@ AMX_TARGET static void experts_amx(const tk_args *a, int n);
 
 /* 0 when the kernel can serve these arguments, else a negative code. */
 static int expert_checks(const tk_args *a) {
+    if (a->threads < 1 || a->hidden < 1 || a->inter < 1 || a->tokens < 0) return -7;  /* (Python checks first) */
     if (a->kind < K_FP32 || a->kind > K_INT4) return -1;
     if (!(tk_isa_mask() & (1 << a->isa))) return -2;
     if (a->kind == K_INT4 && ((a->group != 32 && a->group != 64 && a->group != 128) || a->hidden % a->group ||
@@ -1379,6 +1380,7 @@ int tk_moe(const tk_moe_args *m) {
     const int T = m->tokens, K = m->top_k, H = m->proto.hidden, I = m->proto.inter;
     if (T <= 0) return 0;
     if (T > 16 || K < 1 || m->slots < 1 || m->slots > AMX_BATCH) return -6;
+    if (m->proto.threads < 1 || H < 1 || I < 1) return -7;
     for (int i = 0; i < T * K; i++)
         if (m->ids[i] < 0 || m->ids[i] >= m->experts) return -6;
     memset(m->out, 0, sizeof(float) * (size_t)T * H);
@@ -1513,6 +1515,7 @@ static void linear_rows(const tk_linear_args *a, int isa) {
 int tk_linear(const tk_linear_args *a) {
     if (a->tokens <= 0) return 0;
     if (a->tokens > 16 || a->in % 32 || a->out % 32) return -5;
+    if (a->threads < 1 || a->in < 1 || a->out < 1) return -7;
     const int mask = tk_isa_mask();
     int isa = a->isa;
     if (isa < 0) {
@@ -1556,10 +1559,12 @@ static void rms_norm_rows(const void *x, int f32, size_t ldx, const uint16_t *w,
 }
 
 void tk_rms_norm_bf16(const uint16_t *x, size_t ldx, const uint16_t *w, uint16_t *y, int rows, int n, float eps) {
+    if (rows < 1 || n < 1) return;
     rms_norm_rows(x, 0, ldx, w, y, rows, n, eps);
 }
 
 void tk_rms_norm_f32(const float *x, size_t ldx, const uint16_t *w, uint16_t *y, int rows, int n, float eps) {
+    if (rows < 1 || n < 1) return;
     rms_norm_rows(x, 1, ldx, w, y, rows, n, eps);
 }
 
@@ -1591,6 +1596,7 @@ DEFINE_SUM(sum_base, )
 DEFINE_SUM(sum_avx2, __attribute__((target("avx2,fma"))))
 
 double tk_read_sum(const float *p, size_t n, int threads) {
+    if (threads < 1) threads = 1;
     return (tk_isa_mask() & (1 << ISA_AVX2)) ? sum_avx2(p, n, threads) : sum_base(p, n, threads);
 }
 
