@@ -320,7 +320,7 @@ def _plan(args: argparse.Namespace) -> int:
     from autotune.costs import from_hardware_file
     from autotune.plan import ModelShape, make_plan
     from runtime.checkpoint import open_checkpoint
-    from runtime.families import family_for
+    from runtime.families import parse_config
 
     try:
         hw = json.loads(Path(args.hardware).read_text(encoding="utf-8"))
@@ -332,7 +332,7 @@ def _plan(args: argparse.Namespace) -> int:
             raw = json.loads(model.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             raise TandemError(f"cannot read {model}: {e}") from None
-        cfg = family_for(raw.get("model_type")).parse(raw)
+        cfg = parse_config(raw, str(model))[1]
     else:
         cfg = open_checkpoint(model).config
     item = 4 if args.dtype == "fp32" else 2

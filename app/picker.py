@@ -16,7 +16,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Label, Static
 
 from runtime.errors import TandemError
-from runtime.families import family_for
+from runtime.families import parse_config
 from runtime.weights import dense_tensors, expert_tensors
 
 
@@ -46,8 +46,7 @@ def describe_folder(folder: Path, source: str) -> ModelEntry | None:
     """A supported MoE checkpoint folder -> its entry; anything else -> None."""
     try:
         raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        spec = family_for(raw.get("model_type"))
-        cfg = spec.parse(raw)
+        spec, cfg = parse_config(raw, str(folder / "config.json"))
     except (OSError, ValueError, TandemError, KeyError, TypeError):
         return None
     shapes = dense_tensors(cfg, spec) | expert_tensors(cfg, spec)

@@ -16,9 +16,9 @@ import torch
 
 from runtime.config import ModelConfig, token_ids
 from runtime.errors import CheckpointError, UnsupportedModelError
-from runtime.families import FamilySpec, family_for
+from runtime.families import FamilySpec, parse_config
 from runtime.safetensors_mmap import SafetensorsFile
-from runtime.weights import dense_tensors, expert_tensors
+from runtime.weights import dense_tensors, expert_names, expert_tensors
 
 INDEX = "model.safetensors.index.json"
 RAM_ALIGN = 64  # bytes: tensors read into RAM start on a cache line (in the files they often do not)
@@ -88,13 +88,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             f"{config_path} asks to run custom code from the model folder (trust_remote_code / auto_map); "
             "Tandem never executes code shipped with a model — use a checkpoint of a natively supported family"
         )
-    spec = family_for(raw.get("model_type"))
-    try:
-        config = spec.parse(raw)
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(
-            f"{config_path} is not a valid {spec.display_name} config ({e!r}); check the file"
-        ) from None
+    spec, config = parse_config(raw, str(config_path))
     shards, where = _open_shards(folder)
     ckpt = Checkpoint(folder, raw, config, spec, shards, where)
     _validate(ckpt)
@@ -117,7 +111,7 @@ def _open_shards(folder: Path) -> tuple[list[SafetensorsFile], dict[str, Safeten
         weight_map = _read_json(index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index_path} has no weight_map; re-download the checkpoint")
-        names = sorted(set(weight_map.values()))
+        names = sorted({_shard_name(index_path, v) for v in weight_map.values()})
         missing = [n for n in names if not (folder / n).is_file()]
         if missing:
             raise CheckpointError(
@@ -127,6 +121,9 @@ def _open_shards(folder: Path) -> tuple[list[SafetensorsFile], dict[str, Safeten
         files = [folder / n for n in names]
     else:
         files = sorted(folder.glob("*.safetensors"))
+        if any(f.is_dir() for f in files):
+            raise CheckpointError(f"{next(f for f in files if f.is_dir())} is a folder, not a weights file; "
+                                  "re-download the checkpoint")
     if not files:
         pickles = [p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES]
         if pickles:
@@ -144,7 +141,29 @@ def _open_shards(folder: Path) -> tuple[list[SafetensorsFile], dict[str, Safeten
     return shards, where
 
 
+def _shard_name(index_path: Path, value: object) -> str:
+    """A shard named by the index: a plain file name inside the model folder (never a path that leads out of it)."""
+    if not isinstance(value, str) or not value or Path(value).name != value or value in (".", ".."):
+        raise CheckpointError(f"{index_path} names the shard {value!r}; an index may only name files beside it, as "
+                              "'model-00001-of-00002.safetensors'; re-download the checkpoint")
+    return value
+
+
+# The dtypes the CPU kernels and the accelerator take routed experts in, as they lie in the file.
+EXPERT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _validate(ckpt: Checkpoint) -> None:
+    cfg = ckpt.config
+    wanted = 3 * cfg.num_experts * cfg.num_moe_layers
+    if wanted > len(ckpt.where):  # before listing them: a config that claims a billion experts is caught here
+        last = max(i for i, sparse in enumerate(cfg.sparse_layers) if sparse)
+        example = expert_names(ckpt.spec, last, cfg.num_experts - 1)[0]
+        raise CheckpointError(
+            f"{ckpt.path} lacks tensors that its config requires, e.g. {example}: config.json describes "
+            f"{cfg.num_moe_layers} layers of {cfg.num_experts} experts ({wanted} expert tensors), but the weights hold "
+            f"{len(ckpt.where)} tensors in all; the checkpoint is incomplete or does not match config.json"
+        )
     expected = dense_tensors(ckpt.config, ckpt.spec) | expert_tensors(ckpt.config, ckpt.spec)
     missing = [n for n in expected if n not in ckpt.where]
     if missing:
@@ -161,3 +180,32 @@ def _validate(ckpt: Checkpoint) -> None:
             )
         if not info.dtype.is_floating_point:
             raise CheckpointError(f"tensor {name} has dtype {info.dtype}; expected floating-point weights")
+    _validate_expert_dtypes(ckpt)
+
+
+def _validate_expert_dtypes(ckpt: Checkpoint) -> None:
+    """A layer's routed experts run as one kind (one kernel call takes them all), in a dtype the kernels take."""
+    cfg = ckpt.config
+    for layer in range(cfg.num_layers):
+        if not cfg.sparse_layers[layer]:
+            continue
+        seen: dict[torch.dtype, str] = {}
+        for e in range(cfg.num_experts):
+            for name in expert_names(ckpt.spec, layer, e):
+                seen.setdefault(ckpt.dtype(name), name)
+        if len(seen) > 1:
+            kinds = ", ".join(f"{str(d).removeprefix('torch.')} ({n})" for d, n in seen.items())
+            raise CheckpointError(
+                f"layer {layer}'s experts are stored in more than one dtype: {kinds}; Tandem runs a layer's experts "
+                "together and needs them in one. Re-save the checkpoint in one dtype, e.g. with transformers: "
+                "model.to(torch.bfloat16).save_pretrained(folder)"
+            )
+        (dtype,) = seen
+        if dtype not in EXPERT_DTYPES:
+            fp8 = " (8-bit float checkpoints with their scale tensors are not supported yet: use the bf16 release)" \
+                if dtype.itemsize == 1 else ""
+            raise CheckpointError(
+                f"layer {layer}'s experts are stored as {str(dtype).removeprefix('torch.')}; Tandem runs experts "
+                f"stored as float32, bf16 or fp16{fp8}. Convert the checkpoint, e.g. with transformers: "
+                "model.to(torch.bfloat16).save_pretrained(folder)"
+            )

@@ -6,10 +6,11 @@ the RAM estimate read only from it. Fields are what the forward pass needs, noth
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from runtime.errors import UnsupportedModelError
+from runtime.errors import CheckpointError, UnsupportedModelError
 
 QKNorm = Literal["none", "head", "full"]  # no q/k norm; RMSNorm per head (Qwen3); over the projection (OLMoE)
 
@@ -105,3 +106,84 @@ def decoder_fields(raw: dict[str, Any], *, eps: float, theta: float, max_pos: in
         "eos_token_ids": token_ids(raw.get("eos_token_id")),
         "bos_token_id": raw.get("bos_token_id"),
     }
+
+
+# The whole-number fields of config.json, with the range each may take. The upper bounds are far above any real
+# model; they exist because these numbers size lists and tensors before the weights can contradict them (a
+# `num_local_experts` of 10**9 would otherwise fill the RAM before any check).
+WHOLE: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 1 << 24), "hidden_size": (1, 1 << 17), "num_hidden_layers": (1, 1024),
+    "num_attention_heads": (1, 1024), "num_key_value_heads": (1, 1024), "head_dim": (1, 4096),
+    "max_position_embeddings": (1, 1 << 24), "intermediate_size": (0, 1 << 20), "moe_intermediate_size": (1, 1 << 20),
+    "shared_expert_intermediate_size": (0, 1 << 20), "num_local_experts": (1, 4096), "num_experts": (0, 4096),
+    "num_experts_per_tok": (1, 4096), "decoder_sparse_step": (1, 1024), "sliding_window": (0, 1 << 24),
+    "bos_token_id": (0, 1 << 24),
+}
+POSITIVE = ("rms_norm_eps", "rope_theta", "clip_qkv")  # real numbers above zero
+FLAGS = ("tie_word_embeddings", "norm_topk_prob", "qkv_bias", "attention_bias", "use_sliding_window")
+
+
+def _is_whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _non_finite(value: Any, path: str) -> str | None:
+    """The first NaN or infinity anywhere in a JSON value, by its key path."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, v in items:
+        found = _non_finite(v, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
+def clean_raw(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """config.json's values checked for type and range before any family reads them; keys set to null dropped
+    (a family's default applies, as when the key is absent). Raises CheckpointError naming the key."""
+    def bad(key: str, why: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {key!r} is {raw[key]!r}, {why}; fix config.json or re-download it")
+
+    found = _non_finite(raw, "")
+    if found:
+        raise CheckpointError(f"{where}: {found!r} is not a finite number; fix config.json or re-download it")
+    out = {k: v for k, v in raw.items() if v is not None}
+    for key, (lo, hi) in WHOLE.items():
+        if key in out and not (_is_whole(out[key]) and lo <= out[key] <= hi):
+            raise bad(key, f"but it must be a whole number from {lo} to {hi}")
+    for key in POSITIVE:
+        if key in out and not (isinstance(out[key], int | float) and not isinstance(out[key], bool) and out[key] > 0):
+            raise bad(key, "but it must be a number above zero")
+    for key in FLAGS:
+        if key in out and not isinstance(out[key], bool):
+            raise bad(key, "but it must be true or false")
+    eos = out.get("eos_token_id")
+    if eos is not None and not (_is_whole(eos) and eos >= 0 or isinstance(eos, list) and all(
+            _is_whole(i) and i >= 0 for i in eos)):
+        raise bad("eos_token_id", "but it must be a token id or a list of them")
+    dense = out.get("mlp_only_layers")
+    if dense is not None and not (isinstance(dense, list) and all(_is_whole(i) for i in dense)):
+        raise bad("mlp_only_layers", "but it must be a list of layer numbers")
+    for key in ("rope_parameters", "rope_scaling"):
+        if key in out and not isinstance(out[key], dict):
+            raise bad(key, "but it must be an object")
+    theta = out.get("rope_parameters", {}).get("rope_theta")
+    if theta is not None and not (isinstance(theta, int | float) and not isinstance(theta, bool) and theta > 0):
+        raise CheckpointError(f"{where}: rope_parameters.rope_theta is {theta!r}, but it must be a number above zero")
+    return out
+
+
+def check_config(cfg: ModelConfig, where: str) -> None:
+    """What no single field shows: the fields against each other."""
+    problems = []
+    if cfg.num_experts and cfg.top_k > cfg.num_experts:
+        problems.append(f"each token picks {cfg.top_k} experts but a layer has only {cfg.num_experts}")
+    if cfg.num_heads % cfg.num_kv_heads:
+        problems.append(f"{cfg.num_heads} attention heads do not share {cfg.num_kv_heads} key/value heads evenly")
+    if cfg.num_experts and not cfg.moe_intermediate_size:
+        problems.append("the experts have no width (moe_intermediate_size)")
+    if any(not s for s in cfg.sparse_layers) and not cfg.dense_intermediate_size:
+        problems.append("layers without experts need intermediate_size")
+    if problems:
+        raise CheckpointError(f"{where} does not describe a model that can run: {'; '.join(problems)}; fix config.json")

@@ -50,12 +50,15 @@ class SafetensorsFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.infos = _read_header(path)
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            # ACCESS_COPY: a private mapping, so torch gets a writable buffer without copying the file;
-            # pages are only read from disk when a tensor is used.
-            self._map = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+        try:
+            self.infos = _read_header(path)
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                # ACCESS_COPY: a private mapping, so torch gets a writable buffer without copying the file;
+                # pages are only read from disk when a tensor is used.
+                self._map = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+        except OSError as e:  # a folder of that name, a symlink loop, no permission, a disk error
+            raise CheckpointError(f"cannot read {path}: {e.strerror or e}; check the file") from None
 
     def names(self) -> list[str]:
         return list(self.infos)

@@ -7,6 +7,8 @@ Kept apart from the engine (which speaks only token ids). Uses the `tokenizers` 
 from __future__ import annotations
 
 import json
+import operator
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -25,10 +27,37 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+# A chat template is code from the model folder: it runs sandboxed and bounded. These bounds sit far above what
+# any real template renders (a few KB for a long conversation) and far below what would hang the app.
+TEMPLATE_MAX_CHARS = 16 << 20
+TEMPLATE_MAX_SECONDS = 5.0
+_TEMPLATE_FAILURES = (TemplateError, ArithmeticError, LookupError, TypeError, ValueError, AttributeError,
+                      RecursionError, MemoryError)
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox (no attribute tricks, ranges of at most 100000) that also refuses to build huge strings or
+    lists by repetition, or huge numbers by powers, before building them."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator_name: str, left: Any, right: Any) -> Any:
+        if operator_name == "**":
+            if isinstance(left, int) and isinstance(right, int) and abs(left).bit_length() * abs(right) > 4096:
+                raise TemplateError("the chat template raises a number to a power beyond 4096 bits")
+            return operator.pow(left, right)
+        for seq, times in ((left, right), (right, left)):
+            if isinstance(seq, str | list | tuple) and isinstance(times, int) and len(seq) * times > TEMPLATE_MAX_CHARS:
+                raise TemplateError("the chat template repeats a text or list beyond what a prompt can hold")
+        return operator.mul(left, right)
+
+
 class Tokenizer:
-    def __init__(self, backend: HFTokenizer, config: dict[str, Any], chat_template: str | None) -> None:
+    def __init__(self, backend: HFTokenizer, config: dict[str, Any], chat_template: str | None,
+                 template_problem: str | None = None) -> None:
         self.backend = backend
         self.chat_template = chat_template
+        self.template_problem = template_problem  # why the template file could not be read (said only if used)
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
 
@@ -43,12 +72,19 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises plain Exception on malformed files
             raise CheckpointError(f"cannot read {path}: {e}; re-download the tokenizer files") from None
         config: dict[str, Any] = {}
-        if (folder / "tokenizer_config.json").exists():
+        config_path = folder / "tokenizer_config.json"
+        if config_path.exists():
             try:
-                config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError) as e:
-                raise CheckpointError(f"cannot read {folder / 'tokenizer_config.json'}: {e}") from None
-        return cls(backend, config, _chat_template(folder, config))
+                config = json.loads(config_path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:  # ValueError: not UTF-8, or not JSON
+                raise CheckpointError(f"cannot read {config_path}: {e}; re-download the tokenizer files") from None
+            if not isinstance(config, dict):
+                raise CheckpointError(f"{config_path} does not hold a JSON object; re-download the tokenizer files")
+        try:
+            return cls(backend, config, _chat_template(folder, config))
+        except (OSError, ValueError) as e:  # the template is needed only with --chat and in the chat app: say it then
+            problem = f"cannot read the chat template {folder / 'chat_template.jinja'}: {e}; fix or remove the file"
+            return cls(backend, config, None, problem)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -61,23 +97,37 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=True)
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if self.template_problem:
+            raise CheckpointError(self.template_problem)
         if not self.chat_template:
             raise CheckpointError(
                 "this model has no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja); "
                 "run without --chat, or add a template"
             )
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        parts: list[str] = []
+        size, start = 0, time.monotonic()
+        most = TEMPLATE_MAX_CHARS + sum(len(str(m.get("content") or "")) for m in messages)
         try:
-            return env.from_string(self.chat_template).render(
+            for part in env.from_string(self.chat_template).generate(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
-            )
-        except TemplateError as e:
-            raise CheckpointError(f"the model's chat template failed: {e}") from None
+            ):
+                parts.append(part)
+                size += len(part)
+                if size > most:
+                    raise TemplateError(f"it rendered more than {TEMPLATE_MAX_CHARS >> 20} M characters beyond the "
+                                        "messages")
+                if time.monotonic() - start > TEMPLATE_MAX_SECONDS:
+                    raise TemplateError(f"it ran for more than {TEMPLATE_MAX_SECONDS:.0f} s")
+        except _TEMPLATE_FAILURES as e:
+            raise CheckpointError(f"the model's chat template failed: {e}; fix the template, or run without "
+                                  "--chat") from None
+        return "".join(parts)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Chat-formatted prompt ids; the template already holds the special tokens."""

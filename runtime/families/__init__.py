@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.config import ModelConfig
-from runtime.errors import UnsupportedModelError
+from runtime.config import ModelConfig, check_config, clean_raw
+from runtime.errors import CheckpointError, UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -40,3 +40,17 @@ def family_for(model_type: str | None) -> FamilySpec:
             f"model_type {model_type!r} is not supported; Tandem runs: {', '.join(sorted(registry))}"
         )
     return registry[model_type]
+
+
+def parse_config(raw: dict[str, Any], where: str) -> tuple[FamilySpec, ModelConfig]:
+    """config.json's contents (read from `where`) -> its family and checked `ModelConfig`; CheckpointError names the
+    field that is wrong, before anything is sized by it."""
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{where} does not hold a JSON object; re-download or fix the file")
+    spec = family_for(raw.get("model_type"))
+    try:
+        config = spec.parse(clean_raw(raw, where))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{where} is not a valid {spec.display_name} config ({e!r}); check the file") from None
+    check_config(config, where)
+    return spec, config
