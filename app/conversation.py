@@ -49,8 +49,15 @@ class Conversation:
     synced_title: str | None = field(default=None, repr=False, compare=False)
 
     def messages(self, system: str = "") -> list[dict[str, str]]:
-        head = [{"role": "system", "content": system}] if system else []
-        return head + [{"role": t.role, "content": t.content} for t in self.turns]
+        """The prompt's messages. A question left without an answer (it failed, or was stopped before a word)
+        and the next one go as one message: chat templates want user and assistant to alternate."""
+        out = [{"role": "system", "content": system}] if system else []
+        for t in self.turns:
+            if out and out[-1]["role"] == t.role == "user":
+                out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n\n{t.content}"}
+            else:
+                out.append({"role": t.role, "content": t.content})
+        return out
 
     def to_markdown(self) -> str:
         lines = [f"# {self.title}", ""]
