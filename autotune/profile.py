@@ -16,7 +16,7 @@ from typing import Any
 
 from runtime.dispatch import Strategy
 from runtime.expert_cache import Policy
-from runtime.paths import atomic_write_json, data_dir, set_aside
+from runtime.paths import atomic_write_json, data_dir, remove_stale_temporaries, set_aside
 
 SCHEMA = 2  # 2: the kernel variant is "auto" unless one beats it at 1 and 8 tokens (1 forced the fastest at 1)
 
@@ -64,8 +64,12 @@ class Found:
     notice: str | None = None  # something the user should be told (set aside, hardware changed, none yet)
 
 
+STALE_TEMP_S = 600.0  # a profile save takes milliseconds: a temporary file this old was left by a killed one
+
+
 def find_profile(machine: dict[str, Any], model: dict[str, Any]) -> Found:
     path = profile_path(machine, model)
+    remove_stale_temporaries(path.parent, older_than_s=STALE_TEMP_S)
     if path.exists():
         return _read(path)
     others = [p for p in profiles_dir().glob(f"*-{_digest(model)}.json")] if profiles_dir().is_dir() else []

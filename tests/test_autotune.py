@@ -200,3 +200,16 @@ def test_a_bad_profile_is_reported_and_generate_still_runs(mixtral_dir: Path, ca
     assert main(["generate", "--model", str(mixtral_dir), "--prompt", "hi", "--max-new-tokens", "2", "--dtype",
                  "fp32"]) == 0
     assert "set aside" in capsys.readouterr().err and not path.exists()
+
+
+def test_a_killed_profile_saves_temporary_file_is_removed_later() -> None:
+    import os
+    import time
+
+    p = profile()
+    path = save_profile(p)
+    stale = path.with_name(f".{path.stem}-abc123.json")
+    stale.write_text("{")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    found = find_profile(p.machine, p.model)
+    assert found.profile is not None and found.notice is None and not stale.exists()

@@ -224,3 +224,11 @@ def test_two_bad_conversations_set_aside_in_one_instant_keep_both(tmp_path: Path
         write(tmp_path, "0123456789ab.json", text)
         assert len(store.load_all()[1]) == 1
     assert sorted(p.read_text() for p in tmp_path.glob("0123456789ab.bad-*")) == ["{ one", "{ two"]
+
+
+def test_without_a_lock_between_processes_saves_still_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(paths, "fcntl", None)  # a platform without fcntl: saved unlocked, still atomically
+    store = ConversationStore(tmp_path)
+    conv = Conversation(turns=[Turn("user", "hi")])
+    store.save(conv)
+    assert [c.id for c in store.load_all()[0]] == [conv.id]
