@@ -35,6 +35,9 @@ class ChatBackend(Protocol):
     placement: str  # where work runs, in words
 
     def stream(self, messages: list[dict[str, str]], params: SamplingParams) -> Iterator[str]: ...
+    def prompt_tokens(self, messages: list[dict[str, str]]) -> int: ...  # the chat prompt's length in tokens
+    @property
+    def context(self) -> int: ...  # the most tokens a prompt and its answer may take together
     def usage(self) -> Usage: ...
     def activity(self) -> list[list[int]]: ...  # [layers][experts] activation counts of the last answer
     def close(self) -> None: ...  # release its memory; it is not used afterwards
@@ -69,6 +72,13 @@ class RuntimeBackend:
         tail = decoder.flush()
         if tail:
             yield tail
+
+    def prompt_tokens(self, messages: list[dict[str, str]]) -> int:
+        return len(self.loaded.tokenizer.encode_chat(messages))
+
+    @property
+    def context(self) -> int:
+        return self.loaded.model.context
 
     def tuning_target(self) -> tuple[str, str, dict]:
         """(model folder, dtype name, raw config): what a profile for this model is keyed by."""

@@ -1,16 +1,23 @@
-"""Generation settings the user picks in the app (F2), saved as versioned JSON beside the conversations."""
+"""Generation settings the user picks in the app (F2), saved as versioned JSON beside the conversations.
+
+Every field is checked for its type and range, whether it comes from the form or from the file: a file that
+fails is set aside with a notice (defaults are used), the form shows what is wrong.
+"""
 
 from __future__ import annotations
 
 import json
-import time
+import math
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
 
 from runtime.errors import GenerationError
-from runtime.paths import atomic_write_json, data_dir
+from runtime.paths import atomic_write_json, data_dir, remove_stale_temporaries, set_aside
 from runtime.sampling import SamplingParams
 
 SCHEMA = 1
+STALE_TEMP_S = 60.0  # a settings save takes milliseconds: a temporary file this old was left by a killed one
 
 
 @dataclass
@@ -24,6 +31,11 @@ class Settings:
     schema: int = SCHEMA
 
     def params(self) -> SamplingParams:
+        """The sampling parameters; raises GenerationError saying which value is wrong."""
+        for f in fields(self):
+            _check_type(f.name, getattr(self, f.name), type(getattr(Settings, f.name)))
+        if self.max_new_tokens < 1:
+            raise GenerationError(f"max new tokens: {self.max_new_tokens} is too few (an answer needs at least 1)")
         p = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
                            top_p=self.top_p, repetition_penalty=self.repetition_penalty)
         p.check()
@@ -36,36 +48,67 @@ class Settings:
         for f in fields(cls):
             if f.name not in values or f.name == "schema":
                 continue
-            kind = type(getattr(out, f.name))
+            kind, text = type(getattr(out, f.name)), values[f.name]
+            label = f.name.replace("_", " ")
             try:
-                setattr(out, f.name, kind(values[f.name]) if kind is not str else values[f.name])
+                setattr(out, f.name, kind(text.strip()) if kind is not str else text)
             except ValueError:
-                raise GenerationError(f"{f.name.replace('_', ' ')}: {values[f.name]!r} is not a number") from None
+                what = "a whole number" if kind is int else "a number"
+                raise GenerationError(f"{label}: {text!r} is not {what}") from None
         out.params()
         return out
 
 
-def settings_path():
+def _check_type(name: str, value: Any, kind: type) -> None:
+    """`kind` as saved: a float field takes any number (JSON writes 1.0 as 1), never a boolean or a text."""
+    label = name.replace("_", " ")
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok and not math.isfinite(value):
+            raise GenerationError(f"{label}: {value} is not a finite number")
+    if not ok:
+        what = {str: "a text", int: "a whole number", float: "a number"}[kind]
+        raise GenerationError(f"{label}: {value!r} is not {what}")
+
+
+def settings_from_dict(data: Any) -> Settings:
+    """Settings read from the file; a field it lacks keeps its default. Raises GenerationError or ValueError."""
+    if not isinstance(data, dict):
+        raise ValueError("it is not a JSON object")
+    if data.get("schema") != SCHEMA or isinstance(data.get("schema"), bool):
+        raise ValueError(f"schema {data.get('schema')!r}, this Tandem reads {SCHEMA}")
+    unknown = set(data) - {f.name for f in fields(Settings)}
+    if unknown:
+        raise ValueError(f"unknown fields {sorted(unknown)}")
+    s = Settings(**data)
+    s.params()
+    return s
+
+
+def settings_path() -> Path:
     return data_dir() / "settings.json"
 
 
 def load_settings() -> tuple[Settings, str | None]:
     """The saved settings (defaults if none); a broken file is set aside and reported."""
     path = settings_path()
+    remove_stale_temporaries(path.parent, older_than_s=STALE_TEMP_S)
     if not path.exists():
         return Settings(), None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if data.get("schema") != SCHEMA:
-            raise ValueError(f"schema {data.get('schema')}")
-        s = Settings(**data)
-        s.params()
-        return s, None
-    except (OSError, ValueError, TypeError, AttributeError, GenerationError) as e:
-        aside = path.with_name(f"settings.bad-{int(time.time())}.json.txt")
-        path.rename(aside)
-        return Settings(), f"the settings file could not be used ({e}); it was set aside as {aside.name}"
+        return settings_from_dict(json.loads(path.read_text(encoding="utf-8"))), None
+    except (OSError, ValueError, RecursionError, GenerationError) as e:
+        why = "it is nested too deeply" if isinstance(e, RecursionError) else str(e)
+        try:
+            aside = set_aside(path)
+        except OSError as moved:
+            return Settings(), f"the settings file {path} could not be used ({why}) nor set aside ({moved}); " \
+                               "the defaults apply"
+        return Settings(), f"the settings file could not be used ({why}); it was set aside as {aside.name} " \
+                           "and the defaults apply"
 
 
 def save_settings(s: Settings) -> None:
+    """Raises OSError when the file cannot be written."""
     atomic_write_json(settings_path(), asdict(s))

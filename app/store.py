@@ -1,56 +1,83 @@
 """Conversations on disk: one versioned JSON file each under the data folder, written atomically.
-A file that cannot be read is moved aside (never fatal) and reported as a notice."""
+
+Several processes may use one folder (two chat windows, say): every save holds the folder's lock, reads the
+file again and merges the other writers' turns before writing, so no turn is ever lost. A file that cannot be
+read is set aside (never fatal) and reported as a notice, as are the temporary files a killed save left.
+"""
 
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from runtime.paths import atomic_write_json, data_dir
+from app.conversation import SCHEMA, Conversation, Turn, conversation_from_dict, merge_turns, valid_id
+from runtime.errors import StoreError
+from runtime.paths import atomic_write_json, data_dir, folder_lock, remove_stale_temporaries, set_aside
 
-SCHEMA = 1
-
-
-@dataclass
-class Turn:
-    role: str  # "user" | "assistant" | "system"
-    content: str
+__all__ = ["SCHEMA", "Conversation", "ConversationStore", "Turn"]
 
 
-@dataclass
-class Conversation:
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    title: str = "New chat"
-    created: float = field(default_factory=time.time)
-    turns: list[Turn] = field(default_factory=list)
-    schema: int = SCHEMA
-
-    def messages(self, system: str = "") -> list[dict[str, str]]:
-        head = [{"role": "system", "content": system}] if system else []
-        return head + [{"role": t.role, "content": t.content} for t in self.turns]
-
-    def to_markdown(self) -> str:
-        lines = [f"# {self.title}", ""]
-        for t in self.turns:
-            lines += [f"**{t.role}**", "", t.content, ""]
-        return "\n".join(lines)
+def read_conversation(path: Path) -> Conversation:
+    """Raises ValueError (or OSError) saying what is wrong with the file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ValueError("it is nested too deeply") from None
+    return conversation_from_dict(data, path.stem)
 
 
 class ConversationStore:
     def __init__(self, folder: Path | None = None) -> None:
         self.folder = folder or data_dir() / "conversations"
 
-    def path(self, conv: Conversation) -> Path:
-        return self.folder / f"{conv.id}.json"
+    def path(self, conv: Conversation, suffix: str = ".json") -> Path:
+        """The conversation's file; an id that is not the generated form is refused (it could name any path)."""
+        if not valid_id(conv.id):
+            raise StoreError(f"the conversation id {conv.id!r} is not 12 hex digits; it was not saved, exported "
+                             "or deleted (start a new conversation)")
+        return self.folder / f"{conv.id}{suffix}"
 
-    def save(self, conv: Conversation) -> None:
-        atomic_write_json(self.path(conv), asdict(conv))
+    def save(self, conv: Conversation) -> bool:
+        """Write `conv`, merged with what other writers saved meanwhile; `conv` then holds the merged turns.
+        Returns whether other writers' changes came in. Raises OSError when the file cannot be written."""
+        path = self.path(conv)
+        with folder_lock(self.folder):
+            turns, title = conv.turns, conv.title
+            disk = self._read_for_merge(path)
+            if disk is not None:
+                turns = merge_turns(disk.turns, conv.turns, conv.synced_turns)
+                if conv.title == conv.synced_title:  # not renamed here: a rename elsewhere wins
+                    title = disk.title
+            changed = [t.id for t in turns] != [t.id for t in conv.turns] or title != conv.title
+            conv.turns, conv.title = turns, title
+            atomic_write_json(path, conv.to_dict())
+            conv.mark_synced()
+        return changed
+
+    @staticmethod
+    def _read_for_merge(path: Path) -> Conversation | None:
+        try:
+            return read_conversation(path)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):  # kept aside rather than overwritten: what it holds may still be wanted
+            try:
+                set_aside(path)
+            except OSError:
+                pass
+            return None
 
     def delete(self, conv: Conversation) -> None:
-        self.path(conv).unlink(missing_ok=True)
+        path = self.path(conv)
+        with folder_lock(self.folder):
+            path.unlink(missing_ok=True)
+
+    def export(self, conv: Conversation) -> Path:
+        """Write the conversation as Markdown beside its file; raises OSError when that fails."""
+        path = self.path(conv, ".md")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(conv.to_markdown(), encoding="utf-8")
+        return path
 
     def load_all(self) -> tuple[list[Conversation], list[str]]:
         """Every readable conversation, newest first, and notices about files that were set aside."""
@@ -58,16 +85,24 @@ class ConversationStore:
         notices: list[str] = []
         if not self.folder.is_dir():
             return convs, notices
-        for path in sorted(self.folder.glob("*.json")):
-            try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-                if data.get("schema") != SCHEMA:
-                    raise ValueError(f"schema {data.get('schema')}, expected {SCHEMA}")
-                turns = [Turn(**t) for t in data.pop("turns")]
-                convs.append(Conversation(**data, turns=turns))
-            except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-                aside = path.with_name(f"{path.stem}.bad-{int(time.time())}.json.txt")
-                path.rename(aside)
-                notices.append(f"a conversation file could not be read ({e}); it was set aside as {aside.name}")
+        with folder_lock(self.folder):  # held: no save is under way, so every temporary file here is stale
+            if remove_stale_temporaries(self.folder):
+                notices.append("an interrupted save left a temporary file; it was removed (the conversation "
+                               "keeps its last complete save)")
+            for path in sorted(self.folder.glob("*.json")):
+                if path.name.startswith("."):
+                    continue
+                try:
+                    convs.append(read_conversation(path))
+                except (OSError, ValueError) as e:
+                    notices.append(self._set_aside(path, e))
         convs.sort(key=lambda c: c.created, reverse=True)
         return convs, notices
+
+    @staticmethod
+    def _set_aside(path: Path, why: Exception) -> str:
+        try:
+            aside = set_aside(path)
+        except OSError as e:
+            return f"a conversation file could not be read ({why}) nor set aside ({e}): {path}"
+        return f"a conversation file could not be read ({why}); it was set aside as {aside.name}"

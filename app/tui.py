@@ -2,7 +2,9 @@
 
 Model loading and generation run in declared thread workers; they talk to the widgets through small
 message dataclasses. Tokens reach the screen in batches (at most every `REPAINT_S`), Escape stops an
-answer and keeps what was produced, conversations are saved after every turn.
+answer and keeps what was produced, conversations are saved after every turn. A save that fails (a full
+disk) is a notice: the conversation stays in memory and the next save tries again. A conversation longer
+than the context goes to the model without its oldest turns, and the status bar says so.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from textual.widgets import Footer, Label, ListItem, ListView, ProgressBar
 from textual.worker import get_current_worker
 
 from app.backend import ChatBackend
+from app.context import answer_room, fit_messages
 from app.picker import ModelEntry, PickerScreen, discover
 from app.screens import HelpScreen, RenameScreen, SettingsScreen
 from app.settings import Settings, load_settings, save_settings
@@ -60,6 +63,11 @@ class ModelFailed(Message):
 @dataclass
 class AnswerFailed(Message):
     error: str
+
+
+@dataclass
+class ContextTrimmed(Message):
+    dropped: int  # the oldest messages left out of the prompt
 
 
 @dataclass
@@ -118,6 +126,7 @@ class TandemApp(App[None]):
         self.current = Conversation()
         self.answer: ChatMessage | None = None
         self.generating = False
+        self.context_note = ""  # what the status bar adds while the prompt leaves turns out
         self._delete_armed = 0.0
 
     def compose(self) -> ComposeResult:
@@ -133,7 +142,10 @@ class TandemApp(App[None]):
 
     # -- start-up -------------------------------------------------------------------------------
     def on_mount(self) -> None:
-        self.conversations, notices = self.store.load_all()
+        try:
+            self.conversations, notices = self.store.load_all()
+        except OSError as e:  # the folder cannot be read (or locked): start empty, say so
+            self.conversations, notices = [], [f"the saved conversations could not be read ({e})"]
         if self.settings_notice:
             notices.append(self.settings_notice)
         for notice in notices:
@@ -315,6 +327,20 @@ class TandemApp(App[None]):
             self.current = chosen
             self.show_conversation()
 
+    def save(self, conv: Conversation) -> bool:
+        """Save `conv` (merging what other windows saved meanwhile); whether it worked. A failure is a notice: the
+        conversation stays in memory, whole, and its next save writes it all."""
+        try:
+            merged = self.store.save(conv)
+        except (OSError, TandemError) as e:
+            self.notify(f"the conversation could not be saved ({e}); it stays open here, and the next save "
+                        "tries again (Ctrl+S exports it)", title="Not saved", severity="error", timeout=20)
+            return False
+        if merged and conv is self.current and not self.generating:  # another window's turns came in
+            self.show_conversation()
+            self.refresh_sidebar()
+        return True
+
     def action_new_conversation(self) -> None:
         if self.generating:
             return
@@ -333,7 +359,11 @@ class TandemApp(App[None]):
             self.notify(f"press Ctrl+D again to delete “{self.current.title}”", severity="warning")
             return
         self._delete_armed = 0.0
-        self.store.delete(self.current)
+        try:
+            self.store.delete(self.current)
+        except (OSError, TandemError) as e:
+            self.notify(f"the conversation could not be deleted ({e})", severity="error", timeout=20)
+            return
         self.conversations.remove(self.current)
         if not self.conversations:
             self.conversations = [Conversation()]
@@ -347,15 +377,18 @@ class TandemApp(App[None]):
             self.query_one(Composer).focus()
             if title:
                 self.current.title = title
-                self.store.save(self.current)
+                self.save(self.current)
                 self.refresh_sidebar()
 
         self.push_screen(RenameScreen(self.current.title), apply)
 
     def action_export(self) -> None:
-        path = self.store.folder / f"{self.current.id}.md"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.current.to_markdown(), encoding="utf-8")
+        try:
+            path = self.store.export(self.current)
+        except (OSError, TandemError) as e:
+            self.notify(f"the conversation could not be exported ({e})", title="Not exported", severity="error",
+                        timeout=20)
+            return
         self.notify(f"exported to {path}")
 
     # -- asking and answering -------------------------------------------------------------------
@@ -395,6 +428,7 @@ class TandemApp(App[None]):
         box.mount(self.answer)
         box.scroll_end(animate=False)
         self.generating = True
+        self.context_note = ""
         self.update_status("answering… (Esc stops)")
         self.generate(self.current.messages(self.settings.system_prompt))
 
@@ -402,10 +436,15 @@ class TandemApp(App[None]):
     def generate(self, messages: list[dict[str, str]]) -> None:
         worker = get_current_worker()
         assert self.backend is not None
+        backend = self.backend
         pending, last = [], time.monotonic()
         stopped = False
         try:
-            for piece in self.backend.stream(messages, self.params):
+            limit = backend.context - answer_room(backend.context, self.params.max_new_tokens)
+            messages, dropped = fit_messages(messages, backend.prompt_tokens, limit)
+            if dropped:
+                self.post_message(ContextTrimmed(dropped))
+            for piece in backend.stream(messages, self.params):
                 pending.append(piece)
                 if worker.is_cancelled:
                     stopped = True
@@ -425,6 +464,12 @@ class TandemApp(App[None]):
             self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
             self.update_status("answering… (Esc stops)")
 
+    def on_context_trimmed(self, message: ContextTrimmed) -> None:
+        self.context_note = f"{message.dropped} earliest messages left out to fit the context"
+        self.notify(f"this conversation is longer than the model's context: its {message.dropped} earliest "
+                    "messages were left out of the prompt (Ctrl+N starts a new one)", severity="warning")
+        self.update_status("answering… (Esc stops)")
+
     def on_answer_failed(self, message: AnswerFailed) -> None:
         self.notify(message.error, title="The answer failed", severity="error", timeout=30)
 
@@ -432,8 +477,12 @@ class TandemApp(App[None]):
         self.generating = False
         self.release_retired()
         if self.answer is not None:
-            self.current.turns.append(Turn("assistant", self.answer.text))
-        self.store.save(self.current)
+            if self.answer.text:
+                self.current.turns.append(Turn("assistant", self.answer.text))
+            else:  # failed or stopped before a word: no empty answer (the question stays, to retry or edit)
+                self.answer.remove()
+            self.answer = None
+        self.save(self.current)
         self.update_status("stopped" if message.stopped else "")
         self.update_experts()
 
@@ -472,7 +521,7 @@ class TandemApp(App[None]):
         composer = self.query_one(Composer)
         composer.text = question.content
         composer.focus()
-        self.store.save(self.current)
+        self.save(self.current)
 
     # -- settings, help, command palette --------------------------------------------------------
     def action_settings(self) -> None:
@@ -480,7 +529,12 @@ class TandemApp(App[None]):
             self.query_one(Composer).focus()
             if new is not None:
                 self.settings, self.params = new, new.params()
-                save_settings(new)
+                try:
+                    save_settings(new)
+                except OSError as e:
+                    self.notify(f"the settings apply now but could not be saved ({e})", title="Not saved",
+                                severity="error", timeout=20)
+                    return
                 self.notify("settings saved")
 
         self.push_screen(SettingsScreen(self.settings), apply)
@@ -512,4 +566,5 @@ class TandemApp(App[None]):
         if self.backend is None:
             return
         b = self.backend
+        state = " · ".join(filter(None, (state, self.context_note)))
         self.query_one(StatusBar).show(b.name, b.family, b.placement, b.usage(), state)

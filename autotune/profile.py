@@ -10,11 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from runtime.paths import atomic_write_json, data_dir
+from runtime.dispatch import Strategy
+from runtime.expert_cache import Policy
+from runtime.paths import atomic_write_json, data_dir, remove_stale_temporaries, set_aside
 
 SCHEMA = 2  # 2: the kernel variant is "auto" unless one beats it at 1 and 8 tokens (1 forced the fastest at 1)
 
@@ -62,8 +64,12 @@ class Found:
     notice: str | None = None  # something the user should be told (set aside, hardware changed, none yet)
 
 
+STALE_TEMP_S = 600.0  # a profile save takes milliseconds: a temporary file this old was left by a killed one
+
+
 def find_profile(machine: dict[str, Any], model: dict[str, Any]) -> Found:
     path = profile_path(machine, model)
+    remove_stale_temporaries(path.parent, older_than_s=STALE_TEMP_S)
     if path.exists():
         return _read(path)
     others = [p for p in profiles_dir().glob(f"*-{_digest(model)}.json")] if profiles_dir().is_dir() else []
@@ -78,15 +84,82 @@ def _read(path: Path) -> Found:
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             return Found(None, _set_aside(path, f"it has schema {data.get('schema') if isinstance(data, dict) else '?'}"
                                                 f", this Tandem writes {SCHEMA}"))
-        return Found(Profile(**data))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError) as e:
+        return Found(profile_from_dict(data))
+    except RecursionError:
+        return Found(None, _set_aside(path, "it could not be read (it is nested too deeply)"))
+    except (OSError, ValueError) as e:  # (json's and UTF-8's errors are ValueErrors)
         return Found(None, _set_aside(path, f"it could not be read ({e})"))
 
 
+def profile_from_dict(data: dict[str, Any]) -> Profile:
+    """Every field checked, the plan's too: a profile is applied at every start, so one bad value read
+    unchecked would fail every start. Raises ValueError naming the first bad field."""
+    names = {f.name for f in fields(Profile)}
+    if set(data) - names:
+        raise ValueError(f"unknown fields {sorted(set(data) - names)}")
+    for name in ("machine", "model", "measurements", "plan", "predicted"):
+        if not isinstance(data.get(name), dict):
+            raise ValueError(f"'{name}' is {data.get(name)!r}, not a JSON object")
+    if not isinstance(data.get("created", ""), str):
+        raise ValueError(f"'created' is {data['created']!r}, not a text")
+    check_plan(data["plan"])
+    return Profile(**data)
+
+
+def _whole(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _one_of(value: Any, names: type[Strategy] | type[Policy]) -> bool:
+    return isinstance(value, str) and value in {n.value for n in names}
+
+
+PLAN_FIELDS = {"threads", "accelerator", "strategy", "cache", "static_experts", "kernel", "quant", "static"}
+
+
+def check_plan(plan: dict[str, Any]) -> None:
+    """The plan as `Plan.to_dict` writes it (plus `static`, the experts kept on the accelerator)."""
+    unknown = set(plan) - PLAN_FIELDS
+    if unknown:
+        raise ValueError(f"the plan has unknown fields {sorted(unknown)}")
+
+    def bad(name: str, value: Any, what: str) -> ValueError:
+        return ValueError(f"the plan's {name} is {value!r}, not {what}")
+
+    if not _whole(plan.get("threads"), 1):
+        raise bad("threads", plan.get("threads"), "a whole number ≥ 1")
+    if not isinstance(plan.get("accelerator", False), bool):
+        raise bad("accelerator", plan["accelerator"], "true or false")
+    if not _one_of(plan.get("strategy", "cpu"), Strategy):
+        raise bad("strategy", plan["strategy"], f"one of {', '.join(Strategy)}")
+    if not _whole(plan.get("static_experts", 0), 0):
+        raise bad("static_experts", plan["static_experts"], "a whole number ≥ 0")
+    if plan.get("quant", "none") not in (None, "none", "int8", "int4"):
+        raise bad("quant", plan["quant"], "none, int8 or int4")
+    cache = plan.get("cache", {})
+    if not isinstance(cache, dict) or set(cache) - {"indexes", "ways", "policy"}:
+        raise bad("cache", cache, "an object of indexes, ways and policy")
+    for name in ("indexes", "ways"):
+        if not _whole(cache.get(name, 0), 0):
+            raise bad(f"cache {name}", cache[name], "a whole number ≥ 0")
+    if not _one_of(cache.get("policy", "lru"), Policy):
+        raise bad("cache policy", cache["policy"], f"one of {', '.join(Policy)}")
+    kernel = plan.get("kernel", {})
+    if not isinstance(kernel, dict) or set(kernel) - {"isa", "crossover"}:
+        raise bad("kernel", kernel, "an object of isa and crossover")
+    if not isinstance(kernel.get("isa"), str | None):
+        raise bad("kernel isa", kernel["isa"], "a name")
+    if kernel.get("crossover") is not None and not _whole(kernel["crossover"], 1):
+        raise bad("kernel crossover", kernel["crossover"], "a whole number ≥ 1")
+    static = plan.get("static", [])
+    if not isinstance(static, list) or not all(
+            isinstance(k, list) and len(k) == 2 and all(_whole(v, 0) for v in k) for k in static):
+        raise bad("static", static, "a list of [layer, expert] pairs")
+
+
 def _set_aside(path: Path, why: str) -> str:
-    aside = path.with_name(f"{path.stem}.bad-{int(time.time())}.json")
     try:
-        path.rename(aside)
+        aside = set_aside(path, ".json")
     except OSError:
         return f"the profile {path} is unusable ({why}) and could not be moved aside; run `tandem autotune`"
     return f"the profile {path.name} was set aside as {aside.name} because {why}; run `tandem autotune` to re-tune"

@@ -26,3 +26,7 @@ class ResourceError(TandemError):
 
 class GenerationError(TandemError):
     """A generation request that cannot be served (e.g. the prompt exceeds the context)."""
+
+
+class StoreError(TandemError):
+    """A saved file (a conversation, the settings) cannot be used or written as asked."""

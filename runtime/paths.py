@@ -1,12 +1,25 @@
-"""Where Tandem keeps its files: the user's data and cache folders, or `$TANDEM_HOME` when set (tests)."""
+"""Where Tandem keeps its files: the user's data and cache folders, or `$TANDEM_HOME` when set (tests).
+
+Also the rules every saved file follows: written atomically (never half a file, even after a crash), a
+file that cannot be used set aside under a name no other one has, and folders that several processes
+write guarded by a lock.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+try:  # a lock between processes; a platform without it saves unlocked (still atomically)
+    import fcntl
+except ImportError:  # pragma: no cover - not on Linux or macOS
+    fcntl = None  # type: ignore[assignment]
 
 
 def data_dir() -> Path:
@@ -27,15 +40,101 @@ def cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("tandem", appauthor=False))
 
 
+def temp_prefix(path: Path) -> str:
+    """Temporary files of `path` are `.<stem>-<random>.json` beside it (hidden, so never taken for the file)."""
+    return f".{path.stem}-"
+
+
 def atomic_write_json(path: Path, data: Any) -> Path:
-    """Write JSON to a temporary file in the same folder, then rename it over `path`: never half a file."""
+    """Write JSON to a temporary file in the same folder, flush it to the disk, then rename it over `path`.
+
+    The data reach the disk before the rename, so a crash or power cut leaves the old file or the new one,
+    never an empty or half-written one; the folder is synced after so the rename itself is kept."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".json", dir=path.parent)
+    text = json.dumps(data, indent=1)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".json", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _sync_folder(path.parent)
     return path
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make a rename in `folder` durable; a platform or file system that cannot sync folders is not an error."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporaries(folder: Path, older_than_s: float = 0.0) -> list[Path]:
+    """Delete the temporary files a killed writer left in `folder` (`.<stem>-<random>.json`, see `temp_prefix`).
+
+    Call it while holding the folder's lock (then no live writer has one open), or with `older_than_s` large
+    enough that no save in progress can be that old. Returns what was removed."""
+    removed: list[Path] = []
+    if not folder.is_dir():
+        return removed
+    now = time.time()
+    for tmp in folder.glob(".*-*.json"):
+        try:
+            if tmp.is_file() and now - tmp.stat().st_mtime >= older_than_s:
+                tmp.unlink()
+                removed.append(tmp)
+        except OSError:
+            continue  # gone meanwhile, or not ours to delete: it is ignored when reading anyway
+    return removed
+
+
+def set_aside(path: Path, suffix: str = ".json.txt") -> Path:
+    """Rename an unusable file to `<stem>.bad-<nanoseconds>[-n]<suffix>` beside it and return the new path.
+
+    The name holds the time to the nanosecond plus a counter when needed, and `os.link` refuses to replace an
+    existing file, so two files set aside in the same instant (or by two processes) never overwrite each other.
+    Raises OSError when the file cannot be moved."""
+    stamp = time.time_ns()
+    for n in range(1000):
+        aside = path.with_name(f"{path.stem}.bad-{stamp}{f'-{n}' if n else ''}{suffix}")
+        try:
+            os.link(path, aside)
+        except FileExistsError:
+            continue
+        except OSError:  # no hard links here (some file systems): a checked rename instead
+            if aside.exists():
+                continue
+            path.rename(aside)
+            return aside
+        path.unlink()
+        return aside
+    raise OSError(f"no free name to set {path.name} aside")
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `folder` (its `.lock` file) between processes, waiting for it if needed.
+
+    Writers that read, merge and write files in the folder hold it so none of them works on a stale copy.
+    The lock goes with the process, so a crash never leaves it held."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
+    with open(folder / ".lock", "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

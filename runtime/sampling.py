@@ -5,6 +5,7 @@ Processing order follows transformers' `generate` so seeded runs are comparable.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,11 @@ class SamplingParams:
     beams: int = 1  # > 1: beam search (deterministic; sampling settings are ignored)
 
     def check(self) -> None:
+        # NaN passes every comparison below unnoticed and infinity divides logits into NaN: refused first
+        for name, value in (("temperature", self.temperature), ("top-p", self.top_p),
+                            ("repetition penalty", self.repetition_penalty)):
+            if not math.isfinite(value):
+                raise GenerationError(f"{name}: {value} is not a finite number")
         if self.max_new_tokens < 0:
             raise GenerationError("max new tokens must be ≥ 0")
         if self.temperature < 0:

@@ -134,3 +134,82 @@ def test_calibration_decodes_with_the_model_already_in_memory(mixtral_dir: Path,
     quantized = load(mixtral_dir, dtype="fp32", context=64, cpu=CpuOptions(quant="int8"))
     with pytest.raises(AssertionError, match="second time"):  # not what the calibration assumes: loads its own
         run.record_trace(mixtral_dir, "fp32", tokens=4, loaded=quantized)
+
+
+BAD_PLANS = {
+    "empty": {},
+    "null": None,
+    "a list": [2],
+    "threads a text": {"threads": "2"},
+    "threads zero": {"threads": 0},
+    "threads a boolean": {"threads": True},
+    "threads a float": {"threads": 2.5},
+    "unknown field": {"threads": 2, "turbo": True},
+    "strategy unknown": {"threads": 2, "strategy": "warp"},
+    "strategy a list": {"threads": 2, "strategy": ["cpu"]},
+    "accelerator a text": {"threads": 2, "accelerator": "yes"},
+    "cache a list": {"threads": 2, "cache": [1, 2]},
+    "cache ways negative": {"threads": 2, "cache": {"indexes": 1, "ways": -1, "policy": "lru"}},
+    "cache policy unknown": {"threads": 2, "cache": {"indexes": 1, "ways": 2, "policy": "random"}},
+    "cache policy unhashable": {"threads": 2, "cache": {"policy": {}}},
+    "kernel crossover negative": {"threads": 2, "kernel": {"isa": None, "crossover": -5}},
+    "kernel isa a number": {"threads": 2, "kernel": {"isa": 3, "crossover": None}},
+    "static experts negative": {"threads": 2, "static_experts": -1},
+    "static not pairs": {"threads": 2, "static": [[0, 1, 2]]},
+    "quant unknown": {"threads": 2, "quant": "int3"},
+}
+
+
+@pytest.mark.parametrize("plan", BAD_PLANS.values(), ids=BAD_PLANS.keys())
+def test_a_profile_with_a_bad_plan_is_set_aside_and_reported(plan: object) -> None:
+    p = profile()
+    path = save_profile(p)
+    data = json.loads(path.read_text())
+    data["plan"] = plan
+    path.write_text(json.dumps(data))
+    found = find_profile(p.machine, p.model)
+    assert found.profile is None and "set aside" in found.notice and "plan" in found.notice
+    assert not path.exists() and len(list(path.parent.glob("*.bad-*.json"))) == 1
+
+
+@pytest.mark.parametrize("change", [{"machine": None}, {"measurements": []}, {"predicted": "fast"},
+                                    {"created": 5}, {"extra": 1}])
+def test_a_profile_with_wrong_fields_is_set_aside(change: dict) -> None:
+    p = profile()
+    path = save_profile(p)
+    path.write_text(json.dumps(json.loads(path.read_text()) | change))
+    found = find_profile(p.machine, p.model)
+    assert found.profile is None and "set aside" in found.notice and not path.exists()
+
+
+def test_a_full_plan_as_the_planner_writes_it_is_read() -> None:
+    from autotune.plan import Plan
+
+    plan = Plan(4, True, "fetch", 2, 4, "lfu", 3, "avx2", 16, "int8").to_dict() | {"static": [[0, 1], [1, 5]]}
+    p = profile(plan=plan)
+    save_profile(p)
+    found = find_profile(p.machine, p.model)
+    assert found.notice is None and Plan.from_dict(found.profile.plan) == Plan.from_dict(plan)
+
+
+def test_a_bad_profile_is_reported_and_generate_still_runs(mixtral_dir: Path, capsys) -> None:
+    assert main(["autotune", "--model", str(mixtral_dir), "--quick", "--dtype", "fp32", "--json"]) == 0
+    path = Path(json.loads(capsys.readouterr().out)["profile"])
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps(data | {"plan": {"threads": "many"}}))
+    assert main(["generate", "--model", str(mixtral_dir), "--prompt", "hi", "--max-new-tokens", "2", "--dtype",
+                 "fp32"]) == 0
+    assert "set aside" in capsys.readouterr().err and not path.exists()
+
+
+def test_a_killed_profile_saves_temporary_file_is_removed_later() -> None:
+    import os
+    import time
+
+    p = profile()
+    path = save_profile(p)
+    stale = path.with_name(f".{path.stem}-abc123.json")
+    stale.write_text("{")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    found = find_profile(p.machine, p.model)
+    assert found.profile is not None and found.notice is None and not stale.exists()

@@ -25,15 +25,22 @@ class FakeBackend:
     """Deterministic words at a controllable pace."""
 
     name, family, placement = "fake-moe", "Mixtral", "CPU only · 2 threads · bf16"
+    context = 4096
 
     def __init__(self, words: int = 12, delay: float = 0.0, path: str | None = None) -> None:
         self.words, self.delay, self.path = words, delay, path
+        self.prompts: list[list[dict[str, str]]] = []  # the messages of every answer asked for
         self.started = threading.Event()
         self.produced = 0
         self.closed = False
         self.hold: threading.Event | None = None  # when given: after the first word, wait for it to be set
 
+    def prompt_tokens(self, messages: list[dict[str, str]]) -> int:
+        """One token a word, two a message for the template's markers."""
+        return sum(len(m["content"].split()) + 2 for m in messages)
+
     def stream(self, messages: list[dict[str, str]], params: SamplingParams) -> Iterator[str]:
+        self.prompts.append(messages)
         self.produced = 0
         self.started.set()
         for i in range(self.words):

@@ -1,0 +1,40 @@
+"""Fitting a long conversation into the model's context: the oldest turns are left out of the prompt.
+
+The system prompt and the newest question always stay, and the prompt keeps room for the answer. Pure
+functions of the messages and a token counter, so the rule is tested without a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+Messages = list[dict[str, str]]
+
+
+def answer_room(context: int, max_new_tokens: int) -> int:
+    """Tokens kept free for the answer: all it may use, but at most a quarter of the context (a long
+    conversation still gets most of it), and at least one (the engine needs a prompt shorter than the context)."""
+    return max(1, min(max_new_tokens, context // 4))
+
+
+def fit_messages(messages: Messages, count: Callable[[Messages], int], limit: int) -> tuple[Messages, int]:
+    """The newest messages whose prompt takes at most `limit` tokens, and how many older ones were left out.
+
+    Leading system messages are always kept. What is kept starts at a question (chat templates want a user
+    message first), and the newest question is kept even when it alone is over the limit: the engine then
+    says how long the prompt is. `count` is only called O(log n) times (the prompt shrinks as turns go)."""
+    if count(messages) <= limit:
+        return messages, 0
+    n_head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    head, body = messages[:n_head], messages[n_head:]
+    starts = [i for i, m in enumerate(body) if m["role"] == "user" and i > 0]
+    if not starts:
+        return messages, 0
+    lo, hi = 0, len(starts) - 1  # the first start that fits; the last one (the newest question) in any case
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if count(head + body[starts[mid]:]) <= limit:
+            hi = mid
+        else:
+            lo = mid + 1
+    return head + body[starts[lo]:], starts[lo]

@@ -1,0 +1,59 @@
+"""Fitting a conversation longer than the context: the oldest turns go, the system prompt and question stay."""
+
+from __future__ import annotations
+
+from app.context import answer_room, fit_messages
+from app.conversation import Conversation, Turn
+
+
+def words(messages: list[dict[str, str]]) -> int:
+    """A token counter for tests: one token per word, plus 2 per message for the template's markers."""
+    return sum(len(m["content"].split()) + 2 for m in messages)
+
+
+def chat(pairs: int, system: str = "be brief") -> list[dict[str, str]]:
+    turns = []
+    for i in range(pairs):
+        turns += [Turn("user", f"question {i} " + "w " * 8), Turn("assistant", f"answer {i} " + "w " * 8)]
+    return Conversation(turns=turns + [Turn("user", "the newest question")]).messages(system)
+
+
+def test_a_conversation_that_fits_is_left_whole() -> None:
+    messages = chat(3)
+    assert fit_messages(messages, words, 1000) == (messages, 0)
+
+
+def test_the_oldest_turns_go_first_and_the_system_prompt_stays() -> None:
+    messages = chat(10)
+    limit = words(messages) // 2
+    kept, dropped = fit_messages(messages, words, limit)
+    assert words(kept) <= limit and dropped > 0 and dropped % 2 == 0
+    assert kept[0] == {"role": "system", "content": "be brief"} and kept[1]["role"] == "user"
+    assert kept[-1]["content"] == "the newest question" and kept[1:] == messages[1 + dropped:]
+    # as many as fit: one more pair would be over the limit
+    assert words([kept[0]] + messages[1 + dropped - 2:]) > limit
+
+
+def test_the_newest_question_stays_even_when_over_the_limit() -> None:
+    messages = chat(4)
+    kept, dropped = fit_messages(messages, words, 3)
+    assert [m["content"] for m in kept] == ["be brief", "the newest question"] and dropped == 8
+    alone = [{"role": "user", "content": "w " * 100}]
+    assert fit_messages(alone, words, 3) == (alone, 0)
+
+
+def test_without_a_system_prompt() -> None:
+    messages = chat(6, system="")
+    kept, dropped = fit_messages(messages, words, 30)
+    assert kept[0]["role"] == "user" and words(kept) <= 30 and kept == messages[dropped:]
+
+
+def test_room_for_the_answer() -> None:
+    assert answer_room(4096, 512) == 512
+    assert answer_room(128, 512) == 32  # at most a quarter of a small context
+    assert answer_room(2, 512) == 1 and answer_room(4096, 0) == 1
+
+
+def test_an_unanswered_question_joins_the_next_one() -> None:
+    conv = Conversation(turns=[Turn("user", "first"), Turn("user", "second"), Turn("assistant", "a")])
+    assert conv.messages() == [{"role": "user", "content": "first\n\nsecond"}, {"role": "assistant", "content": "a"}]
