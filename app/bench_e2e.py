@@ -161,7 +161,8 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
         bw = max(probes + [dram_bandwidth(torch.get_num_threads(), 2**30)])
         for row in rows:
             if "bytes_per_token" in row:  # the weights read per token as a fraction of what DRAM delivers
-                row["roofline"] = round(per_token * 1000 / max(row["itl_ms"], 1e-9) / 1e9 / bw, 3)
+                # three significant digits: a tiny model's fraction is far below 0.001, and still not zero
+                row["roofline"] = float(f"{per_token * 1000 / max(row['itl_ms'], 1e-9) / 1e9 / bw:.3g}")
     plan = model.experts.describe()
     if later:  # Tandem is done: its experts' RAM goes back before the peer loads its own copy
         model.close()
