@@ -39,7 +39,7 @@ FLOAT_CHUNKS = 4
 QUANT_CHUNKS = 32  # quantized experts stay on the kernel up to this many chunks of tokens (measured: beyond
 # that, dequantizing once and using torch's matmul wins)
 MAX_THREADS = 4096  # a sanity bound: libgomp takes any positive count and allocates per thread
-COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what experts take and return (they sum in float32)
 
 
 # Every argument is checked here, in Python, before C sees it: C trusts the sizes it is given, so a wrong shape
@@ -270,7 +270,7 @@ class CpuExecutor:
     ) -> None:
         self.hidden, self.inter = _check_size("hidden size", hidden), _check_size("expert width", inter)
         if compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"experts compute in float32 or bf16, not {compute_dtype}")
+            raise ValueError(f"experts compute in float32, bf16 or fp16, not {compute_dtype}")
         if quant not in (None, *QUANT_KINDS):
             raise ValueError(f"quantization must be one of {', '.join(QUANT_KINDS)} or None, not {quant!r}")
         if quant == "int4" and (group not in GROUPS or hidden % group or inter % group):
@@ -545,7 +545,7 @@ class DenseLinear:
         """x [..., I] . w [O, I]^T (+ bias) -> [..., O] in `out_dtype` (default: x's). x bf16 or float32 (against
         bf16 weights: computed as against a float32 copy of them)."""
         out_dtype = out_dtype or x.dtype
-        if out_dtype not in COMPUTE_DTYPES:
+        if out_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"DenseLinear gives bf16 or float32 results, not {out_dtype}")
         if w.dim() != 2 or x.dim() == 0 or x.shape[-1] != w.shape[1]:
             raise ValueError(f"x {list(x.shape)} does not fit the matrix {list(w.shape)}: expected [..., {w.shape[-1]}]"

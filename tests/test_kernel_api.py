@@ -34,7 +34,7 @@ BAD_EXECUTORS: dict[str, Callable[[], object]] = {
     "threads 0": lambda: executor(threads=0),
     "threads 10**6": lambda: executor(threads=10**6),
     "threads 2.0": lambda: executor(threads=2.0),
-    "compute fp16": lambda: CpuExecutor(H, I, torch.float16),
+    "compute float64": lambda: CpuExecutor(H, I, torch.float64),
     "compute int32": lambda: CpuExecutor(H, I, torch.int32),
     "quant int3": lambda: executor(quant="int3"),
     "int4 group 48": lambda: executor(quant="int4", group=48),
