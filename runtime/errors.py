@@ -26,3 +26,11 @@ class ResourceError(TandemError):
 
 class GenerationError(TandemError):
     """A generation request that cannot be served (e.g. the prompt exceeds the context)."""
+
+
+class UsageError(TandemError):
+    """A flag or argument on the command line is missing, unknown or out of range."""
+
+
+class OutputError(TandemError):
+    """A result could not be written (standard output or a file): disk full, closed, or not writable."""
