@@ -337,32 +337,22 @@ def _plan(args: argparse.Namespace) -> int:
     from autotune.plan import ModelShape, make_plan
     from runtime.checkpoint import open_checkpoint
     from runtime.families import family_for
+    from runtime.trace import load_sequence
 
-    try:
-        hw = json.loads(Path(args.hardware).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise TandemError(f"cannot read hardware file {args.hardware}: {e}") from None
+    hw = _read_json(args.hardware, "hardware file")
     model = Path(args.model)
     if model.is_file():
-        try:
-            raw = json.loads(model.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise TandemError(f"cannot read {model}: {e}") from None
+        raw = _read_json(args.model, "model config")
+        if not isinstance(raw, dict):
+            raise TandemError(f"{args.model} is not a config.json (a JSON object)")
         cfg = family_for(raw.get("model_type")).parse(raw)
     else:
         cfg = open_checkpoint(model).config
     item = 4 if args.dtype == "fp32" else 2
     shape = ModelShape.from_config(cfg, item)
-    meas = from_hardware_file(hw, shape.expert_bytes, 6 * cfg.hidden_size * cfg.moe_intermediate_size)
-    trace = None
-    if args.trace:
-        import numpy as np
-
-        try:
-            with np.load(args.trace) as data:
-                trace = data["sequence"]
-        except (OSError, KeyError, ValueError) as e:
-            raise TandemError(f"cannot read trace {args.trace}: {e}; record one with --record-trace") from None
+    meas = from_hardware_file(hw, shape.expert_bytes, 6 * cfg.hidden_size * cfg.moe_intermediate_size,
+                              source=args.hardware)
+    trace = load_sequence(args.trace, shape.num_layers, shape.num_experts, shape.top_k) if args.trace else None
     result = make_plan(shape, meas, trace)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
@@ -372,6 +362,23 @@ def _plan(args: argparse.Namespace) -> int:
               f"cache {p.cache_indexes} x {p.cache_ways} ({p.cache_policy}), {p.static_experts} static experts: "
               f"{result.predicted_tok_s:.1f} tok/s predicted, hit rate {result.hit_rate:.0%}")
     return 0
+
+
+MAX_JSON_BYTES = 16 * 2**20  # a hand-written description or config.json; a device or a huge file is refused
+
+
+def _read_json(path: str, what: str) -> Any:
+    """A small JSON file named on the command line (not a folder, a device or anything too large to be one)."""
+    p = Path(path)
+    try:
+        if not p.is_file():
+            kind = "a folder" if p.is_dir() else "missing" if not p.exists() else "not a regular file"
+            raise TandemError(f"{what} {path} is {kind}")
+        if p.stat().st_size > MAX_JSON_BYTES:
+            raise TandemError(f"{what} {path} is larger than {MAX_JSON_BYTES // 2**20} MiB; is it the right file?")
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise TandemError(f"cannot read {what} {path}: {e}") from None
 
 
 def _generate(args: argparse.Namespace) -> int:
