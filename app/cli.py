@@ -432,16 +432,22 @@ def _generate(args: argparse.Namespace) -> int:
 def _probe(args: argparse.Namespace) -> int:
     from autotune.probe import LiveSources, RecordedSources, describe, probe, record
 
+    sources: LiveSources | RecordedSources = LiveSources()
     if args.source:
-        try:
-            sources: LiveSources | RecordedSources = RecordedSources.load(args.source)
-        except (OSError, ValueError) as e:
-            raise TandemError(f"cannot read recorded hardware {args.source}: {e}") from None
-    else:
-        sources = LiveSources()
+        data = _read_json(args.source, "recorded hardware")
+        if not isinstance(data, dict):
+            raise TandemError(f"recorded hardware {args.source} is not a JSON object; record one with probe --record")
+        sources = RecordedSources(data)
     if args.record:
         check_output_file(args.record, "--record")
-    hw = probe(sources)
+    try:
+        hw = probe(sources)
+    except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
+        if not args.source:
+            raise  # this machine's own readings: a bug, keep the traceback
+        # a recorded file is anyone's JSON: a reading of the wrong type is the file's fault, not a crash
+        raise TandemError(f"recorded hardware {args.source} holds a reading of the wrong type ({e}); "
+                          "record one with tandem probe --record") from None
     if args.record:
         Path(args.record).write_text(json.dumps(record(sources), indent=1), encoding="utf-8")
     print(json.dumps(hw.to_dict(), indent=1) if args.json else "\n".join(describe(hw)))

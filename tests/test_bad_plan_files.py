@@ -192,3 +192,13 @@ def test_synthetic_trace_refuses_more_picks_than_experts() -> None:
     with pytest.raises(ValueError, match="top_k"):
         synthetic_trace(4, 2, experts=3, top_k=4)
     assert synthetic_trace(4, 2, experts=3, top_k=3).shape == (4, 2, 3)  # all of them: still possible
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("[1, 2]", "not a JSON object"), ('{"cores": "x", "cpu": 3}', "wrong type"), ("/dev/zero", "not a regular file"),
+    ("{", "cannot read")])
+def test_bad_recorded_hardware_for_probe(tmp_path: Path, capsys, content: str, needle: str) -> None:
+    path = Path(content) if content.startswith("/dev/") else tmp_path / "rec.json"
+    if path.parent == tmp_path:
+        path.write_text(content)
+    refused(capsys, ["probe", "--from", str(path)], "recorded hardware", needle)
