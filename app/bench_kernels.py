@@ -23,6 +23,7 @@ SHAPES = {"mixtral": (4096, 14336), "qwen3": (2048, 768), "olmoe": (2048, 1024),
 TOP_K = {"mixtral": 2, "qwen3": 8, "olmoe": 8, "deepseek": 6}  # experts per token in each family
 DTYPES = ("bf16", "fp16", "fp32", "int8", "int4")
 TOKENS = (1, 2, 4, 8, 16, 64, 256)
+MAX_TOKENS = 4096  # tokens per call at most: 4096 x hidden activations stay small beside the weights
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 WORKING_SET = 2 * 1024**3  # bytes of expert weights cycled through: beyond any cache
 

@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
-from runtime.errors import TandemError
+from app import flags
+from app.output import (
+    EXIT_PIPE_CLOSED,
+    PipeClosed,
+    check_output_file,
+    check_output_folder,
+    guarded_stdout,
+    silence_stdout,
+)
+from app.prompt_input import prompt_text
+from runtime.errors import TandemError, UsageError
 
 EXIT_USAGE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="Run Mixture-of-Experts language models locally.")
+    parser = flags.ArgumentParser(prog="tandem", description="Run Mixture-of-Experts language models locally.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
@@ -24,18 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("text", nargs="?", help="the prompt text (or --prompt); - reads it from standard input")
     gen.add_argument("-p", "--prompt", default=None, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--max-new-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-    gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-new-tokens", type=flags.whole(0), default=256)
+    gen.add_argument("--temperature", type=flags.real(0), default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=flags.whole(0), default=0, help="0 = off")
+    gen.add_argument("--top-p", type=flags.real(0, 1, low_open=True), default=1.0, help="1 = off")
+    gen.add_argument("--repetition-penalty", type=flags.real(0, low_open=True), default=1.0, help="1 = off")
+    gen.add_argument("--seed", type=flags.seed, default=None)
     gen.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                      help="compute dtype (auto: bf16 where the CPU has native bf16, else fp32)")
-    gen.add_argument("--context", type=int, default=None, help="context length to allocate (default: min(model, 4096))")
+    gen.add_argument("--context", type=flags.whole(2), default=None,
+                     help="context length to allocate (default: min(model, 4096))")
     gen.add_argument("--force", action="store_true", help="load even if the RAM estimate says it will not fit")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    gen.add_argument("--beams", type=int, default=1, help="beam search width (1 = off)")
+    gen.add_argument("--beams", type=flags.whole(1), default=1, help="beam search width (1 = off)")
     gen.add_argument("--record-trace", metavar="FILE", help="save the expert activation trace (.npz)")
     add_runtime_args(gen)
     gen.set_defaults(func=_generate)
@@ -49,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="the chat app (terminal UI)")
     chat.add_argument("model", nargs="?", default=None, help="model folder (default: the built-in model)")
     chat.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
-    chat.add_argument("--context", type=int, default=None)
+    chat.add_argument("--context", type=flags.whole(2), default=None)
     chat.add_argument("--force", action="store_true")
     chat.add_argument("--models-dir", action="append", default=[], metavar="DIR",
                       help="a folder of model folders for the picker (Ctrl+O); repeatable (default: ~/models)")
@@ -75,20 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     decode = bench_sub.add_parser("decode", help="decode tokens/s, optionally against transformers")
     decode.add_argument("--model", default=None, help="default: the built-in model")
-    decode.add_argument("--prompt-tokens", type=int, default=32)
-    decode.add_argument("--new-tokens", type=int, default=64)
-    decode.add_argument("--repeats", type=int, default=3)
+    decode.add_argument("--prompt-tokens", type=flags.whole(1), default=32)
+    decode.add_argument("--new-tokens", type=flags.whole(1), default=64)
+    decode.add_argument("--repeats", type=flags.whole(1), default=3)
     decode.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
-    decode.add_argument("--context", type=int, default=None)
+    decode.add_argument("--context", type=flags.whole(2), default=None)
     decode.add_argument("--force", action="store_true")
     decode.add_argument("--peer", choices=["transformers"], default=None)
     add_runtime_args(decode)
     decode.set_defaults(func=_bench_decode)
     offload = bench_sub.add_parser("offload", help="cache policies and static placement on the emulated accelerator")
     offload.add_argument("--model", required=True)
-    offload.add_argument("--expert-fraction", type=float, default=0.25, help="share of all experts that fit")
-    offload.add_argument("--prompt-tokens", type=int, default=32)
-    offload.add_argument("--new-tokens", type=int, default=64)
+    offload.add_argument("--expert-fraction", type=flags.real(0, 1, low_open=True), default=0.25,
+                         help="share of all experts that fit")
+    offload.add_argument("--prompt-tokens", type=flags.whole(1), default=32)
+    offload.add_argument("--new-tokens", type=flags.whole(1), default=64)
     offload.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
     offload.set_defaults(func=_bench_offload)
 
@@ -103,15 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--json", metavar="FILE", help="write the results as JSON")
     e2e.add_argument("--plot", metavar="FILE.png", help="draw the results (needs matplotlib)")
     e2e.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
-    e2e.add_argument("--context", type=int, default=None)
+    e2e.add_argument("--context", type=flags.whole(2), default=None)
     e2e.add_argument("--force", action="store_true")
     add_runtime_args(e2e)
     e2e.set_defaults(func=_bench_e2e)
 
     val = bench_sub.add_parser("plan", help="the planner and simulator against real runs (regret, prediction error)")
     val.add_argument("--model", required=True)
-    val.add_argument("--expert-fraction", type=float, default=0.25)
-    val.add_argument("--tokens", type=int, default=32)
+    val.add_argument("--expert-fraction", type=flags.real(0, 1, low_open=True), default=0.25)
+    val.add_argument("--tokens", type=flags.whole(1), default=32)
     val.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
     val.set_defaults(func=_bench_plan)
 
@@ -119,19 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
     kern.add_argument("--shapes", default="mixtral,qwen3,olmoe,deepseek")
     kern.add_argument("--dtypes", default="bf16,fp16,fp32,int8,int4")
     kern.add_argument("--tokens", default="1,2,4,8,16,64,256")
-    kern.add_argument("--threads", type=int, default=None)
+    kern.add_argument("--threads", type=flags.threads, default=None)
     kern.add_argument("--json", action="store_true", help="print the rows as JSON")
     kern.set_defaults(func=_bench_kernels)
 
     quant = bench_sub.add_parser("quant", help="int8/int4 CPU experts: logits drift and greedy agreement")
     quant.add_argument("--model", required=True)
-    quant.add_argument("--new-tokens", type=int, default=64)
+    quant.add_argument("--new-tokens", type=flags.whole(1), default=64)
     quant.add_argument("--quant-group", type=int, choices=[32, 64, 128], default=64)
     quant.set_defaults(func=_bench_quant)
 
     num = bench_sub.add_parser("numerics", help="bf16 paths against fp32: top-1 agreement, teacher-forced")
     num.add_argument("--model", default=None, help="model folder (default: the built-in model)")
-    num.add_argument("--tokens", type=int, default=1024, help="tokens of the bundled texts to feed")
+    num.add_argument("--tokens", type=flags.whole(1), default=1024, help="tokens of the bundled texts to feed")
     num.add_argument("--paths", default=None, help="comma list of paths (default: every one this CPU can take)")
     num.add_argument("--masks", action="store_true",
                      help="then every path again as each CPU with fewer features this one can play")
@@ -140,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     mbm = sub.add_parser("make-bench-model", help="write a random-weight checkpoint with a real model's shapes")
     mbm.add_argument("--shape", required=True, help="mixtral, qwen3-30b-a3b, olmoe (deepseek-v2-lite: not yet)")
-    mbm.add_argument("--layers", type=int, default=None, help="fewer layers than the real model")
+    mbm.add_argument("--layers", type=flags.whole(1), default=None, help="fewer layers than the real model")
     mbm.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     mbm.add_argument("--out", required=True)
     mbm.set_defaults(func=_make_bench_model)
@@ -148,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     synth = sub.add_parser("make-test-model", help="write a small random-weight checkpoint (for trying things out)")
     synth.add_argument("--family", default="mixtral", help="model_type: mixtral, qwen2_moe, qwen3_moe, olmoe")
     synth.add_argument("--out", required=True, help="folder to create")
-    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--seed", type=flags.seed, default=0)
     synth.set_defaults(func=_make_test_model)
     return parser
 
@@ -158,21 +173,23 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("accelerator and expert placement")
     g.add_argument("--accelerator", choices=["auto", "none", "cuda", "emulated"], default="auto",
                    help="auto: CUDA when usable, else CPU only; emulated: the CPU plays a GPU (needs --vram-gb)")
-    g.add_argument("--vram-gb", type=float, default=None, help="accelerator memory budget (caps CUDA)")
+    g.add_argument("--vram-gb", type=flags.real(0, low_open=True), default=None,
+                   help="accelerator memory budget (caps CUDA)")
     g.add_argument("--strategy", choices=["fiddler", "cpu", "fetch"], default=None,
                    help="fiddler: per-expert choice by latency; cpu: never copy weights; fetch: always copy")
-    g.add_argument("--cache-ways", type=int, default=None, help="ways per index of the expert cache")
+    g.add_argument("--cache-ways", type=flags.whole(0), default=None,
+                   help="ways per index of the expert cache (0: no cache, only static placement)")
     g.add_argument("--cache-policy", choices=["lru", "fifo", "lfu", "trace"], default=None, help="default: lru")
-    g.add_argument("--max-inflight", type=int, default=4, help="background expert copies in flight at most")
+    g.add_argument("--max-inflight", type=flags.whole(1), default=4, help="background expert copies in flight at most")
     g.add_argument("--placement", metavar="FILE", help="pin the most popular experts of a recorded trace")
-    g.add_argument("--cost", metavar="A,B,GPU,T",
+    g.add_argument("--cost", type=flags.cost, metavar="A,B,GPU,T",
                    help="latency model in ms: cpu_lat(s)=A+B*s, gpu_lat, transfer_lat (default: from sizes)")
     c = p.add_argument_group("CPU experts")
-    c.add_argument("--threads", type=int, default=None, help="threads for CPU experts (default: all cores)")
+    c.add_argument("--threads", type=flags.threads, default=None, help="threads for CPU experts (default: all cores)")
     c.add_argument("--quant", choices=["none", "int8", "int4"], default="none",
                    help="weight-only quantization of CPU experts, done at load (opt-in)")
     c.add_argument("--quant-group", type=int, choices=[32, 64, 128], default=64, help="int4 group size")
-    c.add_argument("--kernel-crossover", type=int, default=None,
+    c.add_argument("--kernel-crossover", type=flags.whole(0), default=None,
                    help="up to this many tokens per expert use the compiled kernel; more use torch "
                         "(default: 16 with AMX, else 8)")
     c.add_argument("--resident", action=argparse.BooleanOptionalAction, default=None,
@@ -219,10 +236,7 @@ def load_from_args(args: argparse.Namespace, batch: int = 1, notify: Callable[[s
     from runtime.loader import load
 
     args.model = resolve_model(args.model)
-    try:
-        cost = CostModel.parse(args.cost) if args.cost else None
-    except ValueError as e:
-        raise Err(str(e)) from None
+    cost: CostModel | None = args.cost  # read and checked with the flags (flags.cost)
     if not args.no_profile:
         apply_profile(args, notify)
     policy = OffloadPolicy(Strategy(args.strategy or "fiddler"), args.cache_ways, Policy(args.cache_policy or "lru"),
@@ -231,8 +245,10 @@ def load_from_args(args: argparse.Namespace, batch: int = 1, notify: Callable[[s
     isa = None if args.kernel_isa == "auto" else args.kernel_isa
     if isa is not None and isa not in available_isas():
         raise Err(f"--kernel-isa {isa} is not available on this machine (available: {', '.join(available_isas())})")
-    if args.threads is not None and args.threads < 1:
-        raise Err("--threads must be at least 1")
+    limit = flags.cpu_threads_available()
+    if args.threads is not None and not 1 <= args.threads <= limit:  # a profile's count: the flag's own is checked
+        raise Err(f"--threads must be between 1 and {limit}, the number of CPU threads this machine has "
+                  f"(the profile says {args.threads}; run tandem autotune again)")
     cpu = CpuOptions(args.threads, args.kernel_crossover, None if args.quant == "none" else args.quant,
                      args.quant_group, isa, resident=args.resident)
     return load(args.model, dtype=args.dtype, context=args.context, force=args.force, accelerator=args.accelerator,
@@ -321,32 +337,19 @@ def _plan(args: argparse.Namespace) -> int:
     from autotune.plan import ModelShape, make_plan
     from runtime.checkpoint import open_checkpoint
     from runtime.families import parse_config
+    from runtime.trace import load_sequence
 
-    try:
-        hw = json.loads(Path(args.hardware).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise TandemError(f"cannot read hardware file {args.hardware}: {e}") from None
+    hw = _read_json(args.hardware, "hardware file")
     model = Path(args.model)
     if model.is_file():
-        try:
-            raw = json.loads(model.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise TandemError(f"cannot read {model}: {e}") from None
-        cfg = parse_config(raw, str(model))[1]
+        cfg = parse_config(_read_json(args.model, "model config"), str(model))[1]
     else:
         cfg = open_checkpoint(model).config
     item = 4 if args.dtype == "fp32" else 2
     shape = ModelShape.from_config(cfg, item)
-    meas = from_hardware_file(hw, shape.expert_bytes, 6 * cfg.hidden_size * cfg.moe_intermediate_size)
-    trace = None
-    if args.trace:
-        import numpy as np
-
-        try:
-            with np.load(args.trace) as data:
-                trace = data["sequence"]
-        except (OSError, KeyError, ValueError) as e:
-            raise TandemError(f"cannot read trace {args.trace}: {e}; record one with --record-trace") from None
+    meas = from_hardware_file(hw, shape.expert_bytes, 6 * cfg.hidden_size * cfg.moe_intermediate_size,
+                              source=args.hardware)
+    trace = load_sequence(args.trace, shape.num_layers, shape.num_experts, shape.top_k) if args.trace else None
     result = make_plan(shape, meas, trace)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
@@ -358,13 +361,21 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prompt_text(text: str | None, prompt: str | None) -> str:
-    """The prompt, given either way (`-` as the text: read from standard input)."""
-    if (text is None) == (prompt is None):
-        raise TandemError("give the prompt once: tandem generate \"your prompt\" (or --prompt, or - to read stdin)")
-    given = text if text is not None else prompt
-    assert given is not None
-    return sys.stdin.read() if given == "-" else given
+MAX_JSON_BYTES = 16 * 2**20  # a hand-written description or config.json; a device or a huge file is refused
+
+
+def _read_json(path: str, what: str) -> Any:
+    """A small JSON file named on the command line (not a folder, a device or anything too large to be one)."""
+    p = Path(path)
+    try:
+        if not p.is_file():
+            kind = "a folder" if p.is_dir() else "missing" if not p.exists() else "not a regular file"
+            raise TandemError(f"{what} {path} is {kind}")
+        if p.stat().st_size > MAX_JSON_BYTES:
+            raise TandemError(f"{what} {path} is larger than {MAX_JSON_BYTES // 2**20} MiB; is it the right file?")
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise TandemError(f"cannot read {what} {path}: {e}") from None
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -372,7 +383,9 @@ def _generate(args: argparse.Namespace) -> int:
     from runtime.sampling import SamplingParams
     from runtime.tokenizer import StreamDecoder
 
-    text = _prompt_text(args.text, args.prompt)
+    text = prompt_text(args.text, args.prompt)
+    if args.record_trace:
+        check_output_file(args.record_trace, "--record-trace")
     loaded = load_from_args(args, batch=args.beams)
     tok = loaded.tokenizer
     prompt = tok.encode_chat([{"role": "user", "content": text}]) if args.chat else tok.encode(text)
@@ -416,14 +429,22 @@ def _generate(args: argparse.Namespace) -> int:
 def _probe(args: argparse.Namespace) -> int:
     from autotune.probe import LiveSources, RecordedSources, describe, probe, record
 
+    sources: LiveSources | RecordedSources = LiveSources()
     if args.source:
-        try:
-            sources: LiveSources | RecordedSources = RecordedSources.load(args.source)
-        except (OSError, ValueError) as e:
-            raise TandemError(f"cannot read recorded hardware {args.source}: {e}") from None
-    else:
-        sources = LiveSources()
-    hw = probe(sources)
+        data = _read_json(args.source, "recorded hardware")
+        if not isinstance(data, dict):
+            raise TandemError(f"recorded hardware {args.source} is not a JSON object; record one with probe --record")
+        sources = RecordedSources(data)
+    if args.record:
+        check_output_file(args.record, "--record")
+    try:
+        hw = probe(sources)
+    except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
+        if not args.source:
+            raise  # this machine's own readings: a bug, keep the traceback
+        # a recorded file is anyone's JSON: a reading of the wrong type is the file's fault, not a crash
+        raise TandemError(f"recorded hardware {args.source} holds a reading of the wrong type ({e}); "
+                          "record one with tandem probe --record") from None
     if args.record:
         Path(args.record).write_text(json.dumps(record(sources), indent=1), encoding="utf-8")
     print(json.dumps(hw.to_dict(), indent=1) if args.json else "\n".join(describe(hw)))
@@ -453,14 +474,14 @@ def _bench_offload(args: argparse.Namespace) -> int:
 def _bench_kernels(args: argparse.Namespace) -> int:
     import torch
 
-    from app.bench_kernels import SHAPES, bench_kernels
+    from app.bench_kernels import DTYPES, MAX_TOKENS, SHAPES, bench_kernels
 
-    shapes = args.shapes.split(",")
-    unknown = [s for s in shapes if s not in SHAPES]
-    if unknown:
-        raise TandemError(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
+    # read here, not by argparse: the known names live beside the benchmark, which imports torch
+    shapes = _list_flag("--shapes", flags.names(tuple(SHAPES), "shape"), args.shapes)
+    dtypes = _list_flag("--dtypes", flags.names(DTYPES, "dtype"), args.dtypes)
+    tokens = _list_flag("--tokens", flags.whole_list(1, MAX_TOKENS), args.tokens)
     threads = args.threads or torch.get_num_threads()
-    rows = bench_kernels(shapes, threads, tuple(args.dtypes.split(",")), tuple(int(t) for t in args.tokens.split(",")),
+    rows = bench_kernels(list(shapes), threads, dtypes, tokens,
                          progress=None if args.json else lambda line: print(line, file=sys.stderr))
     if args.json:
         print(json.dumps(rows))
@@ -472,9 +493,22 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def _list_flag(flag: str, parse: Callable[[str], tuple[Any, ...]], text: str) -> tuple[Any, ...]:
+    try:
+        return parse(text)
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(f"argument {flag}: {e}") from None
+
+
 def _bench_e2e(args: argparse.Namespace) -> int:
     from app.bench_e2e import bench_e2e, plot
 
+    if args.json:
+        check_output_file(args.json, "--json")
+    if args.plot:
+        check_output_file(args.plot, "--plot")
+        if importlib.util.find_spec("matplotlib") is None:
+            raise TandemError("--plot needs matplotlib: pip install 'tandem[plot]' (or matplotlib)")
     if args.context is None:
         args.context = 4096 + 64 if not args.quick else 2048 + 64
     try:
@@ -521,8 +555,6 @@ def _bench_numerics(args: argparse.Namespace) -> int:
     paths = None if args.paths is None else [p.strip() for p in args.paths.split(",") if p.strip()]
     if paths is not None and (not paths or set(paths) - set(known)):
         raise TandemError(f"--paths takes a comma list of {', '.join(known)} (the paths this CPU can take)")
-    if args.tokens < 1:
-        raise TandemError("--tokens must be at least 1")
 
     def step(message: str) -> None:
         print(f"  {message}", file=sys.stderr)
@@ -546,8 +578,7 @@ def _make_bench_model(args: argparse.Namespace) -> int:
 
     from runtime.bench_shapes import make_bench_model
 
-    if Path(args.out).exists():
-        raise TandemError(f"{args.out} already exists; choose a new folder")
+    check_output_folder(args.out, "--out")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     path = make_bench_model(args.shape, args.out, args.layers, dtype)
     size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
@@ -558,6 +589,7 @@ def _make_bench_model(args: argparse.Namespace) -> int:
 def _make_test_model(args: argparse.Namespace) -> int:
     from runtime.synth import tiny_config, write_test_model
 
+    check_output_folder(args.out, "--out")
     path = write_test_model(args.out, tiny_config(args.family), seed=args.seed)
     print(f"wrote a random-weight {args.family} checkpoint to {path}")
     return 0
@@ -577,14 +609,21 @@ def _apply_cpu_mask() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. A problem the user can fix: `error: ...` on stderr and status 2. Standard output closed
+    by its reader (`| head`): stop quietly with status 141, as a command killed by SIGPIPE would."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return EXIT_USAGE
     try:
-        _apply_cpu_mask()
-        return args.func(args)
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return EXIT_USAGE
+        # the chat app owns the terminal (and its own output) while it runs
+        with nullcontext() if args.command == "chat" else guarded_stdout():
+            _apply_cpu_mask()
+            return args.func(args)
+    except PipeClosed:
+        silence_stdout()
+        return EXIT_PIPE_CLOSED
     except TandemError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

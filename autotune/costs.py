@@ -7,6 +7,8 @@ what was not measured from bandwidths and peak FLOPS (MoE-Lightning's hierarchic
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,31 +91,85 @@ def roofline_cpu(expert_bytes: int, flops_per_token: float, dram_gbps: float, gf
     return CpuFit(expert_bytes / dram_gbps / 1e6, flops_per_token / gflops / 1e6)
 
 
-def from_hardware_file(d: dict[str, Any], expert_bytes: int, flops_per_token: float) -> Measurements:
-    """A machine described by hand (see the README's HW.json schema) -> Measurements."""
-    try:
-        cores = int(d["cores"])
-        cpu: dict[int, CpuFit] = {}
-        for t, spec in (d.get("cpu_threads") or {}).items():
-            cpu[int(t)] = CpuFit(float(spec["expert_ms"]), float(spec.get("per_token_ms", 0.0)))
-        if not cpu:  # derive from bandwidth and FLOPS, assuming both scale with threads up to `cores`
-            bw, gf = float(d["cpu_bandwidth_gbps"]), float(d["cpu_gflops"])
-            for t in sorted({1, max(1, cores // 2), cores}):
-                cpu[t] = roofline_cpu(expert_bytes, flops_per_token, bw * min(1.0, 2 * t / cores), gf * t / cores)
-        gpu = d.get("gpu") or {}
-        expert_ms = gpu.get("expert_ms")
-        if expert_ms is None and gpu.get("bandwidth_gbps"):  # roofline: decode reads the expert once
-            expert_ms = expert_bytes / float(gpu["bandwidth_gbps"]) / 1e6
-        copy_ms = gpu.get("copy_ms")
-        if copy_ms is None and gpu.get("h2d_gbps"):
-            copy_ms = expert_bytes / float(gpu["h2d_gbps"]) / 1e6
-        return Measurements(
-            cores=cores, expert_bytes=expert_bytes, cpu=cpu, dram_gbps=d.get("cpu_bandwidth_gbps"),
-            gpu_expert_ms=expert_ms, copy_expert_ms=copy_ms, h2d_gbps=gpu.get("h2d_gbps"),
-            vram_for_experts=int(gpu.get("vram_bytes_for_experts") or 0),
-            token_overhead_ms=float(d.get("token_overhead_ms", 0.0)),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise TandemError(
-            f"hardware file is missing or has a bad value ({e!r}); see the HW.json schema in the README"
-        ) from None
+MAX_COUNT = 1 << 16  # cores and thread counts: beyond any machine, and small enough to loop over
+
+
+class _HardwareFile:
+    """Reads the fields of a hardware description, refusing (with the field's name) anything but a finite
+    positive number where one belongs: a zero, negative, NaN or infinite latency or bandwidth would produce
+    plans like "threads -3" or "390625 tok/s" instead of an error."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, field: str, value: Any, rule: str) -> TandemError:
+        shown = json.dumps(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        return TandemError(f"{self.source}: {field} must be {rule}, not {shown}; "
+                           "see the HW.json schema in the README")
+
+    def section(self, d: Any, field: str) -> dict[str, Any]:
+        if d is None:
+            return {}
+        if not isinstance(d, dict):
+            raise self.fail(field, d, "an object ({...})")
+        return d
+
+    def number(self, d: dict[str, Any], key: str, where: str = "", *, zero: bool = False) -> float:
+        field, value = where + key, d.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not (
+                value >= 0 if zero else value > 0):
+            raise self.fail(field, value, "a finite number" + (" (0 or more)" if zero else " above 0"))
+        return float(value)
+
+    def optional(self, d: dict[str, Any], key: str, where: str = "", *, zero: bool = False) -> float | None:
+        return None if d.get(key) is None else self.number(d, key, where, zero=zero)
+
+    def count(self, value: Any, field: str, high: int = MAX_COUNT, *, zero: bool = False, key: bool = False) -> int:
+        """A whole number (JSON 24 or 24.0; as a key, where JSON allows only strings, "24"), from 1 (or 0) to
+        `high`."""
+        if key and isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or not (0 if zero else 1) <= value <= high:
+            raise self.fail(field, value, f"a whole number from {0 if zero else 1} to {high}")
+        return value
+
+
+def from_hardware_file(d: dict[str, Any], expert_bytes: int, flops_per_token: float,
+                       source: str = "hardware file") -> Measurements:
+    """A machine described by hand (see the README's HW.json schema) -> Measurements. `source` names the file
+    in errors."""
+    f = _HardwareFile(source)
+    if not isinstance(d, dict):
+        raise f.fail("the file", d, "a JSON object")
+    cores = f.count(d.get("cores"), "cores")
+    dram = f.optional(d, "cpu_bandwidth_gbps")
+    cpu: dict[int, CpuFit] = {}
+    for t, spec in f.section(d.get("cpu_threads"), "cpu_threads").items():
+        where = f"cpu_threads.{t}."
+        spec = f.section(spec, where.rstrip("."))
+        per_token = 0.0 if spec.get("per_token_ms") is None else f.number(spec, "per_token_ms", where, zero=True)
+        cpu[f.count(t, "a cpu_threads key", key=True)] = CpuFit(f.number(spec, "expert_ms", where), per_token)
+    if not cpu:  # derive from bandwidth and FLOPS, assuming both scale with threads up to `cores`
+        bw, gf = f.number(d, "cpu_bandwidth_gbps"), f.number(d, "cpu_gflops")
+        for t in sorted({1, max(1, cores // 2), cores}):
+            cpu[t] = roofline_cpu(expert_bytes, flops_per_token, bw * min(1.0, 2 * t / cores), gf * t / cores)
+    gpu = f.section(d.get("gpu"), "gpu")
+    expert_ms = f.optional(gpu, "expert_ms", "gpu.")
+    bandwidth = f.optional(gpu, "bandwidth_gbps", "gpu.")
+    if expert_ms is None and bandwidth is not None:  # roofline: decode reads the expert once
+        expert_ms = expert_bytes / bandwidth / 1e6
+    copy_ms = f.optional(gpu, "copy_ms", "gpu.")
+    h2d = f.optional(gpu, "h2d_gbps", "gpu.")
+    if copy_ms is None and h2d is not None:
+        copy_ms = expert_bytes / h2d / 1e6
+    vram = gpu.get("vram_bytes_for_experts")
+    vram = 0 if vram is None else f.count(vram, "gpu.vram_bytes_for_experts", 1 << 60, zero=True)
+    overhead = d.get("token_overhead_ms")
+    return Measurements(
+        cores=cores, expert_bytes=expert_bytes, cpu=cpu, dram_gbps=dram, gpu_expert_ms=expert_ms,
+        copy_expert_ms=copy_ms, h2d_gbps=h2d, vram_for_experts=vram,
+        token_overhead_ms=0.0 if overhead is None else f.number(d, "token_overhead_ms", zero=True),
+    )

@@ -16,9 +16,29 @@ import numpy as np
 from autotune.costs import Measurements
 from autotune.simulate import SimCosts, SimPolicy, SimResult, simulate, synthetic_trace
 from runtime.config import ModelConfig
+from runtime.errors import TandemError
 from runtime.expert_cache import Policy
 from runtime.trace import most_popular
 from runtime.weights import attention_tensors
+
+MAX_EXPERTS = 1 << 16  # per layer; the planner keeps [layers, experts] tables, so the sizes are bounded first
+MAX_LAYERS = 1 << 12
+
+
+def check_config_sizes(cfg: ModelConfig) -> None:
+    """Refuse sizes the planner cannot work with before any table is allocated: top-k must be at most the
+    number of experts (a synthetic trace could never pick top-k different experts), and every count a whole
+    number within bounds (a `num_local_experts: 1e9` would otherwise allocate without end)."""
+    sizes = {"number of layers": (cfg.num_layers, MAX_LAYERS), "number of experts": (cfg.num_experts, MAX_EXPERTS),
+             "top-k": (cfg.top_k, MAX_EXPERTS), "hidden size": (cfg.hidden_size, 1 << 20),
+             "expert intermediate size": (cfg.moe_intermediate_size, 1 << 20)}
+    for name, (value, high) in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+            raise TandemError(f"the model's {name} is {value!r}; the planner needs a whole number from 1 to {high} "
+                              "(is config.json intact?)")
+    if cfg.top_k > cfg.num_experts:
+        raise TandemError(f"the model routes each token to {cfg.top_k} experts (top-k) but has only "
+                          f"{cfg.num_experts}; config.json is inconsistent")
 
 
 @dataclass(frozen=True)
@@ -34,6 +54,7 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, dtype_bytes: int = 2) -> ModelShape:
+        check_config_sizes(cfg)
         attn = sum(int(np.prod(s)) for s in attention_tensors(cfg, 0).values())
         dense = (attn + cfg.num_experts * cfg.hidden_size) * dtype_bytes
         return cls(cfg.num_layers, cfg.num_experts, cfg.top_k, cfg.sparse_layers, cfg.hidden_size,

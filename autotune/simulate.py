@@ -148,6 +148,8 @@ def synthetic_trace(steps: int, layers: int, experts: int, top_k: int, reuse: fl
                     skew: float = 1.0, seed: int = 0, sparse: tuple[bool, ...] | None = None) -> np.ndarray:
     """A routing trace with temporal locality: each token keeps each of the previous token's experts of a
     layer with probability `reuse`, and draws the rest from a Zipf-like popularity (`skew` 0 = uniform)."""
+    if not 0 < top_k <= experts:  # top_k distinct experts out of fewer could never be drawn: the loop would not end
+        raise ValueError(f"a synthetic trace needs 1 <= top_k <= experts (got top_k {top_k}, {experts} experts)")
     rng = np.random.default_rng(seed)
     weights = 1.0 / np.arange(1, experts + 1) ** skew
     popularity = np.stack([rng.permutation(weights) for _ in range(layers)])  # [layers, experts]

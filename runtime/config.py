@@ -119,6 +119,9 @@ WHOLE: dict[str, tuple[int, int]] = {
     "num_experts_per_tok": (1, 4096), "decoder_sparse_step": (1, 1024), "sliding_window": (0, 1 << 24),
     "bos_token_id": (0, 1 << 24),
 }
+MEANING = {"num_local_experts": "the number of experts", "num_experts": "the number of experts",
+           "num_experts_per_tok": "top-k, the experts each token picks", "num_hidden_layers": "the number of layers",
+           "num_attention_heads": "attention heads", "num_key_value_heads": "key/value heads"}
 POSITIVE = ("rms_norm_eps", "rope_theta", "clip_qkv")  # real numbers above zero
 FLAGS = ("tie_word_embeddings", "norm_topk_prob", "qkv_bias", "attention_bias", "use_sliding_window")
 
@@ -143,7 +146,8 @@ def clean_raw(raw: dict[str, Any], where: str) -> dict[str, Any]:
     """config.json's values checked for type and range before any family reads them; keys set to null dropped
     (a family's default applies, as when the key is absent). Raises CheckpointError naming the key."""
     def bad(key: str, why: str) -> CheckpointError:
-        return CheckpointError(f"{where}: {key!r} is {raw[key]!r}, {why}; fix config.json or re-download it")
+        meaning = f" ({MEANING[key]})" if key in MEANING else ""
+        return CheckpointError(f"{where}: {key!r}{meaning} is {raw[key]!r}, {why}; fix config.json or re-download it")
 
     found = _non_finite(raw, "")
     if found:
@@ -178,7 +182,7 @@ def check_config(cfg: ModelConfig, where: str) -> None:
     """What no single field shows: the fields against each other."""
     problems = []
     if cfg.num_experts and cfg.top_k > cfg.num_experts:
-        problems.append(f"each token picks {cfg.top_k} experts but a layer has only {cfg.num_experts}")
+        problems.append(f"each token picks {cfg.top_k} experts (top-k) but a layer has only {cfg.num_experts}")
     if cfg.num_heads % cfg.num_kv_heads:
         problems.append(f"{cfg.num_heads} attention heads do not share {cfg.num_kv_heads} key/value heads evenly")
     if cfg.num_experts and not cfg.moe_intermediate_size:

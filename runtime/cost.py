@@ -6,6 +6,7 @@ memory for the GPU, PCIe for copies) and the expert's size; flags override each 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -40,11 +41,13 @@ class CostModel:
 
     @classmethod
     def parse(cls, text: str) -> CostModel:
-        """`A,B,GPU,TRANSFER` in milliseconds (the --cost flag)."""
+        """`A,B,GPU,TRANSFER` in milliseconds (the --cost flag). Each must be finite and not negative: a NaN
+        latency makes every per-expert comparison false and a negative one makes the wrong side look free."""
+        usage = "expected four numbers in ms: cpu_a,cpu_b,gpu,transfer (e.g. 2.0,0.5,0.2,4.0)"
         try:
             a, b, g, t = (float(x) for x in text.split(","))
         except ValueError:
-            raise ValueError(
-                "--cost takes four numbers in ms: cpu_a,cpu_b,gpu,transfer (e.g. 2.0,0.5,0.2,4.0)"
-            ) from None
+            raise ValueError(usage) from None
+        if not all(math.isfinite(x) and x >= 0 for x in (a, b, g, t)):
+            raise ValueError(f"{usage}, each finite and not negative (got {text})")
         return cls(a, b, g, t)

@@ -30,3 +30,11 @@ class GenerationError(TandemError):
 
 class StoreError(TandemError):
     """A saved file (a conversation, the settings) cannot be used or written as asked."""
+
+
+class UsageError(TandemError):
+    """A flag or argument on the command line is missing, unknown or out of range."""
+
+
+class OutputError(TandemError):
+    """A result could not be written (standard output or a file): disk full, closed, or not writable."""

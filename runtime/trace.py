@@ -7,6 +7,8 @@ the summed counts are the popularity profile that `--placement` loads.
 
 from __future__ import annotations
 
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -49,19 +51,80 @@ class TraceRecorder:
         np.savez(path, prefill=self.prefill, decode=self.decode, sequence=seq, model=np.array(model))
 
 
+MAX_ARRAY_BYTES = 256 * 2**20  # per array of a trace file: far above a real trace (48 layers x 8 experts x
+# 4 bytes per decode step is 170 000 steps), and a compressed bomb is refused before it is inflated
+RECORD_HINT = "record one with --record-trace"
+
+
+def _read_arrays(path: str | Path, what: str, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The named arrays of a `.npz` trace file, or a `TandemError` saying what is wrong with the file."""
+    p = Path(path)
+    if not p.is_file():
+        kind = "a folder" if p.is_dir() else "missing" if not p.exists() else "not a regular file"
+        raise TandemError(f"{what} {path} is {kind}; {RECORD_HINT}")
+    try:
+        loaded = np.load(p, allow_pickle=False)  # never unpickle: a trace file may come from anywhere
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise TandemError(f"cannot read {what} {path}: {e or type(e).__name__}; {RECORD_HINT}") from None
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise TandemError(f"{what} {path} is a single array (.npy), not a trace (.npz); {RECORD_HINT}")
+    with loaded as data:
+        missing = [n for n in names if n not in data.files]
+        if missing:
+            raise TandemError(f"{what} {path} lacks {', '.join(missing)}: not a trace file; {RECORD_HINT}")
+        try:
+            for name in names:
+                if data.zip.getinfo(f"{name}.npy").file_size > MAX_ARRAY_BYTES:
+                    raise TandemError(f"{what} {path}: {name} is larger than {MAX_ARRAY_BYTES // 2**20} MiB; "
+                                      f"not a trace this program wrote; {RECORD_HINT}")
+            return {name: data[name] for name in names}
+        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:
+            raise TandemError(f"cannot read {what} {path} (damaged or truncated: {e}); {RECORD_HINT}") from None
+
+
+def _check_numbers(what: str, path: str | Path, name: str, array: np.ndarray, kinds: str) -> None:
+    """`kinds`: the numpy dtype kinds allowed ("iu": integers, "iuf": real numbers)."""
+    if array.dtype.kind not in kinds:
+        expected = "whole numbers" if kinds == "iu" else "numbers"
+        raise TandemError(f"{what} {path}: {name} holds {array.dtype} values, not {expected}; {RECORD_HINT}")
+
+
 def load_popularity(path: str | Path, num_layers: int, num_experts: int) -> np.ndarray:
     """Counts [layers, experts] from a saved trace (prefill + decode)."""
-    try:
-        with np.load(path) as data:
-            counts = data["prefill"] + data["decode"]
-    except (OSError, KeyError, ValueError) as e:
-        raise TandemError(f"cannot read placement profile {path}: {e}; record one with --record-trace") from None
-    if counts.shape != (num_layers, num_experts):
-        raise TandemError(
-            f"placement profile {path} is for {counts.shape[0]} layers × {counts.shape[1]} experts, but this model "
-            f"has {num_layers} × {num_experts}; record a new one with --record-trace"
-        )
-    return counts
+    what = "placement profile"
+    arrays = _read_arrays(path, what, ("prefill", "decode"))
+    for name, counts in arrays.items():
+        if counts.ndim != 2:
+            raise TandemError(f"{what} {path}: {name} has {counts.ndim} dimensions, not 2 (layers × experts); "
+                              f"{RECORD_HINT}")
+        _check_numbers(what, path, name, counts, "iuf")
+        if counts.shape != (num_layers, num_experts):
+            raise TandemError(
+                f"placement profile {path} is for {counts.shape[0]} layers × {counts.shape[1]} experts, but this "
+                f"model has {num_layers} × {num_experts}; record a new one with --record-trace"
+            )
+        if not np.isfinite(counts).all() or (counts < 0).any():
+            raise TandemError(f"{what} {path}: {name} holds negative or non-finite counts; {RECORD_HINT}")
+    return arrays["prefill"] + arrays["decode"]
+
+
+def load_sequence(path: str | Path, num_layers: int, num_experts: int, top_k: int) -> np.ndarray:
+    """The decode routing [steps, layers, top_k] of a saved trace: expert ids, -1 for dense layers."""
+    what = "trace"
+    seq = _read_arrays(path, what, ("sequence",))["sequence"]
+    if seq.ndim != 3:
+        raise TandemError(f"{what} {path}: sequence has {seq.ndim} dimensions, not 3 (steps × layers × top-k); "
+                          f"{RECORD_HINT}")
+    _check_numbers(what, path, "sequence", seq, "iu")
+    if seq.shape[1:] != (num_layers, top_k):
+        raise TandemError(f"{what} {path} is for {seq.shape[1]} layers × top-{seq.shape[2]}, but this model has "
+                          f"{num_layers} × top-{top_k}; record a new one with --record-trace")
+    if seq.shape[0] == 0:
+        raise TandemError(f"{what} {path} holds no decode steps; record one with --max-new-tokens 2 or more")
+    if seq.min() < -1 or seq.max() >= num_experts:
+        raise TandemError(f"{what} {path}: expert ids outside -1..{num_experts - 1} (this model has {num_experts} "
+                          f"experts); {RECORD_HINT}")
+    return seq.astype(np.int64)
 
 
 def most_popular(counts: np.ndarray, slots: int) -> list[Key]:
