@@ -276,8 +276,8 @@ class CpuExecutor:
         if quant == "int4" and (group not in GROUPS or hidden % group or inter % group):
             raise ValueError(f"int4 groups must be one of {GROUPS} and divide the hidden size and expert width "
                              f"({hidden}, {inter}), not {group!r}")
-        if crossover is not None:
-            _check_size("crossover", crossover)
+        if crossover is not None and not (isinstance(crossover, int) and crossover >= 0):
+            raise ValueError(f"crossover must be a whole number of tokens, at least 0 (torch only), not {crossover!r}")
         self.dtype = compute_dtype
         self.threads = check_threads(torch.get_num_threads() if threads is None else threads)
         self.quant, self.group = quant, group
@@ -476,6 +476,9 @@ class CpuExecutor:
         out = torch.empty(T, self.hidden)  # [T, H] float32
         a.out = out.data_ptr()
         code = self.lib.tk_moe(ctypes.byref(a))  # type: ignore[union-attr]
+        if code == -6:
+            raise ValueError(f"expert ids must be from 0 to {len(layer.experts) - 1}, at least one per token (top_k "
+                             f"{K}), and no expert may take more than {AMX_CROSSOVER} tokens in one call")
         if code != 0:
             raise RuntimeError(f"CPU expert kernel rejected its arguments (code {code})")
         return out
@@ -524,9 +527,10 @@ class DenseLinear:
     Letters: n tokens (all leading dimensions together), I input width, O output width."""
 
     def __init__(self, threads: int | None = None, use_kernel: bool = True, isa: str | None = None) -> None:
-        if isa is not None and isa not in ISAS:
-            raise ValueError(f"kernel variant {isa!r} does not exist; choose one of {', '.join(ISAS)}")
         self.lib = library() if use_kernel else None
+        if isa is not None and isa not in (available_isas() if self.lib is not None else ISAS):
+            have = ", ".join(available_isas()) or "none"
+            raise ValueError(f"kernel variant {isa!r} is not available here (available: {have})")
         self.isa = -1 if isa is None else ISAS.index(isa)
         # bf16 results for more tokens than this: torch's matrix product. With AVX512_BF16 but no AMX, oneDNN's
         # is as fast at 4 tokens and faster beyond (the kernel measured 0.88x at 8 tokens, 0.78x at 16, 2048x2048
@@ -555,12 +559,13 @@ class DenseLinear:
         n, width = (x.numel() // x.shape[-1] if x.shape[-1] else 0), x.shape[-1]
         if not (self.lib is not None and n > 0 and x.dtype in (torch.bfloat16, torch.float32)
                 and w.dtype == torch.bfloat16 and x.device.type == "cpu" and w.shape[0] % 32 == 0
-                and width % 32 == 0 and w.is_contiguous()):
-            return F.linear(x, w.to(x.dtype), bias).to(out_dtype)  # (weights kept in another dtype: per call)
+                and width % 32 == 0 and w.shape[0] > 0 and w.is_contiguous()):
+            b = None if bias is None else bias.to(x.dtype)
+            return F.linear(x, w.to(x.dtype), b).to(out_dtype)  # (weights kept in another dtype: per call)
         if out_dtype == torch.bfloat16 and n > self.bf16_most:
-            return F.linear(x, w.to(x.dtype), bias)
+            return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype)).to(out_dtype)
         if n > FLOAT_CHUNKS * AMX_CROSSOVER and x.dtype == torch.float32:  # a long prefill against bf16 weights:
-            return F.linear(x, w.float(), bias).to(out_dtype)  # torch, on a float32 copy made for the call
+            return F.linear(x, w.float(), None if bias is None else bias.float()).to(out_dtype)  # (a float32 copy)
         if n > AMX_CROSSOVER:  # float32 sums, or float32 x: 16 tokens at a time
             rows = x.reshape(n, width)  # [n, I]
             return torch.cat([self(rows[i : i + AMX_CROSSOVER], w, bias, out_dtype)
@@ -583,7 +588,7 @@ class DenseLinear:
         code = self.lib.tk_linear(ctypes.byref(a))
         if code != 0:
             raise RuntimeError(f"dense kernel rejected its arguments (code {code})")
-        return y if bias is None else y + bias
+        return y if bias is None else y.add_(bias.to(y.dtype))
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -598,8 +603,8 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     n = x.shape[-1] if x.dim() else 0
     if weight.shape != (n,) or n == 0:
         raise ValueError(f"the norm's weight has shape {list(weight.shape)}; x [..., {n}] needs [{n}]")
-    if not eps > 0 or eps == float("inf"):
-        raise ValueError(f"eps must be a positive finite number, not {eps!r}")
+    if not (isinstance(eps, int | float) and not isinstance(eps, bool) and 0 < eps < 1):
+        raise ValueError(f"eps must be a number above 0 and below 1, not {eps!r}")
     rows = x.numel() // n
     flat = x.reshape(rows, n)  # a view when the rows are evenly spaced (q or k out of the stacked projection)
     if flat.stride(-1) != 1:

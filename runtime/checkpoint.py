@@ -66,7 +66,11 @@ class Checkpoint:
         ids = list(self.config.eos_token_ids)
         gen_path = self.path / "generation_config.json"
         gen = _read_json(gen_path) if gen_path.exists() else {}
-        ids += [i for i in token_ids(gen.get("eos_token_id")) if i not in ids]
+        extra = gen.get("eos_token_id")
+        if extra is not None and not (_token_id(extra) or isinstance(extra, list) and all(map(_token_id, extra))):
+            raise CheckpointError(f"{gen_path}: eos_token_id is {extra!r}, but it must be a token id or a list of "
+                                  "them; fix the file or remove it")
+        ids += [i for i in token_ids(extra) if i not in ids]
         return tuple(ids)
 
 
@@ -95,11 +99,36 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     return ckpt
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 31
+
+
+JSON_MOST = 64 << 20  # bytes: far above any config or index (a 1T-parameter model's index is a few MB)
+
+
+def read_small_file(path: Path, most: int = JSON_MOST) -> bytes:
+    """A metadata file's bytes: a regular file (a FIFO would block, a device never end) of at most `most` bytes.
+    Raises CheckpointError saying which."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        if not path.is_file():
+            raise CheckpointError(f"{path} is not a regular file; replace it with the model's own file")
+        with open(path, "rb") as f:
+            data = f.read(most + 1)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}; check the file") from None
+    if len(data) > most:
+        raise CheckpointError(f"{path} is larger than {most >> 20} MiB, far beyond any real one; re-download it")
+    return data
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    raw = read_small_file(path)
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read {path}: {e}; re-download or fix the file") from None
+    except RecursionError:
+        raise CheckpointError(f"cannot read {path}: it is nested too deeply; re-download or fix the file") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} does not hold a JSON object; re-download or fix the file")
     return data
@@ -143,7 +172,8 @@ def _open_shards(folder: Path) -> tuple[list[SafetensorsFile], dict[str, Safeten
 
 def _shard_name(index_path: Path, value: object) -> str:
     """A shard named by the index: a plain file name inside the model folder (never a path that leads out of it)."""
-    if not isinstance(value, str) or not value or Path(value).name != value or value in (".", ".."):
+    if (not isinstance(value, str) or not value or Path(value).name != value or value in (".", "..")
+            or len(value.encode()) > 255):
         raise CheckpointError(f"{index_path} names the shard {value!r}; an index may only name files beside it, as "
                               "'model-00001-of-00002.safetensors'; re-download the checkpoint")
     return value

@@ -122,12 +122,18 @@ WHOLE: dict[str, tuple[int, int]] = {
 MEANING = {"num_local_experts": "the number of experts", "num_experts": "the number of experts",
            "num_experts_per_tok": "top-k, the experts each token picks", "num_hidden_layers": "the number of layers",
            "num_attention_heads": "attention heads", "num_key_value_heads": "key/value heads"}
-POSITIVE = ("rms_norm_eps", "rope_theta", "clip_qkv")  # real numbers above zero
+# Real numbers above zero, each below a bound far past real values (eps under 1; a clip must fit in bf16).
+POSITIVE: dict[str, float] = {"rms_norm_eps": 1.0, "rope_theta": 1e15, "clip_qkv": 1e30}
 FLAGS = ("tie_word_embeddings", "norm_topk_prob", "qkv_bias", "attention_bias", "use_sliding_window")
 
 
 def _is_whole(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real_below(v: Any, high: float) -> bool:
+    """A number above zero and below `high` (an integer too large for a float is not)."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < high
 
 
 def _non_finite(value: Any, path: str) -> str | None:
@@ -156,9 +162,9 @@ def clean_raw(raw: dict[str, Any], where: str) -> dict[str, Any]:
     for key, (lo, hi) in WHOLE.items():
         if key in out and not (_is_whole(out[key]) and lo <= out[key] <= hi):
             raise bad(key, f"but it must be a whole number from {lo} to {hi}")
-    for key in POSITIVE:
-        if key in out and not (isinstance(out[key], int | float) and not isinstance(out[key], bool) and out[key] > 0):
-            raise bad(key, "but it must be a number above zero")
+    for key, high in POSITIVE.items():
+        if key in out and not _is_real_below(out[key], high):
+            raise bad(key, f"but it must be a number above zero and below {high:g}")
     for key in FLAGS:
         if key in out and not isinstance(out[key], bool):
             raise bad(key, "but it must be true or false")
@@ -167,14 +173,20 @@ def clean_raw(raw: dict[str, Any], where: str) -> dict[str, Any]:
             _is_whole(i) and i >= 0 for i in eos)):
         raise bad("eos_token_id", "but it must be a token id or a list of them")
     dense = out.get("mlp_only_layers")
-    if dense is not None and not (isinstance(dense, list) and all(_is_whole(i) for i in dense)):
-        raise bad("mlp_only_layers", "but it must be a list of layer numbers")
+    layers = out.get("num_hidden_layers", 0)
+    if dense is not None and not (isinstance(dense, list) and all(_is_whole(i) and 0 <= i < layers for i in dense)):
+        raise bad("mlp_only_layers", f"but it must be a list of layer numbers from 0 to {layers - 1}")
     for key in ("rope_parameters", "rope_scaling"):
         if key in out and not isinstance(out[key], dict):
             raise bad(key, "but it must be an object")
     theta = out.get("rope_parameters", {}).get("rope_theta")
-    if theta is not None and not (isinstance(theta, int | float) and not isinstance(theta, bool) and theta > 0):
-        raise CheckpointError(f"{where}: rope_parameters.rope_theta is {theta!r}, but it must be a number above zero")
+    if theta is not None and not _is_real_below(theta, POSITIVE["rope_theta"]):
+        raise CheckpointError(f"{where}: rope_parameters.rope_theta is {theta!r}, but it must be a number above zero "
+                              f"and below {POSITIVE['rope_theta']:g}")
+    for key in ("rope_parameters", "rope_scaling"):
+        kind = out.get(key, {}).get("rope_type", out.get(key, {}).get("type"))
+        if kind is not None and not isinstance(kind, str):
+            raise CheckpointError(f"{where}: {key}'s type is {kind!r}, but it must be a name such as \"default\"")
     return out
 
 

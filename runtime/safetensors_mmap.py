@@ -100,9 +100,11 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(f"{corrupt} (header length {header_len} exceeds the file; truncated?); {fix}")
         raw = f.read(header_len)
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{corrupt} (header is not JSON: {e}); {fix}") from None
+        header = json.loads(raw, object_pairs_hook=_unique_keys)
+    except ValueError as e:  # not UTF-8, not JSON, or a name twice
+        raise CheckpointError(f"{corrupt} (header: {e}); {fix}") from None
+    except RecursionError:
+        raise CheckpointError(f"{corrupt} (header nested too deeply); {fix}") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{corrupt} (header is not a JSON object); {fix}")
     data_start = 8 + header_len
@@ -113,8 +115,8 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
             continue
         try:
             dtype = DTYPES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
+            shape = tuple(_whole(d) for d in entry["shape"])
+            begin, end = (_whole(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{corrupt} (bad entry for tensor {name!r}: {e!r}); {fix}") from None
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -126,4 +128,24 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
                 f"bytes (truncated download?); {fix}"
             )
         infos[name] = TensorInfo(dtype, shape, data_start + begin, end - begin)
+    spans = sorted((i.start, i.start + i.nbytes, n) for n, i in infos.items() if i.nbytes)
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:], strict=False):
+        if start < end:  # two tensors on the same bytes: writing one would change the other
+            raise CheckpointError(f"{corrupt} (tensors {first!r} and {second!r} share bytes); {fix}")
     return infos
+
+
+def _whole(value: object) -> int:
+    """A size or offset from the header: a JSON whole number (not 96.9, not true)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a whole number")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"the name {twice!r} appears twice")
+    return out

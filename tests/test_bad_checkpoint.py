@@ -242,3 +242,118 @@ def test_a_slow_template_through_the_command_line(mixtral_dir: Path, tmp_path: P
     folder = copy_checkpoint(mixtral_dir, tmp_path / "m")
     (folder / "chat_template.jinja").write_text("{% for i in range(10**9) %}x{% endfor %}")
     refused(capsys, folder, "chat template", extra=("--chat",))
+
+
+# -- more config.json values, generation_config.json, odd files in a metadata file's place ---------------------------
+MORE_CONFIGS: list[tuple[str, dict, str]] = [
+    ("model_type a list", {"model_type": ["mixtral"]}, "not supported"),
+    ("model_type an object", {"model_type": {"a": 1}}, "not supported"),
+    ("rope_theta 10**400", {"rope_theta": 10**400}, "rope_theta"),
+    ("rms_norm_eps 10**400", {"rms_norm_eps": 10**400}, "rms_norm_eps"),
+    ("clip_qkv 1e308", {"clip_qkv": 1e308}, "clip_qkv"),
+    ("a dense layer -1", {"mlp_only_layers": [-1]}, "mlp_only_layers"),
+    ("a dense layer 10**30", {"mlp_only_layers": [10**30]}, "mlp_only_layers"),
+    ("rope type a number", {"rope_scaling": {"type": 5}}, "rope_scaling"),
+]
+
+
+@pytest.mark.parametrize("case, changes, needle", MORE_CONFIGS, ids=[c[0] for c in MORE_CONFIGS])
+def test_more_bad_config_values_are_refused(mixtral_dir: Path, tmp_path: Path, capsys, case: str, changes: dict,
+                                            needle: str) -> None:
+    folder = copy_checkpoint(mixtral_dir, tmp_path / "m")
+    edit_config(folder, **changes)
+    refused(capsys, folder, needle)
+
+
+@pytest.mark.parametrize("eos", [["a"], 1e30, float("nan"), {"a": 1}, [[1]], True, -2], ids=repr)
+def test_bad_eos_in_generation_config(mixtral_dir: Path, tmp_path: Path, capsys, eos: object) -> None:
+    folder = copy_checkpoint(mixtral_dir, tmp_path / "m")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    refused(capsys, folder, "generation_config.json", "eos_token_id")
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "model.safetensors.index.json"])
+def test_json_nested_too_deeply(mixtral_dir: Path, tmp_path: Path, capsys, name: str) -> None:
+    folder = copy_checkpoint(mixtral_dir, tmp_path / "m")
+    (folder / name).write_text(DEEP)
+    refused(capsys, folder, name)
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "model.safetensors.index.json"])
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero"])
+def test_a_metadata_file_that_is_not_a_regular_file(mixtral_dir: Path, tmp_path: Path, capsys, name: str,
+                                                    kind: str) -> None:
+    # a FIFO would block the read forever; a device would be read until the RAM runs out
+    folder = copy_checkpoint(mixtral_dir, tmp_path / "m")
+    (folder / name).unlink(missing_ok=True)
+    if kind == "fifo":
+        os.mkfifo(folder / name)
+    else:
+        os.symlink(kind, folder / name)
+    refused(capsys, folder, name, "not a regular file")
+
+
+def test_index_naming_a_file_with_an_overlong_name(mixtral_dir: Path, tmp_path: Path, capsys) -> None:
+    folder = copy_checkpoint(mixtral_dir, tmp_path / "m")
+    write_index(folder, "x" * 5000)
+    refused(capsys, folder, "index may only name files beside it")
+
+
+# -- safetensors headers -----------------------------------------------------------------------------------------------
+def rewrite_header(folder: Path, edit: Callable[[str], str]) -> None:
+    """Replace the header of the folder's weights file with `edit(header JSON text)`, data unchanged."""
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = edit(data[8 : 8 + n].decode()).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data[8 + n :])
+
+
+def _first_entry(edit: Callable[[dict], None]) -> Callable[[str], str]:
+    def run(text: str) -> str:
+        header = json.loads(text)
+        name = next(k for k in header if k != "__metadata__")
+        edit(header[name])
+        return json.dumps(header)
+    return run
+
+
+def _two_on_the_same_bytes(text: str) -> str:
+    header = json.loads(text)
+    a, b = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])[:2]
+    size = header[a]["data_offsets"][1] - header[a]["data_offsets"][0]
+    if header[b]["data_offsets"][1] - header[b]["data_offsets"][0] == size:
+        header[b]["data_offsets"] = header[a]["data_offsets"]
+    else:  # another size: make b start inside a
+        start = header[a]["data_offsets"][0] + 2
+        header[b]["data_offsets"] = [start, start + header[b]["data_offsets"][1] - header[b]["data_offsets"][0]]
+    return json.dumps(header)
+
+
+def _name_twice(text: str) -> str:
+    header = json.loads(text)
+    name = next(k for k in header if k != "__metadata__")
+    entry = json.dumps(header[name])
+    return text[:-1] + f', "{name}": {entry}}}'
+
+
+HEADERS: list[tuple[str, Callable[[str], str]]] = [
+    ("an offset of 1e999", _first_entry(lambda e: e.update(data_offsets=[0, float("inf")]))),
+    ("a dimension of 1e999", _first_entry(lambda e: e.update(shape=[float("inf"), 64]))),
+    ("a dimension of 96.9", _first_entry(lambda e: e.update(shape=[96.9] + e["shape"][1:]))),
+    ("a dimension that is true", _first_entry(lambda e: e.update(shape=[True] + e["shape"][1:]))),
+    ("an unknown dtype", _first_entry(lambda e: e.update(dtype="F128"))),
+    ("a name twice", _name_twice),
+    ("two tensors on the same bytes", _two_on_the_same_bytes),
+    ("nested too deeply", lambda text: "[" * 100_000 + "]" * 100_000),
+]
+
+
+@pytest.mark.parametrize("case, edit", HEADERS, ids=[h[0] for h in HEADERS])
+def test_bad_safetensors_headers(mixtral_dir: Path, tmp_path: Path, capsys, case: str, edit) -> None:
+    folder = copy_checkpoint(mixtral_dir, tmp_path / "m")
+    rewrite_header(folder, edit)
+    refused(capsys, folder, "model.safetensors")

@@ -398,7 +398,7 @@ def test_run_layer_refuses_what_it_cannot_take() -> None:
     layer = executor.layer([executor.prepare(*weights(h, i, torch.float32, seed=s)) for s in range(4)])
     assert not executor.serves_layer(layer, 5) and not executor.serves_layer(layer, 0)
     x, w = torch.randn(1, h), torch.ones(1, 2)
-    with pytest.raises(RuntimeError, match="rejected"):  # expert 4 does not exist
+    with pytest.raises(ValueError, match="expert ids must be from 0 to 3"):  # expert 4 does not exist
         executor.run_layer(layer, x, torch.tensor([[0, 4]]), w)
 
 

@@ -33,9 +33,9 @@ def supported_model_types() -> list[str]:
     return sorted(_registry())
 
 
-def family_for(model_type: str | None) -> FamilySpec:
+def family_for(model_type: object) -> FamilySpec:
     registry = _registry()
-    if model_type not in registry:
+    if not isinstance(model_type, str) or model_type not in registry:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported; Tandem runs: {', '.join(sorted(registry))}"
         )
