@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import operator
+import os
+import stat
 import time
 from datetime import datetime
 from pathlib import Path
@@ -21,10 +23,36 @@ from runtime.errors import CheckpointError
 
 
 def _token_text(value: Any) -> str | None:
-    """tokenizer_config.json stores special tokens as a string or as {"content": ...}."""
+    """tokenizer_config.json stores special tokens as a string or as {"content": ...}; anything else is no token."""
     if isinstance(value, dict):
-        return value.get("content")
+        value = value.get("content")
     return value if isinstance(value, str) else None
+
+
+# The tokenizer files are read whole, so only regular files of a bounded size: a FIFO would block forever and a
+# link to /dev/zero would fill memory. Real tokenizer.json files reach ~35 MB (262k-token vocabularies);
+# tokenizer_config.json (with long lists of added tokens) and chat templates stay far below 16 MB.
+TOKENIZER_MAX_BYTES = 128 << 20
+CONFIG_MAX_BYTES = 16 << 20
+
+
+def _read_regular(path: Path, most: int) -> bytes:
+    """The bytes of `path` if it is a regular file of at most `most` bytes, else OSError."""
+    # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then refuses it (no race with a swapped file).
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError("it is not a regular file")
+        if info.st_size > most:
+            raise OSError(f"it holds {info.st_size >> 20} MB, more than the {most >> 20} MB such a file may hold")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(most + 1)
+    finally:
+        os.close(fd)
+    if len(data) > most:
+        raise OSError(f"it holds more than the {most >> 20} MB such a file may hold")
+    return data
 
 
 # A chat template is code from the model folder: it runs sandboxed and bounded. These bounds sit far above what
@@ -68,23 +96,19 @@ class Tokenizer:
         if not path.exists():
             raise CheckpointError(f"{folder} has no tokenizer.json; copy the model's tokenizer files into the folder")
         try:
-            backend = HFTokenizer.from_file(str(path))
+            backend = HFTokenizer.from_str(_read_regular(path, TOKENIZER_MAX_BYTES).decode("utf-8"))
         except Exception as e:  # the tokenizers library raises plain Exception on malformed files
             raise CheckpointError(f"cannot read {path}: {e}; re-download the tokenizer files") from None
         config: dict[str, Any] = {}
         config_path = folder / "tokenizer_config.json"
         if config_path.exists():
             try:
-                config = json.loads(config_path.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as e:  # ValueError: not UTF-8, or not JSON
+                config = json.loads(_read_regular(config_path, CONFIG_MAX_BYTES).decode("utf-8"))
+            except (OSError, ValueError, RecursionError) as e:  # ValueError: not UTF-8, or not JSON
                 raise CheckpointError(f"cannot read {config_path}: {e}; re-download the tokenizer files") from None
             if not isinstance(config, dict):
                 raise CheckpointError(f"{config_path} does not hold a JSON object; re-download the tokenizer files")
-        try:
-            return cls(backend, config, _chat_template(folder, config))
-        except (OSError, ValueError) as e:  # the template is needed only with --chat and in the chat app: say it then
-            problem = f"cannot read the chat template {folder / 'chat_template.jinja'}: {e}; fix or remove the file"
-            return cls(backend, config, None, problem)
+        return cls(backend, config, *_chat_template(folder, config))
 
     @property
     def eos_token_id(self) -> int | None:
@@ -138,15 +162,22 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
-def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+def _chat_template(folder: Path, config: dict[str, Any]) -> tuple[str | None, str | None]:
+    """The chat template, or why it cannot be used: said only when it is, as only --chat and the chat app need it."""
     jinja = folder / "chat_template.jinja"
     if jinja.exists():
-        return jinja.read_text(encoding="utf-8")
+        try:
+            return _read_regular(jinja, CONFIG_MAX_BYTES).decode("utf-8"), None
+        except (OSError, ValueError) as e:  # ValueError: not UTF-8
+            return None, f"cannot read the chat template {jinja}: {e}; fix or remove the file"
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: use "default"
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        return named.get("default")
-    return template if isinstance(template, str) else None
+        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+                   for t in template):
+            return None, ("tokenizer_config.json has a malformed 'chat_template' list: each named template must be "
+                          '{"name": text, "template": text}; fix the list, or run without --chat')
+        return {t["name"]: t["template"] for t in template}.get("default"), None
+    return (template if isinstance(template, str) else None), None
 
 
 class StreamDecoder:
