@@ -95,9 +95,32 @@ def _check_width(width: int) -> None:
         raise _too_big(f"a text {width} characters wide (a format width or precision)")
 
 
+def _check_written(value: Any) -> Any:
+    """`value`, refused if writing it out (str, repr, JSON) would be too long. One short list can hold the same
+    long text or list many times over, and writing it is a single call that no watchdog can interrupt."""
+    if isinstance(value, str):
+        return value
+    size, pending = 0, [value]
+    while pending:  # counts every reference, and stops as soon as the count is too big
+        item = pending.pop()
+        if isinstance(item, str | bytes):
+            size += len(item) + 4
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple | set | frozenset):
+            pending.extend(item)
+        size += 2
+        if size > TEMPLATE_MAX_CHARS:
+            raise TemplateError("it would write out a list or mapping longer than a prompt can hold")
+    return value
+
+
 def _longest_text(values: Any) -> int:
     """How long the longest of `values` is once written (as str or repr), for bounding formatted results."""
     items = values.values() if isinstance(values, dict) else values if isinstance(values, tuple) else (values,)
+    for v in items:
+        _check_written(v)
     return max((max(len(str(v)), len(repr(v))) for v in items), default=0)
 
 
@@ -152,7 +175,7 @@ def _join(eval_ctx: EvalContext, value: Any, d: str = "", attribute: str | int |
     items = list(value)
     if attribute is not None:
         items = list(map(make_attrgetter(eval_ctx.environment, attribute), items))
-    sizes = (len(i) if isinstance(i, str) else len(str(i)) for i in items)
+    sizes = (len(i) if isinstance(i, str) else len(str(_check_written(i))) for i in items)
     _check_chars(sum(sizes) + len(str(d)) * max(0, len(items) - 1))
     return _PLAIN_FILTERS["join"](eval_ctx, items, d)
 
@@ -224,9 +247,22 @@ def _slice(value: Any, slices: int, fill_with: Any = None) -> Any:
     return _PLAIN_FILTERS["slice"](value, slices, fill_with)
 
 
+def _writing(name: str) -> Any:
+    """The filter `name`, for one that writes out its whole input (string, tojson, pprint), with the check above."""
+    plain = DEFAULT_FILTERS[name]
+
+    @functools.wraps(plain)
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        _check_written(args[1] if name == "tojson" else args[0])  # tojson takes the environment first
+        return plain(*args, **kwargs)
+
+    return bounded
+
+
 _PLAIN_FILTERS = dict(DEFAULT_FILTERS)
 _BOUNDED_FILTERS = {"join": _join, "sum": _sum, "center": _center, "indent": _indent, "wordwrap": _wordwrap,
-                    "replace": _replace, "format": _format, "batch": _batch, "slice": _slice}
+                    "replace": _replace, "format": _format, "batch": _batch, "slice": _slice,
+                    **{name: _writing(name) for name in ("string", "tojson", "pprint")}}
 
 
 class _BoundedCodeGenerator(CodeGenerator):
@@ -250,7 +286,8 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
 
     def __init__(self) -> None:
         # As transformers renders chat templates: {% break %} and {% continue %} allowed.
-        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"],
+                         finalize=_check_written)  # {{ value }}
         self.filters.update(_BOUNDED_FILTERS)
         del self.globals["lipsum"]  # lorem ipsum of any length: no chat template needs it
         self.globals["raise_exception"] = _raise
@@ -285,7 +322,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
             raise _too_big(f"a list of {size} items")
 
     def concat(self, values: tuple[Any, ...]) -> str:
-        parts = [str(v) for v in values]
+        parts = [str(_check_written(v)) for v in values]
         _check_chars(sum(map(len, parts)))
         return "".join(parts)
 

@@ -57,6 +57,10 @@ RUNAWAY = [  # (case, template, a word the error must hold)
     ("join of a long list of long texts", "{{ (['x' * 1000000] * 1000)|join }}", "text"),
     ("str.join of a long list of long texts", "{{ ''.join(['x' * 1000000] * 1000) }}", "text"),
     ("a long separator", "{{ range(100000)|join('x' * 1000) }}", "text"),
+    ("one long text written many times", "{{ ['x' * 10000000] * 1000 }}", "write out"),
+    ("... as JSON", "{{ (['x' * 10000000] * 1000)|tojson }}", "write out"),
+    ("... after ~", "{{ 'a' ~ (['x' * 10000000] * 1000) }}", "write out"),
+    ("... nested", "{% set a = ['x' * 1000] * 1000 %}{{ ([a] * 1000)|string }}", "write out"),
     ("sum of lists", "{{ ([[1] * 1000000] * 1000)|sum(start=[])|length }}", "list"),
     ("a long list of lists, each long", "{% set ns = namespace(l=[]) %}{% for i in range(100000) %}"
      "{% set ns.l = ns.l + [('x' * 10000000) ~ i] %}{% endfor %}{{ ns.l|length }}", None),
