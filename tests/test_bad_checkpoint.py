@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from app.cli import main
-from runtime import tokenizer as tokenizer_module
+from runtime import chat_template
 from runtime.errors import CheckpointError
 from runtime.safetensors_mmap import SafetensorsFile
 from runtime.tokenizer import Tokenizer
@@ -231,7 +231,7 @@ def test_chat_templates_that_would_hang_or_crash_are_stopped(mixtral_dir: Path, 
 
 
 def test_a_slow_template_is_stopped_in_time(mixtral_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tokenizer_module, "TEMPLATE_MAX_SECONDS", 0.2)
+    monkeypatch.setattr(chat_template, "TEMPLATE_MAX_SECONDS", 0.2)
     tok = Tokenizer.from_folder(mixtral_dir)
     tok.chat_template = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}.{% endfor %}"
     with pytest.raises(CheckpointError, match="ran for more than"):

@@ -11,6 +11,7 @@ import time
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from runtime import chat_template
 from runtime import tokenizer as tokenizer_module
 from runtime.errors import CheckpointError
 from runtime.synth import CHATML
@@ -78,7 +79,7 @@ _TINY_TOKENIZER = {"version": "1.0", "model": {"type": "WordLevel", "vocab": {"[
 @pytest.mark.parametrize("case, template, needle", RUNAWAY, ids=[r[0] for r in RUNAWAY])
 def test_runaway_templates_end_soon_and_small(monkeypatch: pytest.MonkeyPatch, case: str, template: str,
                                               needle: str | None) -> None:
-    monkeypatch.setattr(tokenizer_module, "TEMPLATE_MAX_SECONDS", 1.0)
+    monkeypatch.setattr(chat_template, "TEMPLATE_MAX_SECONDS", 1.0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     start = time.monotonic()
     try:
@@ -138,7 +139,7 @@ def test_real_templates_render_as_plain_jinja_does(name: str) -> None:
     template = REAL_TEMPLATES[name].replace("strftime_now('%Y') | length", "4")
     plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                           extensions=["jinja2.ext.loopcontrols"])
-    plain.globals["raise_exception"] = tokenizer_module._raise
+    plain.globals["raise_exception"] = chat_template._raise
     chat = CHAT[1:] if name in ("mixtral",) else CHAT
     expected = plain.from_string(template).render(messages=chat, add_generation_prompt=True, bos_token="<s>",
                                                   eos_token="</s>")
@@ -166,7 +167,7 @@ def test_a_normal_template_stays_fast() -> None:
 
 def test_the_time_limit_never_strikes_after_a_render_returned(monkeypatch: pytest.MonkeyPatch) -> None:
     # A limit as short as a render: each render either returns or says it ran too long; nothing arrives later.
-    monkeypatch.setattr(tokenizer_module, "TEMPLATE_MAX_SECONDS", 0.0005)
+    monkeypatch.setattr(chat_template, "TEMPLATE_MAX_SECONDS", 0.0005)
     outcomes = set()
     for _ in range(300):
         try:
