@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
-    gen.add_argument("--model", default=None,
+    gen.add_argument("--model", type=flags.path, default=None,
                      help="Hugging Face model folder (config.json + *.safetensors); default: the built-in model")
     gen.add_argument("text", nargs="?", help="the prompt text (or --prompt); - reads it from standard input")
     gen.add_argument("-p", "--prompt", default=None, help="the prompt text")
@@ -50,18 +50,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--force", action="store_true", help="load even if the RAM estimate says it will not fit")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--beams", type=flags.whole(1), default=1, help="beam search width (1 = off)")
-    gen.add_argument("--record-trace", metavar="FILE", help="save the expert activation trace (.npz)")
+    gen.add_argument("--record-trace", type=flags.path, metavar="FILE",
+                     help="save the expert activation trace (.npz)")
     add_runtime_args(gen)
     gen.set_defaults(func=_generate)
 
     probe = sub.add_parser("probe", help="show what hardware was found (CPU ISA and cores, RAM, GPUs, PCIe)")
     probe.add_argument("--json", action="store_true", help="print the findings as JSON")
-    probe.add_argument("--record", metavar="FILE", help="also save the raw readings (e.g. for a bug report)")
-    probe.add_argument("--from", dest="source", metavar="FILE", help="read recorded readings instead of this machine")
+    probe.add_argument("--record", type=flags.path, metavar="FILE",
+                       help="also save the raw readings (e.g. for a bug report)")
+    probe.add_argument("--from", dest="source", type=flags.path, metavar="FILE",
+                       help="read recorded readings instead of this machine")
     probe.set_defaults(func=_probe)
 
     chat = sub.add_parser("chat", help="the chat app (terminal UI)")
-    chat.add_argument("model", nargs="?", default=None, help="model folder (default: the built-in model)")
+    chat.add_argument("model", nargs="?", type=flags.path, default=None,
+                      help="model folder (default: the built-in model)")
     chat.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
     chat.add_argument("--context", type=flags.whole(2), default=None)
     chat.add_argument("--force", action="store_true")
@@ -71,16 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_chat)
 
     tune = sub.add_parser("autotune", help="measure this machine on a model and save the best plan as a profile")
-    tune.add_argument("--model", help="model folder to tune for (default: the built-in model)")
+    tune.add_argument("--model", type=flags.path, help="model folder to tune for (default: the built-in model)")
     tune.add_argument("--quick", action="store_true", help="fewer measurements (about 15 s)")
     tune.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
     tune.add_argument("--json", action="store_true")
     tune.set_defaults(func=_autotune)
 
     plan = sub.add_parser("plan", help="plan for hardware described in a JSON file, without running anything")
-    plan.add_argument("--hardware", required=True, metavar="HW.json", help="see the README for the schema")
-    plan.add_argument("--model", required=True, help="model folder or its config.json")
-    plan.add_argument("--trace", help="a routing trace recorded with --record-trace (default: synthetic)")
+    plan.add_argument("--hardware", type=flags.path, required=True, metavar="HW.json",
+                      help="see the README for the schema")
+    plan.add_argument("--model", type=flags.path, required=True, help="model folder or its config.json")
+    plan.add_argument("--trace", type=flags.path,
+                      help="a routing trace recorded with --record-trace (default: synthetic)")
     plan.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_plan)
@@ -88,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (print JSON)")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     decode = bench_sub.add_parser("decode", help="decode tokens/s, optionally against transformers")
-    decode.add_argument("--model", default=None, help="default: the built-in model")
+    decode.add_argument("--model", type=flags.path, default=None, help="default: the built-in model")
     decode.add_argument("--prompt-tokens", type=flags.whole(1), default=32)
     decode.add_argument("--new-tokens", type=flags.whole(1), default=64)
     decode.add_argument("--repeats", type=flags.whole(1), default=3)
@@ -99,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_runtime_args(decode)
     decode.set_defaults(func=_bench_decode)
     offload = bench_sub.add_parser("offload", help="cache policies and static placement on the emulated accelerator")
-    offload.add_argument("--model", required=True)
+    offload.add_argument("--model", type=flags.path, required=True)
     offload.add_argument("--expert-fraction", type=flags.real(0, 1, low_open=True), default=0.25,
                          help="share of all experts that fit")
     offload.add_argument("--prompt-tokens", type=flags.whole(1), default=32)
@@ -108,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     offload.set_defaults(func=_bench_offload)
 
     e2e = bench_sub.add_parser("e2e", help="Fiddler's scenarios end to end, optionally beside transformers")
-    e2e.add_argument("--model", default=None, help="default: the built-in model")
+    e2e.add_argument("--model", type=flags.path, default=None, help="default: the built-in model")
     e2e.add_argument("--scenario", choices=["decode", "prefill", "beam", "all"], default="all")
     e2e.add_argument("--quick", action="store_true", help="a few points per scenario (minutes, not hours)")
     e2e.add_argument("--peer", choices=["transformers"], default=None)
@@ -124,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.set_defaults(func=_bench_e2e)
 
     val = bench_sub.add_parser("plan", help="the planner and simulator against real runs (regret, prediction error)")
-    val.add_argument("--model", required=True)
+    val.add_argument("--model", type=flags.path, required=True)
     val.add_argument("--expert-fraction", type=flags.real(0, 1, low_open=True), default=0.25)
     val.add_argument("--tokens", type=flags.whole(1), default=32)
     val.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
@@ -139,13 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
     kern.set_defaults(func=_bench_kernels)
 
     quant = bench_sub.add_parser("quant", help="int8/int4 CPU experts: logits drift and greedy agreement")
-    quant.add_argument("--model", required=True)
+    quant.add_argument("--model", type=flags.path, required=True)
     quant.add_argument("--new-tokens", type=flags.whole(1), default=64)
     quant.add_argument("--quant-group", type=int, choices=[32, 64, 128], default=64)
     quant.set_defaults(func=_bench_quant)
 
     num = bench_sub.add_parser("numerics", help="bf16 paths against fp32: top-1 agreement, teacher-forced")
-    num.add_argument("--model", default=None, help="model folder (default: the built-in model)")
+    num.add_argument("--model", type=flags.path, default=None, help="model folder (default: the built-in model)")
     num.add_argument("--tokens", type=flags.whole(1), default=1024, help="tokens of the bundled texts to feed")
     num.add_argument("--paths", default=None, help="comma list of paths (default: every one this CPU can take)")
     num.add_argument("--masks", action="store_true",
@@ -173,15 +179,16 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("accelerator and expert placement")
     g.add_argument("--accelerator", choices=["auto", "none", "cuda", "emulated"], default="auto",
                    help="auto: CUDA when usable, else CPU only; emulated: the CPU plays a GPU (needs --vram-gb)")
-    g.add_argument("--vram-gb", type=flags.real(0, low_open=True), default=None,
-                   help="accelerator memory budget (caps CUDA)")
+    g.add_argument("--vram-gb", type=flags.real(0, flags.MAX_VRAM_GB, low_open=True), default=None,
+                   help=f"accelerator memory budget in GB, at most {flags.MAX_VRAM_GB:g} (caps CUDA)")
     g.add_argument("--strategy", choices=["fiddler", "cpu", "fetch"], default=None,
                    help="fiddler: per-expert choice by latency; cpu: never copy weights; fetch: always copy")
     g.add_argument("--cache-ways", type=flags.whole(0), default=None,
                    help="ways per index of the expert cache (0: no cache, only static placement)")
     g.add_argument("--cache-policy", choices=["lru", "fifo", "lfu", "trace"], default=None, help="default: lru")
     g.add_argument("--max-inflight", type=flags.whole(1), default=4, help="background expert copies in flight at most")
-    g.add_argument("--placement", metavar="FILE", help="pin the most popular experts of a recorded trace")
+    g.add_argument("--placement", type=flags.path, metavar="FILE",
+                   help="pin the most popular experts of a recorded trace")
     g.add_argument("--cost", type=flags.cost, metavar="A,B,GPU,T",
                    help="latency model in ms: cpu_lat(s)=A+B*s, gpu_lat, transfer_lat (default: from sizes)")
     c = p.add_argument_group("CPU experts")
@@ -203,7 +210,7 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
 
 def resolve_model(path: str | None) -> str:
     """The folder to load: the one given, or the built-in model (built on first use, with progress)."""
-    if path:
+    if path is not None:  # an empty name never gets here (flags.path)
         return path
     from runtime.builtin import builtin_dir, ensure_builtin
 
