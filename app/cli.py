@@ -7,8 +7,8 @@ import importlib.util
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from app.output import (
     silence_stdout,
 )
 from app.prompt_input import prompt_text
-from runtime.errors import TandemError, UsageError
+from runtime.errors import OutputError, TandemError, UsageError
 
 EXIT_USAGE = 2
 
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--beams", type=flags.whole(1), default=1, help="beam search width (1 = off)")
     gen.add_argument("--record-trace", type=flags.path, metavar="FILE",
-                     help="save the expert activation trace (.npz)")
+                     help="save the expert activation trace to exactly FILE (numpy .npz format, whatever the name)")
     add_runtime_args(gen)
     gen.set_defaults(func=_generate)
 
@@ -414,7 +414,8 @@ def _generate(args: argparse.Namespace) -> int:
         experts.close()
     placement = experts.request_stats()
     if args.record_trace:
-        experts.recorder.save(args.record_trace, model=str(args.model))
+        with _writing(args.record_trace, "--record-trace"):
+            experts.recorder.save(args.record_trace, model=str(args.model))
     if args.json:
         out = {"prompt_tokens": prompt, "tokens": tokens, "text": tok.decode(tokens),
                "stats": stats.as_dict() | placement.as_dict(), "plan": experts.describe()}
@@ -453,9 +454,21 @@ def _probe(args: argparse.Namespace) -> int:
         raise TandemError(f"recorded hardware {args.source} holds a reading of the wrong type ({e}); "
                           "record one with tandem probe --record") from None
     if args.record:
-        Path(args.record).write_text(json.dumps(record(sources), indent=1), encoding="utf-8")
+        with _writing(args.record, "--record"):
+            Path(args.record).write_text(json.dumps(record(sources), indent=1), encoding="utf-8")
     print(json.dumps(hw.to_dict(), indent=1) if args.json else "\n".join(describe(hw)))
     return 0
+
+
+@contextmanager
+def _writing(path: str, flag: str) -> Iterator[None]:
+    """A file output that fails while written (a full disk, a quota) is an error naming the flag: the folder was
+    checked before the work, but only the write itself can find the space missing."""
+    try:
+        yield
+    except OSError as e:
+        raise OutputError(f"{flag} {path}: could not write it ({e.strerror or e}); free some space or choose "
+                          "another place") from None
 
 
 def _bench_decode(args: argparse.Namespace) -> int:

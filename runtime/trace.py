@@ -48,7 +48,8 @@ class TraceRecorder:
 
     def save(self, path: str | Path, model: str) -> None:
         seq = np.stack(self.sequence) if self.sequence else np.zeros((0, self.num_layers, self.top_k), np.int32)
-        np.savez(path, prefill=self.prefill, decode=self.decode, sequence=seq, model=np.array(model))
+        with open(path, "wb") as f:  # an open file: given a name, numpy would add ".npz" to one without it
+            np.savez(f, prefill=self.prefill, decode=self.decode, sequence=seq, model=np.array(model))
 
 
 MAX_ARRAY_BYTES = 256 * 2**20  # per array of a trace file: far above a real trace (48 layers x 8 experts x
