@@ -348,7 +348,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     hw = _read_json(args.hardware, "hardware file")
     model = Path(args.model)
-    if model.is_file():
+    if model.exists() and not model.is_dir():  # a config.json, or a FIFO or device refused as one
         cfg = parse_config(_read_json(args.model, "model config"), str(model))[1]
     else:
         cfg = open_checkpoint(model).config
@@ -372,15 +372,25 @@ MAX_JSON_BYTES = 16 * 2**20  # a hand-written description or config.json; a devi
 
 
 def _read_json(path: str, what: str) -> Any:
-    """A small JSON file named on the command line (not a folder, a device or anything too large to be one)."""
+    """A small JSON file named on the command line: a regular file (`is_file` follows links and is False for a
+    FIFO, which would wait forever, or a device such as /dev/zero, which never ends), read up to a bound (a
+    file that grows while read, or one in /proc that claims size 0, stops there), and nested no deeper than
+    the parser's recursion allows."""
     p = Path(path)
+    too_large = TandemError(f"{what} {path} is larger than {MAX_JSON_BYTES // 2**20} MiB; is it the right file?")
     try:
         if not p.is_file():
             kind = "a folder" if p.is_dir() else "missing" if not p.exists() else "not a regular file"
             raise TandemError(f"{what} {path} is {kind}")
         if p.stat().st_size > MAX_JSON_BYTES:
-            raise TandemError(f"{what} {path} is larger than {MAX_JSON_BYTES // 2**20} MiB; is it the right file?")
-        return json.loads(p.read_text(encoding="utf-8"))
+            raise too_large
+        with p.open("rb") as f:
+            data = f.read(MAX_JSON_BYTES + 1)
+        if len(data) > MAX_JSON_BYTES:
+            raise too_large
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise TandemError(f"cannot read {what} {path}: its JSON is nested too deeply to be a real one") from None
     except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise TandemError(f"cannot read {what} {path}: {e}") from None
 
@@ -581,10 +591,7 @@ def _bench_numerics(args: argparse.Namespace) -> int:
 
     reference = None
     if args.reference is not None:
-        try:
-            reference = json.loads(Path(args.reference).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise TandemError(f"cannot read the reference tokens {args.reference}: {e}") from None
+        reference = _read_json(args.reference, "the reference tokens")
         if not isinstance(reference, list) or len(reference) != args.tokens:
             raise TandemError(f"{args.reference} does not hold {args.tokens} reference tokens")
     result = bench_numerics(resolve_model(args.model), args.tokens, paths, args.masks, reference=reference,
