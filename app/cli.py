@@ -359,7 +359,8 @@ def _plan(args: argparse.Namespace) -> int:
     trace = load_sequence(args.trace, shape.num_layers, shape.num_experts, shape.top_k) if args.trace else None
     result = make_plan(shape, meas, trace)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=1))
+        # allow_nan=False: NaN and Infinity are not JSON; the hardware file's ranges keep every figure finite
+        print(json.dumps(result.to_dict(), indent=1, allow_nan=False))
     else:
         p = result.plan
         print(f"threads {p.threads}, {'accelerator, strategy ' + p.strategy if p.accelerator else 'CPU only'}, "
@@ -466,7 +467,8 @@ def _probe(args: argparse.Namespace) -> int:
     if args.record:
         with _writing(args.record, "--record"):
             Path(args.record).write_text(json.dumps(record(sources), indent=1), encoding="utf-8")
-    print(json.dumps(hw.to_dict(), indent=1) if args.json else "\n".join(describe(hw)))
+    # allow_nan=False: NaN and Infinity are not JSON; readings are whole numbers or null (unknown) by now
+    print(json.dumps(hw.to_dict(), indent=1, allow_nan=False) if args.json else "\n".join(describe(hw)))
     return 0
 
 

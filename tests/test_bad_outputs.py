@@ -140,3 +140,25 @@ def test_plan_to_a_full_disk_is_an_error(model: str, tmp_path: Path) -> None:
             proc = tandem("plan", "--hardware", str(tmp_path / "hw.json"), "--model", model, *json_flag, stdout=full)
             err = proc.communicate(timeout=120)[1].decode()
         assert proc.returncode == 2 and err == "error: could not write the output: No space left on device\n", err
+
+
+# --- saved state ---------------------------------------------------------------------------------------------
+
+
+def test_tandem_home_that_is_a_file(model: str, tmp_path: Path, monkeypatch, capsys) -> None:
+    home = tmp_path / "home"
+    home.write_text("not a folder")
+    monkeypatch.setenv("TANDEM_HOME", str(home))
+    import autotune.run
+
+    monkeypatch.setattr(autotune.run, "microbench", lambda *a, **k: pytest.fail("measured before checking"))
+    assert main(["autotune", "--quick", "--model", model]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: TANDEM_HOME {home} is a file; point it to a folder") and err.count("\n") == 1, err
+    # generating saves nothing: it still works
+    assert main(["generate", "--model", model, "--max-new-tokens", "2", "hi"]) == 0
+    from app.settings import Settings, save_settings
+    from runtime.errors import StoreError
+
+    with pytest.raises(StoreError, match="is a file; point it to a folder"):
+        save_settings(Settings())
