@@ -155,8 +155,12 @@ def test_tandem_home_that_is_a_file(model: str, tmp_path: Path, monkeypatch, cap
     assert main(["autotune", "--quick", "--model", model]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: TANDEM_HOME {home} is a file; point it to a folder") and err.count("\n") == 1, err
-    # generating saves nothing: it still works
+    # generating from a model folder saves nothing: it still works
     assert main(["generate", "--model", model, "--max-new-tokens", "2", "hi"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--max-new-tokens", "2", "hi"]) == 2  # the built-in model must be built and saved
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith(f"error: TANDEM_HOME {home} is a file") and "Traceback" not in err, err
     from app.settings import Settings, save_settings
     from runtime.errors import StoreError
 
