@@ -7,8 +7,8 @@ import importlib.util
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from app.output import (
     silence_stdout,
 )
 from app.prompt_input import prompt_text
-from runtime.errors import TandemError, UsageError
+from runtime.errors import OutputError, TandemError, UsageError
 
 EXIT_USAGE = 2
 
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
-    gen.add_argument("--model", default=None,
+    gen.add_argument("--model", type=flags.path, default=None,
                      help="Hugging Face model folder (config.json + *.safetensors); default: the built-in model")
     gen.add_argument("text", nargs="?", help="the prompt text (or --prompt); - reads it from standard input")
     gen.add_argument("-p", "--prompt", default=None, help="the prompt text")
@@ -50,18 +50,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--force", action="store_true", help="load even if the RAM estimate says it will not fit")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--beams", type=flags.whole(1), default=1, help="beam search width (1 = off)")
-    gen.add_argument("--record-trace", metavar="FILE", help="save the expert activation trace (.npz)")
+    gen.add_argument("--record-trace", type=flags.path, metavar="FILE",
+                     help="save the expert activation trace to exactly FILE (numpy .npz format, whatever the name)")
     add_runtime_args(gen)
     gen.set_defaults(func=_generate)
 
     probe = sub.add_parser("probe", help="show what hardware was found (CPU ISA and cores, RAM, GPUs, PCIe)")
     probe.add_argument("--json", action="store_true", help="print the findings as JSON")
-    probe.add_argument("--record", metavar="FILE", help="also save the raw readings (e.g. for a bug report)")
-    probe.add_argument("--from", dest="source", metavar="FILE", help="read recorded readings instead of this machine")
+    probe.add_argument("--record", type=flags.path, metavar="FILE",
+                       help="also save the raw readings (e.g. for a bug report)")
+    probe.add_argument("--from", dest="source", type=flags.path, metavar="FILE",
+                       help="read recorded readings instead of this machine")
     probe.set_defaults(func=_probe)
 
     chat = sub.add_parser("chat", help="the chat app (terminal UI)")
-    chat.add_argument("model", nargs="?", default=None, help="model folder (default: the built-in model)")
+    chat.add_argument("model", nargs="?", type=flags.path, default=None,
+                      help="model folder (default: the built-in model)")
     chat.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
     chat.add_argument("--context", type=flags.whole(2), default=None)
     chat.add_argument("--force", action="store_true")
@@ -71,16 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_chat)
 
     tune = sub.add_parser("autotune", help="measure this machine on a model and save the best plan as a profile")
-    tune.add_argument("--model", help="model folder to tune for (default: the built-in model)")
+    tune.add_argument("--model", type=flags.path, help="model folder to tune for (default: the built-in model)")
     tune.add_argument("--quick", action="store_true", help="fewer measurements (about 15 s)")
     tune.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
     tune.add_argument("--json", action="store_true")
     tune.set_defaults(func=_autotune)
 
     plan = sub.add_parser("plan", help="plan for hardware described in a JSON file, without running anything")
-    plan.add_argument("--hardware", required=True, metavar="HW.json", help="see the README for the schema")
-    plan.add_argument("--model", required=True, help="model folder or its config.json")
-    plan.add_argument("--trace", help="a routing trace recorded with --record-trace (default: synthetic)")
+    plan.add_argument("--hardware", type=flags.path, required=True, metavar="HW.json",
+                      help="see the README for the schema")
+    plan.add_argument("--model", type=flags.path, required=True, help="model folder or its config.json")
+    plan.add_argument("--trace", type=flags.path,
+                      help="a routing trace recorded with --record-trace (default: synthetic)")
     plan.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_plan)
@@ -88,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (print JSON)")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     decode = bench_sub.add_parser("decode", help="decode tokens/s, optionally against transformers")
-    decode.add_argument("--model", default=None, help="default: the built-in model")
+    decode.add_argument("--model", type=flags.path, default=None, help="default: the built-in model")
     decode.add_argument("--prompt-tokens", type=flags.whole(1), default=32)
     decode.add_argument("--new-tokens", type=flags.whole(1), default=64)
     decode.add_argument("--repeats", type=flags.whole(1), default=3)
@@ -99,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_runtime_args(decode)
     decode.set_defaults(func=_bench_decode)
     offload = bench_sub.add_parser("offload", help="cache policies and static placement on the emulated accelerator")
-    offload.add_argument("--model", required=True)
+    offload.add_argument("--model", type=flags.path, required=True)
     offload.add_argument("--expert-fraction", type=flags.real(0, 1, low_open=True), default=0.25,
                          help="share of all experts that fit")
     offload.add_argument("--prompt-tokens", type=flags.whole(1), default=32)
@@ -108,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     offload.set_defaults(func=_bench_offload)
 
     e2e = bench_sub.add_parser("e2e", help="Fiddler's scenarios end to end, optionally beside transformers")
-    e2e.add_argument("--model", default=None, help="default: the built-in model")
+    e2e.add_argument("--model", type=flags.path, default=None, help="default: the built-in model")
     e2e.add_argument("--scenario", choices=["decode", "prefill", "beam", "all"], default="all")
     e2e.add_argument("--quick", action="store_true", help="a few points per scenario (minutes, not hours)")
     e2e.add_argument("--peer", choices=["transformers"], default=None)
@@ -124,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.set_defaults(func=_bench_e2e)
 
     val = bench_sub.add_parser("plan", help="the planner and simulator against real runs (regret, prediction error)")
-    val.add_argument("--model", required=True)
+    val.add_argument("--model", type=flags.path, required=True)
     val.add_argument("--expert-fraction", type=flags.real(0, 1, low_open=True), default=0.25)
     val.add_argument("--tokens", type=flags.whole(1), default=32)
     val.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
@@ -139,13 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
     kern.set_defaults(func=_bench_kernels)
 
     quant = bench_sub.add_parser("quant", help="int8/int4 CPU experts: logits drift and greedy agreement")
-    quant.add_argument("--model", required=True)
+    quant.add_argument("--model", type=flags.path, required=True)
     quant.add_argument("--new-tokens", type=flags.whole(1), default=64)
     quant.add_argument("--quant-group", type=int, choices=[32, 64, 128], default=64)
     quant.set_defaults(func=_bench_quant)
 
     num = bench_sub.add_parser("numerics", help="bf16 paths against fp32: top-1 agreement, teacher-forced")
-    num.add_argument("--model", default=None, help="model folder (default: the built-in model)")
+    num.add_argument("--model", type=flags.path, default=None, help="model folder (default: the built-in model)")
     num.add_argument("--tokens", type=flags.whole(1), default=1024, help="tokens of the bundled texts to feed")
     num.add_argument("--paths", default=None, help="comma list of paths (default: every one this CPU can take)")
     num.add_argument("--masks", action="store_true",
@@ -173,15 +179,16 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("accelerator and expert placement")
     g.add_argument("--accelerator", choices=["auto", "none", "cuda", "emulated"], default="auto",
                    help="auto: CUDA when usable, else CPU only; emulated: the CPU plays a GPU (needs --vram-gb)")
-    g.add_argument("--vram-gb", type=flags.real(0, low_open=True), default=None,
-                   help="accelerator memory budget (caps CUDA)")
+    g.add_argument("--vram-gb", type=flags.real(0, flags.MAX_VRAM_GB, low_open=True), default=None,
+                   help=f"accelerator memory budget in GB, at most {flags.MAX_VRAM_GB:g} (caps CUDA)")
     g.add_argument("--strategy", choices=["fiddler", "cpu", "fetch"], default=None,
                    help="fiddler: per-expert choice by latency; cpu: never copy weights; fetch: always copy")
     g.add_argument("--cache-ways", type=flags.whole(0), default=None,
                    help="ways per index of the expert cache (0: no cache, only static placement)")
     g.add_argument("--cache-policy", choices=["lru", "fifo", "lfu", "trace"], default=None, help="default: lru")
     g.add_argument("--max-inflight", type=flags.whole(1), default=4, help="background expert copies in flight at most")
-    g.add_argument("--placement", metavar="FILE", help="pin the most popular experts of a recorded trace")
+    g.add_argument("--placement", type=flags.path, metavar="FILE",
+                   help="pin the most popular experts of a recorded trace")
     g.add_argument("--cost", type=flags.cost, metavar="A,B,GPU,T",
                    help="latency model in ms: cpu_lat(s)=A+B*s, gpu_lat, transfer_lat (default: from sizes)")
     c = p.add_argument_group("CPU experts")
@@ -203,7 +210,7 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
 
 def resolve_model(path: str | None) -> str:
     """The folder to load: the one given, or the built-in model (built on first use, with progress)."""
-    if path:
+    if path is not None:  # an empty name never gets here (flags.path)
         return path
     from runtime.builtin import builtin_dir, ensure_builtin
 
@@ -341,7 +348,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     hw = _read_json(args.hardware, "hardware file")
     model = Path(args.model)
-    if model.is_file():
+    if model.exists() and not model.is_dir():  # a config.json, or a FIFO or device refused as one
         cfg = parse_config(_read_json(args.model, "model config"), str(model))[1]
     else:
         cfg = open_checkpoint(model).config
@@ -352,7 +359,8 @@ def _plan(args: argparse.Namespace) -> int:
     trace = load_sequence(args.trace, shape.num_layers, shape.num_experts, shape.top_k) if args.trace else None
     result = make_plan(shape, meas, trace)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=1))
+        # allow_nan=False: NaN and Infinity are not JSON; the hardware file's ranges keep every figure finite
+        print(json.dumps(result.to_dict(), indent=1, allow_nan=False))
     else:
         p = result.plan
         print(f"threads {p.threads}, {'accelerator, strategy ' + p.strategy if p.accelerator else 'CPU only'}, "
@@ -365,15 +373,25 @@ MAX_JSON_BYTES = 16 * 2**20  # a hand-written description or config.json; a devi
 
 
 def _read_json(path: str, what: str) -> Any:
-    """A small JSON file named on the command line (not a folder, a device or anything too large to be one)."""
+    """A small JSON file named on the command line: a regular file (`is_file` follows links and is False for a
+    FIFO, which would wait forever, or a device such as /dev/zero, which never ends), read up to a bound (a
+    file that grows while read, or one in /proc that claims size 0, stops there), and nested no deeper than
+    the parser's recursion allows."""
     p = Path(path)
+    too_large = TandemError(f"{what} {path} is larger than {MAX_JSON_BYTES // 2**20} MiB; is it the right file?")
     try:
         if not p.is_file():
             kind = "a folder" if p.is_dir() else "missing" if not p.exists() else "not a regular file"
             raise TandemError(f"{what} {path} is {kind}")
         if p.stat().st_size > MAX_JSON_BYTES:
-            raise TandemError(f"{what} {path} is larger than {MAX_JSON_BYTES // 2**20} MiB; is it the right file?")
-        return json.loads(p.read_text(encoding="utf-8"))
+            raise too_large
+        with p.open("rb") as f:
+            data = f.read(MAX_JSON_BYTES + 1)
+        if len(data) > MAX_JSON_BYTES:
+            raise too_large
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise TandemError(f"cannot read {what} {path}: its JSON is nested too deeply to be a real one") from None
     except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise TandemError(f"cannot read {what} {path}: {e}") from None
 
@@ -407,7 +425,8 @@ def _generate(args: argparse.Namespace) -> int:
         experts.close()
     placement = experts.request_stats()
     if args.record_trace:
-        experts.recorder.save(args.record_trace, model=str(args.model))
+        with _writing(args.record_trace, "--record-trace"):
+            experts.recorder.save(args.record_trace, model=str(args.model))
     if args.json:
         out = {"prompt_tokens": prompt, "tokens": tokens, "text": tok.decode(tokens),
                "stats": stats.as_dict() | placement.as_dict(), "plan": experts.describe()}
@@ -446,9 +465,22 @@ def _probe(args: argparse.Namespace) -> int:
         raise TandemError(f"recorded hardware {args.source} holds a reading of the wrong type ({e}); "
                           "record one with tandem probe --record") from None
     if args.record:
-        Path(args.record).write_text(json.dumps(record(sources), indent=1), encoding="utf-8")
-    print(json.dumps(hw.to_dict(), indent=1) if args.json else "\n".join(describe(hw)))
+        with _writing(args.record, "--record"):
+            Path(args.record).write_text(json.dumps(record(sources), indent=1), encoding="utf-8")
+    # allow_nan=False: NaN and Infinity are not JSON; readings are whole numbers or null (unknown) by now
+    print(json.dumps(hw.to_dict(), indent=1, allow_nan=False) if args.json else "\n".join(describe(hw)))
     return 0
+
+
+@contextmanager
+def _writing(path: str, flag: str) -> Iterator[None]:
+    """A file output that fails while written (a full disk, a quota) is an error naming the flag: the folder was
+    checked before the work, but only the write itself can find the space missing."""
+    try:
+        yield
+    except OSError as e:
+        raise OutputError(f"{flag} {path}: could not write it ({e.strerror or e}); free some space or choose "
+                          "another place") from None
 
 
 def _bench_decode(args: argparse.Namespace) -> int:
@@ -561,10 +593,7 @@ def _bench_numerics(args: argparse.Namespace) -> int:
 
     reference = None
     if args.reference is not None:
-        try:
-            reference = json.loads(Path(args.reference).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise TandemError(f"cannot read the reference tokens {args.reference}: {e}") from None
+        reference = _read_json(args.reference, "the reference tokens")
         if not isinstance(reference, list) or len(reference) != args.tokens:
             raise TandemError(f"{args.reference} does not hold {args.tokens} reference tokens")
     result = bench_numerics(resolve_model(args.model), args.tokens, paths, args.masks, reference=reference,

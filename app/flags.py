@@ -89,6 +89,18 @@ def threads(text: str) -> int:
     return value
 
 
+def path(text: str) -> str:
+    """A file or folder name: an empty one is refused (`--model ""` from an unset shell variable must not quietly
+    mean the default model, nor "" mean the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, not an empty string")
+    return text
+
+
+path.__name__ = "path"
+
+MAX_VRAM_GB = 1e6  # a petabyte of accelerator memory: beyond any device, and bytes that still fit an int64
+
 seed = whole(0, SEED_MAX)
 seed.__name__ = "seed"
 

@@ -48,6 +48,8 @@ class guarded_stdout:
     here, where a failure is still reported (Python's own flush at exit could only print "Exception ignored")."""
 
     def __enter__(self) -> None:
+        if sys.stdout is None:  # started with standard output closed (`tandem ... >&-`): nowhere for results
+            raise OutputError("standard output is closed; redirect it to a file or to /dev/null instead")
         self._original = sys.stdout
         sys.stdout = _GuardedStream(self._original)  # type: ignore[assignment]
 

@@ -531,7 +531,7 @@ class TandemApp(App[None]):
                 self.settings, self.params = new, new.params()
                 try:
                     save_settings(new)
-                except OSError as e:
+                except (OSError, TandemError) as e:  # TandemError: a folder that cannot be created
                     self.notify(f"the settings apply now but could not be saved ({e})", title="Not saved",
                                 severity="error", timeout=20)
                     return

@@ -62,7 +62,12 @@ class WizardScreen(ModalScreen[bool]):
             event.button.disabled = True
             self.run_tuning()
         elif event.button.id == "save" and self.tuned is not None:
-            self.tuned.path = save_profile(self.tuned.profile)
+            try:
+                self.tuned.path = save_profile(self.tuned.profile)
+            except (OSError, TandemError) as e:  # a full disk, or TANDEM_HOME naming a file: say so, stay open
+                self.notify(f"the profile could not be saved ({e})", title="Not saved", severity="error",
+                            timeout=20)
+                return
             self.dismiss(True)
         elif event.button.id == "skip":
             self.dismiss(False)

@@ -8,7 +8,6 @@ what was not measured from bandwidths and peak FLOPS (MoE-Lightning's hierarchic
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,10 +93,17 @@ def roofline_cpu(expert_bytes: int, flops_per_token: float, dram_gbps: float, gf
 MAX_COUNT = 1 << 16  # cores and thread counts: beyond any machine, and small enough to loop over
 
 
+# Plausible physical ranges of what a hardware file states: a number outside them is a typo or a unit mistake,
+# and at the extremes the arithmetic breaks (5e-324 GB/s divides into inf, 1e308 GB/s predicts inf tok/s).
+GBPS = (1e-3, 1e5)  # 1 MB/s (a floppy's league) to 100 TB/s (beyond any memory system)
+GFLOPS = (1e-3, 1e7)  # up to 10 PFLOPS
+MS = (1e-6, 1e7)  # a latency: a nanosecond to almost three hours
+
+
 class _HardwareFile:
-    """Reads the fields of a hardware description, refusing (with the field's name) anything but a finite
-    positive number where one belongs: a zero, negative, NaN or infinite latency or bandwidth would produce
-    plans like "threads -3" or "390625 tok/s" instead of an error."""
+    """Reads the fields of a hardware description, refusing (with the field's name and the range it takes)
+    anything but a finite number in a plausible range where one belongs: a zero, negative, NaN, infinite or
+    absurd latency or bandwidth would produce plans like "threads -3" or "inf tok/s" instead of an error."""
 
     def __init__(self, source: str) -> None:
         self.source = source
@@ -115,25 +121,31 @@ class _HardwareFile:
             raise self.fail(field, d, "an object ({...})")
         return d
 
-    def number(self, d: dict[str, Any], key: str, where: str = "", *, zero: bool = False) -> float:
+    def number(self, d: dict[str, Any], key: str, bounds: tuple[float, float], where: str = "", *,
+               zero: bool = False) -> float:
+        """A number in `bounds` (or 0 with `zero`). Compared before any conversion: an integer too large for a
+        float (JSON allows 10**400) is simply out of range, and NaN fails every comparison."""
         field, value = where + key, d.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not (
-                value >= 0 if zero else value > 0):
-            raise self.fail(field, value, "a finite number" + (" (0 or more)" if zero else " above 0"))
+        low, high = bounds
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                low <= value <= high or (zero and value == 0)):
+            raise self.fail(field, value, f"a number from {'0 or ' if zero else ''}{low:g} to {high:g}")
         return float(value)
 
-    def optional(self, d: dict[str, Any], key: str, where: str = "", *, zero: bool = False) -> float | None:
-        return None if d.get(key) is None else self.number(d, key, where, zero=zero)
+    def optional(self, d: dict[str, Any], key: str, bounds: tuple[float, float], where: str = "", *,
+                 zero: bool = False) -> float | None:
+        return None if d.get(key) is None else self.number(d, key, bounds, where, zero=zero)
 
-    def count(self, value: Any, field: str, high: int = MAX_COUNT, *, zero: bool = False, key: bool = False) -> int:
+    def count(self, value: Any, field: str, high: int = MAX_COUNT, *, zero: bool = False, key: bool = False,
+              what: str = "") -> int:
         """A whole number (JSON 24 or 24.0; as a key, where JSON allows only strings, "24"), from 1 (or 0) to
-        `high`."""
+        `high` (`what` says what that limit is)."""
         if key and isinstance(value, str) and value.strip().isdigit():
             value = int(value)
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int) or not (0 if zero else 1) <= value <= high:
-            raise self.fail(field, value, f"a whole number from {0 if zero else 1} to {high}")
+            raise self.fail(field, value, f"a whole number from {0 if zero else 1} to {high}{what}")
         return value
 
 
@@ -145,24 +157,26 @@ def from_hardware_file(d: dict[str, Any], expert_bytes: int, flops_per_token: fl
     if not isinstance(d, dict):
         raise f.fail("the file", d, "a JSON object")
     cores = f.count(d.get("cores"), "cores")
-    dram = f.optional(d, "cpu_bandwidth_gbps")
+    dram = f.optional(d, "cpu_bandwidth_gbps", GBPS)
     cpu: dict[int, CpuFit] = {}
     for t, spec in f.section(d.get("cpu_threads"), "cpu_threads").items():
         where = f"cpu_threads.{t}."
         spec = f.section(spec, where.rstrip("."))
-        per_token = 0.0 if spec.get("per_token_ms") is None else f.number(spec, "per_token_ms", where, zero=True)
-        cpu[f.count(t, "a cpu_threads key", key=True)] = CpuFit(f.number(spec, "expert_ms", where), per_token)
+        per_token = 0.0 if spec.get("per_token_ms") is None else f.number(spec, "per_token_ms", MS, where, zero=True)
+        # a thread count beyond the cores could never be run: the plan would ask for it all the same
+        threads = f.count(t, "a cpu_threads key", cores, key=True, what=" (the cores)")
+        cpu[threads] = CpuFit(f.number(spec, "expert_ms", MS, where), per_token)
     if not cpu:  # derive from bandwidth and FLOPS, assuming both scale with threads up to `cores`
-        bw, gf = f.number(d, "cpu_bandwidth_gbps"), f.number(d, "cpu_gflops")
+        bw, gf = f.number(d, "cpu_bandwidth_gbps", GBPS), f.number(d, "cpu_gflops", GFLOPS)
         for t in sorted({1, max(1, cores // 2), cores}):
             cpu[t] = roofline_cpu(expert_bytes, flops_per_token, bw * min(1.0, 2 * t / cores), gf * t / cores)
     gpu = f.section(d.get("gpu"), "gpu")
-    expert_ms = f.optional(gpu, "expert_ms", "gpu.")
-    bandwidth = f.optional(gpu, "bandwidth_gbps", "gpu.")
+    expert_ms = f.optional(gpu, "expert_ms", MS, "gpu.")
+    bandwidth = f.optional(gpu, "bandwidth_gbps", GBPS, "gpu.")
     if expert_ms is None and bandwidth is not None:  # roofline: decode reads the expert once
         expert_ms = expert_bytes / bandwidth / 1e6
-    copy_ms = f.optional(gpu, "copy_ms", "gpu.")
-    h2d = f.optional(gpu, "h2d_gbps", "gpu.")
+    copy_ms = f.optional(gpu, "copy_ms", MS, "gpu.")
+    h2d = f.optional(gpu, "h2d_gbps", GBPS, "gpu.")
     if copy_ms is None and h2d is not None:
         copy_ms = expert_bytes / h2d / 1e6
     vram = gpu.get("vram_bytes_for_experts")
@@ -171,5 +185,5 @@ def from_hardware_file(d: dict[str, Any], expert_bytes: int, flops_per_token: fl
     return Measurements(
         cores=cores, expert_bytes=expert_bytes, cpu=cpu, dram_gbps=dram, gpu_expert_ms=expert_ms,
         copy_expert_ms=copy_ms, h2d_gbps=h2d, vram_for_experts=vram,
-        token_overhead_ms=0.0 if overhead is None else f.number(d, "token_overhead_ms", zero=True),
+        token_overhead_ms=0.0 if overhead is None else f.number(d, "token_overhead_ms", MS, zero=True),
     )

@@ -9,6 +9,7 @@ as "unknown" — never a guess — and a missing NVML or driver means "no GPU", 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -246,21 +247,55 @@ def _removed_by(sources: ProbeSources) -> frozenset[str]:
     return masked_features()
 
 
+MAX_COUNT = 1 << 20  # cores, threads, NUMA nodes, PCIe generations and lanes: beyond any machine
+MAX_BYTES = 1 << 60  # memory sizes: an exabyte
+
+
+def _amount(value: Any, what: str, high: int = MAX_COUNT) -> int | None:
+    """A count or a size as read. A number that is not a whole, finite, positive one within reach (a negative
+    count, NaN or infinite memory in a recorded file, a sensor's 0) is unknown: shown as such, never used as a
+    fact. Anything but a number is the wrong type for the reading: a TypeError naming it."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} is {value!r}, not a number")
+    if isinstance(value, float):
+        if not math.isfinite(value) or not value.is_integer():
+            return None
+        value = int(value)
+    return value if 0 < value <= high else None
+
+
+def _name(value: Any, what: str) -> str | None:
+    """A name as read (a brand, a driver version): text, or unknown."""
+    if value is None or isinstance(value, str):
+        return value or None
+    raise TypeError(f"{what} is {value!r}, not text")
+
+
 def parse_cpu(raw: dict[str, Any], cores: tuple[int | None, int | None], removed: frozenset[str] = frozenset()
               ) -> CpuInfo:
     """The CPU as read, less the features in `removed` (TANDEM_CPU_FEATURES)."""
     flags = [str(f).lower() for f in raw.get("flags") or ()]
     arch = raw.get("arch_string_raw") or raw.get("arch")
-    return CpuInfo(raw.get("brand_raw") or None, arch.lower() if isinstance(arch, str) else None,
-                   tuple(sorted(mask_flags(flags, removed))), cores[0], cores[1] or raw.get("count"),
+    logical = _amount(cores[1], "the thread count") or _amount(raw.get("count"), "the CPU count")
+    return CpuInfo(_name(raw.get("brand_raw"), "the CPU brand"), arch.lower() if isinstance(arch, str) else None,
+                   tuple(sorted(mask_flags(flags, removed))), _amount(cores[0], "the core count"), logical,
                    tuple(sorted(present_features(flags) & removed)))
 
 
 def parse_gpu(index: int, raw: dict[str, Any]) -> GpuInfo:
     cap = raw.get("capability")
-    return GpuInfo(index, raw.get("name"), raw.get("memory_total"), raw.get("memory_free"), raw.get("pcie_gen"),
-                   raw.get("pcie_gen_max"), raw.get("pcie_width"), raw.get("pcie_width_max"), raw.get("driver"),
-                   (int(cap[0]), int(cap[1])) if cap else None)
+    if cap is not None and not (isinstance(cap, (list, tuple)) and len(cap) == 2
+                                and all(isinstance(c, int) and not isinstance(c, bool) for c in cap)):
+        raise TypeError(f"GPU {index} capability is {cap!r}, not [major, minor]")
+    where = f"GPU {index}"
+    return GpuInfo(index, _name(raw.get("name"), f"{where} name"),
+                   _amount(raw.get("memory_total"), f"{where} memory_total", MAX_BYTES),
+                   _amount(raw.get("memory_free"), f"{where} memory_free", MAX_BYTES),
+                   *(_amount(raw.get(k), f"{where} {k}") for k in ("pcie_gen", "pcie_gen_max", "pcie_width",
+                                                                   "pcie_width_max")),
+                   _name(raw.get("driver"), f"{where} driver"), (cap[0], cap[1]) if cap else None)
 
 
 def probe(sources: ProbeSources | None = None, removed: frozenset[str] | None = None) -> HardwareInfo:
@@ -270,12 +305,16 @@ def probe(sources: ProbeSources | None = None, removed: frozenset[str] | None = 
     src = sources if sources is not None else LiveSources()
     cpu = parse_cpu(src.cpu(), src.cores(), _removed_by(src) if removed is None else removed)
     total, available = src.memory()
+    total, available = _amount(total, "the total RAM", MAX_BYTES), _amount(available, "the available RAM", MAX_BYTES)
     try:
-        gpus = tuple(parse_gpu(i, g) for i, g in enumerate(src.gpus()))
+        found = src.gpus()
+        if not isinstance(found, list) or not all(isinstance(g, dict) for g in found):
+            raise TypeError(f"the GPUs are {found!r}, not a list of objects")
+        gpus = tuple(parse_gpu(i, g) for i, g in enumerate(found))
         status = "ok" if gpus else "no GPU (the driver reports no device)"
     except GpuUnavailable as e:
         gpus, status = (), f"no GPU: {e}"
-    return HardwareInfo(cpu, total, available, src.numa_nodes(), gpus, status)
+    return HardwareInfo(cpu, total, available, _amount(src.numa_nodes(), "the NUMA node count"), gpus, status)
 
 
 def describe(hw: HardwareInfo) -> list[str]:

@@ -13,10 +13,11 @@ import torch
 from autotune.microbench import Step, microbench
 from autotune.plan import ModelShape, Plan, PlanResult, evaluate, make_plan
 from autotune.probe import HardwareInfo, probe
-from autotune.profile import Profile, model_fingerprint, save_profile
+from autotune.profile import Profile, model_fingerprint, profiles_dir, save_profile
 from runtime.checkpoint import open_checkpoint
 from runtime.engine import Engine, GenerationStats
 from runtime.loader import DTYPES, LoadedModel, default_dtype, load
+from runtime.paths import ensure_folder
 from runtime.sampling import SamplingParams
 from runtime.trace import most_popular
 
@@ -54,6 +55,8 @@ def record_trace(model_dir: str | Path, dtype: str, tokens: int = 32, loaded: Lo
 def autotune(model_dir: str | Path, dtype: str = "auto", quick: bool = False,
              progress: Callable[[Step], None] | None = None, trace: np.ndarray | None = None,
              save: bool = True, hardware: HardwareInfo | None = None, loaded: LoadedModel | None = None) -> Tuned:
+    if save:  # the folder the profile goes to must be usable before minutes of measuring, not after
+        ensure_folder(profiles_dir())
     hw = hardware or probe()
     name = default_dtype(set(hw.cpu.flags) or None) if dtype == "auto" else dtype
     ckpt = open_checkpoint(model_dir)

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from runtime.errors import CheckpointError
-from runtime.paths import cache_dir
+from runtime.paths import cache_dir, ensure_folder
 
 RECIPE_VERSION = 2
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,6 +53,7 @@ def ensure_builtin(progress: Progress | None = None) -> Path:
     out = builtin_dir()
     if (out / "tandem-builtin.json").exists():
         return out
+    ensure_folder(out.parent)  # before reading the source: a folder that cannot be made fails at once
     built = build(gguf_file(), out, progress)
     for stale in out.parent.glob("smollm2-135m-moe8-v*"):  # builds of older recipes
         if stale != out and stale.is_dir():
@@ -101,7 +102,7 @@ def build(source: Path, out: Path, progress: Progress | None = None) -> Path:
         "num_local_experts": EXPERTS, "num_experts_per_tok": TOP_K, "hidden_act": "silu",
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16", "sliding_window": None,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
+    ensure_folder(out.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         router_gen = torch.Generator().manual_seed(ROUTER_SEED)

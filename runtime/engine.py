@@ -49,6 +49,15 @@ class GenerationStats:
         }
 
 
+def _check_scores(logits: torch.Tensor, step: int) -> None:
+    """Scores with NaN or infinities come from damaged weights (or an overflow in them): sampling would fail
+    inside torch and greedy or beam search would print nonsense, so they end the generation with an error.
+    One pass over a row of V scores per step: negligible beside the forward pass."""
+    if not bool(torch.isfinite(logits).all()):
+        raise GenerationError(f"the model produced NaN or infinite scores at token {step + 1}; its weights may be "
+                              "damaged (download or convert the model again)")
+
+
 class Engine:
     def __init__(self, model: MoEModel, eos_ids: Iterable[int]) -> None:
         self.model = model
@@ -100,6 +109,7 @@ class Engine:
         budget = min(params.max_new_tokens, self.context - n_prompt)
         pos = n_prompt
         for step in range(budget):
+            _check_scores(logits, step)
             token = next_token(logits, params, history[:pos], generator)
             elapsed = time.perf_counter() - start
             if step == 0:
@@ -134,6 +144,8 @@ class Engine:
         start = time.perf_counter()
         budget = min(params.max_new_tokens, self.context - n_prompt)
         logits = self.model.forward(torch.tensor([prompt_ids]), 0, last_only=True)[0, -1]  # [V]
+        if budget:
+            _check_scores(logits, 0)
         scores = torch.log_softmax(logits, -1)[None]  # [1, V]: one row until the beams diverge
         rows: list[list[int]] = [[]]  # the tokens of the beam held in each KV cache row
         row_scores = torch.zeros(1)
@@ -143,6 +155,7 @@ class Engine:
             if step:
                 last = torch.tensor([[r[-1]] for r in rows])  # [R, 1]
                 logits = self.model.forward(last, pos - 1, last_only=True, phase="decode")[:, -1]  # [R, V]
+                _check_scores(logits, step)
                 scores = row_scores[:, None] + torch.log_softmax(logits, -1)  # [R, V]
             top, flat = scores.flatten().topk(min(2 * k, scores.numel()))  # [2K]
             vocab = scores.shape[-1]

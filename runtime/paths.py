@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from runtime.errors import StoreError
+
 try:  # a lock between processes; a platform without it saves unlocked (still atomically)
     import fcntl
 except ImportError:  # pragma: no cover - not on Linux or macOS
@@ -40,6 +42,22 @@ def cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("tandem", appauthor=False))
 
 
+def ensure_folder(folder: Path) -> Path:
+    """Create `folder` (and its parents) for saving, or raise a `StoreError` saying how to fix what is in the way:
+    TANDEM_HOME naming a file, a file where a folder belongs, no permission. Reading never needs this: a
+    missing folder just holds nothing yet."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        home = os.environ.get("TANDEM_HOME")
+        if home and Path(home).exists() and not Path(home).is_dir():
+            raise StoreError(f"TANDEM_HOME {home} is a file; point it to a folder (or unset it to use the "
+                             "default one)") from None
+        raise StoreError(f"cannot create the folder {folder} ({e.strerror or e}); make room for it, fix its "
+                         "permissions or set TANDEM_HOME to a folder you can write") from None
+    return folder
+
+
 def temp_prefix(path: Path) -> str:
     """Temporary files of `path` are `.<stem>-<random>.json` beside it (hidden, so never taken for the file)."""
     return f".{path.stem}-"
@@ -50,7 +68,7 @@ def atomic_write_json(path: Path, data: Any) -> Path:
 
     The data reach the disk before the rename, so a crash or power cut leaves the old file or the new one,
     never an empty or half-written one; the folder is synced after so the rename itself is kept."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    ensure_folder(path.parent)
     text = json.dumps(data, indent=1)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".json", dir=path.parent)
     try:
@@ -128,7 +146,7 @@ def folder_lock(folder: Path) -> Iterator[None]:
 
     Writers that read, merge and write files in the folder hold it so none of them works on a stale copy.
     The lock goes with the process, so a crash never leaves it held."""
-    folder.mkdir(parents=True, exist_ok=True)
+    ensure_folder(folder)
     if fcntl is None:
         yield
         return

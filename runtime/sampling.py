@@ -47,11 +47,23 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, history: torch.
     """Apply repetition penalty, temperature, top-k and top-p: logits [V] -> filtered logits [V]."""
     if params.repetition_penalty != 1.0 and history.numel():
         seen = logits.gather(0, history)
-        seen = torch.where(seen < 0, seen * params.repetition_penalty, seen / params.repetition_penalty)
-        logits = logits.scatter(0, history, seen)
+        penalized = _penalize(seen, params.repetition_penalty)
+        if not torch.isfinite(penalized).all():
+            # a penalty so far from 1 that a score overflows (or is 0 in float32): computed in float64 and held at
+            # the largest finite score, so the order of the other tokens survives and softmax never sees inf
+            big = torch.finfo(logits.dtype).max
+            penalized = _penalize(seen.double(), params.repetition_penalty).clamp(-big, big).to(logits.dtype)
+        logits = logits.scatter(0, history, penalized)
     if params.temperature == 0:
         return logits
-    logits = logits / params.temperature
+    scaled = logits / params.temperature
+    if not torch.isfinite(scaled).all():
+        # a temperature so small that logits / T overflows: the largest score is moved to 0 first (softmax does not
+        # change) and the division done in float64, so the best tokens stay finite and the rest fall to -inf:
+        # sampling becomes greedy, as the temperature asks
+        shifted = (logits.double() - logits.max().double()) / params.temperature
+        scaled = shifted.to(logits.dtype)
+    logits = scaled
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -62,6 +74,10 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, history: torch.
         drop[-1] = False  # always keep the most likely token
         logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
     return logits
+
+
+def _penalize(scores: torch.Tensor, penalty: float) -> torch.Tensor:
+    return torch.where(scores < 0, scores * penalty, scores / penalty)
 
 
 def next_token(

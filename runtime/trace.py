@@ -48,7 +48,8 @@ class TraceRecorder:
 
     def save(self, path: str | Path, model: str) -> None:
         seq = np.stack(self.sequence) if self.sequence else np.zeros((0, self.num_layers, self.top_k), np.int32)
-        np.savez(path, prefill=self.prefill, decode=self.decode, sequence=seq, model=np.array(model))
+        with open(path, "wb") as f:  # an open file: given a name, numpy would add ".npz" to one without it
+            np.savez(f, prefill=self.prefill, decode=self.decode, sequence=seq, model=np.array(model))
 
 
 MAX_ARRAY_BYTES = 256 * 2**20  # per array of a trace file: far above a real trace (48 layers x 8 experts x
@@ -56,8 +57,10 @@ MAX_ARRAY_BYTES = 256 * 2**20  # per array of a trace file: far above a real tra
 RECORD_HINT = "record one with --record-trace"
 
 
-def _read_arrays(path: str | Path, what: str, names: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """The named arrays of a `.npz` trace file, or a `TandemError` saying what is wrong with the file."""
+def _read_arrays(path: str | Path, what: str, names: tuple[str, ...], optional: tuple[str, ...] = ()
+                 ) -> dict[str, np.ndarray]:
+    """The named arrays of a `.npz` trace file (and those of `optional` it holds), or a `TandemError` saying
+    what is wrong with the file."""
     p = Path(path)
     if not p.is_file():
         kind = "a folder" if p.is_dir() else "missing" if not p.exists() else "not a regular file"
@@ -72,14 +75,20 @@ def _read_arrays(path: str | Path, what: str, names: tuple[str, ...]) -> dict[st
         missing = [n for n in names if n not in data.files]
         if missing:
             raise TandemError(f"{what} {path} lacks {', '.join(missing)}: not a trace file; {RECORD_HINT}")
-        try:
-            for name in names:
+        arrays = {}
+        for name in names + tuple(n for n in optional if n in data.files):
+            try:
                 if data.zip.getinfo(f"{name}.npy").file_size > MAX_ARRAY_BYTES:
                     raise TandemError(f"{what} {path}: {name} is larger than {MAX_ARRAY_BYTES // 2**20} MiB; "
                                       f"not a trace this program wrote; {RECORD_HINT}")
-            return {name: data[name] for name in names}
-        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:
-            raise TandemError(f"cannot read {what} {path} (damaged or truncated: {e}); {RECORD_HINT}") from None
+                arrays[name] = data[name]
+            except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:
+                raise TandemError(f"cannot read {what} {path}: {name} is damaged or truncated ({e}); {RECORD_HINT}"
+                                  ) from None
+    for name, array in arrays.items():
+        if not isinstance(array, np.ndarray):  # numpy hands over a member without the .npy header as raw bytes
+            raise TandemError(f"{what} {path}: {name} is not an array (not .npy data); {RECORD_HINT}")
+    return arrays
 
 
 def _check_numbers(what: str, path: str | Path, name: str, array: np.ndarray, kinds: str) -> None:
@@ -89,29 +98,40 @@ def _check_numbers(what: str, path: str | Path, name: str, array: np.ndarray, ki
         raise TandemError(f"{what} {path}: {name} holds {array.dtype} values, not {expected}; {RECORD_HINT}")
 
 
+def _check_counts(what: str, path: str | Path, name: str, counts: np.ndarray, num_layers: int,
+                  num_experts: int) -> None:
+    """A counts member (prefill, decode): layers × experts of finite counts, none negative."""
+    if counts.ndim != 2:
+        raise TandemError(f"{what} {path}: {name} has {counts.ndim} dimensions, not 2 (layers × experts); "
+                          f"{RECORD_HINT}")
+    _check_numbers(what, path, name, counts, "iuf")
+    if counts.shape != (num_layers, num_experts):
+        raise TandemError(
+            f"{what} {path}: {name} is for {counts.shape[0]} layers × {counts.shape[1]} experts, but this "
+            f"model has {num_layers} × {num_experts}; record a new one with --record-trace"
+        )
+    if not np.isfinite(counts).all() or (counts < 0).any():
+        raise TandemError(f"{what} {path}: {name} holds negative or non-finite counts; {RECORD_HINT}")
+
+
 def load_popularity(path: str | Path, num_layers: int, num_experts: int) -> np.ndarray:
     """Counts [layers, experts] from a saved trace (prefill + decode)."""
     what = "placement profile"
     arrays = _read_arrays(path, what, ("prefill", "decode"))
     for name, counts in arrays.items():
-        if counts.ndim != 2:
-            raise TandemError(f"{what} {path}: {name} has {counts.ndim} dimensions, not 2 (layers × experts); "
-                              f"{RECORD_HINT}")
-        _check_numbers(what, path, name, counts, "iuf")
-        if counts.shape != (num_layers, num_experts):
-            raise TandemError(
-                f"placement profile {path} is for {counts.shape[0]} layers × {counts.shape[1]} experts, but this "
-                f"model has {num_layers} × {num_experts}; record a new one with --record-trace"
-            )
-        if not np.isfinite(counts).all() or (counts < 0).any():
-            raise TandemError(f"{what} {path}: {name} holds negative or non-finite counts; {RECORD_HINT}")
+        _check_counts(what, path, name, counts, num_layers, num_experts)
     return arrays["prefill"] + arrays["decode"]
 
 
 def load_sequence(path: str | Path, num_layers: int, num_experts: int, top_k: int) -> np.ndarray:
     """The decode routing [steps, layers, top_k] of a saved trace: expert ids, -1 for dense layers."""
     what = "trace"
-    seq = _read_arrays(path, what, ("sequence",))["sequence"]
+    # the counts are not used here, but a file whose counts --placement would refuse is refused here too
+    arrays = _read_arrays(path, what, ("sequence",), optional=("prefill", "decode"))
+    for name in ("prefill", "decode"):
+        if name in arrays:
+            _check_counts(what, path, name, arrays[name], num_layers, num_experts)
+    seq = arrays["sequence"]
     if seq.ndim != 3:
         raise TandemError(f"{what} {path}: sequence has {seq.ndim} dimensions, not 3 (steps × layers × top-k); "
                           f"{RECORD_HINT}")

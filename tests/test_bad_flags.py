@@ -13,6 +13,7 @@ import pytest
 from app import flags
 from app.cli import main
 from app.prompt_input import MAX_PROMPT_BYTES
+from runtime.errors import UsageError
 
 NO_MODEL = "/nonexistent/tandem-model"  # were a flag let through, the error would name this folder instead
 
@@ -35,7 +36,8 @@ BAD_GENERATE = [
     ("--top-k", "-1"), ("--top-k", "2.5"),
     ("--cost", "nan"), ("--cost", "nan,1,1,1"), ("--cost", "1,inf,1,1"), ("--cost", "1,2"), ("--cost", "1,2,3,-4"),
     ("--cost", "a,b,c,d"), ("--cost", ""),
-    ("--vram-gb", "nan"), ("--vram-gb", "inf"), ("--vram-gb", "-1"), ("--vram-gb", "0"),
+    ("--vram-gb", "nan"), ("--vram-gb", "inf"), ("--vram-gb", "-1"), ("--vram-gb", "0"), ("--vram-gb", "1e300"),
+    ("--vram-gb", "1000001"), ("--model", ""), ("--placement", ""), ("--record-trace", ""),
     ("--seed", "1" * 70), ("--seed", "-1"), ("--seed", str(2**63)), ("--seed", "x"),
     ("--beams", "-2"), ("--beams", "0"),
     ("--threads", "0"), ("--threads", "-1"), ("--threads", "5000"),
@@ -76,6 +78,18 @@ def test_thread_limit_is_stated(capsys) -> None:
     (["bench", "kernels", "--threads", "5000"], "--threads"),
     (["make-bench-model", "--shape", "olmoe", "--out", NO_MODEL, "--layers", "0"], "--layers"),
     (["make-test-model", "--out", NO_MODEL, "--seed", "9" * 70], "--seed"),
+    (["chat", "", "--context", "8"], "model"),
+    (["autotune", "--model", ""], "--model"),
+    (["plan", "--model", "", "--hardware", "hw.json"], "--model"),
+    (["plan", "--model", NO_MODEL, "--hardware", ""], "--hardware"),
+    (["plan", "--model", NO_MODEL, "--hardware", "hw.json", "--trace", ""], "--trace"),
+    (["probe", "--from", ""], "--from"),
+    (["bench", "decode", "--model", ""], "--model"),
+    (["bench", "offload", "--model", ""], "--model"),
+    (["bench", "e2e", "--model", ""], "--model"),
+    (["bench", "plan", "--model", ""], "--model"),
+    (["bench", "quant", "--model", ""], "--model"),
+    (["bench", "numerics", "--model", ""], "--model"),
 ])
 def test_bad_numbers_in_other_commands_are_refused(capsys, argv: list[str], flag: str) -> None:
     refused(capsys, argv, f"argument {flag}")
@@ -113,6 +127,7 @@ def test_good_values_still_pass() -> None:
                               "--cost", "2,0.5,0.2,4", "--vram-gb", "0.001", "--cache-ways", "0",
                               "--kernel-crossover", "0", "--threads", "1", "--max-new-tokens", "0"])
     assert args.seed == 2**63 - 1 and args.cost.transfer_ms == 4.0 and args.cache_ways == 0 and args.threads == 1
+    assert parser.parse_args(["generate", "hi", "--vram-gb", "1e6"]).vram_gb == 1e6
 
 
 # --- prompts -------------------------------------------------------------------------------------------------
@@ -128,6 +143,18 @@ def test_stdin_prompt_is_bounded(capsys, monkeypatch) -> None:
     refused(capsys, ["generate", "--model", NO_MODEL, "--prompt", "-"], "longer than 4 MiB")
     monkeypatch.setattr(sys, "stdin", io.StringIO("a" * (MAX_PROMPT_BYTES + 1)))  # a text stream without bytes
     refused(capsys, ["generate", "--model", NO_MODEL, "-"], "longer than 4 MiB")
+
+
+def test_byte_order_mark_is_not_part_of_the_prompt(monkeypatch) -> None:
+    from app.prompt_input import read_stdin
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xef\xbb\xbfhello"), encoding="utf-8"))
+    assert read_stdin() == "hello"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\ufeffhello"))  # a text stream without bytes beneath
+    assert read_stdin() == "hello"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xef\xbb\xbfa\xff"), encoding="utf-8"))
+    with pytest.raises(UsageError, match="byte 0xff at offset 4"):  # offsets still count the mark's bytes
+        read_stdin()
 
 
 def test_argv_prompt_with_undecodable_bytes_is_refused(capsys) -> None:
@@ -150,3 +177,16 @@ def test_real_process_non_utf8_argv_and_endless_stdin(tmp_path: Path) -> None:
     proc = run_cli("generate", "--model", NO_MODEL, "--temperature", "nan", "hi")
     assert proc.returncode == 2 and proc.stderr.startswith(b"error: argument --temperature")
     assert b"usage" not in proc.stderr and b"Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("command, needle", [
+    (f"generate --model {NO_MODEL} hi >&-", b"error: standard output is closed"),
+    ("probe >&-", b"error: standard output is closed"),
+    (f"generate --model {NO_MODEL} - <&-", b"error: standard input is closed"),
+    (f"generate --model {NO_MODEL} --prompt - <&-", b"error: standard input is closed"),
+])
+def test_closed_standard_streams(command: str, needle: bytes) -> None:
+    proc = subprocess.run(f"{sys.executable} -m app.cli {command}", shell=True, capture_output=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(needle) and proc.stderr.count(b"\n") == 1, proc.stderr

@@ -108,3 +108,61 @@ def test_good_output_paths_still_work(model: str, tmp_path: Path, capsys) -> Non
     assert trace.exists()
     out = tmp_path / "new" / "deeper" / "m"  # missing parents of a new model folder are created, as before
     assert main(["make-test-model", "--out", str(out)]) == 0 and (out / "config.json").exists()
+
+
+def test_trace_is_written_to_exactly_the_path_given(model: str, tmp_path: Path, capsys) -> None:
+    trace = tmp_path / "t_noext"
+    assert main(["generate", "--model", model, "--max-new-tokens", "2", "--record-trace", str(trace), "hi"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t_noext"]  # not t_noext.npz
+    assert main(["generate", "--model", model, "--max-new-tokens", "1", "--placement", str(trace),
+                 "--accelerator", "emulated", "--vram-gb", "0.001", "hi"]) == 0
+
+
+@pytest.mark.parametrize("args", [["probe", "--record", "/dev/full"], ["probe", "--json", "--record", "/dev/full"]])
+def test_full_disk_for_a_file_output_is_an_error(capsys, args: list[str]) -> None:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "--record /dev/full" in err, err
+    assert "No space left on device" in err
+
+
+def test_full_disk_for_a_recorded_trace_is_an_error(model: str, capsys) -> None:
+    assert main(["generate", "--model", model, "--max-new-tokens", "2", "--record-trace", "/dev/full", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("error: --record-trace /dev/full") and "No space left" in err, err
+    assert "Traceback" not in err
+
+
+def test_plan_to_a_full_disk_is_an_error(model: str, tmp_path: Path) -> None:
+    (tmp_path / "hw.json").write_text('{"cores": 8, "cpu_bandwidth_gbps": 60, "cpu_gflops": 400}')
+    for json_flag in ([], ["--json"]):
+        with open("/dev/full", "w") as full:
+            proc = tandem("plan", "--hardware", str(tmp_path / "hw.json"), "--model", model, *json_flag, stdout=full)
+            err = proc.communicate(timeout=120)[1].decode()
+        assert proc.returncode == 2 and err == "error: could not write the output: No space left on device\n", err
+
+
+# --- saved state ---------------------------------------------------------------------------------------------
+
+
+def test_tandem_home_that_is_a_file(model: str, tmp_path: Path, monkeypatch, capsys) -> None:
+    home = tmp_path / "home"
+    home.write_text("not a folder")
+    monkeypatch.setenv("TANDEM_HOME", str(home))
+    import autotune.run
+
+    monkeypatch.setattr(autotune.run, "microbench", lambda *a, **k: pytest.fail("measured before checking"))
+    assert main(["autotune", "--quick", "--model", model]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: TANDEM_HOME {home} is a file; point it to a folder") and err.count("\n") == 1, err
+    # generating from a model folder saves nothing: it still works
+    assert main(["generate", "--model", model, "--max-new-tokens", "2", "hi"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--max-new-tokens", "2", "hi"]) == 2  # the built-in model must be built and saved
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith(f"error: TANDEM_HOME {home} is a file") and "Traceback" not in err, err
+    from app.settings import Settings, save_settings
+    from runtime.errors import StoreError
+
+    with pytest.raises(StoreError, match="is a file; point it to a folder"):
+        save_settings(Settings())

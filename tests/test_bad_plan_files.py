@@ -71,6 +71,12 @@ def bad_npz(tmp_path: Path, good: Path) -> dict[str, tuple[Path, str]]:
     np.savez(t / "shape.npz", prefill=np.zeros((5, 4), np.int64), decode=np.zeros((5, 4), np.int64),
              sequence=np.zeros((3, 5, 4), np.int32))
     cases["another model"] = (t / "shape.npz", "record a new one")
+    import zipfile
+
+    with zipfile.ZipFile(t / "garbage.npz", "w") as z:
+        for name in ("prefill", "decode", "sequence"):
+            z.writestr(f"{name}.npy", b"garbage")
+    cases["garbage members"] = (t / "garbage.npz", "not an array")
     cases["folder"] = (t, "is a folder")
     cases["device"] = (Path("/dev/null"), "not a regular file")
     cases["missing"] = (t / "nope.npz", "missing")
@@ -78,7 +84,7 @@ def bad_npz(tmp_path: Path, good: Path) -> dict[str, tuple[Path, str]]:
 
 
 BAD_NPZ = ["truncated", "cut-short", "plain .npy", "renamed .npy", "empty", "text", "other arrays", "rank", "strings",
-           "objects", "another model", "folder", "device", "missing"]
+           "objects", "another model", "garbage members", "folder", "device", "missing"]
 
 
 @pytest.mark.parametrize("case", BAD_NPZ + ["nan counts", "negative counts"])
@@ -91,6 +97,27 @@ def test_bad_placement_file(model: Path, good_trace: Path, tmp_path: Path, capsy
     path, needle = cases[case]
     refused(capsys, ["generate", "--model", str(model), "--max-new-tokens", "2", "--placement", str(path), "hi"],
             "placement profile", needle)
+
+
+PREFILL = {  # a counts member beside a good sequence: checked as --placement checks it
+    "prefill shape": (np.zeros((LAYERS + 1, EXPERTS), np.int64), "record a new one"),
+    "prefill rank": (np.zeros(EXPERTS, np.int64), "dimensions"),
+    "prefill negative": (np.full((LAYERS, EXPERTS), -3), "negative"),
+    "prefill nan": (np.full((LAYERS, EXPERTS), np.nan), "non-finite"),
+    "prefill strings": (np.full((LAYERS, EXPERTS), "a"), "<U1"),
+    "prefill objects": (np.array([None, 1], dtype=object), "cannot read"),
+    "decode negative": (np.full((LAYERS, EXPERTS), -3), "negative"),
+}
+
+
+@pytest.mark.parametrize("case", list(PREFILL))
+def test_plan_trace_counts_are_checked_too(model: Path, tmp_path: Path, capsys, case: str) -> None:
+    counts, needle = PREFILL[case]
+    name = case.split()[0]
+    np.savez(tmp_path / "t.npz", sequence=np.zeros((3, LAYERS, TOP_K), np.int32), **{name: counts})
+    (tmp_path / "hw.json").write_text(json.dumps(HW))
+    refused(capsys, ["plan", "--hardware", str(tmp_path / "hw.json"), "--model", str(model), "--trace",
+                     str(tmp_path / "t.npz")], "trace", name, needle)
 
 
 @pytest.mark.parametrize("case", BAD_NPZ + ["float ids", "ids out of range", "no steps"])
@@ -108,13 +135,33 @@ def test_bad_plan_trace_file(model: Path, good_trace: Path, tmp_path: Path, caps
     refused(capsys, ["plan", "--hardware", str(hw), "--model", str(model), "--trace", str(path)], "trace", needle)
 
 
+def strict_json(text: str) -> object:
+    """JSON as the standard has it: NaN and Infinity are not JSON (other programs' parsers refuse them)."""
+    def refuse(name: str) -> object:
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 def test_good_files_still_work(model: Path, good_trace: Path, tmp_path: Path, capsys) -> None:
     hw = tmp_path / "hw.json"
     hw.write_text(json.dumps(HW))
     assert main(["plan", "--hardware", str(hw), "--model", str(model), "--trace", str(good_trace), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["predicted_tok_s"] > 0
+    assert strict_json(capsys.readouterr().out)["predicted_tok_s"] > 0
     assert main(["generate", "--model", str(model), "--max-new-tokens", "2", "--placement", str(good_trace),
                  "--accelerator", "emulated", "--vram-gb", "0.001", "hi"]) == 0
+
+
+@pytest.mark.parametrize("hw", [
+    {"cores": 24, "cpu_bandwidth_gbps": 1e5, "cpu_gflops": 1e7},  # the largest numbers taken
+    {"cores": 1, "cpu_bandwidth_gbps": 1e-3, "cpu_gflops": 1e-3},  # the smallest
+    {"cores": 24, "cpu_threads": {"24": {"expert_ms": 1e-6}, "1": {"expert_ms": 1e7, "per_token_ms": 1e7}},
+     "token_overhead_ms": 1e7, "gpu": {"expert_ms": 1e-6, "copy_ms": 1e-6, "vram_bytes_for_experts": 2**40}},
+])
+def test_extreme_but_plausible_hardware_plans_in_standard_json(model: Path, tmp_path: Path, capsys, hw) -> None:
+    (tmp_path / "hw.json").write_text(json.dumps(hw))
+    assert main(["plan", "--hardware", str(tmp_path / "hw.json"), "--model", str(model), "--json"]) == 0
+    strict_json(capsys.readouterr().out)
 
 
 BAD_HARDWARE: list[tuple[object, str]] = [
@@ -147,6 +194,23 @@ BAD_HARDWARE: list[tuple[object, str]] = [
     ({**HW, "gpu": {"expert_ms": 0.3, "copy_ms": 14, "vram_bytes_for_experts": -1}}, "gpu.vram_bytes_for_experts"),
     ({**HW, "gpu": {"expert_ms": 0.3, "copy_ms": 14, "vram_bytes_for_experts": "16G"}}, "gpu.vram_bytes_for_experts"),
     ({**HW, "gpu": "rtx"}, "gpu"),
+    ({"cores": 24, "cpu_threads": {"12": {"expert_ms": 10**400}}}, "cpu_threads.12.expert_ms"),
+    ({"cores": 24, "cpu_threads": {"12": {"expert_ms": 1, "per_token_ms": 10**400}}}, "cpu_threads.12.per_token_ms"),
+    ({"cores": 24, "cpu_threads": {"12": {"expert_ms": 1e-300}}}, "cpu_threads.12.expert_ms"),
+    ({"cores": 24, "cpu_threads": {"1000": {"expert_ms": 1}}}, "cpu_threads key"),
+    ({"cores": 24, "cpu_threads": {"25": {"expert_ms": 1}}}, "cpu_threads key"),
+    ({"cores": 8, "cpu_bandwidth_gbps": 5e-324, "cpu_gflops": 5e-324}, "cpu_bandwidth_gbps"),
+    ({**HW, "cpu_gflops": 5e-324}, "cpu_gflops"),
+    ({**HW, "cpu_bandwidth_gbps": 1e308}, "cpu_bandwidth_gbps"),
+    ({**HW, "cpu_bandwidth_gbps": 10**400}, "cpu_bandwidth_gbps"),
+    ({**HW, "cpu_gflops": 1e300}, "cpu_gflops"),
+    ({**HW, "cores": 10**400}, "cores"),
+    ({**HW, "gpu": {"bandwidth_gbps": 1e308, "h2d_gbps": 25, "vram_bytes_for_experts": 2**34}}, "gpu.bandwidth_gbps"),
+    ({**HW, "gpu": {"expert_ms": 0.3, "h2d_gbps": 5e-324, "vram_bytes_for_experts": 2**34}}, "gpu.h2d_gbps"),
+    ({**HW, "gpu": {"expert_ms": 1e-300, "copy_ms": 14, "vram_bytes_for_experts": 2**34}}, "gpu.expert_ms"),
+    ({**HW, "gpu": {"expert_ms": 0.3, "copy_ms": 10**400, "vram_bytes_for_experts": 2**34}}, "gpu.copy_ms"),
+    ({**HW, "gpu": {"expert_ms": 0.3, "copy_ms": 14, "vram_bytes_for_experts": 10**400}}, "gpu.vram_bytes_for_experts"),
+    ({**HW, "token_overhead_ms": 10**400}, "token_overhead_ms"),
     ({**HW, "token_overhead_ms": float("nan")}, "token_overhead_ms"),
     ({**HW, "token_overhead_ms": -2}, "token_overhead_ms"),
     ([1, 2], "JSON object"),
@@ -202,3 +266,29 @@ def test_bad_recorded_hardware_for_probe(tmp_path: Path, capsys, content: str, n
     if path.parent == tmp_path:
         path.write_text(content)
     refused(capsys, ["probe", "--from", str(path)], "recorded hardware", needle)
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("which, kind", [
+    (which, kind) for which in ("probe --from", "plan --hardware", "plan --model")
+    for kind in ("deep", "fifo", "link to /dev/zero", "link to a folder")
+    if (which, kind) != ("plan --model", "link to a folder")])  # plan --model takes a model folder, linked or not
+def test_json_files_that_cannot_be_read(model: Path, tmp_path: Path, capsys, which: str, kind: str) -> None:
+    import os
+
+    bad = tmp_path / "config.json"
+    if kind == "deep":
+        bad.write_text(DEEP)
+    elif kind == "fifo":
+        os.mkfifo(bad)  # opening it would wait for a writer forever
+    else:
+        bad.symlink_to("/dev/zero" if kind == "link to /dev/zero" else tmp_path)
+    (tmp_path / "hw.json").write_text(json.dumps(HW))
+    argv = {"probe --from": ["probe", "--from", str(bad)],
+            "plan --hardware": ["plan", "--hardware", str(bad), "--model", str(model)],
+            "plan --model": ["plan", "--hardware", str(tmp_path / "hw.json"), "--model", str(bad)]}[which]
+    needle = {"deep": "nested too deeply", "fifo": "not a regular file", "link to /dev/zero": "not a regular file",
+              "link to a folder": "folder"}[kind]
+    refused(capsys, argv, str(bad), needle)

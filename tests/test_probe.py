@@ -101,3 +101,65 @@ def test_probe_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     capsys.readouterr()
     assert main(["probe", "--from", str(tmp_path / "hw.json"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["cpu"] == data["cpu"]
+
+
+def probe_from(tmp_path: Path, capsys: pytest.CaptureFixture[str], readings: dict, *flags: str) -> tuple[int, str, str]:
+    path = tmp_path / "rec.json"
+    path.write_text(json.dumps(readings))  # json writes NaN and Infinity, as a hand-edited file may hold them
+    code = main(["probe", "--from", str(path), *flags])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+BASE = {"cpu": {"brand_raw": "Some CPU", "arch_string_raw": "x86_64", "flags": ["avx2"]}, "cores": [8, 16],
+        "memory": [2**34, 2**33], "numa_nodes": 1, "gpus": None, "gpu_error": "no GPU"}
+GPU = {"name": "Some GPU", "memory_total": 2**34, "memory_free": 2**33, "pcie_gen": 4, "pcie_gen_max": 4,
+       "pcie_width": 16, "pcie_width_max": 16, "driver": "550", "capability": [8, 9]}
+
+
+@pytest.mark.parametrize("readings", [
+    {"memory": ["a", "b"]}, {"cores": ["x", 2]}, {"numa_nodes": "one"}, {"memory": [[1], {}]},
+    {"gpus": [{**GPU, "name": 5, "memory_total": "x"}]}, {"gpus": [{**GPU, "pcie_gen": [4]}]},
+    {"gpus": [{**GPU, "capability": "8.9"}]}, {"gpus": [{**GPU, "driver": 550}]}, {"gpus": ["rtx"]},
+    {"gpus": {"name": "x"}}, {"cores": 8}, {"cpu": {**BASE["cpu"], "brand_raw": 5}},
+])
+@pytest.mark.parametrize("as_json", [[], ["--json"]])
+def test_readings_of_the_wrong_type_are_an_error(tmp_path: Path, capsys, readings: dict, as_json: list[str]) -> None:
+    code, out, err = probe_from(tmp_path, capsys, BASE | readings, *as_json)
+    assert code == 2 and err.startswith("error: recorded hardware") and "wrong type" in err, err
+    assert err.count("\n") == 1 and out == ""
+
+
+@pytest.mark.parametrize("readings, unknown", [
+    ({"cores": [float("inf"), -1]}, "CPU: Some CPU (x86_64), unknown cores / unknown threads"),
+    ({"cores": [0, 2.5]}, "unknown cores / unknown threads"),
+    ({"cores": [1e300, float("nan")]}, "unknown cores / unknown threads"),
+    ({"memory": [float("nan"), -5]}, "RAM: unknown total, unknown available"),
+    ({"memory": [float("inf"), 0]}, "RAM: unknown total, unknown available"),
+    ({"numa_nodes": -1}, "NUMA nodes: unknown"),
+    ({"numa_nodes": float("nan")}, "NUMA nodes: unknown"),
+    ({"gpus": [{**GPU, "memory_total": -1, "memory_free": float("inf")}]}, "unknown (unknown free)"),
+    ({"gpus": [{**GPU, "pcie_gen": float("inf"), "pcie_gen_max": -4, "pcie_width": float("nan"),
+                "pcie_width_max": 0}]}, "PCIe gen unknown/unknown xunknown/unknown (max link unknown)"),
+])
+def test_impossible_readings_are_unknown(tmp_path: Path, capsys, readings: dict, unknown: str) -> None:
+    code, out, err = probe_from(tmp_path, capsys, BASE | readings)
+    assert code == 0 and unknown in out, out + err
+    code, out, err = probe_from(tmp_path, capsys, BASE | readings, "--json")
+    assert code == 0, err
+
+    def refuse(name: str) -> object:
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    found = json.loads(out, parse_constant=refuse)
+    numbers = [found["cpu"]["physical_cores"], found["cpu"]["logical_cores"], found["ram_total"],
+               found["ram_available"], found["numa_nodes"]]
+    numbers += [g[k] for g in found["gpus"] for k in ("memory_total", "memory_free", "pcie_gen", "pcie_width")]
+    assert all(n is None or (isinstance(n, int) and n > 0) for n in numbers), found
+
+
+def test_record_keeps_plausible_readings(tmp_path: Path, capsys) -> None:
+    code, out, _ = probe_from(tmp_path, capsys, BASE | {"gpus": [GPU]}, "--json")
+    found = json.loads(out)
+    assert code == 0 and found["cpu"]["physical_cores"] == 8 and found["ram_total"] == 2**34
+    assert found["gpus"][0]["memory_total"] == 2**34 and found["gpus"][0]["capability"] == [8, 9]
