@@ -61,7 +61,20 @@ BAD_CONFIGS: list[tuple[str, dict, str]] = [  # (case, changes, a word the error
 ]
 
 
-@pytest.mark.parametrize("case, changes, needle", BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS])
+MORE_CONFIGS: list[tuple[str, dict, str]] = [
+    ("model_type a list", {"model_type": ["mixtral"]}, "not supported"),
+    ("model_type an object", {"model_type": {"a": 1}}, "not supported"),
+    ("rope_theta 10**400", {"rope_theta": 10**400}, "rope_theta"),
+    ("rms_norm_eps 10**400", {"rms_norm_eps": 10**400}, "rms_norm_eps"),
+    ("clip_qkv 1e308", {"clip_qkv": 1e308}, "clip_qkv"),
+    ("a dense layer -1", {"mlp_only_layers": [-1]}, "mlp_only_layers"),
+    ("a dense layer 10**30", {"mlp_only_layers": [10**30]}, "mlp_only_layers"),
+    ("rope type a number", {"rope_scaling": {"type": 5}}, "rope_scaling"),
+]
+
+
+@pytest.mark.parametrize("case, changes, needle", BAD_CONFIGS + MORE_CONFIGS,
+                         ids=[c[0] for c in BAD_CONFIGS + MORE_CONFIGS])
 def test_bad_config_values_are_refused(mixtral_dir: Path, tmp_path: Path, capsys, case: str, changes: dict,
                                        needle: str) -> None:
     folder = copy_checkpoint(mixtral_dir, tmp_path / "m")
@@ -244,27 +257,7 @@ def test_a_slow_template_through_the_command_line(mixtral_dir: Path, tmp_path: P
     refused(capsys, folder, "chat template", extra=("--chat",))
 
 
-# -- more config.json values, generation_config.json, odd files in a metadata file's place ---------------------------
-MORE_CONFIGS: list[tuple[str, dict, str]] = [
-    ("model_type a list", {"model_type": ["mixtral"]}, "not supported"),
-    ("model_type an object", {"model_type": {"a": 1}}, "not supported"),
-    ("rope_theta 10**400", {"rope_theta": 10**400}, "rope_theta"),
-    ("rms_norm_eps 10**400", {"rms_norm_eps": 10**400}, "rms_norm_eps"),
-    ("clip_qkv 1e308", {"clip_qkv": 1e308}, "clip_qkv"),
-    ("a dense layer -1", {"mlp_only_layers": [-1]}, "mlp_only_layers"),
-    ("a dense layer 10**30", {"mlp_only_layers": [10**30]}, "mlp_only_layers"),
-    ("rope type a number", {"rope_scaling": {"type": 5}}, "rope_scaling"),
-]
-
-
-@pytest.mark.parametrize("case, changes, needle", MORE_CONFIGS, ids=[c[0] for c in MORE_CONFIGS])
-def test_more_bad_config_values_are_refused(mixtral_dir: Path, tmp_path: Path, capsys, case: str, changes: dict,
-                                            needle: str) -> None:
-    folder = copy_checkpoint(mixtral_dir, tmp_path / "m")
-    edit_config(folder, **changes)
-    refused(capsys, folder, needle)
-
-
+# -- generation_config.json, odd files in a metadata file's place -----------------------------------------------------
 @pytest.mark.parametrize("eos", [["a"], 1e30, float("nan"), {"a": 1}, [[1]], True, -2], ids=repr)
 def test_bad_eos_in_generation_config(mixtral_dir: Path, tmp_path: Path, capsys, eos: object) -> None:
     folder = copy_checkpoint(mixtral_dir, tmp_path / "m")
