@@ -7,6 +7,7 @@ the summed counts are the popularity profile that `--placement` loads.
 
 from __future__ import annotations
 
+import io
 import zipfile
 import zlib
 from pathlib import Path
@@ -48,8 +49,11 @@ class TraceRecorder:
 
     def save(self, path: str | Path, model: str) -> None:
         seq = np.stack(self.sequence) if self.sequence else np.zeros((0, self.num_layers, self.top_k), np.int32)
-        with open(path, "wb") as f:  # an open file: given a name, numpy would add ".npz" to one without it
-            np.savez(f, prefill=self.prefill, decode=self.decode, sequence=seq, model=np.array(model))
+        # built in memory, then written as it is: given a name, numpy would add ".npz" to one without it, and a zip
+        # written straight to a device (/dev/null) fails on its seeks
+        buffer = io.BytesIO()
+        np.savez(buffer, prefill=self.prefill, decode=self.decode, sequence=seq, model=np.array(model))
+        Path(path).write_bytes(buffer.getvalue())
 
 
 MAX_ARRAY_BYTES = 256 * 2**20  # per array of a trace file: far above a real trace (48 layers x 8 experts x
