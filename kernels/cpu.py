@@ -141,7 +141,18 @@ def library() -> ctypes.CDLL | None:
     lib.tk_linear.restype = ctypes.c_int
     lib.tk_read_sum.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     lib.tk_read_sum.restype = ctypes.c_double
+    lib.tk_struct_size.argtypes = [ctypes.c_int]
+    lib.tk_struct_size.restype = ctypes.c_size_t
+    drifted = [s.__name__ for s, c in struct_sizes(lib) if ctypes.sizeof(s) != c]
+    if drifted:  # a stale build beside newer Python (or the reverse): calling it would corrupt memory
+        raise RuntimeError(f"the compiled kernels disagree with kernels/cpu.py on {', '.join(drifted)}; rebuild "
+                           "them (make, or pip install -e .)")
     return lib
+
+
+def struct_sizes(lib: ctypes.CDLL) -> list[tuple[type[ctypes.Structure], int]]:
+    """Each argument structure with the size the compiled library gives its C counterpart."""
+    return [(s, lib.tk_struct_size(i)) for i, s in enumerate((_Args, _Weights, _MoeArgs, _LinearArgs))]
 
 
 def available_isas() -> list[str]:

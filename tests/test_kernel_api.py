@@ -3,6 +3,7 @@ Python exception (never a crash or a read past a tensor's end), and odd strides 
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 
 import pytest
@@ -252,3 +253,32 @@ def test_edge_cases_that_are_not_errors() -> None:
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), xb.float() @ w.float().t() + b.float(), rtol=2e-2, atol=2e-2)
     assert lin(xb, w, b, out_dtype=torch.float32).dtype == torch.float32
+
+
+@needs_kernels
+def test_the_argument_structures_match_the_compiled_ones() -> None:
+    from kernels.cpu import struct_sizes
+
+    lib = library()
+    sizes = struct_sizes(lib)
+    assert len(sizes) == 4 and lib.tk_struct_size(4) == 0
+    for struct, size in sizes:
+        assert ctypes.sizeof(struct) == size > 0, struct.__name__
+
+
+@needs_kernels
+def test_a_structure_that_drifted_is_refused_when_the_library_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernels.cpu as cpu
+
+    class Longer(ctypes.Structure):
+        _fields_ = [*cpu._LinearArgs._fields_, ("extra", ctypes.c_void_p)]  # (an int would fit the padding)
+
+    monkeypatch.setattr(cpu, "_LinearArgs", Longer)
+    library.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="Longer.*rebuild"):
+            library()
+    finally:
+        monkeypatch.undo()
+        library.cache_clear()
+        library()

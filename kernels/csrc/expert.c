@@ -1568,6 +1568,19 @@ void tk_rms_norm_f32(const float *x, size_t ldx, const uint16_t *w, uint16_t *y,
     rms_norm_rows(x, 1, ldx, w, y, rows, n, eps);
 }
 
+/* The size of each argument struct Python fills through ctypes (0 tk_args, 1 tk_weights, 2 tk_moe_args,
+ * 3 tk_linear_args; 0 for any other): kernels/cpu.py compares them with its own structures when it loads the
+ * library, so a layout that drifted on one side is refused before it can corrupt memory. */
+size_t tk_struct_size(int which) {
+    switch (which) {
+        case 0: return sizeof(tk_args);
+        case 1: return sizeof(tk_weights);
+        case 2: return sizeof(tk_moe_args);
+        case 3: return sizeof(tk_linear_args);
+        default: return 0;
+    }
+}
+
 /* Streaming read bandwidth probe: sums n floats with `threads` threads (the result defeats dead-code removal).
  * Each thread reads its share as 8 streams side by side: measured here, one stream per thread reaches only
  * about 0.75 of what the memory system delivers to the expert kernels, which keep many rows in flight. */
