@@ -23,6 +23,7 @@ from app.output import (
 )
 from app.prompt_input import prompt_text
 from runtime.errors import OutputError, TandemError, UsageError
+from runtime.paths import read_bounded
 
 EXIT_USAGE = 2
 
@@ -373,23 +374,14 @@ MAX_JSON_BYTES = 16 * 2**20  # a hand-written description or config.json; a devi
 
 
 def _read_json(path: str, what: str) -> Any:
-    """A small JSON file named on the command line: a regular file (`is_file` follows links and is False for a
-    FIFO, which would wait forever, or a device such as /dev/zero, which never ends), read up to a bound (a
-    file that grows while read, or one in /proc that claims size 0, stops there), and nested no deeper than
-    the parser's recursion allows."""
+    """A small JSON file named on the command line: a regular file read up to a bound (`read_bounded`), nested
+    no deeper than the parser's recursion allows; a folder or a missing file is named as such."""
     p = Path(path)
-    too_large = TandemError(f"{what} {path} is larger than {MAX_JSON_BYTES // 2**20} MiB; is it the right file?")
     try:
         if not p.is_file():
             kind = "a folder" if p.is_dir() else "missing" if not p.exists() else "not a regular file"
             raise TandemError(f"{what} {path} is {kind}")
-        if p.stat().st_size > MAX_JSON_BYTES:
-            raise too_large
-        with p.open("rb") as f:
-            data = f.read(MAX_JSON_BYTES + 1)
-        if len(data) > MAX_JSON_BYTES:
-            raise too_large
-        return json.loads(data.decode("utf-8"))
+        return json.loads(read_bounded(p, MAX_JSON_BYTES).decode("utf-8"))
     except RecursionError:
         raise TandemError(f"cannot read {what} {path}: its JSON is nested too deeply to be a real one") from None
     except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors

@@ -17,6 +17,7 @@ import torch
 from runtime.config import ModelConfig, token_ids
 from runtime.errors import CheckpointError, UnsupportedModelError
 from runtime.families import FamilySpec, parse_config
+from runtime.paths import read_bounded
 from runtime.safetensors_mmap import SafetensorsFile
 from runtime.weights import dense_tensors, expert_names, expert_tensors
 
@@ -110,15 +111,9 @@ def read_small_file(path: Path, most: int = JSON_MOST) -> bytes:
     """A metadata file's bytes: a regular file (a FIFO would block, a device never end) of at most `most` bytes.
     Raises CheckpointError saying which."""
     try:
-        if not path.is_file():
-            raise CheckpointError(f"{path} is not a regular file; replace it with the model's own file")
-        with open(path, "rb") as f:
-            data = f.read(most + 1)
+        return read_bounded(path, most)
     except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {e.strerror or e}; check the file") from None
-    if len(data) > most:
-        raise CheckpointError(f"{path} is larger than {most >> 20} MiB, far beyond any real one; re-download it")
-    return data
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}; replace it with the model's own file") from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -56,6 +57,27 @@ def ensure_folder(folder: Path) -> Path:
         raise StoreError(f"cannot create the folder {folder} ({e.strerror or e}); make room for it, fix its "
                          "permissions or set TANDEM_HOME to a folder you can write") from None
     return folder
+
+
+def read_bounded(path: Path, most: int) -> bytes:
+    """The bytes of `path` if it is a regular file of at most `most` bytes, else OSError saying why. Files named by
+    a model folder or the command line are read whole, so only those: a FIFO would block forever, a device such as
+    /dev/zero (or a link to it) never end, and a file that grows while read stops at the bound."""
+    # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then refuses it (no race with a swapped file)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError("it is not a regular file")
+        if info.st_size > most:
+            raise OSError(f"it holds {info.st_size >> 20} MiB, more than the {most >> 20} MiB such a file may hold")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(most + 1)
+    finally:
+        os.close(fd)
+    if len(data) > most:
+        raise OSError(f"it holds more than the {most >> 20} MiB such a file may hold")
+    return data
 
 
 def temp_prefix(path: Path) -> str:

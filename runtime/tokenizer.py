@@ -7,8 +7,6 @@ Kept apart from the engine (which speaks only token ids). Uses the `tokenizers` 
 from __future__ import annotations
 
 import json
-import os
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +14,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from runtime.chat_template import render
 from runtime.errors import CheckpointError
+from runtime.paths import read_bounded
 
 
 def _token_text(value: Any) -> str | None:
@@ -31,24 +30,6 @@ def _token_text(value: Any) -> str | None:
 TOKENIZER_MAX_BYTES = 128 << 20
 CONFIG_MAX_BYTES = 16 << 20
 
-
-def _read_regular(path: Path, most: int) -> bytes:
-    """The bytes of `path` if it is a regular file of at most `most` bytes, else OSError."""
-    # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then refuses it (no race with a swapped file).
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise OSError("it is not a regular file")
-        if info.st_size > most:
-            raise OSError(f"it holds {info.st_size >> 20} MB, more than the {most >> 20} MB such a file may hold")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(most + 1)
-    finally:
-        os.close(fd)
-    if len(data) > most:
-        raise OSError(f"it holds more than the {most >> 20} MB such a file may hold")
-    return data
 
 
 class Tokenizer:
@@ -67,14 +48,14 @@ class Tokenizer:
         if not path.exists():
             raise CheckpointError(f"{folder} has no tokenizer.json; copy the model's tokenizer files into the folder")
         try:
-            backend = HFTokenizer.from_str(_read_regular(path, TOKENIZER_MAX_BYTES).decode("utf-8"))
+            backend = HFTokenizer.from_str(read_bounded(path, TOKENIZER_MAX_BYTES).decode("utf-8"))
         except Exception as e:  # the tokenizers library raises plain Exception on malformed files
             raise CheckpointError(f"cannot read {path}: {e}; re-download the tokenizer files") from None
         config: dict[str, Any] = {}
         config_path = folder / "tokenizer_config.json"
         if config_path.exists():
             try:
-                config = json.loads(_read_regular(config_path, CONFIG_MAX_BYTES).decode("utf-8"))
+                config = json.loads(read_bounded(config_path, CONFIG_MAX_BYTES).decode("utf-8"))
             except (OSError, ValueError, RecursionError) as e:  # ValueError: not UTF-8, or not JSON
                 raise CheckpointError(f"cannot read {config_path}: {e}; re-download the tokenizer files") from None
             if not isinstance(config, dict):
@@ -111,7 +92,7 @@ def _chat_template(folder: Path, config: dict[str, Any]) -> tuple[str | None, st
     jinja = folder / "chat_template.jinja"
     if jinja.exists():
         try:
-            return _read_regular(jinja, CONFIG_MAX_BYTES).decode("utf-8"), None
+            return read_bounded(jinja, CONFIG_MAX_BYTES).decode("utf-8"), None
         except (OSError, ValueError) as e:  # ValueError: not UTF-8
             return None, f"cannot read the chat template {jinja}: {e}; fix or remove the file"
     template = config.get("chat_template")
