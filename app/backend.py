@@ -12,10 +12,10 @@ from typing import Protocol
 
 import torch
 
-from runtime.engine import GenerationStats
-from runtime.loader import LoadedModel
-from runtime.sampling import SamplingParams
-from runtime.tokenizer import StreamDecoder
+from tandem.runtime.engine import GenerationStats
+from tandem.runtime.loader import LoadedModel
+from tandem.runtime.sampling import SamplingParams
+from tandem.runtime.tokenizer import StreamDecoder
 
 
 @dataclass(frozen=True)

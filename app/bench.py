@@ -21,16 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runtime.cpuinfo import proc_cpuinfo
-from runtime.engine import Engine, GenerationStats
-from runtime.errors import TandemError
-from runtime.loader import LoadedModel, load
-from runtime.model import MoEModel
-from runtime.sampling import SamplingParams
-from runtime.synth import ASSETS
+from tandem.runtime.cpuinfo import proc_cpuinfo
+from tandem.runtime.engine import Engine, GenerationStats
+from tandem.runtime.errors import TandemError
+from tandem.runtime.loader import LoadedModel, load
+from tandem.runtime.model import MoEModel
+from tandem.runtime.sampling import SamplingParams
+from tandem.runtime.synth import ASSETS
 
 if TYPE_CHECKING:
-    from kernels.cpu import CpuOptions
+    from tandem.kernels.cpu import CpuOptions
 
 
 def _timed(fn: Callable[[int], None], n: int) -> float:
@@ -102,8 +102,8 @@ def bench_offload(
     accelerator holding `expert_fraction` of all experts; decode speed of each against CPU only."""
     import tempfile
 
-    from runtime.dispatch import OffloadPolicy, Strategy
-    from runtime.expert_cache import Policy
+    from tandem.runtime.dispatch import OffloadPolicy, Strategy
+    from tandem.runtime.expert_cache import Policy
 
     base = load(model_dir, dtype=dtype, context=prompt_tokens + max(new_tokens, calibration_tokens) + 8)
     cfg = base.model.cfg
@@ -178,7 +178,7 @@ def bench_quant(model_dir: str, new_tokens: int = 64, prompt_tokens: int = 16, g
     """Quality of int8/int4 CPU experts against the unquantized model (same dtype), teacher-forced:
     the unquantized greedy continuation is fed to every variant one token at a time (the decode path),
     and at each step the logits are compared and the greedy choices checked for agreement."""
-    from kernels.cpu import CpuOptions
+    from tandem.kernels.cpu import CpuOptions
 
     variants = {"none": CpuOptions(), "int8": CpuOptions(quant="int8"),
                 "int4": CpuOptions(quant="int4", group=group)}
@@ -215,7 +215,7 @@ def numerics_paths() -> dict[str, CpuOptions]:
     """The bf16 paths this CPU (as masked) can take: the kernels' own choice and each variant forced (`--kernel-isa`),
     which the contract covers, and torch alone (what runs where the kernels could not be built), which it does
     not: its logits are torch's bf16 results, rounded."""
-    from kernels.cpu import CpuOptions, available_isas
+    from tandem.kernels.cpu import CpuOptions, available_isas
 
     return {"auto": CpuOptions(), **{f"isa={isa}": CpuOptions(isa=isa) for isa in available_isas()},
             "torch": CpuOptions(use_kernel=False)}
@@ -249,8 +249,8 @@ def bench_numerics(model_dir: str | Path, tokens: int = 1024, paths: list[str] |
     feature mask this CPU can play (kernels.isa.masks_to_play), each in a child process with torch capped too,
     against the same fp32 tokens. `reference`: those fp32 top-1 tokens, given (how the children get them) instead
     of measured. Result: "cpus" maps the mask of each run ("" for the CPU as the process found it) to its paths."""
-    from kernels.cpu import CpuOptions
-    from kernels.isa import ENV, masked_features, masks_to_play, present_features
+    from tandem.kernels.cpu import CpuOptions
+    from tandem.kernels.isa import ENV, masked_features, masks_to_play, present_features
 
     def say(message: str) -> None:
         if progress:
@@ -284,12 +284,12 @@ def bench_numerics(model_dir: str | Path, tokens: int = 1024, paths: list[str] |
 def _numerics_child(model_dir: str | Path, tokens: int, ref: torch.Tensor, mask: str, paths: list[str] | None
                     ) -> dict[str, float]:
     """`tandem bench numerics` under a feature mask, in a child process (torch reads its caps at start-up)."""
-    from kernels.isa import ENV
+    from tandem.kernels.isa import ENV
 
     with tempfile.TemporaryDirectory() as tmp:
         reference = Path(tmp) / "fp32-top1.json"
         reference.write_text(json.dumps(ref.tolist()), encoding="utf-8")
-        command = [sys.executable, "-m", "app.cli", "bench", "numerics", "--model", str(model_dir), "--tokens",
+        command = [sys.executable, "-m", "tandem.app.cli", "bench", "numerics", "--model", str(model_dir), "--tokens",
                    str(tokens), "--reference", str(reference)] + (["--paths", ",".join(paths)] if paths else [])
         done = subprocess.run(command, env={**os.environ, ENV: mask}, capture_output=True, text=True)
     if done.returncode != 0:

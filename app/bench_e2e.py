@@ -23,12 +23,12 @@ from typing import Any
 import psutil
 import torch
 
-from app.bench import bench_prompt_ids
-from autotune.microbench import dram_bandwidth
-from autotune.probe import probe
-from runtime.engine import Engine, GenerationStats
-from runtime.loader import LoadedModel
-from runtime.sampling import SamplingParams
+from tandem.app.bench import bench_prompt_ids
+from tandem.autotune.microbench import dram_bandwidth
+from tandem.autotune.probe import probe
+from tandem.runtime.engine import Engine, GenerationStats
+from tandem.runtime.loader import LoadedModel
+from tandem.runtime.sampling import SamplingParams
 
 FULL = {
     "decode": [(i, o) for i in (32, 64, 128, 256) for o in (64, 128, 256, 512)],
@@ -83,7 +83,7 @@ def _peer_in_child(path: str | Path, dtype: torch.dtype, points: list[dict[str, 
     done = subprocess.run([sys.executable, "-c", "from app.bench_e2e import peer_child; peer_child()"],
                           input=json.dumps(job), capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        from runtime.errors import TandemError
+        from tandem.runtime.errors import TandemError
 
         tail = done.stderr.strip().splitlines()[-1:] or ["no message"]
         raise TandemError(f"the transformers peer failed in its child process: {tail[0]}")
@@ -203,7 +203,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        from runtime.errors import TandemError
+        from tandem.runtime.errors import TandemError
 
         raise TandemError("--plot needs matplotlib: pip install 'tandem[plot]' (or matplotlib)") from None
     rows = result["rows"]

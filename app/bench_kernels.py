@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from autotune.microbench import dram_bandwidth, time_per_call
-from kernels.cpu import CpuExecutor, CpuExpert
+from tandem.autotune.microbench import dram_bandwidth, time_per_call
+from tandem.kernels.cpu import CpuExecutor, CpuExpert
 
 SHAPES = {"mixtral": (4096, 14336), "qwen3": (2048, 768), "olmoe": (2048, 1024), "deepseek": (2048, 1408)}
 TOP_K = {"mixtral": 2, "qwen3": 8, "olmoe": 8, "deepseek": 6}  # experts per token in each family

@@ -12,8 +12,8 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from app import flags
-from app.output import (
+from tandem.app import flags
+from tandem.app.output import (
     EXIT_PIPE_CLOSED,
     PipeClosed,
     check_output_file,
@@ -21,9 +21,9 @@ from app.output import (
     guarded_stdout,
     silence_stdout,
 )
-from app.prompt_input import prompt_text
-from runtime.errors import OutputError, TandemError, UsageError
-from runtime.paths import read_bounded
+from tandem.app.prompt_input import prompt_text
+from tandem.runtime.errors import OutputError, TandemError, UsageError
+from tandem.runtime.paths import read_bounded
 
 EXIT_USAGE = 2
 
@@ -213,7 +213,7 @@ def resolve_model(path: str | None) -> str:
     """The folder to load: the one given, or the built-in model (built on first use, with progress)."""
     if path is not None:  # an empty name never gets here (flags.path)
         return path
-    from runtime.builtin import builtin_dir, ensure_builtin
+    from tandem.runtime.builtin import builtin_dir, ensure_builtin
 
     if not (builtin_dir() / "tandem-builtin.json").exists():
         print("building the built-in model (SmolLM2-135M-Instruct as an 8-expert MoE), once…", file=sys.stderr)
@@ -236,12 +236,12 @@ def _note(text: str) -> None:
 def load_from_args(args: argparse.Namespace, batch: int = 1, notify: Callable[[str], None] = _note,
                    progress: Callable[[str, float], None] | None = _progress):
     """Load the model the arguments describe (a profile fills what they leave open). -> LoadedModel"""
-    from kernels.cpu import CpuOptions, available_isas
-    from runtime.cost import CostModel
-    from runtime.dispatch import OffloadPolicy, Strategy
-    from runtime.errors import TandemError as Err
-    from runtime.expert_cache import Policy
-    from runtime.loader import load
+    from tandem.kernels.cpu import CpuOptions, available_isas
+    from tandem.runtime.cost import CostModel
+    from tandem.runtime.dispatch import OffloadPolicy, Strategy
+    from tandem.runtime.errors import TandemError as Err
+    from tandem.runtime.expert_cache import Policy
+    from tandem.runtime.loader import load
 
     args.model = resolve_model(args.model)
     cost: CostModel | None = args.cost  # read and checked with the flags (flags.cost)
@@ -266,12 +266,12 @@ def load_from_args(args: argparse.Namespace, batch: int = 1, notify: Callable[[s
 
 def apply_profile(args: argparse.Namespace, notify: Callable[[str], None]) -> None:
     """Fill the settings the user did not give from this machine's profile for this model (if any)."""
-    from autotune.plan import Plan
-    from autotune.probe import probe
-    from autotune.profile import find_profile, model_fingerprint
-    from kernels.cpu import available_isas
-    from runtime.checkpoint import open_checkpoint
-    from runtime.loader import default_dtype, read_cpu_flags
+    from tandem.autotune.plan import Plan
+    from tandem.autotune.probe import probe
+    from tandem.autotune.profile import find_profile, model_fingerprint
+    from tandem.kernels.cpu import available_isas
+    from tandem.runtime.checkpoint import open_checkpoint
+    from tandem.runtime.loader import default_dtype, read_cpu_flags
 
     ckpt = open_checkpoint(args.model)
     dtype = default_dtype(read_cpu_flags()) if args.dtype == "auto" else args.dtype
@@ -297,8 +297,8 @@ def apply_profile(args: argparse.Namespace, notify: Callable[[str], None]) -> No
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from app.backend import RuntimeBackend
-    from app.tui import TandemApp
+    from tandem.app.backend import RuntimeBackend
+    from tandem.app.tui import TandemApp
 
     if args.model is None:
         resolve_model(None)  # a first-time build of the built-in model shows its progress here, before the UI
@@ -317,8 +317,8 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _autotune(args: argparse.Namespace) -> int:
-    from autotune.microbench import Step
-    from autotune.run import autotune
+    from tandem.autotune.microbench import Step
+    from tandem.autotune.run import autotune
 
     args.model = resolve_model(args.model)
     def report(step: Step) -> None:
@@ -341,11 +341,11 @@ def _autotune(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from autotune.costs import from_hardware_file
-    from autotune.plan import ModelShape, make_plan
-    from runtime.checkpoint import open_checkpoint
-    from runtime.families import parse_config
-    from runtime.trace import load_sequence
+    from tandem.autotune.costs import from_hardware_file
+    from tandem.autotune.plan import ModelShape, make_plan
+    from tandem.runtime.checkpoint import open_checkpoint
+    from tandem.runtime.families import parse_config
+    from tandem.runtime.trace import load_sequence
 
     hw = _read_json(args.hardware, "hardware file")
     model = Path(args.model)
@@ -389,9 +389,9 @@ def _read_json(path: str, what: str) -> Any:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from runtime.engine import GenerationStats
-    from runtime.sampling import SamplingParams
-    from runtime.tokenizer import StreamDecoder
+    from tandem.runtime.engine import GenerationStats
+    from tandem.runtime.sampling import SamplingParams
+    from tandem.runtime.tokenizer import StreamDecoder
 
     text = prompt_text(args.text, args.prompt)
     if args.record_trace:
@@ -438,7 +438,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _probe(args: argparse.Namespace) -> int:
-    from autotune.probe import LiveSources, RecordedSources, describe, probe, record
+    from tandem.autotune.probe import LiveSources, RecordedSources, describe, probe, record
 
     sources: LiveSources | RecordedSources = LiveSources()
     if args.source:
@@ -476,7 +476,7 @@ def _writing(path: str, flag: str) -> Iterator[None]:
 
 
 def _bench_decode(args: argparse.Namespace) -> int:
-    from app.bench import bench_decode
+    from tandem.app.bench import bench_decode
 
     loaded = load_from_args(args)
     try:
@@ -488,7 +488,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
 
 
 def _bench_offload(args: argparse.Namespace) -> int:
-    from app.bench import bench_offload
+    from tandem.app.bench import bench_offload
 
     result = bench_offload(args.model, args.expert_fraction, args.prompt_tokens, args.new_tokens, args.dtype)
     print(json.dumps(result, indent=1))
@@ -498,7 +498,7 @@ def _bench_offload(args: argparse.Namespace) -> int:
 def _bench_kernels(args: argparse.Namespace) -> int:
     import torch
 
-    from app.bench_kernels import DTYPES, MAX_TOKENS, SHAPES, bench_kernels
+    from tandem.app.bench_kernels import DTYPES, MAX_TOKENS, SHAPES, bench_kernels
 
     # read here, not by argparse: the known names live beside the benchmark, which imports torch
     shapes = _list_flag("--shapes", flags.names(tuple(SHAPES), "shape"), args.shapes)
@@ -525,7 +525,7 @@ def _list_flag(flag: str, parse: Callable[[str], tuple[Any, ...]], text: str) ->
 
 
 def _bench_e2e(args: argparse.Namespace) -> int:
-    from app.bench_e2e import bench_e2e, plot
+    from tandem.app.bench_e2e import bench_e2e, plot
 
     if args.json:
         check_output_file(args.json, "--json")
@@ -559,21 +559,21 @@ def _bench_e2e(args: argparse.Namespace) -> int:
 
 
 def _bench_plan(args: argparse.Namespace) -> int:
-    from autotune.validate import validate
+    from tandem.autotune.validate import validate
 
     print(json.dumps(validate(args.model, args.expert_fraction, args.tokens, args.dtype), indent=1))
     return 0
 
 
 def _bench_quant(args: argparse.Namespace) -> int:
-    from app.bench import bench_quant
+    from tandem.app.bench import bench_quant
 
     print(json.dumps(bench_quant(args.model, args.new_tokens, group=args.quant_group), indent=1))
     return 0
 
 
 def _bench_numerics(args: argparse.Namespace) -> int:
-    from app.bench import bench_numerics, numerics_paths
+    from tandem.app.bench import bench_numerics, numerics_paths
 
     known = list(numerics_paths())
     paths = None if args.paths is None else [p.strip() for p in args.paths.split(",") if p.strip()]
@@ -597,7 +597,7 @@ def _bench_numerics(args: argparse.Namespace) -> int:
 def _make_bench_model(args: argparse.Namespace) -> int:
     import torch
 
-    from runtime.bench_shapes import make_bench_model
+    from tandem.runtime.bench_shapes import make_bench_model
 
     check_output_folder(args.out, "--out")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -608,7 +608,7 @@ def _make_bench_model(args: argparse.Namespace) -> int:
 
 
 def _make_test_model(args: argparse.Namespace) -> int:
-    from runtime.synth import tiny_config, write_test_model
+    from tandem.runtime.synth import tiny_config, write_test_model
 
     check_output_folder(args.out, "--out")
     path = write_test_model(args.out, tiny_config(args.family), seed=args.seed)
@@ -619,7 +619,7 @@ def _make_test_model(args: argparse.Namespace) -> int:
 def _apply_cpu_mask() -> None:
     """TANDEM_CPU_FEATURES: refuse a mask that cannot be read, and cap torch's own kernels at the masked CPU (torch
     reads its variables at its first operation, which has not run yet; a value the user set wins)."""
-    from kernels.isa import masked_features, torch_isa_environment
+    from tandem.kernels.isa import masked_features, torch_isa_environment
 
     try:
         removed = masked_features()

@@ -15,9 +15,9 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Label, Static
 
-from runtime.errors import TandemError
-from runtime.families import parse_config
-from runtime.weights import dense_tensors, expert_tensors
+from tandem.runtime.errors import TandemError
+from tandem.runtime.families import parse_config
+from tandem.runtime.weights import dense_tensors, expert_tensors
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
-from app.settings import Settings
-from runtime.errors import GenerationError
+from tandem.app.settings import Settings
+from tandem.runtime.errors import GenerationError
 
 
 class SettingsScreen(ModalScreen[Settings | None]):

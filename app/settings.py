@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import GenerationError
-from runtime.paths import atomic_write_json, data_dir, remove_stale_temporaries, set_aside
-from runtime.sampling import SamplingParams
+from tandem.runtime.errors import GenerationError
+from tandem.runtime.paths import atomic_write_json, data_dir, remove_stale_temporaries, set_aside
+from tandem.runtime.sampling import SamplingParams
 
 SCHEMA = 1
 STALE_TEMP_S = 60.0  # a settings save takes milliseconds: a temporary file this old was left by a killed one

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from app.conversation import SCHEMA, Conversation, Turn, conversation_from_dict, merge_turns, valid_id
-from runtime.errors import StoreError
-from runtime.paths import atomic_write_json, data_dir, folder_lock, remove_stale_temporaries, set_aside
+from tandem.app.conversation import SCHEMA, Conversation, Turn, conversation_from_dict, merge_turns, valid_id
+from tandem.runtime.errors import StoreError
+from tandem.runtime.paths import atomic_write_json, data_dir, folder_lock, remove_stale_temporaries, set_aside
 
 __all__ = ["SCHEMA", "Conversation", "ConversationStore", "Turn"]
 

@@ -24,18 +24,18 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Label, ListItem, ListView, ProgressBar
 from textual.worker import get_current_worker
 
-from app.backend import ChatBackend
-from app.context import answer_room, fit_messages
-from app.picker import ModelEntry, PickerScreen, discover
-from app.screens import HelpScreen, RenameScreen, SettingsScreen
-from app.settings import Settings, load_settings, save_settings
-from app.store import Conversation, ConversationStore, Turn
-from app.widgets import ChatMessage, Composer, ExpertHeatmap, StatusBar
-from app.wizard import WizardScreen, needs_tuning
-from autotune.microbench import Step
-from autotune.run import Tuned, autotune
-from runtime.errors import ResourceError, TandemError
-from runtime.sampling import SamplingParams
+from tandem.app.backend import ChatBackend
+from tandem.app.context import answer_room, fit_messages
+from tandem.app.picker import ModelEntry, PickerScreen, discover
+from tandem.app.screens import HelpScreen, RenameScreen, SettingsScreen
+from tandem.app.settings import Settings, load_settings, save_settings
+from tandem.app.store import Conversation, ConversationStore, Turn
+from tandem.app.widgets import ChatMessage, Composer, ExpertHeatmap, StatusBar
+from tandem.app.wizard import WizardScreen, needs_tuning
+from tandem.autotune.microbench import Step
+from tandem.autotune.run import Tuned, autotune
+from tandem.runtime.errors import ResourceError, TandemError
+from tandem.runtime.sampling import SamplingParams
 
 REPAINT_S = 0.05
 
@@ -292,13 +292,13 @@ class TandemApp(App[None]):
             return
         if self.busy():
             return
-        from runtime.builtin import builtin_dir
+        from tandem.runtime.builtin import builtin_dir
 
         def chosen(entry: ModelEntry | None) -> None:
             if entry is not None and not self.busy():  # (an answer may have started from the keyboard meanwhile)
                 self.load_model(entry.path, from_picker=True)
 
-        from autotune.probe import probe
+        from tandem.autotune.probe import probe
 
         gpus = probe().gpus
         vram = gpus[0].memory_total if gpus else None

@@ -8,7 +8,7 @@ from textual import events
 from textual.message import Message
 from textual.widgets import Markdown, Static, TextArea
 
-from app.backend import Usage
+from tandem.app.backend import Usage
 
 
 class Composer(TextArea):

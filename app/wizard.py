@@ -13,10 +13,10 @@ from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Button, Label, ProgressBar, Static
 
-from autotune.microbench import Step
-from autotune.profile import save_profile
-from autotune.run import Tuned
-from runtime.errors import TandemError
+from tandem.autotune.microbench import Step
+from tandem.autotune.profile import save_profile
+from tandem.autotune.run import Tuned
+from tandem.runtime.errors import TandemError
 
 EXPLAIN = (
     "Tandem has not been tuned for this machine and model yet.\n\n"
@@ -105,7 +105,7 @@ class WizardScreen(ModalScreen[bool]):
 
 def needs_tuning(raw_config: dict, dtype: str) -> bool:
     """True when this machine has no profile for this model (or only one made on other hardware)."""
-    from autotune.probe import probe
-    from autotune.profile import find_profile, model_fingerprint
+    from tandem.autotune.probe import probe
+    from tandem.autotune.profile import find_profile, model_fingerprint
 
     return find_profile(probe().fingerprint(), model_fingerprint(raw_config, dtype)).profile is None

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from autotune.costs import Measurements, fit_cpu
-from autotune.plan import ModelShape
-from autotune.probe import HardwareInfo
-from kernels.cpu import CpuExecutor, read_bandwidth_probe
+from tandem.autotune.costs import Measurements, fit_cpu
+from tandem.autotune.plan import ModelShape
+from tandem.autotune.probe import HardwareInfo
+from tandem.kernels.cpu import CpuExecutor, read_bandwidth_probe
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 QUICK_TOKENS = (1, 4, 16, 64)

@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from autotune.costs import Measurements
-from autotune.simulate import SimCosts, SimPolicy, SimResult, simulate, synthetic_trace
-from runtime.config import ModelConfig
-from runtime.errors import TandemError
-from runtime.expert_cache import Policy
-from runtime.trace import most_popular
-from runtime.weights import attention_tensors
+from tandem.autotune.costs import Measurements
+from tandem.autotune.simulate import SimCosts, SimPolicy, SimResult, simulate, synthetic_trace
+from tandem.runtime.config import ModelConfig
+from tandem.runtime.errors import TandemError
+from tandem.runtime.expert_cache import Policy
+from tandem.runtime.trace import most_popular
+from tandem.runtime.weights import attention_tensors
 
 MAX_EXPERTS = 1 << 16  # per layer; the planner keeps [layers, experts] tables, so the sizes are bounded first
 MAX_LAYERS = 1 << 12

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from kernels.isa import mask_flags, masked_features, present_features
-from runtime.cpuinfo import proc_cpuinfo
+from tandem.kernels.isa import mask_flags, masked_features, present_features
+from tandem.runtime.cpuinfo import proc_cpuinfo
 
 # PCIe payload bandwidth per lane and direction, GB/s, by generation (after line encoding).
 PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}

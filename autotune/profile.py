@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from runtime.dispatch import Strategy
-from runtime.expert_cache import Policy
-from runtime.paths import atomic_write_json, data_dir, remove_stale_temporaries, set_aside
+from tandem.runtime.dispatch import Strategy
+from tandem.runtime.expert_cache import Policy
+from tandem.runtime.paths import atomic_write_json, data_dir, remove_stale_temporaries, set_aside
 
 SCHEMA = 2  # 2: the kernel variant is "auto" unless one beats it at 1 and 8 tokens (1 forced the fastest at 1)
 

@@ -10,16 +10,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from autotune.microbench import Step, microbench
-from autotune.plan import ModelShape, Plan, PlanResult, evaluate, make_plan
-from autotune.probe import HardwareInfo, probe
-from autotune.profile import Profile, model_fingerprint, profiles_dir, save_profile
-from runtime.checkpoint import open_checkpoint
-from runtime.engine import Engine, GenerationStats
-from runtime.loader import DTYPES, LoadedModel, default_dtype, load
-from runtime.paths import ensure_folder
-from runtime.sampling import SamplingParams
-from runtime.trace import most_popular
+from tandem.autotune.microbench import Step, microbench
+from tandem.autotune.plan import ModelShape, Plan, PlanResult, evaluate, make_plan
+from tandem.autotune.probe import HardwareInfo, probe
+from tandem.autotune.profile import Profile, model_fingerprint, profiles_dir, save_profile
+from tandem.runtime.checkpoint import open_checkpoint
+from tandem.runtime.engine import Engine, GenerationStats
+from tandem.runtime.loader import DTYPES, LoadedModel, default_dtype, load
+from tandem.runtime.paths import ensure_folder
+from tandem.runtime.sampling import SamplingParams
+from tandem.runtime.trace import most_popular
 
 CALIBRATION_PROMPT = "Explain, step by step, how a mixture-of-experts language model decides which experts to use."
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.expert_cache import ExpertCache, Key, Policy
+from tandem.runtime.expert_cache import ExpertCache, Key, Policy
 
 
 @dataclass(frozen=True)

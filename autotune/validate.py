@@ -15,19 +15,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from autotune.costs import Measurements
-from autotune.microbench import microbench
-from autotune.plan import ModelShape, Plan, evaluate, make_plan
-from autotune.probe import probe
-from autotune.run import record_trace
-from kernels.cpu import CpuOptions
-from runtime.checkpoint import open_checkpoint
-from runtime.dispatch import OffloadPolicy, Strategy
-from runtime.engine import Engine, GenerationStats
-from runtime.expert_cache import Policy
-from runtime.loader import DTYPES, default_dtype, load
-from runtime.moe import ExpertWeights
-from runtime.sampling import SamplingParams
+from tandem.autotune.costs import Measurements
+from tandem.autotune.microbench import microbench
+from tandem.autotune.plan import ModelShape, Plan, evaluate, make_plan
+from tandem.autotune.probe import probe
+from tandem.autotune.run import record_trace
+from tandem.kernels.cpu import CpuOptions
+from tandem.runtime.checkpoint import open_checkpoint
+from tandem.runtime.dispatch import OffloadPolicy, Strategy
+from tandem.runtime.engine import Engine, GenerationStats
+from tandem.runtime.expert_cache import Policy
+from tandem.runtime.loader import DTYPES, default_dtype, load
+from tandem.runtime.moe import ExpertWeights
+from tandem.runtime.sampling import SamplingParams
 
 PROMPT = "Tell me about the history of the printing press and why it mattered."
 

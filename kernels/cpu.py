@@ -21,8 +21,8 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from kernels.isa import masked_features
-from kernels.quant import GROUPS, QuantizedMatrix, quantize_int4, quantize_int8
+from tandem.kernels.isa import masked_features
+from tandem.kernels.quant import GROUPS, QuantizedMatrix, quantize_int4, quantize_int8
 
 ISAS = ("base", "avx2", "avx512", "avx512bf16", "amx")  # each named after the CPU feature it needs (base: none)
 BF16_ONLY = ("avx512bf16", "amx")  # bf16 activations (AMX int8 and int4: 16-bit fixed point, about as fine)
@@ -111,7 +111,7 @@ class _LinearArgs(ctypes.Structure):
 @cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they were not built (the torch path is used then)."""
-    spec = importlib.util.find_spec("kernels._cpu")
+    spec = importlib.util.find_spec("tandem.kernels._cpu")
     if spec is None or spec.origin is None:
         return None
     try:

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from runtime.errors import ResourceError
+from tandem.runtime.errors import ResourceError
 
 T = TypeVar("T")
 GIB = 1024**3

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime.errors import UnsupportedModelError
-from runtime.synth import write_test_model
+from tandem.runtime.errors import UnsupportedModelError
+from tandem.runtime.synth import write_test_model
 
 SHAPES: dict[str, dict[str, Any]] = {
     "mixtral": {  # Mixtral-8x7B

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from runtime.errors import CheckpointError
-from runtime.paths import cache_dir, ensure_folder
+from tandem.runtime.errors import CheckpointError
+from tandem.runtime.paths import cache_dir, ensure_folder
 
 RECIPE_VERSION = 2
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

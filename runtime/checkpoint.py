@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from runtime.config import ModelConfig, token_ids
-from runtime.errors import CheckpointError, UnsupportedModelError
-from runtime.families import FamilySpec, parse_config
-from runtime.paths import read_bounded
-from runtime.safetensors_mmap import SafetensorsFile
-from runtime.weights import dense_tensors, expert_names, expert_tensors
+from tandem.runtime.config import ModelConfig, token_ids
+from tandem.runtime.errors import CheckpointError, UnsupportedModelError
+from tandem.runtime.families import FamilySpec, parse_config
+from tandem.runtime.paths import read_bounded
+from tandem.runtime.safetensors_mmap import SafetensorsFile
+from tandem.runtime.weights import dense_tensors, expert_names, expert_tensors
 
 INDEX = "model.safetensors.index.json"
 RAM_ALIGN = 64  # bytes: tensors read into RAM start on a cache line (in the files they often do not)

@@ -21,13 +21,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import CpuExpert, CpuOptions
-from runtime.accelerator import Accelerator
-from runtime.config import ModelConfig
-from runtime.cost import CostModel
-from runtime.expert_cache import ExpertCache, Key, Policy
-from runtime.moe import ExpertWeights, MoEBlockWeights, route
-from runtime.trace import TraceRecorder
+from tandem.kernels.cpu import CpuExpert, CpuOptions
+from tandem.runtime.accelerator import Accelerator
+from tandem.runtime.config import ModelConfig
+from tandem.runtime.cost import CostModel
+from tandem.runtime.expert_cache import ExpertCache, Key, Policy
+from tandem.runtime.moe import ExpertWeights, MoEBlockWeights, route
+from tandem.runtime.trace import TraceRecorder
 
 GPU, CPU, FETCHED = 0, 1, 2  # columns of the per-layer statistics
 

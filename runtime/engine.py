@@ -13,9 +13,9 @@ from typing import Literal
 
 import torch
 
-from runtime.errors import GenerationError
-from runtime.model import MoEModel
-from runtime.sampling import SamplingParams, next_token
+from tandem.runtime.errors import GenerationError
+from tandem.runtime.model import MoEModel
+from tandem.runtime.sampling import SamplingParams, next_token
 
 FinishReason = Literal["eos", "length", "context", ""]
 

@@ -15,19 +15,19 @@ from pathlib import Path
 import psutil
 import torch
 
-from kernels.cpu import CpuOptions
-from kernels.isa import mask_flags, masked_features
-from runtime.accelerator import make_accelerator
-from runtime.checkpoint import Checkpoint, open_checkpoint
-from runtime.config import ModelConfig
-from runtime.cpuinfo import proc_cpuinfo
-from runtime.dispatch import OffloadPolicy
-from runtime.engine import Engine
-from runtime.errors import GenerationError, ResourceError
-from runtime.model import KVCache, MoEModel, kept_dtypes
-from runtime.tokenizer import Tokenizer
-from runtime.trace import load_popularity, most_popular
-from runtime.weights import dense_tensors, expert_names
+from tandem.kernels.cpu import CpuOptions
+from tandem.kernels.isa import mask_flags, masked_features
+from tandem.runtime.accelerator import make_accelerator
+from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
+from tandem.runtime.config import ModelConfig
+from tandem.runtime.cpuinfo import proc_cpuinfo
+from tandem.runtime.dispatch import OffloadPolicy
+from tandem.runtime.engine import Engine
+from tandem.runtime.errors import GenerationError, ResourceError
+from tandem.runtime.model import KVCache, MoEModel, kept_dtypes
+from tandem.runtime.tokenizer import Tokenizer
+from tandem.runtime.trace import load_popularity, most_popular
+from tandem.runtime.weights import dense_tensors, expert_names
 
 DEFAULT_CONTEXT = 4096
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import CpuOptions, DenseLinear, library, rms_norm_bf16
-from runtime.accelerator import Accelerator
-from runtime.checkpoint import Checkpoint
-from runtime.config import ModelConfig
-from runtime.dispatch import Dispatcher, OffloadPolicy
-from runtime.moe import ExpertWeights, MoEBlockWeights, RoutingRule, SharedExpert
-from runtime.weights import dense_matrices, expert_names, layer_prefix, router_name
+from tandem.kernels.cpu import CpuOptions, DenseLinear, library, rms_norm_bf16
+from tandem.runtime.accelerator import Accelerator
+from tandem.runtime.checkpoint import Checkpoint
+from tandem.runtime.config import ModelConfig
+from tandem.runtime.dispatch import Dispatcher, OffloadPolicy
+from tandem.runtime.moe import ExpertWeights, MoEBlockWeights, RoutingRule, SharedExpert
+from tandem.runtime.weights import dense_matrices, expert_names, layer_prefix, router_name
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

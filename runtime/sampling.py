@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.errors import GenerationError
+from tandem.runtime.errors import GenerationError
 
 
 @dataclass(frozen=True)

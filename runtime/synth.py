@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from runtime.families import family_for
-from runtime.weights import dense_tensors, expert_tensors
+from tandem.runtime.families import family_for
+from tandem.runtime.weights import dense_tensors, expert_tensors
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 CHATML = (

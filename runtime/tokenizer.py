@@ -12,9 +12,9 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from runtime.chat_template import render
-from runtime.errors import CheckpointError
-from runtime.paths import read_bounded
+from tandem.runtime.chat_template import render
+from tandem.runtime.errors import CheckpointError
+from tandem.runtime.paths import read_bounded
 
 
 def _token_text(value: Any) -> str | None:

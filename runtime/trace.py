@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtime.errors import TandemError
+from tandem.runtime.errors import TandemError
 
 Key = tuple[int, int]
 

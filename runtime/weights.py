@@ -6,8 +6,8 @@ synthetic-checkpoint writer writes from it, so the two can never disagree.
 
 from __future__ import annotations
 
-from runtime.config import ModelConfig
-from runtime.families import FamilySpec
+from tandem.runtime.config import ModelConfig
+from tandem.runtime.families import FamilySpec
 
 Shape = tuple[int, ...]
 

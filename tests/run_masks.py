@@ -11,8 +11,8 @@ import os
 import subprocess
 import sys
 
-from kernels.isa import ENV, masks_to_play
-from runtime.cpuinfo import proc_cpuinfo
+from tandem.kernels.isa import ENV, masks_to_play
+from tandem.runtime.cpuinfo import proc_cpuinfo
 
 
 def main(pytest_args: list[str]) -> int:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import main
-from autotune.microbench import choose_variant
-from autotune.profile import SCHEMA, Profile, find_profile, profiles_dir, save_profile
+from tandem.app.cli import main
+from tandem.autotune.microbench import choose_variant
+from tandem.autotune.profile import SCHEMA, Profile, find_profile, profiles_dir, save_profile
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hardware"
 
@@ -74,7 +74,7 @@ def test_a_kernel_variant_is_forced_only_where_it_beats_the_default_at_one_and_e
 
 
 def test_generate_notices_a_profile_from_other_hardware(mixtral_dir: Path, capsys) -> None:
-    from autotune.profile import model_fingerprint
+    from tandem.autotune.profile import model_fingerprint
 
     raw = json.loads((mixtral_dir / "config.json").read_text())
     save_profile(profile(machine={"cpu": "another machine"}, model=model_fingerprint(raw, "fp32")))
@@ -118,9 +118,9 @@ def test_plan_with_recorded_trace_and_bad_files(tmp_path: Path, mixtral_dir: Pat
 
 def test_calibration_decodes_with_the_model_already_in_memory(mixtral_dir: Path, monkeypatch) -> None:
     # Inside the chat app the model is loaded already; a second copy might not fit beside it.
-    from autotune import run
-    from kernels.cpu import CpuOptions
-    from runtime.loader import load
+    from tandem.autotune import run
+    from tandem.kernels.cpu import CpuOptions
+    from tandem.runtime.loader import load
 
     loaded = load(mixtral_dir, dtype="fp32", context=64)
 
@@ -183,7 +183,7 @@ def test_a_profile_with_wrong_fields_is_set_aside(change: dict) -> None:
 
 
 def test_a_full_plan_as_the_planner_writes_it_is_read() -> None:
-    from autotune.plan import Plan
+    from tandem.autotune.plan import Plan
 
     plan = Plan(4, True, "fetch", 2, 4, "lfu", 3, "avx2", 16, "int8").to_dict() | {"static": [[0, 1], [1, 5]]}
     p = profile(plan=plan)

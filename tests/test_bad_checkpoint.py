@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from app.cli import main
-from runtime import chat_template
-from runtime.errors import CheckpointError
-from runtime.safetensors_mmap import SafetensorsFile
-from runtime.tokenizer import Tokenizer
+from tandem.app.cli import main
+from tandem.runtime import chat_template
+from tandem.runtime.errors import CheckpointError
+from tandem.runtime.safetensors_mmap import SafetensorsFile
+from tandem.runtime.tokenizer import Tokenizer
 from tests.conftest import copy_checkpoint, edit_config
 
 

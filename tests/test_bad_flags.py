@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from app import flags
-from app.cli import main
-from app.prompt_input import MAX_PROMPT_BYTES
-from runtime.errors import UsageError
+from tandem.app import flags
+from tandem.app.cli import main
+from tandem.app.prompt_input import MAX_PROMPT_BYTES
+from tandem.runtime.errors import UsageError
 
 NO_MODEL = "/nonexistent/tandem-model"  # were a flag let through, the error would name this folder instead
 
@@ -106,12 +106,12 @@ def test_bad_numbers_in_other_commands_are_refused(capsys, argv: list[str], flag
 ])
 def test_bench_kernels_lists_are_checked_before_benchmarking(capsys, monkeypatch, flag: str, value: str,
                                                              needles: tuple[str, ...]) -> None:
-    import app.bench_kernels
+    from tandem.app import bench_kernels
 
     def never(*args, **kwargs):
         raise AssertionError("benchmarked despite a bad list")
 
-    monkeypatch.setattr(app.bench_kernels, "bench_kernels", never)
+    monkeypatch.setattr(bench_kernels, "bench_kernels", never)
     refused(capsys, ["bench", "kernels", flag, value], f"argument {flag}", *needles)
 
 
@@ -146,7 +146,7 @@ def test_stdin_prompt_is_bounded(capsys, monkeypatch) -> None:
 
 
 def test_byte_order_mark_is_not_part_of_the_prompt(monkeypatch) -> None:
-    from app.prompt_input import read_stdin
+    from tandem.app.prompt_input import read_stdin
 
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xef\xbb\xbfhello"), encoding="utf-8"))
     assert read_stdin() == "hello"
@@ -164,8 +164,8 @@ def test_argv_prompt_with_undecodable_bytes_is_refused(capsys) -> None:
 
 
 def run_cli(*args: str | bytes, stdin: object = subprocess.DEVNULL) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], stdin=stdin, capture_output=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[1])
+    return subprocess.run([sys.executable, "-m", "tandem.app.cli", *args], stdin=stdin, capture_output=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[1])
 
 
 def test_real_process_non_utf8_argv_and_endless_stdin(tmp_path: Path) -> None:

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from app.cli import main
-from runtime import loader
-from runtime.errors import CheckpointError, ResourceError
-from runtime.loader import MemoryEstimate, check_memory, load
-from runtime.safetensors_mmap import SafetensorsFile
+from tandem.app.cli import main
+from tandem.runtime import loader
+from tandem.runtime.errors import CheckpointError, ResourceError
+from tandem.runtime.loader import MemoryEstimate, check_memory, load
+from tandem.runtime.safetensors_mmap import SafetensorsFile
 from tests.conftest import copy_checkpoint, edit_config
 
 
@@ -161,7 +161,7 @@ def test_context_beyond_model_limit(mixtral_dir: Path, capsys) -> None:
 
 def test_cli_subprocess_prints_error_without_traceback(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "app.cli", "generate", "--model", str(tmp_path / "missing"), "--prompt", "x"],
+        [sys.executable, "-m", "tandem.app.cli", "generate", "--model", str(tmp_path / "missing"), "--prompt", "x"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import main
-from app.output import EXIT_PIPE_CLOSED
-from runtime.synth import tiny_config, write_test_model
+from tandem.app.cli import main
+from tandem.app.output import EXIT_PIPE_CLOSED
+from tandem.runtime.synth import tiny_config, write_test_model
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_MODEL = "/nonexistent/tandem-model"  # were an output path checked after loading, the error would name this
@@ -24,7 +24,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def tandem(*args: str, stdout: object = subprocess.PIPE) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "app.cli", *args], stdout=stdout, stderr=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "tandem.app.cli", *args], stdout=stdout, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, cwd=ROOT)
 
 
@@ -85,9 +85,9 @@ def bad_files(tmp_path: Path) -> list[tuple[str, str]]:
 ])
 def test_output_file_checked_before_the_work(capsys, tmp_path: Path, monkeypatch, command: list[str], flag: str,
                                              case: int) -> None:
-    import autotune.probe
+    from tandem.autotune import probe as probe_module
 
-    monkeypatch.setattr(autotune.probe, "probe", lambda *a: pytest.fail("probed before checking --record"))
+    monkeypatch.setattr(probe_module, "probe", lambda *a: pytest.fail("probed before checking --record"))
     path, needle = bad_files(tmp_path)[case]
     refused_early(capsys, [*command, flag, path], flag, needle)
 
@@ -154,9 +154,9 @@ def test_tandem_home_that_is_a_file(model: str, tmp_path: Path, monkeypatch, cap
     home = tmp_path / "home"
     home.write_text("not a folder")
     monkeypatch.setenv("TANDEM_HOME", str(home))
-    import autotune.run
+    from tandem.autotune import run as run_module
 
-    monkeypatch.setattr(autotune.run, "microbench", lambda *a, **k: pytest.fail("measured before checking"))
+    monkeypatch.setattr(run_module, "microbench", lambda *a, **k: pytest.fail("measured before checking"))
     assert main(["autotune", "--quick", "--model", model]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: TANDEM_HOME {home} is a file; point it to a folder") and err.count("\n") == 1, err
@@ -166,8 +166,8 @@ def test_tandem_home_that_is_a_file(model: str, tmp_path: Path, monkeypatch, cap
     assert main(["generate", "--max-new-tokens", "2", "hi"]) == 2  # the built-in model must be built and saved
     err = capsys.readouterr().err
     assert err.splitlines()[-1].startswith(f"error: TANDEM_HOME {home} is a file") and "Traceback" not in err, err
-    from app.settings import Settings, save_settings
-    from runtime.errors import StoreError
+    from tandem.app.settings import Settings, save_settings
+    from tandem.runtime.errors import StoreError
 
     with pytest.raises(StoreError, match="is a file; point it to a folder"):
         save_settings(Settings())

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.cli import main
-from autotune.simulate import synthetic_trace
-from runtime.synth import tiny_config, write_test_model
+from tandem.app.cli import main
+from tandem.autotune.simulate import synthetic_trace
+from tandem.runtime.synth import tiny_config, write_test_model
 
 LAYERS, EXPERTS, TOP_K = 2, 8, 2  # tiny_config("mixtral")
 HW = {"cores": 8, "cpu_bandwidth_gbps": 60, "cpu_gflops": 400}

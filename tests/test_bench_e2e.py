@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from app.bench_e2e import bench_e2e, peer_fits_beside, plot
-from app.cli import main
-from kernels.cpu import CpuOptions
-from runtime.errors import TandemError
-from runtime.loader import load
+from tandem.app.bench_e2e import bench_e2e, peer_fits_beside, plot
+from tandem.app.cli import main
+from tandem.kernels.cpu import CpuOptions
+from tandem.runtime.errors import TandemError
+from tandem.runtime.loader import load
 
 GRID = {"decode": [(16, 8)], "prefill": [(64, 1)], "beam": [(8, 6, 3)]}
 

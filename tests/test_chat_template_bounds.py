@@ -11,11 +11,11 @@ import time
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from runtime import chat_template
-from runtime import tokenizer as tokenizer_module
-from runtime.errors import CheckpointError
-from runtime.synth import CHATML
-from runtime.tokenizer import Tokenizer
+from tandem.runtime import chat_template
+from tandem.runtime import tokenizer as tokenizer_module
+from tandem.runtime.errors import CheckpointError
+from tandem.runtime.synth import CHATML
+from tandem.runtime.tokenizer import Tokenizer
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
         {"role": "assistant", "content": "  Hello!  "}, {"role": "user", "content": "Tell me a joke."}]

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu import CpuOptions
-from runtime import loader
-from runtime.checkpoint import open_checkpoint
-from runtime.loader import RESIDENT_SHARE, estimate_memory, load, resident_fits, resolve_context
-from runtime.synth import tiny_config, write_test_model
+from tandem.kernels.cpu import CpuOptions
+from tandem.runtime import loader
+from tandem.runtime.checkpoint import open_checkpoint
+from tandem.runtime.loader import RESIDENT_SHARE, estimate_memory, load, resident_fits, resolve_context
+from tandem.runtime.synth import tiny_config, write_test_model
 
 _MEASURE = """
 import json, resource, sys
-from kernels.cpu import CpuOptions
-from runtime.loader import load
+from tandem.kernels.cpu import CpuOptions
+from tandem.runtime.loader import load
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 loaded = load(sys.argv[1], dtype="bf16", cpu=CpuOptions(resident=False))  # the path for models that do not fit
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.cli import main
+from tandem.app.cli import main
 
 
 def test_generate_streams_text_and_prints_summary(mixtral_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -53,8 +53,8 @@ def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_bench_kernels_rows_have_the_documented_keys() -> None:
-    from app.bench_kernels import bench_kernels
-    from kernels.cpu import CpuExecutor
+    from tandem.app.bench_kernels import bench_kernels
+    from tandem.kernels.cpu import CpuExecutor
 
     most = CpuExecutor(2048, 768, torch.bfloat16).crossover  # the most tokens a layer call takes on this CPU
     rows = bench_kernels(["qwen3"], threads=2, dtypes=("bf16", "int8", "int4"), tokens=(1, most), min_time=0.0,
@@ -63,14 +63,14 @@ def test_bench_kernels_rows_have_the_documented_keys() -> None:
     assert rows and all(set(r) == keys for r in rows)
     assert {(r["dtype"], r["impl"]) for r in rows} >= {("bf16", "tandem"), ("bf16", "torch"), ("int8", "torch"),
                                                       ("int4", "tandem")}
-    from kernels.cpu import library
+    from tandem.kernels.cpu import library
 
     if library() is not None:  # the experts a MoE layer runs together, in one kernel call
         assert {(r["dtype"], r["tokens"]) for r in rows if r["impl"] == "layer"} >= {("bf16", 1), ("bf16", most)}
 
 
 def test_bench_quant_reports_drift_and_agreement(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from runtime.synth import tiny_config, write_test_model
+    from tandem.runtime.synth import tiny_config, write_test_model
 
     folder = write_test_model(tmp_path / "m", tiny_config("mixtral"))
     assert main(["bench", "quant", "--model", str(folder), "--new-tokens", "6"]) == 2  # 96 wide: not groups of 64
@@ -84,7 +84,7 @@ def test_bench_quant_reports_drift_and_agreement(tmp_path: Path, capsys: pytest.
 
 
 def test_progress_in_a_log_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    from app.cli import _progress
+    from tandem.app.cli import _progress
 
     for fraction in (0.25, 0.5, 1.0):  # stderr is not a terminal here
         _progress("reading the experts into RAM", fraction)

@@ -11,16 +11,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.accelerator import EmulatedAccelerator
-from runtime.checkpoint import open_checkpoint
-from runtime.cost import CostModel
-from runtime.dispatch import OffloadPolicy, Strategy
-from runtime.engine import Engine, GenerationStats
-from runtime.expert_cache import Policy
-from runtime.model import MoEModel
-from runtime.sampling import SamplingParams
-from runtime.synth import tiny_config, write_test_model
-from runtime.trace import load_popularity, most_popular
+from tandem.runtime.accelerator import EmulatedAccelerator
+from tandem.runtime.checkpoint import open_checkpoint
+from tandem.runtime.cost import CostModel
+from tandem.runtime.dispatch import OffloadPolicy, Strategy
+from tandem.runtime.engine import Engine, GenerationStats
+from tandem.runtime.expert_cache import Policy
+from tandem.runtime.model import MoEModel
+from tandem.runtime.sampling import SamplingParams
+from tandem.runtime.synth import tiny_config, write_test_model
+from tandem.runtime.trace import load_popularity, most_popular
 
 FAMILIES = {
     "mixtral": tiny_config("mixtral", num_hidden_layers=3),
@@ -178,7 +178,7 @@ def test_beam_search_multi_token_experts_take_the_fetch_path(checkpoints) -> Non
 
 
 def test_beam_search_needs_the_batch(checkpoints) -> None:
-    from runtime.errors import GenerationError
+    from tandem.runtime.errors import GenerationError
 
     with pytest.raises(GenerationError, match="beams"):
         build(checkpoints["mixtral"]).generate([1, 2], SamplingParams(beams=3))

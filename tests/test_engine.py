@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.engine import Engine, GenerationStats
-from runtime.errors import GenerationError
-from runtime.loader import load
-from runtime.sampling import SamplingParams
+from tandem.runtime.engine import Engine, GenerationStats
+from tandem.runtime.errors import GenerationError
+from tandem.runtime.loader import load
+from tandem.runtime.sampling import SamplingParams
 
 
 @pytest.fixture
@@ -74,9 +74,9 @@ def test_seeded_sampling_reproduces(engine: Engine) -> None:
 
 
 def test_resident_weights_give_the_same_tokens_and_are_counted(mixtral_dir: Path) -> None:
-    from kernels.cpu import CpuOptions
-    from runtime.checkpoint import open_checkpoint
-    from runtime.loader import estimate_memory
+    from tandem.kernels.cpu import CpuOptions
+    from tandem.runtime.checkpoint import open_checkpoint
+    from tandem.runtime.loader import estimate_memory
 
     prompt = [5, 9, 13, 2, 7]
     params = SamplingParams(max_new_tokens=12)
@@ -139,10 +139,10 @@ def test_beam_search_equals_recomputing_every_hypothesis(mixtral_dir: Path, eos:
 def test_float32_compute_keeps_bf16_matrices_as_stored(tmp_path: Path) -> None:
     # The kernels multiply float32 activations by bf16 rows exactly as by a float32 copy: the matrices stay bf16
     # (half the bytes to stream and hold), the rest (norms, dense MLPs) is converted, and the RAM estimate agrees.
-    from kernels.cpu import CpuOptions, library
-    from runtime.checkpoint import open_checkpoint
-    from runtime.loader import estimate_memory
-    from runtime.synth import tiny_config, write_test_model
+    from tandem.kernels.cpu import CpuOptions, library
+    from tandem.runtime.checkpoint import open_checkpoint
+    from tandem.runtime.loader import estimate_memory
+    from tandem.runtime.synth import tiny_config, write_test_model
 
     if library() is None:
         pytest.skip("the compiled kernels are not built on this machine")

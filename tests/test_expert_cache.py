@@ -6,7 +6,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from runtime.expert_cache import ExpertCache, Policy
+from tandem.runtime.expert_cache import ExpertCache, Policy
 
 
 def done() -> Future[None]:

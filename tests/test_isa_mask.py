@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from autotune.probe import RecordedSources, describe, probe
-from kernels import cpu
-from kernels.isa import (
+from tandem.autotune.probe import RecordedSources, describe, probe
+from tandem.kernels import cpu
+from tandem.kernels.isa import (
     MASKS,
     flag_feature,
     mask_flags,
@@ -21,8 +21,8 @@ from kernels.isa import (
     present_features,
     torch_isa_environment,
 )
-from runtime.cpuinfo import proc_cpuinfo
-from runtime.loader import default_dtype, read_cpu_flags
+from tandem.runtime.cpuinfo import proc_cpuinfo
+from tandem.runtime.loader import default_dtype, read_cpu_flags
 
 pytestmark = pytest.mark.isa
 FIXTURES = Path(__file__).parent / "fixtures" / "hardware"
@@ -121,7 +121,7 @@ def test_the_kernels_default_dtype_and_crossover_follow_the_mask(cpu_features) -
 
 def test_a_bad_mask_is_an_error_on_the_command_line(tmp_path: Path) -> None:
     env = {"TANDEM_CPU_FEATURES": "-avx3", "TANDEM_HOME": str(tmp_path), "PATH": ""}
-    proc = subprocess.run([sys.executable, "-m", "app.cli", "probe"], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tandem.app.cli", "probe"], capture_output=True, text=True, env=env,
                           timeout=120, cwd=Path(__file__).parents[1])
     assert proc.returncode == 2 and proc.stderr.startswith("error: TANDEM_CPU_FEATURES: cannot read '-avx3'")
     assert "Traceback" not in proc.stderr
@@ -129,7 +129,7 @@ def test_a_bad_mask_is_an_error_on_the_command_line(tmp_path: Path) -> None:
 
 def test_the_command_line_probe_shows_the_mask(tmp_path: Path) -> None:
     env = {"TANDEM_CPU_FEATURES": "-avx2", "TANDEM_HOME": str(tmp_path), "PATH": ""}
-    proc = subprocess.run([sys.executable, "-m", "app.cli", "probe", "--json"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "tandem.app.cli", "probe", "--json"], capture_output=True, text=True,
                           env=env, timeout=120, cwd=Path(__file__).parents[1])
     cpu_info = json.loads(proc.stdout)["cpu"]
     assert proc.returncode == 0 and not any(f.startswith(("avx2", "avx512", "amx")) for f in cpu_info["flags"])

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels.cpu import (
+from tandem.kernels.cpu import (
     AMX_CROSSOVER,
     ISAS,
     CpuExecutor,
@@ -19,7 +19,7 @@ from kernels.cpu import (
     read_bandwidth_probe,
     rms_norm_bf16,
 )
-from runtime.moe import ExpertWeights
+from tandem.runtime.moe import ExpertWeights
 
 MISSING = next((i for i in ISAS if i not in available_isas()), None)  # a variant this CPU (as masked) lacks
 needs_kernels = pytest.mark.skipif(library() is None, reason="the compiled kernels are not built on this machine")
@@ -257,7 +257,7 @@ def test_edge_cases_that_are_not_errors() -> None:
 
 @needs_kernels
 def test_the_argument_structures_match_the_compiled_ones() -> None:
-    from kernels.cpu import struct_sizes
+    from tandem.kernels.cpu import struct_sizes
 
     lib = library()
     sizes = struct_sizes(lib)
@@ -268,7 +268,7 @@ def test_the_argument_structures_match_the_compiled_ones() -> None:
 
 @needs_kernels
 def test_a_structure_that_drifted_is_refused_when_the_library_loads(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kernels.cpu as cpu
+    import tandem.kernels.cpu as cpu
 
     class Longer(ctypes.Structure):
         _fields_ = [*cpu._LinearArgs._fields_, ("extra", ctypes.c_void_p)]  # (an int would fit the padding)

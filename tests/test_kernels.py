@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import (
+from tandem.kernels.cpu import (
     CpuExecutor,
     CpuOptions,
     DenseLinear,
@@ -15,8 +15,8 @@ from kernels.cpu import (
     read_bandwidth_probe,
     rms_norm_bf16,
 )
-from kernels.quant import quantize_int4, quantize_int8
-from runtime.moe import ExpertWeights, RoutingRule, combine, reference_moe, route
+from tandem.kernels.quant import quantize_int4, quantize_int8
+from tandem.runtime.moe import ExpertWeights, RoutingRule, combine, reference_moe, route
 
 pytestmark = pytest.mark.isa
 ISAS = available_isas()
@@ -453,7 +453,7 @@ def test_bandwidth_probe_reads_every_value(n: int, threads: int) -> None:
 @needs_kernels
 @pytest.mark.parametrize("shape", [(1, 1, 2048), (3, 5, 256), (2, 7, 100), (1, 1, 17)])
 def test_rms_norm_kernel_rounds_like_the_reference(shape) -> None:
-    from runtime.model import rms_norm
+    from tandem.runtime.model import rms_norm
 
     g = torch.Generator().manual_seed(shape[-1])
     x = (torch.randn(shape, generator=g) * 3).bfloat16()

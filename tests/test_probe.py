@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import main
-from autotune.probe import GpuUnavailable, HardwareInfo, LiveSources, RecordedSources, describe, probe, record
+from tandem.app.cli import main
+from tandem.autotune.probe import GpuUnavailable, HardwareInfo, LiveSources, RecordedSources, describe, probe, record
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hardware"
 

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.moe import ExpertWeights, RoutingRule, SharedExpert, reference_moe, route
+from tandem.runtime.moe import ExpertWeights, RoutingRule, SharedExpert, reference_moe, route
 
 
 def _expert(g: torch.Generator, h: int, i: int) -> ExpertWeights:

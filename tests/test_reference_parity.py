@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.cli import main
-from runtime.loader import load
+from tandem.app.cli import main
+from tandem.runtime.loader import load
 from tests.conftest import CASES
 
 pytestmark = pytest.mark.isa

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.errors import GenerationError
-from runtime.sampling import SamplingParams, next_token, process_logits
+from tandem.runtime.errors import GenerationError
+from tandem.runtime.sampling import SamplingParams, next_token, process_logits
 
 
 def _hf_process(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor) -> torch.Tensor:
@@ -120,7 +120,7 @@ def damaged_model(tmp_path_factory: pytest.TempPathFactory):
     """A tiny model whose output layer holds NaN (damaged weights) and one whose output layer overflows to inf."""
     from safetensors.torch import load_file, save_file
 
-    from runtime.synth import tiny_config, write_test_model
+    from tandem.runtime.synth import tiny_config, write_test_model
 
     made = {}
     for kind, value in (("nan", float("nan")), ("inf", float("inf"))):
@@ -138,7 +138,7 @@ def damaged_model(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize("how", [[], ["--temperature", "1", "--seed", "1"], ["--beams", "2"],
                                  ["--temperature", "0.7", "--top-p", "0.9", "--repetition-penalty", "1.3"]])
 def test_damaged_weights_end_in_an_error(damaged_model, capsys, kind: str, how: list[str]) -> None:
-    from app.cli import main
+    from tandem.app.cli import main
 
     code = main(["generate", "--model", str(damaged_model[kind]), "--dtype", "fp32", "--max-new-tokens", "3",
                  *how, "hello"])

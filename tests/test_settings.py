@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import SCHEMA, Settings, load_settings, save_settings, settings_path
-from runtime.errors import GenerationError
-from runtime.sampling import SamplingParams
+from tandem.app.settings import SCHEMA, Settings, load_settings, save_settings, settings_path
+from tandem.runtime.errors import GenerationError
+from tandem.runtime.sampling import SamplingParams
 
 BAD_FILES = {
     "temperature NaN": '{"schema": 1, "temperature": NaN}',

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autotune.costs import CpuFit, Measurements, fit_cpu, from_hardware_file
-from autotune.plan import ModelShape, Plan, make_plan
-from autotune.simulate import SimCosts, SimPolicy, simulate, synthetic_trace
-from runtime.expert_cache import Policy
+from tandem.autotune.costs import CpuFit, Measurements, fit_cpu, from_hardware_file
+from tandem.autotune.plan import ModelShape, Plan, make_plan
+from tandem.autotune.simulate import SimCosts, SimPolicy, simulate, synthetic_trace
+from tandem.runtime.expert_cache import Policy
 
 # Two MoE layers, two experts, top-1. Step by step (ms):
 TRACE = np.array([[[0], [0]], [[0], [1]], [[1], [1]]], dtype=np.int32)  # [steps, layers, k]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from app.tui import TandemApp
-from app.widgets import Composer
+from tandem.app.tui import TandemApp
+from tandem.app.widgets import Composer
 from tests.test_tui import FakeBackend, TunableFake, fake_tune, wait_for_screen, wait_until
 
 SIZE = (100, 30)
@@ -40,7 +40,7 @@ def test_heatmap(snap_compare) -> None:
 
 
 def test_picker(snap_compare, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from runtime.synth import tiny_config, write_test_model
+    from tandem.runtime.synth import tiny_config, write_test_model
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     write_test_model(tmp_path / "models" / "tiny-olmoe", tiny_config("olmoe"))
@@ -57,7 +57,7 @@ def test_picker(snap_compare, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_wizard(snap_compare) -> None:
-    from app.wizard import WizardScreen
+    from tandem.app.wizard import WizardScreen
 
     async def run(pilot) -> None:
         await wait_for_screen(pilot, pilot.app, WizardScreen)

@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from app.conversation import merge_turns
-from app.store import SCHEMA, Conversation, ConversationStore, Turn
-from runtime import paths
-from runtime.errors import StoreError, TandemError
+from tandem.app.conversation import merge_turns
+from tandem.app.store import SCHEMA, Conversation, ConversationStore, Turn
+from tandem.runtime import paths
+from tandem.runtime.errors import StoreError, TandemError
 
 ROOT = Path(__file__).resolve().parent.parent
 
 WRITER = """
 import sys, time
 from pathlib import Path
-from app.store import ConversationStore, Turn
+from tandem.app.store import ConversationStore, Turn
 store = ConversationStore(Path(sys.argv[1]))
 conv = next(c for c in store.load_all()[0] if c.id == sys.argv[2])
 name, go = sys.argv[3], Path(sys.argv[4])

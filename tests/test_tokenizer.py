@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.errors import CheckpointError
-from runtime.tokenizer import StreamDecoder, Tokenizer
+from tandem.runtime.errors import CheckpointError
+from tandem.runtime.tokenizer import StreamDecoder, Tokenizer
 
 TEXTS = ["Hello! How can I help you today?", "Café, naïve, 東京 — ok", "def add(a, b):\n    return a + b"]
 

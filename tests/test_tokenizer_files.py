@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.errors import CheckpointError
-from runtime.tokenizer import Tokenizer
+from tandem.runtime.errors import CheckpointError
+from tandem.runtime.tokenizer import Tokenizer
 
 CHAT = [{"role": "user", "content": "Hi there"}]
 

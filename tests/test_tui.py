@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 from textual.widgets import ProgressBar
 
-from app.backend import RuntimeBackend, Usage
-from app.store import Conversation, ConversationStore, Turn
-from app.tui import TandemApp
-from app.widgets import ChatMessage, ExpertHeatmap, StatusBar
-from autotune.microbench import Step
-from runtime.errors import CheckpointError, ResourceError
-from runtime.loader import load
-from runtime.sampling import SamplingParams
+from tandem.app.backend import RuntimeBackend, Usage
+from tandem.app.store import Conversation, ConversationStore, Turn
+from tandem.app.tui import TandemApp
+from tandem.app.widgets import ChatMessage, ExpertHeatmap, StatusBar
+from tandem.autotune.microbench import Step
+from tandem.runtime.errors import CheckpointError, ResourceError
+from tandem.runtime.loader import load
+from tandem.runtime.sampling import SamplingParams
 
 
 class FakeBackend:
@@ -208,7 +208,7 @@ async def test_with_the_real_runtime(mixtral_dir: Path) -> None:
     async with app.run_test() as pilot:
         from textual.widgets import Button
 
-        from app.wizard import WizardScreen
+        from tandem.app.wizard import WizardScreen
 
         await wait_for_screen(pilot, app, WizardScreen)  # no profile yet: offered
         app.screen.query_one("#skip", Button).press()
@@ -223,8 +223,8 @@ async def test_with_the_real_runtime(mixtral_dir: Path) -> None:
 async def test_settings_are_edited_validated_and_saved(tandem_home: Path) -> None:
     from textual.widgets import Button, Input
 
-    from app.screens import SettingsScreen
-    from app.settings import load_settings
+    from tandem.app.screens import SettingsScreen
+    from tandem.app.settings import load_settings
 
     app = TandemApp(lambda _: FakeBackend())
     async with app.run_test(size=(100, 40)) as pilot:
@@ -246,7 +246,7 @@ async def test_settings_are_edited_validated_and_saved(tandem_home: Path) -> Non
 
 
 async def test_help_lists_every_key_and_the_palette_has_every_action() -> None:
-    from app.screens import HelpScreen
+    from tandem.app.screens import HelpScreen
 
     app = TandemApp(lambda _: FakeBackend())
     async with app.run_test(size=(100, 40)) as pilot:
@@ -262,8 +262,8 @@ async def test_help_lists_every_key_and_the_palette_has_every_action() -> None:
 
 
 async def test_picker_lists_a_models_folder_and_a_broken_model_keeps_the_app_alive(tmp_path: Path) -> None:
-    from app.picker import PickerScreen
-    from runtime.synth import tiny_config, write_test_model
+    from tandem.app.picker import PickerScreen
+    from tandem.runtime.synth import tiny_config, write_test_model
 
     folder = tmp_path / "models"
     write_test_model(folder / "tiny-olmoe", tiny_config("olmoe"))
@@ -300,11 +300,11 @@ class TunableFake(FakeBackend):
 
 def fake_tune(path: str, dtype: str, progress) -> object:
     """The auto-tune on recorded hardware (a desktop with an RTX 4090) and stated measurements."""
-    from autotune.costs import from_hardware_file
-    from autotune.plan import ModelShape, make_plan
-    from autotune.probe import RecordedSources, probe
-    from autotune.profile import Profile, model_fingerprint
-    from autotune.run import Tuned
+    from tandem.autotune.costs import from_hardware_file
+    from tandem.autotune.plan import ModelShape, make_plan
+    from tandem.autotune.probe import RecordedSources, probe
+    from tandem.autotune.profile import Profile, model_fingerprint
+    from tandem.autotune.run import Tuned
 
     hw = probe(RecordedSources.load(Path(__file__).parent / "fixtures/hardware/desktop_rtx4090_threadripper.json"))
     shape = ModelShape(8, 8, 2, (True,) * 8, 4096, 14336, 352_321_536, 100_000_000)
@@ -324,7 +324,7 @@ def fake_tune(path: str, dtype: str, progress) -> object:
 async def test_first_run_wizard_tunes_and_saves_a_profile(tandem_home: Path) -> None:
     from textual.widgets import Button
 
-    from app.wizard import WizardScreen, needs_tuning
+    from tandem.app.wizard import WizardScreen, needs_tuning
 
     app = TandemApp(lambda _: TunableFake(), tune=fake_tune)
     async with app.run_test(size=(100, 30)) as pilot:
@@ -345,7 +345,7 @@ async def test_first_run_wizard_tunes_and_saves_a_profile(tandem_home: Path) -> 
 
 
 def test_heatmap_marks_where_experts_ran(mixtral_dir: Path) -> None:
-    from runtime.dispatch import OffloadPolicy, Strategy
+    from tandem.runtime.dispatch import OffloadPolicy, Strategy
 
     loaded = load(mixtral_dir, dtype="fp32", context=64, accelerator="emulated", vram_gb=0.00079,
                   policy=OffloadPolicy(Strategy.CPU))
@@ -366,7 +366,7 @@ def test_heatmap_marks_where_experts_ran(mixtral_dir: Path) -> None:
 async def test_rename_a_conversation(tandem_home: Path) -> None:
     from textual.widgets import Input
 
-    from app.screens import RenameScreen
+    from tandem.app.screens import RenameScreen
 
     app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test() as pilot:
@@ -380,14 +380,14 @@ async def test_rename_a_conversation(tandem_home: Path) -> None:
 
 
 def test_picker_vram_column() -> None:
-    from app.picker import ModelEntry
+    from tandem.app.picker import ModelEntry
 
     e = ModelEntry("/m", "m", "Mixtral", 46_700_000_000, 8, 93 * 10**9, "folder")
     assert e.fits_vram(None) == "no GPU" and e.fits_vram(24 * 2**30) == "24%" and e.fits_vram(200 * 10**9) == "all"
 
 
 async def test_after_skipping_the_wizard_typing_goes_to_the_composer(tandem_home: Path) -> None:
-    from app.wizard import WizardScreen
+    from tandem.app.wizard import WizardScreen
 
     app = TandemApp(lambda _: TunableFake(words=3), tune=fake_tune)
     async with app.run_test() as pilot:
@@ -400,7 +400,7 @@ async def test_after_skipping_the_wizard_typing_goes_to_the_composer(tandem_home
 
 
 async def test_escape_closes_dialogs() -> None:
-    from app.screens import HelpScreen, SettingsScreen
+    from tandem.app.screens import HelpScreen, SettingsScreen
 
     app = TandemApp(lambda _: FakeBackend())
     async with app.run_test(size=(100, 40)) as pilot:
@@ -413,7 +413,7 @@ async def test_escape_closes_dialogs() -> None:
 
 
 async def test_edit_the_last_message(tandem_home: Path) -> None:
-    from app.widgets import Composer
+    from tandem.app.widgets import Composer
 
     app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test() as pilot:
@@ -461,8 +461,8 @@ async def test_a_new_model_replaces_the_old_one_which_is_released(room: int) -> 
 
 
 async def test_a_model_that_fits_not_even_alone_brings_the_current_one_back(tandem_home: Path) -> None:
-    from app.picker import PickerScreen
-    from app.wizard import WizardScreen
+    from tandem.app.picker import PickerScreen
+    from tandem.app.wizard import WizardScreen
 
     memory = Memory(room=1, kind=TunableFake)
     app = TandemApp(memory.load, tune=fake_tune)
@@ -522,7 +522,7 @@ async def test_a_replaced_load_is_dropped_and_a_replaced_answering_model_closed_
 
 
 async def test_no_model_picking_while_answering_or_loading() -> None:
-    from app.picker import PickerScreen
+    from tandem.app.picker import PickerScreen
 
     app = TandemApp(lambda _: FakeBackend(words=50, delay=0.02))
     async with app.run_test() as pilot:
@@ -544,8 +544,8 @@ async def test_no_model_picking_while_answering_or_loading() -> None:
 async def test_a_tuning_run_keeps_its_model_even_after_its_wizard_is_closed(tandem_home: Path) -> None:
     from textual.widgets import Button
 
-    from app.picker import PickerScreen
-    from app.wizard import WizardScreen
+    from tandem.app.picker import PickerScreen
+    from tandem.app.wizard import WizardScreen
 
     go = threading.Event()
 
@@ -574,7 +574,7 @@ async def test_a_tuning_run_keeps_its_model_even_after_its_wizard_is_closed(tand
 
 
 async def test_an_answer_that_fails_says_so_and_leaves_loading_alone() -> None:
-    from runtime.errors import GenerationError
+    from tandem.runtime.errors import GenerationError
 
     release = threading.Event()
 

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.config import ModelConfig, check_config, clean_raw
-from runtime.errors import CheckpointError, UnsupportedModelError
+from tandem.runtime.config import ModelConfig, check_config, clean_raw
+from tandem.runtime.errors import CheckpointError, UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class FamilySpec:
 
 
 def _registry() -> dict[str, FamilySpec]:
-    from runtime.families import mixtral, olmoe, qwen2_moe, qwen3_moe
+    from tandem.runtime.families import mixtral, olmoe, qwen2_moe, qwen3_moe
 
     return {f.SPEC.model_type: f.SPEC for f in (mixtral, qwen2_moe, qwen3_moe, olmoe)}
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.config import ModelConfig, decoder_fields, require
-from runtime.families import FamilySpec
+from tandem.runtime.config import ModelConfig, decoder_fields, require
+from tandem.runtime.families import FamilySpec
 
 
 def parse(raw: dict[str, Any]) -> ModelConfig:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.config import ModelConfig, decoder_fields, require, sparse_layer_pattern
-from runtime.errors import UnsupportedModelError
-from runtime.families import FamilySpec
+from tandem.runtime.config import ModelConfig, decoder_fields, require, sparse_layer_pattern
+from tandem.runtime.errors import UnsupportedModelError
+from tandem.runtime.families import FamilySpec
 
 
 def parse(raw: dict[str, Any]) -> ModelConfig:
