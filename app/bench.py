@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tandem.kernels.errors import TandemError
 from tandem.runtime.cpuinfo import proc_cpuinfo
 from tandem.runtime.engine import Engine, GenerationStats
-from tandem.runtime.errors import TandemError
 from tandem.runtime.loader import LoadedModel, load
 from tandem.runtime.model import MoEModel
 from tandem.runtime.sampling import SamplingParams

@@ -83,7 +83,7 @@ def _peer_in_child(path: str | Path, dtype: torch.dtype, points: list[dict[str, 
     done = subprocess.run([sys.executable, "-c", "from app.bench_e2e import peer_child; peer_child()"],
                           input=json.dumps(job), capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        from tandem.runtime.errors import TandemError
+        from tandem.kernels.errors import TandemError
 
         tail = done.stderr.strip().splitlines()[-1:] or ["no message"]
         raise TandemError(f"the transformers peer failed in its child process: {tail[0]}")
@@ -203,7 +203,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        from tandem.runtime.errors import TandemError
+        from tandem.kernels.errors import TandemError
 
         raise TandemError("--plot needs matplotlib: pip install 'tandem[plot]' (or matplotlib)") from None
     rows = result["rows"]

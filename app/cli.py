@@ -22,7 +22,7 @@ from tandem.app.output import (
     silence_stdout,
 )
 from tandem.app.prompt_input import prompt_text
-from tandem.runtime.errors import OutputError, TandemError, UsageError
+from tandem.kernels.errors import OutputError, TandemError, UsageError
 from tandem.runtime.paths import read_bounded
 
 EXIT_USAGE = 2
@@ -237,9 +237,9 @@ def load_from_args(args: argparse.Namespace, batch: int = 1, notify: Callable[[s
                    progress: Callable[[str, float], None] | None = _progress):
     """Load the model the arguments describe (a profile fills what they leave open). -> LoadedModel"""
     from tandem.kernels.cpu import CpuOptions, available_isas
+    from tandem.kernels.errors import TandemError as Err
     from tandem.runtime.cost import CostModel
     from tandem.runtime.dispatch import OffloadPolicy, Strategy
-    from tandem.runtime.errors import TandemError as Err
     from tandem.runtime.expert_cache import Policy
     from tandem.runtime.loader import load
 

@@ -12,8 +12,8 @@ import os
 from collections.abc import Callable
 from typing import NoReturn
 
+from tandem.kernels.errors import UsageError
 from tandem.runtime.cost import CostModel
-from tandem.runtime.errors import UsageError
 
 SEED_MAX = 2**63 - 1  # torch's generators take a signed 64-bit seed; larger ones overflow inside torch
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
-from tandem.runtime.errors import OutputError
+from tandem.kernels.errors import OutputError
 
 EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for `cat`, `yes` etc. when the reader goes away
 

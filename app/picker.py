@@ -15,7 +15,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Label, Static
 
-from tandem.runtime.errors import TandemError
+from tandem.kernels.errors import TandemError
 from tandem.runtime.families import parse_config
 from tandem.runtime.weights import dense_tensors, expert_tensors
 

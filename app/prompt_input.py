@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from tandem.runtime.errors import UsageError
+from tandem.kernels.errors import UsageError
 
 BOM = "\ufeff"  # the byte order mark, as text and as UTF-8 bytes
 BOM_BYTES = BOM.encode("utf-8")

@@ -11,7 +11,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
 from tandem.app.settings import Settings
-from tandem.runtime.errors import GenerationError
+from tandem.kernels.errors import SettingsError
 
 
 class SettingsScreen(ModalScreen[Settings | None]):
@@ -43,7 +43,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
         values = {i.id: i.value for i in self.query(Input) if i.id}
         try:
             self.dismiss(Settings.from_strings(values))
-        except GenerationError as e:
+        except SettingsError as e:
             self.query_one("#error", Static).update(str(e))
 
 

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from tandem.runtime.errors import GenerationError
+from tandem.kernels.errors import GenerationError, SettingsError
 from tandem.runtime.paths import atomic_write_json, data_dir, remove_stale_temporaries, set_aside
 from tandem.runtime.sampling import SamplingParams
 
@@ -31,19 +31,22 @@ class Settings:
     schema: int = SCHEMA
 
     def params(self) -> SamplingParams:
-        """The sampling parameters; raises GenerationError saying which value is wrong."""
+        """The sampling parameters; raises SettingsError saying which value is wrong."""
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name), type(getattr(Settings, f.name)))
         if self.max_new_tokens < 1:
-            raise GenerationError(f"max new tokens: {self.max_new_tokens} is too few (an answer needs at least 1)")
+            raise SettingsError(f"max new tokens: {self.max_new_tokens} is too few (an answer needs at least 1)")
         p = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
                            top_p=self.top_p, repetition_penalty=self.repetition_penalty)
-        p.check()
+        try:
+            p.check()
+        except GenerationError as e:
+            raise SettingsError(str(e)) from None
         return p
 
     @classmethod
     def from_strings(cls, values: dict[str, str]) -> Settings:
-        """From the form's text fields; raises GenerationError saying which value is wrong."""
+        """From the form's text fields; raises SettingsError saying which value is wrong."""
         out = cls()
         for f in fields(cls):
             if f.name not in values or f.name == "schema":
@@ -54,7 +57,7 @@ class Settings:
                 setattr(out, f.name, kind(text.strip()) if kind is not str else text)
             except ValueError:
                 what = "a whole number" if kind is int else "a number"
-                raise GenerationError(f"{label}: {text!r} is not {what}") from None
+                raise SettingsError(f"{label}: {text!r} is not {what}") from None
         out.params()
         return out
 
@@ -66,14 +69,14 @@ def _check_type(name: str, value: Any, kind: type) -> None:
     if kind is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if ok and not math.isfinite(value):
-            raise GenerationError(f"{label}: {value} is not a finite number")
+            raise SettingsError(f"{label}: {value} is not a finite number")
     if not ok:
         what = {str: "a text", int: "a whole number", float: "a number"}[kind]
-        raise GenerationError(f"{label}: {value!r} is not {what}")
+        raise SettingsError(f"{label}: {value!r} is not {what}")
 
 
 def settings_from_dict(data: Any) -> Settings:
-    """Settings read from the file; a field it lacks keeps its default. Raises GenerationError or ValueError."""
+    """Settings read from the file; a field it lacks keeps its default. Raises SettingsError or ValueError."""
     if not isinstance(data, dict):
         raise ValueError("it is not a JSON object")
     if data.get("schema") != SCHEMA or isinstance(data.get("schema"), bool):
@@ -98,7 +101,7 @@ def load_settings() -> tuple[Settings, str | None]:
         return Settings(), None
     try:
         return settings_from_dict(json.loads(path.read_text(encoding="utf-8"))), None
-    except (OSError, ValueError, RecursionError, GenerationError) as e:
+    except (OSError, ValueError, RecursionError, SettingsError) as e:
         why = "it is nested too deeply" if isinstance(e, RecursionError) else str(e)
         try:
             aside = set_aside(path)

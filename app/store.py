@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from tandem.app.conversation import SCHEMA, Conversation, Turn, conversation_from_dict, merge_turns, valid_id
-from tandem.runtime.errors import StoreError
+from tandem.kernels.errors import StoreError
 from tandem.runtime.paths import atomic_write_json, data_dir, folder_lock, remove_stale_temporaries, set_aside
 
 __all__ = ["SCHEMA", "Conversation", "ConversationStore", "Turn"]

@@ -34,7 +34,7 @@ from tandem.app.widgets import ChatMessage, Composer, ExpertHeatmap, StatusBar
 from tandem.app.wizard import WizardScreen, needs_tuning
 from tandem.autotune.microbench import Step
 from tandem.autotune.run import Tuned, autotune
-from tandem.runtime.errors import ResourceError, TandemError
+from tandem.kernels.errors import ResourceError, TandemError
 from tandem.runtime.sampling import SamplingParams
 
 REPAINT_S = 0.05

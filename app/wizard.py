@@ -16,7 +16,7 @@ from textual.widgets import Button, Label, ProgressBar, Static
 from tandem.autotune.microbench import Step
 from tandem.autotune.profile import save_profile
 from tandem.autotune.run import Tuned
-from tandem.runtime.errors import TandemError
+from tandem.kernels.errors import TandemError
 
 EXPLAIN = (
     "Tandem has not been tuned for this machine and model yet.\n\n"

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.runtime.errors import TandemError
+from tandem.kernels.errors import TandemError
 
 
 @dataclass(frozen=True)

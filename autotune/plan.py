@@ -15,8 +15,8 @@ import numpy as np
 
 from tandem.autotune.costs import Measurements
 from tandem.autotune.simulate import SimCosts, SimPolicy, SimResult, simulate, synthetic_trace
+from tandem.kernels.errors import TandemError
 from tandem.runtime.config import ModelConfig
-from tandem.runtime.errors import TandemError
 from tandem.runtime.expert_cache import Policy
 from tandem.runtime.trace import most_popular
 from tandem.runtime.weights import attention_tensors

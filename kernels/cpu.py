@@ -21,6 +21,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels.errors import KernelError
 from tandem.kernels.isa import masked_features
 from tandem.kernels.quant import GROUPS, QuantizedMatrix, quantize_int4, quantize_int8
 
@@ -192,6 +193,24 @@ def read_bandwidth_probe(buffer: torch.Tensor, threads: int) -> float:
     return lib.tk_read_sum(buffer.data_ptr(), buffer.numel(), threads)
 
 
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # expert weights the kernels read as stored
+
+
+def check_support(hidden: int, inter: int, compute_dtype: torch.dtype, quant: str | None = None, group: int = 64,
+                  weight_dtype: torch.dtype | None = None) -> None:
+    """What the CPU experts can run, said before anything is prepared: a `KernelError` naming what is not supported
+    (the loader calls this with the checkpoint's shapes and dtypes and the chosen options)."""
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise KernelError(f"experts compute in float32, bf16 or fp16, not {compute_dtype}")
+    if quant not in (None, *QUANT_KINDS):
+        raise KernelError(f"quantization must be one of {', '.join(QUANT_KINDS)} or None, not {quant!r}")
+    if quant == "int4" and (group not in GROUPS or hidden % group or inter % group):
+        raise KernelError(f"int4 groups must be one of {GROUPS} and divide the hidden size and expert width "
+                          f"({hidden}, {inter}), not {group!r}")
+    if weight_dtype is not None and weight_dtype not in WEIGHT_DTYPES:
+        raise KernelError(f"expert weights of dtype {weight_dtype} are not supported (float32, bf16 or fp16)")
+
+
 @dataclass(frozen=True)
 class CpuOptions:
     """How CPU experts run: thread count, kernel/torch crossover, opt-in weight-only quantization."""
@@ -280,13 +299,7 @@ class CpuExecutor:
         use_kernel: bool = True,
     ) -> None:
         self.hidden, self.inter = _check_size("hidden size", hidden), _check_size("expert width", inter)
-        if compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"experts compute in float32, bf16 or fp16, not {compute_dtype}")
-        if quant not in (None, *QUANT_KINDS):
-            raise ValueError(f"quantization must be one of {', '.join(QUANT_KINDS)} or None, not {quant!r}")
-        if quant == "int4" and (group not in GROUPS or hidden % group or inter % group):
-            raise ValueError(f"int4 groups must be one of {GROUPS} and divide the hidden size and expert width "
-                             f"({hidden}, {inter}), not {group!r}")
+        check_support(hidden, inter, compute_dtype, quant, group)
         if crossover is not None and not (isinstance(crossover, int) and crossover >= 0):
             raise ValueError(f"crossover must be a whole number of tokens, at least 0 (torch only), not {crossover!r}")
         self.dtype = compute_dtype
@@ -299,7 +312,7 @@ class CpuExecutor:
         self.crossover = crossover
         if isa is not None and isa not in self.isas:
             have = ", ".join(self.isas) or "none"
-            raise ValueError(f"kernel variant {isa!r} is not available here (available: {have})")
+            raise KernelError(f"kernel variant {isa!r} is not available here (available: {have})")
         self.forced_isa = isa
         self._isa_cache: dict[tuple[object, int, bool], str | None] = {}  # (kind, tokens, amx_layout) -> variant
         self._slots: list[_Slot] = []  # per expert of one call: buffers and arguments, grown on demand
@@ -330,8 +343,8 @@ class CpuExecutor:
             if amx:
                 mats = [m.blocked_layout() for m in mats]  # the layout the AMX kernels read
             return CpuExpert(*mats, self.quant, self, amx_layout=amx)
-        if gate.dtype not in KINDS:
-            raise ValueError(f"expert weights of dtype {gate.dtype} are not supported (float32, bf16 or fp16)")
+        if gate.dtype not in WEIGHT_DTYPES:
+            raise KernelError(f"expert weights of dtype {gate.dtype} are not supported (float32, bf16 or fp16)")
         gate, up, down = (w.contiguous() for w in (gate, up, down))  # memory-mapped weights already are
         return CpuExpert(gate, up, down, gate.dtype, self)
 
@@ -541,7 +554,7 @@ class DenseLinear:
         self.lib = library() if use_kernel else None
         if isa is not None and isa not in (available_isas() if self.lib is not None else ISAS):
             have = ", ".join(available_isas()) or "none"
-            raise ValueError(f"kernel variant {isa!r} is not available here (available: {have})")
+            raise KernelError(f"kernel variant {isa!r} is not available here (available: {have})")
         self.isa = -1 if isa is None else ISAS.index(isa)
         # bf16 results for more tokens than this: torch's matrix product. With AVX512_BF16 but no AMX, oneDNN's
         # is as fast at 4 tokens and faster beyond (the kernel measured 0.88x at 8 tokens, 0.78x at 16, 2048x2048

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tandem.runtime.errors import ResourceError
+from tandem.kernels.errors import ResourceError
 
 T = TypeVar("T")
 GIB = 1024**3

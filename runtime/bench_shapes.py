@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.runtime.errors import UnsupportedModelError
+from tandem.kernels.errors import UnsupportedModelError
 from tandem.runtime.synth import write_test_model
 
 SHAPES: dict[str, dict[str, Any]] = {

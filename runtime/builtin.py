@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from tandem.runtime.errors import CheckpointError
+from tandem.kernels.errors import CheckpointError
 from tandem.runtime.paths import cache_dir, ensure_folder
 
 RECIPE_VERSION = 2

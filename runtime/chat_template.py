@@ -28,7 +28,7 @@ from jinja2.nodes import EvalContext
 from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from tandem.runtime.errors import CheckpointError
+from tandem.kernels.errors import CheckpointError
 
 # A chat template is code from the model folder: it runs sandboxed and bounded. These bounds sit far above what
 # any real template builds (a few KB for a long conversation) and far below what would hang the app or fill memory.

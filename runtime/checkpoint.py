@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from tandem.kernels.cpu import WEIGHT_DTYPES
+from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 from tandem.runtime.config import ModelConfig, token_ids
-from tandem.runtime.errors import CheckpointError, UnsupportedModelError
 from tandem.runtime.families import FamilySpec, parse_config
 from tandem.runtime.paths import read_bounded
 from tandem.runtime.safetensors_mmap import SafetensorsFile
@@ -175,7 +176,6 @@ def _shard_name(index_path: Path, value: object) -> str:
 
 
 # The dtypes the CPU kernels and the accelerator take routed experts in, as they lie in the file.
-EXPERT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _validate(ckpt: Checkpoint) -> None:
@@ -226,7 +226,7 @@ def _validate_expert_dtypes(ckpt: Checkpoint) -> None:
                 "model.to(torch.bfloat16).save_pretrained(folder)"
             )
         (dtype,) = seen
-        if dtype not in EXPERT_DTYPES:
+        if dtype not in WEIGHT_DTYPES:  # what the kernels read as stored
             fp8 = " (8-bit float checkpoints with their scale tensors are not supported yet: use the bf16 release)" \
                 if dtype.itemsize == 1 else ""
             raise CheckpointError(

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tandem.runtime.errors import CheckpointError, UnsupportedModelError
+from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 
 QKNorm = Literal["none", "head", "full"]  # no q/k norm; RMSNorm per head (Qwen3); over the projection (OLMoE)
 

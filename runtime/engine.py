@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from tandem.runtime.errors import GenerationError
+from tandem.kernels.errors import GenerationError
 from tandem.runtime.model import MoEModel
 from tandem.runtime.sampling import SamplingParams, next_token
 

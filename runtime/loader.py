@@ -16,6 +16,7 @@ import psutil
 import torch
 
 from tandem.kernels.cpu import CpuOptions
+from tandem.kernels.errors import ResourceError, SettingsError
 from tandem.kernels.isa import mask_flags, masked_features
 from tandem.runtime.accelerator import make_accelerator
 from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
@@ -23,7 +24,6 @@ from tandem.runtime.config import ModelConfig
 from tandem.runtime.cpuinfo import proc_cpuinfo
 from tandem.runtime.dispatch import OffloadPolicy
 from tandem.runtime.engine import Engine
-from tandem.runtime.errors import GenerationError, ResourceError
 from tandem.runtime.model import KVCache, MoEModel, kept_dtypes
 from tandem.runtime.tokenizer import Tokenizer
 from tandem.runtime.trace import load_popularity, most_popular
@@ -74,9 +74,9 @@ def resolve_context(cfg: ModelConfig, requested: int | None) -> int:
     if requested is None:
         return min(limit, DEFAULT_CONTEXT)
     if requested < 2:
-        raise GenerationError("--context must be at least 2 tokens")
+        raise SettingsError("--context must be at least 2 tokens")
     if requested > limit:
-        raise GenerationError(f"--context {requested} exceeds what this model supports ({limit} tokens)")
+        raise SettingsError(f"--context {requested} exceeds what this model supports ({limit} tokens)")
     return requested
 
 
@@ -147,14 +147,14 @@ def load(
         policy = replace(policy or OffloadPolicy(), static=tuple(most_popular(counts, counts.size)))
     name = default_dtype(read_cpu_flags()) if dtype == "auto" else dtype
     if name not in DTYPES:
-        raise GenerationError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
+        raise SettingsError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
     torch_dtype = DTYPES[name]
     ctx = resolve_context(ckpt.config, context)
     cfg = ckpt.config
     widths = (cfg.hidden_size, cfg.moe_intermediate_size)
     if cpu is not None and cpu.quant == "int4" and any(w % cpu.group for w in widths):
         fits = [g for g in (32, 64, 128) if not any(w % g for w in widths)]
-        raise GenerationError(
+        raise SettingsError(
             f"int4 groups of {cpu.group} need the hidden size ({cfg.hidden_size}) and expert width "
             f"({cfg.moe_intermediate_size}) to be multiples of {cpu.group}; "
             + (f"use --quant-group {fits[0]}" if fits else "use --quant int8 for this model")

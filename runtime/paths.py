@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tandem.runtime.errors import StoreError
+from tandem.kernels.errors import StoreError
 
 try:  # a lock between processes; a platform without it saves unlocked (still atomically)
     import fcntl

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.runtime.errors import CheckpointError
+from tandem.kernels.errors import CheckpointError
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.runtime.errors import GenerationError
+from tandem.kernels.errors import GenerationError
 
 
 @dataclass(frozen=True)

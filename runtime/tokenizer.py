@@ -12,8 +12,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from tandem.kernels.errors import CheckpointError
 from tandem.runtime.chat_template import render
-from tandem.runtime.errors import CheckpointError
 from tandem.runtime.paths import read_bounded
 
 

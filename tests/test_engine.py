@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tandem.kernels.errors import GenerationError
 from tandem.runtime.engine import Engine, GenerationStats
-from tandem.runtime.errors import GenerationError
 from tandem.runtime.loader import load
 from tandem.runtime.sampling import SamplingParams
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.runtime.errors import GenerationError
+from tandem.kernels.errors import GenerationError
 from tandem.runtime.sampling import SamplingParams, next_token, process_logits
 
 

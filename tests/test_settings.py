@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tandem.app.settings import SCHEMA, Settings, load_settings, save_settings, settings_path
-from tandem.runtime.errors import GenerationError
+from tandem.kernels.errors import GenerationError, SettingsError
 from tandem.runtime.sampling import SamplingParams
 
 BAD_FILES = {
@@ -56,7 +56,7 @@ def test_whole_numbers_in_float_fields_are_fine() -> None:
                                          ("repetition_penalty", "-inf"), ("temperature", "1e400"),
                                          ("top_p", "infinity")])
 def test_the_form_refuses_non_finite_numbers(field: str, text: str) -> None:
-    with pytest.raises(GenerationError, match="is not a finite number"):
+    with pytest.raises(SettingsError, match="is not a finite number"):
         Settings.from_strings({field: text})
 
 
@@ -66,7 +66,7 @@ def test_the_form_refuses_non_finite_numbers(field: str, text: str) -> None:
                                                   ("max_new_tokens", "0", "at least 1"),
                                                   ("temperature", "", "not a number")])
 def test_the_form_refuses_wrong_values(field: str, text: str, message: str) -> None:
-    with pytest.raises(GenerationError, match=message):
+    with pytest.raises(SettingsError, match=message):
         Settings.from_strings({field: text})
 
 

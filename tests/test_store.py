@@ -13,8 +13,8 @@ import pytest
 
 from tandem.app.conversation import merge_turns
 from tandem.app.store import SCHEMA, Conversation, ConversationStore, Turn
+from tandem.kernels.errors import StoreError, TandemError
 from tandem.runtime import paths
-from tandem.runtime.errors import StoreError, TandemError
 
 ROOT = Path(__file__).resolve().parent.parent
 

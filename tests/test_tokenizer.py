@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.runtime.errors import CheckpointError
+from tandem.kernels.errors import CheckpointError
 from tandem.runtime.tokenizer import StreamDecoder, Tokenizer
 
 TEXTS = ["Hello! How can I help you today?", "Café, naïve, 東京 — ok", "def add(a, b):\n    return a + b"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.runtime.errors import CheckpointError
+from tandem.kernels.errors import CheckpointError
 from tandem.runtime.tokenizer import Tokenizer
 
 CHAT = [{"role": "user", "content": "Hi there"}]

@@ -16,7 +16,7 @@ from tandem.app.store import Conversation, ConversationStore, Turn
 from tandem.app.tui import TandemApp
 from tandem.app.widgets import ChatMessage, ExpertHeatmap, StatusBar
 from tandem.autotune.microbench import Step
-from tandem.runtime.errors import CheckpointError, ResourceError
+from tandem.kernels.errors import CheckpointError, ResourceError
 from tandem.runtime.loader import load
 from tandem.runtime.sampling import SamplingParams
 
@@ -574,7 +574,7 @@ async def test_a_tuning_run_keeps_its_model_even_after_its_wizard_is_closed(tand
 
 
 async def test_an_answer_that_fails_says_so_and_leaves_loading_alone() -> None:
-    from tandem.runtime.errors import GenerationError
+    from tandem.kernels.errors import GenerationError
 
     release = threading.Event()
 

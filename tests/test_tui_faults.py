@@ -15,7 +15,7 @@ from tandem.app import store as store_module
 from tandem.app.store import ConversationStore, Turn
 from tandem.app.tui import TandemApp
 from tandem.app.widgets import ChatMessage, StatusBar
-from tandem.runtime.errors import GenerationError
+from tandem.kernels.errors import GenerationError
 from tandem.runtime.sampling import SamplingParams
 from tests.test_tui import FakeBackend, ask, ask_and_wait, press, wait_for_screen, wait_until
 

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 from tandem.runtime.config import ModelConfig, check_config, clean_raw
-from tandem.runtime.errors import CheckpointError, UnsupportedModelError
 
 
 @dataclass(frozen=True)

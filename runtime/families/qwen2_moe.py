@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem.kernels.errors import UnsupportedModelError
 from tandem.runtime.config import ModelConfig, decoder_fields, require, sparse_layer_pattern
-from tandem.runtime.errors import UnsupportedModelError
 from tandem.runtime.families import FamilySpec
 
 

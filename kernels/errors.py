@@ -1,4 +1,4 @@
-"""The one exception hierarchy of Tandem.
+"""The one exception hierarchy of Tandem, on the lowest floor so that every floor raises it.
 
 Every error a user can cause (a bad path, a broken checkpoint, a prompt that is too long) is a
 `TandemError` whose message says what is wrong and how to fix it. The CLI prints it as
@@ -26,6 +26,16 @@ class ResourceError(TandemError):
 
 class GenerationError(TandemError):
     """A generation request that cannot be served (e.g. the prompt exceeds the context)."""
+
+
+class SettingsError(TandemError):
+    """A setting that cannot work here: a flag's value against the model or machine, a profile's value, a field of
+    the chat app's settings form."""
+
+
+class KernelError(TandemError, ValueError):
+    """The CPU kernels cannot run what was asked (a weight kind, quantization, group size or variant they do not
+    support). Also a ValueError: callers of the kernel API that check arguments catch that."""
 
 
 class StoreError(TandemError):
