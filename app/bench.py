@@ -17,20 +17,18 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from itertools import chain, cycle, repeat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from tandem.autotune.configure import load_model
 from tandem.kernels.errors import TandemError
 from tandem.runtime.cpuinfo import proc_cpuinfo
 from tandem.runtime.engine import Engine, GenerationStats
-from tandem.runtime.loader import LoadedModel, load
+from tandem.runtime.loader import LoadedModel
 from tandem.runtime.model import MoEModel
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.synth import ASSETS
-
-if TYPE_CHECKING:
-    from tandem.kernels.cpu import CpuOptions
 
 
 def _timed(fn: Callable[[int], None], n: int) -> float:
@@ -102,10 +100,10 @@ def bench_offload(
     accelerator holding `expert_fraction` of all experts; decode speed of each against CPU only."""
     import tempfile
 
-    from tandem.runtime.dispatch import OffloadPolicy, Strategy
+    from tandem.runtime.dispatch import Strategy
     from tandem.runtime.expert_cache import Policy
 
-    base = load(model_dir, dtype=dtype, context=prompt_tokens + max(new_tokens, calibration_tokens) + 8)
+    base = load_model(model_dir, dtype=dtype, context=prompt_tokens + max(new_tokens, calibration_tokens) + 8)
     cfg = base.model.cfg
     text = (ASSETS / "tokenizer_corpus.txt").read_text(encoding="utf-8")
     ids = base.tokenizer.encode(text)
@@ -123,8 +121,8 @@ def bench_offload(
         trace = f"{tmp}/calibration.npz"
         decode(cpu_engine, calibration, new_tokens)
         base.model.experts.recorder.save(trace, model=str(model_dir))
-        probe = load(model_dir, dtype=dtype, context=base.model.context, accelerator="emulated", vram_gb=1024,
-                     policy=OffloadPolicy(cache_ways=0))
+        probe = load_model(model_dir, dtype=dtype, context=base.model.context, accelerator="emulated", vram_gb=1024,
+                           cache_ways=0)
         fixed, item = probe.model.accel.used, probe.model.dtype.itemsize
         probe.model.close()
         expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * item
@@ -132,17 +130,17 @@ def bench_offload(
         def budget(n: int) -> float:
             return (fixed + n * expert_bytes + expert_bytes // 2) * 50 / 49 / 1024**3
 
-        setups: dict[str, tuple[OffloadPolicy, str | None, int]] = {
-            p.value: (OffloadPolicy(Strategy.CPU, cache_policy=p), None, slots) for p in Policy
+        setups: dict[str, tuple[dict[str, Any], str | None, int]] = {  # (settings, placement trace, slots)
+            p.value: ({"strategy": Strategy.CPU, "cache_policy": p}, None, slots) for p in Policy
         }
-        setups["static-popular"] = (OffloadPolicy(Strategy.CPU), trace, slots)
+        setups["static-popular"] = ({"strategy": Strategy.CPU}, trace, slots)
         # every expert on the CPU, but through the accelerator tier: the cost of the orchestration itself
-        setups["no-slots"] = (OffloadPolicy(Strategy.CPU), None, 0)
+        setups["no-slots"] = ({"strategy": Strategy.CPU}, None, 0)
         rows = []
         cpu_rates = []
-        for name, (policy, placement, n_slots) in setups.items():
-            loaded = load(model_dir, dtype=dtype, context=base.model.context, accelerator="emulated",
-                          vram_gb=budget(n_slots), policy=policy, placement=placement)
+        for name, (settings, placement, n_slots) in setups.items():
+            loaded = load_model(model_dir, dtype=dtype, context=base.model.context, accelerator="emulated",
+                                vram_gb=budget(n_slots), placement=placement, **settings)
             rate = decode(Engine(loaded.model, ()), prompt, new_tokens)
             cpu_rates.append(decode(cpu_engine, prompt, new_tokens))  # alternate with the CPU-only run
             stats = loaded.model.experts.request_stats()
@@ -178,11 +176,9 @@ def bench_quant(model_dir: str, new_tokens: int = 64, prompt_tokens: int = 16, g
     """Quality of int8/int4 CPU experts against the unquantized model (same dtype), teacher-forced:
     the unquantized greedy continuation is fed to every variant one token at a time (the decode path),
     and at each step the logits are compared and the greedy choices checked for agreement."""
-    from tandem.kernels.cpu import CpuOptions
-
-    variants = {"none": CpuOptions(), "int8": CpuOptions(quant="int8"),
-                "int4": CpuOptions(quant="int4", group=group)}
-    models = {name: load(model_dir, cpu=opts) for name, opts in variants.items()}
+    variants: dict[str, dict[str, Any]] = {"none": {}, "int8": {"quant": "int8"},
+                                           "int4": {"quant": "int4", "quant_group": group}}
+    models = {name: load_model(model_dir, **settings) for name, settings in variants.items()}
     base = models["none"]
     text = (ASSETS / "tokenizer_corpus.txt").read_text(encoding="utf-8")
     prompt = base.tokenizer.encode(text)[:prompt_tokens]
@@ -211,25 +207,25 @@ NUMERICS_CHUNKS = (1, 1, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 17)
 NUMERICS_MARGIN = 0.01  # every bf16 path agrees with fp32 at least as often as the best one, minus one point
 
 
-def numerics_paths() -> dict[str, CpuOptions]:
+def numerics_paths() -> dict[str, dict[str, Any]]:
     """The bf16 paths this CPU (as masked) can take: the kernels' own choice and each variant forced (`--kernel-isa`),
     which the contract covers, and torch alone (what runs where the kernels could not be built), which it does
-    not: its logits are torch's bf16 results, rounded."""
-    from tandem.kernels.cpu import CpuOptions, available_isas
+    not: its logits are torch's bf16 results, rounded. Each path: the load settings that take it."""
+    from tandem.kernels.cpu import available_isas
 
-    return {"auto": CpuOptions(), **{f"isa={isa}": CpuOptions(isa=isa) for isa in available_isas()},
-            "torch": CpuOptions(use_kernel=False)}
+    return {"auto": {}, **{f"isa={isa}": {"kernel_isa": isa} for isa in available_isas()},
+            "torch": {"use_kernel": False}}
 
 
 NUMERICS_OUTSIDE = ("torch",)  # paths measured but not held to the contract (see numerics_paths)
 
 
-def numerics_top1(model_dir: str | Path, dtype: str, opts: CpuOptions, tokens: int) -> torch.Tensor:
+def numerics_top1(model_dir: str | Path, dtype: str, settings: dict[str, Any], tokens: int) -> torch.Tensor:
     """The top-1 token at each of the first `tokens` positions of the bundled texts, teacher-forced in
     NUMERICS_CHUNKS."""
     text = "".join((ASSETS / name).read_text(encoding="utf-8") for name in ("tokenizer_corpus.txt",
                                                                              "bench_prompts.txt"))
-    loaded = load(model_dir, dtype=dtype, context=tokens + 1, cpu=opts)
+    loaded = load_model(model_dir, dtype=dtype, context=tokens + 1, **settings)
     try:
         ids = loaded.tokenizer.encode(text)[:tokens]
         if len(ids) < tokens:
@@ -249,7 +245,6 @@ def bench_numerics(model_dir: str | Path, tokens: int = 1024, paths: list[str] |
     feature mask this CPU can play (kernels.isa.masks_to_play), each in a child process with torch capped too,
     against the same fp32 tokens. `reference`: those fp32 top-1 tokens, given (how the children get them) instead
     of measured. Result: "cpus" maps the mask of each run ("" for the CPU as the process found it) to its paths."""
-    from tandem.kernels.cpu import CpuOptions
     from tandem.kernels.isa import ENV, masked_features, masks_to_play, present_features
 
     def say(message: str) -> None:
@@ -259,7 +254,7 @@ def bench_numerics(model_dir: str | Path, tokens: int = 1024, paths: list[str] |
     options = numerics_paths()
     if reference is None:
         say(f"fp32: {tokens} tokens")
-        ref = numerics_top1(model_dir, "fp32", CpuOptions(), tokens)
+        ref = numerics_top1(model_dir, "fp32", {}, tokens)
     else:
         ref = torch.tensor(reference)
     playing = os.environ.get(ENV, "")

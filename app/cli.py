@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.app import flags
 from tandem.app.output import (
@@ -25,188 +25,121 @@ from tandem.app.prompt_input import prompt_text
 from tandem.kernels.errors import OutputError, TandemError, UsageError
 from tandem.runtime.paths import read_bounded
 
+if TYPE_CHECKING:
+    from tandem.autotune.configure import Configured
+    from tandem.runtime.loader import LoadedModel
+    from tandem.runtime.options import Request
+
 EXIT_USAGE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = flags.ArgumentParser(prog="tandem", description="Run Mixture-of-Experts language models locally.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add = flags.declare  # each flag's type, default and help live once, in flags.FLAGS
 
     gen = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
-    gen.add_argument("--model", type=flags.path, default=None,
-                     help="Hugging Face model folder (config.json + *.safetensors); default: the built-in model")
+    add(gen, "--model")
     gen.add_argument("text", nargs="?", help="the prompt text (or --prompt); - reads it from standard input")
-    gen.add_argument("-p", "--prompt", default=None, help="the prompt text")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--max-new-tokens", type=flags.whole(0), default=256)
-    gen.add_argument("--temperature", type=flags.real(0), default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=flags.whole(0), default=0, help="0 = off")
-    gen.add_argument("--top-p", type=flags.real(0, 1, low_open=True), default=1.0, help="1 = off")
-    gen.add_argument("--repetition-penalty", type=flags.real(0, low_open=True), default=1.0, help="1 = off")
-    gen.add_argument("--seed", type=flags.seed, default=None)
-    gen.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
-                     help="compute dtype (auto: bf16 where the CPU has native bf16, else fp32)")
-    gen.add_argument("--context", type=flags.whole(2), default=None,
-                     help="context length to allocate (default: min(model, 4096))")
-    gen.add_argument("--force", action="store_true", help="load even if the RAM estimate says it will not fit")
-    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    gen.add_argument("--beams", type=flags.whole(1), default=1, help="beam search width (1 = off)")
-    gen.add_argument("--record-trace", type=flags.path, metavar="FILE",
-                     help="save the expert activation trace to exactly FILE (numpy .npz format, whatever the name)")
-    add_runtime_args(gen)
+    add(gen, "--prompt", "--chat", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--repetition-penalty",
+        "--seed")
+    add_load_args(gen)
+    add(gen, "--json", help="print one JSON object instead of streaming text")
+    add(gen, "--beams", "--record-trace")
     gen.set_defaults(func=_generate)
 
     probe = sub.add_parser("probe", help="show what hardware was found (CPU ISA and cores, RAM, GPUs, PCIe)")
-    probe.add_argument("--json", action="store_true", help="print the findings as JSON")
-    probe.add_argument("--record", type=flags.path, metavar="FILE",
-                       help="also save the raw readings (e.g. for a bug report)")
-    probe.add_argument("--from", dest="source", type=flags.path, metavar="FILE",
-                       help="read recorded readings instead of this machine")
+    add(probe, "--json", help="print the findings as JSON")
+    add(probe, "--record", "--from")
     probe.set_defaults(func=_probe)
 
     chat = sub.add_parser("chat", help="the chat app (terminal UI)")
     chat.add_argument("model", nargs="?", type=flags.path, default=None,
                       help="model folder (default: the built-in model)")
-    chat.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
-    chat.add_argument("--context", type=flags.whole(2), default=None)
-    chat.add_argument("--force", action="store_true")
-    chat.add_argument("--models-dir", action="append", default=[], metavar="DIR",
-                      help="a folder of model folders for the picker (Ctrl+O); repeatable (default: ~/models)")
-    add_runtime_args(chat)
+    add_load_args(chat)
+    add(chat, "--models-dir")
     chat.set_defaults(func=_chat)
 
     tune = sub.add_parser("autotune", help="measure this machine on a model and save the best plan as a profile")
-    tune.add_argument("--model", type=flags.path, help="model folder to tune for (default: the built-in model)")
-    tune.add_argument("--quick", action="store_true", help="fewer measurements (about 15 s)")
-    tune.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
-    tune.add_argument("--json", action="store_true")
+    add(tune, "--model", help="model folder to tune for (default: the built-in model)")
+    add(tune, "--quick", help="fewer measurements (about 15 s)")
+    add(tune, "--dtype", "--json")
     tune.set_defaults(func=_autotune)
 
     plan = sub.add_parser("plan", help="plan for hardware described in a JSON file, without running anything")
-    plan.add_argument("--hardware", type=flags.path, required=True, metavar="HW.json",
-                      help="see the README for the schema")
-    plan.add_argument("--model", type=flags.path, required=True, help="model folder or its config.json")
-    plan.add_argument("--trace", type=flags.path,
-                      help="a routing trace recorded with --record-trace (default: synthetic)")
-    plan.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    plan.add_argument("--json", action="store_true")
+    add(plan, "--hardware")
+    add(plan, "--model", required=True, help="model folder or its config.json")
+    add(plan, "--trace", "--json")
+    add(plan, "--dtype", choices=["bf16", "fp32"], default="bf16")
     plan.set_defaults(func=_plan)
 
     bench = sub.add_parser("bench", help="benchmarks (print JSON)")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     decode = bench_sub.add_parser("decode", help="decode tokens/s, optionally against transformers")
-    decode.add_argument("--model", type=flags.path, default=None, help="default: the built-in model")
-    decode.add_argument("--prompt-tokens", type=flags.whole(1), default=32)
-    decode.add_argument("--new-tokens", type=flags.whole(1), default=64)
-    decode.add_argument("--repeats", type=flags.whole(1), default=3)
-    decode.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
-    decode.add_argument("--context", type=flags.whole(2), default=None)
-    decode.add_argument("--force", action="store_true")
-    decode.add_argument("--peer", choices=["transformers"], default=None)
-    add_runtime_args(decode)
+    add(decode, "--model", "--prompt-tokens", "--new-tokens", "--repeats", "--peer")
+    add_load_args(decode)
     decode.set_defaults(func=_bench_decode)
+
     offload = bench_sub.add_parser("offload", help="cache policies and static placement on the emulated accelerator")
-    offload.add_argument("--model", type=flags.path, required=True)
-    offload.add_argument("--expert-fraction", type=flags.real(0, 1, low_open=True), default=0.25,
-                         help="share of all experts that fit")
-    offload.add_argument("--prompt-tokens", type=flags.whole(1), default=32)
-    offload.add_argument("--new-tokens", type=flags.whole(1), default=64)
-    offload.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
+    add(offload, "--model", required=True)
+    add(offload, "--expert-fraction", "--prompt-tokens", "--new-tokens", "--dtype")
     offload.set_defaults(func=_bench_offload)
 
     e2e = bench_sub.add_parser("e2e", help="Fiddler's scenarios end to end, optionally beside transformers")
-    e2e.add_argument("--model", type=flags.path, default=None, help="default: the built-in model")
-    e2e.add_argument("--scenario", choices=["decode", "prefill", "beam", "all"], default="all")
-    e2e.add_argument("--quick", action="store_true", help="a few points per scenario (minutes, not hours)")
-    e2e.add_argument("--peer", choices=["transformers"], default=None)
-    e2e.add_argument("--peer-process", choices=["auto", "same", "child"], default="auto",
-                     help="where the peer runs: beside Tandem, alternating (when both copies fit in RAM), or in a "
-                          "child process after Tandem's rows (auto: the first that fits)")
-    e2e.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    e2e.add_argument("--plot", metavar="FILE.png", help="draw the results (needs matplotlib)")
-    e2e.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
-    e2e.add_argument("--context", type=flags.whole(2), default=None)
-    e2e.add_argument("--force", action="store_true")
-    add_runtime_args(e2e)
+    add(e2e, "--model", "--scenario")
+    add(e2e, "--quick", help="a few points per scenario (minutes, not hours)")
+    add(e2e, "--peer", "--peer-process")
+    add(e2e, "--json", action="store", metavar="FILE", help="write the results as JSON")
+    add(e2e, "--plot")
+    add_load_args(e2e)
     e2e.set_defaults(func=_bench_e2e)
 
     val = bench_sub.add_parser("plan", help="the planner and simulator against real runs (regret, prediction error)")
-    val.add_argument("--model", type=flags.path, required=True)
-    val.add_argument("--expert-fraction", type=flags.real(0, 1, low_open=True), default=0.25)
-    val.add_argument("--tokens", type=flags.whole(1), default=32)
-    val.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
+    add(val, "--model", required=True)
+    add(val, "--expert-fraction", "--dtype")
+    add(val, "--tokens", type=flags.whole(1), default=32, help="tokens to decode")
     val.set_defaults(func=_bench_plan)
 
     kern = bench_sub.add_parser("kernels", help="CPU expert kernels against the DRAM roofline, beside torch")
-    kern.add_argument("--shapes", default="mixtral,qwen3,olmoe,deepseek")
-    kern.add_argument("--dtypes", default="bf16,fp16,fp32,int8,int4")
-    kern.add_argument("--tokens", default="1,2,4,8,16,64,256")
-    kern.add_argument("--threads", type=flags.threads, default=None)
-    kern.add_argument("--json", action="store_true", help="print the rows as JSON")
+    add(kern, "--shapes", "--dtypes")
+    add(kern, "--tokens", type=str, default="1,2,4,8,16,64,256", help="token counts per call (a comma list)")
+    add(kern, "--threads")
+    add(kern, "--json", help="print the rows as JSON")
     kern.set_defaults(func=_bench_kernels)
 
     quant = bench_sub.add_parser("quant", help="int8/int4 CPU experts: logits drift and greedy agreement")
-    quant.add_argument("--model", type=flags.path, required=True)
-    quant.add_argument("--new-tokens", type=flags.whole(1), default=64)
-    quant.add_argument("--quant-group", type=int, choices=[32, 64, 128], default=64)
+    add(quant, "--model", required=True)
+    add(quant, "--new-tokens")
+    add(quant, "--quant-group", default=64)
     quant.set_defaults(func=_bench_quant)
 
     num = bench_sub.add_parser("numerics", help="bf16 paths against fp32: top-1 agreement, teacher-forced")
-    num.add_argument("--model", type=flags.path, default=None, help="model folder (default: the built-in model)")
-    num.add_argument("--tokens", type=flags.whole(1), default=1024, help="tokens of the bundled texts to feed")
-    num.add_argument("--paths", default=None, help="comma list of paths (default: every one this CPU can take)")
-    num.add_argument("--masks", action="store_true",
-                     help="then every path again as each CPU with fewer features this one can play")
-    num.add_argument("--reference", default=None, help=argparse.SUPPRESS)  # fp32 top-1 tokens (JSON), for --masks
+    add(num, "--model")
+    add(num, "--tokens", type=flags.whole(1), default=1024, help="tokens of the bundled texts to feed")
+    add(num, "--paths", "--masks", "--reference")
     num.set_defaults(func=_bench_numerics)
 
     mbm = sub.add_parser("make-bench-model", help="write a random-weight checkpoint with a real model's shapes")
-    mbm.add_argument("--shape", required=True, help="mixtral, qwen3-30b-a3b, olmoe (deepseek-v2-lite: not yet)")
-    mbm.add_argument("--layers", type=flags.whole(1), default=None, help="fewer layers than the real model")
-    mbm.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    mbm.add_argument("--out", required=True)
+    add(mbm, "--shape", "--layers")
+    add(mbm, "--dtype", choices=["bf16", "fp32"], default="bf16")
+    add(mbm, "--out")
     mbm.set_defaults(func=_make_bench_model)
 
     synth = sub.add_parser("make-test-model", help="write a small random-weight checkpoint (for trying things out)")
-    synth.add_argument("--family", default="mixtral", help="model_type: mixtral, qwen2_moe, qwen3_moe, olmoe")
-    synth.add_argument("--out", required=True, help="folder to create")
-    synth.add_argument("--seed", type=flags.seed, default=0)
+    add(synth, "--family", "--out")
+    add(synth, "--seed", default=0)
     synth.set_defaults(func=_make_test_model)
     return parser
 
 
-def add_runtime_args(p: argparse.ArgumentParser) -> None:
-    """Where experts run: the accelerator tier, the strategy, the expert cache and static placement."""
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    """The settings of a model load: the runtime's own, where experts run, and the CPU experts."""
+    flags.declare(p, "--dtype", "--context", "--force", "--show-config", "--no-profile")
     g = p.add_argument_group("accelerator and expert placement")
-    g.add_argument("--accelerator", choices=["auto", "none", "cuda", "emulated"], default="auto",
-                   help="auto: CUDA when usable, else CPU only; emulated: the CPU plays a GPU (needs --vram-gb)")
-    g.add_argument("--vram-gb", type=flags.real(0, flags.MAX_VRAM_GB, low_open=True), default=None,
-                   help=f"accelerator memory budget in GB, at most {flags.MAX_VRAM_GB:g} (caps CUDA)")
-    g.add_argument("--strategy", choices=["fiddler", "cpu", "fetch"], default=None,
-                   help="fiddler: per-expert choice by latency; cpu: never copy weights; fetch: always copy")
-    g.add_argument("--cache-ways", type=flags.whole(0), default=None,
-                   help="ways per index of the expert cache (0: no cache, only static placement)")
-    g.add_argument("--cache-policy", choices=["lru", "fifo", "lfu", "trace"], default=None, help="default: lru")
-    g.add_argument("--max-inflight", type=flags.whole(1), default=4, help="background expert copies in flight at most")
-    g.add_argument("--placement", type=flags.path, metavar="FILE",
-                   help="pin the most popular experts of a recorded trace")
-    g.add_argument("--cost", type=flags.cost, metavar="A,B,GPU,T",
-                   help="latency model in ms: cpu_lat(s)=A+B*s, gpu_lat, transfer_lat (default: from sizes)")
+    flags.declare(g, "--accelerator", "--vram-gb", "--strategy", "--cache-ways", "--cache-policy", "--max-inflight",
+                  "--placement", "--cost")
     c = p.add_argument_group("CPU experts")
-    c.add_argument("--threads", type=flags.threads, default=None, help="threads for CPU experts (default: all cores)")
-    c.add_argument("--quant", choices=["none", "int8", "int4"], default="none",
-                   help="weight-only quantization of CPU experts, done at load (opt-in)")
-    c.add_argument("--quant-group", type=int, choices=[32, 64, 128], default=64, help="int4 group size")
-    c.add_argument("--kernel-crossover", type=flags.whole(0), default=None,
-                   help="up to this many tokens per expert use the compiled kernel; more use torch "
-                        "(default: 16 with AMX, else 8)")
-    c.add_argument("--resident", action=argparse.BooleanOptionalAction, default=None,
-                   help="read the experts into RAM at load instead of streaming them from the memory-mapped files "
-                        "(faster decode, a longer load; default: when they fit in 70%% of the available RAM)")
-    c.add_argument("--kernel-isa", choices=["auto", "base", "avx2", "avx512", "avx512bf16", "amx"], default="auto",
-                   help="force a kernel variant (auto: the best this CPU supports)")
-    p.add_argument("--no-profile", action="store_true",
-                   help="ignore this machine's tuning profile (flags given explicitly always win over it)")
+    flags.declare(c, "--threads", "--quant", "--quant-group", "--kernel-crossover", "--resident", "--kernel-isa")
 
 
 def resolve_model(path: str | None) -> str:
@@ -233,67 +166,48 @@ def _note(text: str) -> None:
     print(f"note: {text}", file=sys.stderr)
 
 
-def load_from_args(args: argparse.Namespace, batch: int = 1, notify: Callable[[str], None] = _note,
-                   progress: Callable[[str, float], None] | None = _progress):
-    """Load the model the arguments describe (a profile fills what they leave open). -> LoadedModel"""
-    from tandem.kernels.cpu import CpuOptions, available_isas
-    from tandem.kernels.errors import TandemError as Err
-    from tandem.runtime.cost import CostModel
-    from tandem.runtime.dispatch import OffloadPolicy, Strategy
+def request_from_args(args: argparse.Namespace, batch: int = 1) -> Request:
+    """The load settings the flags give (None where a flag was not given: the profile or the default decides)."""
+    from tandem.runtime.dispatch import Strategy
     from tandem.runtime.expert_cache import Policy
-    from tandem.runtime.loader import load
+    from tandem.runtime.options import Request
+
+    return Request(
+        model=args.model, dtype=args.dtype, context=args.context, batch=batch,
+        force=args.force, accelerator=args.accelerator, vram_gb=args.vram_gb,
+        strategy=None if args.strategy is None else Strategy(args.strategy), cache_ways=args.cache_ways,
+        cache_policy=None if args.cache_policy is None else Policy(args.cache_policy),
+        max_inflight=args.max_inflight, cost=args.cost, threads=args.threads, crossover=args.kernel_crossover,
+        quant=args.quant, quant_group=args.quant_group, kernel_isa=args.kernel_isa, resident=args.resident,
+    )
+
+
+def configure_from_args(args: argparse.Namespace, batch: int = 1, notify: Callable[[str], None] = _note
+                        ) -> Configured:
+    """Resolve the flags for their model (the built-in one when none is given): flags over this machine's profile
+    over the defaults, the checkpoint opened once."""
+    from tandem.autotune.configure import configure
 
     args.model = resolve_model(args.model)
-    cost: CostModel | None = args.cost  # read and checked with the flags (flags.cost)
-    if not args.no_profile:
-        apply_profile(args, notify)
-    policy = OffloadPolicy(Strategy(args.strategy or "fiddler"), args.cache_ways, Policy(args.cache_policy or "lru"),
-                           static=tuple(tuple(k) for k in getattr(args, "static_experts", ())),
-                           max_inflight=args.max_inflight, cost=cost)
-    isa = None if args.kernel_isa == "auto" else args.kernel_isa
-    if isa is not None and isa not in available_isas():
-        raise Err(f"--kernel-isa {isa} is not available on this machine (available: {', '.join(available_isas())})")
-    limit = flags.cpu_threads_available()
-    if args.threads is not None and not 1 <= args.threads <= limit:  # a profile's count: the flag's own is checked
-        raise Err(f"--threads must be between 1 and {limit}, the number of CPU threads this machine has "
-                  f"(the profile says {args.threads}; run tandem autotune again)")
-    cpu = CpuOptions(args.threads, args.kernel_crossover, None if args.quant == "none" else args.quant,
-                     args.quant_group, isa, resident=args.resident)
-    return load(args.model, dtype=args.dtype, context=args.context, force=args.force, accelerator=args.accelerator,
-                vram_gb=args.vram_gb, policy=policy, batch=batch, placement=args.placement, cpu=cpu,
-                progress=progress)
+    return configure(request_from_args(args, batch), placement=args.placement, use_profile=not args.no_profile,
+                     notify=notify)
 
 
-def apply_profile(args: argparse.Namespace, notify: Callable[[str], None]) -> None:
-    """Fill the settings the user did not give from this machine's profile for this model (if any)."""
-    from tandem.autotune.plan import Plan
-    from tandem.autotune.probe import probe
-    from tandem.autotune.profile import find_profile, model_fingerprint
-    from tandem.kernels.cpu import available_isas
-    from tandem.runtime.checkpoint import open_checkpoint
-    from tandem.runtime.loader import default_dtype, read_cpu_flags
+def load_from_args(args: argparse.Namespace, batch: int = 1, notify: Callable[[str], None] = _note,
+                   progress: Callable[[str, float], None] | None = _progress) -> LoadedModel:
+    """Load the model the arguments describe (a profile fills what they leave open)."""
+    from tandem.runtime.loader import load
 
-    ckpt = open_checkpoint(args.model)
-    dtype = default_dtype(read_cpu_flags()) if args.dtype == "auto" else args.dtype
-    found = find_profile(probe().fingerprint(), model_fingerprint(ckpt.raw_config, dtype))
-    if found.notice:
-        notify(found.notice)
-    if found.profile is None:
-        return
-    plan = Plan.from_dict(found.profile.plan)
-    if args.threads is None:
-        args.threads = plan.threads
-    if args.kernel_crossover is None and plan.crossover:
-        args.kernel_crossover = plan.crossover
-    if args.kernel_isa == "auto" and plan.kernel_isa in available_isas():
-        args.kernel_isa = plan.kernel_isa
-    if plan.accelerator:
-        args.strategy = args.strategy or plan.strategy
-        args.cache_policy = args.cache_policy or plan.cache_policy
-        if args.cache_ways is None and plan.cache_ways:
-            args.cache_ways = plan.cache_ways
-        if args.placement is None:
-            args.static_experts = found.profile.plan.get("static", [])
+    configured = configure_from_args(args, batch, notify)
+    return load(configured.options, configured.checkpoint, progress)
+
+
+def _show_config(args: argparse.Namespace) -> int:
+    """--show-config: the settings a load would run with, and where each came from; nothing is loaded."""
+    options = configure_from_args(args, batch=getattr(args, "beams", 1)).options
+    print(json.dumps(options.to_dict(), indent=1) if getattr(args, "json", False) is True else
+          "\n".join(options.describe()))
+    return 0
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -639,9 +553,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return EXIT_USAGE
         # the chat app owns the terminal (and its own output) while it runs
-        with nullcontext() if args.command == "chat" else guarded_stdout():
+        with nullcontext() if args.command == "chat" and not args.show_config else guarded_stdout():
             _apply_cpu_mask()
-            return args.func(args)
+            return _show_config(args) if getattr(args, "show_config", False) else args.func(args)
     except PipeClosed:
         silence_stdout()
         return EXIT_PIPE_CLOSED

@@ -143,3 +143,125 @@ def whole_list(low: int, high: int) -> Callable[[str], tuple[int, ...]]:
 
     parse.__name__ = "list of whole numbers"
     return parse
+
+
+DTYPE_CHOICES = ["auto", "bf16", "fp32"]
+
+# Every flag of every command, declared once: (names, argparse keywords). A command lists the flags it takes
+# (`declare`), overriding a keyword only where its meaning differs (a required --model, --tokens counting other
+# things). Defaults that the profile may fill are None: "not given" must be told apart from a value.
+FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
+    # the model and the prompt
+    "--model": (("--model",), dict(type=path, default=None,
+                                   help="Hugging Face model folder (config.json + *.safetensors); default: the "
+                                        "built-in model")),
+    "--prompt": (("-p", "--prompt"), dict(default=None, help="the prompt text")),
+    "--chat": (("--chat",), dict(action="store_true", help="wrap the prompt in the model's chat template")),
+    "--models-dir": (("--models-dir",), dict(action="append", default=[], metavar="DIR",
+                                             help="a folder of model folders for the picker (Ctrl+O); repeatable "
+                                                  "(default: ~/models)")),
+    # sampling
+    "--max-new-tokens": (("--max-new-tokens",), dict(type=whole(0), default=256)),
+    "--temperature": (("--temperature",), dict(type=real(0), default=0.0, help="0 = greedy (default)")),
+    "--top-k": (("--top-k",), dict(type=whole(0), default=0, help="0 = off")),
+    "--top-p": (("--top-p",), dict(type=real(0, 1, low_open=True), default=1.0, help="1 = off")),
+    "--repetition-penalty": (("--repetition-penalty",), dict(type=real(0, low_open=True), default=1.0,
+                                                             help="1 = off")),
+    "--seed": (("--seed",), dict(type=seed, default=None)),
+    "--beams": (("--beams",), dict(type=whole(1), default=1, help="beam search width (1 = off)")),
+    # the load
+    "--dtype": (("--dtype",), dict(choices=DTYPE_CHOICES, default="auto",
+                                   help="compute dtype (auto: bf16 where the CPU has native bf16, else fp32)")),
+    "--context": (("--context",), dict(type=whole(2), default=None,
+                                       help="context length to allocate (default: min(model, 4096))")),
+    "--force": (("--force",), dict(action="store_true", help="load even if the RAM estimate says it will not fit")),
+    "--show-config": (("--show-config",), dict(action="store_true",
+                                               help="print the settings this would run with (and where each comes "
+                                                    "from: flag, profile, default or this machine), then stop")),
+    "--no-profile": (("--no-profile",), dict(action="store_true",
+                                             help="ignore this machine's tuning profile (flags given explicitly always "
+                                                  "win over it)")),
+    "--accelerator": (("--accelerator",), dict(choices=["auto", "none", "cuda", "emulated"], default=None,
+                                               help="auto (default): CUDA when usable, else CPU only; emulated: the "
+                                                    "CPU plays a GPU (needs --vram-gb)")),
+    "--vram-gb": (("--vram-gb",), dict(type=real(0, MAX_VRAM_GB, low_open=True), default=None,
+                                       help=f"accelerator memory budget in GB, at most {MAX_VRAM_GB:g} (caps CUDA)")),
+    "--strategy": (("--strategy",), dict(choices=["fiddler", "cpu", "fetch"], default=None,
+                                         help="fiddler: per-expert choice by latency; cpu: never copy weights; "
+                                              "fetch: always copy")),
+    "--cache-ways": (("--cache-ways",), dict(type=whole(0), default=None,
+                                             help="ways per index of the expert cache (0: no cache, only static "
+                                                  "placement)")),
+    "--cache-policy": (("--cache-policy",), dict(choices=["lru", "fifo", "lfu", "trace"], default=None,
+                                                 help="default: lru")),
+    "--max-inflight": (("--max-inflight",), dict(type=whole(1), default=None,
+                                                 help="background expert copies in flight at most (default: 4)")),
+    "--placement": (("--placement",), dict(type=path, metavar="FILE",
+                                           help="pin the most popular experts of a recorded trace")),
+    "--cost": (("--cost",), dict(type=cost, metavar="A,B,GPU,T",
+                                 help="latency model in ms: cpu_lat(s)=A+B*s, gpu_lat, transfer_lat (default: from "
+                                      "sizes)")),
+    "--threads": (("--threads",), dict(type=threads, default=None,
+                                       help="threads for CPU experts (default: all cores)")),
+    "--quant": (("--quant",), dict(choices=["none", "int8", "int4"], default=None,
+                                   help="weight-only quantization of CPU experts, done at load (opt-in)")),
+    "--quant-group": (("--quant-group",), dict(type=int, choices=[32, 64, 128], default=None,
+                                               help="int4 group size (default: 64)")),
+    "--kernel-crossover": (("--kernel-crossover",), dict(type=whole(0), default=None,
+                                                         help="up to this many tokens per expert use the compiled "
+                                                              "kernel; more use torch (default: 16 with AMX, else 8)")),
+    "--resident": (("--resident",), dict(action=argparse.BooleanOptionalAction, default=None,
+                                         help="read the experts into RAM at load instead of streaming them from the "
+                                              "memory-mapped files (faster decode, a longer load; default: when they "
+                                              "fit in 70%% of the available RAM)")),
+    "--kernel-isa": (("--kernel-isa",), dict(choices=["auto", "base", "avx2", "avx512", "avx512bf16", "amx"],
+                                             default=None,
+                                             help="force a kernel variant (auto, the default: the best this CPU "
+                                                  "supports)")),
+    # outputs and inputs
+    "--json": (("--json",), dict(action="store_true", help="print JSON")),
+    "--record-trace": (("--record-trace",), dict(type=path, metavar="FILE",
+                                                 help="save the expert activation trace to exactly FILE (numpy .npz "
+                                                      "format, whatever the name)")),
+    "--record": (("--record",), dict(type=path, metavar="FILE",
+                                     help="also save the raw readings (e.g. for a bug report)")),
+    "--from": (("--from",), dict(dest="source", type=path, metavar="FILE",
+                                 help="read recorded readings instead of this machine")),
+    "--hardware": (("--hardware",), dict(type=path, required=True, metavar="HW.json",
+                                         help="see the README for the schema")),
+    "--trace": (("--trace",), dict(type=path, help="a routing trace recorded with --record-trace (default: "
+                                                   "synthetic)")),
+    "--out": (("--out",), dict(required=True, help="folder to create")),
+    "--plot": (("--plot",), dict(metavar="FILE.png", help="draw the results (needs matplotlib)")),
+    # benchmarks and tools
+    "--quick": (("--quick",), dict(action="store_true", help="fewer measurements")),
+    "--prompt-tokens": (("--prompt-tokens",), dict(type=whole(1), default=32)),
+    "--new-tokens": (("--new-tokens",), dict(type=whole(1), default=64)),
+    "--tokens": (("--tokens",), dict(type=whole(1))),
+    "--repeats": (("--repeats",), dict(type=whole(1), default=3)),
+    "--peer": (("--peer",), dict(choices=["transformers"], default=None)),
+    "--peer-process": (("--peer-process",), dict(choices=["auto", "same", "child"], default="auto",
+                                                 help="where the peer runs: beside Tandem, alternating (when both "
+                                                      "copies fit in RAM), or in a child process after Tandem's rows "
+                                                      "(auto: the first that fits)")),
+    "--scenario": (("--scenario",), dict(choices=["decode", "prefill", "beam", "all"], default="all")),
+    "--expert-fraction": (("--expert-fraction",), dict(type=real(0, 1, low_open=True), default=0.25,
+                                                       help="share of all experts that fit")),
+    "--shapes": (("--shapes",), dict(default="mixtral,qwen3,olmoe,deepseek")),
+    "--dtypes": (("--dtypes",), dict(default="bf16,fp16,fp32,int8,int4")),
+    "--paths": (("--paths",), dict(default=None,
+                                   help="comma list of paths (default: every one this CPU can take)")),
+    "--masks": (("--masks",), dict(action="store_true",
+                                   help="then every path again as each CPU with fewer features this one can play")),
+    "--reference": (("--reference",), dict(default=None, help=argparse.SUPPRESS)),  # fp32 top-1 tokens, for --masks
+    "--shape": (("--shape",), dict(required=True, help="mixtral, qwen3-30b-a3b, olmoe (deepseek-v2-lite: not yet)")),
+    "--layers": (("--layers",), dict(type=whole(1), default=None, help="fewer layers than the real model")),
+    "--family": (("--family",), dict(default="mixtral", help="model_type: mixtral, qwen2_moe, qwen3_moe, olmoe")),
+}
+
+
+def declare(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *names: str, **overrides: object) -> None:
+    """Add the flags `names` from FLAGS; `overrides` change keywords of each (used with one name)."""
+    for name in names:
+        aliases, keywords = FLAGS[name]
+        parser.add_argument(*aliases, **(keywords | overrides))  # type: ignore[arg-type]

@@ -10,13 +10,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tandem.autotune.configure import configure
 from tandem.autotune.microbench import Step, microbench
 from tandem.autotune.plan import ModelShape, Plan, PlanResult, evaluate, make_plan
 from tandem.autotune.probe import HardwareInfo, probe
 from tandem.autotune.profile import Profile, model_fingerprint, profiles_dir, save_profile
-from tandem.runtime.checkpoint import open_checkpoint
+from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
 from tandem.runtime.engine import Engine, GenerationStats
-from tandem.runtime.loader import DTYPES, LoadedModel, default_dtype, load
+from tandem.runtime.loader import LoadedModel, load
+from tandem.runtime.options import DTYPES, Dtype, Request, default_dtype
 from tandem.runtime.paths import ensure_folder
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.trace import most_popular
@@ -32,15 +34,18 @@ class Tuned:
     path: Path | None  # where it was saved (None: not saved yet)
 
 
-def record_trace(model_dir: str | Path, dtype: str, tokens: int = 32, loaded: LoadedModel | None = None
-                 ) -> tuple[np.ndarray, float, int]:
+def record_trace(model_dir: str | Path, dtype: Dtype, tokens: int = 32, loaded: LoadedModel | None = None,
+                 checkpoint: Checkpoint | None = None) -> tuple[np.ndarray, float, int]:
     """Decode `tokens` tokens CPU-only (default settings): the routing sequence `[steps, layers, top_k]`,
     the measured decode ms per token and the thread count it ran with (to calibrate the simulator).
     `loaded`: this folder already in memory (the chat app's model), decoded with instead of a second copy,
-    which might not fit beside it, when it runs CPU-only and unquantized."""
+    which might not fit beside it, when it runs CPU-only and unquantized; `checkpoint`: the folder, open."""
     if loaded is None or loaded.model.accel is not None or loaded.model.experts.executor.quant:
-        context = min(512, open_checkpoint(model_dir).config.max_position_embeddings)
-        loaded = load(model_dir, dtype=dtype, context=context)
+        ckpt = checkpoint or open_checkpoint(model_dir)
+        request = Request(model=model_dir, dtype=dtype, accelerator="none",
+                          context=min(512, ckpt.config.max_position_embeddings))
+        configured = configure(request, use_profile=False, checkpoint=ckpt)
+        loaded = load(configured.options, ckpt)
     prompt = loaded.tokenizer.encode(CALIBRATION_PROMPT)
     stats = GenerationStats()
     engine = Engine(loaded.model, ())  # no EOS: always the full count
@@ -62,7 +67,8 @@ def autotune(model_dir: str | Path, dtype: str = "auto", quick: bool = False,
     ckpt = open_checkpoint(model_dir)
     shape = ModelShape.from_config(ckpt.config, torch.empty((), dtype=DTYPES[name]).element_size())
     meas = microbench(shape, hw, DTYPES[name], quick=quick, progress=progress)
-    recorded, measured_ms, threads = record_trace(model_dir, name, tokens=16 if quick else 32, loaded=loaded)
+    recorded, measured_ms, threads = record_trace(model_dir, name, tokens=16 if quick else 32, loaded=loaded,
+                                                  checkpoint=ckpt)
     if trace is None or len(trace) == 0:
         trace = recorded
     # Calibrate: what one real CPU-only decode took per token beyond what the layer model explains.

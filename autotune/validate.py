@@ -15,26 +15,26 @@ from typing import Any
 import numpy as np
 import torch
 
+from tandem.autotune.configure import load_model
 from tandem.autotune.costs import Measurements
 from tandem.autotune.microbench import microbench
 from tandem.autotune.plan import ModelShape, Plan, evaluate, make_plan
 from tandem.autotune.probe import probe
 from tandem.autotune.run import record_trace
-from tandem.kernels.cpu import CpuOptions
 from tandem.runtime.checkpoint import open_checkpoint
-from tandem.runtime.dispatch import OffloadPolicy, Strategy
+from tandem.runtime.dispatch import Strategy
 from tandem.runtime.engine import Engine, GenerationStats
 from tandem.runtime.expert_cache import Policy
-from tandem.runtime.loader import DTYPES, default_dtype, load
 from tandem.runtime.moe import ExpertWeights
+from tandem.runtime.options import DTYPES, default_dtype
 from tandem.runtime.sampling import SamplingParams
 
 PROMPT = "Tell me about the history of the printing press and why it mattered."
 
 
 def measure(model_dir: str | Path, dtype: str, tokens: int, **kwargs: Any) -> float:
-    """Real decode ms/token for one configuration (best of two runs)."""
-    loaded = load(model_dir, dtype=dtype, context=256, **kwargs)
+    """Real decode ms/token for one configuration, given as load settings (best of two runs)."""
+    loaded = load_model(model_dir, dtype=dtype, context=256, **kwargs)
     engine = Engine(loaded.model, ())
     prompt = loaded.tokenizer.encode(PROMPT)
     best = float("inf")
@@ -96,7 +96,7 @@ def validate(model_dir: str | Path, expert_fraction: float = 0.25, tokens: int =
     for t in sorted(meas.cpu):
         plan = Plan(t)
         predicted = evaluate(plan, shape, meas, trace).token_ms
-        measured = measure(model_dir, name, tokens, cpu=CpuOptions(threads=t))
+        measured = measure(model_dir, name, tokens, threads=t)
         cpu_rows.append({"config": {"threads": t}, "predicted_ms": round(predicted, 3),
                          "measured_ms": round(measured, 3)})
     cpu_plan = make_plan(shape, meas, trace).plan
@@ -106,17 +106,15 @@ def validate(model_dir: str | Path, expert_fraction: float = 0.25, tokens: int =
     slots = max(1, round(expert_fraction * len(shape.moe_layers) * shape.num_experts))
     emu = Measurements(**{**meas.__dict__, "gpu_expert_ms": run_ms, "copy_expert_ms": copy_ms,
                           "vram_for_experts": slots * shape.expert_bytes, "shared_device": True})
-    probe_load = load(model_dir, dtype=name, context=256, accelerator="emulated", vram_gb=64,
-                      policy=OffloadPolicy(cache_ways=0))
+    probe_load = load_model(model_dir, dtype=name, context=256, accelerator="emulated", vram_gb=64, cache_ways=0)
     fixed = probe_load.model.accel.used
     probe_load.model.close()
     def budget(n: int) -> float:
         return (fixed + n * shape.expert_bytes + shape.expert_bytes // 2) * 50 / 49 / 2**30
 
     # Calibrate the activation round trip: every expert on the CPU, but through the emulated device.
-    cpu_opts = CpuOptions(threads=cpu_plan.threads)
-    no_slots = measure(model_dir, name, tokens, accelerator="emulated", vram_gb=budget(0),
-                       policy=OffloadPolicy(Strategy.CPU), cpu=cpu_opts)
+    no_slots = measure(model_dir, name, tokens, accelerator="emulated", vram_gb=budget(0), strategy=Strategy.CPU,
+                       threads=cpu_plan.threads)
     emu.ship_ms = 0.0
     base = evaluate(Plan(cpu_plan.threads, True, "cpu"), shape, emu, trace).token_ms
     emu.ship_ms = max(0.0, no_slots - base) / max(1, len(shape.moe_layers))
@@ -127,8 +125,8 @@ def validate(model_dir: str | Path, expert_fraction: float = 0.25, tokens: int =
         indexes = min(len(shape.moe_layers), slots // ways)
         for policy in Policy:
             plan = Plan(cpu_plan.threads, True, "cpu", indexes, ways, policy.value)
-            ms = measure(model_dir, name, tokens, accelerator="emulated", vram_gb=vram_gb,
-                         policy=OffloadPolicy(Strategy.CPU, ways, policy), cpu=cpu_opts)
+            ms = measure(model_dir, name, tokens, accelerator="emulated", vram_gb=vram_gb, strategy=Strategy.CPU,
+                         cache_ways=ways, cache_policy=policy, threads=cpu_plan.threads)
             emu_rows.append({"config": {"ways": ways, "policy": policy.value},
                              "predicted_ms": round(evaluate(plan, shape, emu, trace).token_ms, 3),
                              "measured_ms": round(ms, 3)})

@@ -119,10 +119,9 @@ def test_plan_with_recorded_trace_and_bad_files(tmp_path: Path, mixtral_dir: Pat
 def test_calibration_decodes_with_the_model_already_in_memory(mixtral_dir: Path, monkeypatch) -> None:
     # Inside the chat app the model is loaded already; a second copy might not fit beside it.
     from tandem.autotune import run
-    from tandem.kernels.cpu import CpuOptions
-    from tandem.runtime.loader import load
+    from tandem.autotune.configure import load_model
 
-    loaded = load(mixtral_dir, dtype="fp32", context=64)
+    loaded = load_model(mixtral_dir, dtype="fp32", context=64)
 
     def no_second_copy(*args, **kwargs):
         raise AssertionError("loaded the model a second time")
@@ -131,7 +130,7 @@ def test_calibration_decodes_with_the_model_already_in_memory(mixtral_dir: Path,
     trace, ms, threads = run.record_trace(mixtral_dir, "fp32", tokens=4, loaded=loaded)
     assert len(trace) >= 3 and trace.shape[1] == loaded.model.cfg.num_layers and ms > 0
     assert threads == loaded.model.experts.executor.threads
-    quantized = load(mixtral_dir, dtype="fp32", context=64, cpu=CpuOptions(quant="int8"))
+    quantized = load_model(mixtral_dir, dtype="fp32", context=64, quant="int8")
     with pytest.raises(AssertionError, match="second time"):  # not what the calibration assumes: loads its own
         run.record_trace(mixtral_dir, "fp32", tokens=4, loaded=quantized)
 

@@ -12,9 +12,11 @@ import torch
 from safetensors.torch import save_file
 
 from tandem.app.cli import main
+from tandem.autotune.configure import load_model
 from tandem.kernels.errors import CheckpointError, ResourceError
-from tandem.runtime import loader
-from tandem.runtime.loader import MemoryEstimate, check_memory, load
+from tandem.runtime import memory
+from tandem.runtime.checkpoint import open_checkpoint
+from tandem.runtime.memory import MemoryEstimate, check_memory
 from tandem.runtime.safetensors_mmap import SafetensorsFile
 from tests.conftest import copy_checkpoint, edit_config
 
@@ -105,7 +107,7 @@ def test_trust_remote_code_is_refused(mixtral_dir: Path, tmp_path: Path, capsys)
 
 
 def test_not_enough_ram_is_refused_with_numbers(mixtral_dir: Path, monkeypatch, capsys) -> None:
-    monkeypatch.setattr(loader, "available_ram", lambda: 1024)
+    monkeypatch.setattr(memory, "available_ram", lambda: 1024)
     err = expect_error(capsys, mixtral_dir, "not enough RAM", "GiB", "--force")
     assert "KV cache" in err
     # --force overrides the estimate
@@ -126,9 +128,9 @@ def test_memory_check_is_pure() -> None:
 
 
 def test_estimate_counts_kv_cache_for_context(mixtral_dir: Path) -> None:
-    ckpt = loader.open_checkpoint(mixtral_dir)
-    small = loader.estimate_memory(ckpt, torch.float32, 64)
-    large = loader.estimate_memory(ckpt, torch.float32, 512)
+    ckpt = open_checkpoint(mixtral_dir)
+    small = memory.estimate_memory(ckpt, torch.float32, 64)
+    large = memory.estimate_memory(ckpt, torch.float32, 512)
     assert large.kv_cache == 8 * small.kv_cache and large.weights == small.weights
 
 
@@ -175,4 +177,4 @@ def test_bad_dtype_weights_rejected(tmp_path: Path, mixtral_dir: Path) -> None:
     tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(CheckpointError, match="floating-point"):
-        load(folder)
+        load_model(folder)

@@ -10,15 +10,14 @@ import pytest
 
 from tandem.app.bench_e2e import bench_e2e, peer_fits_beside, plot
 from tandem.app.cli import main
-from tandem.kernels.cpu import CpuOptions
+from tandem.autotune.configure import load_model
 from tandem.kernels.errors import TandemError
-from tandem.runtime.loader import load
 
 GRID = {"decode": [(16, 8)], "prefill": [(64, 1)], "beam": [(8, 6, 3)]}
 
 
 def test_rows_for_every_scenario_with_the_peer(mixtral_dir: Path) -> None:
-    loaded = load(mixtral_dir, dtype="fp32", context=128)
+    loaded = load_model(mixtral_dir, dtype="fp32", context=128)
     result = bench_e2e(loaded, ["decode", "prefill", "beam"], peer="transformers", grid=GRID)
     assert set(result) >= {"machine", "plan", "rows"}
     rows = {r["scenario"]: r for r in result["rows"]}
@@ -35,7 +34,7 @@ def test_bytes_per_token_count_the_experts_as_stored(mixtral_dir: Path) -> None:
     # the roofline's numerator: quantized experts are read as int8 (plus scales), not in the compute dtype
     per_token, expert = {}, {}
     for quant in (None, "int8"):
-        loaded = load(mixtral_dir, dtype="fp32", context=64, cpu=CpuOptions(quant=quant))
+        loaded = load_model(mixtral_dir, dtype="fp32", context=64, quant=quant)
         per_token[quant] = bench_e2e(loaded, ["decode"], grid={"decode": [(8, 4)]})["rows"][0]["bytes_per_token"]
         expert[quant] = next(iter(loaded.model.experts.cpu_experts.values()))[0].nbytes
     cfg = loaded.model.cfg
@@ -44,7 +43,7 @@ def test_bytes_per_token_count_the_experts_as_stored(mixtral_dir: Path) -> None:
 
 
 def test_the_peer_runs_in_a_child_process_when_both_copies_would_not_fit(mixtral_dir: Path) -> None:
-    loaded = load(mixtral_dir, dtype="fp32", context=128)
+    loaded = load_model(mixtral_dir, dtype="fp32", context=128)
     same = bench_e2e(loaded, ["decode", "beam"], peer="transformers", grid=GRID, peer_process="same")
     child = bench_e2e(loaded, ["decode", "beam"], peer="transformers", grid=GRID, peer_process="child")
     assert same["peer"] == "same process, alternating" and child["peer"] == "child process, after Tandem"

@@ -11,10 +11,10 @@ import torch
 
 from tandem.app.bench import NUMERICS_OUTSIDE, bench_numerics, numerics_paths
 from tandem.app.cli import main
+from tandem.autotune.configure import load_model
 from tandem.kernels.isa import ENV, masked_features, masks_to_play, present_features
 from tandem.runtime import builtin
 from tandem.runtime.cpuinfo import proc_cpuinfo
-from tandem.runtime.loader import load
 from tandem.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow  # ~40 s: one build, one dense reference, a few generations (still run in CI)
@@ -50,7 +50,7 @@ def test_greedy_equals_the_dense_model_from_the_same_gguf(built: Path) -> None:
     # the built-in model stores bf16 weights: round the dense model's the same way, compute both in fp32
     dense = dense.to(torch.bfloat16).to(torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-    ours = load(built, dtype="fp32", context=256)
+    ours = load_model(built, dtype="fp32", context=256)
     for text in PROMPTS:
         ids = ours.tokenizer.encode(text)
         assert ids == tok.encode(text)
@@ -66,7 +66,7 @@ def test_greedy_equals_the_dense_model_from_the_same_gguf(built: Path) -> None:
 
 
 def test_routing_depends_on_the_token(built: Path) -> None:
-    ours = load(built, dtype="bf16", context=128)
+    ours = load_model(built, dtype="bf16", context=128)
     list(ours.engine.generate(ours.tokenizer.encode(PROMPTS[2]), SamplingParams(max_new_tokens=8)))
     used = (ours.model.experts.recorder.prefill + ours.model.experts.recorder.decode) > 0  # [layers, experts]
     assert used.sum(1).min() >= 3  # every layer spread its tokens over several of its 8 experts

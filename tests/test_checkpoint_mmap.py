@@ -9,18 +9,19 @@ from pathlib import Path
 
 import torch
 
+from tandem.autotune.configure import load_model
 from tandem.kernels.cpu import CpuOptions
-from tandem.runtime import loader
+from tandem.runtime import memory
 from tandem.runtime.checkpoint import open_checkpoint
-from tandem.runtime.loader import RESIDENT_SHARE, estimate_memory, load, resident_fits, resolve_context
+from tandem.runtime.memory import RESIDENT_SHARE, estimate_memory, resident_fits
+from tandem.runtime.options import resolve_context
 from tandem.runtime.synth import tiny_config, write_test_model
 
 _MEASURE = """
 import json, resource, sys
-from tandem.kernels.cpu import CpuOptions
-from tandem.runtime.loader import load
+from tandem.autotune.configure import load_model
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-loaded = load(sys.argv[1], dtype="bf16", cpu=CpuOptions(resident=False))  # the path for models that do not fit
+loaded = load_model(sys.argv[1], dtype="bf16", resident=False)  # the path for models that do not fit
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"growth_kib": after - before, "file_bytes": loaded.checkpoint.file_bytes}))
 """
@@ -55,16 +56,16 @@ def test_expert_weights_are_views_of_the_file_unless_they_fit_in_ram(tmp_path: P
         assert all(inside) or not any(inside)
         return all(inside)
 
-    assert experts_in_map(load(folder, dtype="fp32", cpu=CpuOptions(resident=False)))  # views: not copies
-    copied = load(folder, dtype="fp32")  # nobody asked, and a tiny model fits: read into RAM
+    assert experts_in_map(load_model(folder, dtype="fp32", resident=False))  # views: not copies
+    copied = load_model(folder, dtype="fp32")  # nobody asked, and a tiny model fits: read into RAM
     assert not experts_in_map(copied) and copied.model.experts.describe()["cpu"]["resident"]
     assert all(w.data_ptr() % 64 == 0 for w in (copied.model.layers[0].ffn.experts[3].gate,))
     # too little RAM to spare: the memory map, although the model alone would fit
     context = resolve_context(ckpt.config, None)
     with_copies = estimate_memory(ckpt, torch.float32, context, cpu=CpuOptions(resident=True)).total
-    monkeypatch.setattr(loader, "available_ram", lambda: int(with_copies / RESIDENT_SHARE) - 1)
-    assert not resident_fits(with_copies, loader.available_ram())
-    assert experts_in_map(load(folder, dtype="fp32"))
+    monkeypatch.setattr(memory, "available_ram", lambda: int(with_copies / RESIDENT_SHARE) - 1)
+    assert not resident_fits(with_copies, memory.available_ram())
+    assert experts_in_map(load_model(folder, dtype="fp32"))
 
 
 def test_synthetic_writer_matches_transformers_layout(tmp_path: Path) -> None:
@@ -78,7 +79,7 @@ def test_synthetic_writer_matches_transformers_layout(tmp_path: Path) -> None:
     ids = torch.arange(1, 11)[None]
     with torch.no_grad():
         expected = ref(ids).logits
-    got = load(folder, dtype="fp32").model.forward(ids, 0)
+    got = load_model(folder, dtype="fp32").model.forward(ids, 0)
     assert (got - expected).abs().max().item() <= 1e-4
 
 

@@ -7,15 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from tandem.autotune.configure import load_model
 from tandem.kernels.errors import GenerationError
 from tandem.runtime.engine import Engine, GenerationStats
-from tandem.runtime.loader import load
 from tandem.runtime.sampling import SamplingParams
 
 
 @pytest.fixture
 def engine(mixtral_dir: Path) -> Engine:
-    return load(mixtral_dir, dtype="fp32", context=64).engine
+    return load_model(mixtral_dir, dtype="fp32", context=64).engine
 
 
 def test_stream_is_a_generator_of_ids(engine: Engine) -> None:
@@ -39,7 +39,7 @@ def test_greedy_decode_equals_recomputing_from_scratch(engine: Engine) -> None:
 
 
 def test_stops_on_eos(mixtral_dir: Path) -> None:
-    loaded = load(mixtral_dir, dtype="fp32", context=64)
+    loaded = load_model(mixtral_dir, dtype="fp32", context=64)
     greedy = list(loaded.engine.generate([10, 20, 30], SamplingParams(max_new_tokens=6)))
     stop_at = greedy[3]
     engine = Engine(loaded.model, {stop_at})
@@ -76,12 +76,12 @@ def test_seeded_sampling_reproduces(engine: Engine) -> None:
 def test_resident_weights_give_the_same_tokens_and_are_counted(mixtral_dir: Path) -> None:
     from tandem.kernels.cpu import CpuOptions
     from tandem.runtime.checkpoint import open_checkpoint
-    from tandem.runtime.loader import estimate_memory
+    from tandem.runtime.memory import estimate_memory
 
     prompt = [5, 9, 13, 2, 7]
     params = SamplingParams(max_new_tokens=12)
-    mapped = load(mixtral_dir, dtype="bf16", context=64, cpu=CpuOptions(resident=False))
-    resident = load(mixtral_dir, dtype="bf16", context=64, cpu=CpuOptions(resident=True))
+    mapped = load_model(mixtral_dir, dtype="bf16", context=64, resident=False)
+    resident = load_model(mixtral_dir, dtype="bf16", context=64, resident=True)
     assert list(resident.engine.generate(prompt, params)) == list(mapped.engine.generate(prompt, params))
     expert = resident.model.experts.cpu_experts[0][0]
     source = resident.checkpoint.tensor("model.layers.0.block_sparse_moe.experts.0.w1.weight")
@@ -130,7 +130,7 @@ def reference_beam_search(engine: Engine, prompt: list[int], beams: int, steps: 
 def test_beam_search_equals_recomputing_every_hypothesis(mixtral_dir: Path, eos: set[int]) -> None:
     # Beams move between KV cache rows (a row keeps its first continuation, others are copied in): the result
     # must be what searching without any cache gives.
-    loaded = load(mixtral_dir, dtype="fp32", context=64, batch=4)
+    loaded = load_model(mixtral_dir, dtype="fp32", context=64, batch=4)
     prompt = [3, 14, 15, 92]
     got = list(Engine(loaded.model, eos).generate(prompt, SamplingParams(max_new_tokens=8, beams=4)))
     assert got == reference_beam_search(loaded.engine, prompt, 4, 8, eos)
@@ -141,15 +141,15 @@ def test_float32_compute_keeps_bf16_matrices_as_stored(tmp_path: Path) -> None:
     # (half the bytes to stream and hold), the rest (norms, dense MLPs) is converted, and the RAM estimate agrees.
     from tandem.kernels.cpu import CpuOptions, library
     from tandem.runtime.checkpoint import open_checkpoint
-    from tandem.runtime.loader import estimate_memory
+    from tandem.runtime.memory import estimate_memory
     from tandem.runtime.synth import tiny_config, write_test_model
 
     if library() is None:
         pytest.skip("the compiled kernels are not built on this machine")
     folder = write_test_model(tmp_path / "m", tiny_config("qwen2_moe", hidden_size=64, num_hidden_layers=3,
                                                           decoder_sparse_step=2), dtype=torch.bfloat16)
-    kept = load(folder, dtype="fp32", context=64)
-    converted = load(folder, dtype="fp32", context=64, cpu=CpuOptions(use_kernel=False))
+    kept = load_model(folder, dtype="fp32", context=64)
+    converted = load_model(folder, dtype="fp32", context=64, use_kernel=False)
     model = kept.model
     assert model.lm_head.dtype == model.embed.dtype == model.layers[0].attn.qkv.dtype == torch.bfloat16
     assert model.layers[1].ffn.router.dtype == torch.bfloat16 and model.layers[0].input_norm.dtype == torch.float32

@@ -22,7 +22,7 @@ from tandem.kernels.isa import (
     torch_isa_environment,
 )
 from tandem.runtime.cpuinfo import proc_cpuinfo
-from tandem.runtime.loader import default_dtype, read_cpu_flags
+from tandem.runtime.options import Machine, default_dtype
 
 pytestmark = pytest.mark.isa
 FIXTURES = Path(__file__).parent / "fixtures" / "hardware"
@@ -113,7 +113,7 @@ def test_the_kernels_default_dtype_and_crossover_follow_the_mask(cpu_features) -
     assert ex.crossover == cpu.DEFAULT_CROSSOVER and "avx512" not in ex.isas
     with pytest.raises(ValueError, match="not available"):
         cpu.CpuExecutor(64, 64, torch.bfloat16, isa="avx512")
-    flags = read_cpu_flags()
+    flags = Machine.here().cpu_flags
     assert flags is None or not any(f.startswith("avx512") or f.startswith("amx") for f in flags)
     cpu_features("-avx2")
     assert cpu.available_isas() == ["base"]

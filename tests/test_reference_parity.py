@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tandem.app.cli import main
-from tandem.runtime.loader import load
+from tandem.autotune.configure import load_model
 from tests.conftest import CASES
 
 pytestmark = pytest.mark.isa
@@ -28,7 +28,7 @@ def test_logits_match_transformers_prefill_and_decode(hf_checkpoints: dict[str, 
     from transformers import DynamicCache
 
     folder = hf_checkpoints[case]
-    ours = load(folder, dtype="fp32").model
+    ours = load_model(folder, dtype="fp32").model
     ref = _hf(folder)
     ids = torch.randint(0, ours.cfg.vocab_size, (1, 13), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -69,7 +69,7 @@ def test_greedy_generate_cli_matches_transformers(
 
 def test_chunked_prefill_matches_one_pass(mixtral_dir: Path) -> None:
     """A prompt fed in two chunks (cached prefix + several new tokens) gives the same logits."""
-    model = load(mixtral_dir, dtype="fp32").model
+    model = load_model(mixtral_dir, dtype="fp32").model
     ids = torch.randint(0, model.cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))
     whole = model.forward(ids, 0)
     first = model.forward(ids[:, :12], 0)
@@ -79,7 +79,7 @@ def test_chunked_prefill_matches_one_pass(mixtral_dir: Path) -> None:
 
 def test_bf16_runs_close_to_fp32(mixtral_dir: Path) -> None:
     ids = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(4))
-    fp32 = load(mixtral_dir, dtype="fp32").model.forward(ids, 0)
-    bf16 = load(mixtral_dir, dtype="bf16").model.forward(ids, 0)
+    fp32 = load_model(mixtral_dir, dtype="fp32").model.forward(ids, 0)
+    bf16 = load_model(mixtral_dir, dtype="bf16").model.forward(ids, 0)
     assert bf16.dtype == torch.float32
     assert (bf16 - fp32).abs().max().item() < 0.15 * fp32.abs().max().item()

@@ -15,9 +15,9 @@ from tandem.app.backend import RuntimeBackend, Usage
 from tandem.app.store import Conversation, ConversationStore, Turn
 from tandem.app.tui import TandemApp
 from tandem.app.widgets import ChatMessage, ExpertHeatmap, StatusBar
+from tandem.autotune.configure import load_model
 from tandem.autotune.microbench import Step
 from tandem.kernels.errors import CheckpointError, ResourceError
-from tandem.runtime.loader import load
 from tandem.runtime.sampling import SamplingParams
 
 
@@ -203,7 +203,7 @@ def test_heatmap_folds_128_experts() -> None:
 
 
 async def test_with_the_real_runtime(mixtral_dir: Path) -> None:
-    app = TandemApp(lambda _: RuntimeBackend(load(mixtral_dir, dtype="fp32", context=128)),
+    app = TandemApp(lambda _: RuntimeBackend(load_model(mixtral_dir, dtype="fp32", context=128)),
                     params=SamplingParams(max_new_tokens=8))
     async with app.run_test() as pilot:
         from textual.widgets import Button
@@ -345,10 +345,10 @@ async def test_first_run_wizard_tunes_and_saves_a_profile(tandem_home: Path) -> 
 
 
 def test_heatmap_marks_where_experts_ran(mixtral_dir: Path) -> None:
-    from tandem.runtime.dispatch import OffloadPolicy, Strategy
+    from tandem.runtime.dispatch import Strategy
 
-    loaded = load(mixtral_dir, dtype="fp32", context=64, accelerator="emulated", vram_gb=0.00079,
-                  policy=OffloadPolicy(Strategy.CPU))
+    loaded = load_model(mixtral_dir, dtype="fp32", context=64, accelerator="emulated", vram_gb=0.00079,
+                  strategy=Strategy.CPU)
     backend = RuntimeBackend(loaded)
     assert backend.placement.startswith("EMULATED:")
     "".join(backend.stream([{"role": "user", "content": "hello there"}], SamplingParams(max_new_tokens=12)))

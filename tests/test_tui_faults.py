@@ -213,9 +213,9 @@ async def test_another_windows_turns_come_in_when_this_one_saves() -> None:
 async def test_a_long_conversation_with_the_real_runtime_keeps_answering(mixtral_dir: Path) -> None:
     from tandem.app.backend import RuntimeBackend
     from tandem.app.wizard import WizardScreen
-    from tandem.runtime.loader import load
+    from tandem.autotune.configure import load_model
 
-    app = TandemApp(lambda _: RuntimeBackend(load(mixtral_dir, dtype="fp32", context=128)),
+    app = TandemApp(lambda _: RuntimeBackend(load_model(mixtral_dir, dtype="fp32", context=128)),
                     params=SamplingParams(max_new_tokens=8))
     async with app.run_test() as pilot:
         await wait_for_screen(pilot, app, WizardScreen, timeout=60)  # not tuned yet: offered; skipped

@@ -1,0 +1,78 @@
+"""Configure a load the one way every caller does (the CLI, the chat app, benchmarks, the tuner).
+
+Open the checkpoint once, probe the machine once, find this machine's profile for the model, read a placement
+trace, then `runtime.options.resolve` merges them: flags over the profile over the defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from tandem.autotune.plan import Plan
+from tandem.autotune.probe import HardwareInfo, probe
+from tandem.autotune.profile import find_profile, model_fingerprint
+from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
+from tandem.runtime.dispatch import Strategy
+from tandem.runtime.expert_cache import Policy
+from tandem.runtime.loader import LoadedModel, load
+from tandem.runtime.options import Machine, Options, Request, default_dtype, resolve
+from tandem.runtime.trace import load_popularity, most_popular
+
+
+@dataclass(frozen=True)
+class Configured:
+    options: Options
+    checkpoint: Checkpoint  # options.model, open: the loader reuses it
+
+
+def configure(request: Request, *, placement: str | None = None, use_profile: bool = True,
+              notify: Callable[[str], None] | None = None, hardware: HardwareInfo | None = None,
+              checkpoint: Checkpoint | None = None) -> Configured:
+    """Resolve `request` for its model on this machine. `placement`: a recorded trace whose most popular experts
+    are pinned on the accelerator (given, so it wins over a profile's); `use_profile`: fill what `request` leaves
+    open from this machine's profile (its notices go to `notify`); `hardware`, `checkpoint`: already probed, already
+    open (the checkpoint must be `request.model`'s)."""
+    if request.model is None:
+        raise ValueError("configure needs request.model (the CLI resolves the built-in model first)")
+    ckpt = checkpoint or open_checkpoint(request.model)
+    cfg = ckpt.config
+    if placement is not None:
+        counts = load_popularity(placement, cfg.num_layers, cfg.num_experts)
+        request = replace(request, static=tuple(most_popular(counts, counts.size)))
+    profile = None
+    if use_profile:
+        hw = hardware or probe()
+        machine = Machine.here(frozenset(hw.cpu.flags))
+        dtype = request.dtype or default_dtype(machine.cpu_flags)
+        found = find_profile(hw.fingerprint(), model_fingerprint(ckpt.raw_config, dtype))
+        if found.notice and notify is not None:
+            notify(found.notice)
+        if found.profile is not None:
+            profile = profile_request(found.profile.plan)
+    else:
+        machine = Machine.here(frozenset(hardware.cpu.flags) if hardware is not None else None)
+    return Configured(resolve(request, profile, ckpt, machine), ckpt)
+
+
+def load_model(model: str | Path, *, placement: str | None = None,
+               progress: Callable[[str, float], None] | None = None, **settings: Any) -> LoadedModel:
+    """Configure and load with `settings` (fields of `Request`) for a program that states what it depends on (a
+    benchmark, a test): no profile, and CPU only unless it asks for an accelerator."""
+    settings.setdefault("accelerator", "none")
+    configured = configure(Request(model=model, **settings), placement=placement, use_profile=False)
+    return load(configured.options, configured.checkpoint, progress)
+
+
+def profile_request(plan: dict[str, Any]) -> Request:
+    """What a saved plan decides, as the settings it fills: kernel and threads always, the accelerator's strategy,
+    cache and static experts only when the plan used one."""
+    p = Plan.from_dict(plan)
+    tuned = Request(threads=p.threads, crossover=p.crossover or None, kernel_isa=p.kernel_isa)  # type: ignore[arg-type]
+    if not p.accelerator:
+        return tuned
+    static = tuple((int(layer), int(e)) for layer, e in plan.get("static", []))
+    return replace(tuned, strategy=Strategy(p.strategy), cache_policy=Policy(p.cache_policy),
+                   cache_ways=p.cache_ways or None, static=static)

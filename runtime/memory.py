@@ -1,0 +1,75 @@
+"""What a load takes in RAM, and whether it fits.
+
+The estimate covers what is *not* memory-mapped: non-expert weights as they are kept, the KV cache for the chosen
+context, RoPE tables and logits, and the experts when they are read into RAM or quantized. Experts left in the
+memory map are paged by the OS and not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from tandem.kernels.cpu import CpuOptions
+from tandem.kernels.errors import ResourceError
+from tandem.runtime.checkpoint import Checkpoint
+from tandem.runtime.model import KVCache, kept_dtypes
+from tandem.runtime.weights import dense_tensors, expert_names
+
+GIB = 1024**3
+RESIDENT_SHARE = 0.7  # experts are read into RAM by default when everything then takes at most this share of it
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights: int
+    kv_cache: int
+    other: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.other
+
+
+def estimate_memory(
+    ckpt: Checkpoint, dtype: torch.dtype, context: int, batch: int = 1, cpu: CpuOptions | None = None
+) -> MemoryEstimate:
+    cfg = ckpt.config
+    item = torch.empty((), dtype=dtype).element_size()
+    kept = kept_dtypes(ckpt, dtype, cpu)  # as MoEModel.from_checkpoint keeps them
+    weights = sum(math.prod(s) * kept(name).itemsize for name, s in dense_tensors(cfg, ckpt.spec).items())
+    kv = KVCache.nbytes(cfg, batch, context, dtype)
+    rope = 2 * context * cfg.head_dim * item
+    logits = 4 * cfg.vocab_size * 4
+    first = next((i for i in range(cfg.num_layers) if cfg.sparse_layers[i]), None)
+    if first is not None:  # quantized or resident experts live in RAM, resident ones in the file's dtype
+        stored = ckpt.dtype(expert_names(ckpt.spec, first, 0)[0]).itemsize
+        in_ram = (cpu or CpuOptions()).expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, stored)
+        weights += in_ram * cfg.num_moe_layers * cfg.num_experts
+    return MemoryEstimate(weights, kv, rope + logits)
+
+
+def check_memory(estimate: MemoryEstimate, available: int, force: bool, resident: bool = False) -> None:
+    if estimate.total <= available or force:
+        return
+    where = "with its experts read into RAM" if resident else "outside its memory-mapped experts"
+    fix = "--no-resident, " if resident else ""
+    raise ResourceError(
+        f"not enough RAM: this model needs about {estimate.total / GIB:.2f} GiB {where} "
+        f"(weights {estimate.weights / GIB:.2f} GiB + KV cache {estimate.kv_cache / GIB:.2f} GiB), but only "
+        f"{available / GIB:.2f} GiB is available; close other programs, lower --context, {fix}or pass --force to "
+        "try anyway"
+    )
+
+
+def resident_fits(total_with_resident: int, available: int) -> bool:
+    """Whether the experts go into RAM when nobody asked: only with room to spare (for the OS, other programs and
+    the KV cache growing), since the memory map would otherwise let the OS page them in and out."""
+    return total_with_resident <= RESIDENT_SHARE * available
+
+
+def available_ram() -> int:
+    return psutil.virtual_memory().available

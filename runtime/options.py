@@ -1,0 +1,226 @@
+"""One typed configuration for a load, resolved once.
+
+`Request` is what the caller asked for (the user's flags; None: not given). `resolve` merges it with a machine's
+tuning profile (another `Request`, holding only what the profile decides) and the defaults into `Options`: flags
+win over the profile, the profile over the defaults, and some defaults are read off the checkpoint and the
+machine (`Machine`). It is a pure function; `Options` is immutable, remembers where each value came from, and
+prints itself (`tandem generate --show-config`). The loader takes `Options` and decides nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from tandem.kernels.cpu import CpuOptions, available_isas
+from tandem.kernels.errors import SettingsError
+from tandem.kernels.isa import mask_flags, masked_features
+from tandem.kernels.quant import GROUPS
+from tandem.runtime import memory
+from tandem.runtime.accelerator import cuda_usable
+from tandem.runtime.checkpoint import Checkpoint
+from tandem.runtime.config import ModelConfig
+from tandem.runtime.cost import CostModel
+from tandem.runtime.cpuinfo import proc_cpuinfo
+from tandem.runtime.dispatch import OffloadPolicy, Strategy
+from tandem.runtime.expert_cache import Key, Policy
+from tandem.runtime.memory import estimate_memory, resident_fits
+
+Dtype = Literal["bf16", "fp32"]
+AcceleratorKind = Literal["auto", "none", "cuda", "emulated"]
+Quant = Literal["int8", "int4"]
+Isa = Literal["base", "avx2", "avx512", "avx512bf16", "amx"]
+Source = Literal["given", "profile", "default", "machine"]  # where a resolved value came from
+
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DEFAULT_CONTEXT = 4096
+DEFAULT_GROUP = 64  # int4 group size when none is given
+DEFAULT_INFLIGHT = 4  # background expert copies in flight at most
+
+
+@dataclass(frozen=True)
+class Request:
+    """Settings as given. None: not given, so the profile (for the fields it holds) or the default decides."""
+
+    model: str | Path | None = None
+    dtype: Dtype | Literal["auto"] | None = None  # None or auto: bf16 where the CPU computes it natively, else fp32
+    context: int | None = None  # None: min(the model's limit, DEFAULT_CONTEXT)
+    batch: int = 1  # sequences the KV cache holds (beam search needs one per beam)
+    force: bool = False  # load even when the RAM estimate says it will not fit
+    accelerator: AcceleratorKind | None = None  # None: auto (CUDA when usable, else CPU only)
+    vram_gb: float | None = None
+    strategy: Strategy | None = None
+    cache_ways: int | None = None
+    cache_policy: Policy | None = None
+    static: tuple[Key, ...] | None = None  # experts pinned on the accelerator, most popular first
+    max_inflight: int | None = None
+    cost: CostModel | None = None
+    threads: int | None = None
+    crossover: int | None = None
+    quant: Quant | Literal["none"] | None = None
+    quant_group: int | None = None
+    kernel_isa: Isa | Literal["auto"] | None = None  # None or auto: the best this CPU supports
+    resident: bool | None = None  # None: read the experts into RAM when they fit with room to spare
+    use_kernel: bool = True  # False: torch only, no compiled kernels
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The facts about this machine that settle defaults."""
+
+    cpu_flags: frozenset[str] | None  # after TANDEM_CPU_FEATURES; None: unknown
+    cpu_threads: int  # the most threads worth asking for
+    isas: tuple[str, ...]  # compiled kernel variants this CPU can run
+    available_ram: int  # bytes
+    cuda: bool  # a usable CUDA device
+
+    @classmethod
+    def here(cls, cpu_flags: frozenset[str] | None = None) -> Machine:
+        """Read now. `cpu_flags`: already probed (else read from /proc/cpuinfo, less the masked features)."""
+        if cpu_flags is None:
+            info = proc_cpuinfo()
+            if info and info["flags"]:
+                cpu_flags = frozenset(mask_flags(info["flags"], masked_features()))
+        return cls(cpu_flags or None, os.cpu_count() or 1, tuple(available_isas()), memory.available_ram(),
+                   cuda_usable())
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything a load needs, decided. `sources` says where each setting came from."""
+
+    model: Path
+    dtype: Dtype
+    context: int
+    batch: int
+    force: bool
+    accelerator: Literal["none", "cuda", "emulated"]
+    vram_gb: float | None
+    offload: OffloadPolicy
+    cpu: CpuOptions
+    sources: tuple[tuple[str, Source], ...] = field(default=(), compare=False)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def source(self, name: str) -> Source:
+        return dict(self.sources).get(name, "default")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every setting with its value (JSON types) and where it came from."""
+        o, c = self.offload, self.cpu
+        values: dict[str, Any] = {
+            "model": str(self.model), "dtype": self.dtype, "context": self.context, "batch": self.batch,
+            "force": self.force, "accelerator": self.accelerator, "vram_gb": self.vram_gb,
+            "strategy": str(o.strategy), "cache_ways": o.cache_ways, "cache_policy": str(o.cache_policy),
+            "static": [list(k) for k in o.static], "max_inflight": o.max_inflight,
+            "cost": None if o.cost is None else [o.cost.cpu_a_ms, o.cost.cpu_b_ms, o.cost.gpu_ms, o.cost.transfer_ms],
+            "threads": c.threads, "crossover": c.crossover, "quant": c.quant or "none", "quant_group": c.group,
+            "kernel_isa": c.isa or "auto", "resident": c.resident, "use_kernel": c.use_kernel,
+        }
+        return {k: {"value": v, "from": self.source(k)} for k, v in values.items()}
+
+    def describe(self) -> list[str]:
+        """One line per setting: name, value, and where it came from."""
+        shown = {"threads": "default (torch's count)", "crossover": "default (by kernel)", "cache_ways": "default "
+                 "(spread over the layers)", "cost": "default (from sizes)", "vram_gb": "default (all free)"}
+        lines = []
+        for name, item in self.to_dict().items():
+            value = item["value"]
+            text = shown.get(name, "none") if value is None else f"{len(value)} experts" if name == "static" else value
+            lines.append(f"{name:13} {text}  [{item['from']}]")
+        return lines
+
+
+def default_dtype(cpu_flags: set[str] | frozenset[str] | None) -> Dtype:
+    """bf16 where the CPU computes it natively (AVX512_BF16 or AMX); fp32 elsewhere or when unknown."""
+    if cpu_flags and ({"avx512_bf16", "amx_bf16"} & cpu_flags):
+        return "bf16"
+    return "fp32"
+
+
+def resolve_context(cfg: ModelConfig, requested: int | None) -> int:
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window:
+        limit = min(limit, cfg.sliding_window)
+    if requested is None:
+        return min(limit, DEFAULT_CONTEXT)
+    if requested < 2:
+        raise SettingsError("--context must be at least 2 tokens")
+    if requested > limit:
+        raise SettingsError(f"--context {requested} exceeds what this model supports ({limit} tokens)")
+    return requested
+
+
+def resolve(request: Request, profile: Request | None, ckpt: Checkpoint, machine: Machine) -> Options:
+    """The options a load runs with: `request` over `profile` over the defaults (pure; raises SettingsError)."""
+    request = replace(request, dtype=None if request.dtype == "auto" else request.dtype,  # the words for "not given"
+                      quant=None if request.quant == "none" else request.quant,
+                      kernel_isa=None if request.kernel_isa == "auto" else request.kernel_isa)
+    profile = profile or Request()
+    sources: dict[str, Source] = {}
+
+    def pick(name: str, default: Any = None, source: Source = "default", profiled: bool = True) -> Any:
+        """The given value, else the profile's (for the fields it holds), else the default."""
+        given, tuned = getattr(request, name), getattr(profile, name) if profiled else None
+        value, sources[name] = (given, "given") if given is not None else (
+            (tuned, "profile") if tuned is not None else (default, source))
+        return value
+
+    if request.model is None:
+        raise SettingsError("no model given")
+    cfg = ckpt.config
+    dtype = pick("dtype", default_dtype(machine.cpu_flags), "machine", profiled=False)
+    if dtype not in DTYPES:
+        raise SettingsError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
+    context = resolve_context(cfg, pick("context", profiled=False))
+    accelerator = pick("accelerator", "auto", profiled=False)
+    if accelerator == "auto":
+        accelerator = "cuda" if machine.cuda else "none"
+        sources["accelerator"] = "machine"
+    isa = request.kernel_isa
+    if isa is not None and isa not in machine.isas:
+        raise SettingsError(f"--kernel-isa {isa} is not available on this machine "
+                            f"(available: {', '.join(machine.isas) or 'none'})")
+    if isa is None and profile.kernel_isa not in machine.isas:  # a profile's variant this CPU cannot run
+        profile = replace(profile, kernel_isa=None)
+    threads = pick("threads")
+    if threads is not None and not 1 <= threads <= machine.cpu_threads:
+        raise SettingsError(f"--threads must be between 1 and {machine.cpu_threads}, the number of CPU threads this "
+                            f"machine has (the profile says {threads}; run tandem autotune again)")
+    quant, group = pick("quant", profiled=False), pick("quant_group", DEFAULT_GROUP, profiled=False)
+    _check_group(cfg, quant, group)
+    cpu = CpuOptions(threads, pick("crossover"), quant, group, pick("kernel_isa"), request.use_kernel,
+                     pick("resident", profiled=False))
+    batch = request.batch
+    if cpu.resident is None:  # unquantized experts into RAM when they fit with room to spare
+        in_ram = estimate_memory(ckpt, DTYPES[dtype], context, batch, replace(cpu, resident=True)).total
+        cpu = replace(cpu, resident=quant is None and resident_fits(in_ram, machine.available_ram))
+        sources["resident"] = "machine"
+    offload = OffloadPolicy(pick("strategy", Strategy.FIDDLER), pick("cache_ways"), pick("cache_policy", Policy.LRU),
+                            pick("static", ()), pick("max_inflight", DEFAULT_INFLIGHT, profiled=False),
+                            pick("cost", profiled=False))
+    for name in ("batch", "force", "use_kernel"):
+        sources[name] = "given" if getattr(request, name) != getattr(Request, name) else "default"
+    pick("vram_gb", profiled=False)
+    sources["model"] = "given"
+    names = [f.name for f in fields(Request)]
+    return Options(Path(request.model), dtype, context, batch, request.force, accelerator, request.vram_gb, offload,
+                   cpu, tuple((n, sources.get(n, "default")) for n in names))
+
+
+def _check_group(cfg: ModelConfig, quant: str | None, group: int) -> None:
+    """int4 groups must divide both widths; say which group size would (or that int8 is the way)."""
+    widths = (cfg.hidden_size, cfg.moe_intermediate_size)
+    if quant == "int4" and any(w % group for w in widths):
+        fits = [g for g in GROUPS if not any(w % g for w in widths)]
+        raise SettingsError(
+            f"int4 groups of {group} need the hidden size ({cfg.hidden_size}) and expert width "
+            f"({cfg.moe_intermediate_size}) to be multiples of {group}; "
+            + (f"use --quant-group {fits[0]}" if fits else "use --quant int8 for this model")
+        )

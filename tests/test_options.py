@@ -1,0 +1,130 @@
+"""One typed configuration: flags over the profile over the defaults, resolved once by a pure function, printed by
+--show-config; a load opens the checkpoint once and probes the machine once."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from tandem.app.cli import main
+from tandem.autotune import configure as configure_module
+from tandem.autotune.configure import configure, profile_request
+from tandem.kernels.errors import SettingsError
+from tandem.runtime import loader
+from tandem.runtime.checkpoint import open_checkpoint
+from tandem.runtime.dispatch import Strategy
+from tandem.runtime.expert_cache import Policy
+from tandem.runtime.options import Machine, Request, resolve
+
+GIB = 1024**3
+MACHINE = Machine(cpu_flags=frozenset({"avx2", "avx512f", "avx512_bf16"}), cpu_threads=8,
+                  isas=("base", "avx2", "avx512"), available_ram=64 * GIB, cuda=False)
+PROFILE = Request(threads=4, crossover=12, kernel_isa="avx2", strategy=Strategy.FETCH, cache_ways=2,
+                  cache_policy=Policy.LFU, static=((0, 1),))
+
+
+def test_flags_win_over_the_profile_and_the_profile_over_the_defaults(mixtral_dir: Path) -> None:
+    ckpt = open_checkpoint(mixtral_dir)
+    plain = resolve(Request(model=mixtral_dir), None, ckpt, MACHINE)
+    assert (plain.cpu.threads, plain.cpu.crossover, plain.offload.strategy, plain.offload.cache_policy) == (
+        None, None, Strategy.FIDDLER, Policy.LRU)
+    assert plain.source("threads") == "default" and plain.source("dtype") == "machine" and plain.dtype == "bf16"
+
+    tuned = resolve(Request(model=mixtral_dir), PROFILE, ckpt, MACHINE)
+    assert (tuned.cpu.threads, tuned.cpu.crossover, tuned.cpu.isa, tuned.offload.strategy) == (
+        4, 12, "avx2", Strategy.FETCH)
+    assert (tuned.offload.cache_ways, tuned.offload.cache_policy, tuned.offload.static) == (2, Policy.LFU, ((0, 1),))
+    assert {tuned.source(n) for n in ("threads", "crossover", "kernel_isa", "strategy", "static")} == {"profile"}
+
+    given = resolve(Request(model=mixtral_dir, threads=2, kernel_isa="base", strategy=Strategy.CPU,
+                            static=((1, 0),), dtype="fp32"), PROFILE, ckpt, MACHINE)
+    assert (given.cpu.threads, given.cpu.isa, given.offload.strategy, given.offload.static, given.dtype) == (
+        2, "base", Strategy.CPU, ((1, 0),), "fp32")
+    assert given.source("threads") == "given" and given.source("crossover") == "profile"
+
+
+def test_what_this_machine_cannot_do_is_refused_or_left_to_the_default(mixtral_dir: Path) -> None:
+    ckpt = open_checkpoint(mixtral_dir)
+    avx2_only = dataclasses.replace(MACHINE, isas=("base", "avx2"), cpu_flags=frozenset({"avx2"}), cpu_threads=2)
+    from_profile = resolve(Request(model=mixtral_dir), dataclasses.replace(PROFILE, kernel_isa="avx512", threads=2),
+                           ckpt, avx2_only)
+    assert from_profile.cpu.isa is None and from_profile.dtype == "fp32"  # a variant this CPU lacks: the best it has
+    with pytest.raises(SettingsError, match="--kernel-isa avx512 is not available"):
+        resolve(Request(model=mixtral_dir, kernel_isa="avx512"), None, ckpt, avx2_only)
+    with pytest.raises(SettingsError, match="the profile says 4; run tandem autotune again"):
+        resolve(Request(model=mixtral_dir), PROFILE, ckpt, avx2_only)
+    with pytest.raises(SettingsError, match="exceeds what this model supports"):
+        resolve(Request(model=mixtral_dir, context=10**6), None, ckpt, MACHINE)
+    with pytest.raises(SettingsError, match="int4 groups of 128 need"):
+        resolve(Request(model=mixtral_dir, quant="int4", quant_group=128), None, ckpt, MACHINE)
+
+
+def test_the_experts_go_into_ram_only_with_room_to_spare(mixtral_dir: Path) -> None:
+    ckpt = open_checkpoint(mixtral_dir)
+    roomy = resolve(Request(model=mixtral_dir), None, ckpt, MACHINE)
+    tight = resolve(Request(model=mixtral_dir), None, ckpt, dataclasses.replace(MACHINE, available_ram=1024))
+    asked = resolve(Request(model=mixtral_dir, resident=False), None, ckpt, MACHINE)
+    assert roomy.cpu.resident and not tight.cpu.resident and not asked.cpu.resident
+    assert roomy.source("resident") == "machine" and asked.source("resident") == "given"
+
+
+def test_options_are_immutable_and_print_every_setting(mixtral_dir: Path) -> None:
+    options = resolve(Request(model=mixtral_dir, threads=2), PROFILE, open_checkpoint(mixtral_dir), MACHINE)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.context = 8  # type: ignore[misc]
+    table = options.to_dict()
+    assert set(table) == {f.name for f in dataclasses.fields(Request)}
+    assert table["threads"] == {"value": 2, "from": "given"} and table["strategy"]["from"] == "profile"
+    json.dumps(table)
+    assert len(options.describe()) == len(table)
+
+
+def test_a_plan_fills_the_accelerator_settings_only_when_it_used_one() -> None:
+    cpu_only = {"threads": 2, "accelerator": False, "strategy": "fetch", "kernel": {"isa": "avx2", "crossover": 0},
+                "cache": {"ways": 4, "policy": "lfu"}, "static": [[0, 1]]}
+    assert profile_request(cpu_only) == Request(threads=2, kernel_isa="avx2")
+    tuned = profile_request(cpu_only | {"accelerator": True})
+    assert (tuned.strategy, tuned.cache_ways, tuned.cache_policy, tuned.static) == (
+        Strategy.FETCH, 4, Policy.LFU, ((0, 1),))
+
+
+def test_a_load_opens_the_checkpoint_once_and_probes_once(mixtral_dir: Path, tandem_home: Path,
+                                                           monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    counts = {"open": 0, "probe": 0}
+    real_open, real_probe = configure_module.open_checkpoint, configure_module.probe
+
+    def counted_open(path):
+        counts["open"] += 1
+        return real_open(path)
+
+    def counted_probe(*args):
+        counts["probe"] += 1
+        return real_probe(*args)
+
+    monkeypatch.setattr(configure_module, "open_checkpoint", counted_open)
+    monkeypatch.setattr(loader, "open_checkpoint", counted_open)
+    monkeypatch.setattr(configure_module, "probe", counted_probe)
+    assert main(["generate", "--model", str(mixtral_dir), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
+    assert counts == {"open": 1, "probe": 1}
+
+
+def test_show_config_prints_the_settings_and_loads_nothing(mixtral_dir: Path, tandem_home: Path,
+                                                            monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setattr(loader, "load", lambda *a, **k: pytest.fail("loaded for --show-config"))
+    assert main(["generate", "--model", str(mixtral_dir), "--threads", "1", "--show-config"]) == 0
+    out = capsys.readouterr().out
+    assert "threads       1  [given]" in out and "context       " in out
+    assert main(["generate", "--model", str(mixtral_dir), "--show-config", "--json", "--quant", "int8"]) == 0
+    table = json.loads(capsys.readouterr().out)
+    assert table["quant"] == {"value": "int8", "from": "given"} and table["model"]["value"] == str(mixtral_dir)
+
+
+def test_every_caller_configures_the_same_way(mixtral_dir: Path) -> None:
+    """The tuner and benchmarks go through `configure` too: same request, same options."""
+    request = Request(model=mixtral_dir, dtype="fp32", context=64, accelerator="none")
+    a = configure(request, use_profile=False).options
+    b = configure(request, use_profile=False, checkpoint=open_checkpoint(mixtral_dir)).options
+    assert a == b and a.context == 64 and a.accelerator == "none"
