@@ -15,8 +15,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-SCHEMA = 2  # 2: every turn has an id, so the turns of two writers merge (1: none; derived from the turn when read)
-READS = (1, SCHEMA)
+SCHEMA = 2  # every turn has an id, so the turns of two writers merge
+READS = (1, SCHEMA)  # schema 1's turns have no ids: each is derived from the turn when read (the same in every reader)
 ROLES = ("user", "assistant", "system")
 ID_FORM = re.compile(r"[0-9a-f]{12}")
 

@@ -1,8 +1,8 @@
 """Measured (or estimated) latencies, and the cost model fitted from them.
 
 `Measurements` is what microbenchmarks produce or what a hardware description file (`tandem plan
---hardware`) states; `fit_cpu` fits Fiddler's cpu_lat(s) = a + b·s per thread count; `roofline` fills in
-what was not measured from bandwidths and peak FLOPS (MoE-Lightning's hierarchical roofline).
+--hardware`) states; `fit_cpu` fits Fiddler's cpu_lat(s) = a + b·(s - 1) per thread count; `roofline_cpu` fills
+in what was not measured from bandwidths and peak FLOPS (MoE-Lightning's hierarchical roofline).
 """
 
 from __future__ import annotations

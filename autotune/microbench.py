@@ -39,7 +39,8 @@ def thread_candidates(hw: HardwareInfo) -> list[int]:
 
 def time_per_call(fn: Callable[[int], object], count: int, min_time: float) -> float:
     """Milliseconds per call of fn(k), k cycling through `count` inputs, for at least `min_time` seconds, after
-    a warm-up of a quarter of that (measured: a single warm-up call left the first big-matmul row ~25 % slow)."""
+    a warm-up of a quarter of that (one warm-up call is not enough: the first large matrix products still run
+    slow after it)."""
     fn(0)
     start = time.perf_counter()
     while time.perf_counter() - start < min_time / 4:

@@ -1,7 +1,7 @@
 """What machine is this: CPU ISA and cores, RAM, NUMA, GPUs with their memory and PCIe links.
 
 Two halves, as everywhere in the auto-tuner: a replaceable data source that returns raw readings
-(`LiveSources` asks py-cpuinfo, psutil, sysfs, NVML and torch; tests use recorded fixtures), and pure
+(`LiveSources` asks /proc/cpuinfo or py-cpuinfo, psutil, sysfs, NVML and torch; tests use recorded fixtures), and pure
 functions that turn readings into a `HardwareInfo`. Anything that could not be read is `None` and shown
 as "unknown" — never a guess — and a missing NVML or driver means "no GPU", never a crash.
 """
@@ -116,7 +116,7 @@ class GpuUnavailable(Exception):
 
 @dataclass
 class LiveSources:
-    """This machine, read through py-cpuinfo, psutil, sysfs, NVML and torch."""
+    """This machine, read through /proc/cpuinfo (py-cpuinfo where there is none), psutil, sysfs, NVML and torch."""
 
     _cpu: dict[str, Any] | None = field(default=None, repr=False)
 

@@ -18,7 +18,7 @@ from tandem.runtime.dispatch import Strategy
 from tandem.runtime.expert_cache import Policy
 from tandem.runtime.paths import atomic_write_json, data_dir, remove_stale_temporaries, set_aside
 
-SCHEMA = 2  # 2: the kernel variant is "auto" unless one beats it at 1 and 8 tokens (1 forced the fastest at 1)
+SCHEMA = 2  # raised whenever a saved plan would mean something else: a profile of another schema is set aside
 
 
 def profiles_dir() -> Path:

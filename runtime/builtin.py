@@ -5,8 +5,8 @@ Each layer's feed-forward network becomes 8 identical experts with top-2 routing
 Mixtral renormalises the two routing weights to sum to one, so the MoE output equals the dense network's
 while routing, caching and CPU/accelerator decisions happen for real, token by token. Dense weights are
 dequantised from the GGUF (Q4_1/Q8_0) and stored as bf16; the tokenizer and chat template come from the
-GGUF too. Built once under the cache folder (in a temporary folder, renamed when complete); a version
-stamp rebuilds it when this recipe changes.
+GGUF too. Built once under the cache folder (in a temporary folder, renamed when complete); the folder is
+named after RECIPE_VERSION, so raising it whenever this recipe changes builds the model anew.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def build(source: Path, out: Path, progress: Progress | None = None) -> Path:
         stamp = {"recipe": RECIPE_VERSION, "source": source.name, "seconds": round(time.perf_counter() - start, 1)}
         (tmp / "tandem-builtin.json").write_text(json.dumps(stamp))
         if out.exists():
-            shutil.rmtree(out)  # an older recipe's build
+            shutil.rmtree(out)  # a build without its stamp (interrupted or damaged), or one another process just made
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -329,7 +329,7 @@ _SET_ASYNC_EXC = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_ulong, ctypes.py_objec
     ("PyThreadState_SetAsyncExc", ctypes.pythonapi))
 _WITHDRAW_ASYNC_EXC = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p)(
     ("PyThreadState_SetAsyncExc", ctypes.pythonapi))
-_WATCH_EVERY = 0.02  # seconds between the watchdog's looks at the clock and the process size
+_WATCH_EVERY = 0.02  # seconds between the watchdog's looks at the clock and at what Python has allocated
 
 
 class _Watchdog:

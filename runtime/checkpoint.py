@@ -175,9 +175,6 @@ def _shard_name(index_path: Path, value: object) -> str:
     return value
 
 
-# The dtypes the CPU kernels and the accelerator take routed experts in, as they lie in the file.
-
-
 def _validate(ckpt: Checkpoint) -> None:
     cfg = ckpt.config
     wanted = 3 * cfg.num_experts * cfg.num_moe_layers

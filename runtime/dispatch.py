@@ -41,7 +41,8 @@ class Strategy(StrEnum):
 @dataclass(frozen=True)
 class OffloadPolicy:
     strategy: Strategy = Strategy.FIDDLER
-    cache_ways: int | None = None  # None: spread the cache slots over as many layers as they cover
+    cache_ways: int | None = None  # None: static experts, when given, take the slots (no cache); else the slots
+    # spread over as many layers as they cover (default_ways)
     cache_policy: Policy = Policy.LRU
     static: tuple[Key, ...] = ()  # experts pinned on the accelerator, most popular first
     max_inflight: int = 4  # background post-fetch copies in flight at most

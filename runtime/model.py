@@ -39,8 +39,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def kept_dtypes(ckpt: Checkpoint, compute: torch.dtype, cpu: CpuOptions | None) -> Callable[[str], torch.dtype]:
     """The dtype each non-expert weight is kept in on the CPU: the compute dtype, but a dense matrix
     (weights.dense_matrices) of a bf16 file stays bf16 under float32 compute when the kernels multiply by it (they
-    read bf16 rows against float32 activations exactly as a float32 copy would compute, streaming half its bytes:
-    decode about 1.7x faster without native bf16)."""
+    read bf16 rows against float32 activations exactly as a float32 copy would compute, streaming half its bytes,
+    and streaming bytes is what decode waits on)."""
     matrices = dense_matrices(ckpt.config, ckpt.spec)
     keep = compute == torch.float32 and library() is not None and (cpu is None or cpu.use_kernel)
 
@@ -77,8 +77,8 @@ class Attention:
 def routed_experts(ckpt: Checkpoint, layers: list[int], resident: bool,
                    progress: Callable[[str, float], None] | None = None) -> dict[int, list[ExpertWeights]]:
     """Each MoE layer's routed experts in their on-disk dtype: views of the memory-mapped files, or (resident)
-    copies read into RAM, two layers at a time (file reads release the GIL). Measured here: experts stream
-    ~10 % faster from such copies than from the file map, and reading beats faulting the map in ~3x."""
+    copies read into RAM, two layers at a time (file reads release the GIL). Experts stream faster from such
+    copies than from the file map, and plain reads fill RAM faster than faulting the map in would."""
     n = ckpt.config.num_experts
 
     def one(layer: int) -> list[ExpertWeights]:
@@ -121,8 +121,8 @@ class KVCache:
 
     def copy_rows(self, pairs: list[tuple[int, int]], length: int) -> None:
         """Beam search: for each (dst, src), batch row dst takes the first `length` positions of row src. No row
-        may be both: the copies run one after another, straight from slice to slice (measured 4x faster than
-        one gather-and-scatter through an index tensor)."""
+        may be both: the copies run one after another, straight from slice to slice (no temporary copy, as a
+        gather-and-scatter through an index tensor would make)."""
         if {d for d, _ in pairs} & {s for _, s in pairs}:
             raise ValueError("copy_rows: a row cannot be both a source and a destination")
         for d, s in pairs:
@@ -160,7 +160,8 @@ class MoEModel:
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, context, dtype)
         self.cos, self.sin = (accel.place(cos, dtype, "RoPE tables"), accel.place(sin, dtype, "RoPE tables")) \
             if accel is not None else (cos, sin)
-        # Dense matrices (attention, routers, lm_head): the kernel for a few bf16 tokens, else F.linear.
+        # Dense matrices (attention, routers, lm_head): bf16 ones through the kernel for the token counts it
+        # serves (DenseLinear), anything else through F.linear.
         cpu = cpu or CpuOptions()
         self.linear = DenseLinear(cpu.threads, cpu.use_kernel, cpu.isa)
         # RMSNorm: one kernel call for bf16 on the CPU (rounded like the reference), else the reference itself.

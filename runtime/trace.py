@@ -56,8 +56,8 @@ class TraceRecorder:
         Path(path).write_bytes(buffer.getvalue())
 
 
-MAX_ARRAY_BYTES = 256 * 2**20  # per array of a trace file: far above a real trace (48 layers x 8 experts x
-# 4 bytes per decode step is 170 000 steps), and a compressed bomb is refused before it is inflated
+MAX_ARRAY_BYTES = 256 * 2**20  # per array of a trace file: far above a real trace (a sequence of 48 layers x
+# top-8 x 4 bytes a decode step fills it after 170 000 steps), and a compressed bomb is refused before it is inflated
 RECORD_HINT = "record one with --record-trace"
 
 

@@ -1,7 +1,7 @@
 """On-disk tensor names and shapes of a family, derived from its `ModelConfig` and `FamilySpec`.
 
-One function lists every tensor a checkpoint must hold; the loader validates against it and the
-synthetic-checkpoint writer writes from it, so the two can never disagree.
+`dense_tensors` and `expert_tensors` list every tensor a checkpoint must hold; `checkpoint.py` validates
+against them and the synthetic-checkpoint writer (`synth.py`) writes from them, so the two can never disagree.
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def test_good_output_paths_still_work(model: str, tmp_path: Path, capsys) -> Non
     trace = tmp_path / "t.npz"
     assert main(["generate", "--model", model, "--max-new-tokens", "2", "--record-trace", str(trace), "hi"]) == 0
     assert trace.exists()
-    out = tmp_path / "new" / "deeper" / "m"  # missing parents of a new model folder are created, as before
+    out = tmp_path / "new" / "deeper" / "m"  # missing parents of a new model folder are created
     assert main(["make-test-model", "--out", str(out)]) == 0 and (out / "config.json").exists()
 
 

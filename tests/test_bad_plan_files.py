@@ -237,7 +237,7 @@ def test_unreadable_hardware_file(model: Path, tmp_path: Path, capsys, content: 
 
 
 @pytest.mark.parametrize("changes, needle", [
-    ({"num_experts_per_tok": 9}, "top-k"),  # more than the 8 experts: the synthetic trace looped forever
+    ({"num_experts_per_tok": 9}, "top-k"),  # more than the 8 experts: a synthetic trace could never draw them
     ({"num_local_experts": 1e9}, "number of experts"),
     ({"num_local_experts": 10**9}, "number of experts"),
     ({"num_local_experts": 0}, "number of experts"),

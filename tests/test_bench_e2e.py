@@ -52,7 +52,7 @@ def test_the_peer_runs_in_a_child_process_when_both_copies_would_not_fit(mixtral
         assert b["peer_tok_s"] > 0 and b["ratio"] > 0
     gib = 2**30
     assert peer_fits_beside(4 * gib, 4 * gib, total_ram=24 * gib)
-    assert not peer_fits_beside(14 * gib, 14 * gib, total_ram=24 * gib)  # full-depth OLMoE on this machine
+    assert not peer_fits_beside(14 * gib, 14 * gib, total_ram=24 * gib)  # full-depth OLMoE on a 24 GiB machine
 
 
 def test_cli_writes_json(mixtral_dir: Path, tmp_path: Path, capsys) -> None:

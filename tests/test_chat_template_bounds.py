@@ -162,7 +162,7 @@ def test_a_normal_template_stays_fast() -> None:
     start = time.perf_counter()
     for _ in range(50):
         tok.render_chat(turns)
-    assert (time.perf_counter() - start) / 50 < 0.02  # about a millisecond on an idle machine
+    assert (time.perf_counter() - start) / 50 < 0.02  # far above a normal render: a busy machine passes, runaways fail
 
 
 def test_the_time_limit_never_strikes_after_a_render_returned(monkeypatch: pytest.MonkeyPatch) -> None:
