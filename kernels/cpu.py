@@ -1,6 +1,6 @@
 """The CPU expert executor: every expert that runs on the CPU goes through here.
 
-Few tokens (decode, beams, short prompts; up to `crossover`): the compiled kernel in `csrc/expert.c`, which
+Few tokens (decode, beams, short prompts; up to `crossover`): the compiled kernel in `csrc/`, which
 streams each weight row once for all tokens. Many tokens (prefill): torch's matrix multiply, which is
 compute-bound and good at it. Weights are used where they lie (read into RAM or memory-mapped by the loader,
 file dtype: no re-layout), unless quantization is asked for, which happens once when the expert is prepared (for
@@ -32,7 +32,7 @@ DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
 AMX_CROSSOVER = 16  # with AMX tiles the kernel stays at the bandwidth roofline up to a full tile of tokens
 AMX_KINDS = (torch.bfloat16, "int8", "int4")
 QUANT_KINDS = ("int8", "int4")
-AMX_BATCH = 64  # experts one kernel region takes at most (csrc/expert.c)
+AMX_BATCH = 64  # experts one kernel region takes at most (csrc/common.h)
 # float32 x against bf16 dense weights stays on the kernel, 16 tokens a call, up to this many calls; beyond, a
 # float32 copy of the matrix for torch pays for itself (measured, 6144x2048: 6.4 against 24 ms at 17 tokens, 21
 # against 30 at 64, even at 128 with AVX-512 and at 64 with AVX2).
@@ -414,7 +414,7 @@ class CpuExecutor:
         """Several experts of one layer, each on its own tokens; `sink(i, y)` receives job i's output [n, H]
         (valid only during the call; float32 from the kernel, x's dtype from torch). Those the kernel takes in one
         call go through one kernel call, which runs those that can share a parallel region together
-        (csrc/expert.c `tk_experts`); the rest one at a time."""
+        (csrc/api.c `tk_experts`); the rest one at a time."""
         for expert, x in jobs:
             self._check_expert(expert)
             _check_rows("x", x, self.hidden)
