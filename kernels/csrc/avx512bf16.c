@@ -148,7 +148,8 @@ BF16_TARGET void dot2_bf16_dp(const uint16_t *r0, const uint16_t *r1, const uint
 
 BF16_TARGET void expert_bf16dp(const tk_args *a) {
     const int T = a->tokens, H = a->hidden, I = a->inter, ld = H > I ? H : I, split = T <= 8;
-    const uint16_t *gate = a->gate, *up = a->up, *down = a->down, *xlo = a->xb + (size_t)T * ld;
+    const uint16_t *gate = a->gate, *up = a->up, *down = a->down;
+    uint16_t *xlo = a->xb + (size_t)T * ld;  /* the lo halves of hi + lo activations (to_bf16_split) */
     #pragma omp parallel num_threads(a->threads)
     {
         #pragma omp for schedule(static)
