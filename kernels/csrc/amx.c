@@ -13,7 +13,7 @@
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
 
 /* Tiles 0-7 at their full 16 rows x 64 bytes. A constant: GCC 12 does not treat ldtilecfg as reading its operand,
- * and a configuration built on the stack lost its row and column stores when the function was not inlined. */
+ * so a configuration built on the stack can lose its row and column stores when the function is not inlined. */
 static const tile_config AMX_CONFIG = {
     .palette = 1, .colsb = {64, 64, 64, 64, 64, 64, 64, 64}, .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
 /* int4 in groups of 32 values: tile products of 32 values (tokens 4, 7: 32 bytes; weights 5, 6: 8 quads). */
@@ -176,10 +176,9 @@ AMX_TARGET static inline void int4_read_out(int odd, int zero, int32_t acc[2][16
  * of the tile products that take it, and each group's products go to one of two pairs of result tiles in turn,
  * read out while the next group's run. Group 32 takes tiles of 32 values (AMX_CONFIG_32: a chunk's low nibbles
  * are one group, its high nibbles the next). Tiles: results 0, 1 (even groups) and 2, 3 (odd), tokens 4 and 7,
- * weights 5 and 6. Measured from DRAM against the bf16 tiles through per-group tables this replaced: 2048x768
- * experts (a layer of 8) at 2, 4 and 8 tokens 0.167 -> 0.109, 0.178 -> 0.121 and 0.187 -> 0.14 ms per expert;
- * 4096x14336 at 8 tokens 5.5 -> 3.9 ms. In L2 the tile products, the unpacking and the group read-outs each take
- * a share; none alone dominates. */
+ * weights 5 and 6. Integer tiles, not bf16 tiles through per-group tables: faster from DRAM at 2, 4 and 8 tokens
+ * on 2048x768 experts and at 8 on 4096x14336 (docs/bench/kernels.md). In L2 the tile products, the unpacking and
+ * the group read-outs each take a share; none alone dominates. */
 AMX_TARGET static void amx_int4_blocks2(const tile_block b[2], int group, int K, int ldr) {
     const int span = group < 64 ? group : 64, groups = K / group;  /* values per tile product */
     int32_t acc[2][16][16] __attribute__((aligned(64)));
@@ -226,9 +225,9 @@ AMX_TARGET static void amx_int4_blocks2(const tile_block b[2], int group, int K,
 }
 
 /* Inside a parallel region: one phase of n int8 or int4 experts on AMX tiles (gate and up, or down), their tokens
- * packed (experts_amx). Each thread streams its run of 16-row blocks as two halves side by side, block i of each:
- * on 2048x768 int4 experts at 8 tokens, only streaming and unpacking the blocks that way reached 0.80 of the
- * probe's bandwidth, against 0.61 for neighbouring blocks in pairs. Tokens 8-15 take a second pass, which finds
+ * packed (experts_amx). Each thread streams its run of 16-row blocks as two halves side by side, block i of each,
+ * which streams and unpacks them faster than neighbouring blocks in pairs (2048x768 int4 experts at 8 tokens:
+ * docs/bench/kernels.md). Tokens 8-15 take a second pass, which finds
  * the blocks in cache; a block without tokens there is skipped. Ends with a barrier. */
 AMX_TARGET static void fixed_amx_phase(const tk_args *a, int n, int down, float (*xscale)[16]) {
     const int K = down ? a->inter : a->hidden, ldr = down ? a->hidden : 2 * a->inter;

@@ -22,9 +22,16 @@ static int amx_usable(void) {
     return state;
 }
 
-/* Bitmask of usable ISA variants: bit ISA_AVX2, ISA_AVX512, ISA_AVX512BF16, ISA_AMX (baseline always works), within
- * the limit set by tk_limit_isas. Every choice and check in this file goes through it, so a limit makes the
- * kernels behave as on a CPU without the features left out. */
+/* Bitmask of the usable ISA variants, bit i for variant i of the ISA_ enum, set when the CPU has what that variant's
+ * code uses:
+ *   bit 0, ISA_BASE        always (plain C)
+ *   bit 1, ISA_AVX2        AVX2 and FMA (its loops are compiled for AVX2+FMA+F16C; F16C is taken as given with AVX2)
+ *   bit 2, ISA_AVX512      AVX512F, AVX512BW and AVX512VL (also compiled for AVX512DQ, FMA and F16C, taken as given)
+ *   bit 3, ISA_AVX512BF16  bit 2 and AVX512_BF16 (vdpbf16ps)
+ *   bit 4, ISA_AMX         bit 3, AVX512-VNNI (one token of int8/int4, vnni.c), AMX-TILE, AMX-BF16 and AMX-INT8 (CPUID
+ *                          leaf 7), and Linux granting this process the tile state (amx_usable)
+ * then limited by tk_limit_isas (bit 0 stays). Every choice and check in the library goes through it, so a limit
+ * makes the kernels behave as on a CPU without the features left out. */
 static int isa_limit = ~0;
 
 void tk_limit_isas(int allowed) { isa_limit = allowed | (1 << ISA_BASE); }
@@ -232,8 +239,8 @@ size_t tk_struct_size(int which) {
 }
 
 /* Streaming read bandwidth probe: sums n floats with `threads` threads (the result defeats dead-code removal).
- * Each thread reads its share as 8 streams side by side: measured here, one stream per thread reaches only
- * about 0.75 of what the memory system delivers to the expert kernels, which keep many rows in flight. */
+ * Each thread reads its share as PROBE_STREAMS streams side by side, as the expert kernels keep many rows in
+ * flight: one stream per thread measures well below what the memory delivers to them (docs/bench/kernels.md). */
 double tk_read_sum(const float *p, size_t n, int threads) {
     if (threads < 1) threads = 1;
     return (tk_isa_mask() & (1 << ISA_AVX2)) ? sum_avx2(p, n, threads) : sum_base(p, n, threads);

@@ -169,10 +169,10 @@ AVX512_TARGET void swiglu512(float *g, int I, int lo, int hi) {
  * rows may belong to different experts), result *res[j]. */
 #define FMA_ROW(J) a##J = _mm512_fmadd_ps(LOADW(w##J + k), _mm512_loadu_ps(x[J] + k), a##J);                 \
                    b##J = _mm512_fmadd_ps(LOADW(w##J + k + 16), _mm512_loadu_ps(x[J] + k + 16), b##J)
-/* The four rows lie far apart (stream_rows), each the head of a long sequential run: asking for each line
- * 2 KB ahead of the four measured 0.93-0.95 of the probe's bandwidth on 2048x768 and 4096x14336 experts (bf16
- * and fp16), against 0.80 with none and 0.90 at 512 bytes or 4 KB. Two vectors per row per step (two chains
- * each): fp16 +1-3 %. */
+/* The four rows lie far apart (stream_rows), each the head of a long sequential run, and each line is asked for
+ * ROWS4_PREFETCH bytes ahead: 2 KB was the best of none, 512 bytes, 2 KB and 4 KB on 2048x768 and 4096x14336
+ * experts (bf16 and fp16). Two vectors per row per step (two chains each): faster than one for fp16. Figures:
+ * docs/bench/kernels.md. */
 #define ROWS4_PREFETCH 2048
 #define PREFETCH_AHEAD(p) _mm_prefetch((const char *)(p) + ROWS4_PREFETCH, _MM_HINT_T0)
 #define DEFINE_ROWS4(NAME, WT, LOADW_, CONV, SCALED)                                                        \
@@ -237,7 +237,7 @@ AVX512_TARGET static void rows4_int4(const char *const *rows, const void *const 
     __m512 r0 = _mm512_setzero_ps(), r1 = r0, r2 = r0, r3 = r0, h0 = r0, h1 = r0, h2 = r0, h3 = r0;
     for (int g = 0; g < ngroups; g++) {
         for (int j = 0; j < half; j += 16) {
-            const size_t o = (size_t)g * half + j;  /* each line once, as in the other four-row kernels: 10 % faster */
+            const size_t o = (size_t)g * half + j;  /* each line prefetched once, as the other four-row kernels do */
             if (o % 64 == 0) {
                 PREFETCH_AHEAD(q0 + o); PREFETCH_AHEAD(q1 + o); PREFETCH_AHEAD(q2 + o); PREFETCH_AHEAD(q3 + o);
             }
@@ -257,9 +257,8 @@ typedef row_ref (*row_lookup)(const void *src, int q);
 
 /* Inside a parallel region: `total` one-token rows of K values, found through `find` (`per` rows a matrix), shared
  * out in one contiguous run per thread; each thread streams its run as four long sequences side by side (row i of
- * each quarter), as the bandwidth probe does. Measured on 2048x768 bf16 experts (with ROWS4_PREFETCH): 0.94 of
- * the probe's bandwidth, against 0.79 for four neighbouring rows at a time (four streams one row long) and 0.86
- * for eight quarters. */
+ * each quarter), as the bandwidth probe does: four quarters were the best of four neighbouring rows at a time (four
+ * streams one row long), four quarters and eight quarters on 2048x768 bf16 experts (docs/bench/kernels.md). */
 static void stream_rows(row_lookup find, const void *src, int total, int per, int K, int kind, int group,
                         rows4_fn r4, dot_fn dot) {
     const thread_run run = this_threads_run(total, 4);
@@ -331,9 +330,9 @@ static row_ref linear_row(const void *src, int q) {
     return r;
 }
 
-/* One token: the rows streamed as for one-token experts (stream_rows). Measured per call, Python included:
- * 2048x2048 bf16 0.31 ms, 50304x2048 7.0 ms (0.86 and 0.93 of the probe's bandwidth, against 0.74 and 0.86 on
- * the tiles). */
+/* One token: the rows streamed as for one-token experts (stream_rows), which reach more of the probe's bandwidth
+ * than the AMX tiles on 2048x2048 and 50304x2048 matrices (docs/bench/kernels.md): tk_linear takes them for one
+ * token on AMX machines too. */
 void linear_one_token(const tk_linear_args *a) {
     #pragma omp parallel num_threads(a->threads)
     {

@@ -1,17 +1,18 @@
-#include "common.h"
-
-/* ---- one token of int8 or int4 on a CPU with AMX: AVX512-VNNI ---------------------------------------------
+/* One token of int8 or int4 on a CPU with AMX (part of the ISA_AMX variant): AVX512-VNNI.
+ *
  * The weights are in the block layout of the AMX tiles (kernels/quant.py): each 64-byte line holds one 4-value
  * column (quad) of a block's 16 rows (int4: two, in the low and high nibbles), and one vpdpbusd multiplies it by
  * that quad of the token, broadcast, into the 16 rows' sums. The token is in 15-bit fixed point x = 128 hi + lo
  * (hi a signed byte, lo in [0, 127]); the weights are made unsigned (int8: w + 128, one xor; int4: the stored
  * q + 8), and the offset is taken off exactly per token (int8: 128 Σ hi and 128 Σ lo) or per group (int4:
  * 8 Σ x). A block needs two accumulators (int4: four), so each thread streams four quarters of its run of blocks
- * side by side (as stream_rows does), every line prefetched a little ahead. Measured on 2048x768 experts, a layer
- * of 8 from DRAM: int8 0.174 -> 0.163 ms per expert against the integer tiles it replaced (0.86 -> 0.91 of the
- * probe), about the speed of a loop that only loads the lines in that order (tiles with the same prefetch gained
- * 1 %); int4 0.103 -> 0.093 ms against the row-major nibbles of each group, one block at a time, it replaced
- * (13 vector operations per 64 weight bytes there, 7 here). */
+ * side by side (as stream_rows does), every line prefetched a little ahead. One token takes this path rather than
+ * the integer tiles (int8: about the speed of a loop that only loads the lines in this order; the tiles stay slower
+ * with the same prefetch) or, for int4, the row-major nibbles of each group one block at a time (7 vector
+ * operations per 64 weight bytes here, 13 there): both faster on 2048x768 experts (docs/bench/kernels.md).
+ */
+#include "common.h"
+
 #define VNNI_TOP 16383.f  /* the token's largest value in fixed point: hi = x >> 7 stays a signed byte */
 
 /* x [K] -> hi bytes [K], lo bytes [K], then {Σ hi, Σ lo} (int32) of each `span` values, at xp. */
