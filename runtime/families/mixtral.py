@@ -10,20 +10,11 @@ from tandem.runtime.families import FamilySpec
 
 def parse(raw: dict[str, Any]) -> ModelConfig:
     require(raw, "intermediate_size", "num_local_experts", "num_experts_per_tok")
-    layers = raw["num_hidden_layers"]
     return ModelConfig(
         **decoder_fields(raw, eps=1e-5, theta=1e6, max_pos=32768),
-        qkv_bias=False,
-        o_bias=False,
-        qk_norm="none",
-        clip_qkv=None,
         num_experts=raw["num_local_experts"],
         top_k=raw["num_experts_per_tok"],
         moe_intermediate_size=raw["intermediate_size"],
-        norm_topk_prob=True,
-        shared_expert_intermediate_size=0,
-        dense_intermediate_size=0,
-        sparse_layers=(True,) * layers,
         sliding_window=raw.get("sliding_window"),
     )
 

@@ -10,7 +10,6 @@ from tandem.runtime.families import FamilySpec
 
 def parse(raw: dict[str, Any]) -> ModelConfig:
     require(raw, "intermediate_size", "num_experts", "num_experts_per_tok")
-    layers = raw["num_hidden_layers"]
     bias = raw.get("attention_bias", False)
     return ModelConfig(
         **decoder_fields(raw, eps=1e-5, theta=10000.0, max_pos=4096),
@@ -22,9 +21,6 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
         top_k=raw["num_experts_per_tok"],
         moe_intermediate_size=raw["intermediate_size"],
         norm_topk_prob=raw.get("norm_topk_prob", False),
-        shared_expert_intermediate_size=0,
-        dense_intermediate_size=0,
-        sparse_layers=(True,) * layers,
     )
 
 
