@@ -19,4 +19,8 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
-SPEC = FamilySpec("mixtral", "Mixtral", parse, moe_prefix="block_sparse_moe", expert_proj=("w1", "w3", "w2"))
+SPEC = FamilySpec(
+    "mixtral", "Mixtral", parse,
+    tiny={"intermediate_size": 96, "num_local_experts": 8, "num_experts_per_tok": 2},
+    moe_prefix="block_sparse_moe", expert_proj=("w1", "w3", "w2"),
+)

@@ -24,4 +24,4 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
-SPEC = FamilySpec("olmoe", "OLMoE", parse, moe_prefix="mlp", expert_proj=("gate_proj", "up_proj", "down_proj"))
+SPEC = FamilySpec("olmoe", "OLMoE", parse, tiny={"intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2})

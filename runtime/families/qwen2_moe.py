@@ -28,4 +28,8 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
-SPEC = FamilySpec("qwen2_moe", "Qwen2-MoE", parse, moe_prefix="mlp", expert_proj=("gate_proj", "up_proj", "down_proj"))
+SPEC = FamilySpec(
+    "qwen2_moe", "Qwen2-MoE", parse,
+    tiny={"intermediate_size": 128, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 96,
+          "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False},
+)

@@ -31,4 +31,8 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
-SPEC = FamilySpec("qwen3_moe", "Qwen3-MoE", parse, moe_prefix="mlp", expert_proj=("gate_proj", "up_proj", "down_proj"))
+SPEC = FamilySpec(
+    "qwen3_moe", "Qwen3-MoE", parse,
+    tiny={"intermediate_size": 128, "moe_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
+          "head_dim": 32, "norm_topk_prob": True},
+)
