@@ -102,7 +102,7 @@ def bench_offload(
     accelerator holding `expert_fraction` of all experts; decode speed of each against CPU only."""
     import tempfile
 
-    from tandem.runtime.dispatch import OffloadPolicy, Strategy
+    from tandem.runtime.dispatch import OffloadPolicy, Strategy, budget_for_slots
     from tandem.runtime.expert_cache import Policy
 
     base = load(model_dir, dtype=dtype, context=prompt_tokens + max(new_tokens, calibration_tokens) + 8)
@@ -130,7 +130,7 @@ def bench_offload(
         expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * item
         slots = max(1, round(expert_fraction * cfg.num_moe_layers * cfg.num_experts))
         def budget(n: int) -> float:
-            return (fixed + n * expert_bytes + expert_bytes // 2) * 50 / 49 / 1024**3
+            return budget_for_slots(fixed, n, expert_bytes) / 1024**3
 
         setups: dict[str, tuple[OffloadPolicy, str | None, int]] = {
             p.value: (OffloadPolicy(Strategy.CPU, cache_policy=p), None, slots) for p in Policy
