@@ -476,7 +476,7 @@ def _writing(path: str, flag: str) -> Iterator[None]:
 
 
 def _bench_decode(args: argparse.Namespace) -> int:
-    from tandem.app.bench import bench_decode
+    from tandem.autotune.bench.decode import bench_decode
 
     loaded = load_from_args(args)
     try:
@@ -488,7 +488,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
 
 
 def _bench_offload(args: argparse.Namespace) -> int:
-    from tandem.app.bench import bench_offload
+    from tandem.autotune.bench.offload import bench_offload
 
     result = bench_offload(args.model, args.expert_fraction, args.prompt_tokens, args.new_tokens, args.dtype)
     print(json.dumps(result, indent=1))
@@ -498,7 +498,7 @@ def _bench_offload(args: argparse.Namespace) -> int:
 def _bench_kernels(args: argparse.Namespace) -> int:
     import torch
 
-    from tandem.app.bench_kernels import DTYPES, MAX_TOKENS, SHAPES, bench_kernels
+    from tandem.autotune.bench.kernels import DTYPES, MAX_TOKENS, SHAPES, bench_kernels
 
     # read here, not by argparse: the known names live beside the benchmark, which imports torch
     shapes = _list_flag("--shapes", flags.names(tuple(SHAPES), "shape"), args.shapes)
@@ -525,7 +525,7 @@ def _list_flag(flag: str, parse: Callable[[str], tuple[Any, ...]], text: str) ->
 
 
 def _bench_e2e(args: argparse.Namespace) -> int:
-    from tandem.app.bench_e2e import bench_e2e, plot
+    from tandem.autotune.bench.e2e import bench_e2e, plot
 
     if args.json:
         check_output_file(args.json, "--json")
@@ -559,21 +559,21 @@ def _bench_e2e(args: argparse.Namespace) -> int:
 
 
 def _bench_plan(args: argparse.Namespace) -> int:
-    from tandem.autotune.validate import validate
+    from tandem.autotune.bench.plan import validate
 
     print(json.dumps(validate(args.model, args.expert_fraction, args.tokens, args.dtype), indent=1))
     return 0
 
 
 def _bench_quant(args: argparse.Namespace) -> int:
-    from tandem.app.bench import bench_quant
+    from tandem.autotune.bench.quant import bench_quant
 
     print(json.dumps(bench_quant(args.model, args.new_tokens, group=args.quant_group), indent=1))
     return 0
 
 
 def _bench_numerics(args: argparse.Namespace) -> int:
-    from tandem.app.bench import bench_numerics, numerics_paths
+    from tandem.autotune.bench.numerics import bench_numerics, numerics_paths
 
     known = list(numerics_paths())
     paths = None if args.paths is None else [p.strip() for p in args.paths.split(",") if p.strip()]
@@ -597,7 +597,7 @@ def _bench_numerics(args: argparse.Namespace) -> int:
 def _make_bench_model(args: argparse.Namespace) -> int:
     import torch
 
-    from tandem.runtime.bench_shapes import make_bench_model
+    from tandem.autotune.bench.models import make_bench_model
 
     check_output_folder(args.out, "--out")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from tandem.app.cli import main
+from tandem.autotune.bench.models import SHAPES, bench_config, make_bench_model, reuse
 from tandem.kernels.errors import UnsupportedModelError
-from tandem.runtime.bench_shapes import SHAPES, bench_config, make_bench_model, reuse
 from tandem.runtime.checkpoint import open_checkpoint
 
 

@@ -34,8 +34,8 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 UNSUPPORTED = {"deepseek-v2-lite": "DeepSeek-V2 (multi-head latent attention) is not a supported family yet"}
 DEFAULT_SKEW = 0.15  # a few popular experts per layer
-DEFAULT_ROUTER_SCALE = 10.0  # token-dependence of routing: measured on the OLMoE shape, the next token
-# then reuses 46 % of a layer's experts (43-61 % for scales 30-3) and 57 % of routings go to the top 8 of 64
+DEFAULT_ROUTER_SCALE = 10.0  # token-dependence of routing: the next token reuses about half of a layer's experts, as
+# in a trained model (measured per scale: docs/bench/README.md)
 
 
 def bench_config(shape: str, layers: int | None = None) -> dict[str, Any]:
