@@ -22,7 +22,9 @@ from tandem.app.output import (
     silence_stdout,
 )
 from tandem.app.prompt_input import prompt_text
+from tandem.autotune.bench.shapes import checkpoint_shapes, real_shapes
 from tandem.kernels.errors import OutputError, TandemError, UsageError
+from tandem.runtime.families import supported_model_types
 from tandem.runtime.paths import read_bounded
 
 EXIT_USAGE = 2
@@ -138,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     val.set_defaults(func=_bench_plan)
 
     kern = bench_sub.add_parser("kernels", help="CPU expert kernels against the DRAM roofline, beside torch")
-    kern.add_argument("--shapes", default="mixtral,qwen3,olmoe,deepseek")
+    shapes = real_shapes()
+    kern.add_argument("--shapes", default=",".join(shapes))
     kern.add_argument("--dtypes", default="bf16,fp16,fp32,int8,int4")
     kern.add_argument("--tokens", default="1,2,4,8,16,64,256")
     kern.add_argument("--threads", type=flags.threads, default=None)
@@ -161,14 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
     num.set_defaults(func=_bench_numerics)
 
     mbm = sub.add_parser("make-bench-model", help="write a random-weight checkpoint with a real model's shapes")
-    mbm.add_argument("--shape", required=True, help="mixtral, qwen3-30b-a3b, olmoe (deepseek-v2-lite: not yet)")
+    writable = checkpoint_shapes()
+    not_yet = [name for name in shapes if name not in writable]
+    mbm.add_argument("--shape", required=True, help=f"{', '.join(writable)} ({', '.join(not_yet)}: not yet)")
     mbm.add_argument("--layers", type=flags.whole(1), default=None, help="fewer layers than the real model")
     mbm.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     mbm.add_argument("--out", required=True)
     mbm.set_defaults(func=_make_bench_model)
 
     synth = sub.add_parser("make-test-model", help="write a small random-weight checkpoint (for trying things out)")
-    synth.add_argument("--family", default="mixtral", help="model_type: mixtral, qwen2_moe, qwen3_moe, olmoe")
+    synth.add_argument("--family", default="mixtral", help=f"model_type: {', '.join(supported_model_types())}")
     synth.add_argument("--out", required=True, help="folder to create")
     synth.add_argument("--seed", type=flags.seed, default=0)
     synth.set_defaults(func=_make_test_model)
@@ -498,10 +503,11 @@ def _bench_offload(args: argparse.Namespace) -> int:
 def _bench_kernels(args: argparse.Namespace) -> int:
     import torch
 
-    from tandem.autotune.bench.kernels import DTYPES, MAX_TOKENS, SHAPES, bench_kernels
+    from tandem.autotune.bench.kernels import DTYPES, MAX_TOKENS, bench_kernels
+    from tandem.autotune.bench.shapes import shape_names
 
-    # read here, not by argparse: the known names live beside the benchmark, which imports torch
-    shapes = _list_flag("--shapes", flags.names(tuple(SHAPES), "shape"), args.shapes)
+    # read here, not by argparse: the known dtypes and token counts live beside the benchmark, which imports torch
+    shapes = _list_flag("--shapes", flags.names(shape_names(), "shape"), args.shapes)
     dtypes = _list_flag("--dtypes", flags.names(DTYPES, "dtype"), args.dtypes)
     tokens = _list_flag("--tokens", flags.whole_list(1, MAX_TOKENS), args.tokens)
     threads = args.threads or torch.get_num_threads()
@@ -510,9 +516,10 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
     else:
-        print(f"{'shape':8} {'dtype':5} {'tokens':>6} {'impl':>6} {'ms':>9} {'GB/s':>7} {'of DRAM':>7}")
+        width = max([8, *(len(name) for name in shapes)])  # the shape column: 8 wide, or the longest name
+        print(f"{'shape':{width}} {'dtype':5} {'tokens':>6} {'impl':>6} {'ms':>9} {'GB/s':>7} {'of DRAM':>7}")
         for r in rows:
-            print(f"{r['shape']:8} {r['dtype']:5} {r['tokens']:>6} {r['impl']:>6} {r['latency_ms']:>9.3f} "
+            print(f"{r['shape']:{width}} {r['dtype']:5} {r['tokens']:>6} {r['impl']:>6} {r['latency_ms']:>9.3f} "
                   f"{r['gbps']:>7.1f} {r['ratio']:>7.2f}")
     return 0
 

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from tandem.app.cli import build_parser
+from tandem.autotune.bench.models import make_bench_model
+from tandem.autotune.bench.shapes import ExpertShape, find_shape, real_shapes
 from tandem.runtime import families
 from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.synth import tiny_config, write_test_model
@@ -33,9 +36,9 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
 SPEC = FamilySpec(
     "{model_type}", "New-MoE", parse,
     tiny={{"expert_width": 40, "experts": 4, "experts_per_token": 2}},
-    shapes=(BenchShape("{model_type}-9b", "example/New-MoE-9B", {{
-        "vocab_size": 32000, "hidden_size": 3072, "expert_width": 1536, "num_hidden_layers": 24,
-        "num_attention_heads": 24, "experts": 32, "experts_per_token": 4}}),),
+    shapes=(BenchShape("{model_type}-1b", "example/New-MoE-1B", {{
+        "vocab_size": 1024, "hidden_size": 256, "expert_width": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "experts": 16, "experts_per_token": 4}}, aliases=("{model_type}",)),),
     moe_prefix="moe", expert_proj=("w_gate", "w_up", "w_down"), router="router",
 )
 '''
@@ -67,7 +70,7 @@ def test_the_shipped_families_are_the_files_of_the_package() -> None:
         families.parse_config(tiny_config(spec.model_type), "tiny")  # every tiny config is a valid config
 
 
-def test_a_new_family_is_one_file(family_folder, tmp_path: Path) -> None:
+def test_a_new_family_is_one_file(family_folder, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = PACKAGE.parent.parent
     before = {p: p.read_bytes() for floor in ("app", "autotune", "runtime", "kernels")
               for p in (root / floor).rglob("*.py")}
@@ -82,6 +85,16 @@ def test_a_new_family_is_one_file(family_folder, tmp_path: Path) -> None:
     assert ckpt.spec == spec
     assert "model.layers.1.moe.experts.3.w_down.weight" in ckpt.where
     assert "model.layers.0.moe.router.weight" in ckpt.where
+
+    assert real_shapes()["new_moe-1b"].expert == ExpertShape(256, 128, 4)  # what `bench kernels` runs
+    assert find_shape("new_moe") == real_shapes()["new_moe-1b"]
+    bench = open_checkpoint(make_bench_model("new_moe", tmp_path / "bench", layers=2))  # `make-bench-model`
+    assert (bench.config.num_layers, bench.config.num_experts, bench.config.hidden_size) == (2, 16, 256)
+    assert "new_moe-1b" in build_parser().parse_args(["bench", "kernels"]).shapes.split(",")  # every shape by default
+    for command in (["make-test-model"], ["make-bench-model"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*command, "--help"])
+        assert "new_moe" in capsys.readouterr().out
     assert {p: p.read_bytes() for p in before} == before  # no file of the project touched
 
 
@@ -102,3 +115,10 @@ def test_two_modules_with_one_model_type_are_refused(family_folder) -> None:
     family_folder("another_mixtral", NEW_FAMILY.format(model_type="mixtral"))
     with pytest.raises(ImportError, match=r"another_mixtral and \S+\.mixtral both define model_type 'mixtral'"):
         families.family_for("mixtral")
+
+
+def test_a_benchmark_shape_name_used_twice_is_refused(family_folder) -> None:
+    source = NEW_FAMILY.format(model_type="new_moe").replace('aliases=("new_moe",)', 'aliases=("qwen3",)')
+    family_folder("new_moe", source)
+    with pytest.raises(ValueError, match="'qwen3' is given to both example/New-MoE-1B and Qwen/Qwen3-30B-A3B"):
+        real_shapes()
