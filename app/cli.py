@@ -22,7 +22,9 @@ from tandem.app.output import (
     silence_stdout,
 )
 from tandem.app.prompt_input import prompt_text
+from tandem.autotune.bench.shapes import checkpoint_shapes, real_shapes
 from tandem.kernels.errors import OutputError, TandemError, UsageError
+from tandem.runtime.families import supported_model_types
 from tandem.runtime.paths import read_bounded
 
 if TYPE_CHECKING:
@@ -101,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     val.set_defaults(func=_bench_plan)
 
     kern = bench_sub.add_parser("kernels", help="CPU expert kernels against the DRAM roofline, beside torch")
-    add(kern, "--shapes", "--dtypes")
+    shapes = real_shapes()
+    add(kern, "--shapes", default=",".join(shapes))
+    add(kern, "--dtypes")
     add(kern, "--tokens", type=str, default="1,2,4,8,16,64,256", help="token counts per call (a comma list)")
     add(kern, "--threads")
     add(kern, "--json", help="print the rows as JSON")
@@ -120,13 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
     num.set_defaults(func=_bench_numerics)
 
     mbm = sub.add_parser("make-bench-model", help="write a random-weight checkpoint with a real model's shapes")
-    add(mbm, "--shape", "--layers")
+    writable = checkpoint_shapes()
+    not_yet = [name for name in shapes if name not in writable]
+    add(mbm, "--shape", help=f"{', '.join(writable)} ({', '.join(not_yet)}: not yet)")
+    add(mbm, "--layers")
     add(mbm, "--dtype", choices=["bf16", "fp32"], default="bf16")
     add(mbm, "--out")
     mbm.set_defaults(func=_make_bench_model)
 
     synth = sub.add_parser("make-test-model", help="write a small random-weight checkpoint (for trying things out)")
-    add(synth, "--family", "--out")
+    add(synth, "--family", help=f"model_type: {', '.join(supported_model_types())}")
+    add(synth, "--out")
     add(synth, "--seed", default=0)
     synth.set_defaults(func=_make_test_model)
     return parser
@@ -390,7 +398,7 @@ def _writing(path: str, flag: str) -> Iterator[None]:
 
 
 def _bench_decode(args: argparse.Namespace) -> int:
-    from tandem.app.bench import bench_decode
+    from tandem.autotune.bench.decode import bench_decode
 
     loaded = load_from_args(args)
     try:
@@ -402,7 +410,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
 
 
 def _bench_offload(args: argparse.Namespace) -> int:
-    from tandem.app.bench import bench_offload
+    from tandem.autotune.bench.offload import bench_offload
 
     result = bench_offload(args.model, args.expert_fraction, args.prompt_tokens, args.new_tokens, args.dtype)
     print(json.dumps(result, indent=1))
@@ -412,10 +420,11 @@ def _bench_offload(args: argparse.Namespace) -> int:
 def _bench_kernels(args: argparse.Namespace) -> int:
     import torch
 
-    from tandem.app.bench_kernels import DTYPES, MAX_TOKENS, SHAPES, bench_kernels
+    from tandem.autotune.bench.kernels import DTYPES, MAX_TOKENS, bench_kernels
+    from tandem.autotune.bench.shapes import shape_names
 
-    # read here, not by argparse: the known names live beside the benchmark, which imports torch
-    shapes = _list_flag("--shapes", flags.names(tuple(SHAPES), "shape"), args.shapes)
+    # read here, not by argparse: the known dtypes and token counts live beside the benchmark, which imports torch
+    shapes = _list_flag("--shapes", flags.names(shape_names(), "shape"), args.shapes)
     dtypes = _list_flag("--dtypes", flags.names(DTYPES, "dtype"), args.dtypes)
     tokens = _list_flag("--tokens", flags.whole_list(1, MAX_TOKENS), args.tokens)
     threads = args.threads or torch.get_num_threads()
@@ -424,9 +433,10 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
     else:
-        print(f"{'shape':8} {'dtype':5} {'tokens':>6} {'impl':>6} {'ms':>9} {'GB/s':>7} {'of DRAM':>7}")
+        width = max([8, *(len(name) for name in shapes)])  # the shape column: 8 wide, or the longest name
+        print(f"{'shape':{width}} {'dtype':5} {'tokens':>6} {'impl':>6} {'ms':>9} {'GB/s':>7} {'of DRAM':>7}")
         for r in rows:
-            print(f"{r['shape']:8} {r['dtype']:5} {r['tokens']:>6} {r['impl']:>6} {r['latency_ms']:>9.3f} "
+            print(f"{r['shape']:{width}} {r['dtype']:5} {r['tokens']:>6} {r['impl']:>6} {r['latency_ms']:>9.3f} "
                   f"{r['gbps']:>7.1f} {r['ratio']:>7.2f}")
     return 0
 
@@ -439,7 +449,7 @@ def _list_flag(flag: str, parse: Callable[[str], tuple[Any, ...]], text: str) ->
 
 
 def _bench_e2e(args: argparse.Namespace) -> int:
-    from tandem.app.bench_e2e import bench_e2e, plot
+    from tandem.autotune.bench.e2e import bench_e2e, plot
 
     if args.json:
         check_output_file(args.json, "--json")
@@ -473,21 +483,21 @@ def _bench_e2e(args: argparse.Namespace) -> int:
 
 
 def _bench_plan(args: argparse.Namespace) -> int:
-    from tandem.autotune.validate import validate
+    from tandem.autotune.bench.plan import validate
 
     print(json.dumps(validate(args.model, args.expert_fraction, args.tokens, args.dtype), indent=1))
     return 0
 
 
 def _bench_quant(args: argparse.Namespace) -> int:
-    from tandem.app.bench import bench_quant
+    from tandem.autotune.bench.quant import bench_quant
 
     print(json.dumps(bench_quant(args.model, args.new_tokens, group=args.quant_group), indent=1))
     return 0
 
 
 def _bench_numerics(args: argparse.Namespace) -> int:
-    from tandem.app.bench import bench_numerics, numerics_paths
+    from tandem.autotune.bench.numerics import bench_numerics, numerics_paths
 
     known = list(numerics_paths())
     paths = None if args.paths is None else [p.strip() for p in args.paths.split(",") if p.strip()]
@@ -511,7 +521,7 @@ def _bench_numerics(args: argparse.Namespace) -> int:
 def _make_bench_model(args: argparse.Namespace) -> int:
     import torch
 
-    from tandem.runtime.bench_shapes import make_bench_model
+    from tandem.autotune.bench.models import make_bench_model
 
     check_output_folder(args.out, "--out")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

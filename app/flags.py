@@ -247,16 +247,16 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
     "--scenario": (("--scenario",), dict(choices=["decode", "prefill", "beam", "all"], default="all")),
     "--expert-fraction": (("--expert-fraction",), dict(type=real(0, 1, low_open=True), default=0.25,
                                                        help="share of all experts that fit")),
-    "--shapes": (("--shapes",), dict(default="mixtral,qwen3,olmoe,deepseek")),
+    "--shapes": (("--shapes",), dict(help="real-model shapes (a comma list)")),
     "--dtypes": (("--dtypes",), dict(default="bf16,fp16,fp32,int8,int4")),
     "--paths": (("--paths",), dict(default=None,
                                    help="comma list of paths (default: every one this CPU can take)")),
     "--masks": (("--masks",), dict(action="store_true",
                                    help="then every path again as each CPU with fewer features this one can play")),
     "--reference": (("--reference",), dict(default=None, help=argparse.SUPPRESS)),  # fp32 top-1 tokens, for --masks
-    "--shape": (("--shape",), dict(required=True, help="mixtral, qwen3-30b-a3b, olmoe (deepseek-v2-lite: not yet)")),
+    "--shape": (("--shape",), dict(required=True, help="a real model's shape")),
     "--layers": (("--layers",), dict(type=whole(1), default=None, help="fewer layers than the real model")),
-    "--family": (("--family",), dict(default="mixtral", help="model_type: mixtral, qwen2_moe, qwen3_moe, olmoe")),
+    "--family": (("--family",), dict(default="mixtral", help="model_type")),
 }
 
 

@@ -17,6 +17,10 @@ QKNorm = Literal["none", "head", "full"]  # no q/k norm; RMSNorm per head (Qwen3
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The fields without a default every family reads from its config.json; the rest default to the plain
+    decoder (Llama-style attention, every layer a MoE block, no shared expert), so a family sets only what differs
+    and a new knob needs no edit in the families that do not use it."""
+
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -27,23 +31,28 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
-    tie_word_embeddings: bool
-    # attention variant
-    qkv_bias: bool
-    o_bias: bool
-    qk_norm: QKNorm
-    clip_qkv: float | None
     # mixture of experts
     num_experts: int
     top_k: int
     moe_intermediate_size: int
-    norm_topk_prob: bool
-    shared_expert_intermediate_size: int  # 0 = no shared expert
-    dense_intermediate_size: int  # for layers without experts (0 if there are none)
-    sparse_layers: tuple[bool, ...]  # per layer: True if its feed-forward is a MoE block
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to one
+    shared_expert_intermediate_size: int = 0  # 0 = no shared expert
+    dense_intermediate_size: int = 0  # for layers without experts (0 if there are none)
+    sparse_layers: tuple[bool, ...] = ()  # per layer: True if its feed-forward is a MoE block; () = every layer
+    # attention variant
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: QKNorm = "none"
+    clip_qkv: float | None = None
     sliding_window: int | None = None
+    # embeddings and special tokens
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.sparse_layers:  # the default: a MoE block in every layer (frozen, hence object.__setattr__)
+            object.__setattr__(self, "sparse_layers", (True,) * self.num_layers)
 
     @property
     def num_moe_layers(self) -> int:

@@ -30,6 +30,7 @@ from tandem.runtime.moe import ExpertWeights, MoEBlockWeights, route
 from tandem.runtime.trace import TraceRecorder
 
 GPU, CPU, FETCHED = 0, 1, 2  # columns of the per-layer statistics
+RESERVE = 50  # 1/RESERVE of the accelerator's budget is kept back from the expert slots: activations, allocator slack
 
 
 class Strategy(StrEnum):
@@ -91,6 +92,13 @@ class DispatchStats:
             "per_layer": {str(i): {"gpu": int(r[GPU]), "cpu": int(r[CPU]), "fetched": int(r[FETCHED])}
                           for i, r in enumerate(self.per_layer) if r.any()},
         }
+
+
+def budget_for_slots(fixed: int, slots: int, expert_bytes: int) -> float:
+    """The accelerator budget, in bytes, in which the dispatcher makes exactly `slots` expert slots of
+    `expert_bytes` each, beside `fixed` bytes placed before them (non-expert weights, KV cache, scratch buffer):
+    what they need, plus half an expert so that rounding the budget down never costs a slot, plus the reserve."""
+    return (fixed + slots * expert_bytes + expert_bytes // 2) * RESERVE / (RESERVE - 1)
 
 
 def default_ways(slots: int, layers: int, experts: int, top_k: int) -> int:
@@ -158,7 +166,7 @@ class Dispatcher:
         if self.cost is None:
             self.cost = CostModel.from_bandwidths(expert_bytes, 6 * cfg.hidden_size * cfg.moe_intermediate_size)
         self.scratch = self._new_buffer(accel, "the expert scratch buffer")
-        reserve = accel.budget // 50  # activations and allocator slack
+        reserve = accel.budget // RESERVE
         slots = max(0, (accel.free - reserve) // expert_bytes)
         moe_layers = [i for i in range(cfg.num_layers) if cfg.sparse_layers[i]]
         slots = min(slots, len(moe_layers) * cfg.num_experts)

@@ -22,7 +22,7 @@ from tandem.runtime.checkpoint import Checkpoint
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.dispatch import Dispatcher, OffloadPolicy
 from tandem.runtime.moe import ExpertWeights, MoEBlockWeights, RoutingRule, SharedExpert
-from tandem.runtime.weights import dense_matrices, expert_names, layer_prefix, router_name
+from tandem.runtime.weights import dense_matrices, expert_names, layer_prefix, router_name, shared_expert_names
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -218,7 +218,8 @@ class MoEModel:
             if cfg.sparse_layers[i]:
                 shared = None
                 if cfg.shared_expert_intermediate_size:
-                    shared = SharedExpert(mlp(f"{p}.mlp.shared_expert"), w(f"{p}.mlp.shared_expert_gate.weight"))
+                    shared_mlp, shared_gate = shared_expert_names(spec, i)
+                    shared = SharedExpert(mlp(shared_mlp), w(shared_gate))
                 ffn = MoEBlockWeights(w(router_name(spec, i)), [], rule, shared)  # routed experts: below
             else:
                 ffn = mlp(f"{p}.mlp")

@@ -12,14 +12,14 @@ import math
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tandem.runtime.families import family_for
-from tandem.runtime.weights import dense_tensors, expert_tensors
+from tandem.runtime.weights import dense_tensors, expert_tensors, router_name
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 CHATML = (
@@ -28,25 +28,18 @@ CHATML = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
+# What every family's tiny test config shares; each family's own keys are in its FamilySpec (`tiny`).
 _TINY_COMMON: dict[str, Any] = {
     "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
     "eos_token_id": 2, "bos_token_id": None, "rope_theta": 10000.0,
 }
-_TINY: dict[str, dict[str, Any]] = {
-    "mixtral": {"intermediate_size": 96, "num_local_experts": 8, "num_experts_per_tok": 2},
-    "qwen2_moe": {"intermediate_size": 128, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 96,
-                  "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False},
-    "qwen3_moe": {"intermediate_size": 128, "moe_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
-                  "head_dim": 32, "norm_topk_prob": True},
-    "olmoe": {"intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2},
-}
 
 
 def tiny_config(model_type: str, **overrides: Any) -> dict[str, Any]:
     """A small but complete config.json for a family (experts, heads, GQA all exercised)."""
-    family_for(model_type)  # raises with the supported list
-    return {"model_type": model_type, **_TINY_COMMON, **_TINY[model_type], **overrides}
+    spec = family_for(model_type)  # raises with the supported list
+    return {"model_type": model_type, **_TINY_COMMON, **spec.tiny, **overrides}
 
 
 def train_tokenizer(vocab_size: int, corpus: Path | None = None) -> Tokenizer:
@@ -101,7 +94,9 @@ def write_test_model(
         gen = torch.Generator().manual_seed(seed)
         shapes = dense_tensors(cfg, spec) | expert_tensors(cfg, spec)
         common = torch.randn(cfg.hidden_size, generator=gen)
-        skew = (common / common.norm(), routing_skew, router_scale) if routing_skew or router_scale != 1.0 else None
+        routers = frozenset(router_name(spec, i) for i in range(cfg.num_layers) if cfg.sparse_layers[i])
+        skew = Skew(common / common.norm(), routing_skew, router_scale, routers) \
+            if routing_skew or router_scale != 1.0 else None
         _write_shards(tmp, shapes, gen, dtype, shard_bytes, std, skew)
         write_tokenizer(tmp, min(cfg.vocab_size, 2048))
         tmp.rename(out)
@@ -111,16 +106,25 @@ def write_test_model(
     return out
 
 
+class Skew(NamedTuple):
+    """Trained-like routing (write_test_model's `routing_skew`, `router_scale`)."""
+
+    common: torch.Tensor  # [H] the direction every token's embedding carries, unit length
+    strength: float  # routing_skew
+    scale: float  # router_scale
+    routers: frozenset[str]  # the routers' tensor names
+
+
 def _random(shape: tuple[int, ...], name: str, gen: torch.Generator, dtype: torch.dtype, std: float,
-            skew: tuple[torch.Tensor, float, float] | None = None) -> torch.Tensor:
+            skew: Skew | None = None) -> torch.Tensor:
     if "norm" in name:  # RMSNorm weights near one, as after training
         return (1 + 0.1 * torch.randn(shape, generator=gen)).to(dtype)
     w = torch.randn(shape, generator=gen) * std
     if skew is not None:
-        common, strength, scale = skew
+        common, strength, scale, routers = skew
         if name == "model.embed_tokens.weight":  # every token carries the common direction
             w += common * std * shape[1] ** 0.5 * strength
-        elif name.endswith(".gate.weight") and shape[0] > 1:  # a router: Zipf-like preference along it
+        elif name in routers and shape[0] > 1:  # a router: Zipf-like preference along it
             w *= scale
             popularity = 1.0 / torch.arange(1, shape[0] + 1) ** 0.8
             popularity = popularity[torch.randperm(shape[0], generator=gen)]
@@ -130,7 +134,7 @@ def _random(shape: tuple[int, ...], name: str, gen: torch.Generator, dtype: torc
 
 def _write_shards(
     out: Path, shapes: dict[str, tuple[int, ...]], gen: torch.Generator, dtype: torch.dtype, limit: int, std: float,
-    skew: tuple[torch.Tensor, float, float] | None = None,
+    skew: Skew | None = None,
 ) -> None:
     item = torch.empty((), dtype=dtype).element_size()
     groups: list[list[str]] = [[]]

@@ -23,7 +23,13 @@ def expert_names(spec: FamilySpec, layer: int, expert: int) -> tuple[str, str, s
 
 
 def router_name(spec: FamilySpec, layer: int) -> str:
-    return f"{layer_prefix(layer)}.{spec.moe_prefix}.gate.weight"
+    return f"{layer_prefix(layer)}.{spec.moe_prefix}.{spec.router}.weight"
+
+
+def shared_expert_names(spec: FamilySpec, layer: int) -> tuple[str, str]:
+    """(the shared expert's SwiGLU prefix, its gate's tensor name) in one MoE layer."""
+    base = f"{layer_prefix(layer)}.{spec.moe_prefix}"
+    return f"{base}.{spec.shared_expert}", f"{base}.{spec.shared_expert_gate}.weight"
 
 
 def _mlp(prefix: str, hidden: int, inter: int) -> dict[str, Shape]:
@@ -69,8 +75,9 @@ def dense_tensors(cfg: ModelConfig, spec: FamilySpec) -> dict[str, Shape]:
             continue
         out[router_name(spec, i)] = (cfg.num_experts, h)
         if cfg.shared_expert_intermediate_size:
-            out |= _mlp(f"{p}.mlp.shared_expert", h, cfg.shared_expert_intermediate_size)
-            out[f"{p}.mlp.shared_expert_gate.weight"] = (1, h)
+            mlp, gate = shared_expert_names(spec, i)
+            out |= _mlp(mlp, h, cfg.shared_expert_intermediate_size)
+            out[gate] = (1, h)
     return out
 
 

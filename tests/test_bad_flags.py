@@ -106,7 +106,7 @@ def test_bad_numbers_in_other_commands_are_refused(capsys, argv: list[str], flag
 ])
 def test_bench_kernels_lists_are_checked_before_benchmarking(capsys, monkeypatch, flag: str, value: str,
                                                              needles: tuple[str, ...]) -> None:
-    from tandem.app import bench_kernels
+    from tandem.autotune.bench import kernels as bench_kernels
 
     def never(*args, **kwargs):
         raise AssertionError("benchmarked despite a bad list")

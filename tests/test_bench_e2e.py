@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.app.bench_e2e import bench_e2e, peer_fits_beside, plot
 from tandem.app.cli import main
+from tandem.autotune.bench.e2e import bench_e2e, peer_fits_beside, plot
 from tandem.autotune.configure import load_model
 from tandem.kernels.errors import TandemError
 

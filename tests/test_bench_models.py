@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from tandem.app.cli import main
+from tandem.autotune.bench.models import bench_config, make_bench_model, reuse
+from tandem.autotune.bench.shapes import ExpertShape, checkpoint_shapes, find_shape, real_shapes, shape_names
 from tandem.kernels.errors import UnsupportedModelError
-from tandem.runtime.bench_shapes import SHAPES, bench_config, make_bench_model, reuse
 from tandem.runtime.checkpoint import open_checkpoint
 
 
@@ -47,4 +48,17 @@ def test_reuse_metric() -> None:
 def test_cli(tmp_path: Path, capsys) -> None:
     assert main(["make-bench-model", "--shape", "deepseek-v2-lite", "--out", str(tmp_path / "x")]) == 2
     assert "not a supported family" in capsys.readouterr().err
-    assert set(SHAPES) == {"mixtral", "qwen3-30b-a3b", "olmoe"}
+    assert set(checkpoint_shapes()) == {"mixtral", "qwen3-30b-a3b", "olmoe"}
+
+
+def test_one_table_of_shapes_serves_both_commands() -> None:
+    """`bench kernels` derives each expert shape from the config `make-bench-model` writes; the names either command
+    took before still work, each standing for one key."""
+    experts = {name: shape.expert for name, shape in real_shapes().items()}
+    assert experts == {"mixtral": ExpertShape(4096, 14336, 2), "olmoe": ExpertShape(2048, 1024, 8),
+                       "qwen3-30b-a3b": ExpertShape(2048, 768, 8), "deepseek-v2-lite": ExpertShape(2048, 1408, 6)}
+    assert {"mixtral", "qwen3", "olmoe", "deepseek", "qwen3-30b-a3b", "deepseek-v2-lite"} <= set(shape_names())
+    assert find_shape("qwen3") == find_shape("qwen3-30b-a3b") and find_shape("deepseek").config is None
+    assert bench_config("qwen3")["model_type"] == "qwen3_moe"
+    with pytest.raises(KeyError):
+        find_shape("qwen3-30b")

@@ -53,7 +53,7 @@ def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_bench_kernels_rows_have_the_documented_keys() -> None:
-    from tandem.app.bench_kernels import bench_kernels
+    from tandem.autotune.bench.kernels import bench_kernels
     from tandem.kernels.cpu import CpuExecutor
 
     most = CpuExecutor(2048, 768, torch.bfloat16).crossover  # the most tokens a layer call takes on this CPU

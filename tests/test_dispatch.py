@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tandem.runtime.accelerator import EmulatedAccelerator
 from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.cost import CostModel
-from tandem.runtime.dispatch import OffloadPolicy, Strategy
+from tandem.runtime.dispatch import OffloadPolicy, Strategy, budget_for_slots
 from tandem.runtime.engine import Engine, GenerationStats
 from tandem.runtime.expert_cache import Policy
 from tandem.runtime.model import MoEModel
@@ -57,8 +57,16 @@ def budget_for(folder: Path, slots: int, batch: int = 1) -> int:
     engine = build(folder, probe, OffloadPolicy(cache_ways=1), batch)
     fixed = probe.used - len(engine.model.experts.slot_buffers) * expert_bytes(folder)
     engine.model.close()
-    need = fixed + slots * expert_bytes(folder)
-    return int((need + expert_bytes(folder) // 2) * 50 / 49)  # the dispatcher keeps budget/50 in reserve
+    return int(budget_for_slots(fixed, slots, expert_bytes(folder)))
+
+
+@pytest.mark.parametrize("slots", [0, 1, 7, 24])
+def test_the_budget_for_n_slots_makes_n_slots(checkpoints, slots: int) -> None:
+    folder = checkpoints["mixtral"]  # 3 MoE layers of 8 experts: 24 slots at most
+    every = tuple((layer, e) for layer in range(3) for e in range(8))
+    engine = build(folder, EmulatedAccelerator(budget_for(folder, slots)), OffloadPolicy(static=every))
+    assert len(engine.model.experts.static) == slots  # static placement takes every slot there is
+    engine.model.close()
 
 
 _reference: dict[tuple[str, int], tuple[torch.Tensor, list[int], int]] = {}

@@ -1,11 +1,15 @@
 """Model families, registered by `config.json`'s `model_type`.
 
-A family is a `FamilySpec`: how to parse its config into a `ModelConfig`, and how its tensors are
-named on disk. Everything else (the decoder, routing, generation) is shared.
+A family is one module of this package (any name not starting with an underscore) that defines `SPEC`, a
+`FamilySpec`: how to parse its config into a `ModelConfig` (with the family's defaults), how its tensors are named
+on disk, its tiny test config and the published models whose shapes the benchmarks copy. The registry finds the
+modules by itself: adding a family is adding its file. Everything else (the decoder, routing, generation) is shared.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,18 +19,57 @@ from tandem.runtime.config import ModelConfig, check_config, clean_raw
 
 
 @dataclass(frozen=True)
+class BenchShape:
+    """A published model's dimensions, for random-weight benchmark checkpoints (`make-bench-model`) and the kernel
+    benchmark (`bench kernels`, which runs its hidden size, expert width and top-k)."""
+
+    name: str  # its key on the command line
+    model: str  # the published model it copies
+    config: dict[str, Any]  # its config.json without `model_type` (the family's), every dimension as published
+    aliases: tuple[str, ...] = ()  # other names the command line takes for it
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     model_type: str
     display_name: str
     parse: Callable[[dict[str, Any]], ModelConfig]
-    moe_prefix: str  # the MoE block inside a layer: "mlp" or "block_sparse_moe"
-    expert_proj: tuple[str, str, str]  # on-disk names of an expert's (gate, up, down) projections
+    tiny: dict[str, Any]  # a tiny test config's own keys, beside the ones every family shares (runtime.synth)
+    shapes: tuple[BenchShape, ...] = ()
+    # on-disk names, under `model.layers.N.`
+    moe_prefix: str = "mlp"  # the MoE block inside a layer
+    expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # an expert's (gate, up, down)
+    router: str = "gate"  # the router, inside the MoE block
+    shared_expert: str = "shared_expert"  # the shared expert's SwiGLU and ...
+    shared_expert_gate: str = "shared_expert_gate"  # ... its sigmoid gate, inside the MoE block
 
 
 def _registry() -> dict[str, FamilySpec]:
-    from tandem.runtime.families import mixtral, olmoe, qwen2_moe, qwen3_moe
+    """Every family module of this package, by model_type. A module that fails to import or defines no FamilySpec
+    is an error naming it: a family that silently disappeared would be reported as an unsupported model."""
+    found: dict[str, FamilySpec] = {}
+    where: dict[str, str] = {}  # model_type -> the module defining it
+    for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if module.name.startswith("_"):
+            continue
+        name = f"{__name__}.{module.name}"
+        try:
+            spec = importlib.import_module(name).SPEC
+        except Exception as e:
+            raise ImportError(f"model family module {name} is broken: {e!r}") from e
+        if not isinstance(spec, FamilySpec):
+            raise ImportError(f"model family module {name}: SPEC is a {type(spec).__name__}, not a FamilySpec")
+        if spec.model_type in found:
+            raise ImportError(f"model family modules {where[spec.model_type]} and {name} both define "
+                              f"model_type {spec.model_type!r}")
+        found[spec.model_type], where[spec.model_type] = spec, name
+    return found
 
-    return {f.SPEC.model_type: f.SPEC for f in (mixtral, qwen2_moe, qwen3_moe, olmoe)}
+
+def families() -> list[FamilySpec]:
+    """Every family, in the order of their model_type."""
+    registry = _registry()
+    return [registry[t] for t in sorted(registry)]
 
 
 def supported_model_types() -> list[str]:

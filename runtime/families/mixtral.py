@@ -5,27 +5,28 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.runtime.config import ModelConfig, decoder_fields, require
-from tandem.runtime.families import FamilySpec
+from tandem.runtime.families import BenchShape, FamilySpec
 
 
 def parse(raw: dict[str, Any]) -> ModelConfig:
     require(raw, "intermediate_size", "num_local_experts", "num_experts_per_tok")
-    layers = raw["num_hidden_layers"]
     return ModelConfig(
         **decoder_fields(raw, eps=1e-5, theta=1e6, max_pos=32768),
-        qkv_bias=False,
-        o_bias=False,
-        qk_norm="none",
-        clip_qkv=None,
         num_experts=raw["num_local_experts"],
         top_k=raw["num_experts_per_tok"],
         moe_intermediate_size=raw["intermediate_size"],
-        norm_topk_prob=True,
-        shared_expert_intermediate_size=0,
-        dense_intermediate_size=0,
-        sparse_layers=(True,) * layers,
         sliding_window=raw.get("sliding_window"),
     )
 
 
-SPEC = FamilySpec("mixtral", "Mixtral", parse, moe_prefix="block_sparse_moe", expert_proj=("w1", "w3", "w2"))
+SPEC = FamilySpec(
+    "mixtral", "Mixtral", parse,
+    tiny={"intermediate_size": 96, "num_local_experts": 8, "num_experts_per_tok": 2},
+    shapes=(BenchShape("mixtral", "mistralai/Mixtral-8x7B-v0.1", {
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "rope_theta": 1e6, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2,
+    }),),
+    moe_prefix="block_sparse_moe", expert_proj=("w1", "w3", "w2"),
+)

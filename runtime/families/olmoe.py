@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.runtime.config import ModelConfig, decoder_fields, require
-from tandem.runtime.families import FamilySpec
+from tandem.runtime.families import BenchShape, FamilySpec
 
 
 def parse(raw: dict[str, Any]) -> ModelConfig:
     require(raw, "intermediate_size", "num_experts", "num_experts_per_tok")
-    layers = raw["num_hidden_layers"]
     bias = raw.get("attention_bias", False)
     return ModelConfig(
         **decoder_fields(raw, eps=1e-5, theta=10000.0, max_pos=4096),
@@ -22,10 +21,16 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
         top_k=raw["num_experts_per_tok"],
         moe_intermediate_size=raw["intermediate_size"],
         norm_topk_prob=raw.get("norm_topk_prob", False),
-        shared_expert_intermediate_size=0,
-        dense_intermediate_size=0,
-        sparse_layers=(True,) * layers,
     )
 
 
-SPEC = FamilySpec("olmoe", "OLMoE", parse, moe_prefix="mlp", expert_proj=("gate_proj", "up_proj", "down_proj"))
+SPEC = FamilySpec(
+    "olmoe", "OLMoE", parse,
+    tiny={"intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2},
+    shapes=(BenchShape("olmoe", "allenai/OLMoE-1B-7B-0924", {
+        "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 16,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+        "norm_topk_prob": False, "rope_theta": 10000.0, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "eos_token_id": 2, "clip_qkv": None,
+    }),),
+)

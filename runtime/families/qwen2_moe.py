@@ -18,9 +18,6 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
     return ModelConfig(
         **decoder_fields(raw, eps=1e-6, theta=10000.0, max_pos=32768),
         qkv_bias=raw.get("qkv_bias", True),  # always on before transformers 5 made it a key
-        o_bias=False,
-        qk_norm="none",
-        clip_qkv=None,
         num_experts=raw["num_experts"],
         top_k=raw["num_experts_per_tok"],
         moe_intermediate_size=raw["moe_intermediate_size"],
@@ -31,4 +28,8 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
-SPEC = FamilySpec("qwen2_moe", "Qwen2-MoE", parse, moe_prefix="mlp", expert_proj=("gate_proj", "up_proj", "down_proj"))
+SPEC = FamilySpec(
+    "qwen2_moe", "Qwen2-MoE", parse,
+    tiny={"intermediate_size": 128, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 96,
+          "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False},
+)

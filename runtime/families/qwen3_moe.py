@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.runtime.config import ModelConfig, decoder_fields, require, sparse_layer_pattern
-from tandem.runtime.families import FamilySpec
+from tandem.runtime.families import BenchShape, FamilySpec
 
 
 def parse(raw: dict[str, Any]) -> ModelConfig:
@@ -21,16 +21,25 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
         qkv_bias=bias,
         o_bias=bias,
         qk_norm="head",
-        clip_qkv=None,
         num_experts=experts,
         top_k=raw["num_experts_per_tok"],
         moe_intermediate_size=raw["moe_intermediate_size"],
         norm_topk_prob=raw.get("norm_topk_prob", True),
-        shared_expert_intermediate_size=0,
         dense_intermediate_size=raw.get("intermediate_size", 0) if not all(sparse) else 0,
         sparse_layers=sparse,
         sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window") else None,
     )
 
 
-SPEC = FamilySpec("qwen3_moe", "Qwen3-MoE", parse, moe_prefix="mlp", expert_proj=("gate_proj", "up_proj", "down_proj"))
+SPEC = FamilySpec(
+    "qwen3_moe", "Qwen3-MoE", parse,
+    tiny={"intermediate_size": 128, "moe_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
+          "head_dim": 32, "norm_topk_prob": True},
+    shapes=(BenchShape("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", {
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "rope_theta": 1e6,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "eos_token_id": 2,
+        "decoder_sparse_step": 1, "mlp_only_layers": [],
+    }, aliases=("qwen3",)),),
+)

@@ -16,11 +16,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tandem.autotune.bench.shapes import find_shape
 from tandem.autotune.microbench import dram_bandwidth, time_per_call
 from tandem.kernels.cpu import CpuExecutor, CpuExpert
 
-SHAPES = {"mixtral": (4096, 14336), "qwen3": (2048, 768), "olmoe": (2048, 1024), "deepseek": (2048, 1408)}
-TOP_K = {"mixtral": 2, "qwen3": 8, "olmoe": 8, "deepseek": 6}  # experts per token in each family
 DTYPES = ("bf16", "fp16", "fp32", "int8", "int4")
 TOKENS = (1, 2, 4, 8, 16, 64, 256)
 MAX_TOKENS = 4096  # tokens per call at most: 4096 x hidden activations stay small beside the weights
@@ -37,11 +36,11 @@ def bench_kernels(
     bw = dram_bandwidth(threads, working_set)
     rows: list[dict[str, Any]] = []
     for shape in shapes:
-        h, i = SHAPES[shape]
+        expert = find_shape(shape).expert
+        h, i, k = expert.hidden, expert.width, expert.top_k
         for dtype in dtypes:
             if progress:
                 progress(f"{shape} {dtype}: preparing experts")
-            k = TOP_K[shape]
             ours, peer = _experts(h, i, dtype, threads, working_set, k)
             executor = ours[0].executor
             layers = [executor.layer(ours[j : j + k]) for j in range(0, len(ours) - k + 1, k)]

@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 import torch
 
-from tandem.app.bench import bench_prompt_ids
+from tandem.autotune.bench.inputs import bench_prompt_ids
 from tandem.autotune.microbench import dram_bandwidth
 from tandem.autotune.probe import probe
 from tandem.runtime.engine import Engine, GenerationStats
@@ -80,7 +80,7 @@ def peer_child() -> None:
 def _peer_in_child(path: str | Path, dtype: torch.dtype, points: list[dict[str, Any]]) -> list[dict[str, float]]:
     job = {"model": str(path), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
            "points": points}
-    done = subprocess.run([sys.executable, "-c", "from app.bench_e2e import peer_child; peer_child()"],
+    done = subprocess.run([sys.executable, "-c", "from tandem.autotune.bench.e2e import peer_child; peer_child()"],
                           input=json.dumps(job), capture_output=True, text=True, check=False)
     if done.returncode != 0:
         from tandem.kernels.errors import TandemError
@@ -130,9 +130,9 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
     later: list[dict[str, Any]] = []  # points for a child-process peer, run after Tandem's rows
     _touch_every_expert(loaded)
     _tandem(loaded, engine_for, bench_prompt_ids(loaded.tokenizer, 16), 4, 1)  # warm-up
-    # DRAM bandwidth: probed before Tandem's rows, before each decode row and after them all; the best counts (the
-    # probe alone moves between 25 and 33 GB/s here from one minute to the next, on a shared machine, and just
-    # after a load while the OS reclaims memory)
+    # DRAM bandwidth: probed before Tandem's rows, before each decode row and after them all; the best counts (on a
+    # shared machine the probe alone moves by a quarter from one minute to the next, and just after a load while the
+    # OS reclaims memory: docs/bench/README.md)
     probes = [dram_bandwidth(torch.get_num_threads(), 2**30)] if model.accel is None else []
     for scenario in scenarios:
         for point in grid[scenario]:

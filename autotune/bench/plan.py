@@ -22,7 +22,7 @@ from tandem.autotune.plan import ModelShape, Plan, evaluate, make_plan
 from tandem.autotune.probe import probe
 from tandem.autotune.run import record_trace
 from tandem.runtime.checkpoint import open_checkpoint
-from tandem.runtime.dispatch import Strategy
+from tandem.runtime.dispatch import Strategy, budget_for_slots
 from tandem.runtime.engine import Engine, GenerationStats
 from tandem.runtime.expert_cache import Policy
 from tandem.runtime.moe import ExpertWeights
@@ -110,7 +110,7 @@ def validate(model_dir: str | Path, expert_fraction: float = 0.25, tokens: int =
     fixed = probe_load.model.accel.used
     probe_load.model.close()
     def budget(n: int) -> float:
-        return (fixed + n * shape.expert_bytes + shape.expert_bytes // 2) * 50 / 49 / 2**30
+        return budget_for_slots(fixed, n, shape.expert_bytes) / 2**30
 
     # Calibrate the activation round trip: every expert on the CPU, but through the emulated device.
     no_slots = measure(model_dir, name, tokens, accelerator="emulated", vram_gb=budget(0), strategy=Strategy.CPU,

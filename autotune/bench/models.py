@@ -1,0 +1,49 @@
+"""`tandem make-bench-model`: random-weight checkpoints of published models' shapes (every dimension as published,
+from the table in `shapes`), with trained-like routing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tandem.autotune.bench.shapes import checkpoint_shapes, find_shape
+from tandem.kernels.errors import UnsupportedModelError
+from tandem.runtime.synth import write_test_model
+
+DEFAULT_SKEW = 0.15  # a few popular experts per layer
+DEFAULT_ROUTER_SCALE = 10.0  # token-dependence of routing: the next token reuses about half of a layer's experts, as
+# in a trained model (measured per scale: docs/bench/README.md)
+
+
+def bench_config(shape: str, layers: int | None = None) -> dict[str, Any]:
+    try:
+        found = find_shape(shape)
+    except KeyError:
+        known = ", ".join(checkpoint_shapes())
+        raise UnsupportedModelError(f"unknown shape {shape!r}; choose one of {known}") from None
+    if found.config is None:
+        raise UnsupportedModelError(f"--shape {shape}: {found.refused}")
+    config = dict(found.config)
+    if layers is not None:
+        config["num_hidden_layers"] = max(1, min(layers, config["num_hidden_layers"]))
+    return config
+
+
+def make_bench_model(shape: str, out: str | Path, layers: int | None = None, dtype: torch.dtype = torch.bfloat16,
+                     routing_skew: float = DEFAULT_SKEW, router_scale: float = DEFAULT_ROUTER_SCALE, seed: int = 0,
+                     **overrides: Any) -> Path:
+    """Write a random-weight checkpoint of the real shape, one shard (≤ 2 GiB) at a time."""
+    config = bench_config(shape, layers) | overrides
+    return write_test_model(out, config, seed=seed, dtype=dtype, std=0.02, routing_skew=routing_skew,
+                            router_scale=router_scale)
+
+
+def reuse(sequence: np.ndarray) -> float:
+    """Mean share of a layer's experts (batch 1) that the next token chooses again; sequence [steps, layers, k]."""
+    steps, layers, k = sequence.shape
+    shared = [len(set(sequence[t, i]) & set(sequence[t - 1, i])) / k
+              for t in range(1, steps) for i in range(layers) if sequence[t, i, 0] >= 0]
+    return float(np.mean(shared)) if shared else 0.0

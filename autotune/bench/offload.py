@@ -1,0 +1,80 @@
+"""`tandem bench offload`: every cache policy and static popularity placement on the emulated accelerator holding a
+share of the experts, in one run: hit rate and decode speed of each against CPU only."""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from typing import Any
+
+import torch
+
+from tandem.autotune.configure import load_model
+from tandem.runtime.dispatch import Strategy, budget_for_slots
+from tandem.runtime.engine import Engine, GenerationStats
+from tandem.runtime.expert_cache import Policy
+from tandem.runtime.sampling import SamplingParams
+from tandem.runtime.synth import ASSETS
+
+
+def bench_offload(
+    model_dir: str, expert_fraction: float = 0.25, prompt_tokens: int = 32, new_tokens: int = 64,
+    dtype: str = "auto", calibration_tokens: int = 64,
+) -> dict[str, Any]:
+    """Hit rate of every cache policy and of static popularity placement on one prompt, with the emulated
+    accelerator holding `expert_fraction` of all experts; decode speed of each against CPU only."""
+    base = load_model(model_dir, dtype=dtype, context=prompt_tokens + max(new_tokens, calibration_tokens) + 8)
+    cfg = base.model.cfg
+    text = (ASSETS / "tokenizer_corpus.txt").read_text(encoding="utf-8")
+    ids = base.tokenizer.encode(text)
+    prompt = ids[:prompt_tokens]
+    calibration = ids[prompt_tokens : prompt_tokens + calibration_tokens] or prompt  # a different text
+
+    def decode(engine: Engine, tokens: list[int], n: int) -> float:
+        stats = GenerationStats()
+        for _ in engine.generate(tokens, SamplingParams(max_new_tokens=n), stats):
+            pass
+        return stats.decode_tok_s
+
+    cpu_engine = Engine(base.model, ())
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = f"{tmp}/calibration.npz"
+        decode(cpu_engine, calibration, new_tokens)
+        base.model.experts.recorder.save(trace, model=str(model_dir))
+        probe = load_model(model_dir, dtype=dtype, context=base.model.context, accelerator="emulated", vram_gb=1024,
+                           cache_ways=0)
+        fixed, item = probe.model.accel.used, probe.model.dtype.itemsize
+        probe.model.close()
+        expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * item
+        slots = max(1, round(expert_fraction * cfg.num_moe_layers * cfg.num_experts))
+        def budget(n: int) -> float:
+            return budget_for_slots(fixed, n, expert_bytes) / 1024**3
+
+        setups: dict[str, tuple[dict[str, Any], str | None, int]] = {  # (settings, placement trace, slots)
+            p.value: ({"strategy": Strategy.CPU, "cache_policy": p}, None, slots) for p in Policy
+        }
+        setups["static-popular"] = ({"strategy": Strategy.CPU}, trace, slots)
+        # every expert on the CPU, but through the accelerator tier: the cost of the orchestration itself
+        setups["no-slots"] = ({"strategy": Strategy.CPU}, None, 0)
+        rows = []
+        cpu_rates = []
+        for name, (settings, placement, n_slots) in setups.items():
+            loaded = load_model(model_dir, dtype=dtype, context=base.model.context, accelerator="emulated",
+                                vram_gb=budget(n_slots), placement=placement, **settings)
+            rate = decode(Engine(loaded.model, ()), prompt, new_tokens)
+            cpu_rates.append(decode(cpu_engine, prompt, new_tokens))  # alternate with the CPU-only run
+            stats = loaded.model.experts.request_stats()
+            plan = loaded.model.experts.describe()
+            loaded.model.close()
+            rows.append({"setup": name, "hit_rate": round(stats.hit_rate, 4), "decode_tok_s": round(rate, 2),
+                         "cache": plan["cache"], "static_experts": plan["static_experts"],
+                         "bytes_h2d": stats.bytes_h2d, "bytes_d2h": stats.bytes_d2h})
+    cpu_rate = statistics.median(cpu_rates)
+    for row in rows:
+        row["speed_vs_cpu_only"] = round(row["decode_tok_s"] / cpu_rate, 3)
+    return {
+        "model": str(model_dir), "family": cfg.model_type, "dtype": str(base.model.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(), "expert_slots": slots,
+        "experts_total": cfg.num_moe_layers * cfg.num_experts, "prompt_tokens": len(prompt),
+        "new_tokens": new_tokens, "cpu_only_decode_tok_s": round(cpu_rate, 2), "rows": rows,
+    }

@@ -1,0 +1,43 @@
+"""`tandem bench quant`: int8/int4 CPU experts against unquantized ones: the logits' drift and greedy agreement."""
+
+from __future__ import annotations
+
+from itertools import chain, repeat
+from typing import Any
+
+import torch
+
+from tandem.autotune.bench.inputs import teacher_forced
+from tandem.autotune.configure import load_model
+from tandem.runtime.engine import Engine
+from tandem.runtime.sampling import SamplingParams
+from tandem.runtime.synth import ASSETS
+
+
+def bench_quant(model_dir: str, new_tokens: int = 64, prompt_tokens: int = 16, group: int = 64) -> dict[str, Any]:
+    """Quality of int8/int4 CPU experts against the unquantized model (same dtype), teacher-forced:
+    the unquantized greedy continuation is fed to every variant one token at a time (the decode path),
+    and at each step the logits are compared and the greedy choices checked for agreement."""
+    variants: dict[str, dict[str, Any]] = {"none": {}, "int8": {"quant": "int8"},
+                                           "int4": {"quant": "int4", "quant_group": group}}
+    models = {name: load_model(model_dir, **settings) for name, settings in variants.items()}
+    base = models["none"]
+    text = (ASSETS / "tokenizer_corpus.txt").read_text(encoding="utf-8")
+    prompt = base.tokenizer.encode(text)[:prompt_tokens]
+    tokens = list(Engine(base.model, ()).generate(prompt, SamplingParams(max_new_tokens=new_tokens)))
+    sequence = prompt + tokens[:-1]  # the prompt, then each step's token: logits for every new token
+    logits = {name: torch.cat(list(teacher_forced(loaded.model, sequence, chain([len(prompt)], repeat(1)))))
+              [len(prompt) - 1 :] for name, loaded in models.items()}  # [steps, V]
+    ref = logits["none"]
+    result: dict[str, Any] = {"model": str(model_dir), "dtype": str(base.model.dtype).removeprefix("torch."),
+                              "steps": len(ref), "int4_group": group, "variants": {}}
+    for name in ("int8", "int4"):
+        got = logits[name]
+        drift = (got - ref).abs()
+        result["variants"][name] = {
+            "max_abs_logit_drift": round(drift.max().item(), 4),
+            "mean_abs_logit_drift": round(drift.mean().item(), 4),
+            "relative_drift": round((drift.norm() / ref.norm()).item(), 4),
+            "greedy_agreement": round((got.argmax(-1) == ref.argmax(-1)).float().mean().item(), 4),
+        }
+    return result
