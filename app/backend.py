@@ -50,7 +50,7 @@ class RuntimeBackend:
         ckpt, model = loaded.checkpoint, loaded.model
         self.name = ckpt.path.name
         self.family = ckpt.spec.display_name
-        plan = model.experts.describe()
+        plan = model.dispatcher.describe()
         cpu = plan["cpu"]
         dtype = str(model.dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float32", "fp32")
         if model.accel is None:
@@ -87,12 +87,12 @@ class RuntimeBackend:
 
     def usage(self) -> Usage:
         s = self.stats
-        dispatch = self.loaded.model.experts.request_stats()
+        dispatch = self.loaded.model.dispatcher.request_stats()
         hit = dispatch.hit_rate if self.loaded.model.accel is not None else None
         return Usage(s.decode_tok_s, s.ttft_s, hit, s.prompt_tokens + s.new_tokens, self.loaded.model.context)
 
     def activity(self) -> list[list[int]]:
-        rec = self.loaded.model.experts.recorder
+        rec = self.loaded.model.dispatcher.recorder
         return (rec.prefill + rec.decode).tolist()
 
     def close(self) -> None:
@@ -100,6 +100,6 @@ class RuntimeBackend:
 
     def where(self) -> list[list[str]]:
         """Where each expert mostly ran during the last answer: "gpu" (resident), "fetched", "cpu" or ""."""
-        per = self.loaded.model.experts.request_stats().per_expert  # [layers, experts, 3]
+        per = self.loaded.model.dispatcher.request_stats().per_expert  # [layers, experts, 3]
         names = ("gpu", "cpu", "fetched")
         return [[names[int(c.argmax())] if c.any() else "" for c in row] for row in per]

@@ -177,14 +177,14 @@ def _note(text: str) -> None:
 def request_from_args(args: argparse.Namespace, batch: int = 1) -> Request:
     """The load settings the flags give (None where a flag was not given: the profile or the default decides)."""
     from tandem.runtime.dispatch import Strategy
-    from tandem.runtime.expert_cache import Policy
+    from tandem.runtime.expert_cache import CachePolicy
     from tandem.runtime.options import Request
 
     return Request(
         model=args.model, dtype=args.dtype, context=args.context, batch=batch,
         force=args.force, accelerator=args.accelerator, vram_gb=args.vram_gb,
         strategy=None if args.strategy is None else Strategy(args.strategy), cache_ways=args.cache_ways,
-        cache_policy=None if args.cache_policy is None else Policy(args.cache_policy),
+        cache_policy=None if args.cache_policy is None else CachePolicy(args.cache_policy),
         max_inflight=args.max_inflight, cost=args.cost, threads=args.threads, crossover=args.kernel_crossover,
         quant=args.quant, quant_group=args.quant_group, kernel_isa=args.kernel_isa, resident=args.resident,
     )
@@ -263,7 +263,7 @@ def _autotune(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from tandem.autotune.costs import from_hardware_file
+    from tandem.autotune.measurements import from_hardware_file
     from tandem.autotune.plan import ModelShape, make_plan
     from tandem.runtime.checkpoint import open_checkpoint
     from tandem.runtime.families import parse_config
@@ -328,7 +328,7 @@ def _generate(args: argparse.Namespace) -> int:
     stats = GenerationStats()
     tokens: list[int] = []
     stream = StreamDecoder(tok)
-    experts = loaded.model.experts
+    experts = loaded.model.dispatcher
     try:
         for token in loaded.engine.generate(prompt, params, stats):
             tokens.append(token)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from tandem.kernels.errors import UsageError
-from tandem.runtime.cost import CostModel
+from tandem.runtime.latency import LatencyModel
 
 SEED_MAX = 2**63 - 1  # torch's generators take a signed 64-bit seed; larger ones overflow inside torch
 
@@ -105,10 +105,10 @@ seed = whole(0, SEED_MAX)
 seed.__name__ = "seed"
 
 
-def cost(text: str) -> CostModel:
+def cost(text: str) -> LatencyModel:
     """`--cost A,B,GPU,T`: four finite, non-negative latencies in ms."""
     try:
-        return CostModel.parse(text)
+        return LatencyModel.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

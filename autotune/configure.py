@@ -15,8 +15,6 @@ from tandem.autotune.plan import Plan
 from tandem.autotune.probe import HardwareInfo, probe
 from tandem.autotune.profile import find_profile, model_fingerprint
 from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
-from tandem.runtime.dispatch import Strategy
-from tandem.runtime.expert_cache import Policy
 from tandem.runtime.loader import LoadedModel, load
 from tandem.runtime.options import Machine, Options, Request, default_dtype, resolve
 from tandem.runtime.trace import load_popularity, most_popular
@@ -70,9 +68,9 @@ def profile_request(plan: dict[str, Any]) -> Request:
     """What a saved plan decides, as the settings it fills: kernel and threads always, the accelerator's strategy,
     cache and static experts only when the plan used one."""
     p = Plan.from_dict(plan)
-    tuned = Request(threads=p.threads, crossover=p.crossover or None, kernel_isa=p.kernel_isa)  # type: ignore[arg-type]
+    tuned = Request(threads=p.threads, crossover=p.crossover or None, kernel_isa=p.kernel_isa)
     if not p.accelerator:
         return tuned
     static = tuple((int(layer), int(e)) for layer, e in plan.get("static", []))
-    return replace(tuned, strategy=Strategy(p.strategy), cache_policy=Policy(p.cache_policy),
+    return replace(tuned, strategy=p.strategy, cache_policy=p.cache_policy,
                    cache_ways=p.cache_ways or None, static=static)

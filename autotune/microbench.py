@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.autotune.costs import Measurements, fit_cpu
+from tandem.autotune.measurements import Measurements, fit_cpu
 from tandem.autotune.plan import ModelShape
 from tandem.autotune.probe import HardwareInfo
 from tandem.kernels.cpu import CpuExecutor, read_bandwidth_probe

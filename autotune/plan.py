@@ -13,11 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from tandem.autotune.costs import Measurements
-from tandem.autotune.simulate import SimCosts, SimPolicy, SimResult, simulate, synthetic_trace
+from tandem.autotune.measurements import Measurements
+from tandem.autotune.simulate import Candidate, SimCosts, SimResult, simulate, synthetic_trace
+from tandem.kernels.cpu import Isa, Quant
 from tandem.kernels.errors import TandemError
 from tandem.runtime.config import ModelConfig
-from tandem.runtime.expert_cache import Policy
+from tandem.runtime.dispatch import Strategy
+from tandem.runtime.expert_cache import CachePolicy
 from tandem.runtime.trace import most_popular
 from tandem.runtime.weights import attention_tensors
 
@@ -69,18 +71,18 @@ class ModelShape:
 class Plan:
     threads: int
     accelerator: bool = False
-    strategy: str = "cpu"
+    strategy: Strategy = Strategy.CPU
     cache_indexes: int = 0
     cache_ways: int = 0
-    cache_policy: str = "lru"
+    cache_policy: CachePolicy = CachePolicy.LRU
     static_experts: int = 0
-    kernel_isa: str | None = None
+    kernel_isa: Isa | None = None
     crossover: int | None = None
-    quant: str | None = None  # off unless the user opts in
+    quant: Quant | None = None  # off unless the user opts in
 
     def to_dict(self) -> dict[str, Any]:
-        return {"threads": self.threads, "accelerator": self.accelerator, "strategy": self.strategy,
-                "cache": {"indexes": self.cache_indexes, "ways": self.cache_ways, "policy": self.cache_policy},
+        return {"threads": self.threads, "accelerator": self.accelerator, "strategy": str(self.strategy),
+                "cache": {"indexes": self.cache_indexes, "ways": self.cache_ways, "policy": str(self.cache_policy)},
                 "static_experts": self.static_experts, "kernel": {"isa": self.kernel_isa, "crossover": self.crossover},
                 "quant": self.quant or "none"}
 
@@ -88,8 +90,8 @@ class Plan:
     def from_dict(cls, d: dict[str, Any]) -> Plan:
         cache, kernel = d.get("cache") or {}, d.get("kernel") or {}
         quant = d.get("quant")
-        return cls(int(d["threads"]), bool(d.get("accelerator")), d.get("strategy", "cpu"),
-                   int(cache.get("indexes", 0)), int(cache.get("ways", 0)), cache.get("policy", "lru"),
+        return cls(int(d["threads"]), bool(d.get("accelerator")), Strategy(d.get("strategy", "cpu")),
+                   int(cache.get("indexes", 0)), int(cache.get("ways", 0)), CachePolicy(cache.get("policy", "lru")),
                    int(d.get("static_experts", 0)), kernel.get("isa"), kernel.get("crossover"),
                    None if quant in (None, "none") else quant)
 
@@ -130,7 +132,7 @@ def candidates(shape: ModelShape, meas: Measurements) -> list[Plan]:
     best_t = min(threads, key=lambda t: meas.cpu[t].lat(1))
     ways_options = sorted({w for w in (shape.top_k, 2 * shape.top_k, 4 * shape.top_k, shape.num_experts)
                            if 0 < w <= shape.num_experts})
-    for strategy in ("fiddler", "cpu", "fetch"):
+    for strategy in Strategy:
         for static in sorted({0, slots // 2, slots}):
             cache_slots = slots - static
             plans.append(Plan(best_t, True, strategy, static_experts=static, **kernel))
@@ -138,8 +140,8 @@ def candidates(shape: ModelShape, meas: Measurements) -> list[Plan]:
                 indexes = min(moe, cache_slots // ways)
                 if indexes == 0:
                     continue
-                for policy in Policy:
-                    plans.append(Plan(best_t, True, strategy, indexes, ways, policy.value, static, **kernel))
+                for policy in CachePolicy:
+                    plans.append(Plan(best_t, True, strategy, indexes, ways, policy, static, **kernel))
     return plans
 
 
@@ -150,8 +152,8 @@ def evaluate(plan: Plan, shape: ModelShape, meas: Measurements, trace: np.ndarra
         ids = ids[ids >= 0]
         counts[layer] = np.bincount(ids, minlength=shape.num_experts)
     static = tuple(most_popular(counts, plan.static_experts)) if plan.static_experts else ()
-    policy = SimPolicy(plan.accelerator, plan.strategy, static, tuple(shape.moe_layers[: plan.cache_indexes]),
-                       plan.cache_ways, Policy(plan.cache_policy))
+    policy = Candidate(plan.accelerator, plan.strategy, static, tuple(shape.moe_layers[: plan.cache_indexes]),
+                       plan.cache_ways, CachePolicy(plan.cache_policy))
     return simulate(trace, sim_costs(shape, meas, plan.threads, plan.accelerator), policy, shape.expert_bytes)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.runtime.dispatch import Strategy
-from tandem.runtime.expert_cache import Policy
+from tandem.runtime.expert_cache import CachePolicy
 from tandem.runtime.paths import atomic_write_json, data_dir, remove_stale_temporaries, set_aside
 
 SCHEMA = 2  # raised whenever a saved plan would mean something else: a profile of another schema is set aside
@@ -110,7 +110,7 @@ def _whole(value: Any, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
-def _one_of(value: Any, names: type[Strategy] | type[Policy]) -> bool:
+def _one_of(value: Any, names: type[Strategy] | type[CachePolicy]) -> bool:
     return isinstance(value, str) and value in {n.value for n in names}
 
 
@@ -142,8 +142,8 @@ def check_plan(plan: dict[str, Any]) -> None:
     for name in ("indexes", "ways"):
         if not _whole(cache.get(name, 0), 0):
             raise bad(f"cache {name}", cache[name], "a whole number ≥ 0")
-    if not _one_of(cache.get("policy", "lru"), Policy):
-        raise bad("cache policy", cache["policy"], f"one of {', '.join(Policy)}")
+    if not _one_of(cache.get("policy", "lru"), CachePolicy):
+        raise bad("cache policy", cache["policy"], f"one of {', '.join(CachePolicy)}")
     kernel = plan.get("kernel", {})
     if not isinstance(kernel, dict) or set(kernel) - {"isa", "crossover"}:
         raise bad("kernel", kernel, "an object of isa and crossover")

@@ -40,7 +40,7 @@ def record_trace(model_dir: str | Path, dtype: Dtype, tokens: int = 32, loaded: 
     the measured decode ms per token and the thread count it ran with (to calibrate the simulator).
     `loaded`: this folder already in memory (the chat app's model), decoded with instead of a second copy,
     which might not fit beside it, when it runs CPU-only and unquantized; `checkpoint`: the folder, open."""
-    if loaded is None or loaded.model.accel is not None or loaded.model.experts.executor.quant:
+    if loaded is None or loaded.model.accel is not None or loaded.model.dispatcher.executor.quant:
         ckpt = checkpoint or open_checkpoint(model_dir)
         request = Request(model=model_dir, dtype=dtype, accelerator="none",
                           context=min(512, ckpt.config.max_position_embeddings))
@@ -51,10 +51,10 @@ def record_trace(model_dir: str | Path, dtype: Dtype, tokens: int = 32, loaded: 
     engine = Engine(loaded.model, ())  # no EOS: always the full count
     for _ in engine.generate(prompt, SamplingParams(max_new_tokens=tokens), stats):
         pass
-    recorder = loaded.model.experts.recorder
+    recorder = loaded.model.dispatcher.recorder
     trace = np.stack(recorder.sequence) if recorder.sequence else np.zeros((0, loaded.model.cfg.num_layers, 1), int)
     ms = 1000.0 / stats.decode_tok_s if stats.decode_tok_s else 0.0
-    return trace, ms, loaded.model.experts.executor.threads
+    return trace, ms, loaded.model.dispatcher.executor.threads
 
 
 def autotune(model_dir: str | Path, dtype: str = "auto", quick: bool = False,

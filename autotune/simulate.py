@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tandem.runtime.expert_cache import ExpertCache, Key, Policy
+from tandem.runtime.dispatch import Strategy
+from tandem.runtime.expert_cache import CachePolicy, ExpertCache, Key
 
 
 @dataclass(frozen=True)
@@ -34,13 +35,13 @@ class SimCosts:
 
 
 @dataclass(frozen=True)
-class SimPolicy:
+class Candidate:
     accelerator: bool = False
-    strategy: str = "fiddler"  # fiddler | cpu | fetch
+    strategy: Strategy = Strategy.FIDDLER
     static: tuple[Key, ...] = ()
     cache_layers: tuple[int, ...] = ()  # MoE layers the cache covers (N indexes)
     ways: int = 0
-    policy: Policy = Policy.LRU
+    policy: CachePolicy = CachePolicy.LRU
     max_inflight: int = 4
 
 
@@ -75,7 +76,7 @@ class _Copy:
         return None
 
 
-def simulate(trace: np.ndarray, costs: SimCosts, policy: SimPolicy, expert_bytes: int) -> SimResult:
+def simulate(trace: np.ndarray, costs: SimCosts, policy: Candidate, expert_bytes: int) -> SimResult:
     """Predicted per-token decode latency, hit rate and bytes copied for `trace` under `policy`."""
     steps = trace.shape[0]
     clock = [0.0]  # shared with the simulated copies
@@ -86,7 +87,7 @@ def simulate(trace: np.ndarray, costs: SimCosts, policy: SimPolicy, expert_bytes
     hits = misses = copies = 0
     timeline: list[float] = []
     for step in range(steps):
-        if policy.policy is Policy.TRACE and step == 0:
+        if policy.policy is CachePolicy.TRACE and step == 0:
             cache.new_request()
         for layer in range(trace.shape[1]):
             experts = [int(e) for e in trace[step, layer] if e >= 0]

@@ -17,6 +17,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -25,13 +26,16 @@ from tandem.kernels.errors import KernelError
 from tandem.kernels.isa import masked_features
 from tandem.kernels.quant import GROUPS, QuantizedMatrix, quantize_int4, quantize_int8
 
-ISAS = ("base", "avx2", "avx512", "avx512bf16", "amx")  # each named after the CPU feature it needs (base: none)
+Isa = Literal["base", "avx2", "avx512", "avx512bf16", "amx"]  # a kernel variant
+Quant = Literal["int8", "int4"]  # weight-only quantization of experts
+# each variant is named after the CPU feature it needs (base: none)
+ISAS: tuple[Isa, ...] = ("base", "avx2", "avx512", "avx512bf16", "amx")
 BF16_ONLY = ("avx512bf16", "amx")  # bf16 activations (AMX int8 and int4: 16-bit fixed point, about as fine)
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "int8": 3, "int4": 4}
 DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
 AMX_CROSSOVER = 16  # with AMX tiles the kernel stays at the bandwidth roofline up to a full tile of tokens
 AMX_KINDS = (torch.bfloat16, "int8", "int4")
-QUANT_KINDS = ("int8", "int4")
+QUANT_KINDS: tuple[Quant, ...] = ("int8", "int4")
 AMX_BATCH = 64  # experts one kernel region takes at most (csrc/common.h)
 # float32 x against bf16 dense weights stays on the kernel, 16 tokens a call, up to this many calls; beyond, a
 # float32 copy of the matrix for torch pays for itself (up to 64 tokens the kernel is ahead on 6144x2048 with
@@ -217,9 +221,9 @@ class CpuOptions:
 
     threads: int | None = None  # None: torch's intra-op thread count
     crossover: int | None = None  # up to this many tokens: the compiled kernel; more: torch (None: default)
-    quant: str | None = None  # None | "int8" | "int4"
+    quant: Quant | None = None
     group: int = 64  # int4 group size: 32, 64 or 128
-    isa: str | None = None  # force a kernel variant ("base", "avx2", "avx512", "avx512bf16")
+    isa: Isa | None = None  # force a kernel variant ("base", "avx2", "avx512", "avx512bf16")
     use_kernel: bool = True  # False: torch only
     resident: bool | None = None  # read the weights into RAM at load (they stream faster from there than from the
     # memory map); None: the loader decides by the RAM available

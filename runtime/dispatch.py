@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from tandem.kernels.cpu import CpuExpert, CpuOptions
 from tandem.runtime.accelerator import Accelerator
 from tandem.runtime.config import ModelConfig
-from tandem.runtime.cost import CostModel
-from tandem.runtime.expert_cache import ExpertCache, Key, Policy
+from tandem.runtime.expert_cache import CachePolicy, ExpertCache, Key
+from tandem.runtime.latency import LatencyModel
 from tandem.runtime.moe import ExpertWeights, MoEBlockWeights, route
 from tandem.runtime.trace import TraceRecorder
 
@@ -40,14 +40,14 @@ class Strategy(StrEnum):
 
 
 @dataclass(frozen=True)
-class OffloadPolicy:
+class OffloadOptions:
     strategy: Strategy = Strategy.FIDDLER
     cache_ways: int | None = None  # None: static experts, when given, take the slots (no cache); else the slots
     # spread over as many layers as they cover (default_ways)
-    cache_policy: Policy = Policy.LRU
+    cache_policy: CachePolicy = CachePolicy.LRU
     static: tuple[Key, ...] = ()  # experts pinned on the accelerator, most popular first
     max_inflight: int = 4  # background post-fetch copies in flight at most
-    cost: CostModel | None = None  # None: CostModel.from_bandwidths on the expert's size
+    cost: LatencyModel | None = None  # None: LatencyModel.from_bandwidths on the expert's size
 
 
 @dataclass
@@ -125,7 +125,7 @@ class Dispatcher:
 
     def __init__(
         self, cfg: ModelConfig, blocks: dict[int, MoEBlockWeights], dtype: torch.dtype,
-        accel: Accelerator | None = None, policy: OffloadPolicy | None = None, cpu: CpuOptions | None = None,
+        accel: Accelerator | None = None, policy: OffloadOptions | None = None, cpu: CpuOptions | None = None,
         linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
     ) -> None:
         self.cfg, self.blocks, self.dtype, self.accel = cfg, blocks, dtype, accel
@@ -138,7 +138,7 @@ class Dispatcher:
             for layer, block in blocks.items()
         }
         self.cpu_layers = {layer: self.executor.layer(experts) for layer, experts in self.cpu_experts.items()}
-        self.policy = policy or OffloadPolicy()
+        self.policy = policy or OffloadOptions()
         self.stats = DispatchStats(cfg.num_layers, cfg.num_experts)
         self.recorder = TraceRecorder(cfg.num_layers, cfg.num_experts, cfg.top_k)
         self.static: dict[Key, ExpertWeights] = {}
@@ -164,7 +164,7 @@ class Dispatcher:
         item = torch.empty((), dtype=self.dtype).element_size()
         expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * item
         if self.cost is None:
-            self.cost = CostModel.from_bandwidths(expert_bytes, 6 * cfg.hidden_size * cfg.moe_intermediate_size)
+            self.cost = LatencyModel.from_bandwidths(expert_bytes, 6 * cfg.hidden_size * cfg.moe_intermediate_size)
         self.scratch = self._new_buffer(accel, "the expert scratch buffer")
         reserve = accel.budget // RESERVE
         slots = max(0, (accel.free - reserve) // expert_bytes)
@@ -254,7 +254,7 @@ class Dispatcher:
             return out
         chosen = np.flatnonzero(counts).tolist()  # the experts this pass uses, in id order
         weights = weights.to(x.dtype)
-        if self.cache.policy is Policy.TRACE:
+        if self.cache.policy is CachePolicy.TRACE:
             for e in chosen:
                 self.cache.observe(layer, e, int(counts[e]))
         gpu_jobs, cpu_jobs = self._plan(layer, ids, chosen, block)

@@ -130,7 +130,7 @@ class Engine:
         stats.finish_reason = "length" if budget == params.max_new_tokens else "context"
 
     def _begin(self, stats: GenerationStats, n_prompt: int) -> None:
-        self.model.experts.begin_request()
+        self.model.dispatcher.begin_request()
         stats.prompt_tokens, stats.new_tokens, stats.finish_reason = n_prompt, 0, ""
         stats.ttft_s = stats.decode_s = 0.0
 

@@ -16,7 +16,7 @@ from enum import StrEnum
 Key = tuple[int, int]  # (layer, expert)
 
 
-class Policy(StrEnum):
+class CachePolicy(StrEnum):
     LRU = "lru"
     FIFO = "fifo"
     LFU = "lfu"
@@ -50,7 +50,7 @@ class CacheStats:
 class ExpertCache:
     layers: list[int]  # covered MoE layers; len(layers) = N indexes
     ways: int
-    policy: Policy = Policy.LRU
+    policy: CachePolicy = CachePolicy.LRU
     max_inflight: int = 4
     first_slot: int = 0  # slot ids [first_slot, first_slot + indexes*ways)
     stats: CacheStats = field(default_factory=CacheStats)
@@ -126,11 +126,11 @@ class ExpertCache:
             return empty[0]
         if not candidates:
             return None
-        if self.policy is Policy.FIFO:
+        if self.policy is CachePolicy.FIFO:
             return min(candidates, key=lambda s: s.inserted)
-        if self.policy is Policy.LFU:
+        if self.policy is CachePolicy.LFU:
             return min(candidates, key=lambda s: (s.uses, s.last_used))
-        if self.policy is Policy.TRACE:
+        if self.policy is CachePolicy.TRACE:
             return min(candidates, key=lambda s: (self.request_counts[s.key], s.last_used))  # type: ignore[index]
         return min(candidates, key=lambda s: s.last_used)
 

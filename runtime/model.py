@@ -20,7 +20,7 @@ from tandem.kernels.cpu import CpuOptions, DenseLinear, library, rms_norm_bf16
 from tandem.runtime.accelerator import Accelerator
 from tandem.runtime.checkpoint import Checkpoint
 from tandem.runtime.config import ModelConfig
-from tandem.runtime.dispatch import Dispatcher, OffloadPolicy
+from tandem.runtime.dispatch import Dispatcher, OffloadOptions
 from tandem.runtime.moe import ExpertWeights, MoEBlockWeights, RoutingRule, SharedExpert
 from tandem.runtime.weights import dense_matrices, expert_names, layer_prefix, router_name, shared_expert_names
 
@@ -150,7 +150,7 @@ class MoEModel:
         context: int,
         batch: int = 1,
         accel: Accelerator | None = None,
-        policy: OffloadPolicy | None = None,
+        policy: OffloadOptions | None = None,
         cpu: CpuOptions | None = None,
     ) -> None:
         self.cfg, self.embed, self.layers, self.norm, self.lm_head = cfg, embed, layers, norm, lm_head
@@ -168,12 +168,12 @@ class MoEModel:
         fast_norm = cpu.use_kernel and library() is not None and dtype == torch.bfloat16
         self.rms_norm = rms_norm_bf16 if fast_norm and self.device.type == "cpu" else rms_norm
         blocks = {i: layer.ffn for i, layer in enumerate(layers) if isinstance(layer.ffn, MoEBlockWeights)}
-        self.experts = Dispatcher(cfg, blocks, dtype, accel, policy, cpu, self.linear)
+        self.dispatcher = Dispatcher(cfg, blocks, dtype, accel, policy, cpu, self.linear)
 
     @classmethod
     def from_checkpoint(
         cls, ckpt: Checkpoint, dtype: torch.dtype, context: int, batch: int = 1,
-        accel: Accelerator | None = None, policy: OffloadPolicy | None = None, cpu: CpuOptions | None = None,
+        accel: Accelerator | None = None, policy: OffloadOptions | None = None, cpu: CpuOptions | None = None,
         progress: Callable[[str, float], None] | None = None,
     ) -> MoEModel:
         cfg, spec = ckpt.config, ckpt.spec
@@ -240,7 +240,7 @@ class MoEModel:
         return wide
 
     def close(self) -> None:
-        self.experts.close()
+        self.dispatcher.close()
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, start: int, last_only: bool = False, phase: str = "prefill") -> torch.Tensor:
@@ -248,7 +248,7 @@ class MoEModel:
 
         `phase` ("prefill" or "decode") labels the step in the expert activation trace."""
         B, T = ids.shape
-        self.experts.begin_step(phase)
+        self.dispatcher.begin_step(phase)
         # The residual stream in float32, whatever the compute dtype (as llama.cpp keeps it): each layer adds to it
         # unrounded, and only the inputs of the matrix products are rounded, so bf16 picks fp32's top-1 token more
         # often (README, bf16 numerics).
@@ -258,7 +258,7 @@ class MoEModel:
             h = self.rms_norm(x, layer.input_norm, self.cfg.rms_norm_eps)
             x = x + self._attention(i, layer.attn, h, start, cos, sin)
             h = self.rms_norm(x, layer.post_norm, self.cfg.rms_norm_eps).view(B * T, -1)  # [B*T, H]
-            y = self.experts(i, h) if isinstance(layer.ffn, MoEBlockWeights) else layer.ffn(h)  # [B*T, H]
+            y = self.dispatcher(i, h) if isinstance(layer.ffn, MoEBlockWeights) else layer.ffn(h)  # [B*T, H]
             x = x + y.view(B, T, -1)  # [B, T, H]
         if last_only:
             x = x[:, -1:]  # [B, 1, H]

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from tandem.kernels.cpu import CpuOptions, available_isas
+from tandem.kernels.cpu import CpuOptions, Isa, Quant, available_isas
 from tandem.kernels.errors import SettingsError
 from tandem.kernels.isa import mask_flags, masked_features
 from tandem.kernels.quant import GROUPS
@@ -24,16 +24,14 @@ from tandem.runtime import memory
 from tandem.runtime.accelerator import cuda_usable
 from tandem.runtime.checkpoint import Checkpoint
 from tandem.runtime.config import ModelConfig
-from tandem.runtime.cost import CostModel
 from tandem.runtime.cpuinfo import proc_cpuinfo
-from tandem.runtime.dispatch import OffloadPolicy, Strategy
-from tandem.runtime.expert_cache import Key, Policy
+from tandem.runtime.dispatch import OffloadOptions, Strategy
+from tandem.runtime.expert_cache import CachePolicy, Key
+from tandem.runtime.latency import LatencyModel
 from tandem.runtime.memory import estimate_memory, resident_fits
 
 Dtype = Literal["bf16", "fp32"]
 AcceleratorKind = Literal["auto", "none", "cuda", "emulated"]
-Quant = Literal["int8", "int4"]
-Isa = Literal["base", "avx2", "avx512", "avx512bf16", "amx"]
 Source = Literal["given", "profile", "default", "machine"]  # where a resolved value came from
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -55,10 +53,10 @@ class Request:
     vram_gb: float | None = None
     strategy: Strategy | None = None
     cache_ways: int | None = None
-    cache_policy: Policy | None = None
+    cache_policy: CachePolicy | None = None
     static: tuple[Key, ...] | None = None  # experts pinned on the accelerator, most popular first
     max_inflight: int | None = None
-    cost: CostModel | None = None
+    cost: LatencyModel | None = None
     threads: int | None = None
     crossover: int | None = None
     quant: Quant | Literal["none"] | None = None
@@ -100,7 +98,7 @@ class Options:
     force: bool
     accelerator: Literal["none", "cuda", "emulated"]
     vram_gb: float | None
-    offload: OffloadPolicy
+    offload: OffloadOptions
     cpu: CpuOptions
     sources: tuple[tuple[str, Source], ...] = field(default=(), compare=False)
 
@@ -202,9 +200,9 @@ def resolve(request: Request, profile: Request | None, ckpt: Checkpoint, machine
         in_ram = estimate_memory(ckpt, DTYPES[dtype], context, batch, replace(cpu, resident=True)).total
         cpu = replace(cpu, resident=quant is None and resident_fits(in_ram, machine.available_ram))
         sources["resident"] = "machine"
-    offload = OffloadPolicy(pick("strategy", Strategy.FIDDLER), pick("cache_ways"), pick("cache_policy", Policy.LRU),
-                            pick("static", ()), pick("max_inflight", DEFAULT_INFLIGHT, profiled=False),
-                            pick("cost", profiled=False))
+    offload = OffloadOptions(pick("strategy", Strategy.FIDDLER), pick("cache_ways"),
+                             pick("cache_policy", CachePolicy.LRU), pick("static", ()),
+                             pick("max_inflight", DEFAULT_INFLIGHT, profiled=False), pick("cost", profiled=False))
     for name in ("batch", "force", "use_kernel"):
         sources[name] = "given" if getattr(request, name) != getattr(Request, name) else "default"
     pick("vram_gb", profiled=False)

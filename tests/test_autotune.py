@@ -129,7 +129,7 @@ def test_calibration_decodes_with_the_model_already_in_memory(mixtral_dir: Path,
     monkeypatch.setattr(run, "load", no_second_copy)
     trace, ms, threads = run.record_trace(mixtral_dir, "fp32", tokens=4, loaded=loaded)
     assert len(trace) >= 3 and trace.shape[1] == loaded.model.cfg.num_layers and ms > 0
-    assert threads == loaded.model.experts.executor.threads
+    assert threads == loaded.model.dispatcher.executor.threads
     quantized = load_model(mixtral_dir, dtype="fp32", context=64, quant="int8")
     with pytest.raises(AssertionError, match="second time"):  # not what the calibration assumes: loads its own
         run.record_trace(mixtral_dir, "fp32", tokens=4, loaded=quantized)
@@ -183,8 +183,11 @@ def test_a_profile_with_wrong_fields_is_set_aside(change: dict) -> None:
 
 def test_a_full_plan_as_the_planner_writes_it_is_read() -> None:
     from tandem.autotune.plan import Plan
+    from tandem.runtime.dispatch import Strategy
+    from tandem.runtime.expert_cache import CachePolicy
 
-    plan = Plan(4, True, "fetch", 2, 4, "lfu", 3, "avx2", 16, "int8").to_dict() | {"static": [[0, 1], [1, 5]]}
+    plan = Plan(4, True, Strategy.FETCH, 2, 4, CachePolicy.LFU, 3, "avx2", 16, "int8").to_dict()
+    plan |= {"static": [[0, 1], [1, 5]]}
     p = profile(plan=plan)
     save_profile(p)
     found = find_profile(p.machine, p.model)

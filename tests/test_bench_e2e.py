@@ -36,7 +36,7 @@ def test_bytes_per_token_count_the_experts_as_stored(mixtral_dir: Path) -> None:
     for quant in (None, "int8"):
         loaded = load_model(mixtral_dir, dtype="fp32", context=64, quant=quant)
         per_token[quant] = bench_e2e(loaded, ["decode"], grid={"decode": [(8, 4)]})["rows"][0]["bytes_per_token"]
-        expert[quant] = next(iter(loaded.model.experts.cpu_experts.values()))[0].nbytes
+        expert[quant] = next(iter(loaded.model.dispatcher.cpu_experts.values()))[0].nbytes
     cfg = loaded.model.cfg
     assert expert["int8"] < expert[None] / 3  # float32 file weights: 4 bytes each, against 1 plus a scale per row
     assert per_token[None] - per_token["int8"] == cfg.num_moe_layers * cfg.top_k * (expert[None] - expert["int8"])

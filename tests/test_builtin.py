@@ -61,14 +61,14 @@ def test_greedy_equals_the_dense_model_from_the_same_gguf(built: Path) -> None:
         if want and want[-1] == 2:
             want = want[:-1]
         assert got == want, text
-    stats = ours.model.experts.request_stats()
+    stats = ours.model.dispatcher.request_stats()
     assert stats.per_layer[:, 1].sum() > 0  # experts really were routed and run
 
 
 def test_routing_depends_on_the_token(built: Path) -> None:
     ours = load_model(built, dtype="bf16", context=128)
     list(ours.engine.generate(ours.tokenizer.encode(PROMPTS[2]), SamplingParams(max_new_tokens=8)))
-    used = (ours.model.experts.recorder.prefill + ours.model.experts.recorder.decode) > 0  # [layers, experts]
+    used = (ours.model.dispatcher.recorder.prefill + ours.model.dispatcher.recorder.decode) > 0  # [layers, experts]
     assert used.sum(1).min() >= 3  # every layer spread its tokens over several of its 8 experts
 
 

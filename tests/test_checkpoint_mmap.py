@@ -58,7 +58,7 @@ def test_expert_weights_are_views_of_the_file_unless_they_fit_in_ram(tmp_path: P
 
     assert experts_in_map(load_model(folder, dtype="fp32", resident=False))  # views: not copies
     copied = load_model(folder, dtype="fp32")  # nobody asked, and a tiny model fits: read into RAM
-    assert not experts_in_map(copied) and copied.model.experts.describe()["cpu"]["resident"]
+    assert not experts_in_map(copied) and copied.model.dispatcher.describe()["cpu"]["resident"]
     assert all(w.data_ptr() % 64 == 0 for w in (copied.model.layers[0].ffn.experts[3].gate,))
     # too little RAM to spare: the memory map, although the model alone would fit
     context = resolve_context(ckpt.config, None)

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from tandem.runtime.accelerator import EmulatedAccelerator
 from tandem.runtime.checkpoint import open_checkpoint
-from tandem.runtime.cost import CostModel
-from tandem.runtime.dispatch import OffloadPolicy, Strategy, budget_for_slots
+from tandem.runtime.dispatch import OffloadOptions, Strategy, budget_for_slots
 from tandem.runtime.engine import Engine, GenerationStats
-from tandem.runtime.expert_cache import Policy
+from tandem.runtime.expert_cache import CachePolicy
+from tandem.runtime.latency import LatencyModel
 from tandem.runtime.model import MoEModel
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.synth import tiny_config, write_test_model
@@ -29,8 +29,8 @@ FAMILIES = {
     "olmoe": tiny_config("olmoe", num_hidden_layers=3),
 }
 NEW_TOKENS = 8
-ALWAYS_FETCH = CostModel(cpu_a_ms=100, cpu_b_ms=100, gpu_ms=0, transfer_ms=0)
-MULTI_TOKEN_FETCH = CostModel(cpu_a_ms=0, cpu_b_ms=1, gpu_ms=0, transfer_ms=1.5)  # fetch when s >= 2
+ALWAYS_FETCH = LatencyModel(cpu_a_ms=100, cpu_b_ms=100, gpu_ms=0, transfer_ms=0)
+MULTI_TOKEN_FETCH = LatencyModel(cpu_a_ms=0, cpu_b_ms=1, gpu_ms=0, transfer_ms=1.5)  # fetch when s >= 2
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: write_test_model(root / name, cfg, seed=3) for name, cfg in FAMILIES.items()}
 
 
-def build(folder: Path, accel: EmulatedAccelerator | None = None, policy: OffloadPolicy | None = None,
+def build(folder: Path, accel: EmulatedAccelerator | None = None, policy: OffloadOptions | None = None,
           batch: int = 1) -> Engine:
     ckpt = open_checkpoint(folder)
     model = MoEModel.from_checkpoint(ckpt, torch.float32, 128, batch, accel, policy)
@@ -54,8 +54,8 @@ def expert_bytes(folder: Path) -> int:
 def budget_for(folder: Path, slots: int, batch: int = 1) -> int:
     """Bytes of emulated device memory that leave room for exactly `slots` expert slots."""
     probe = EmulatedAccelerator(1 << 30)
-    engine = build(folder, probe, OffloadPolicy(cache_ways=1), batch)
-    fixed = probe.used - len(engine.model.experts.slot_buffers) * expert_bytes(folder)
+    engine = build(folder, probe, OffloadOptions(cache_ways=1), batch)
+    fixed = probe.used - len(engine.model.dispatcher.slot_buffers) * expert_bytes(folder)
     engine.model.close()
     return int(budget_for_slots(fixed, slots, expert_bytes(folder)))
 
@@ -64,8 +64,8 @@ def budget_for(folder: Path, slots: int, batch: int = 1) -> int:
 def test_the_budget_for_n_slots_makes_n_slots(checkpoints, slots: int) -> None:
     folder = checkpoints["mixtral"]  # 3 MoE layers of 8 experts: 24 slots at most
     every = tuple((layer, e) for layer in range(3) for e in range(8))
-    engine = build(folder, EmulatedAccelerator(budget_for(folder, slots)), OffloadPolicy(static=every))
-    assert len(engine.model.experts.static) == slots  # static placement takes every slot there is
+    engine = build(folder, EmulatedAccelerator(budget_for(folder, slots)), OffloadOptions(static=every))
+    assert len(engine.model.dispatcher.static) == slots  # static placement takes every slot there is
     engine.model.close()
 
 
@@ -79,7 +79,7 @@ def reference(folder: Path, prompt: list[int]) -> tuple[torch.Tensor, list[int],
         engine = build(folder)
         logits = engine.model.forward(torch.tensor([prompt]), 0)
         tokens = list(engine.generate(prompt, SamplingParams(max_new_tokens=NEW_TOKENS)))
-        stats = engine.model.experts.request_stats()
+        stats = engine.model.dispatcher.request_stats()
         _reference[key] = (logits, tokens, int(stats.per_layer.sum()))
     return _reference[key]
 
@@ -92,7 +92,7 @@ def prompt_of(length: int) -> list[int]:
 @given(
     family=st.sampled_from(sorted(FAMILIES)),
     strategy=st.sampled_from(list(Strategy)),
-    policy=st.sampled_from(list(Policy)),
+    policy=st.sampled_from(list(CachePolicy)),
     ways=st.sampled_from([None, 1, 2, 3]),
     slots=st.integers(0, 20),  # up to 20 of the 16-24 experts; below 8 is smaller than one layer
     placement=st.booleans(),
@@ -111,17 +111,17 @@ def test_matches_cpu_only(checkpoints, tmp_path_factory, family, strategy, polic
         trace = tmp_path_factory.mktemp("trace") / "t.npz"
         recorder = build(folder)
         list(recorder.generate(prompt, SamplingParams(max_new_tokens=4)))
-        recorder.model.experts.recorder.save(trace, model=family)
+        recorder.model.dispatcher.recorder.save(trace, model=family)
         cfg = recorder.model.cfg
         static = tuple(most_popular(load_popularity(trace, cfg.num_layers, cfg.num_experts), 100))
     accel = EmulatedAccelerator(budget_for(folder, slots), copy_delay_s=copy_delay)
-    engine = build(folder, accel, OffloadPolicy(strategy, ways, policy, static, inflight, cost))
-    model_cost = engine.model.experts.cost
+    engine = build(folder, accel, OffloadOptions(strategy, ways, policy, static, inflight, cost))
+    model_cost = engine.model.dispatcher.cost
     try:
         logits = engine.model.forward(torch.tensor([prompt]), 0)
         assert (logits - ref_logits).abs().max().item() <= 1e-4
         tokens = list(engine.generate(prompt, SamplingParams(max_new_tokens=NEW_TOKENS)))
-        stats = engine.model.experts.request_stats()
+        stats = engine.model.dispatcher.request_stats()
     finally:
         engine.model.close()
     assert tokens == ref_tokens
@@ -133,7 +133,7 @@ def test_matches_cpu_only(checkpoints, tmp_path_factory, family, strategy, polic
         assert fetched == 0
     if strategy is Strategy.FETCH or cost is ALWAYS_FETCH and strategy is Strategy.FIDDLER:
         assert cpu == 0
-    if engine.model.experts.cache.slots == 0 and not static:
+    if engine.model.dispatcher.cache.slots == 0 and not static:
         assert gpu == 0  # nothing is ever resident
     if strategy is Strategy.FIDDLER and not model_cost.prefer_fetch(prompt_len):
         assert fetched == 0  # no expert saw enough tokens for a copy to pay off
@@ -143,11 +143,11 @@ def test_cache_smaller_than_one_layer_still_hits(checkpoints) -> None:
     folder = checkpoints["mixtral"]
     prompt = prompt_of(5)
     accel = EmulatedAccelerator(budget_for(folder, 3))  # 3 slots < 8 experts of one layer
-    engine = build(folder, accel, OffloadPolicy(Strategy.CPU))
-    cache = engine.model.experts.cache
+    engine = build(folder, accel, OffloadOptions(Strategy.CPU))
+    cache = engine.model.dispatcher.cache
     assert cache.slots == 3
     tokens = list(engine.generate(prompt, SamplingParams(max_new_tokens=24)))
-    stats = engine.model.experts.request_stats()
+    stats = engine.model.dispatcher.request_stats()
     engine.model.close()
     assert tokens[:NEW_TOKENS] == reference(folder, prompt)[1]
     assert stats.hits > 0 and cache.stats.fills > 0
@@ -157,10 +157,10 @@ def test_cache_smaller_than_one_layer_still_hits(checkpoints) -> None:
 def test_uncovered_layers_run_on_the_cpu(checkpoints) -> None:
     folder = checkpoints["olmoe"]
     accel = EmulatedAccelerator(budget_for(folder, 8))
-    engine = build(folder, accel, OffloadPolicy(Strategy.CPU, cache_ways=8))
-    assert engine.model.experts.cache.layers == [0]  # 8 slots, 8 ways: one index, layer 0
+    engine = build(folder, accel, OffloadOptions(Strategy.CPU, cache_ways=8))
+    assert engine.model.dispatcher.cache.layers == [0]  # 8 slots, 8 ways: one index, layer 0
     list(engine.generate(prompt_of(5), SamplingParams(max_new_tokens=6)))
-    stats = engine.model.experts.request_stats()
+    stats = engine.model.dispatcher.request_stats()
     engine.model.close()
     assert stats.per_layer[1:, 0].sum() == 0 and stats.per_layer[1:, 1].sum() > 0
 
@@ -171,15 +171,15 @@ def test_beam_search_multi_token_experts_take_the_fetch_path(checkpoints) -> Non
     params = SamplingParams(max_new_tokens=6, beams=4)
     cpu_only = list(build(folder, batch=4).generate(prompt, params))
 
-    greedy = build(folder, EmulatedAccelerator(budget_for(folder, 0)), OffloadPolicy(cost=MULTI_TOKEN_FETCH))
+    greedy = build(folder, EmulatedAccelerator(budget_for(folder, 0)), OffloadOptions(cost=MULTI_TOKEN_FETCH))
     list(greedy.generate(prompt, SamplingParams(max_new_tokens=6)))
-    assert greedy.model.experts.request_stats().per_layer[:, 2].sum() == 0  # s = 1: CPU is cheaper
+    assert greedy.model.dispatcher.request_stats().per_layer[:, 2].sum() == 0  # s = 1: CPU is cheaper
     greedy.model.close()
 
-    beam = build(folder, EmulatedAccelerator(budget_for(folder, 0, 4)), OffloadPolicy(cost=MULTI_TOKEN_FETCH), batch=4)
+    beam = build(folder, EmulatedAccelerator(budget_for(folder, 0, 4)), OffloadOptions(cost=MULTI_TOKEN_FETCH), batch=4)
     stats = GenerationStats()
     tokens = list(beam.generate(prompt, params, stats))
-    fetched = beam.model.experts.request_stats().per_layer[:, 2].sum()
+    fetched = beam.model.dispatcher.request_stats().per_layer[:, 2].sum()
     beam.model.close()
     assert tokens == cpu_only and len(tokens) > 0
     assert fetched > 0
@@ -197,7 +197,7 @@ def test_trace_matrices_and_sequence(checkpoints, tmp_path: Path) -> None:
     engine = build(folder)
     prompt = prompt_of(7)
     tokens = list(engine.generate(prompt, SamplingParams(max_new_tokens=5)))
-    engine.model.experts.recorder.save(tmp_path / "t.npz", model="q")
+    engine.model.dispatcher.recorder.save(tmp_path / "t.npz", model="q")
     data = np.load(tmp_path / "t.npz")
     k = engine.model.cfg.top_k
     assert data["prefill"][0].sum() == len(prompt) * k and data["prefill"][1].sum() == 0
@@ -212,7 +212,7 @@ def test_static_placement_pins_the_most_popular(checkpoints, tmp_path: Path) -> 
     assert most_popular(counts, 2) == [(0, 5), (2, 1)]
     folder = checkpoints["mixtral"]
     accel = EmulatedAccelerator(budget_for(folder, 2))
-    engine = build(folder, accel, OffloadPolicy(static=((0, 5), (2, 1), (1, 7))))
-    assert set(engine.model.experts.static) == {(0, 5), (2, 1)}
-    assert engine.model.experts.cache.slots == 0
+    engine = build(folder, accel, OffloadOptions(static=((0, 5), (2, 1), (1, 7))))
+    assert set(engine.model.dispatcher.static) == {(0, 5), (2, 1)}
+    assert engine.model.dispatcher.cache.slots == 0
     engine.model.close()

@@ -83,7 +83,7 @@ def test_resident_weights_give_the_same_tokens_and_are_counted(mixtral_dir: Path
     mapped = load_model(mixtral_dir, dtype="bf16", context=64, resident=False)
     resident = load_model(mixtral_dir, dtype="bf16", context=64, resident=True)
     assert list(resident.engine.generate(prompt, params)) == list(mapped.engine.generate(prompt, params))
-    expert = resident.model.experts.cpu_experts[0][0]
+    expert = resident.model.dispatcher.cpu_experts[0][0]
     source = resident.checkpoint.tensor("model.layers.0.block_sparse_moe.experts.0.w1.weight")
     assert expert.gate.data_ptr() != source.data_ptr() and torch.equal(expert.gate, source)  # a copy in RAM
     assert resident.model.lm_head.data_ptr() != resident.checkpoint.tensor("lm_head.weight").data_ptr()
@@ -98,7 +98,8 @@ def test_resident_weights_give_the_same_tokens_and_are_counted(mixtral_dir: Path
 
 def test_a_wider_cache_shares_the_weights(engine: Engine) -> None:
     wide = engine.model.with_batch(3)
-    assert wide.cache.k.shape[1] == 3 and wide.experts is engine.model.experts and wide.lm_head is engine.model.lm_head
+    assert wide.cache.k.shape[1] == 3 and wide.dispatcher is engine.model.dispatcher
+    assert wide.lm_head is engine.model.lm_head
     beams = list(Engine(wide, ()).generate([1, 2, 3], SamplingParams(max_new_tokens=5, beams=3)))
     assert len(beams) == 5
 

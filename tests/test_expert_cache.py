@@ -6,7 +6,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from tandem.runtime.expert_cache import ExpertCache, Policy
+from tandem.runtime.expert_cache import CachePolicy, ExpertCache
 
 
 def done() -> Future[None]:
@@ -53,14 +53,14 @@ def resident(cache: ExpertCache) -> set[int]:
 #   LFU : misses 1 2 3; hit 1 (1 use); 4 evicts 2 (0 uses, older than 3); hit 1; 2 evicts 3 (0 uses, older
 #         than 4); 5 evicts 4 (0 uses, older than 2) -> {1, 2, 5}
 CASES = {
-    Policy.LRU: ([False, False, False, True, False, True, False, False], {1, 2, 5}),
-    Policy.FIFO: ([False, False, False, True, False, False, False, False], {1, 2, 5}),
-    Policy.LFU: ([False, False, False, True, False, True, False, False], {1, 2, 5}),
+    CachePolicy.LRU: ([False, False, False, True, False, True, False, False], {1, 2, 5}),
+    CachePolicy.FIFO: ([False, False, False, True, False, False, False, False], {1, 2, 5}),
+    CachePolicy.LFU: ([False, False, False, True, False, True, False, False], {1, 2, 5}),
 }
 
 
 @pytest.mark.parametrize("policy", list(CASES))
-def test_policies_against_hand_worked_sequence(policy: Policy) -> None:
+def test_policies_against_hand_worked_sequence(policy: CachePolicy) -> None:
     cache = ExpertCache(layers=[0], ways=3, policy=policy)
     hits, final = CASES[policy]
     assert access(cache, [1, 2, 3, 1, 4, 1, 2, 5]) == hits
@@ -70,7 +70,7 @@ def test_policies_against_hand_worked_sequence(policy: Policy) -> None:
 def test_lru_and_lfu_differ_where_they_should() -> None:
     # 1 is used three times early, then 2 and 3 recently; a new expert evicts 1 under LRU, not under LFU.
     seq = [1, 1, 1, 2, 3, 4]
-    lru, lfu = ExpertCache([0], 3, Policy.LRU), ExpertCache([0], 3, Policy.LFU)
+    lru, lfu = ExpertCache([0], 3, CachePolicy.LRU), ExpertCache([0], 3, CachePolicy.LFU)
     access(lru, seq)
     access(lfu, seq)
     assert resident(lru) == {2, 3, 4}
@@ -78,7 +78,7 @@ def test_lru_and_lfu_differ_where_they_should() -> None:
 
 
 def test_trace_policy_keeps_what_this_request_uses_most() -> None:
-    cache = ExpertCache([0], 2, Policy.TRACE)
+    cache = ExpertCache([0], 2, CachePolicy.TRACE)
     for e, n in [(7, 50), (8, 1)]:  # the request so far: expert 7 heavily, 8 barely
         cache.observe(0, e, n)
     fill(cache, 0, 7)
@@ -123,7 +123,7 @@ def test_failed_copy_surfaces_on_the_main_thread() -> None:
 
 
 def test_keep_protects_experts_in_use() -> None:
-    cache = ExpertCache([0], 2, Policy.FIFO)
+    cache = ExpertCache([0], 2, CachePolicy.FIFO)
     fill(cache, 0, 1)
     fill(cache, 0, 2)
     assert cache.victim(0).key == (0, 1)

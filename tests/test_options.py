@@ -16,27 +16,28 @@ from tandem.kernels.errors import SettingsError
 from tandem.runtime import loader
 from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.dispatch import Strategy
-from tandem.runtime.expert_cache import Policy
+from tandem.runtime.expert_cache import CachePolicy
 from tandem.runtime.options import Machine, Request, resolve
 
 GIB = 1024**3
 MACHINE = Machine(cpu_flags=frozenset({"avx2", "avx512f", "avx512_bf16"}), cpu_threads=8,
                   isas=("base", "avx2", "avx512"), available_ram=64 * GIB, cuda=False)
 PROFILE = Request(threads=4, crossover=12, kernel_isa="avx2", strategy=Strategy.FETCH, cache_ways=2,
-                  cache_policy=Policy.LFU, static=((0, 1),))
+                  cache_policy=CachePolicy.LFU, static=((0, 1),))
 
 
 def test_flags_win_over_the_profile_and_the_profile_over_the_defaults(mixtral_dir: Path) -> None:
     ckpt = open_checkpoint(mixtral_dir)
     plain = resolve(Request(model=mixtral_dir), None, ckpt, MACHINE)
     assert (plain.cpu.threads, plain.cpu.crossover, plain.offload.strategy, plain.offload.cache_policy) == (
-        None, None, Strategy.FIDDLER, Policy.LRU)
+        None, None, Strategy.FIDDLER, CachePolicy.LRU)
     assert plain.source("threads") == "default" and plain.source("dtype") == "machine" and plain.dtype == "bf16"
 
     tuned = resolve(Request(model=mixtral_dir), PROFILE, ckpt, MACHINE)
     assert (tuned.cpu.threads, tuned.cpu.crossover, tuned.cpu.isa, tuned.offload.strategy) == (
         4, 12, "avx2", Strategy.FETCH)
-    assert (tuned.offload.cache_ways, tuned.offload.cache_policy, tuned.offload.static) == (2, Policy.LFU, ((0, 1),))
+    assert (tuned.offload.cache_ways, tuned.offload.cache_policy, tuned.offload.static) == (
+        2, CachePolicy.LFU, ((0, 1),))
     assert {tuned.source(n) for n in ("threads", "crossover", "kernel_isa", "strategy", "static")} == {"profile"}
 
     given = resolve(Request(model=mixtral_dir, threads=2, kernel_isa="base", strategy=Strategy.CPU,
@@ -88,7 +89,7 @@ def test_a_plan_fills_the_accelerator_settings_only_when_it_used_one() -> None:
     assert profile_request(cpu_only) == Request(threads=2, kernel_isa="avx2")
     tuned = profile_request(cpu_only | {"accelerator": True})
     assert (tuned.strategy, tuned.cache_ways, tuned.cache_policy, tuned.static) == (
-        Strategy.FETCH, 4, Policy.LFU, ((0, 1),))
+        Strategy.FETCH, 4, CachePolicy.LFU, ((0, 1),))
 
 
 def test_a_load_opens_the_checkpoint_once_and_probes_once(mixtral_dir: Path, tandem_home: Path,

@@ -8,10 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tandem.autotune.costs import CpuFit, Measurements, fit_cpu, from_hardware_file
+from tandem.autotune.measurements import CpuFit, Measurements, fit_cpu, from_hardware_file
 from tandem.autotune.plan import ModelShape, Plan, make_plan
-from tandem.autotune.simulate import SimCosts, SimPolicy, simulate, synthetic_trace
-from tandem.runtime.expert_cache import Policy
+from tandem.autotune.simulate import Candidate, SimCosts, simulate, synthetic_trace
+from tandem.runtime.dispatch import Strategy
+from tandem.runtime.expert_cache import CachePolicy
 
 # Two MoE layers, two experts, top-1. Step by step (ms):
 TRACE = np.array([[[0], [0]], [[0], [1]], [[1], [1]]], dtype=np.int32)  # [steps, layers, k]
@@ -20,7 +21,7 @@ COSTS = SimCosts(cpu_a=2.0, cpu_b=0.0, gpu_expert=1.0, copy_expert=3.0, dense_la
 
 def test_cpu_only_timeline() -> None:
     # every layer: 0.5 dense + 2 for its expert -> 2.5 per layer, 5 per token
-    r = simulate(TRACE, COSTS, SimPolicy(accelerator=False), expert_bytes=100)
+    r = simulate(TRACE, COSTS, Candidate(accelerator=False), expert_bytes=100)
     assert r.timeline == [5.0, 10.0, 15.0] and r.token_ms == 5.0 and r.hit_rate == 0 and r.bytes_moved == 0
 
 
@@ -29,7 +30,7 @@ def test_cache_with_post_fetch_timeline() -> None:
     # step 0: L0 0.5 -> miss e0 on CPU -> 2.5; copy e0 2.5..5.5 | L1 3.0 -> miss -> 5.0
     # step 1: L0 5.5 -> e0 ready (copy ended 5.5): hit on GPU -> 6.5 | L1 7.0 -> miss e1 -> 9.0
     # step 2: L0 9.5 -> e1 miss -> 11.5; copy e1 evicts e0 | L1 12.0 -> miss -> 14.0
-    policy = SimPolicy(accelerator=True, strategy="cpu", cache_layers=(0,), ways=1, policy=Policy.LRU)
+    policy = Candidate(accelerator=True, strategy="cpu", cache_layers=(0,), ways=1, policy=CachePolicy.LRU)
     r = simulate(TRACE, COSTS, policy, expert_bytes=100)
     assert r.timeline == [5.0, 9.0, 14.0]
     assert (r.hits, r.misses, r.copies, r.bytes_moved) == (1, 5, 2, 200)
@@ -37,7 +38,7 @@ def test_cache_with_post_fetch_timeline() -> None:
 
 def test_copy_not_finished_is_not_a_hit() -> None:
     slow = SimCosts(cpu_a=2.0, cpu_b=0.0, gpu_expert=1.0, copy_expert=30.0, dense_layer=0.5)
-    policy = SimPolicy(accelerator=True, strategy="cpu", cache_layers=(0,), ways=1)
+    policy = Candidate(accelerator=True, strategy="cpu", cache_layers=(0,), ways=1)
     r = simulate(TRACE, slow, policy, expert_bytes=100)
     assert r.hits == 0  # e0's copy (2.5..32.5) has not ended when step 1 reaches layer 0 at 5.5
 
@@ -45,10 +46,10 @@ def test_copy_not_finished_is_not_a_hit() -> None:
 def test_fetch_strategy_and_static_placement_timelines() -> None:
     # fetch, no cache: each expert copied (3) then run (1) after the copy engine is free.
     # step 0: L0 t=0.5, copy 0.5..3.5, gpu -> 4.5 | L1 t=5.0, copy 5.0..8.0, gpu -> 9.0
-    r = simulate(TRACE[:1], COSTS, SimPolicy(accelerator=True, strategy="fetch"), expert_bytes=100)
+    r = simulate(TRACE[:1], COSTS, Candidate(accelerator=True, strategy="fetch"), expert_bytes=100)
     assert r.timeline == [9.0] and r.copies == 2
     # static: (0, 0) and (1, 1) pinned: step 0: L0 hit 0.5+1=1.5 | L1 e0 CPU 2.0+2=4.0
-    static = SimPolicy(accelerator=True, strategy="cpu", static=((0, 0), (1, 1)))
+    static = Candidate(accelerator=True, strategy="cpu", static=((0, 0), (1, 1)))
     r = simulate(TRACE[:1], COSTS, static, expert_bytes=100)
     assert r.timeline == [4.0] and r.hits == 1
 
@@ -129,7 +130,7 @@ def test_specs_only_gpu_uses_the_roofline() -> None:
 
 
 def test_plan_round_trips() -> None:
-    p = Plan(8, True, "fiddler", 4, 2, "lfu", 3, "amx", 16, None)
+    p = Plan(8, True, Strategy.FIDDLER, 4, 2, CachePolicy.LFU, 3, "amx", 16, None)
     assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))) == p
 
 
@@ -137,9 +138,9 @@ def test_shared_device_serialises_the_three_resources() -> None:
     # Emulated device: step 0: L0 0.5 -> CPU expert 2.0 -> 2.5, then the post-fetch copy occupies the same
     # cores for 3.0 -> 5.5 | L1 6.0 -> CPU expert -> 8.0.
     shared = SimCosts(cpu_a=2.0, cpu_b=0.0, gpu_expert=1.0, copy_expert=3.0, dense_layer=0.5, shared=True)
-    policy = SimPolicy(accelerator=True, strategy="cpu", cache_layers=(0,), ways=1)
+    policy = Candidate(accelerator=True, strategy="cpu", cache_layers=(0,), ways=1)
     assert simulate(TRACE[:1], shared, policy, expert_bytes=100).timeline == [8.0]
     # a hit and a CPU expert in one layer add up instead of overlapping
-    static = SimPolicy(accelerator=True, strategy="cpu", static=((0, 0),))
+    static = Candidate(accelerator=True, strategy="cpu", static=((0, 0),))
     two = np.array([[[0, 1], [-1, -1]]], dtype=np.int32)
     assert simulate(two, shared, static, expert_bytes=100).timeline == [0.5 + 1.0 + 2.0 + 0.5]

@@ -300,7 +300,7 @@ class TunableFake(FakeBackend):
 
 def fake_tune(path: str, dtype: str, progress) -> object:
     """The auto-tune on recorded hardware (a desktop with an RTX 4090) and stated measurements."""
-    from tandem.autotune.costs import from_hardware_file
+    from tandem.autotune.measurements import from_hardware_file
     from tandem.autotune.plan import ModelShape, make_plan
     from tandem.autotune.probe import RecordedSources, probe
     from tandem.autotune.profile import Profile, model_fingerprint

@@ -67,7 +67,7 @@ def bench_decode(
             rates[name].append(_decode_rate(fn, new_tokens))
     result: dict[str, Any] = {
         "model": str(model_dir),
-        "plan": loaded.model.experts.describe(),
+        "plan": loaded.model.dispatcher.describe(),
         "family": loaded.checkpoint.config.model_type,
         "dtype": str(loaded.model.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),

@@ -118,7 +118,7 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
         in_child = peer_process == "child" or (peer_process == "auto" and not fits)
         if not in_child:
             ref = _load_peer(loaded.checkpoint.path, model.dtype)
-    layer_experts = next(iter(model.experts.cpu_experts.values()), [])
+    layer_experts = next(iter(model.dispatcher.cpu_experts.values()), [])
     # one expert's bytes as the kernels read them: the file's dtype, or quantized (int8, int4 with their scales)
     expert_bytes = layer_experts[0].nbytes if layer_experts else \
         3 * cfg.hidden_size * cfg.moe_intermediate_size * model.dtype.itemsize
@@ -163,7 +163,7 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
             if "bytes_per_token" in row:  # the weights read per token as a fraction of what DRAM delivers
                 # three significant digits: a tiny model's fraction is far below 0.001, and still not zero
                 row["roofline"] = float(f"{per_token * 1000 / max(row['itl_ms'], 1e-9) / 1e9 / bw:.3g}")
-    plan = model.experts.describe()
+    plan = model.dispatcher.describe()
     if later:  # Tandem is done: its experts' RAM goes back before the peer loads its own copy
         model.close()
         for row, theirs in zip(rows, _peer_in_child(loaded.checkpoint.path, model.dtype, later), strict=True):
@@ -181,7 +181,7 @@ def _touch_every_expert(loaded: LoadedModel) -> None:
     weights are loaded before its rows too, and a first touch costs a page fault per 4 KiB."""
     model = loaded.model
     zero = torch.zeros(1, model.cfg.hidden_size, dtype=model.dtype)
-    for experts in model.experts.cpu_experts.values():
+    for experts in model.dispatcher.cpu_experts.values():
         for expert in experts:
             expert(zero)
 

@@ -12,7 +12,7 @@ import torch
 from tandem.autotune.configure import load_model
 from tandem.runtime.dispatch import Strategy, budget_for_slots
 from tandem.runtime.engine import Engine, GenerationStats
-from tandem.runtime.expert_cache import Policy
+from tandem.runtime.expert_cache import CachePolicy
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.synth import ASSETS
 
@@ -40,7 +40,7 @@ def bench_offload(
     with tempfile.TemporaryDirectory() as tmp:
         trace = f"{tmp}/calibration.npz"
         decode(cpu_engine, calibration, new_tokens)
-        base.model.experts.recorder.save(trace, model=str(model_dir))
+        base.model.dispatcher.recorder.save(trace, model=str(model_dir))
         probe = load_model(model_dir, dtype=dtype, context=base.model.context, accelerator="emulated", vram_gb=1024,
                            cache_ways=0)
         fixed, item = probe.model.accel.used, probe.model.dtype.itemsize
@@ -51,7 +51,7 @@ def bench_offload(
             return budget_for_slots(fixed, n, expert_bytes) / 1024**3
 
         setups: dict[str, tuple[dict[str, Any], str | None, int]] = {  # (settings, placement trace, slots)
-            p.value: ({"strategy": Strategy.CPU, "cache_policy": p}, None, slots) for p in Policy
+            p.value: ({"strategy": Strategy.CPU, "cache_policy": p}, None, slots) for p in CachePolicy
         }
         setups["static-popular"] = ({"strategy": Strategy.CPU}, trace, slots)
         # every expert on the CPU, but through the accelerator tier: the cost of the orchestration itself
@@ -63,8 +63,8 @@ def bench_offload(
                                 vram_gb=budget(n_slots), placement=placement, **settings)
             rate = decode(Engine(loaded.model, ()), prompt, new_tokens)
             cpu_rates.append(decode(cpu_engine, prompt, new_tokens))  # alternate with the CPU-only run
-            stats = loaded.model.experts.request_stats()
-            plan = loaded.model.experts.describe()
+            stats = loaded.model.dispatcher.request_stats()
+            plan = loaded.model.dispatcher.describe()
             loaded.model.close()
             rows.append({"setup": name, "hit_rate": round(stats.hit_rate, 4), "decode_tok_s": round(rate, 2),
                          "cache": plan["cache"], "static_experts": plan["static_experts"],

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from tandem.autotune.configure import load_model
-from tandem.autotune.costs import Measurements
+from tandem.autotune.measurements import Measurements
 from tandem.autotune.microbench import microbench
 from tandem.autotune.plan import ModelShape, Plan, evaluate, make_plan
 from tandem.autotune.probe import probe
@@ -24,7 +24,7 @@ from tandem.autotune.run import record_trace
 from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.dispatch import Strategy, budget_for_slots
 from tandem.runtime.engine import Engine, GenerationStats
-from tandem.runtime.expert_cache import Policy
+from tandem.runtime.expert_cache import CachePolicy
 from tandem.runtime.moe import ExpertWeights
 from tandem.runtime.options import DTYPES, default_dtype
 from tandem.runtime.sampling import SamplingParams
@@ -116,15 +116,15 @@ def validate(model_dir: str | Path, expert_fraction: float = 0.25, tokens: int =
     no_slots = measure(model_dir, name, tokens, accelerator="emulated", vram_gb=budget(0), strategy=Strategy.CPU,
                        threads=cpu_plan.threads)
     emu.ship_ms = 0.0
-    base = evaluate(Plan(cpu_plan.threads, True, "cpu"), shape, emu, trace).token_ms
+    base = evaluate(Plan(cpu_plan.threads, True, Strategy.CPU), shape, emu, trace).token_ms
     emu.ship_ms = max(0.0, no_slots - base) / max(1, len(shape.moe_layers))
     vram_gb = budget(slots)
     emu_rows = []
     ways_options = sorted({w for w in (shape.top_k, 2 * shape.top_k, shape.num_experts) if w <= slots})
     for ways in ways_options:
         indexes = min(len(shape.moe_layers), slots // ways)
-        for policy in Policy:
-            plan = Plan(cpu_plan.threads, True, "cpu", indexes, ways, policy.value)
+        for policy in CachePolicy:
+            plan = Plan(cpu_plan.threads, True, Strategy.CPU, indexes, ways, policy)
             ms = measure(model_dir, name, tokens, accelerator="emulated", vram_gb=vram_gb, strategy=Strategy.CPU,
                          cache_ways=ways, cache_policy=policy, threads=cpu_plan.threads)
             emu_rows.append({"config": {"ways": ways, "policy": policy.value},

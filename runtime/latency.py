@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class CostModel:
+class LatencyModel:
     cpu_a_ms: float  # CPU latency of one expert for one token
     cpu_b_ms: float  # extra CPU latency per additional token
     gpu_ms: float  # accelerator latency of one expert (flat over the token counts that matter)
@@ -31,7 +31,7 @@ class CostModel:
     def from_bandwidths(
         cls, expert_bytes: int, flops_per_token: float, cpu_gbps: float = 20.0, cpu_gflops: float = 200.0,
         gpu_gbps: float = 500.0, pcie_gbps: float = 12.0,
-    ) -> CostModel:
+    ) -> LatencyModel:
         return cls(
             cpu_a_ms=expert_bytes / cpu_gbps / 1e6,
             cpu_b_ms=flops_per_token / cpu_gflops / 1e6,
@@ -40,7 +40,7 @@ class CostModel:
         )
 
     @classmethod
-    def parse(cls, text: str) -> CostModel:
+    def parse(cls, text: str) -> LatencyModel:
         """`A,B,GPU,TRANSFER` in milliseconds (the --cost flag). Each must be finite and not negative: a NaN
         latency makes every per-expert comparison false and a negative one makes the wrong side look free."""
         usage = "expected four numbers in ms: cpu_a,cpu_b,gpu,transfer (e.g. 2.0,0.5,0.2,4.0)"
