@@ -524,7 +524,9 @@ async def test_a_replaced_load_is_dropped_and_a_replaced_answering_model_closed_
 async def test_no_model_picking_while_answering_or_loading() -> None:
     from tandem.app.picker import PickerScreen
 
-    app = TandemApp(lambda _: FakeBackend(words=50, delay=0.02))
+    backend = FakeBackend(words=50, delay=0.02)
+    backend.hold = threading.Event()  # the answer waits after its first word: still coming however slow the machine
+    app = TandemApp(lambda _: backend)
     async with app.run_test() as pilot:
         await ask(pilot, app, "hello")
         await wait_until(pilot, lambda: app.generating)
@@ -532,6 +534,7 @@ async def test_no_model_picking_while_answering_or_loading() -> None:
         await pilot.pause()
         assert not isinstance(app.screen, PickerScreen)
         assert any("answer is still coming" in n.message for n in app._notifications)
+        backend.hold.set()
         await press(pilot, "escape")
         await wait_until(pilot, lambda: not app.generating)
         app.loading = True  # as while a model loads
