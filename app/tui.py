@@ -26,12 +26,14 @@ from textual.worker import get_current_worker
 
 from tandem.app.backend import ChatBackend
 from tandem.app.context import answer_room, fit_messages
-from tandem.app.picker import ModelEntry, PickerScreen, discover
-from tandem.app.screens import HelpScreen, RenameScreen, SettingsScreen
+from tandem.app.screens.help import HelpScreen
+from tandem.app.screens.picker import ModelEntry, PickerScreen, discover
+from tandem.app.screens.rename import RenameScreen
+from tandem.app.screens.settings import SettingsScreen
+from tandem.app.screens.wizard import WizardScreen, needs_tuning
 from tandem.app.settings import Settings, load_settings, save_settings
 from tandem.app.store import Conversation, ConversationStore, Turn
 from tandem.app.widgets import ChatMessage, Composer, ExpertHeatmap, StatusBar
-from tandem.app.wizard import WizardScreen, needs_tuning
 from tandem.autotune.microbench import Step
 from tandem.autotune.run import Tuned, autotune
 from tandem.kernels.errors import ResourceError, TandemError

@@ -57,7 +57,7 @@ def test_picker(snap_compare, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_wizard(snap_compare) -> None:
-    from tandem.app.wizard import WizardScreen
+    from tandem.app.screens.wizard import WizardScreen
 
     async def run(pilot) -> None:
         await wait_for_screen(pilot, pilot.app, WizardScreen)

@@ -208,7 +208,7 @@ async def test_with_the_real_runtime(mixtral_dir: Path) -> None:
     async with app.run_test() as pilot:
         from textual.widgets import Button
 
-        from tandem.app.wizard import WizardScreen
+        from tandem.app.screens.wizard import WizardScreen
 
         await wait_for_screen(pilot, app, WizardScreen)  # no profile yet: offered
         app.screen.query_one("#skip", Button).press()
@@ -223,7 +223,7 @@ async def test_with_the_real_runtime(mixtral_dir: Path) -> None:
 async def test_settings_are_edited_validated_and_saved(tandem_home: Path) -> None:
     from textual.widgets import Button, Input
 
-    from tandem.app.screens import SettingsScreen
+    from tandem.app.screens.settings import SettingsScreen
     from tandem.app.settings import load_settings
 
     app = TandemApp(lambda _: FakeBackend())
@@ -246,7 +246,7 @@ async def test_settings_are_edited_validated_and_saved(tandem_home: Path) -> Non
 
 
 async def test_help_lists_every_key_and_the_palette_has_every_action() -> None:
-    from tandem.app.screens import HelpScreen
+    from tandem.app.screens.help import HelpScreen
 
     app = TandemApp(lambda _: FakeBackend())
     async with app.run_test(size=(100, 40)) as pilot:
@@ -262,7 +262,7 @@ async def test_help_lists_every_key_and_the_palette_has_every_action() -> None:
 
 
 async def test_picker_lists_a_models_folder_and_a_broken_model_keeps_the_app_alive(tmp_path: Path) -> None:
-    from tandem.app.picker import PickerScreen
+    from tandem.app.screens.picker import PickerScreen
     from tandem.runtime.synth import tiny_config, write_test_model
 
     folder = tmp_path / "models"
@@ -324,7 +324,7 @@ def fake_tune(path: str, dtype: str, progress) -> object:
 async def test_first_run_wizard_tunes_and_saves_a_profile(tandem_home: Path) -> None:
     from textual.widgets import Button
 
-    from tandem.app.wizard import WizardScreen, needs_tuning
+    from tandem.app.screens.wizard import WizardScreen, needs_tuning
 
     app = TandemApp(lambda _: TunableFake(), tune=fake_tune)
     async with app.run_test(size=(100, 30)) as pilot:
@@ -366,7 +366,7 @@ def test_heatmap_marks_where_experts_ran(mixtral_dir: Path) -> None:
 async def test_rename_a_conversation(tandem_home: Path) -> None:
     from textual.widgets import Input
 
-    from tandem.app.screens import RenameScreen
+    from tandem.app.screens.rename import RenameScreen
 
     app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test() as pilot:
@@ -380,14 +380,14 @@ async def test_rename_a_conversation(tandem_home: Path) -> None:
 
 
 def test_picker_vram_column() -> None:
-    from tandem.app.picker import ModelEntry
+    from tandem.app.screens.picker import ModelEntry
 
     e = ModelEntry("/m", "m", "Mixtral", 46_700_000_000, 8, 93 * 10**9, "folder")
     assert e.fits_vram(None) == "no GPU" and e.fits_vram(24 * 2**30) == "24%" and e.fits_vram(200 * 10**9) == "all"
 
 
 async def test_after_skipping_the_wizard_typing_goes_to_the_composer(tandem_home: Path) -> None:
-    from tandem.app.wizard import WizardScreen
+    from tandem.app.screens.wizard import WizardScreen
 
     app = TandemApp(lambda _: TunableFake(words=3), tune=fake_tune)
     async with app.run_test() as pilot:
@@ -400,7 +400,8 @@ async def test_after_skipping_the_wizard_typing_goes_to_the_composer(tandem_home
 
 
 async def test_escape_closes_dialogs() -> None:
-    from tandem.app.screens import HelpScreen, SettingsScreen
+    from tandem.app.screens.help import HelpScreen
+    from tandem.app.screens.settings import SettingsScreen
 
     app = TandemApp(lambda _: FakeBackend())
     async with app.run_test(size=(100, 40)) as pilot:
@@ -461,8 +462,8 @@ async def test_a_new_model_replaces_the_old_one_which_is_released(room: int) -> 
 
 
 async def test_a_model_that_fits_not_even_alone_brings_the_current_one_back(tandem_home: Path) -> None:
-    from tandem.app.picker import PickerScreen
-    from tandem.app.wizard import WizardScreen
+    from tandem.app.screens.picker import PickerScreen
+    from tandem.app.screens.wizard import WizardScreen
 
     memory = Memory(room=1, kind=TunableFake)
     app = TandemApp(memory.load, tune=fake_tune)
@@ -522,7 +523,7 @@ async def test_a_replaced_load_is_dropped_and_a_replaced_answering_model_closed_
 
 
 async def test_no_model_picking_while_answering_or_loading() -> None:
-    from tandem.app.picker import PickerScreen
+    from tandem.app.screens.picker import PickerScreen
 
     backend = FakeBackend(words=50, delay=0.02)
     backend.hold = threading.Event()  # the answer waits after its first word: still coming however slow the machine
@@ -547,8 +548,8 @@ async def test_no_model_picking_while_answering_or_loading() -> None:
 async def test_a_tuning_run_keeps_its_model_even_after_its_wizard_is_closed(tandem_home: Path) -> None:
     from textual.widgets import Button
 
-    from tandem.app.picker import PickerScreen
-    from tandem.app.wizard import WizardScreen
+    from tandem.app.screens.picker import PickerScreen
+    from tandem.app.screens.wizard import WizardScreen
 
     go = threading.Event()
 

@@ -54,7 +54,7 @@ async def ask_and_wait_for(pilot, app: TandemApp, text: str, turns: int) -> None
 
 
 async def test_rename_edit_delete_and_export_that_fail_are_notices(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tandem.app.screens import RenameScreen
+    from tandem.app.screens.rename import RenameScreen
 
     app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test() as pilot:
@@ -79,7 +79,7 @@ async def test_rename_edit_delete_and_export_that_fail_are_notices(monkeypatch: 
 async def test_a_settings_save_that_fails_is_a_notice_and_they_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     from textual.widgets import Button, Input
 
-    from tandem.app.screens import SettingsScreen
+    from tandem.app.screens.settings import SettingsScreen
 
     monkeypatch.setattr(settings_module, "atomic_write_json", disk_full)
     app = TandemApp(lambda _: FakeBackend())
@@ -120,7 +120,7 @@ async def test_a_non_finite_setting_in_the_file_is_set_aside(tandem_home: Path, 
 async def test_the_settings_form_refuses_non_finite_numbers(field: str, value: str) -> None:
     from textual.widgets import Button, Input
 
-    from tandem.app.screens import SettingsScreen
+    from tandem.app.screens.settings import SettingsScreen
 
     app = TandemApp(lambda _: FakeBackend())
     async with app.run_test(size=(100, 40)) as pilot:
@@ -212,7 +212,7 @@ async def test_another_windows_turns_come_in_when_this_one_saves() -> None:
 
 async def test_a_long_conversation_with_the_real_runtime_keeps_answering(mixtral_dir: Path) -> None:
     from tandem.app.backend import RuntimeBackend
-    from tandem.app.wizard import WizardScreen
+    from tandem.app.screens.wizard import WizardScreen
     from tandem.runtime.loader import load
 
     app = TandemApp(lambda _: RuntimeBackend(load(mixtral_dir, dtype="fp32", context=128)),

@@ -40,7 +40,6 @@ class TuneDone(Message):
 class WizardScreen(ModalScreen[bool]):
     """Dismisses with True when a profile was saved."""
 
-
     def __init__(self, tune: Callable[[Callable[[Step], None]], Tuned]) -> None:
         super().__init__()
         self.tune = tune
