@@ -112,9 +112,7 @@ class TandemApp(App[None]):
         self.load_backend = load_backend
         self.model_path = model
         self.models_folders = models_folders or []
-        # the calibration decode reuses the model in memory (a second copy might not fit beside it)
-        self.tune = tune or (lambda path, dtype, progress: autotune(path, dtype, progress=progress, save=False,
-                                                                     loaded=getattr(self.backend, "loaded", None)))
+        self.tune = tune or self.tune_loaded
         self.store = store or ConversationStore()
         self.settings, self.settings_notice = load_settings()
         self.params = params or self.settings.params()
@@ -245,25 +243,28 @@ class TandemApp(App[None]):
             self.release_retired()
         self.update_status()
         self.query_one(Composer).focus()
-        target = getattr(self.backend, "tuning_target", None)
-        if target is not None and not message.restored:
-            _, dtype, raw = target()
-            if needs_tuning(raw, dtype):
-                self.action_tune()
+        target = self.backend.tuning_target()
+        if target is not None and not message.restored and needs_tuning(target.raw_config, target.dtype):
+            self.action_tune()
 
     def action_tune(self) -> None:
         """The auto-tune wizard for the loaded model (offered on first run, or any time from the palette)."""
-        target = getattr(self.backend, "tuning_target", None)
+        target = self.backend.tuning_target() if self.backend is not None else None
         if target is None or self.busy():
             return
-        path, dtype, _ = target()
 
         def done(saved: bool | None) -> None:
             self.query_one(Composer).focus()
             if saved:
                 self.notify("profile saved; it applies the next time this model loads")
 
-        self.push_screen(WizardScreen(lambda progress: self.measure(path, dtype, progress)), done)
+        self.push_screen(WizardScreen(lambda progress: self.measure(target.path, target.dtype, progress)), done)
+
+    def tune_loaded(self, path: str, dtype: str, progress: Callable[[Step], None]) -> Tuned:
+        """The tuning run; its calibration decode reuses the model in memory (a second copy might not fit)."""
+        backend = self.backend
+        return autotune(path, dtype, progress=progress, save=False,
+                        loaded=backend.loaded_model() if backend is not None else None)
 
     def measure(self, path: str, dtype: str, progress: Callable[[Step], None]) -> Tuned:
         """In the wizard's worker thread: the tuning run, the model marked busy meanwhile."""
@@ -561,8 +562,7 @@ class TandemApp(App[None]):
     def update_experts(self) -> None:
         panel = self.query_one(ExpertHeatmap)
         if self.backend is not None and panel.has_class("visible"):
-            where = getattr(self.backend, "where", None)
-            panel.show(self.backend.activity(), width=max(8, panel.size.width - 6), where=where() if where else None)
+            panel.show(self.backend.activity(), width=max(8, panel.size.width - 6), where=self.backend.where())
 
     def update_status(self, state: str = "") -> None:
         if self.backend is None:

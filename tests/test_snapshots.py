@@ -9,7 +9,8 @@ import pytest
 
 from tandem.app.tui import TandemApp
 from tandem.app.widgets import Composer
-from tests.test_tui import FakeBackend, TunableFake, fake_tune, wait_for_screen, wait_until
+from tests.fakes import FakeBackend, TunableFake
+from tests.test_tui import fake_tune, wait_for_screen, wait_until
 
 SIZE = (100, 30)
 

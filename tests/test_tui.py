@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from textual.widgets import ProgressBar
 
-from tandem.app.backend import RuntimeBackend, Usage
+from tandem.app.backend import RuntimeBackend
 from tandem.app.store import Conversation, ConversationStore, Turn
 from tandem.app.tui import TandemApp
 from tandem.app.widgets import ChatMessage, ExpertHeatmap, StatusBar
@@ -19,45 +18,7 @@ from tandem.autotune.microbench import Step
 from tandem.kernels.errors import CheckpointError, ResourceError
 from tandem.runtime.loader import load
 from tandem.runtime.sampling import SamplingParams
-
-
-class FakeBackend:
-    """Deterministic words at a controllable pace."""
-
-    name, family, placement = "fake-moe", "Mixtral", "CPU only · 2 threads · bf16"
-    context = 4096
-
-    def __init__(self, words: int = 12, delay: float = 0.0, path: str | None = None) -> None:
-        self.words, self.delay, self.path = words, delay, path
-        self.prompts: list[list[dict[str, str]]] = []  # the messages of every answer asked for
-        self.started = threading.Event()
-        self.produced = 0
-        self.closed = False
-        self.hold: threading.Event | None = None  # when given: after the first word, wait for it to be set
-
-    def prompt_tokens(self, messages: list[dict[str, str]]) -> int:
-        """One token a word, two a message for the template's markers."""
-        return sum(len(m["content"].split()) + 2 for m in messages)
-
-    def stream(self, messages: list[dict[str, str]], params: SamplingParams) -> Iterator[str]:
-        self.prompts.append(messages)
-        self.produced = 0
-        self.started.set()
-        for i in range(self.words):
-            time.sleep(self.delay)
-            if i == 1 and self.hold is not None:
-                self.hold.wait(10)
-            self.produced += 1
-            yield f"word{i} "
-
-    def usage(self) -> Usage:
-        return Usage(42.5, 0.123, None, 10 + self.produced, 4096)
-
-    def activity(self) -> list[list[int]]:
-        return [[3, 0, 1, 0, 0, 0, 2, 0], [0, 0, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 5]]
-
-    def close(self) -> None:
-        self.closed = True
+from tests.fakes import FakeBackend, TunableFake
 
 
 async def wait_until(pilot, condition, timeout: float = 10.0) -> None:
@@ -291,11 +252,6 @@ async def test_picker_lists_a_models_folder_and_a_broken_model_keeps_the_app_ali
                          and app.screen.is_mounted)
         assert "not a valid safetensors" in str(app.screen.query_one("#picker-error").render())
         assert app.is_running and app.backend is not None  # the previous model is still loaded
-
-
-class TunableFake(FakeBackend):
-    def tuning_target(self) -> tuple[str, str, dict]:
-        return "/models/fake", "bf16", {"model_type": "mixtral", "hidden_size": 64}
 
 
 def fake_tune(path: str, dtype: str, progress) -> object:

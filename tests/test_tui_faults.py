@@ -17,7 +17,8 @@ from tandem.app.tui import TandemApp
 from tandem.app.widgets import ChatMessage, StatusBar
 from tandem.kernels.errors import GenerationError
 from tandem.runtime.sampling import SamplingParams
-from tests.test_tui import FakeBackend, ask, ask_and_wait, press, wait_for_screen, wait_until
+from tests.fakes import FakeBackend
+from tests.test_tui import ask, ask_and_wait, press, wait_for_screen, wait_until
 
 
 def disk_full(*args: object, **kwargs: object) -> None:
