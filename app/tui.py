@@ -9,7 +9,6 @@ than the context goes to the model without its oldest turns, and the status bar 
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from textual.worker import get_current_worker
 
 from tandem.app.backend import ChatBackend
 from tandem.app.context import answer_room, fit_messages
+from tandem.app.lifecycle import Failed, ModelLifecycle, Ready, Unloaded, load_in_turn
 from tandem.app.screens.help import HelpScreen
 from tandem.app.screens.picker import ModelEntry, PickerScreen, discover
 from tandem.app.screens.rename import RenameScreen
@@ -36,7 +36,7 @@ from tandem.app.store import Conversation, ConversationStore, Turn
 from tandem.app.widgets import ChatMessage, Composer, ExpertHeatmap, StatusBar
 from tandem.autotune.microbench import Step
 from tandem.autotune.run import Tuned, autotune
-from tandem.kernels.errors import ResourceError, TandemError
+from tandem.kernels.errors import TandemError
 from tandem.runtime.sampling import SamplingParams
 
 REPAINT_S = 0.05
@@ -44,10 +44,8 @@ REPAINT_S = 0.05
 
 @dataclass
 class ModelReady(Message):
-    backend: ChatBackend
-    path: str | None  # its folder (None: the built-in model)
-    load: int = 0  # which load_model call: replies of a load since replaced are stale
-    restored: bool = False  # the previous model, loaded again after the new one failed
+    ready: Ready
+    load: int  # which load: replies of a load since replaced are stale
 
 
 @dataclass
@@ -58,8 +56,8 @@ class TuningFinished(Message):
 @dataclass
 class ModelFailed(Message):
     error: str
-    from_picker: bool = False
-    load: int = 0
+    from_picker: bool
+    load: int
 
 
 @dataclass
@@ -116,16 +114,11 @@ class TandemApp(App[None]):
         self.store = store or ConversationStore()
         self.settings, self.settings_notice = load_settings()
         self.params = params or self.settings.params()
-        self.backend: ChatBackend | None = None
-        self.backend_path: str | None = None
-        self.loading = False
-        self.loads = 0  # load_model calls so far
-        self.retired: list[ChatBackend] = []  # replaced while answering or tuning: closed when that is done
-        self.tuning_active = False  # a measurement on the loaded model is running (set in the wizard's worker)
+        self.lifecycle = ModelLifecycle(
+            tuning_open=lambda: any(isinstance(screen, WizardScreen) for screen in self.screen_stack))
         self.conversations: list[Conversation] = []
         self.current = Conversation()
         self.answer: ChatMessage | None = None
-        self.generating = False
         self.context_note = ""  # what the status bar adds while the prompt leaves turns out
         self._delete_armed = 0.0
 
@@ -162,63 +155,28 @@ class TandemApp(App[None]):
         """Load in the background; the current model stays until the new one is ready, unless the two do not fit
         in memory side by side: then the current one is let go first and the load tried once more (and should
         that fail too, the current one is loaded again). No answer starts meanwhile."""
-        self.loading = True
-        self.loads += 1
-        self.load_worker(path, from_picker, self.loads)
+        self.load_worker(path, from_picker, self.lifecycle.begin_load())
 
     @work(thread=True, exclusive=True, group="model")
     def load_worker(self, path: str | None, from_picker: bool, load: int) -> None:
         name = path or "the built-in model"
         self.call_from_thread(self.show_loading, f"loading {name}…")
-        too_big = ""
-        try:
-            backend = self.load_backend(path)
-        except ResourceError as e:
-            too_big = str(e)  # retried below, outside this handler (its traceback would keep the partial load)
-        except TandemError as e:
-            self.post_message(ModelFailed(str(e), from_picker, load))
-            return
-        if not too_big:
-            self.post_message(ModelReady(backend, path, load))
-            return
-        previous = self.call_from_thread(self.unload_model, name, load)
-        if previous is False:  # nothing to let go, it is busy, or this load has been superseded
-            self.post_message(ModelFailed(too_big, from_picker, load))
-            return
-        try:
-            self.post_message(ModelReady(self.load_backend(path), path, load))
-            return
-        except TandemError as e:
-            error = str(e)
-        try:  # back to the model that was let go for it
-            self.post_message(ModelReady(self.load_backend(previous), previous, load, restored=True))
-            error += f"; {previous or 'the built-in model'} is loaded again"
-        except TandemError as e:
-            error += f"; {previous or 'the built-in model'} could not be loaded again either: {e}"
-        self.post_message(ModelFailed(error, from_picker, load))
 
-    def unload_model(self, name: str, load: int) -> str | None | bool:
-        """Let the current model go, memory included, to make room for `name` (load number `load`): its folder
-        (None: built-in), or False when there is none, it is busy (answering, being tuned) or the load is stale."""
-        if load != self.loads or self.backend is None or self.generating or self.tuning():
-            return False
-        old, self.backend = self.backend, None
-        self.show_loading(f"unloaded {old.name} to make room; loading {name}…")
-        old.close()
-        del old
-        gc.collect()  # the model's own reference cycles: its memory goes back now, before the retry measures RAM
-        return self.backend_path
+        def report(outcome: Ready | Failed) -> None:
+            if isinstance(outcome, Ready):
+                self.post_message(ModelReady(outcome, load))
+            else:
+                self.post_message(ModelFailed(outcome.error, from_picker, load))
 
-    def tuning(self) -> bool:
-        """The tuning wizard is open, or its measurement still runs (it goes on after the wizard is closed)."""
-        return self.tuning_active or any(isinstance(screen, WizardScreen) for screen in self.screen_stack)
+        load_in_turn(self.load_backend, path, lambda: self.call_from_thread(self.unload_model, name, load), report)
 
-    def release_retired(self) -> None:
-        """Close the models replaced while in use, once nothing uses them."""
-        if not (self.generating or self.tuning_active):
-            for old in self.retired:
-                old.close()
-            self.retired.clear()
+    def unload_model(self, name: str, load: int) -> Unloaded | None:
+        """Let the current model go to make room for `name` (load number `load`), if it may go (see
+        `ModelLifecycle.unload`), and say so."""
+        unloaded = self.lifecycle.unload(load)
+        if unloaded is not None:
+            self.show_loading(f"unloaded {unloaded.name} to make room; loading {name}…")
+        return unloaded
 
     def show_loading(self, text: str, fraction: float | None = None) -> None:
         """The loading bar: indeterminate, or `fraction` done when the loader reports it."""
@@ -232,24 +190,19 @@ class TandemApp(App[None]):
         self.call_from_thread(self.show_loading, f"{message} {fraction:.0%}", fraction)
 
     def on_model_ready(self, message: ModelReady) -> None:
-        if message.load != self.loads:  # a load since replaced by another: not wanted any more
-            message.backend.close()
+        if not self.lifecycle.arrived(message.ready, message.load):
             return
         self.query_one("#loading", ProgressBar).display = False
-        self.loading = False
-        old, self.backend, self.backend_path = self.backend, message.backend, message.path
-        if old is not None:  # released now rather than whenever it is collected (accelerator memory, RAM copies)
-            self.retired.append(old)
-            self.release_retired()
         self.update_status()
         self.query_one(Composer).focus()
-        target = self.backend.tuning_target()
-        if target is not None and not message.restored and needs_tuning(target.raw_config, target.dtype):
+        target = message.ready.backend.tuning_target()
+        if target is not None and not message.ready.restored and needs_tuning(target.raw_config, target.dtype):
             self.action_tune()
 
     def action_tune(self) -> None:
         """The auto-tune wizard for the loaded model (offered on first run, or any time from the palette)."""
-        target = self.backend.tuning_target() if self.backend is not None else None
+        backend = self.lifecycle.backend
+        target = backend.tuning_target() if backend is not None else None
         if target is None or self.busy():
             return
 
@@ -262,27 +215,24 @@ class TandemApp(App[None]):
 
     def tune_loaded(self, path: str, dtype: str, progress: Callable[[Step], None]) -> Tuned:
         """The tuning run; its calibration decode reuses the model in memory (a second copy might not fit)."""
-        backend = self.backend
+        backend = self.lifecycle.backend
         return autotune(path, dtype, progress=progress, save=False,
                         loaded=backend.loaded_model() if backend is not None else None)
 
     def measure(self, path: str, dtype: str, progress: Callable[[Step], None]) -> Tuned:
         """In the wizard's worker thread: the tuning run, the model marked busy meanwhile."""
-        self.tuning_active = True
         try:
-            return self.tune(path, dtype, progress)
+            return self.lifecycle.measure(lambda: self.tune(path, dtype, progress))
         finally:
-            self.tuning_active = False
             self.post_message(TuningFinished())
 
     def on_tuning_finished(self, message: TuningFinished) -> None:
-        self.release_retired()
+        self.lifecycle.release_retired()
 
     def on_model_failed(self, message: ModelFailed) -> None:
-        if message.load != self.loads:
+        if not self.lifecycle.load_failed(message.load):
             return
         self.query_one("#loading", ProgressBar).display = False
-        self.loading = False
         if message.from_picker:  # back to the picker with the error; the current model stays loaded
             self.update_status()
             self.action_pick_model(message.error)
@@ -323,7 +273,7 @@ class TandemApp(App[None]):
 
     @on(ListView.Selected, "#sidebar")
     def pick_conversation(self, event: ListView.Selected) -> None:
-        if self.generating:
+        if self.lifecycle.generating:
             return
         chosen = next((c for c in self.conversations if c.id == event.item.name), None)
         if chosen is not None and chosen is not self.current:
@@ -339,13 +289,13 @@ class TandemApp(App[None]):
             self.notify(f"the conversation could not be saved ({e}); it stays open here, and the next save "
                         "tries again (Ctrl+S exports it)", title="Not saved", severity="error", timeout=20)
             return False
-        if merged and conv is self.current and not self.generating:  # another window's turns came in
+        if merged and conv is self.current and not self.lifecycle.generating:  # another window's turns came in
             self.show_conversation()
             self.refresh_sidebar()
         return True
 
     def action_new_conversation(self) -> None:
-        if self.generating:
+        if self.lifecycle.generating:
             return
         self.current = Conversation()
         self.conversations.insert(0, self.current)
@@ -355,7 +305,7 @@ class TandemApp(App[None]):
 
     def action_delete_conversation(self) -> None:
         """Deletes only when pressed twice within a few seconds: the first press asks for confirmation."""
-        if self.generating:
+        if self.lifecycle.generating:
             return
         if time.monotonic() - self._delete_armed > self.CONFIRM_S:
             self._delete_armed = time.monotonic()
@@ -397,21 +347,17 @@ class TandemApp(App[None]):
     # -- asking and answering -------------------------------------------------------------------
     def busy(self) -> bool:
         """Whether an answer, a model load or a tuning run is under way (saying which); nothing else may start."""
-        if self.generating:
-            self.notify("an answer is still coming; Esc stops it")
-        elif self.loading:
-            self.notify("wait for the model")
-        elif self.tuning():
-            self.notify("the model is being tuned; wait until that is done")
-        return self.generating or self.loading or self.tuning()
+        reason = self.lifecycle.busy_reason()
+        if reason is not None:
+            self.notify(reason)
+        return reason is not None
 
     def ready_to_answer(self) -> bool:
         """Whether an answer can start now (nothing else under way, a model loaded); says why not."""
-        if self.busy():
-            return False
-        if self.backend is None:
-            self.notify("no model is loaded: Ctrl+O picks one")
-        return self.backend is not None
+        reason = self.lifecycle.answer_refusal()
+        if reason is not None:
+            self.notify(reason)
+        return reason is None
 
     @on(Composer.Submitted)
     def ask(self, event: Composer.Submitted) -> None:
@@ -430,7 +376,7 @@ class TandemApp(App[None]):
         self.answer = ChatMessage("assistant", "")
         box.mount(self.answer)
         box.scroll_end(animate=False)
-        self.generating = True
+        self.lifecycle.answer_started()
         self.context_note = ""
         self.update_status("answering… (Esc stops)")
         self.generate(self.current.messages(self.settings.system_prompt))
@@ -438,8 +384,8 @@ class TandemApp(App[None]):
     @work(thread=True, exclusive=True, group="generate")
     def generate(self, messages: list[dict[str, str]]) -> None:
         worker = get_current_worker()
-        assert self.backend is not None
-        backend = self.backend
+        backend = self.lifecycle.backend
+        assert backend is not None
         pending, last = [], time.monotonic()
         stopped = False
         try:
@@ -477,8 +423,7 @@ class TandemApp(App[None]):
         self.notify(message.error, title="The answer failed", severity="error", timeout=30)
 
     def on_answer_done(self, message: AnswerDone) -> None:
-        self.generating = False
-        self.release_retired()
+        self.lifecycle.answer_finished()
         if self.answer is not None:
             if self.answer.text:
                 self.current.turns.append(Turn("assistant", self.answer.text))
@@ -491,7 +436,7 @@ class TandemApp(App[None]):
 
     def action_stop(self) -> None:
         """Escape: stops an answer; otherwise closes the dialog on top (this binding has priority over theirs)."""
-        if self.generating:
+        if self.lifecycle.generating:
             for worker in self.workers:
                 if worker.group == "generate":
                     worker.cancel()
@@ -511,7 +456,7 @@ class TandemApp(App[None]):
 
     def action_edit_last(self) -> None:
         """Take the last question (and its answer) back into the composer to edit and send again."""
-        if self.generating or not self.current.turns:
+        if self.lifecycle.generating or not self.current.turns:
             return
         while self.current.turns and self.current.turns[-1].role == "assistant":
             self.current.turns.pop()
@@ -561,12 +506,13 @@ class TandemApp(App[None]):
 
     def update_experts(self) -> None:
         panel = self.query_one(ExpertHeatmap)
-        if self.backend is not None and panel.has_class("visible"):
-            panel.show(self.backend.activity(), width=max(8, panel.size.width - 6), where=self.backend.where())
+        backend = self.lifecycle.backend
+        if backend is not None and panel.has_class("visible"):
+            panel.show(backend.activity(), width=max(8, panel.size.width - 6), where=backend.where())
 
     def update_status(self, state: str = "") -> None:
-        if self.backend is None:
+        b = self.lifecycle.backend
+        if b is None:
             return
-        b = self.backend
         state = " · ".join(filter(None, (state, self.context_note)))
         self.query_one(StatusBar).show(b.name, b.family, b.placement, b.usage(), state)

@@ -17,13 +17,13 @@ SIZE = (100, 30)
 
 async def answered(pilot, question: str = "What is a mixture of experts?") -> None:
     app = pilot.app
-    await wait_until(pilot, lambda: app.backend is not None)
+    await wait_until(pilot, lambda: app.lifecycle.backend is not None)
     composer = app.query_one(Composer)
     composer.cursor_blink = False
     composer.focus()
     composer.insert(question)
     await pilot.press("enter")
-    await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+    await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.current.turns) == 2)
     await pilot.pause()
 
 
@@ -48,7 +48,7 @@ def test_picker(snap_compare, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     write_test_model(tmp_path / "models" / "tiny-qwen3", tiny_config("qwen3_moe"))
 
     async def run(pilot) -> None:
-        await wait_until(pilot, lambda: pilot.app.backend is not None)
+        await wait_until(pilot, lambda: pilot.app.lifecycle.backend is not None)
         pilot.app.query_one(Composer).cursor_blink = False
         await pilot.press("ctrl+o")
         await pilot.pause()

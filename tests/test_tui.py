@@ -41,7 +41,7 @@ async def press(pilot, *keys: str) -> None:
 
 
 async def ask(pilot, app: TandemApp, text: str) -> None:
-    await wait_until(pilot, lambda: app.backend is not None)
+    await wait_until(pilot, lambda: app.lifecycle.backend is not None)
     composer = app.query_one("#composer")
     composer.focus()
     composer.insert(text)
@@ -51,7 +51,7 @@ async def ask(pilot, app: TandemApp, text: str) -> None:
 async def ask_and_wait(pilot, app: TandemApp, text: str) -> None:
     """Ask, then wait for the whole answer."""
     await ask(pilot, app, text)
-    await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+    await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.current.turns) == 2)
 
 
 async def test_message_streams_reply_and_status_shows_speed() -> None:
@@ -89,7 +89,7 @@ async def test_escape_stops_and_keeps_the_partial_answer() -> None:
         await ask(pilot, app, "Tell me everything")
         await wait_until(pilot, lambda: backend.produced >= 5)
         await pilot.press("escape")
-        await wait_until(pilot, lambda: not app.generating)
+        await wait_until(pilot, lambda: not app.lifecycle.generating)
         kept = app.current.turns[-1]
         assert kept.role == "assistant" and kept.content.startswith("word0 word1")
         assert backend.produced < 500
@@ -142,14 +142,14 @@ async def test_a_model_that_fails_to_load_keeps_the_app_alive() -> None:
     app = TandemApp(broken)
     async with app.run_test() as pilot:
         await wait_until(pilot, lambda: "failed" in str(app.query_one(StatusBar).render()))
-        assert app.is_running and app.backend is None
+        assert app.is_running and app.lifecycle.backend is None
 
 
 async def test_expert_heatmap_toggles_and_shows_rows() -> None:
     app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test(size=(120, 30)) as pilot:
         await ask(pilot, app, "hi")
-        await wait_until(pilot, lambda: not app.generating)
+        await wait_until(pilot, lambda: not app.lifecycle.generating)
         await press(pilot, "ctrl+e")
         panel = app.query_one(ExpertHeatmap)
         text = str(panel.render())
@@ -175,10 +175,10 @@ async def test_with_the_real_runtime(mixtral_dir: Path) -> None:
         app.screen.query_one("#skip", Button).press()
         await pilot.pause()
         await ask(pilot, app, "Hello")
-        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2, timeout=30)
+        await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.current.turns) == 2, timeout=30)
         status = str(app.query_one(StatusBar).render())
         assert "CPU only" in status and "tok/s" in status and f"/{128}" in status
-        assert app.backend.activity()
+        assert app.lifecycle.backend.activity()
 
 
 async def test_settings_are_edited_validated_and_saved(tandem_home: Path) -> None:
@@ -239,7 +239,7 @@ async def test_picker_lists_a_models_folder_and_a_broken_model_keeps_the_app_ali
 
     app = TandemApp(load_backend, models_folders=[folder])
     async with app.run_test(size=(120, 30)) as pilot:
-        await wait_until(pilot, lambda: app.backend is not None)
+        await wait_until(pilot, lambda: app.lifecycle.backend is not None)
         await press(pilot, "ctrl+o")
         picker = app.screen
         assert isinstance(picker, PickerScreen)
@@ -251,7 +251,7 @@ async def test_picker_lists_a_models_folder_and_a_broken_model_keeps_the_app_ali
         await wait_until(pilot, lambda: isinstance(app.screen, PickerScreen) and app.screen is not picker
                          and app.screen.is_mounted)
         assert "not a valid safetensors" in str(app.screen.query_one("#picker-error").render())
-        assert app.is_running and app.backend is not None  # the previous model is still loaded
+        assert app.is_running and app.lifecycle.backend is not None  # the previous model is still loaded
 
 
 def fake_tune(path: str, dtype: str, progress) -> object:
@@ -295,7 +295,7 @@ async def test_first_run_wizard_tunes_and_saves_a_profile(tandem_home: Path) -> 
     assert not needs_tuning({"model_type": "mixtral", "hidden_size": 64}, "bf16")
     again = TandemApp(lambda _: TunableFake(), tune=fake_tune)
     async with again.run_test() as pilot:  # tuned already: no wizard this time
-        await wait_until(pilot, lambda: again.backend is not None)
+        await wait_until(pilot, lambda: again.lifecycle.backend is not None)
         await pilot.pause(0.2)
         assert not isinstance(again.screen, WizardScreen)
 
@@ -351,7 +351,7 @@ async def test_after_skipping_the_wizard_typing_goes_to_the_composer(tandem_home
         await pilot.press("escape")  # Escape skips the wizard (and closes any dialog)
         await wait_until(pilot, lambda: not isinstance(app.screen, WizardScreen))
         await pilot.press("h", "i", "enter")
-        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+        await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.current.turns) == 2)
         assert app.current.turns[0].content == "hi"
 
 
@@ -361,7 +361,7 @@ async def test_escape_closes_dialogs() -> None:
 
     app = TandemApp(lambda _: FakeBackend())
     async with app.run_test(size=(100, 40)) as pilot:
-        await wait_until(pilot, lambda: app.backend is not None)
+        await wait_until(pilot, lambda: app.lifecycle.backend is not None)
         for key, screen in (("f2", SettingsScreen), ("f1", HelpScreen)):
             await press(pilot, key)
             assert isinstance(app.screen, screen)
@@ -380,7 +380,7 @@ async def test_edit_the_last_message(tandem_home: Path) -> None:
         assert len(app.query(ChatMessage)) == 0
         app.query_one(Composer).text = "second try"
         await pilot.press("enter")
-        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+        await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.current.turns) == 2)
         assert app.current.turns[0].content == "second try"
 
 
@@ -407,12 +407,12 @@ async def test_a_new_model_replaces_the_old_one_which_is_released(room: int) -> 
     memory = Memory(room)
     app = TandemApp(memory.load)
     async with app.run_test() as pilot:
-        await wait_until(pilot, lambda: app.backend is not None)
-        first = app.backend
+        await wait_until(pilot, lambda: app.lifecycle.backend is not None)
+        first = app.lifecycle.backend
         app.load_model("second", from_picker=True)
-        assert app.loading
-        await wait_until(pilot, lambda: not app.loading)
-        assert app.backend.path == "second" and first.closed and not app.backend.closed
+        assert app.lifecycle.loading
+        await wait_until(pilot, lambda: not app.lifecycle.loading)
+        assert app.lifecycle.backend.path == "second" and first.closed and not app.lifecycle.backend.closed
     # with room for one: tried beside the first, then again once the first was unloaded
     assert memory.attempts == [None, "second"] + (["second"] if room == 1 else [])
 
@@ -426,11 +426,12 @@ async def test_a_model_that_fits_not_even_alone_brings_the_current_one_back(tand
     async with app.run_test() as pilot:
         await wait_for_screen(pilot, app, WizardScreen)  # not tuned yet: offered; skipped
         await press(pilot, "escape")
-        first = app.backend
+        first = app.lifecycle.backend
         app.load_model("huge", from_picker=True)
         await wait_for_screen(pilot, app, PickerScreen)
         assert memory.attempts == [None, "huge", "huge", None]  # beside it, alone, then the first one again
-        assert first.closed and app.backend is not first and app.backend.path is None and not app.loading
+        assert first.closed and app.lifecycle.backend is not first and app.lifecycle.backend.path is None
+        assert not app.lifecycle.loading
         error = str(app.screen.query_one("#picker-error").render())  # (the wizard is not offered again)
         assert "not enough RAM for huge" in error and "the built-in model is loaded again" in error
 
@@ -439,18 +440,18 @@ async def test_a_superseded_load_that_runs_out_of_memory_leaves_the_newer_model_
     memory = Memory(room=1)
     app = TandemApp(memory.load)
     async with app.run_test() as pilot:
-        await wait_until(pilot, lambda: app.backend is not None)
+        await wait_until(pilot, lambda: app.lifecycle.backend is not None)
         unloads = []
         unload = app.unload_model
         app.unload_model = lambda name, load: unloads.append(load) or unload(name, load)  # type: ignore[method-assign]
         app.load_model("slow")  # will not fit beside the first: it would unload whatever is loaded then
         await wait_until(pilot, lambda: "slow" in memory.attempts)
         app.load_model("fast")  # unloads the first, then loads
-        await wait_until(pilot, lambda: getattr(app.backend, "path", None) == "fast")
+        await wait_until(pilot, lambda: getattr(app.lifecycle.backend, "path", None) == "fast")
         memory.gate.set()  # now the slow load finds no room
         await wait_until(pilot, lambda: len(unloads) == 2)
         assert unloads == [3, 2]  # both asked; the superseded load (2) was refused:
-        assert app.backend.path == "fast" and not app.backend.closed
+        assert app.lifecycle.backend.path == "fast" and not app.lifecycle.backend.closed
         assert memory.attempts == [None, "slow", "fast", "fast"]
 
 
@@ -458,23 +459,23 @@ async def test_a_replaced_load_is_dropped_and_a_replaced_answering_model_closed_
     memory = Memory(room=3)
     app = TandemApp(memory.load)
     async with app.run_test() as pilot:
-        await wait_until(pilot, lambda: app.backend is not None)
+        await wait_until(pilot, lambda: app.lifecycle.backend is not None)
         app.load_model("slow")
         await wait_until(pilot, lambda: "slow" in memory.attempts)
         app.load_model("fast")  # the slow load cannot be stopped; its model must not win when it comes
-        await wait_until(pilot, lambda: getattr(app.backend, "path", None) == "fast")
+        await wait_until(pilot, lambda: getattr(app.lifecycle.backend, "path", None) == "fast")
         memory.gate.set()
         await wait_until(pilot, lambda: any(b.path == "slow" and b.closed for b in memory.loaded))
-        assert app.backend.path == "fast" and not app.backend.closed
-        answering = app.backend
+        assert app.lifecycle.backend.path == "fast" and not app.lifecycle.backend.closed
+        answering = app.lifecycle.backend
         answering.words, answering.hold = 5, threading.Event()
         await ask(pilot, app, "hello")
         await wait_until(pilot, lambda: answering.produced == 1)
         app.load_model("other")  # (the picker refuses while answering; a model can still arrive then)
-        await wait_until(pilot, lambda: app.backend.path == "other")
-        assert app.generating and not answering.closed  # still answering with it
+        await wait_until(pilot, lambda: app.lifecycle.backend.path == "other")
+        assert app.lifecycle.generating and not answering.closed  # still answering with it
         answering.hold.set()
-        await wait_until(pilot, lambda: not app.generating)
+        await wait_until(pilot, lambda: not app.lifecycle.generating)
         assert answering.closed and app.current.turns[-1].content.split() == [f"word{i}" for i in range(5)]
 
 
@@ -486,15 +487,15 @@ async def test_no_model_picking_while_answering_or_loading() -> None:
     app = TandemApp(lambda _: backend)
     async with app.run_test() as pilot:
         await ask(pilot, app, "hello")
-        await wait_until(pilot, lambda: app.generating)
+        await wait_until(pilot, lambda: app.lifecycle.generating)
         app.action_pick_model()
         await pilot.pause()
         assert not isinstance(app.screen, PickerScreen)
         assert any("answer is still coming" in n.message for n in app._notifications)
         backend.hold.set()
         await press(pilot, "escape")
-        await wait_until(pilot, lambda: not app.generating)
-        app.loading = True  # as while a model loads
+        await wait_until(pilot, lambda: not app.lifecycle.generating)
+        app.lifecycle.loading = True  # as while a model loads
         app.action_pick_model()
         await pilot.pause()
         assert not isinstance(app.screen, PickerScreen)
@@ -516,21 +517,21 @@ async def test_a_tuning_run_keeps_its_model_even_after_its_wizard_is_closed(tand
     app = TandemApp(lambda path: TunableFake(words=2, path=path), tune=slow_tune)
     async with app.run_test() as pilot:
         wizard = await wait_for_screen(pilot, app, WizardScreen)  # no profile yet: offered
-        measured = app.backend
+        measured = app.lifecycle.backend
         wizard.query_one("#start", Button).press()
-        await wait_until(pilot, lambda: app.tuning_active)
+        await wait_until(pilot, lambda: app.lifecycle.tuning_active)
         await press(pilot, "escape")  # the wizard closes; its measurement goes on with the model
-        assert not isinstance(app.screen, WizardScreen) and app.tuning()
+        assert not isinstance(app.screen, WizardScreen) and app.lifecycle.tuning()
         app.action_pick_model()
         await pilot.pause()
         assert not isinstance(app.screen, PickerScreen)
         assert any("being tuned" in n.message for n in app._notifications)
         app.load_model("other")  # a model arriving meanwhile: the measured one is closed only afterwards
-        await wait_until(pilot, lambda: app.backend.path == "other")
+        await wait_until(pilot, lambda: app.lifecycle.backend.path == "other")
         assert not measured.closed
         go.set()
         await wait_until(pilot, lambda: measured.closed)
-        assert not app.tuning() and not app.backend.closed
+        assert not app.lifecycle.tuning() and not app.lifecycle.backend.closed
 
 
 async def test_an_answer_that_fails_says_so_and_leaves_loading_alone() -> None:
@@ -547,10 +548,10 @@ async def test_an_answer_that_fails_says_so_and_leaves_loading_alone() -> None:
     app = TandemApp(lambda _: Failing())
     async with app.run_test() as pilot:
         await ask(pilot, app, "hello")
-        await wait_until(pilot, lambda: app.generating)
-        app.loading = True  # as if a model were loading meanwhile: the answer's error must not end that
+        await wait_until(pilot, lambda: app.lifecycle.generating)
+        app.lifecycle.loading = True  # as if a model were loading meanwhile: the answer's error must not end that
         release.set()
-        await wait_until(pilot, lambda: not app.generating)
+        await wait_until(pilot, lambda: not app.lifecycle.generating)
         await pilot.pause()
         assert any(n.title == "The answer failed" and "context is full" in n.message for n in app._notifications)
-        assert app.loading and app.current.turns[-1].content == "partial "
+        assert app.lifecycle.loading and app.current.turns[-1].content == "partial "

@@ -40,7 +40,7 @@ async def test_a_failed_save_is_a_notice_and_the_conversation_stays(monkeypatch:
         with monkeypatch.context() as full:
             full.setattr(store_module, "atomic_write_json", disk_full)
             await ask(pilot, app, "unsaved question")
-            await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 4)
+            await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.current.turns) == 4)
             await pilot.pause()
         assert app.is_running and any("could not be saved" in n and "No space left" in n for n in notices(app))
         assert [t.content for t in app.current.turns][2:] == ["unsaved question", "word0 word1 "]
@@ -51,7 +51,7 @@ async def test_a_failed_save_is_a_notice_and_the_conversation_stays(monkeypatch:
 
 async def ask_and_wait_for(pilot, app: TandemApp, text: str, turns: int) -> None:
     await ask(pilot, app, text)
-    await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == turns)
+    await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.current.turns) == turns)
 
 
 async def test_rename_edit_delete_and_export_that_fail_are_notices(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -184,7 +184,8 @@ async def test_an_answer_without_a_word_is_never_saved(fail: bool) -> None:
     async with app.run_test() as pilot:
         for question in ("first", "second"):
             await ask(pilot, app, question)
-            await wait_until(pilot, lambda q=question: not app.generating and app.current.turns[-1].content == q)
+            await wait_until(pilot, lambda q=question: not app.lifecycle.generating
+                             and app.current.turns[-1].content == q)
             await pilot.pause()
         assert [t.role for t in app.current.turns] == ["user", "user"]
         assert saved_turns(app.current.id) == ["first", "second"]
@@ -193,7 +194,7 @@ async def test_an_answer_without_a_word_is_never_saved(fail: bool) -> None:
         assert fail or backend.prompts[-1] == [{"role": "user", "content": "first\n\nsecond"}]
         backend.words, backend.fail = 2, False
         await press(pilot, "ctrl+r")  # retry: the question gets its answer now
-        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 3)
+        await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.current.turns) == 3)
         assert [t.role for t in app.current.turns] == ["user", "user", "assistant"]
 
 
