@@ -23,7 +23,7 @@ async def answered(pilot, question: str = "What is a mixture of experts?") -> No
     composer.focus()
     composer.insert(question)
     await pilot.press("enter")
-    await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.current.turns) == 2)
+    await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.chat.current.turns) == 2)
     await pilot.pause()
 
 
@@ -74,7 +74,7 @@ def test_chat_mid_answer_with_heatmap(snap_compare) -> None:
     async def run(pilot) -> None:
         await answered(pilot, "Explain expert caching in two paragraphs.")
         await pilot.press("ctrl+e")
-        pilot.app.update_status("answering… (Esc stops)")
+        pilot.app.chat.update_status("answering… (Esc stops)")
         await pilot.pause()
 
     assert snap_compare(TandemApp(lambda _: FakeBackend(words=20)), terminal_size=SIZE, run_before=run)

@@ -11,6 +11,7 @@ import pytest
 from textual.widgets import ProgressBar
 
 from tandem.app.backend import RuntimeBackend
+from tandem.app.screens.chat import ChatScreen
 from tandem.app.store import Conversation, ConversationStore, Turn
 from tandem.app.tui import TandemApp
 from tandem.app.widgets import ChatMessage, ExpertHeatmap, StatusBar
@@ -51,7 +52,7 @@ async def ask(pilot, app: TandemApp, text: str) -> None:
 async def ask_and_wait(pilot, app: TandemApp, text: str) -> None:
     """Ask, then wait for the whole answer."""
     await ask(pilot, app, text)
-    await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.current.turns) == 2)
+    await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.chat.current.turns) == 2)
 
 
 async def test_message_streams_reply_and_status_shows_speed() -> None:
@@ -90,7 +91,7 @@ async def test_escape_stops_and_keeps_the_partial_answer() -> None:
         await wait_until(pilot, lambda: backend.produced >= 5)
         await pilot.press("escape")
         await wait_until(pilot, lambda: not app.lifecycle.generating)
-        kept = app.current.turns[-1]
+        kept = app.chat.current.turns[-1]
         assert kept.role == "assistant" and kept.content.startswith("word0 word1")
         assert backend.produced < 500
         assert "stopped" in str(app.query_one(StatusBar).render())
@@ -105,9 +106,9 @@ async def test_conversations_are_saved_and_restored(tandem_home: Path) -> None:
     again = TandemApp(lambda _: FakeBackend())
     async with again.run_test() as pilot:
         await pilot.pause()
-        titles = sorted(c.title for c in again.conversations)
+        titles = sorted(c.title for c in again.chat.conversations)
         assert titles == ["First question", "Second question"]
-        assert [t.role for t in again.current.turns] == ["user", "assistant"]
+        assert [t.role for t in again.chat.current.turns] == ["user", "assistant"]
         assert len(again.query(ChatMessage)) == 2
 
 
@@ -131,7 +132,7 @@ async def test_a_corrupt_conversation_file_does_not_crash(tandem_home: Path) -> 
     app = TandemApp(lambda _: FakeBackend())
     async with app.run_test() as pilot:
         await pilot.pause()
-        assert [c.title for c in app.conversations] == ["good one"]
+        assert [c.title for c in app.chat.conversations] == ["good one"]
         assert list(store.folder.glob("broken.bad-*"))
 
 
@@ -175,7 +176,7 @@ async def test_with_the_real_runtime(mixtral_dir: Path) -> None:
         app.screen.query_one("#skip", Button).press()
         await pilot.pause()
         await ask(pilot, app, "Hello")
-        await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.current.turns) == 2, timeout=30)
+        await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.chat.current.turns) == 2, timeout=30)
         status = str(app.query_one(StatusBar).render())
         assert "CPU only" in status and "tok/s" in status and f"/{128}" in status
         assert app.lifecycle.backend.activity()
@@ -214,12 +215,12 @@ async def test_help_lists_every_key_and_the_palette_has_every_action() -> None:
         await press(pilot, "f1")
         assert isinstance(app.screen, HelpScreen)
         text = " ".join(str(w.render()) for w in app.screen.query("Static"))
-        for b in TandemApp.BINDINGS:
+        for b in [*ChatScreen.BINDINGS, *TandemApp.BINDINGS]:
             assert b.description in text
         assert "Shift+Enter" in text
         await pilot.press("escape")
         commands = {c.title for c in app.get_system_commands(app.screen)}
-        assert {b.description for b in TandemApp.BINDINGS} <= commands
+        assert {b.description for b in [*ChatScreen.BINDINGS, *TandemApp.BINDINGS]} <= commands
 
 
 async def test_picker_lists_a_models_folder_and_a_broken_model_keeps_the_app_alive(tmp_path: Path) -> None:
@@ -351,8 +352,8 @@ async def test_after_skipping_the_wizard_typing_goes_to_the_composer(tandem_home
         await pilot.press("escape")  # Escape skips the wizard (and closes any dialog)
         await wait_until(pilot, lambda: not isinstance(app.screen, WizardScreen))
         await pilot.press("h", "i", "enter")
-        await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.current.turns) == 2)
-        assert app.current.turns[0].content == "hi"
+        await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.chat.current.turns) == 2)
+        assert app.chat.current.turns[0].content == "hi"
 
 
 async def test_escape_closes_dialogs() -> None:
@@ -369,6 +370,36 @@ async def test_escape_closes_dialogs() -> None:
             assert not isinstance(app.screen, screen)
 
 
+async def test_a_dialog_owns_the_keys_while_it_is_open(tandem_home: Path) -> None:
+    """The chat's keys act on the chat screen only: behind a dialog they do nothing; Escape closes the dialog."""
+    from tandem.app.screens.help import HelpScreen
+    from tandem.app.screens.settings import SettingsScreen
+
+    backend = FakeBackend(words=3)
+    app = TandemApp(lambda _: backend)
+    async with app.run_test(size=(100, 40)) as pilot:
+        await ask_and_wait(pilot, app, "keep me")
+        await press(pilot, "f2")
+        assert isinstance(app.screen, SettingsScreen)
+        await press(pilot, "ctrl+n", "f4", "ctrl+r", "ctrl+d", "ctrl+d")
+        assert len(app.chat.conversations) == 1 and len(app.chat.current.turns) == 2 and len(backend.prompts) == 1
+        assert ConversationStore().load_all()[0]
+        await press(pilot, "escape")
+        assert not isinstance(app.screen, SettingsScreen)
+        backend.words, backend.hold = 5, threading.Event()
+        await press(pilot, "ctrl+r")  # an answer under way, the help open over it: Escape closes the help
+        await wait_until(pilot, lambda: backend.produced == 1)
+        await press(pilot, "f1")
+        assert isinstance(app.screen, HelpScreen)
+        await press(pilot, "escape")
+        assert not isinstance(app.screen, HelpScreen) and app.lifecycle.generating
+        backend.hold.set()
+        await wait_until(pilot, lambda: not app.lifecycle.generating)
+        assert app.chat.current.turns[-1].content.split() == [f"word{i}" for i in range(5)]  # not stopped
+        await press(pilot, "ctrl+n")
+        assert len(app.chat.conversations) == 2
+
+
 async def test_edit_the_last_message(tandem_home: Path) -> None:
     from tandem.app.widgets import Composer
 
@@ -376,12 +407,12 @@ async def test_edit_the_last_message(tandem_home: Path) -> None:
     async with app.run_test() as pilot:
         await ask_and_wait(pilot, app, "first try")
         await press(pilot, "f4")
-        assert app.current.turns == [] and app.query_one(Composer).text == "first try"
+        assert app.chat.current.turns == [] and app.query_one(Composer).text == "first try"
         assert len(app.query(ChatMessage)) == 0
         app.query_one(Composer).text = "second try"
         await pilot.press("enter")
-        await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.current.turns) == 2)
-        assert app.current.turns[0].content == "second try"
+        await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.chat.current.turns) == 2)
+        assert app.chat.current.turns[0].content == "second try"
 
 
 class Memory:
@@ -476,7 +507,7 @@ async def test_a_replaced_load_is_dropped_and_a_replaced_answering_model_closed_
         assert app.lifecycle.generating and not answering.closed  # still answering with it
         answering.hold.set()
         await wait_until(pilot, lambda: not app.lifecycle.generating)
-        assert answering.closed and app.current.turns[-1].content.split() == [f"word{i}" for i in range(5)]
+        assert answering.closed and app.chat.current.turns[-1].content.split() == [f"word{i}" for i in range(5)]
 
 
 async def test_no_model_picking_while_answering_or_loading() -> None:
@@ -554,4 +585,4 @@ async def test_an_answer_that_fails_says_so_and_leaves_loading_alone() -> None:
         await wait_until(pilot, lambda: not app.lifecycle.generating)
         await pilot.pause()
         assert any(n.title == "The answer failed" and "context is full" in n.message for n in app._notifications)
-        assert app.lifecycle.loading and app.current.turns[-1].content == "partial "
+        assert app.lifecycle.loading and app.chat.current.turns[-1].content == "partial "
