@@ -1,7 +1,8 @@
 """What the chat app needs from a model, on top of the runtime's own generator and statistics API.
 
-`RuntimeBackend` wraps a loaded model; tests substitute a fake with the same methods. Text is produced
-here, from the engine's token ids, by the runtime's `StreamDecoder` — the engine itself never sees text.
+`ChatBackend` declares every member the app uses; `RuntimeBackend` wraps a loaded model, and tests substitute fakes
+that implement the same protocol. Text is produced here, from the engine's token ids, by the runtime's
+`StreamDecoder` — the engine itself never sees text.
 """
 
 from __future__ import annotations
@@ -29,7 +30,18 @@ class Usage:
     context_size: int
 
 
+@dataclass(frozen=True)
+class TuningTarget:
+    """What a tuning profile for a model is keyed by."""
+
+    path: str  # the model folder
+    dtype: str  # "bf16" | "fp32"
+    raw_config: dict  # its config.json
+
+
 class ChatBackend(Protocol):
+    """A loaded model as the chat app sees it. A member that some models cannot answer says so with None."""
+
     name: str
     family: str
     placement: str  # where work runs, in words
@@ -41,7 +53,12 @@ class ChatBackend(Protocol):
     def usage(self) -> Usage: ...
     def activity(self) -> list[list[int]]: ...  # [layers][experts] activation counts of the last answer
     def close(self) -> None: ...  # release its memory; it is not used afterwards
-    # optional: where(): [layers][experts] -> "gpu" | "cpu" | "fetched" | "" (where each expert mostly ran)
+    # [layers][experts] -> "gpu" | "cpu" | "fetched" | "" (where each expert mostly ran during the last answer);
+    # None: not recorded
+    def where(self) -> list[list[str]] | None: ...
+    def tuning_target(self) -> TuningTarget | None: ...  # None: this model cannot be tuned
+    # the runtime's model, for a tuning run to reuse (a second copy might not fit beside it); None: there is none
+    def loaded_model(self) -> LoadedModel | None: ...
 
 
 class RuntimeBackend:
@@ -80,10 +97,12 @@ class RuntimeBackend:
     def context(self) -> int:
         return self.loaded.model.context
 
-    def tuning_target(self) -> tuple[str, str, dict]:
-        """(model folder, dtype name, raw config): what a profile for this model is keyed by."""
+    def tuning_target(self) -> TuningTarget | None:
         dtype = "bf16" if self.loaded.model.dtype == torch.bfloat16 else "fp32"
-        return str(self.loaded.checkpoint.path), dtype, self.loaded.checkpoint.raw_config
+        return TuningTarget(str(self.loaded.checkpoint.path), dtype, self.loaded.checkpoint.raw_config)
+
+    def loaded_model(self) -> LoadedModel | None:
+        return self.loaded
 
     def usage(self) -> Usage:
         s = self.stats
@@ -98,7 +117,7 @@ class RuntimeBackend:
     def close(self) -> None:
         self.loaded.model.close()
 
-    def where(self) -> list[list[str]]:
+    def where(self) -> list[list[str]] | None:
         """Where each expert mostly ran during the last answer: "gpu" (resident), "fetched", "cpu" or ""."""
         per = self.loaded.model.dispatcher.request_stats().per_expert  # [layers, experts, 3]
         names = ("gpu", "cpu", "fetched")

@@ -9,20 +9,21 @@ import pytest
 
 from tandem.app.tui import TandemApp
 from tandem.app.widgets import Composer
-from tests.test_tui import FakeBackend, TunableFake, fake_tune, wait_for_screen, wait_until
+from tests.fakes import FakeBackend, TunableFake
+from tests.test_tui import fake_tune, wait_for_screen, wait_until
 
 SIZE = (100, 30)
 
 
 async def answered(pilot, question: str = "What is a mixture of experts?") -> None:
     app = pilot.app
-    await wait_until(pilot, lambda: app.backend is not None)
+    await wait_until(pilot, lambda: app.lifecycle.backend is not None)
     composer = app.query_one(Composer)
     composer.cursor_blink = False
     composer.focus()
     composer.insert(question)
     await pilot.press("enter")
-    await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+    await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.chat.current.turns) == 2)
     await pilot.pause()
 
 
@@ -47,7 +48,7 @@ def test_picker(snap_compare, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     write_test_model(tmp_path / "models" / "tiny-qwen3", tiny_config("qwen3_moe"))
 
     async def run(pilot) -> None:
-        await wait_until(pilot, lambda: pilot.app.backend is not None)
+        await wait_until(pilot, lambda: pilot.app.lifecycle.backend is not None)
         pilot.app.query_one(Composer).cursor_blink = False
         await pilot.press("ctrl+o")
         await pilot.pause()
@@ -57,7 +58,7 @@ def test_picker(snap_compare, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_wizard(snap_compare) -> None:
-    from tandem.app.wizard import WizardScreen
+    from tandem.app.screens.wizard import WizardScreen
 
     async def run(pilot) -> None:
         await wait_for_screen(pilot, pilot.app, WizardScreen)
@@ -73,7 +74,7 @@ def test_chat_mid_answer_with_heatmap(snap_compare) -> None:
     async def run(pilot) -> None:
         await answered(pilot, "Explain expert caching in two paragraphs.")
         await pilot.press("ctrl+e")
-        pilot.app.update_status("answering… (Esc stops)")
+        pilot.app.chat.update_status("answering… (Esc stops)")
         await pilot.pause()
 
     assert snap_compare(TandemApp(lambda _: FakeBackend(words=20)), terminal_size=SIZE, run_before=run)

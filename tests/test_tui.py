@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from textual.widgets import ProgressBar
 
-from tandem.app.backend import RuntimeBackend, Usage
+from tandem.app.backend import RuntimeBackend
+from tandem.app.screens.chat import ChatScreen
 from tandem.app.store import Conversation, ConversationStore, Turn
 from tandem.app.tui import TandemApp
 from tandem.app.widgets import ChatMessage, ExpertHeatmap, StatusBar
@@ -19,45 +19,7 @@ from tandem.autotune.configure import load_model
 from tandem.autotune.microbench import Step
 from tandem.kernels.errors import CheckpointError, ResourceError
 from tandem.runtime.sampling import SamplingParams
-
-
-class FakeBackend:
-    """Deterministic words at a controllable pace."""
-
-    name, family, placement = "fake-moe", "Mixtral", "CPU only · 2 threads · bf16"
-    context = 4096
-
-    def __init__(self, words: int = 12, delay: float = 0.0, path: str | None = None) -> None:
-        self.words, self.delay, self.path = words, delay, path
-        self.prompts: list[list[dict[str, str]]] = []  # the messages of every answer asked for
-        self.started = threading.Event()
-        self.produced = 0
-        self.closed = False
-        self.hold: threading.Event | None = None  # when given: after the first word, wait for it to be set
-
-    def prompt_tokens(self, messages: list[dict[str, str]]) -> int:
-        """One token a word, two a message for the template's markers."""
-        return sum(len(m["content"].split()) + 2 for m in messages)
-
-    def stream(self, messages: list[dict[str, str]], params: SamplingParams) -> Iterator[str]:
-        self.prompts.append(messages)
-        self.produced = 0
-        self.started.set()
-        for i in range(self.words):
-            time.sleep(self.delay)
-            if i == 1 and self.hold is not None:
-                self.hold.wait(10)
-            self.produced += 1
-            yield f"word{i} "
-
-    def usage(self) -> Usage:
-        return Usage(42.5, 0.123, None, 10 + self.produced, 4096)
-
-    def activity(self) -> list[list[int]]:
-        return [[3, 0, 1, 0, 0, 0, 2, 0], [0, 0, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 5]]
-
-    def close(self) -> None:
-        self.closed = True
+from tests.fakes import FakeBackend, TunableFake
 
 
 async def wait_until(pilot, condition, timeout: float = 10.0) -> None:
@@ -80,7 +42,7 @@ async def press(pilot, *keys: str) -> None:
 
 
 async def ask(pilot, app: TandemApp, text: str) -> None:
-    await wait_until(pilot, lambda: app.backend is not None)
+    await wait_until(pilot, lambda: app.lifecycle.backend is not None)
     composer = app.query_one("#composer")
     composer.focus()
     composer.insert(text)
@@ -90,7 +52,7 @@ async def ask(pilot, app: TandemApp, text: str) -> None:
 async def ask_and_wait(pilot, app: TandemApp, text: str) -> None:
     """Ask, then wait for the whole answer."""
     await ask(pilot, app, text)
-    await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
+    await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.chat.current.turns) == 2)
 
 
 async def test_message_streams_reply_and_status_shows_speed() -> None:
@@ -128,8 +90,8 @@ async def test_escape_stops_and_keeps_the_partial_answer() -> None:
         await ask(pilot, app, "Tell me everything")
         await wait_until(pilot, lambda: backend.produced >= 5)
         await pilot.press("escape")
-        await wait_until(pilot, lambda: not app.generating)
-        kept = app.current.turns[-1]
+        await wait_until(pilot, lambda: not app.lifecycle.generating)
+        kept = app.chat.current.turns[-1]
         assert kept.role == "assistant" and kept.content.startswith("word0 word1")
         assert backend.produced < 500
         assert "stopped" in str(app.query_one(StatusBar).render())
@@ -144,9 +106,9 @@ async def test_conversations_are_saved_and_restored(tandem_home: Path) -> None:
     again = TandemApp(lambda _: FakeBackend())
     async with again.run_test() as pilot:
         await pilot.pause()
-        titles = sorted(c.title for c in again.conversations)
+        titles = sorted(c.title for c in again.chat.conversations)
         assert titles == ["First question", "Second question"]
-        assert [t.role for t in again.current.turns] == ["user", "assistant"]
+        assert [t.role for t in again.chat.current.turns] == ["user", "assistant"]
         assert len(again.query(ChatMessage)) == 2
 
 
@@ -170,7 +132,7 @@ async def test_a_corrupt_conversation_file_does_not_crash(tandem_home: Path) -> 
     app = TandemApp(lambda _: FakeBackend())
     async with app.run_test() as pilot:
         await pilot.pause()
-        assert [c.title for c in app.conversations] == ["good one"]
+        assert [c.title for c in app.chat.conversations] == ["good one"]
         assert list(store.folder.glob("broken.bad-*"))
 
 
@@ -181,14 +143,14 @@ async def test_a_model_that_fails_to_load_keeps_the_app_alive() -> None:
     app = TandemApp(broken)
     async with app.run_test() as pilot:
         await wait_until(pilot, lambda: "failed" in str(app.query_one(StatusBar).render()))
-        assert app.is_running and app.backend is None
+        assert app.is_running and app.lifecycle.backend is None
 
 
 async def test_expert_heatmap_toggles_and_shows_rows() -> None:
     app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test(size=(120, 30)) as pilot:
         await ask(pilot, app, "hi")
-        await wait_until(pilot, lambda: not app.generating)
+        await wait_until(pilot, lambda: not app.lifecycle.generating)
         await press(pilot, "ctrl+e")
         panel = app.query_one(ExpertHeatmap)
         text = str(panel.render())
@@ -208,22 +170,22 @@ async def test_with_the_real_runtime(mixtral_dir: Path) -> None:
     async with app.run_test() as pilot:
         from textual.widgets import Button
 
-        from tandem.app.wizard import WizardScreen
+        from tandem.app.screens.wizard import WizardScreen
 
         await wait_for_screen(pilot, app, WizardScreen)  # no profile yet: offered
         app.screen.query_one("#skip", Button).press()
         await pilot.pause()
         await ask(pilot, app, "Hello")
-        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2, timeout=30)
+        await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.chat.current.turns) == 2, timeout=30)
         status = str(app.query_one(StatusBar).render())
         assert "CPU only" in status and "tok/s" in status and f"/{128}" in status
-        assert app.backend.activity()
+        assert app.lifecycle.backend.activity()
 
 
 async def test_settings_are_edited_validated_and_saved(tandem_home: Path) -> None:
     from textual.widgets import Button, Input
 
-    from tandem.app.screens import SettingsScreen
+    from tandem.app.screens.settings import SettingsScreen
     from tandem.app.settings import load_settings
 
     app = TandemApp(lambda _: FakeBackend())
@@ -246,23 +208,23 @@ async def test_settings_are_edited_validated_and_saved(tandem_home: Path) -> Non
 
 
 async def test_help_lists_every_key_and_the_palette_has_every_action() -> None:
-    from tandem.app.screens import HelpScreen
+    from tandem.app.screens.help import HelpScreen
 
     app = TandemApp(lambda _: FakeBackend())
     async with app.run_test(size=(100, 40)) as pilot:
         await press(pilot, "f1")
         assert isinstance(app.screen, HelpScreen)
         text = " ".join(str(w.render()) for w in app.screen.query("Static"))
-        for b in TandemApp.BINDINGS:
+        for b in [*ChatScreen.BINDINGS, *TandemApp.BINDINGS]:
             assert b.description in text
         assert "Shift+Enter" in text
         await pilot.press("escape")
         commands = {c.title for c in app.get_system_commands(app.screen)}
-        assert {b.description for b in TandemApp.BINDINGS} <= commands
+        assert {b.description for b in [*ChatScreen.BINDINGS, *TandemApp.BINDINGS]} <= commands
 
 
 async def test_picker_lists_a_models_folder_and_a_broken_model_keeps_the_app_alive(tmp_path: Path) -> None:
-    from tandem.app.picker import PickerScreen
+    from tandem.app.screens.picker import PickerScreen
     from tandem.runtime.synth import tiny_config, write_test_model
 
     folder = tmp_path / "models"
@@ -278,7 +240,7 @@ async def test_picker_lists_a_models_folder_and_a_broken_model_keeps_the_app_ali
 
     app = TandemApp(load_backend, models_folders=[folder])
     async with app.run_test(size=(120, 30)) as pilot:
-        await wait_until(pilot, lambda: app.backend is not None)
+        await wait_until(pilot, lambda: app.lifecycle.backend is not None)
         await press(pilot, "ctrl+o")
         picker = app.screen
         assert isinstance(picker, PickerScreen)
@@ -290,12 +252,7 @@ async def test_picker_lists_a_models_folder_and_a_broken_model_keeps_the_app_ali
         await wait_until(pilot, lambda: isinstance(app.screen, PickerScreen) and app.screen is not picker
                          and app.screen.is_mounted)
         assert "not a valid safetensors" in str(app.screen.query_one("#picker-error").render())
-        assert app.is_running and app.backend is not None  # the previous model is still loaded
-
-
-class TunableFake(FakeBackend):
-    def tuning_target(self) -> tuple[str, str, dict]:
-        return "/models/fake", "bf16", {"model_type": "mixtral", "hidden_size": 64}
+        assert app.is_running and app.lifecycle.backend is not None  # the previous model is still loaded
 
 
 def fake_tune(path: str, dtype: str, progress) -> object:
@@ -324,7 +281,7 @@ def fake_tune(path: str, dtype: str, progress) -> object:
 async def test_first_run_wizard_tunes_and_saves_a_profile(tandem_home: Path) -> None:
     from textual.widgets import Button
 
-    from tandem.app.wizard import WizardScreen, needs_tuning
+    from tandem.app.screens.wizard import WizardScreen, needs_tuning
 
     app = TandemApp(lambda _: TunableFake(), tune=fake_tune)
     async with app.run_test(size=(100, 30)) as pilot:
@@ -339,7 +296,7 @@ async def test_first_run_wizard_tunes_and_saves_a_profile(tandem_home: Path) -> 
     assert not needs_tuning({"model_type": "mixtral", "hidden_size": 64}, "bf16")
     again = TandemApp(lambda _: TunableFake(), tune=fake_tune)
     async with again.run_test() as pilot:  # tuned already: no wizard this time
-        await wait_until(pilot, lambda: again.backend is not None)
+        await wait_until(pilot, lambda: again.lifecycle.backend is not None)
         await pilot.pause(0.2)
         assert not isinstance(again.screen, WizardScreen)
 
@@ -366,7 +323,7 @@ def test_heatmap_marks_where_experts_ran(mixtral_dir: Path) -> None:
 async def test_rename_a_conversation(tandem_home: Path) -> None:
     from textual.widgets import Input
 
-    from tandem.app.screens import RenameScreen
+    from tandem.app.screens.rename import RenameScreen
 
     app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test() as pilot:
@@ -380,14 +337,14 @@ async def test_rename_a_conversation(tandem_home: Path) -> None:
 
 
 def test_picker_vram_column() -> None:
-    from tandem.app.picker import ModelEntry
+    from tandem.app.screens.picker import ModelEntry
 
     e = ModelEntry("/m", "m", "Mixtral", 46_700_000_000, 8, 93 * 10**9, "folder")
     assert e.fits_vram(None) == "no GPU" and e.fits_vram(24 * 2**30) == "24%" and e.fits_vram(200 * 10**9) == "all"
 
 
 async def test_after_skipping_the_wizard_typing_goes_to_the_composer(tandem_home: Path) -> None:
-    from tandem.app.wizard import WizardScreen
+    from tandem.app.screens.wizard import WizardScreen
 
     app = TandemApp(lambda _: TunableFake(words=3), tune=fake_tune)
     async with app.run_test() as pilot:
@@ -395,21 +352,52 @@ async def test_after_skipping_the_wizard_typing_goes_to_the_composer(tandem_home
         await pilot.press("escape")  # Escape skips the wizard (and closes any dialog)
         await wait_until(pilot, lambda: not isinstance(app.screen, WizardScreen))
         await pilot.press("h", "i", "enter")
-        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
-        assert app.current.turns[0].content == "hi"
+        await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.chat.current.turns) == 2)
+        assert app.chat.current.turns[0].content == "hi"
 
 
 async def test_escape_closes_dialogs() -> None:
-    from tandem.app.screens import HelpScreen, SettingsScreen
+    from tandem.app.screens.help import HelpScreen
+    from tandem.app.screens.settings import SettingsScreen
 
     app = TandemApp(lambda _: FakeBackend())
     async with app.run_test(size=(100, 40)) as pilot:
-        await wait_until(pilot, lambda: app.backend is not None)
+        await wait_until(pilot, lambda: app.lifecycle.backend is not None)
         for key, screen in (("f2", SettingsScreen), ("f1", HelpScreen)):
             await press(pilot, key)
             assert isinstance(app.screen, screen)
             await press(pilot, "escape")
             assert not isinstance(app.screen, screen)
+
+
+async def test_a_dialog_owns_the_keys_while_it_is_open(tandem_home: Path) -> None:
+    """The chat's keys act on the chat screen only: behind a dialog they do nothing; Escape closes the dialog."""
+    from tandem.app.screens.help import HelpScreen
+    from tandem.app.screens.settings import SettingsScreen
+
+    backend = FakeBackend(words=3)
+    app = TandemApp(lambda _: backend)
+    async with app.run_test(size=(100, 40)) as pilot:
+        await ask_and_wait(pilot, app, "keep me")
+        await press(pilot, "f2")
+        assert isinstance(app.screen, SettingsScreen)
+        await press(pilot, "ctrl+n", "f4", "ctrl+r", "ctrl+d", "ctrl+d")
+        assert len(app.chat.conversations) == 1 and len(app.chat.current.turns) == 2 and len(backend.prompts) == 1
+        assert ConversationStore().load_all()[0]
+        await press(pilot, "escape")
+        assert not isinstance(app.screen, SettingsScreen)
+        backend.words, backend.hold = 5, threading.Event()
+        await press(pilot, "ctrl+r")  # an answer under way, the help open over it: Escape closes the help
+        await wait_until(pilot, lambda: backend.produced == 1)
+        await press(pilot, "f1")
+        assert isinstance(app.screen, HelpScreen)
+        await press(pilot, "escape")
+        assert not isinstance(app.screen, HelpScreen) and app.lifecycle.generating
+        backend.hold.set()
+        await wait_until(pilot, lambda: not app.lifecycle.generating)
+        assert app.chat.current.turns[-1].content.split() == [f"word{i}" for i in range(5)]  # not stopped
+        await press(pilot, "ctrl+n")
+        assert len(app.chat.conversations) == 2
 
 
 async def test_edit_the_last_message(tandem_home: Path) -> None:
@@ -419,12 +407,12 @@ async def test_edit_the_last_message(tandem_home: Path) -> None:
     async with app.run_test() as pilot:
         await ask_and_wait(pilot, app, "first try")
         await press(pilot, "f4")
-        assert app.current.turns == [] and app.query_one(Composer).text == "first try"
+        assert app.chat.current.turns == [] and app.query_one(Composer).text == "first try"
         assert len(app.query(ChatMessage)) == 0
         app.query_one(Composer).text = "second try"
         await pilot.press("enter")
-        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 2)
-        assert app.current.turns[0].content == "second try"
+        await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.chat.current.turns) == 2)
+        assert app.chat.current.turns[0].content == "second try"
 
 
 class Memory:
@@ -450,30 +438,31 @@ async def test_a_new_model_replaces_the_old_one_which_is_released(room: int) -> 
     memory = Memory(room)
     app = TandemApp(memory.load)
     async with app.run_test() as pilot:
-        await wait_until(pilot, lambda: app.backend is not None)
-        first = app.backend
+        await wait_until(pilot, lambda: app.lifecycle.backend is not None)
+        first = app.lifecycle.backend
         app.load_model("second", from_picker=True)
-        assert app.loading
-        await wait_until(pilot, lambda: not app.loading)
-        assert app.backend.path == "second" and first.closed and not app.backend.closed
+        assert app.lifecycle.loading
+        await wait_until(pilot, lambda: not app.lifecycle.loading)
+        assert app.lifecycle.backend.path == "second" and first.closed and not app.lifecycle.backend.closed
     # with room for one: tried beside the first, then again once the first was unloaded
     assert memory.attempts == [None, "second"] + (["second"] if room == 1 else [])
 
 
 async def test_a_model_that_fits_not_even_alone_brings_the_current_one_back(tandem_home: Path) -> None:
-    from tandem.app.picker import PickerScreen
-    from tandem.app.wizard import WizardScreen
+    from tandem.app.screens.picker import PickerScreen
+    from tandem.app.screens.wizard import WizardScreen
 
     memory = Memory(room=1, kind=TunableFake)
     app = TandemApp(memory.load, tune=fake_tune)
     async with app.run_test() as pilot:
         await wait_for_screen(pilot, app, WizardScreen)  # not tuned yet: offered; skipped
         await press(pilot, "escape")
-        first = app.backend
+        first = app.lifecycle.backend
         app.load_model("huge", from_picker=True)
         await wait_for_screen(pilot, app, PickerScreen)
         assert memory.attempts == [None, "huge", "huge", None]  # beside it, alone, then the first one again
-        assert first.closed and app.backend is not first and app.backend.path is None and not app.loading
+        assert first.closed and app.lifecycle.backend is not first and app.lifecycle.backend.path is None
+        assert not app.lifecycle.loading
         error = str(app.screen.query_one("#picker-error").render())  # (the wizard is not offered again)
         assert "not enough RAM for huge" in error and "the built-in model is loaded again" in error
 
@@ -482,18 +471,18 @@ async def test_a_superseded_load_that_runs_out_of_memory_leaves_the_newer_model_
     memory = Memory(room=1)
     app = TandemApp(memory.load)
     async with app.run_test() as pilot:
-        await wait_until(pilot, lambda: app.backend is not None)
+        await wait_until(pilot, lambda: app.lifecycle.backend is not None)
         unloads = []
         unload = app.unload_model
         app.unload_model = lambda name, load: unloads.append(load) or unload(name, load)  # type: ignore[method-assign]
         app.load_model("slow")  # will not fit beside the first: it would unload whatever is loaded then
         await wait_until(pilot, lambda: "slow" in memory.attempts)
         app.load_model("fast")  # unloads the first, then loads
-        await wait_until(pilot, lambda: getattr(app.backend, "path", None) == "fast")
+        await wait_until(pilot, lambda: getattr(app.lifecycle.backend, "path", None) == "fast")
         memory.gate.set()  # now the slow load finds no room
         await wait_until(pilot, lambda: len(unloads) == 2)
         assert unloads == [3, 2]  # both asked; the superseded load (2) was refused:
-        assert app.backend.path == "fast" and not app.backend.closed
+        assert app.lifecycle.backend.path == "fast" and not app.lifecycle.backend.closed
         assert memory.attempts == [None, "slow", "fast", "fast"]
 
 
@@ -501,40 +490,43 @@ async def test_a_replaced_load_is_dropped_and_a_replaced_answering_model_closed_
     memory = Memory(room=3)
     app = TandemApp(memory.load)
     async with app.run_test() as pilot:
-        await wait_until(pilot, lambda: app.backend is not None)
+        await wait_until(pilot, lambda: app.lifecycle.backend is not None)
         app.load_model("slow")
         await wait_until(pilot, lambda: "slow" in memory.attempts)
         app.load_model("fast")  # the slow load cannot be stopped; its model must not win when it comes
-        await wait_until(pilot, lambda: getattr(app.backend, "path", None) == "fast")
+        await wait_until(pilot, lambda: getattr(app.lifecycle.backend, "path", None) == "fast")
         memory.gate.set()
         await wait_until(pilot, lambda: any(b.path == "slow" and b.closed for b in memory.loaded))
-        assert app.backend.path == "fast" and not app.backend.closed
-        answering = app.backend
+        assert app.lifecycle.backend.path == "fast" and not app.lifecycle.backend.closed
+        answering = app.lifecycle.backend
         answering.words, answering.hold = 5, threading.Event()
         await ask(pilot, app, "hello")
         await wait_until(pilot, lambda: answering.produced == 1)
         app.load_model("other")  # (the picker refuses while answering; a model can still arrive then)
-        await wait_until(pilot, lambda: app.backend.path == "other")
-        assert app.generating and not answering.closed  # still answering with it
+        await wait_until(pilot, lambda: app.lifecycle.backend.path == "other")
+        assert app.lifecycle.generating and not answering.closed  # still answering with it
         answering.hold.set()
-        await wait_until(pilot, lambda: not app.generating)
-        assert answering.closed and app.current.turns[-1].content.split() == [f"word{i}" for i in range(5)]
+        await wait_until(pilot, lambda: not app.lifecycle.generating)
+        assert answering.closed and app.chat.current.turns[-1].content.split() == [f"word{i}" for i in range(5)]
 
 
 async def test_no_model_picking_while_answering_or_loading() -> None:
-    from tandem.app.picker import PickerScreen
+    from tandem.app.screens.picker import PickerScreen
 
-    app = TandemApp(lambda _: FakeBackend(words=50, delay=0.02))
+    backend = FakeBackend(words=50, delay=0.02)
+    backend.hold = threading.Event()  # the answer waits after its first word: still coming however slow the machine
+    app = TandemApp(lambda _: backend)
     async with app.run_test() as pilot:
         await ask(pilot, app, "hello")
-        await wait_until(pilot, lambda: app.generating)
+        await wait_until(pilot, lambda: app.lifecycle.generating)
         app.action_pick_model()
         await pilot.pause()
         assert not isinstance(app.screen, PickerScreen)
         assert any("answer is still coming" in n.message for n in app._notifications)
+        backend.hold.set()
         await press(pilot, "escape")
-        await wait_until(pilot, lambda: not app.generating)
-        app.loading = True  # as while a model loads
+        await wait_until(pilot, lambda: not app.lifecycle.generating)
+        app.lifecycle.loading = True  # as while a model loads
         app.action_pick_model()
         await pilot.pause()
         assert not isinstance(app.screen, PickerScreen)
@@ -544,8 +536,8 @@ async def test_no_model_picking_while_answering_or_loading() -> None:
 async def test_a_tuning_run_keeps_its_model_even_after_its_wizard_is_closed(tandem_home: Path) -> None:
     from textual.widgets import Button
 
-    from tandem.app.picker import PickerScreen
-    from tandem.app.wizard import WizardScreen
+    from tandem.app.screens.picker import PickerScreen
+    from tandem.app.screens.wizard import WizardScreen
 
     go = threading.Event()
 
@@ -556,21 +548,21 @@ async def test_a_tuning_run_keeps_its_model_even_after_its_wizard_is_closed(tand
     app = TandemApp(lambda path: TunableFake(words=2, path=path), tune=slow_tune)
     async with app.run_test() as pilot:
         wizard = await wait_for_screen(pilot, app, WizardScreen)  # no profile yet: offered
-        measured = app.backend
+        measured = app.lifecycle.backend
         wizard.query_one("#start", Button).press()
-        await wait_until(pilot, lambda: app.tuning_active)
+        await wait_until(pilot, lambda: app.lifecycle.tuning_active)
         await press(pilot, "escape")  # the wizard closes; its measurement goes on with the model
-        assert not isinstance(app.screen, WizardScreen) and app.tuning()
+        assert not isinstance(app.screen, WizardScreen) and app.lifecycle.tuning()
         app.action_pick_model()
         await pilot.pause()
         assert not isinstance(app.screen, PickerScreen)
         assert any("being tuned" in n.message for n in app._notifications)
         app.load_model("other")  # a model arriving meanwhile: the measured one is closed only afterwards
-        await wait_until(pilot, lambda: app.backend.path == "other")
+        await wait_until(pilot, lambda: app.lifecycle.backend.path == "other")
         assert not measured.closed
         go.set()
         await wait_until(pilot, lambda: measured.closed)
-        assert not app.tuning() and not app.backend.closed
+        assert not app.lifecycle.tuning() and not app.lifecycle.backend.closed
 
 
 async def test_an_answer_that_fails_says_so_and_leaves_loading_alone() -> None:
@@ -587,10 +579,10 @@ async def test_an_answer_that_fails_says_so_and_leaves_loading_alone() -> None:
     app = TandemApp(lambda _: Failing())
     async with app.run_test() as pilot:
         await ask(pilot, app, "hello")
-        await wait_until(pilot, lambda: app.generating)
-        app.loading = True  # as if a model were loading meanwhile: the answer's error must not end that
+        await wait_until(pilot, lambda: app.lifecycle.generating)
+        app.lifecycle.loading = True  # as if a model were loading meanwhile: the answer's error must not end that
         release.set()
-        await wait_until(pilot, lambda: not app.generating)
+        await wait_until(pilot, lambda: not app.lifecycle.generating)
         await pilot.pause()
         assert any(n.title == "The answer failed" and "context is full" in n.message for n in app._notifications)
-        assert app.loading and app.current.turns[-1].content == "partial "
+        assert app.lifecycle.loading and app.chat.current.turns[-1].content == "partial "

@@ -17,7 +17,8 @@ from tandem.app.tui import TandemApp
 from tandem.app.widgets import ChatMessage, StatusBar
 from tandem.kernels.errors import GenerationError
 from tandem.runtime.sampling import SamplingParams
-from tests.test_tui import FakeBackend, ask, ask_and_wait, press, wait_for_screen, wait_until
+from tests.fakes import FakeBackend
+from tests.test_tui import ask, ask_and_wait, press, wait_for_screen, wait_until
 
 
 def disk_full(*args: object, **kwargs: object) -> None:
@@ -39,22 +40,22 @@ async def test_a_failed_save_is_a_notice_and_the_conversation_stays(monkeypatch:
         with monkeypatch.context() as full:
             full.setattr(store_module, "atomic_write_json", disk_full)
             await ask(pilot, app, "unsaved question")
-            await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 4)
+            await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.chat.current.turns) == 4)
             await pilot.pause()
         assert app.is_running and any("could not be saved" in n and "No space left" in n for n in notices(app))
-        assert [t.content for t in app.current.turns][2:] == ["unsaved question", "word0 word1 "]
-        assert saved_turns(app.current.id) == ["saved question", "word0 word1 "]  # the last good save is intact
+        assert [t.content for t in app.chat.current.turns][2:] == ["unsaved question", "word0 word1 "]
+        assert saved_turns(app.chat.current.id) == ["saved question", "word0 word1 "]  # the last good save is intact
         await ask_and_wait_for(pilot, app, "third question", 6)  # room again: the next save writes everything
-    assert saved_turns(app.current.id)[2::2] == ["unsaved question", "third question"]
+    assert saved_turns(app.chat.current.id)[2::2] == ["unsaved question", "third question"]
 
 
 async def ask_and_wait_for(pilot, app: TandemApp, text: str, turns: int) -> None:
     await ask(pilot, app, text)
-    await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == turns)
+    await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.chat.current.turns) == turns)
 
 
 async def test_rename_edit_delete_and_export_that_fail_are_notices(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tandem.app.screens import RenameScreen
+    from tandem.app.screens.rename import RenameScreen
 
     app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test() as pilot:
@@ -64,14 +65,14 @@ async def test_rename_edit_delete_and_export_that_fail_are_notices(monkeypatch: 
         assert isinstance(app.screen, RenameScreen)
         app.screen.query_one("#title").value = "new title"
         await press(pilot, "enter")
-        assert app.current.title == "new title" and sum("could not be saved" in n for n in notices(app)) == 1
+        assert app.chat.current.title == "new title" and sum("could not be saved" in n for n in notices(app)) == 1
         monkeypatch.setattr(Path, "write_text", disk_full)
         await press(pilot, "ctrl+s")
         assert any("could not be exported" in n for n in notices(app))
         monkeypatch.setattr(Path, "unlink", disk_full)
         await press(pilot, "ctrl+d")
         await press(pilot, "ctrl+d")
-        assert any("could not be deleted" in n for n in notices(app)) and app.current.turns
+        assert any("could not be deleted" in n for n in notices(app)) and app.chat.current.turns
         await press(pilot, "f4")  # edit the last question: its save fails too, the app stays
         assert app.is_running and sum("could not be saved" in n for n in notices(app)) == 2
 
@@ -79,7 +80,7 @@ async def test_rename_edit_delete_and_export_that_fail_are_notices(monkeypatch: 
 async def test_a_settings_save_that_fails_is_a_notice_and_they_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     from textual.widgets import Button, Input
 
-    from tandem.app.screens import SettingsScreen
+    from tandem.app.screens.settings import SettingsScreen
 
     monkeypatch.setattr(settings_module, "atomic_write_json", disk_full)
     app = TandemApp(lambda _: FakeBackend())
@@ -120,7 +121,7 @@ async def test_a_non_finite_setting_in_the_file_is_set_aside(tandem_home: Path, 
 async def test_the_settings_form_refuses_non_finite_numbers(field: str, value: str) -> None:
     from textual.widgets import Button, Input
 
-    from tandem.app.screens import SettingsScreen
+    from tandem.app.screens.settings import SettingsScreen
 
     app = TandemApp(lambda _: FakeBackend())
     async with app.run_test(size=(100, 40)) as pilot:
@@ -143,7 +144,7 @@ async def test_a_conversation_longer_than_the_context_drops_its_oldest_turns() -
             prompt = backend.prompts[-1]
             assert backend.prompt_tokens(prompt) <= backend.context - 24  # room for the answer
             assert prompt[-1]["content"].startswith(f"question {i}") and prompt[0]["role"] == "user"
-        assert len(app.current.turns) == 16 and all(t.content for t in app.current.turns)  # nothing lost
+        assert len(app.chat.current.turns) == 16 and all(t.content for t in app.chat.current.turns)  # nothing lost
         assert len(backend.prompts[-1]) < 16
         assert any("earliest messages were left out" in n for n in notices(app))
         assert "left out to fit the context" in str(app.query_one(StatusBar).render())
@@ -183,17 +184,18 @@ async def test_an_answer_without_a_word_is_never_saved(fail: bool) -> None:
     async with app.run_test() as pilot:
         for question in ("first", "second"):
             await ask(pilot, app, question)
-            await wait_until(pilot, lambda q=question: not app.generating and app.current.turns[-1].content == q)
+            await wait_until(pilot, lambda q=question: not app.lifecycle.generating
+                             and app.chat.current.turns[-1].content == q)
             await pilot.pause()
-        assert [t.role for t in app.current.turns] == ["user", "user"]
-        assert saved_turns(app.current.id) == ["first", "second"]
+        assert [t.role for t in app.chat.current.turns] == ["user", "user"]
+        assert saved_turns(app.chat.current.id) == ["first", "second"]
         assert [m.role for m in app.query(ChatMessage)] == ["user", "user"]
         # the unanswered question goes with the next one, so user and assistant still alternate
         assert fail or backend.prompts[-1] == [{"role": "user", "content": "first\n\nsecond"}]
         backend.words, backend.fail = 2, False
         await press(pilot, "ctrl+r")  # retry: the question gets its answer now
-        await wait_until(pilot, lambda: not app.generating and len(app.current.turns) == 3)
-        assert [t.role for t in app.current.turns] == ["user", "user", "assistant"]
+        await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.chat.current.turns) == 3)
+        assert [t.role for t in app.chat.current.turns] == ["user", "user", "assistant"]
 
 
 async def test_another_windows_turns_come_in_when_this_one_saves() -> None:
@@ -201,18 +203,18 @@ async def test_another_windows_turns_come_in_when_this_one_saves() -> None:
     async with app.run_test() as pilot:
         await ask_and_wait(pilot, app, "here 1")
         other = ConversationStore()  # the other window, with its own copy of the conversation
-        copy = next(c for c in other.load_all()[0] if c.id == app.current.id)
+        copy = next(c for c in other.load_all()[0] if c.id == app.chat.current.id)
         copy.turns += [Turn("user", "there 1"), Turn("assistant", "there answer")]
         other.save(copy)
         await ask_and_wait_for(pilot, app, "here 2", 6)
         expected = ["here 1", "word0 word1 ", "there 1", "there answer", "here 2", "word0 word1 "]
-        assert [t.content for t in app.current.turns] == expected == saved_turns(app.current.id)
+        assert [t.content for t in app.chat.current.turns] == expected == saved_turns(app.chat.current.id)
         assert [m.text for m in app.query(ChatMessage)] == expected  # shown as saved
 
 
 async def test_a_long_conversation_with_the_real_runtime_keeps_answering(mixtral_dir: Path) -> None:
     from tandem.app.backend import RuntimeBackend
-    from tandem.app.wizard import WizardScreen
+    from tandem.app.screens.wizard import WizardScreen
     from tandem.autotune.configure import load_model
 
     app = TandemApp(lambda _: RuntimeBackend(load_model(mixtral_dir, dtype="fp32", context=128)),
@@ -224,4 +226,4 @@ async def test_a_long_conversation_with_the_real_runtime_keeps_answering(mixtral
             await ask_and_wait_for(pilot, app, f"question {i}: " + "tell me more about experts " * 4, 2 * (i + 1))
         assert not any("answer failed" in n.lower() for n in notices(app))
         assert any("earliest messages were left out" in n for n in notices(app))
-        assert all(t.content for t in app.current.turns)
+        assert all(t.content for t in app.chat.current.turns)

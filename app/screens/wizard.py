@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from textual import work
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.screen import ModalScreen
@@ -38,8 +39,10 @@ class TuneDone(Message):
 
 
 class WizardScreen(ModalScreen[bool]):
-    """Dismisses with True when a profile was saved."""
+    """Dismisses with True when a profile was saved; Escape skips, as Skip does (the measurement, once started,
+    goes on without the dialog)."""
 
+    BINDINGS = [Binding("escape", "dismiss(False)", "Skip")]
 
     def __init__(self, tune: Callable[[Callable[[Step], None]], Tuned]) -> None:
         super().__init__()

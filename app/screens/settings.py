@@ -1,4 +1,4 @@
-"""Modal screens of the chat app: settings (F2) and help (?)."""
+"""The settings dialog (F2): the system prompt and the sampling settings, checked before they apply."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import fields
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Horizontal, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
@@ -45,38 +45,3 @@ class SettingsScreen(ModalScreen[Settings | None]):
             self.dismiss(Settings.from_strings(values))
         except SettingsError as e:
             self.query_one("#error", Static).update(str(e))
-
-
-class HelpScreen(ModalScreen[None]):
-    """Every key, in one place."""
-
-    BINDINGS = [Binding("escape,question_mark,q", "dismiss", "Close")]
-
-    def __init__(self, keys: list[tuple[str, str]]) -> None:
-        super().__init__()
-        self.keys = keys
-
-    def compose(self) -> ComposeResult:
-        rows = "\n".join(f"{key:<16} {what}" for key, what in self.keys)
-        with Vertical(id="help"):
-            yield Label("Keys")
-            yield Static(rows)
-            yield Label("Ctrl+P opens the command palette with every action.")
-
-
-class RenameScreen(ModalScreen[str | None]):
-    """A new title for the conversation: Enter saves, Escape cancels."""
-
-    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
-
-    def __init__(self, title: str) -> None:
-        super().__init__()
-        self.current = title
-
-    def compose(self) -> ComposeResult:
-        with Vertical(id="rename"):
-            yield Label("Rename the conversation")
-            yield Input(self.current, id="title")
-
-    def on_input_submitted(self, event: Input.Submitted) -> None:
-        self.dismiss(event.value.strip() or None)
