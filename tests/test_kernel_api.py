@@ -4,7 +4,9 @@ Python exception (never a crash or a read past a tensor's end), and odd strides 
 from __future__ import annotations
 
 import ctypes
+import re
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,6 +266,22 @@ def test_the_argument_structures_match_the_compiled_ones() -> None:
     assert len(sizes) == 4 and lib.tk_struct_size(4) == 0
     for struct, size in sizes:
         assert ctypes.sizeof(struct) == size > 0, struct.__name__
+
+
+@needs_kernels
+def test_every_argument_structure_of_the_headers_is_compared() -> None:
+    """Each `tk_*` struct the C headers declare has its tk_struct_size number, and kernels/cpu.py a structure for
+    each number: a struct added on one side only fails here, before a size can drift unchecked."""
+    from tandem.kernels.cpu import struct_sizes
+
+    csrc = Path(__file__).resolve().parents[1] / "kernels" / "csrc"
+    declared = {name for h in csrc.glob("*.h") for name in re.findall(r"\}\s*(tk_\w+)\s*;", h.read_text())}
+    numbered = dict(re.findall(r"case (\d+): return sizeof\((tk_\w+)\);", (csrc / "api.c").read_text()))
+    assert {"tk_args", "tk_weights", "tk_moe_args", "tk_linear_args"} <= declared
+    assert sorted(numbered.values()) == sorted(declared)
+    assert sorted(int(i) for i in numbered) == list(range(len(declared)))
+    lib = library()
+    assert len(struct_sizes(lib)) == len(declared) and lib.tk_struct_size(len(declared)) == 0
 
 
 @needs_kernels
