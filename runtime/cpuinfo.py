@@ -1,5 +1,6 @@
 """The CPU as Linux describes it in /proc/cpuinfo (instant, unlike py-cpuinfo): brand, flags, arch, count.
-Shared by the loader (bf16 default) and the auto-tuner's probe; None where there is no /proc/cpuinfo."""
+Shared by runtime.options (Machine: the default dtype) and the auto-tuner's probe; None where there is no
+/proc/cpuinfo."""
 
 from __future__ import annotations
 
