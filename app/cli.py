@@ -128,8 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     writable = checkpoint_shapes()
     not_yet = [name for name in shapes if name not in writable]
     add(mbm, "--shape", help=", ".join(writable) + (f" ({', '.join(not_yet)}: not yet)" if not_yet else ""))
-    add(mbm, "--layers", "--experts")
-    add(mbm, "--dtype", choices=["bf16", "fp32"], default="bf16")
+    add(mbm, "--layers", "--experts", "--attention-heads")
+    add(mbm, "--dtype", choices=["bf16", "fp32", "mxfp4"], default="bf16",
+        help="mxfp4: gpt-oss's experts as published, bf16 elsewhere")
     add(mbm, "--out")
     mbm.set_defaults(func=_make_bench_model)
 
@@ -537,11 +538,13 @@ def _make_bench_model(args: argparse.Namespace) -> int:
     from tandem.autotune.bench.models import make_bench_model
 
     check_output_folder(args.out, "--out")
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     with _writing_folder(args.out, "--out"):
-        path = make_bench_model(args.shape, args.out, args.layers, dtype, experts=args.experts)
+        path = make_bench_model(args.shape, args.out, args.layers, dtype, experts=args.experts,
+                                mxfp4=args.dtype == "mxfp4", heads=args.attention_heads)
     size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-    scaled = f", {args.experts} experts a layer" if args.experts else ""
+    scaled = (f", {args.experts} experts a layer" if args.experts else "") + \
+        (f", {args.attention_heads} attention heads" if args.attention_heads else "")
     print(f"wrote a random-weight {args.shape}-shaped checkpoint ({size / 2**30:.1f} GiB{scaled}) to {path}")
     return 0
 

@@ -203,7 +203,7 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
                                       "sizes)")),
     "--threads": (("--threads",), dict(type=threads, default=None,
                                        help="threads for CPU experts (default: all cores)")),
-    "--quant": (("--quant",), dict(choices=["none", "int8", "int4"], default=None,
+    "--quant": (("--quant",), dict(choices=["none", "int8", "int4", "mxfp4"], default=None,
                                    help="weight-only quantization of CPU experts, done at load (opt-in)")),
     "--quant-group": (("--quant-group",), dict(type=int, choices=[32, 64, 128], default=None,
                                                help="int4 group size (default: 64)")),
@@ -248,7 +248,7 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
     "--expert-fraction": (("--expert-fraction",), dict(type=real(0, 1, low_open=True), default=0.25,
                                                        help="share of all experts that fit")),
     "--shapes": (("--shapes",), dict(help="real-model shapes (a comma list)")),
-    "--dtypes": (("--dtypes",), dict(default="bf16,fp16,fp32,int8,int4")),
+    "--dtypes": (("--dtypes",), dict(default="bf16,fp16,fp32,int8,int4,mxfp4")),
     "--paths": (("--paths",), dict(default=None,
                                    help="comma list of paths (default: every one this CPU can take)")),
     "--masks": (("--masks",), dict(action="store_true",
@@ -259,6 +259,10 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
     "--experts": (("--experts",), dict(type=whole(1), default=None,
                                        help="fewer routed experts per layer than the real model (at least top-k): "
                                             "every layer kept, each expert its real size")),
+    "--attention-heads": (("--attention-heads",), dict(type=whole(1), default=None,
+                                                       help="fewer query heads than the real model (a multiple of "
+                                                            "its key/value heads): narrower attention, every layer "
+                                                            "kept")),
     "--family": (("--family",), dict(default="mixtral", help="model_type")),
 }
 

@@ -16,7 +16,8 @@ import torch
 from tandem.autotune.measurements import Measurements, fit_cpu
 from tandem.autotune.plan import ModelShape
 from tandem.autotune.probe import HardwareInfo
-from tandem.kernels.cpu import CpuExecutor, read_bandwidth_probe
+from tandem.kernels.cpu import CpuExecutor, CpuExpert, read_bandwidth_probe
+from tandem.kernels.quant import QuantizedMatrix, quantize_mxfp4
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 QUICK_TOKENS = (1, 4, 16, 64)
@@ -73,6 +74,25 @@ def choose_variant(variants: dict[str, dict[int, float]]) -> str:
     return min(better, key=lambda v: variants[v][1]) if better else "auto"
 
 
+Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[QuantizedMatrix, QuantizedMatrix, QuantizedMatrix]
+
+
+def _weights(h: int, i: int, dtype: torch.dtype, count: int, quant: str | None) -> list[Weights]:
+    """`count` experts' weights as the model stores them: floats, or MXFP4 (copies of one quantized expert)."""
+    plain = [torch.ones(s, dtype=dtype) * 0.01 for s in ((i, h), (i, h), (h, i))]
+    if quant != "mxfp4":
+        return [tuple(w.clone() for w in plain) for _ in range(count)]  # type: ignore[misc]
+    mats = [quantize_mxfp4(w) for w in plain]
+    return [tuple(QuantizedMatrix(m.kind, m.data.clone(), m.scales.clone(), m.cols, m.group)  # type: ignore[misc]
+                  for m in mats) for _ in range(count)]
+
+
+def _prepare(executor: CpuExecutor, w: Weights) -> CpuExpert:
+    if isinstance(w[0], QuantizedMatrix):
+        return executor.prepare_quantized(*w)  # type: ignore[arg-type]
+    return executor.prepare(*w)  # type: ignore[arg-type]
+
+
 def microbench(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype = torch.bfloat16, quick: bool = False,
                progress: Progress | None = None) -> Measurements:
     threads = thread_candidates(hw)
@@ -93,15 +113,16 @@ def microbench(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype = torch.b
     step(f"DRAM read bandwidth: {bw:.1f} GB/s")
     h, i = shape.hidden, shape.inter
     item = torch.empty((), dtype=dtype).element_size()
-    count = max(2, min(512, working_set // (3 * h * i * item)))  # small experts: the caches hold them anyway
-    weights = [tuple(torch.ones(s, dtype=dtype) * 0.01 for s in ((i, h), (i, h), (h, i))) for _ in range(count)]
+    per_expert = shape.expert_bytes if shape.expert_quant else 3 * h * i * item
+    count = max(2, min(512, working_set // per_expert))  # small experts: the caches hold them anyway
+    weights = _weights(h, i, dtype, count, shape.expert_quant)
     samples: dict[int, dict[int, float]] = {}
     torch_ms: dict[int, float] = {}
     isa = None
     crossover_cap = max(tokens)
     for t in threads:
         executor = CpuExecutor(h, i, dtype, threads=t, crossover=crossover_cap)
-        experts = [executor.prepare(*w) for w in weights]
+        experts = [_prepare(executor, w) for w in weights]
         isa = executor.isa_for(experts[0], 1)
         samples[t] = {}
         for n in tokens:
@@ -117,7 +138,7 @@ def microbench(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype = torch.b
     if isa is not None:
         for v in ["auto", *CpuExecutor(h, i, dtype).isas]:
             ex = CpuExecutor(h, i, dtype, threads=best_t, crossover=crossover_cap, isa=None if v == "auto" else v)
-            experts = [ex.prepare(*w) for w in weights]
+            experts = [_prepare(ex, w) for w in weights]
             if v != "auto" and ex.isa_for(experts[0], 1) != v:
                 continue  # this variant cannot serve these weights
             variants[v] = {}
@@ -128,7 +149,7 @@ def microbench(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype = torch.b
     step("kernel variants: " + ", ".join(f"{v} {ms[1]:.2f}/{ms[8]:.2f} ms" for v, ms in variants.items()) +
          f" (1/8 tokens) -> {isa}")
     torch_exec = CpuExecutor(h, i, dtype, threads=best_t, use_kernel=False)
-    torch_experts = [torch_exec.prepare(*w) for w in weights]
+    torch_experts = [_prepare(torch_exec, w) for w in weights]
     previous = torch.get_num_threads()
     torch.set_num_threads(best_t)  # torch's own path at the same thread count, then back as it was
     try:

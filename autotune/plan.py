@@ -53,14 +53,18 @@ class ModelShape:
     inter: int
     expert_bytes: int
     dense_layer_bytes: int  # non-expert weights read per layer per token (attention, norms, router)
+    expert_quant: str | None = None  # "mxfp4": the experts are stored so (gpt-oss), and measured so
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, dtype_bytes: int = 2) -> ModelShape:
         check_config_sizes(cfg)
         attn = sum(int(np.prod(s)) for s in attention_tensors(cfg, 0).values())
         dense = (attn + cfg.num_experts * cfg.hidden_size) * dtype_bytes
+        params = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        # MXFP4: half a byte a weight and a scale byte per 32 (its float32 biases are noise beside them)
+        expert_bytes = params // 2 + params // 32 if cfg.experts_mxfp4 else params * dtype_bytes
         return cls(cfg.num_layers, cfg.num_experts, cfg.top_k, cfg.sparse_layers, cfg.hidden_size,
-                   cfg.moe_intermediate_size, 3 * cfg.hidden_size * cfg.moe_intermediate_size * dtype_bytes, dense)
+                   cfg.moe_intermediate_size, expert_bytes, dense, "mxfp4" if cfg.experts_mxfp4 else None)
 
     @property
     def moe_layers(self) -> list[int]:

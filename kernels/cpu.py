@@ -4,8 +4,10 @@ Few tokens (decode, beams, short prompts; up to `crossover`): the compiled kerne
 streams each weight row once for all tokens. Many tokens (prefill): torch's matrix multiply, which is
 compute-bound and good at it. Weights are used where they lie (read into RAM or memory-mapped by the loader,
 file dtype: no re-layout), unless quantization is asked for, which happens once when the expert is prepared (for
-AMX the quantized matrices are then laid out as its kernels read them, in row blocks: see `kernels/quant.py`).
-Quantized experts stay on the kernel for longer prompts too, a chunk of tokens at a time.
+AMX the quantized matrices are then laid out as its kernels read them, in row blocks: see `kernels/quant.py`), or
+that arrive quantized (MXFP4 from the checkpoint: `prepare_quantized`). Quantized experts stay on the kernel for
+longer prompts too, a chunk of tokens at a time. An expert may carry an `Epilogue`: biases and gpt-oss's clamped
+SwiGLU, which the kernels apply around their products.
 
 Letters: n tokens, H hidden size, I expert width.
 """
@@ -24,18 +26,19 @@ import torch.nn.functional as F
 
 from tandem.kernels.errors import KernelError
 from tandem.kernels.isa import masked_features
-from tandem.kernels.quant import GROUPS, QuantizedMatrix, quantize_int4, quantize_int8
+from tandem.kernels.quant import GROUPS, MX_BLOCK, QuantizedMatrix, quantize_int4, quantize_int8, quantize_mxfp4
 
 Isa = Literal["base", "avx2", "avx512", "avx512bf16", "amx"]  # a kernel variant
-Quant = Literal["int8", "int4"]  # weight-only quantization of experts
+Quant = Literal["int8", "int4", "mxfp4"]  # weight-only quantization of experts
 # each variant is named after the CPU feature it needs (base: none)
 ISAS: tuple[Isa, ...] = ("base", "avx2", "avx512", "avx512bf16", "amx")
 BF16_ONLY = ("avx512bf16", "amx")  # bf16 activations (AMX int8 and int4: 16-bit fixed point, about as fine)
-KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "int8": 3, "int4": 4}
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "int8": 3, "int4": 4, "mxfp4": 5}
+ACT_SILU, ACT_CLAMPED = 0, 1  # the activations the kernels compute (csrc/common.h)
 DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
 AMX_CROSSOVER = 16  # with AMX tiles the kernel stays at the bandwidth roofline up to a full tile of tokens
 AMX_KINDS = (torch.bfloat16, "int8", "int4")
-QUANT_KINDS: tuple[Quant, ...] = ("int8", "int4")
+QUANT_KINDS: tuple[Quant, ...] = ("int8", "int4", "mxfp4")
 AMX_BATCH = 64  # experts one kernel region takes at most (csrc/common.h)
 # float32 x against bf16 dense weights stays on the kernel, 16 tokens a call, up to this many calls; beyond, a
 # float32 copy of the matrix for torch pays for itself (up to 64 tokens the kernel is ahead on 6144x2048 with
@@ -90,11 +93,14 @@ class _Args(ctypes.Structure):
         ("gate", ctypes.c_void_p), ("up", ctypes.c_void_p), ("down", ctypes.c_void_p),
         ("gate_scale", ctypes.c_void_p), ("up_scale", ctypes.c_void_p), ("down_scale", ctypes.c_void_p),
         ("x", ctypes.c_void_p), ("out", ctypes.c_void_p), ("act", ctypes.c_void_p), ("xb", ctypes.c_void_p),
+        ("gate_bias", ctypes.c_void_p), ("up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p),
+        ("act_kind", ctypes.c_int), ("alpha", ctypes.c_float), ("limit", ctypes.c_float),
     ]
 
 
 class _Weights(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in ("gate", "up", "down", "gate_scale", "up_scale", "down_scale")]
+    _fields_ = [(name, ctypes.c_void_p) for name in ("gate", "up", "down", "gate_scale", "up_scale", "down_scale",
+                                                      "gate_bias", "up_bias", "down_bias")]
 
 
 class _MoeArgs(ctypes.Structure):
@@ -175,6 +181,8 @@ def best_isa(kind: object, compute_dtype: torch.dtype, isas: list[str], tokens: 
     probe's bandwidth than AMX tiles or vdpbf16ps (docs/bench/kernels.md)."""
     if kind == torch.bfloat16 and tokens == 1 and "avx512" in isas:
         return "avx512"
+    if kind == "mxfp4" and compute_dtype == torch.bfloat16 and "avx512bf16" in isas:
+        return "avx512bf16"  # one token by vdpbf16ps (several: the AVX-512 float path, which it falls back to)
     if kind in AMX_KINDS and compute_dtype == torch.bfloat16:
         if "amx" in isas:
             return "amx"
@@ -214,6 +222,9 @@ def check_support(hidden: int, inter: int, compute_dtype: torch.dtype, quant: st
     if quant == "int4" and (group not in GROUPS or hidden % group or inter % group):
         raise KernelError(f"int4 groups must be one of {GROUPS} and divide the hidden size and expert width "
                           f"({hidden}, {inter}), not {group!r}")
+    if quant == "mxfp4" and (hidden % MX_BLOCK or inter % MX_BLOCK):
+        raise KernelError(f"MXFP4 takes blocks of {MX_BLOCK} values: the hidden size and expert width ({hidden}, "
+                          f"{inter}) must be multiples of {MX_BLOCK}")
     if weight_dtype is not None and weight_dtype not in WEIGHT_DTYPES:
         raise KernelError(f"expert weights of dtype {weight_dtype} are not supported (float32, bf16 or fp16)")
 
@@ -252,7 +263,50 @@ class CpuOptions:
             return params + (2 * inter + hidden) * 4
         if self.quant == "int4":
             return params // 2 + params // self.group * 2  # bf16 scale per group
+        if self.quant == "mxfp4":
+            return params // 2 + params // MX_BLOCK  # a scale byte per block
         return params * stored if self.experts_in_ram else 0
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """What an expert adds around its three products (gpt-oss): biases of gate and up (before the activation) and of
+    down (after it), float32; and the clamped SwiGLU's (alpha, limit), or None for plain SwiGLU."""
+
+    gate_bias: torch.Tensor | None = None  # [I]
+    up_bias: torch.Tensor | None = None  # [I]
+    down_bias: torch.Tensor | None = None  # [H]
+    clamped: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("gate_bias", "up_bias", "down_bias"):
+            b = getattr(self, name)
+            if b is not None and (b.dtype != torch.float32 or b.dim() != 1 or not b.is_contiguous()):
+                raise ValueError(f"{name} must be a contiguous float32 vector, not {b.dtype} {list(b.shape)}")
+
+    def run(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """The expert in torch over plain weights (x's dtype): [n, H] -> [n, H]."""
+        def bias(b: torch.Tensor | None) -> torch.Tensor | None:
+            return None if b is None else b.to(x.dtype)
+        g, u = F.linear(x, gate, bias(self.gate_bias)), F.linear(x, up, bias(self.up_bias))  # [n, I]
+        if self.clamped is None:
+            h = F.silu(g) * u
+        else:
+            alpha, limit = self.clamped
+            g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+            h = (u + 1) * (g * torch.sigmoid(g * alpha))
+        return F.linear(h, down, bias(self.down_bias))
+
+    def fill(self, a: _Args | _Weights) -> None:
+        """The biases' addresses (and, for `_Args`, the activation) into a kernel argument structure."""
+        a.gate_bias, a.up_bias, a.down_bias = (None if b is None else b.data_ptr()
+                                               for b in (self.gate_bias, self.up_bias, self.down_bias))
+        if isinstance(a, _Args):
+            a.act_kind = ACT_SILU if self.clamped is None else ACT_CLAMPED
+            a.alpha, a.limit = self.clamped or (0.0, 0.0)
+
+
+NO_EPILOGUE = Epilogue()
 
 
 @dataclass(frozen=True)
@@ -262,12 +316,13 @@ class CpuExpert:
     gate: torch.Tensor | QuantizedMatrix  # [I, H]
     up: torch.Tensor | QuantizedMatrix  # [I, H]
     down: torch.Tensor | QuantizedMatrix  # [H, I]
-    kind: object  # a torch dtype, "int8" or "int4"
+    kind: object  # a torch dtype, "int8", "int4" or "mxfp4"
     executor: CpuExecutor
     amx_layout: bool = False  # quantized and laid out for the AMX kernels: only they (or torch, converted) read it
     # an expert the kernels do not compute (gpt-oss's clamped SwiGLU with biases): this torch function runs it, at
     # every token count ([n, H] -> [n, H]); the weights above are then only views, never read by a kernel
     reference: Callable[[torch.Tensor], torch.Tensor] | None = None
+    epilogue: Epilogue = NO_EPILOGUE  # biases and clamped SwiGLU, applied by the kernels and by the torch path
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
         return self.executor.run(self, x)
@@ -289,8 +344,11 @@ class CpuExpert:
         """The kernel's view of this expert: its weight (and scale) addresses."""
         mats = (self.gate, self.up, self.down)
         if isinstance(self.gate, QuantizedMatrix):
-            return _Weights(*(m.data.data_ptr() for m in mats), *(m.scales.data_ptr() for m in mats))  # type: ignore
-        return _Weights(*(m.data_ptr() for m in mats))  # type: ignore[union-attr]
+            w = _Weights(*(m.data.data_ptr() for m in mats), *(m.scales.data_ptr() for m in mats))  # type: ignore
+        else:
+            w = _Weights(*(m.data_ptr() for m in mats))  # type: ignore[union-attr]
+        self.epilogue.fill(w)
+        return w
 
 
 @dataclass(frozen=True)
@@ -341,8 +399,19 @@ class CpuExecutor:
         return ("amx" in self.isas and kind in AMX_KINDS and self.dtype == torch.bfloat16
                 and self.hidden % width == 0 and self.inter % width == 0)
 
+    def prepare_quantized(self, gate: QuantizedMatrix, up: QuantizedMatrix, down: QuantizedMatrix,
+                          epilogue: Epilogue = NO_EPILOGUE) -> CpuExpert:
+        """One expert whose weights arrive quantized (MXFP4 from a checkpoint), used as they are."""
+        h, i = self.hidden, self.inter
+        for name, m, shape in (("gate", gate, (i, h)), ("up", up, (i, h)), ("down", down, (h, i))):
+            if not isinstance(m, QuantizedMatrix) or m.kind != "mxfp4" or (m.data.shape[0], m.cols) != shape:
+                raise ValueError(f"{name} must be an MXFP4 matrix of {list(shape)} values")
+        check_support(h, i, self.dtype, "mxfp4")
+        return CpuExpert(gate, up, down, "mxfp4", self, epilogue=epilogue)
+
     def prepare(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                reference: Callable[[torch.Tensor], torch.Tensor] | None = None) -> CpuExpert:
+                reference: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                epilogue: Epilogue = NO_EPILOGUE) -> CpuExpert:
         """Wrap (or quantize) one expert's weights; unquantized weights are used in place, never copied.
         `reference`: the expert is not one the kernels compute; this function runs it (CpuExpert.reference)."""
         h, i = self.hidden, self.inter
@@ -359,15 +428,16 @@ class CpuExecutor:
             raise ValueError(f"expert weights must be floating point, not {gate.dtype}")
         if self.quant in QUANT_KINDS:
             g = self.group
-            mats = [quantize_int8(w) if self.quant == "int8" else quantize_int4(w, g) for w in (gate, up, down)]
+            quantize = {"int8": quantize_int8, "int4": lambda w: quantize_int4(w, g), "mxfp4": quantize_mxfp4}
+            mats = [quantize[self.quant](w) for w in (gate, up, down)]
             amx = self.forced_isa in (None, "amx") and self.amx_serves(self.quant)
             if amx:
                 mats = [m.blocked_layout() for m in mats]  # the layout the AMX kernels read
-            return CpuExpert(*mats, self.quant, self, amx_layout=amx)
+            return CpuExpert(*mats, self.quant, self, amx_layout=amx, epilogue=epilogue)
         if gate.dtype not in WEIGHT_DTYPES:
             raise KernelError(f"expert weights of dtype {gate.dtype} are not supported (float32, bf16 or fp16)")
         gate, up, down = (w.contiguous() for w in (gate, up, down))  # memory-mapped weights already are
-        return CpuExpert(gate, up, down, gate.dtype, self)
+        return CpuExpert(gate, up, down, gate.dtype, self, epilogue=epilogue)
 
     def isa_for(self, expert: CpuExpert, tokens: int = 1) -> str | None:
         if expert.reference is not None:  # no kernel computes it: torch (`_run_torch`) at every token count
@@ -383,7 +453,7 @@ class CpuExecutor:
         if amx_layout:  # laid out for the AMX kernels alone
             return "amx" if "amx" in self.isas and tokens <= AMX_CROSSOVER else None
         isas = [i for i in self.isas if i not in BF16_ONLY]
-        if kind == torch.bfloat16 and self.inter % 2 == 0:  # vdpbf16ps takes rows in pairs
+        if (kind == torch.bfloat16 and self.inter % 2 == 0) or kind == "mxfp4":  # vdpbf16ps (bf16: rows in pairs)
             isas.append("avx512bf16")
         if self.amx_serves(kind) and tokens <= AMX_CROSSOVER and kind not in QUANT_KINDS:
             isas.append("amx")  # quantized weights reach AMX only in its block layout (the branch above)
@@ -426,13 +496,15 @@ class CpuExecutor:
     def _run_torch(self, expert: CpuExpert, x: torch.Tensor) -> torch.Tensor:
         if expert.reference is not None:
             return expert.reference(x)
-        if expert.kind == "int8" and x.shape[0] <= AMX_CROSSOVER:
+        if expert.kind == "int8" and x.shape[0] <= AMX_CROSSOVER and expert.epilogue is NO_EPILOGUE:
             # torch's int8 weight-only matmul (reads the row-major layout as it is): fine for a few tokens only
             mm = torch.ops.aten._weight_int8pack_mm
             g, u, d = (m.row_major() for m in (expert.gate, expert.up, expert.down))  # type: ignore[union-attr]
             h = F.silu(mm(x, g.data, g.scales.to(x.dtype))) * mm(x, u.data, u.scales.to(x.dtype))  # type: ignore
             return mm(h, d.data, d.scales.to(x.dtype))  # type: ignore[union-attr]
         gate, up, down = expert.dense(x.dtype)
+        if expert.epilogue is not NO_EPILOGUE:
+            return expert.epilogue.run(x, gate, up, down)
         return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
     def run_many(self, jobs: list[tuple[CpuExpert, torch.Tensor]], sink: Callable[[int, torch.Tensor], None]) -> None:
@@ -509,6 +581,7 @@ class CpuExecutor:
         kind, isa = KINDS[expert.kind], ISAS.index(self.isa_for(expert, T))  # type: ignore[arg-type]
         if (a.proto.kind, a.proto.isa, a.proto.hidden) != (kind, isa, self.hidden):
             a.proto = _Args(kind, isa, 0, self.hidden, self.inter, self.threads, self.group)
+        expert.epilogue.fill(a.proto)  # the activation (the biases come per expert from the table)
         # right after the weights stream, each small torch op here costs tens of microseconds (a few warm), so
         # the kernel reads a bf16 x where it lies and conversions happen only when needed
         if x.dtype == torch.bfloat16 and x.is_contiguous():
@@ -563,6 +636,7 @@ class _Slot:
         a.gate, a.up, a.down, a.gate_scale, a.up_scale, a.down_scale = (
             w.gate, w.up, w.down, w.gate_scale, w.up_scale, w.down_scale)
         a.x, a.out, a.act, a.xb = self.x.data_ptr(), self.out.data_ptr(), self.act.data_ptr(), self.xb.data_ptr()
+        expert.epilogue.fill(a)
 
 
 class DenseLinear:

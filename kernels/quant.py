@@ -15,6 +15,13 @@ and 32+4l..32+4l+3): unpacking a line gives two lines of the int8 order. The one
 by one broadcast quad of the token; the tiles load the lines as they are (int4: once unpacked). Scales: int8 keeps
 one per row; int4's, per block and group, the block's 16 side by side. Widths must be multiples of 64 values.
 
+MXFP4 (gpt-oss's experts, GGUF's MXFP4): blocks of 32 FP4 values (E2M1: sign, 2 exponent bits, 1 mantissa bit, so
+0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), each block with one E8M0 scale byte e (2^(e-127)). Stored as int4
+with group 32: 16 bytes a block, low nibble value j and high nibble value j + 16 (GGUF's order; gpt-oss's
+safetensors pair neighbours instead, and `mxfp4_from_pairs` reorders them), codes as they are (no offset); scales
+one uint8 per block. The kernels and `dequantize` compute each value as GGUF's reference does: twice the E2M1
+value (a small integer) times 2^(e-128), exactly.
+
 Letters: B blocks, C 64-value chunks per row, n BLOCK_ROWS, G groups per row, L lines of a chunk, h nibble half.
 """
 
@@ -26,13 +33,15 @@ import torch
 
 GROUPS = (32, 64, 128)
 BLOCK_ROWS = 16  # rows per block of the layout the AMX machines use (BLOCK_ROWS in csrc/common.h)
+MX_BLOCK = 32  # values per MXFP4 block
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of codes 0-7; codes 8-15 are their negatives
 
 
 @dataclass(frozen=True)
 class QuantizedMatrix:
-    kind: str  # "int8" | "int4"
+    kind: str  # "int8" | "int4" | "mxfp4"
     data: torch.Tensor  # int8 [rows, cols] | uint8 [rows, cols / 2]
-    scales: torch.Tensor  # int8: float32 [rows] | int4: bfloat16 [rows, cols / group]
+    scales: torch.Tensor  # int8: float32 [rows] | int4: bfloat16 [rows, cols / group] | mxfp4: uint8 [rows, cols / 32]
     cols: int
     group: int = 0
     blocked: bool = False  # True: the AMX kernels' block layout of BLOCK_ROWS rows (see the module docstring)
@@ -41,6 +50,8 @@ class QuantizedMatrix:
         """This matrix in blocks of BLOCK_ROWS rows and 64-value chunks (see the module docstring)."""
         if self.blocked:
             return self
+        if self.kind == "mxfp4":
+            raise ValueError("MXFP4 matrices have no block layout: the AMX kernels do not read them")
         n, rows, cols = BLOCK_ROWS, self.data.shape[0], self.cols
         if rows % n or cols % 64:
             raise ValueError(f"the block layout needs rows in multiples of {n} and widths of 64 values ({self.kind})")
@@ -88,6 +99,11 @@ class QuantizedMatrix:
         if self.kind == "int8":
             return (self.data.float() * self.scales[:, None]).to(dtype)
         rows = self.data.shape[0]
+        if self.kind == "mxfp4":
+            table = torch.tensor([2 * v for v in E2M1] + [-2 * v for v in E2M1], device=self.data.device)
+            codes = table[self._nibbles().long()]  # [rows, cols]
+            values = codes.view(rows, -1, MX_BLOCK) * e8m0_half(self.scales)[:, :, None]  # [rows, G, 32]
+            return values.reshape(rows, self.cols).to(dtype)
         values = (self._nibbles().to(torch.int8) - 8).float().view(rows, -1, self.group)  # [rows, G, g]
         return (values * self.scales.float()[:, :, None]).reshape(rows, self.cols).to(dtype)
 
@@ -117,3 +133,59 @@ def quantize_int4(w: torch.Tensor, group: int) -> QuantizedMatrix:
     half = group // 2
     packed = q[..., :half] | (q[..., half:] << 4)  # [rows, groups, group/2]
     return QuantizedMatrix("int4", packed.reshape(rows, cols // 2).contiguous(), scales.contiguous(), cols, group)
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """Half of each E8M0 scale, 2^(e-128), as float32, made from its bits (subnormal below e = 2) as GGUF does."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> QuantizedMatrix:
+    """w [rows, cols] -> MXFP4 (cols % 32 == 0): each block's scale is 2^(floor(log2 amax) - 2), the OCP MX rule,
+    which puts the largest value between 4 and 8 scale units (above 6 it saturates; the smallest scale that avoids
+    that measured no better on Gaussian weights: 0.115 relative RMS error either way); values round to the nearest
+    E2M1 value, ties away from zero."""
+    rows, cols = w.shape
+    if cols % MX_BLOCK:
+        raise ValueError(f"MXFP4 needs a width divisible by {MX_BLOCK} (got {cols})")
+    g = w.float().reshape(rows, cols // MX_BLOCK, MX_BLOCK)  # [rows, G, 32]
+    amax = g.abs().amax(dim=-1)  # [rows, G]
+    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=2.0**-126))), torch.tensor(-125.0)) - 2
+    e = (exponent + 127).clamp(0, 254).to(torch.uint8)  # [rows, G]
+    scaled = (g / (2 * e8m0_half(e))[..., None]).abs().contiguous()  # [rows, G, 32] magnitudes in scale units
+    mids = torch.tensor([(a + b) / 2 for a, b in zip(E2M1, E2M1[1:], strict=False)])
+    code = torch.bucketize(scaled, mids, right=True)  # 0-7: the nearest magnitude (a tie goes up)
+    code = (code | ((g < 0) & (code > 0)).to(code.dtype) << 3).to(torch.uint8)  # [rows, G, 32]
+    packed = code[..., :16] | (code[..., 16:] << 4)  # [rows, G, 16]
+    return QuantizedMatrix("mxfp4", packed.reshape(rows, cols // 2).contiguous(), e.contiguous(), cols, MX_BLOCK)
+
+
+def mxfp4_from_pairs(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedMatrix:
+    """gpt-oss's stored MXFP4 (`*_blocks` [rows, G, 16] uint8 whose byte j holds value 2j in its low nibble and
+    2j + 1 in its high one, `*_scales` [rows, G] uint8) as a QuantizedMatrix (low nibble j, high j + 16): the same
+    4-bit codes and scales, reordered once."""
+    rows, groups = scales.shape
+    if blocks.shape != (rows, groups, 16) or blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks {list(blocks.shape)} ({blocks.dtype}) and scales {list(scales.shape)} "
+                         f"({scales.dtype}) do not belong together: expected uint8 [rows, G, 16] and [rows, G]")
+    return QuantizedMatrix("mxfp4", nibbles_from_pairs(blocks), scales.contiguous(), groups * MX_BLOCK, MX_BLOCK)
+
+
+def nibbles_from_pairs(blocks: torch.Tensor) -> torch.Tensor:
+    """Stored blocks [..., G, 16] (byte j: values 2j, 2j + 1) in the kernels' order (byte j: values j, j + 16), as
+    one new tensor [..., G * 16]."""
+    codes = torch.stack((blocks & 15, blocks >> 4), dim=-1).flatten(-2)  # [..., G, 32] in order
+    return (codes[..., :16] | (codes[..., 16:] << 4)).flatten(-2)  # [..., G * 16]
+
+
+def mxfp4_to_pairs(q: QuantizedMatrix) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `mxfp4_from_pairs`: gpt-oss's stored (blocks [rows, G, 16], scales [rows, G]) of an MXFP4
+    matrix (to write checkpoints as published)."""
+    if q.kind != "mxfp4":
+        raise ValueError(f"expected an MXFP4 matrix, not {q.kind}")
+    rows, groups = q.scales.shape
+    packed = q.data.view(rows, groups, 16)
+    codes = torch.cat((packed & 15, packed >> 4), dim=-1)  # [rows, G, 32] in order
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), q.scales

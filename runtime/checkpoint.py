@@ -181,7 +181,8 @@ def _shard_name(index_path: Path, value: object) -> str:
 
 def _validate(ckpt: Checkpoint) -> None:
     cfg = ckpt.config
-    per_layer = 4 if ckpt.spec.fused_experts else 3 * cfg.num_experts  # expert tensors of one MoE layer
+    # expert tensors of one MoE layer: fused (gpt-oss: 6 as MXFP4, else 4) or 3 per expert
+    per_layer = (6 if cfg.experts_mxfp4 else 4) if ckpt.spec.fused_experts else 3 * cfg.num_experts
     wanted = per_layer * cfg.num_moe_layers
     if wanted > len(ckpt.where):  # before listing them: a config that claims a billion experts is caught here
         last = max(i for i, sparse in enumerate(cfg.sparse_layers) if sparse)
@@ -194,11 +195,10 @@ def _validate(ckpt: Checkpoint) -> None:
     expected = dense_tensors(ckpt.config, ckpt.spec) | expert_tensors(ckpt.config, ckpt.spec)
     missing = [n for n in expected if n not in ckpt.where]
     mxfp4 = [n for n in missing if f"{n}_blocks" in ckpt.where]
-    if mxfp4:  # gpt-oss as published: experts in MXFP4 (4-bit blocks with a shared scale per 32 values)
+    if mxfp4:  # MXFP4 tensors, but config.json does not say so (as published, it does)
         raise UnsupportedModelError(
-            f"{ckpt.path} stores its experts as MXFP4 ({mxfp4[0]}_blocks and _scales); MXFP4 experts are not "
-            "supported yet. Use a bf16 copy of the model (transformers dequantizes MXFP4 when it loads the model: "
-            "save_pretrained it again)"
+            f"{ckpt.path} stores its experts as MXFP4 ({mxfp4[0]}_blocks and _scales), but config.json has no "
+            '"quantization_config": {"quant_method": "mxfp4"} to say so; restore the published config.json'
         )
     if missing:
         raise CheckpointError(
@@ -212,7 +212,10 @@ def _validate(ckpt: Checkpoint) -> None:
                 f"tensor {name} has shape {list(info.shape)} but config.json implies {list(shape)}; "
                 "the weights and config.json do not belong together"
             )
-        if not info.dtype.is_floating_point:
+        packed = name.endswith(("_blocks", "_scales"))  # MXFP4's codes and scales: bytes
+        if packed and info.dtype != torch.uint8:
+            raise CheckpointError(f"tensor {name} has dtype {info.dtype}; MXFP4 blocks and scales are uint8")
+        if not packed and not info.dtype.is_floating_point:
             raise CheckpointError(f"tensor {name} has dtype {info.dtype}; expected floating-point weights")
     _validate_expert_dtypes(ckpt)
 
@@ -220,6 +223,8 @@ def _validate(ckpt: Checkpoint) -> None:
 def _validate_expert_dtypes(ckpt: Checkpoint) -> None:
     """A layer's routed experts run as one kind (one kernel call takes them all), in a dtype the kernels take."""
     cfg = ckpt.config
+    if cfg.experts_mxfp4:  # bytes (checked above) beside float biases, whatever their dtype
+        return
     for layer in range(cfg.num_layers):
         if not cfg.sparse_layers[layer]:
             continue

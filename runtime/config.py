@@ -76,7 +76,8 @@ class ModelConfig:
     attention_sinks: bool = False  # each head's learned logit (self_attn.sinks) joins its softmax and takes mass
     router_bias: bool = False  # the router adds a per-expert bias (router.bias) to its logits
     clamped_swiglu: tuple[float, float] | None = None  # (alpha, limit): the experts compute gpt-oss's clamped SwiGLU
-    # with biases (moe.ClampedSwiGLUExpert), which the C kernels do not; None: plain SwiGLU without biases
+    # with biases (moe.ClampedSwiGLUExpert: torch; moe.MXFP4Expert: the C kernels); None: plain SwiGLU, no biases
+    experts_mxfp4: bool = False  # the experts are stored as MXFP4 (`*_blocks`, `*_scales`: gpt-oss as published)
 
     def __post_init__(self) -> None:
         if not self.sparse_layers:  # the default: a MoE block in every layer (frozen, hence object.__setattr__)

@@ -21,12 +21,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.cpu import CpuExpert, CpuOptions
+from tandem.kernels.cpu import CpuExpert, CpuOptions, Epilogue
 from tandem.runtime.accelerator import Accelerator
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.expert_cache import CachePolicy, ExpertCache, Key
 from tandem.runtime.latency import LatencyModel
-from tandem.runtime.moe import ExpertWeights, MoEBlockWeights, route
+from tandem.runtime.moe import ExpertWeights, MoEBlockWeights, MXFP4Expert, route
 from tandem.runtime.trace import TraceRecorder
 
 GPU, CPU, FETCHED = 0, 1, 2  # columns of the per-layer statistics
@@ -135,9 +135,7 @@ class Dispatcher:
         self.resident = bool(cpu and cpu.experts_in_ram)  # experts read into RAM (else memory-mapped or quantized)
         # an expert the kernels do not compute (gpt-oss's) runs its own torch code at every token count
         self.cpu_experts: dict[int, list[CpuExpert]] = {
-            layer: [self.executor.prepare(w.gate, w.up, w.down, reference=None if w.kernel_ready else w)
-                    for w in block.experts]
-            for layer, block in blocks.items()
+            layer: [self._cpu_expert(w) for w in block.experts] for layer, block in blocks.items()
         }
         self.cpu_layers = {layer: self.executor.layer(experts) for layer, experts in self.cpu_experts.items()}
         self.policy = policy or OffloadOptions()
@@ -153,6 +151,15 @@ class Dispatcher:
             self._bytes_base = (accel.bytes_h2d, accel.bytes_d2h)
 
     # -- set-up -------------------------------------------------------------------------------
+    def _cpu_expert(self, w: ExpertWeights) -> CpuExpert:
+        if isinstance(w, MXFP4Expert):  # 4-bit as stored, biases and clamped SwiGLU in the kernel
+            return self.executor.prepare_quantized(
+                *w.matrices(), Epilogue(w.gate_bias, w.up_bias, w.down_bias, (w.alpha, w.limit)))
+        return self.executor.prepare(w.gate, w.up, w.down, reference=None if w.kernel_ready else w)
+
+    def _slot_dtype(self, t: torch.Tensor) -> torch.dtype:
+        """An accelerator copy of an expert tensor: floats in the compute dtype, packed codes and scales as they are."""
+        return self.dtype if t.is_floating_point() else t.dtype
     def _expert_shapes(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
         h, i = self.cfg.hidden_size, self.cfg.moe_intermediate_size
         return (i, h), (i, h), (h, i)
@@ -160,19 +167,19 @@ class Dispatcher:
     def _new_buffer(self, accel: Accelerator, what: str) -> ExpertWeights:
         """An empty expert on the accelerator, of the model's kind of expert (its biases too, for gpt-oss)."""
         template = next((b.experts[0] for b in self.blocks.values() if b.experts), None)
-        if template is None or template.kernel_ready:
+        if template is None or type(template) is ExpertWeights:
             return ExpertWeights(*(accel.empty(s, self.dtype, what) for s in self._expert_shapes()))
-        return template.like([accel.empty(t.shape, self.dtype, what) for t in template.tensors()])
+        return template.like([accel.empty(t.shape, self._slot_dtype(t), what) for t in template.tensors()])
 
     def _allocate(self, accel: Accelerator) -> None:
         """Scratch buffer, then as many expert slots as the remaining budget (minus a reserve) holds."""
         cfg, policy = self.cfg, self.policy
         item = torch.empty((), dtype=self.dtype).element_size()
-        # an accelerator copy of one expert: every tensor of the model's kind of expert (gpt-oss's biases included)
+        # an accelerator copy of one expert: every tensor of the model's kind of expert (gpt-oss's biases included;
+        # MXFP4's codes and scales as stored, 4.25 bits a weight)
         template = next((b.experts[0] for b in self.blocks.values() if b.experts), None)
-        numbers = sum(t.numel() for t in template.tensors()) if template is not None \
-            else 3 * cfg.hidden_size * cfg.moe_intermediate_size
-        expert_bytes = numbers * item
+        expert_bytes = sum(t.numel() * self._slot_dtype(t).itemsize for t in template.tensors()) \
+            if template is not None else 3 * cfg.hidden_size * cfg.moe_intermediate_size * item
         if self.cost is None:
             self.cost = LatencyModel.from_bandwidths(expert_bytes, 6 * cfg.hidden_size * cfg.moe_intermediate_size)
         self.scratch = self._new_buffer(accel, "the expert scratch buffer")

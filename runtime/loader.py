@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem.kernels.cpu import check_support
+from tandem.kernels.errors import KernelError
 from tandem.runtime import memory
 from tandem.runtime.accelerator import make_accelerator
 from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
@@ -37,9 +38,14 @@ def load(options: Options, checkpoint: Checkpoint | None = None,
     ckpt = checkpoint or open_checkpoint(options.model)
     cfg, cpu, dtype = ckpt.config, options.cpu, options.torch_dtype
     first = next((i for i in range(cfg.num_layers) if cfg.sparse_layers[i]), None)
-    stored = None if first is None else ckpt.dtype(layer_expert_names(cfg, ckpt.spec, first)[0])
-    check_support(cfg.hidden_size, cfg.moe_intermediate_size, dtype, cpu.quant, cpu.group, stored,
-                  kernel_ready=cfg.clamped_swiglu is None)
+    if cfg.experts_mxfp4:  # already 4-bit: the kernels read it as stored
+        if cpu.quant is not None:
+            raise KernelError(f"{ckpt.path} stores its experts as MXFP4 already; run it without --quant")
+        check_support(cfg.hidden_size, cfg.moe_intermediate_size, dtype, "mxfp4")
+    else:
+        stored = None if first is None else ckpt.dtype(layer_expert_names(cfg, ckpt.spec, first)[0])
+        check_support(cfg.hidden_size, cfg.moe_intermediate_size, dtype, cpu.quant, cpu.group, stored,
+                      kernel_ready=cfg.clamped_swiglu is None)
     estimate = estimate_memory(ckpt, dtype, options.context, options.batch, cpu)
     check_memory(estimate, memory.available_ram(), options.force, cpu.experts_in_ram)
     tokenizer = Tokenizer.from_folder(ckpt.path)

@@ -46,8 +46,12 @@ def estimate_memory(
     logits = 4 * cfg.vocab_size * 4
     first = next((i for i in range(cfg.num_layers) if cfg.sparse_layers[i]), None)
     if first is not None:  # quantized or resident experts live in RAM, resident ones in the file's dtype
-        stored = ckpt.dtype(layer_expert_names(cfg, ckpt.spec, first)[0]).itemsize
-        in_ram = (cpu or CpuOptions()).expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, stored)
+        h, i = cfg.hidden_size, cfg.moe_intermediate_size
+        if cfg.experts_mxfp4:  # always 4-bit copies in RAM, with their scales and float32 biases
+            in_ram = CpuOptions(quant="mxfp4").expert_bytes(h, i, 1) + (2 * i + h) * 4
+        else:
+            stored = ckpt.dtype(layer_expert_names(cfg, ckpt.spec, first)[0]).itemsize
+            in_ram = (cpu or CpuOptions()).expert_bytes(h, i, stored)
         weights += in_ram * cfg.num_moe_layers * cfg.num_experts
     return MemoryEstimate(weights, kv, rope + logits)
 

@@ -22,7 +22,14 @@ from tandem.runtime.checkpoint import Checkpoint
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.dispatch import Dispatcher, OffloadOptions
 from tandem.runtime.mla import LatentCache, MLAWeights, attend, load_mla
-from tandem.runtime.moe import ClampedSwiGLUExpert, ExpertWeights, MoEBlockWeights, RoutingRule, SharedExpert
+from tandem.runtime.moe import (
+    ClampedSwiGLUExpert,
+    ExpertWeights,
+    MoEBlockWeights,
+    MXFP4Expert,
+    RoutingRule,
+    SharedExpert,
+)
 from tandem.runtime.rope import apply_rope, long_after, rope_tables
 from tandem.runtime.weights import (
     correction_name,
@@ -30,6 +37,7 @@ from tandem.runtime.weights import (
     expert_names,
     fused_expert_names,
     layer_prefix,
+    mxfp4_expert_names,
     router_bias_name,
     router_name,
     shared_expert_names,
@@ -110,10 +118,15 @@ def routed_experts(ckpt: Checkpoint, layers: list[int], resident: bool,
                    progress: Callable[[str, float], None] | None = None) -> dict[int, list[ExpertWeights]]:
     """Each MoE layer's routed experts in their on-disk dtype: views of the memory-mapped files, or (resident)
     copies read into RAM, two layers at a time (file reads release the GIL). Experts stream faster from such
-    copies than from the file map, and plain reads fill RAM faster than faulting the map in would."""
+    copies than from the file map, and plain reads fill RAM faster than faulting the map in would. MXFP4 experts
+    are always copied into RAM, 4-bit, in the order the kernels read (`MXFP4Expert.from_stored`)."""
     n = ckpt.config.num_experts
 
     def one(layer: int) -> list[ExpertWeights]:
+        if ckpt.spec.fused_experts and ckpt.config.experts_mxfp4:  # gpt-oss as published: 4-bit copies per expert
+            stored = [ckpt.tensor(name) for name in mxfp4_expert_names(ckpt.spec, layer)]
+            alpha, limit = ckpt.config.clamped_swiglu or (1.702, 7.0)
+            return MXFP4Expert.layer(*stored, alpha, limit)
         if ckpt.spec.fused_experts:  # gpt-oss: each expert a view of its slice of the layer's fused tensors
             fused = fused_expert_names(ckpt.spec, layer)
             gate_up, gate_up_bias, down, down_bias = \
@@ -125,7 +138,7 @@ def routed_experts(ckpt: Checkpoint, layers: list[int], resident: bool,
         tensors = ckpt.read_into_ram(names) if resident else [ckpt.tensor(name) for name in names]
         return [ExpertWeights(*tensors[3 * e : 3 * e + 3]) for e in range(n)]
 
-    if not resident:
+    if not resident and not ckpt.config.experts_mxfp4:
         return {layer: one(layer) for layer in layers}
     out: dict[int, list[ExpertWeights]] = {}
     with ThreadPoolExecutor(2) as pool:

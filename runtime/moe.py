@@ -13,6 +13,8 @@ from typing import ClassVar, Literal
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels.quant import MX_BLOCK, QuantizedMatrix, nibbles_from_pairs
+
 Scoring = Literal["softmax", "sigmoid", "softmax_topk", "sparsemixer"]
 GroupScore = Literal["max", "top2"]
 
@@ -98,10 +100,8 @@ class ClampedSwiGLUExpert(ExpertWeights):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
         dt = x.dtype  # weights stored in another dtype are converted per call, never kept converted
         gate_up = torch.addmm(self.gate_up_bias.to(dt), x, self.gate_up.to(dt))  # [n, 2I]
-        gate = gate_up[:, ::2].clamp(max=self.limit)  # [n, I]
-        up = gate_up[:, 1::2].clamp(-self.limit, self.limit)  # [n, I]
-        glu = gate * torch.sigmoid(gate * self.alpha)
-        return F.linear((up + 1) * glu, self.down.to(dt), self.down_bias.to(dt))  # down [H, I]: down_proj^T
+        h = clamped_glu(gate_up[:, ::2], gate_up[:, 1::2], self.alpha, self.limit)  # [n, I]
+        return F.linear(h, self.down.to(dt), self.down_bias.to(dt))  # down [H, I]: down_proj^T
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.gate_up, self.gate_up_bias, self.down.t(), self.down_bias]  # down_proj [I, H] as stored
@@ -109,6 +109,78 @@ class ClampedSwiGLUExpert(ExpertWeights):
     def like(self, tensors: Sequence[torch.Tensor]) -> ClampedSwiGLUExpert:
         gate_up, gate_up_bias, down, down_bias = tensors
         return ClampedSwiGLUExpert.from_fused(gate_up, gate_up_bias, down, down_bias, self.alpha, self.limit)
+
+
+def clamped_glu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation: the gate clamped above at `limit`, the up projection to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MXFP4Expert(ExpertWeights):
+    """gpt-oss's expert as published: `ClampedSwiGLUExpert`'s computation over MXFP4 weights, kept 4-bit.
+
+    `gate`, `up`, `down` hold the packed codes ([I, H/2], [I, H/2], [H, I/2] uint8, kernels/quant.py's MXFP4
+    layout), `*_scales` the E8M0 bytes ([I, H/32], [I, H/32], [H, I/32]); the biases are float32. The C kernels run
+    it (`kernel_ready`); called directly (the accelerator, torch), it dequantizes on use."""
+
+    gate_scales: torch.Tensor
+    up_scales: torch.Tensor
+    down_scales: torch.Tensor
+    gate_bias: torch.Tensor  # [I]
+    up_bias: torch.Tensor  # [I]
+    down_bias: torch.Tensor  # [H]
+    alpha: float
+    limit: float
+
+    @classmethod
+    def layer(cls, gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, gate_up_bias: torch.Tensor,
+              down_blocks: torch.Tensor, down_scales: torch.Tensor, down_bias: torch.Tensor, alpha: float,
+              limit: float) -> list[MXFP4Expert]:
+        """A layer's experts from its stored tensors: gate_up blocks [E, 2I, H/32, 16] and scales [E, 2I, H/32] (rows
+        interleaved: even rows gate, odd rows up), bias [E, 2I]; down blocks [E, H, I/32, 16], scales [E, H, I/32],
+        bias [E, H]. The 4-bit copies go into one tensor per kind and layer, whose rows each expert views, made one
+        expert at a time (per-expert tensors, or four experts' temporaries at once, left the allocator's heap up to
+        2.5 times the size of what they kept: gpt-oss-20b did not fit 24 GB)."""
+        n, two_i, h = gate_up_blocks.shape[0], gate_up_blocks.shape[1], down_blocks.shape[1]
+        i = two_i // 2
+        gate, up = (torch.empty(n, i, h // 2, dtype=torch.uint8) for _ in range(2))  # [E, I, H/2]
+        down = torch.empty(n, h, i // 2, dtype=torch.uint8)  # [E, H, I/2]
+        for e in range(n):  # one expert's temporaries at a time: the heap reuses them
+            packed = nibbles_from_pairs(gate_up_blocks[e])  # [2I, H/2]
+            gate[e], up[e] = packed[0::2], packed[1::2]
+            down[e] = nibbles_from_pairs(down_blocks[e])
+        gate_scales, up_scales = gate_up_scales[:, 0::2].contiguous(), gate_up_scales[:, 1::2].contiguous()
+        down_scales = down_scales.contiguous()
+        gate_bias, up_bias = gate_up_bias[:, 0::2].float().contiguous(), gate_up_bias[:, 1::2].float().contiguous()
+        down_bias = down_bias.float().contiguous()
+        return [cls(gate[e], up[e], down[e], gate_scales=gate_scales[e], up_scales=up_scales[e],
+                    down_scales=down_scales[e], gate_bias=gate_bias[e], up_bias=up_bias[e], down_bias=down_bias[e],
+                    alpha=alpha, limit=limit) for e in range(n)]
+
+    def matrices(self) -> tuple[QuantizedMatrix, QuantizedMatrix, QuantizedMatrix]:
+        """gate, up and down as the kernels' quantized matrices (views, no copies)."""
+        return tuple(QuantizedMatrix("mxfp4", d, s, d.shape[1] * 2, MX_BLOCK)  # type: ignore[return-value]
+                     for d, s in ((self.gate, self.gate_scales), (self.up, self.up_scales),
+                                  (self.down, self.down_scales)))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
+        dt = x.dtype
+        gate, up, down = (m.dequantize(dt) for m in self.matrices())
+        h = clamped_glu(F.linear(x, gate, self.gate_bias.to(dt)), F.linear(x, up, self.up_bias.to(dt)), self.alpha,
+                        self.limit)  # [n, I]
+        return F.linear(h, down, self.down_bias.to(dt))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.gate, self.up, self.down, self.gate_scales, self.up_scales, self.down_scales, self.gate_bias,
+                self.up_bias, self.down_bias]
+
+    def like(self, tensors: Sequence[torch.Tensor]) -> MXFP4Expert:
+        gate, up, down, gs, us, ds, gb, ub, db = tensors
+        return MXFP4Expert(gate, up, down, gate_scales=gs, up_scales=us, down_scales=ds, gate_bias=gb, up_bias=ub,
+                           down_bias=db, alpha=self.alpha, limit=self.limit)
 
 
 @dataclass(frozen=True)

@@ -211,8 +211,13 @@ def resolve(request: Request, profile: Request | None, ckpt: Checkpoint, machine
 
 
 def _check_group(cfg: ModelConfig, quant: str | None, group: int) -> None:
-    """int4 groups must divide both widths; say which group size would (or that int8 is the way)."""
+    """int4 groups must divide both widths; say which group size would (or that int8 is the way). MXFP4 takes
+    blocks of 32."""
     widths = (cfg.hidden_size, cfg.moe_intermediate_size)
+    if quant == "mxfp4" and any(w % 32 for w in widths):
+        raise SettingsError(
+            f"MXFP4 takes blocks of 32 values: the hidden size ({cfg.hidden_size}) and expert width "
+            f"({cfg.moe_intermediate_size}) must be multiples of 32; use --quant int8 for this model")
     if quant == "int4" and any(w % group for w in widths):
         fits = [g for g in GROUPS if not any(w % g for w in widths)]
         raise SettingsError(

@@ -116,8 +116,23 @@ class Skew(NamedTuple):
     routers: frozenset[str]  # the routers' tensor names
 
 
+# MXFP4 (gpt-oss as published): random codes have an RMS of 2.93 (E2M1's values, equally likely), so a scale of
+# std / 2.93 gives weights of about `std`; E8M0 keeps the nearest power of two, varied by one either way per block
+E2M1_RMS = 2.93
+
+
+def _packed(name: str) -> bool:
+    """An MXFP4 tensor of codes or scales (bytes), not a float one."""
+    return name.endswith(("_blocks", "_scales"))
+
+
 def _random(shape: tuple[int, ...], name: str, gen: torch.Generator, dtype: torch.dtype, std: float,
             skew: Skew | None = None) -> torch.Tensor:
+    if name.endswith("_blocks"):
+        return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+    if name.endswith("_scales"):
+        e = 127 + round(math.log2(std / E2M1_RMS))
+        return torch.randint(e - 1, e + 2, shape, generator=gen, dtype=torch.uint8)
     if "norm" in name:  # RMSNorm weights near one, as after training
         return (1 + 0.1 * torch.randn(shape, generator=gen)).to(dtype)
     w = torch.randn(shape, generator=gen) * std
@@ -138,10 +153,14 @@ def _write_shards(
     skew: Skew | None = None,
 ) -> None:
     item = torch.empty((), dtype=dtype).element_size()
+
+    def nbytes_of(name: str) -> int:
+        return math.prod(shapes[name]) * (1 if _packed(name) else item)
+
     groups: list[list[str]] = [[]]
     size = 0
-    for name, shape in shapes.items():
-        nbytes = math.prod(shape) * item
+    for name in shapes:
+        nbytes = nbytes_of(name)
         if groups[-1] and size + nbytes > limit:
             groups.append([])
             size = 0
@@ -158,6 +177,6 @@ def _write_shards(
         del tensors
         weight_map |= dict.fromkeys(names, file)
     if len(groups) > 1:
-        total = sum(math.prod(s) for s in shapes.values()) * item
+        total = sum(nbytes_of(name) for name in shapes)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1), encoding="utf-8")

@@ -44,8 +44,17 @@ def fused_expert_names(spec: FamilySpec, layer: int) -> tuple[str, str, str, str
     return f"{base}.gate_up_proj", f"{base}.gate_up_proj_bias", f"{base}.down_proj", f"{base}.down_proj_bias"
 
 
+def mxfp4_expert_names(spec: FamilySpec, layer: int) -> tuple[str, str, str, str, str, str]:
+    """(gate_up blocks, gate_up scales, gate_up bias, down blocks, down scales, down bias) of a layer whose fused
+    experts are stored as MXFP4 (`ModelConfig.experts_mxfp4`)."""
+    gate_up, gate_up_bias, down, down_bias = fused_expert_names(spec, layer)
+    return f"{gate_up}_blocks", f"{gate_up}_scales", gate_up_bias, f"{down}_blocks", f"{down}_scales", down_bias
+
+
 def layer_expert_names(cfg: ModelConfig, spec: FamilySpec, layer: int) -> list[str]:
     """Every tensor holding one MoE layer's routed experts, as stored: per expert (gate, up, down each), or fused."""
+    if spec.fused_experts and cfg.experts_mxfp4:
+        return list(mxfp4_expert_names(spec, layer))
     if spec.fused_experts:
         return list(fused_expert_names(spec, layer))
     return [name for e in range(cfg.num_experts) for name in expert_names(spec, layer, e)]
@@ -141,9 +150,14 @@ def expert_tensors(cfg: ModelConfig, spec: FamilySpec) -> dict[str, Shape]:
     for i in range(cfg.num_layers):
         if not cfg.sparse_layers[i]:
             continue
+        n = cfg.num_experts
+        if spec.fused_experts and cfg.experts_mxfp4:  # rows are output features, in blocks of 32 values (16 bytes)
+            gu_blocks, gu_scales, gu_bias, d_blocks, d_scales, d_bias = mxfp4_expert_names(spec, i)
+            out |= {gu_blocks: (n, 2 * inter, h // 32, 16), gu_scales: (n, 2 * inter, h // 32), gu_bias: (n, 2 * inter),
+                    d_blocks: (n, h, inter // 32, 16), d_scales: (n, h, inter // 32), d_bias: (n, h)}
+            continue
         if spec.fused_experts:  # transformers' GptOssExperts: x @ gate_up_proj[e], h @ down_proj[e]
             gate_up, gate_up_bias, down, down_bias = fused_expert_names(spec, i)
-            n = cfg.num_experts
             out |= {gate_up: (n, h, 2 * inter), gate_up_bias: (n, 2 * inter), down: (n, inter, h), down_bias: (n, h)}
             continue
         for e in range(cfg.num_experts):

@@ -21,6 +21,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # Each case: (id, family, overrides). Together they cover shared expert on/off, norm_topk_prob both
 # ways, dense layers (decoder_sparse_step / mlp_only_layers), tied embeddings, biases and q/k clipping.
+# gpt-oss's quantization_config as published
+MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                            "model.embed_tokens", "lm_head"]}
 CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("mixtral", "mixtral", {}),
     ("mixtral-tied", "mixtral", {"tie_word_embeddings": True, "num_experts_per_tok": 3}),
@@ -87,13 +90,21 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
         "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
         "rope_parameters": {"rope_type": "yarn", "rope_theta": 20000.0, "factor": 8.0, "beta_fast": 16.0,
                             "beta_slow": 2.0, "original_max_position_embeddings": 64, "truncate": True}}),
+    # gpt-oss as published: MXFP4 experts (transformers dequantizes them on the CPU) / a limit that clamps and a
+    # wider expert
+    ("gpt_oss-mxfp4", "gpt_oss", {"intermediate_size": 64, "quantization_config": MXFP4}),
+    ("gpt_oss-mxfp4-clamp", "gpt_oss", {"intermediate_size": 96, "num_hidden_layers": 3, "swiglu_limit": 0.25,
+                                        "swiglu_alpha": 1.5, "quantization_config": MXFP4}),
 ]
 
 
 def build_hf_checkpoint(out: Path, family: str, overrides: dict[str, Any], seed: int = 0) -> Path:
-    """Save a random transformers model (fp32) plus an offline-trained tokenizer into `out`."""
+    """Save a random transformers model (fp32) plus an offline-trained tokenizer into `out`. With a
+    `quantization_config` of MXFP4 (gpt-oss), its experts are then stored as published: `*_blocks` and `*_scales`."""
     import transformers
 
+    overrides = dict(overrides)
+    quantization = overrides.pop("quantization_config", None)
     raw = tiny_config(family, **overrides)
     config = transformers.AutoConfig.for_model(**raw)
     torch.manual_seed(seed)
@@ -106,7 +117,26 @@ def build_hf_checkpoint(out: Path, family: str, overrides: dict[str, Any], seed:
                 b.copy_(0.3 * torch.randn_like(b))
     model.save_pretrained(out)
     write_tokenizer(out, raw["vocab_size"])
+    if quantization is not None:
+        store_experts_as_mxfp4(out, quantization)
     return out
+
+
+def store_experts_as_mxfp4(folder: Path, quantization: dict[str, Any]) -> None:
+    """gpt-oss's fused experts ([E, in, out] float) rewritten as published MXFP4: per expert, the transposed matrix
+    ([out, in]) in blocks of 32 along `in`, and config.json's quantization_config saying so."""
+    from safetensors.torch import load_file, save_file
+
+    from tandem.kernels.quant import mxfp4_to_pairs, quantize_mxfp4
+
+    tensors = load_file(folder / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        fused = tensors.pop(name)  # [E, in, out]
+        stored = [mxfp4_to_pairs(quantize_mxfp4(fused[e].t())) for e in range(fused.shape[0])]
+        tensors[f"{name}_blocks"] = torch.stack([b for b, _ in stored])  # [E, out, in / 32, 16]
+        tensors[f"{name}_scales"] = torch.stack([s for _, s in stored])  # [E, out, in / 32]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    edit_config(folder, quantization_config=quantization)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tandem.app.cli import main
 from tandem.autotune.bench.models import bench_config, make_bench_model, reuse
@@ -72,7 +73,7 @@ def test_one_table_of_shapes_serves_both_commands() -> None:
                        "qwen3-30b-a3b": ExpertShape(2048, 768, 8), "deepseek-v2-lite": ExpertShape(2048, 1408, 6),
                        "phi-3.5-moe": ExpertShape(4096, 6400, 2), "moonlight-16b-a3b": ExpertShape(2048, 1408, 6),
                        "glm-4.5-air": ExpertShape(4096, 1408, 8), "glm-4.5": ExpertShape(5120, 1536, 8),
-                       "gpt-oss-20b": ExpertShape(2880, 2880, 4)}
+                       "gpt-oss-20b": ExpertShape(2880, 2880, 4, clamped=(1.702, 7.0))}
     assert {"mixtral", "qwen3", "olmoe", "deepseek", "qwen3-30b-a3b", "deepseek-v2-lite"} <= set(shape_names())
     assert find_shape("qwen3") == find_shape("qwen3-30b-a3b")
     assert find_shape("deepseek") == find_shape("deepseek-v2-lite")
@@ -91,6 +92,17 @@ def test_fewer_experts_keep_every_layer_and_the_expert_size() -> None:
         bench_config("deepseek-v2-lite", experts=4)
 
 
+def test_narrower_attention_keeps_the_key_value_heads_and_every_layer() -> None:
+    full = bench_config("glm-4.5-air")
+    narrow = bench_config("glm-4.5-air", heads=48)
+    assert (narrow["num_attention_heads"], narrow["num_key_value_heads"]) == (48, full["num_key_value_heads"])
+    assert full["num_key_value_heads"] == 8
+    assert narrow["num_hidden_layers"] == full["num_hidden_layers"] and narrow["head_dim"] == full["head_dim"]
+    for heads, says in ((44, "multiple of the 8"), (128, "at most the 96")):
+        with pytest.raises(UnsupportedModelError, match=says):
+            bench_config("glm-4.5-air", heads=heads)
+
+
 def test_gpt_oss_20b_shape_loads_and_generates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """openai/gpt-oss-20b's widths (two layers, four experts of the real size, a small vocabulary: 0.4 GB rather than
     3.5): fused expert tensors with biases, attention sinks, alternating sliding layers, YaRN; `generate` runs it
@@ -98,7 +110,7 @@ def test_gpt_oss_20b_shape_loads_and_generates(tmp_path: Path, capsys: pytest.Ca
     cfg = bench_config("gpt-oss-20b")
     assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"], cfg["num_experts_per_tok"],
             cfg["num_hidden_layers"], cfg["vocab_size"]) == (2880, 2880, 32, 4, 24, 201088)
-    assert find_shape("gpt-oss").expert == ExpertShape(2880, 2880, 4)
+    assert find_shape("gpt-oss").expert == ExpertShape(2880, 2880, 4, clamped=(1.702, 7.0))
     path = make_bench_model("gpt-oss-20b", tmp_path / "m", layers=2, experts=4, vocab_size=1024)
     ckpt = open_checkpoint(path)
     assert ckpt.config.sliding_layers == (True, False) and ckpt.config.sliding_window == 128
@@ -108,3 +120,20 @@ def test_gpt_oss_20b_shape_loads_and_generates(tmp_path: Path, capsys: pytest.Ca
     assert main(["generate", "--model", str(path), "--prompt", "Hello", "--max-new-tokens", "4",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["stats"]["new_tokens"] > 0
+
+
+def test_gpt_oss_20b_as_published_keeps_its_experts_mxfp4(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--dtype mxfp4`: the experts as gpt-oss publishes them (blocks and scales, 4.25 bits a weight), which
+    `generate` runs on the kernels; other families are refused."""
+    assert main(["make-bench-model", "--shape", "gpt-oss-20b", "--layers", "2", "--experts", "4", "--dtype", "mxfp4",
+                 "--out", str(tmp_path / "m")]) == 0
+    ckpt = open_checkpoint(tmp_path / "m")
+    assert ckpt.config.experts_mxfp4
+    name = "model.layers.1.mlp.experts.gate_up_proj_blocks"
+    assert ckpt.where[name].infos[name].shape == (4, 5760, 90, 16) and ckpt.dtype(name) == torch.uint8
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path / "m"), "--prompt", "Hello", "--max-new-tokens", "4",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["new_tokens"] > 0
+    assert main(["make-bench-model", "--shape", "olmoe", "--dtype", "mxfp4", "--out", str(tmp_path / "o")]) == 2
+    assert "not published with MXFP4 experts" in capsys.readouterr().err

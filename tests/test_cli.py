@@ -77,10 +77,11 @@ def test_bench_quant_reports_drift_and_agreement(tmp_path: Path, capsys: pytest.
     assert "--quant-group 32" in capsys.readouterr().err
     assert main(["bench", "quant", "--model", str(folder), "--new-tokens", "6", "--quant-group", "32"]) == 0
     result = json.loads(capsys.readouterr().out)
-    for name in ("int8", "int4"):
+    for name in ("int8", "int4", "mxfp4"):  # MXFP4: 64 and 96 are whole blocks of 32
         v = result["variants"][name]
         assert 0 <= v["greedy_agreement"] <= 1 and v["max_abs_logit_drift"] > 0
     assert result["variants"]["int8"]["relative_drift"] < result["variants"]["int4"]["relative_drift"]
+    assert result["variants"]["int8"]["relative_drift"] < result["variants"]["mxfp4"]["relative_drift"]
 
 
 def test_progress_in_a_log_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -34,6 +34,9 @@ FAMILIES = {
                             routed_scaling_factor=2.5, use_qk_norm=True),
     # torch-path experts with biases (moe.ClampedSwiGLUExpert): their accelerator slots hold the biases too
     "gpt_oss": tiny_config("gpt_oss", num_hidden_layers=3, swiglu_limit=0.3),
+    # MXFP4 experts (moe.MXFP4Expert): 4-bit slots on the accelerator, dequantized on use; the C kernels on the CPU
+    "gpt_oss-mxfp4": tiny_config("gpt_oss", num_hidden_layers=3, swiglu_limit=0.3, intermediate_size=64,
+                                 quantization_config={"quant_method": "mxfp4"}),
 }
 NEW_TOKENS = 8
 ALWAYS_FETCH = LatencyModel(cpu_a_ms=100, cpu_b_ms=100, gpu_ms=0, transfer_ms=0)
@@ -54,8 +57,12 @@ def build(folder: Path, accel: EmulatedAccelerator | None = None, policy: Offloa
 
 
 def expert_bytes(folder: Path) -> int:
+    """One accelerator slot in float32: the three matrices (MXFP4: 4-bit codes and a scale byte per 32), plus the
+    biases where the experts have them (gpt-oss)."""
     cfg = open_checkpoint(folder).config
-    return 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    biases = (2 * i + h) * 4 if cfg.clamped_swiglu else 0
+    return (3 * h * i // 2 + 3 * h * i // 32 if cfg.experts_mxfp4 else 3 * h * i * 4) + biases
 
 
 def budget_for(folder: Path, slots: int, batch: int = 1) -> int:
@@ -226,14 +233,19 @@ def test_static_placement_pins_the_most_popular(checkpoints, tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("strategy", list(Strategy))
-def test_gpt_oss_torch_experts_agree_on_every_path(checkpoints, strategy: Strategy) -> None:
-    """gpt-oss's experts (torch only, with biases): static, cached, fetched (slots holding the biases too) and
-    CPU-served give the CPU-only logits and tokens."""
-    folder = checkpoints["gpt_oss"]
+@pytest.mark.parametrize("family", ["gpt_oss", "gpt_oss-mxfp4"])
+def test_gpt_oss_experts_agree_on_every_path(checkpoints, strategy: Strategy, family: str) -> None:
+    """gpt-oss's experts (with biases; bf16 ones in torch, MXFP4 ones on the C kernels): static, cached, fetched
+    (slots holding the biases too; MXFP4 slots 4-bit, dequantized on use) and CPU-served give the CPU-only logits
+    and tokens."""
+    folder = checkpoints[family]
     prompt = prompt_of(5)
     ref_logits, ref_tokens, _ = reference(folder, prompt)
     policy = OffloadOptions(strategy, cache_ways=2, static=((0, 1), (2, 3)), cost=MULTI_TOKEN_FETCH)
     engine = build(folder, EmulatedAccelerator(budget_for(folder, 6)), policy)
+    slot = engine.model.dispatcher.scratch
+    assert slot.gate.dtype == (torch.uint8 if family.endswith("mxfp4") else torch.float32)
+    assert sum(t.numel() * t.element_size() for t in slot.tensors()) == expert_bytes(folder)
     try:
         assert (engine.model.forward(torch.tensor([prompt]), 0) - ref_logits).abs().max().item() <= 1e-4
         tokens = list(engine.generate(prompt, SamplingParams(max_new_tokens=NEW_TOKENS)))

@@ -1,5 +1,6 @@
-"""gpt-oss beyond the parity cases: config defaults as transformers' GptOssConfig, what is refused (MXFP4 experts,
-quantizing torch-path experts), and the executor's rule that its experts never reach the C kernels."""
+"""gpt-oss beyond the parity cases: config defaults as transformers' GptOssConfig, what is refused (other quantization
+methods, MXFP4 tensors without their config, quantizing torch-path experts), and the executor's rule that bf16
+experts never reach the C kernels. MXFP4 itself: tests/test_mxfp4.py."""
 
 from __future__ import annotations
 
@@ -46,13 +47,18 @@ def test_hidden_act_is_not_read_for_gpt_oss_only() -> None:
         parse_config(tiny_config("mixtral", hidden_act="gelu"), "config.json")
 
 
-def test_mxfp4_quantization_config_is_refused_by_name() -> None:
-    with pytest.raises(UnsupportedModelError, match="mxfp4.*not supported yet"):
+def test_mxfp4_is_read_from_the_quantization_config_and_other_methods_are_refused_by_name() -> None:
+    _, cfg = parse_config({**BARE, "intermediate_size": 64, "quantization_config": {"quant_method": "mxfp4"}},
+                          "config.json")
+    assert cfg.experts_mxfp4 and not parse_config(dict(BARE), "config.json")[1].experts_mxfp4
+    with pytest.raises(UnsupportedModelError, match="bitsandbytes quantized experts.*not supported"):
+        parse_config({**BARE, "quantization_config": {"quant_method": "bitsandbytes"}}, "config.json")
+    with pytest.raises(UnsupportedModelError, match="whole blocks of 32 values, not 64 and 48"):
         parse_config({**BARE, "quantization_config": {"quant_method": "mxfp4"}}, "config.json")
 
 
-def test_mxfp4_expert_tensors_are_refused_by_name(tmp_path: Path) -> None:
-    """Experts stored as `*_blocks` + `*_scales` (as published) without a quantization_config still say MXFP4."""
+def test_mxfp4_expert_tensors_without_their_config_are_refused_by_name(tmp_path: Path) -> None:
+    """Experts stored as `*_blocks` + `*_scales` (as published) without a quantization_config say MXFP4."""
     folder = write_test_model(tmp_path / "m", tiny_config("gpt_oss"))
     tensors = load_file(folder / "model.safetensors")
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
@@ -60,7 +66,7 @@ def test_mxfp4_expert_tensors_are_refused_by_name(tmp_path: Path) -> None:
         tensors[f"{name}_blocks"] = torch.zeros(*rows.shape[:2], 2, 16, dtype=torch.uint8)
         tensors[f"{name}_scales"] = torch.zeros(*rows.shape[:2], 2, dtype=torch.uint8)
     save_file(tensors, folder / "model.safetensors")
-    with pytest.raises(UnsupportedModelError, match="MXFP4 experts are not supported yet"):
+    with pytest.raises(UnsupportedModelError, match="stores its experts as MXFP4.*no.*quant_method.*mxfp4"):
         open_checkpoint(folder)
 
 

@@ -68,7 +68,7 @@ def test_every_variant_matches_the_reference(isa: str, wdtype: torch.dtype, shap
 # What the automatic choice can take on this CPU (as masked): every weight kind, in both compute dtypes.
 AUTO_CASES = [(w, c, None, 64) for w in (torch.float32, torch.bfloat16, torch.float16)
               for c in (torch.float32, torch.bfloat16)] + [
-    (torch.float32, c, q, g) for q, g in (("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128))
+    (torch.float32, c, q, g) for q, g in (("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128), ("mxfp4", 32))
     for c in (torch.float32, torch.bfloat16)]
 
 
@@ -80,8 +80,8 @@ def test_the_automatic_choice_matches_the_reference_at_every_token_count(wdtype,
     # From one token to one past the crossover (the kernel, then torch or chunks of the kernel): one expert alone,
     # then the experts of a layer in one call, each on its own number of tokens, then whole layers of a few tokens.
     h, i = shape
-    if quant == "int4" and (h % group or i % group):
-        pytest.skip("int4 takes whole groups")
+    if quant in ("int4", "mxfp4") and (h % group or i % group):
+        pytest.skip("int4 and MXFP4 take whole groups")
     executor = CpuExecutor(h, i, compute, threads=2, quant=quant, group=group)
     experts = [executor.prepare(*weights(h, i, wdtype, seed=s)) for s in range(8)]
     tol = 2e-2 if compute == torch.bfloat16 else 1e-5
@@ -107,9 +107,10 @@ def test_the_automatic_choice_matches_the_reference_at_every_token_count(wdtype,
 
 
 # AMX serves int8 and int4 (integer tiles against 16-bit fixed-point activations; one token on VNNI);
-# vdpbf16ps serves neither.
+# vdpbf16ps serves neither; MXFP4 runs on base, AVX2 and AVX-512 (AMX machines take the AVX-512 rows for it).
 QUANT_VARIANTS = [(q, g, isa) for q, g in (("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128))
-                  for isa in ISAS if isa != "avx512bf16"]
+                  for isa in ISAS if isa != "avx512bf16"] + [
+    ("mxfp4", 32, isa) for isa in ISAS if isa not in BF16_ONLY]
 
 
 @needs_kernels
@@ -314,7 +315,7 @@ def test_thread_count_is_explicit() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("quant", [None, "int8", "int4"])
+@pytest.mark.parametrize("quant", [None, "int8", "int4", "mxfp4"])
 def test_a_layers_experts_in_one_call_match_one_at_a_time(quant: str | None) -> None:
     # run_many: the AMX-able experts of a layer go through one kernel call; others (too many tokens) alone.
     h, i = 256, 128

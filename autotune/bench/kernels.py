@@ -2,7 +2,9 @@
 
 For each expert shape, weight dtype and token count: the latency of one expert with the weights cycling
 through more experts than the caches hold, the effective GB/s of weight bytes read, and that divided by
-the streaming read bandwidth measured at the start of the same run. Implementations: "tandem" (one expert per
+the streaming read bandwidth measured at the start of the same run. gpt-oss's shapes run with its biases and
+clamped SwiGLU (the kernels' epilogue); "mxfp4" experts are random codes and scales, as a published gpt-oss
+checkpoint stores them (kernels/quant.py). Implementations: "tandem" (one expert per
 call), "layer" (the family's top-k experts per call, as a MoE layer runs them in decode; latency per expert)
 and "torch". They are timed in turns (reversed every other round), `rounds` times, and each row keeps its fastest
 round: on a shared machine one slow moment (another process streaming memory) would otherwise decide a row.
@@ -18,9 +20,10 @@ import torch.nn.functional as F
 
 from tandem.autotune.bench.shapes import find_shape
 from tandem.autotune.microbench import dram_bandwidth, time_per_call
-from tandem.kernels.cpu import CpuExecutor, CpuExpert
+from tandem.kernels.cpu import NO_EPILOGUE, CpuExecutor, CpuExpert, Epilogue
+from tandem.kernels.quant import QuantizedMatrix
 
-DTYPES = ("bf16", "fp16", "fp32", "int8", "int4")
+DTYPES = ("bf16", "fp16", "fp32", "int8", "int4", "mxfp4")
 TOKENS = (1, 2, 4, 8, 16, 64, 256)
 MAX_TOKENS = 4096  # tokens per call at most: 4096 x hidden activations stay small beside the weights
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -41,7 +44,7 @@ def bench_kernels(
         for dtype in dtypes:
             if progress:
                 progress(f"{shape} {dtype}: preparing experts")
-            ours, peer = _experts(h, i, dtype, threads, working_set, k)
+            ours, peer = _experts(h, i, dtype, threads, working_set, k, expert.clamped)
             executor = ours[0].executor
             layers = [executor.layer(ours[j : j + k]) for j in range(0, len(ours) - k + 1, k)]
             gen = torch.Generator().manual_seed(1)
@@ -73,21 +76,30 @@ def bench_kernels(
 Peer = Callable[[int, torch.Tensor], object]
 
 
-def _experts(h: int, i: int, dtype: str, threads: int, working_set: int, at_least: int = 1
-             ) -> tuple[list[CpuExpert], Peer | None]:
+def _experts(h: int, i: int, dtype: str, threads: int, working_set: int, at_least: int = 1,
+             clamped: tuple[float, float] | None = None) -> tuple[list[CpuExpert], Peer | None]:
     """Enough random experts of this shape and dtype to exceed the caches (and at least `at_least`), and plain
     torch's way to run them:
     F.linear's default path, or torch's int8 weight-only matmul (torch's int4 CPU kernel needs its own
-    packing: no torch row for int4)."""
+    packing, and torch has no MXFP4 CPU kernel: no torch row for either). `clamped`: gpt-oss's activation, with
+    random biases (the kernels' epilogue)."""
     stored = TORCH_DTYPES.get(dtype, torch.bfloat16)
-    compute = torch.bfloat16 if dtype in ("bf16", "int8", "int4") else stored
+    compute = torch.bfloat16 if dtype in ("bf16", "int8", "int4", "mxfp4") else stored
     quant = dtype if dtype in ("int8", "int4") else None
     executor = CpuExecutor(h, i, compute, threads=threads, quant=quant)
     gen = torch.Generator().manual_seed(0)
+    epilogue = NO_EPILOGUE if clamped is None else Epilogue(
+        *(torch.randn(n, generator=gen) * 0.1 for n in (i, i, h)), clamped=clamped)
     ours: list[CpuExpert] = []
     while len(ours) < at_least or len(ours) * ours[0].nbytes < working_set:
+        if dtype == "mxfp4":  # random codes, and scales for weights of about 0.02
+            mats = [QuantizedMatrix("mxfp4", torch.randint(0, 256, (r, c // 2), generator=gen, dtype=torch.uint8),
+                                    torch.randint(119, 122, (r, c // 32), generator=gen, dtype=torch.uint8), c, 32)
+                    for r, c in ((i, h), (i, h), (h, i))]
+            ours.append(executor.prepare_quantized(*mats, epilogue=epilogue))
+            continue
         ws = [(torch.randn(s, generator=gen) * 0.02).to(stored) for s in ((i, h), (i, h), (h, i))]
-        ours.append(executor.prepare(*ws))  # quantized right away: the bf16 original is dropped
+        ours.append(executor.prepare(*ws, epilogue=epilogue))  # quantized right away: the bf16 original is dropped
     if dtype in TORCH_DTYPES:
         def dense(k: int, x: torch.Tensor) -> torch.Tensor:
             e = ours[k]

@@ -22,10 +22,11 @@ EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # the fa
 TOP_K_KEYS = ("num_experts_per_tok",)
 
 
-def bench_config(shape: str, layers: int | None = None, experts: int | None = None) -> dict[str, Any]:
-    """The shape's config.json; `layers` and `experts` scale it down (a full-depth model with fewer experts a layer
-    fits a disk or RAM the real one would not). Grouped routing falls back to one group when the groups no longer
-    divide the experts."""
+def bench_config(shape: str, layers: int | None = None, experts: int | None = None,
+                 heads: int | None = None) -> dict[str, Any]:
+    """The shape's config.json; `layers`, `experts` and `heads` (query heads) scale it down (a full-depth model with
+    fewer experts a layer, or narrower attention, fits a disk or RAM the real one would not). Grouped routing falls
+    back to one group when the groups no longer divide the experts."""
     try:
         found = find_shape(shape)
     except KeyError:
@@ -46,14 +47,31 @@ def bench_config(shape: str, layers: int | None = None, experts: int | None = No
                 config[key] = min(experts, config[key])
         if config.get("n_group", 1) > 1 and experts % config["n_group"]:
             config["n_group"] = config["topk_group"] = 1
+    if heads is not None:
+        kv = config.get("num_key_value_heads") or config["num_attention_heads"]
+        if heads % kv or heads > config["num_attention_heads"]:
+            raise UnsupportedModelError(f"--attention-heads {heads}: it must be a multiple of the {kv} key/value "
+                                        f"heads and at most the {config['num_attention_heads']} the model has")
+        config["num_attention_heads"] = heads
     return config
+
+
+# the quantization_config gpt-oss publishes its MXFP4 experts with
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
 
 
 def make_bench_model(shape: str, out: str | Path, layers: int | None = None, dtype: torch.dtype = torch.bfloat16,
                      routing_skew: float = DEFAULT_SKEW, router_scale: float = DEFAULT_ROUTER_SCALE, seed: int = 0,
-                     experts: int | None = None, **overrides: Any) -> Path:
-    """Write a random-weight checkpoint of the real shape, one shard (≤ 2 GiB) at a time."""
-    config = bench_config(shape, layers, experts) | overrides
+                     experts: int | None = None, mxfp4: bool = False, heads: int | None = None,
+                     **overrides: Any) -> Path:
+    """Write a random-weight checkpoint of the real shape, one shard (≤ 2 GiB) at a time. `mxfp4`: the experts as
+    gpt-oss publishes them (random MXFP4 codes and scales), the rest in `dtype`."""
+    config = bench_config(shape, layers, experts, heads) | overrides
+    if mxfp4:
+        if config["model_type"] != "gpt_oss":
+            raise UnsupportedModelError(f"--dtype mxfp4: {shape} is not published with MXFP4 experts (gpt-oss is)")
+        config["quantization_config"] = MXFP4_CONFIG
     return write_test_model(out, config, seed=seed, dtype=dtype, std=0.02, routing_skew=routing_skew,
                             router_scale=router_scale)
 

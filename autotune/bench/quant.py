@@ -1,4 +1,5 @@
-"""`tandem bench quant`: int8/int4 CPU experts against unquantized ones: the logits' drift and greedy agreement."""
+"""`tandem bench quant`: int8/int4/MXFP4 CPU experts against unquantized ones: the logits' drift and greedy
+agreement."""
 
 from __future__ import annotations
 
@@ -9,17 +10,22 @@ import torch
 
 from tandem.autotune.bench.inputs import teacher_forced
 from tandem.autotune.configure import load_model
+from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.engine import Engine
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.synth import ASSETS
 
 
 def bench_quant(model_dir: str, new_tokens: int = 64, prompt_tokens: int = 16, group: int = 64) -> dict[str, Any]:
-    """Quality of int8/int4 CPU experts against the unquantized model (same dtype), teacher-forced:
+    """Quality of int8/int4/MXFP4 CPU experts against the unquantized model (same dtype), teacher-forced:
     the unquantized greedy continuation is fed to every variant one token at a time (the decode path),
-    and at each step the logits are compared and the greedy choices checked for agreement."""
+    and at each step the logits are compared and the greedy choices checked for agreement. MXFP4 where the widths
+    are whole blocks of 32."""
     variants: dict[str, dict[str, Any]] = {"none": {}, "int8": {"quant": "int8"},
                                            "int4": {"quant": "int4", "quant_group": group}}
+    cfg = open_checkpoint(model_dir).config
+    if cfg.hidden_size % 32 == 0 and cfg.moe_intermediate_size % 32 == 0:
+        variants["mxfp4"] = {"quant": "mxfp4"}
     models = {name: load_model(model_dir, **settings) for name, settings in variants.items()}
     base = models["none"]
     text = (ASSETS / "tokenizer_corpus.txt").read_text(encoding="utf-8")
@@ -31,7 +37,7 @@ def bench_quant(model_dir: str, new_tokens: int = 64, prompt_tokens: int = 16, g
     ref = logits["none"]
     result: dict[str, Any] = {"model": str(model_dir), "dtype": str(base.model.dtype).removeprefix("torch."),
                               "steps": len(ref), "int4_group": group, "variants": {}}
-    for name in ("int8", "int4"):
+    for name in [v for v in variants if v != "none"]:
         got = logits[name]
         drift = (got - ref).abs()
         result["variants"][name] = {

@@ -19,6 +19,7 @@ class ExpertShape:
     hidden: int  # H, the model's hidden size
     width: int  # I, one routed expert's intermediate size
     top_k: int  # experts each token goes through
+    clamped: tuple[float, float] | None = None  # gpt-oss's (alpha, limit): biases and the clamped SwiGLU
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ def real_shapes() -> dict[str, RealShape]:
         for shape in spec.shapes:
             config = {"model_type": spec.model_type, **shape.config}
             cfg = parse_config(config, f"the {shape.name} shape of {spec.display_name}")[1]
-            expert = ExpertShape(cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k)
+            expert = ExpertShape(cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, cfg.clamped_swiglu)
             shapes.append(RealShape(shape.name, shape.model, expert, config, aliases=shape.aliases))
     table: dict[str, RealShape] = {}
     owner: dict[str, str] = {}  # every name and alias -> the model it stands for

@@ -53,10 +53,10 @@ int tk_isa_mask(void) {
 }
 
 dot_fn pick_dot(int kind, int isa) {
-    static const dot_fn table[3][5] = {
-        {dot_fp32_base, dot_bf16_base, dot_fp16_base, dot_int8_base, dot_int4_base},
-        {dot_fp32_avx2, dot_bf16_avx2, dot_fp16_avx2, dot_int8_avx2, dot_int4_avx2},
-        {fma_fp32, fma_bf16, fma_fp16, fma_int8, fma_int4},
+    static const dot_fn table[3][KINDS] = {
+        {dot_fp32_base, dot_bf16_base, dot_fp16_base, dot_int8_base, dot_int4_base, dot_mxfp4_base},
+        {dot_fp32_avx2, dot_bf16_avx2, dot_fp16_avx2, dot_int8_avx2, dot_int4_avx2, dot_mxfp4_avx2},
+        {fma_fp32, fma_bf16, fma_fp16, fma_int8, fma_int4, fma_mxfp4},
     };
     int row = isa >= ISA_AVX512 ? 2 : isa;
     return table[row][kind];
@@ -65,11 +65,14 @@ dot_fn pick_dot(int kind, int isa) {
 /* 0 when the kernel can serve these arguments, else a negative code. */
 static int expert_checks(const tk_args *a) {
     if (a->threads < 1 || a->hidden < 1 || a->inter < 1 || a->tokens < 0) return -7;  /* (Python checks first) */
-    if (a->kind < K_FP32 || a->kind > K_INT4) return -1;
+    if (a->kind < K_FP32 || a->kind >= KINDS) return -1;
+    if (a->act_kind != ACT_SILU && a->act_kind != ACT_CLAMPED) return -1;
     if (!(tk_isa_mask() & (1 << a->isa))) return -2;
+    /* MXFP4: whole blocks of 32, on the variants with its dot products (base, AVX2, AVX-512) */
+    if (a->kind == K_MXFP4 && (a->hidden % 32 || a->inter % 32 || a->isa > ISA_AVX512BF16 || !a->xb)) return -3;
     if (a->kind == K_INT4 && ((a->group != 32 && a->group != 64 && a->group != 128) || a->hidden % a->group ||
                               a->inter % a->group)) return -3;
-    if (a->isa == ISA_AVX512BF16 && (a->kind != K_BF16 || !a->xb || a->inter % 2)) return -4;
+    if (a->isa == ISA_AVX512BF16 && a->kind != K_MXFP4 && (a->kind != K_BF16 || !a->xb || a->inter % 2)) return -4;
     if (a->isa == ISA_AMX) {
         if ((a->kind != K_BF16 && a->kind != K_INT8 && a->kind != K_INT4) || !a->xb || a->tokens > 16 ||
             a->hidden % 32 || a->inter % 32) return -5;
@@ -81,7 +84,7 @@ static int expert_checks(const tk_args *a) {
 /* The shared parallel region an expert call can join (tk_experts): 0 none (it runs alone), else one of these. */
 enum { REGION_NONE, REGION_ROWS, REGION_VNNI_ONE, REGION_AMX, REGIONS };
 static int region_of(const tk_args *b) {
-    if (b->isa == ISA_AVX512 && b->tokens == 1) return REGION_ROWS;  /* experts_one_token */
+    if ((b->isa == ISA_AVX512 || mxfp4_dp(b)) && b->tokens == 1) return REGION_ROWS;  /* experts_one_token */
     if (b->isa != ISA_AMX) return REGION_NONE;
     if (b->tokens == 1 && b->kind != K_BF16) return REGION_VNNI_ONE;  /* int8, int4 */
     return REGION_AMX;
@@ -95,6 +98,14 @@ static void run_region(int region, const tk_args *a, int n) {
     }
 }
 
+/* The down projection's bias, added to each token's output after the experts ran (the reference's order). */
+static void add_down_bias(const tk_args *a, int n) {
+    for (int e = 0; e < n; e++)
+        if (a[e].down_bias)
+            for (int t = 0; t < a[e].tokens; t++)
+                for (int h = 0; h < a[e].hidden; h++) a[e].out[(size_t)t * a[e].hidden + h] += a[e].down_bias[h];
+}
+
 /* Returns 0 on success, a negative code for arguments the kernel cannot serve. */
 int tk_expert(const tk_args *a) {
     if (a->tokens <= 0) return 0;
@@ -102,8 +113,9 @@ int tk_expert(const tk_args *a) {
     if (code) return code;
     const int region = region_of(a);
     if (region != REGION_NONE) run_region(region, a, 1);
-    else if (a->isa == ISA_AVX512BF16) expert_bf16dp(a);
+    else if (a->isa == ISA_AVX512BF16 && a->kind == K_BF16) expert_bf16dp(a);
     else expert_generic(a);
+    add_down_bias(a, 1);
     return 0;
 }
 
@@ -131,9 +143,9 @@ int tk_experts(const tk_args *a, int n) {
                 continue;
             }
             group[m++] = a[e];
-            if (m == AMX_BATCH) run_region(region, group, m), m = 0;
+            if (m == AMX_BATCH) run_region(region, group, m), add_down_bias(group, m), m = 0;
         }
-        if (m) run_region(region, group, m);
+        if (m) run_region(region, group, m), add_down_bias(group, m);
     }
     return 0;
 }
@@ -179,6 +191,8 @@ int tk_moe(const tk_moe_args *m) {
         a[n].gate = m->table[e].gate, a[n].up = m->table[e].up, a[n].down = m->table[e].down;
         a[n].gate_scale = m->table[e].gate_scale, a[n].up_scale = m->table[e].up_scale;
         a[n].down_scale = m->table[e].down_scale;
+        a[n].gate_bias = m->table[e].gate_bias, a[n].up_bias = m->table[e].up_bias;
+        a[n].down_bias = m->table[e].down_bias;
         float *x = (float *)slot;
         a[n].x = x, a[n].out = x + 16 * (size_t)H, a[n].act = x + 32 * (size_t)H;
         a[n].xb = (uint16_t *)(a[n].act + 32 * (size_t)I);

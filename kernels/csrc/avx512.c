@@ -39,7 +39,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void NAME##_m(const W
         res[(size_t)j * ldr] = sum * scale;                                                                \
     }                                                                                                      \
 }                                                                                                          \
-AVX512_TARGET void NAME(const void *wrow, float scale, const uint16_t *gscale, int group,                      \
+AVX512_TARGET void NAME(const void *wrow, float scale, const void *gscale, int group,                          \
         const float *x, int ldx, int nt, int n, float *res, int ldr) {                                     \
     (void)gscale; (void)group;                                                                             \
     const WT *w = (const WT *)wrow;                                                                        \
@@ -85,8 +85,9 @@ DEFINE_FMA_TOKENS(fma_int8, int8_t, LOAD_INT8, I8)
     if (m > 3) FMA4_STEP2(7, 3, XOFF, WV);                                                                \
 } while (0)
 #define FMA4_STEP2(A, J, XOFF, WV) a##A = _mm512_fmadd_ps(WV, _mm512_loadu_ps(x + (size_t)(J) * ldx + (XOFF)), a##A)
-AVX512_TARGET static inline __attribute__((always_inline)) void int4_m(const uint8_t *w, const uint16_t *gscale,
+AVX512_TARGET static inline __attribute__((always_inline)) void int4_m(const uint8_t *w, const void *scales,
         int group, const float *x, int ldx, int m, int n, float *res, int ldr) {
+    const uint16_t *gscale = (const uint16_t *)scales;
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     const int half = group / 2;
     const __m512i low = _mm512_set1_epi32(15);
@@ -112,26 +113,57 @@ AVX512_TARGET static inline __attribute__((always_inline)) void int4_m(const uin
     for (int j = 0; j < m; j++) res[(size_t)j * ldr] = _mm512_reduce_add_ps(acc[j]);
 }
 
-AVX512_TARGET void fma_int4(const void *wrow, float scale, const uint16_t *gscale, int group,
-                                   const float *x, int ldx, int nt, int n, float *res, int ldr) {
-    (void)scale;
-    const uint8_t *w = (const uint8_t *)wrow;
-    for (int t = 0; t < nt; t += 8) {
-        const int m = nt - t < 8 ? nt - t : 8;
-        const float *xs = x + (size_t)t * ldx;
-        float *r = res + (size_t)t * ldr;
-        switch (m) {
-            case 1: int4_m(w, gscale, group, xs, ldx, 1, n, r, ldr); break;
-            case 2: int4_m(w, gscale, group, xs, ldx, 2, n, r, ldr); break;
-            case 3: int4_m(w, gscale, group, xs, ldx, 3, n, r, ldr); break;
-            case 4: int4_m(w, gscale, group, xs, ldx, 4, n, r, ldr); break;
-            case 5: int4_m(w, gscale, group, xs, ldx, 5, n, r, ldr); break;
-            case 6: int4_m(w, gscale, group, xs, ldx, 6, n, r, ldr); break;
-            case 7: int4_m(w, gscale, group, xs, ldx, 7, n, r, ldr); break;
-            default: int4_m(w, gscale, group, xs, ldx, 8, n, r, ldr); break;
-        }
+/* MXFP4: per 32-value block, the table of its 16 codes' values (E2M1X2 times half the block's scale, exact) is made
+ * once; each 16-byte step looks 16 low and 16 high nibbles up in it (vpermps reads an index's low 4 bits only) and
+ * FMAs them into up to 8 token accumulators. */
+AVX512_TARGET static inline __attribute__((always_inline)) void mxfp4_m(const uint8_t *w, const void *gscale,
+        int group, const float *x, int ldx, int m, int n, float *res, int ldr) {
+    (void)group;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    const uint8_t *scales = (const uint8_t *)gscale;
+    const __m512 codes = _mm512_loadu_ps(E2M1X2);
+    for (int g = 0; g < n / 32; g++) {
+        const __m512 table = _mm512_mul_ps(codes, _mm512_set1_ps(e8m0_half(scales[g])));
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + (size_t)g * 16)));
+        const __m512 lo = _mm512_permutexvar_ps(bytes, table);
+        const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+        FMA4_ALL(g * 32, lo);
+        if (m <= 4) FMA4_HI(g * 32 + 16, hi);
+        else FMA4_ALL(g * 32 + 16, hi);
     }
+    if (m <= 4) {
+        a0 = _mm512_add_ps(a0, a4); a1 = _mm512_add_ps(a1, a5);
+        a2 = _mm512_add_ps(a2, a6); a3 = _mm512_add_ps(a3, a7);
+    }
+    __m512 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    for (int j = 0; j < m; j++) res[(size_t)j * ldr] = _mm512_reduce_add_ps(acc[j]);
 }
+
+/* Up to 8 tokens at a time through BODY (int4_m or mxfp4_m) specialised for the count. */
+#define DEFINE_GROUPED(NAME, BODY)                                                                         \
+AVX512_TARGET void NAME(const void *wrow, float scale, const void *gscale, int group,                      \
+                        const float *x, int ldx, int nt, int n, float *res, int ldr) {                     \
+    (void)scale;                                                                                           \
+    const uint8_t *w = (const uint8_t *)wrow;                                                              \
+    const void *gs = gscale;                                                                               \
+    for (int t = 0; t < nt; t += 8) {                                                                      \
+        const int m = nt - t < 8 ? nt - t : 8;                                                             \
+        const float *xs = x + (size_t)t * ldx;                                                             \
+        float *r = res + (size_t)t * ldr;                                                                  \
+        switch (m) {                                                                                       \
+            case 1: BODY(w, gs, group, xs, ldx, 1, n, r, ldr); break;                                      \
+            case 2: BODY(w, gs, group, xs, ldx, 2, n, r, ldr); break;                                      \
+            case 3: BODY(w, gs, group, xs, ldx, 3, n, r, ldr); break;                                      \
+            case 4: BODY(w, gs, group, xs, ldx, 4, n, r, ldr); break;                                      \
+            case 5: BODY(w, gs, group, xs, ldx, 5, n, r, ldr); break;                                      \
+            case 6: BODY(w, gs, group, xs, ldx, 6, n, r, ldr); break;                                      \
+            case 7: BODY(w, gs, group, xs, ldx, 7, n, r, ldr); break;                                      \
+            default: BODY(w, gs, group, xs, ldx, 8, n, r, ldr); break;                                     \
+        }                                                                                                  \
+    }                                                                                                      \
+}
+DEFINE_GROUPED(fma_int4, int4_m)
+DEFINE_GROUPED(fma_mxfp4, mxfp4_m)
 
 /* g[i] = silu(g[i]) * g[I + i] for i in [lo, hi): 16 lanes at a time where AVX-512 is there. exp via 2^n * 2^f,
  * |f| <= 1/2, with a degree-7 series for 2^f (relative error < 1e-7, below float rounding of the result). */
@@ -162,6 +194,28 @@ AVX512_TARGET void swiglu512(float *g, int I, int lo, int hi) {
     for (; i < hi; i++) g[i] = silu(g[i]) * g[I + i];
 }
 
+/* gpt-oss's clamped SwiGLU with the gate and up biases (NULL: none), as `activate` (common.h) computes it. */
+AVX512_TARGET void clamped512(float *g, const float *gate_bias, const float *up_bias, float alpha, float limit,
+                              int I, int lo, int hi) {
+    const __m512 top = _mm512_set1_ps(limit), bottom = _mm512_set1_ps(-limit), one = _mm512_set1_ps(1.f);
+    const __m512 nalpha = _mm512_set1_ps(-alpha);
+    int i = lo;
+    for (; i + 16 <= hi; i += 16) {
+        __m512 gv = _mm512_loadu_ps(g + i), uv = _mm512_loadu_ps(g + I + i);
+        if (gate_bias) gv = _mm512_add_ps(gv, _mm512_loadu_ps(gate_bias + i));
+        if (up_bias) uv = _mm512_add_ps(uv, _mm512_loadu_ps(up_bias + i));
+        gv = _mm512_min_ps(gv, top);
+        uv = _mm512_min_ps(_mm512_max_ps(uv, bottom), top);
+        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_mul_ps(nalpha, gv))));
+        _mm512_storeu_ps(g + i, _mm512_mul_ps(_mm512_add_ps(uv, one), s));
+    }
+    for (; i < hi; i++) {
+        float gv = g[i] + (gate_bias ? gate_bias[i] : 0.f), uv = g[I + i] + (up_bias ? up_bias[i] : 0.f);
+        gv = fminf(gv, limit), uv = fminf(fmaxf(uv, -limit), limit);
+        g[i] = (uv + 1.f) * (gv / (1.f + expf(-alpha * gv)));
+    }
+}
+
 /* ---- One token, four rows at a time (AVX-512) ---------------------------------------------------------
  * With a single token there is no reuse to exploit, only bandwidth: four rows are streamed side by side,
  * two vectors of each per step, which keeps eight independent FMA chains and four memory streams in flight
@@ -170,11 +224,8 @@ AVX512_TARGET void swiglu512(float *g, int I, int lo, int hi) {
 #define FMA_ROW(J) a##J = _mm512_fmadd_ps(LOADW(w##J + k), _mm512_loadu_ps(x[J] + k), a##J);                 \
                    b##J = _mm512_fmadd_ps(LOADW(w##J + k + 16), _mm512_loadu_ps(x[J] + k + 16), b##J)
 /* The four rows lie far apart (stream_rows), each the head of a long sequential run, and each line is asked for
- * ROWS4_PREFETCH bytes ahead: 2 KB was the best of none, 512 bytes, 2 KB and 4 KB on 2048x768 and 4096x14336
- * experts (bf16 and fp16). Two vectors per row per step (two chains each): faster than one for fp16. Figures:
- * docs/bench/kernels.md. */
-#define ROWS4_PREFETCH 2048
-#define PREFETCH_AHEAD(p) _mm_prefetch((const char *)(p) + ROWS4_PREFETCH, _MM_HINT_T0)
+ * ROWS4_PREFETCH bytes ahead (common.h). Two vectors per row per step (two chains each): faster than one for fp16.
+ * Figures: docs/bench/kernels.md. */
 #define DEFINE_ROWS4(NAME, WT, LOADW_, CONV, SCALED)                                                        \
 AVX512_TARGET static void NAME(const char *const *rows, const void *const *scales, int group,               \
                                const float *const *x, int n, float *const *res) {                           \
@@ -250,7 +301,54 @@ AVX512_TARGET static void rows4_int4(const char *const *rows, const void *const 
     *res[3] = _mm512_reduce_add_ps(_mm512_add_ps(r3, h3));
 }
 
-typedef void (*rows4_fn)(const char *const *, const void *const *, int, const float *const *, int, float *const *);
+/* Half of n E8M0 scale bytes (e8m0_half), 16 at a time. */
+AVX512_TARGET void e8m0_halves(const uint8_t *e, int n, float *out) {
+    int g = 0;
+    for (; g + 16 <= n; g += 16) {
+        const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(e + g)));
+        const __mmask16 low = _mm512_cmplt_epu32_mask(u, _mm512_set1_epi32(2));
+        const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(u, _mm512_set1_epi32(1)), 23);
+        const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), u);
+        _mm512_storeu_si512((void *)(out + g), _mm512_mask_blend_epi32(low, normal, tiny));
+    }
+    for (; g < n; g++) out[g] = e8m0_half(e[g]);
+}
+
+/* MXFP4, one token, four rows: each row's scales made floats first (e8m0_halves), then per block its table (as
+ * mxfp4_m, the scale a broadcast from memory), the products summed per row in two chains (low and high nibbles).
+ * Making each block's scale in the loop instead (scalar, then a register broadcast) took 45 % longer on
+ * 2880x2880 experts. */
+#define MXFP4_ROW(J)                                                                                        \
+    do {                                                                                                    \
+        const __m512 table = _mm512_mul_ps(codes, _mm512_set1_ps(sf[J][g]));                                \
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q##J + (size_t)g * 16))); \
+        r##J = _mm512_fmadd_ps(_mm512_permutexvar_ps(bytes, table), _mm512_loadu_ps(x[J] + (size_t)g * 32), r##J); \
+        h##J = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table),                   \
+                               _mm512_loadu_ps(x[J] + (size_t)g * 32 + 16), h##J);                         \
+    } while (0)
+AVX512_TARGET static void rows4_mxfp4(const char *const *rows, const void *const *scales, int group,
+                                      const float *const *x, int n, float *const *res) {
+    (void)group;
+    const uint8_t *q0 = (const uint8_t *)rows[0], *q1 = (const uint8_t *)rows[1], *q2 = (const uint8_t *)rows[2];
+    const uint8_t *q3 = (const uint8_t *)rows[3];
+    const int groups = n / 32;
+    float sf[4][groups];
+    for (int j = 0; j < 4; j++) e8m0_halves((const uint8_t *)scales[j], groups, sf[j]);
+    const __m512 codes = _mm512_loadu_ps(E2M1X2);
+    __m512 r0 = _mm512_setzero_ps(), r1 = r0, r2 = r0, r3 = r0, h0 = r0, h1 = r0, h2 = r0, h3 = r0;
+    for (int g = 0; g < groups; g++) {
+        if (g % 4 == 0) {  /* each line prefetched once, as the other four-row kernels do */
+            const size_t o = (size_t)g * 16;
+            PREFETCH_AHEAD(q0 + o); PREFETCH_AHEAD(q1 + o); PREFETCH_AHEAD(q2 + o); PREFETCH_AHEAD(q3 + o);
+        }
+        MXFP4_ROW(0); MXFP4_ROW(1); MXFP4_ROW(2); MXFP4_ROW(3);
+    }
+    *res[0] = _mm512_reduce_add_ps(_mm512_add_ps(r0, h0));
+    *res[1] = _mm512_reduce_add_ps(_mm512_add_ps(r1, h1));
+    *res[2] = _mm512_reduce_add_ps(_mm512_add_ps(r2, h2));
+    *res[3] = _mm512_reduce_add_ps(_mm512_add_ps(r3, h3));
+}
+
 
 /* Where row q of a one-token pass lies (see one_token_row); `src` is the caller's description of the rows. */
 typedef row_ref (*row_lookup)(const void *src, int q);
@@ -264,8 +362,7 @@ static void stream_rows(row_lookup find, const void *src, int total, int per, in
     const thread_run run = this_threads_run(total, 4);
     const int lo = run.lo, hi = run.hi, len = run.len;
     const size_t rb = row_bytes(kind, K, group);
-    const size_t s_step = kind == K_INT8   ? sizeof(float)  /* scale bytes per row */
-                          : kind == K_INT4 ? K / group * sizeof(uint16_t) : 0;
+    const size_t s_step = kind == K_INT8 ? sizeof(float) : row_scale_bytes(kind, K, group);  /* scale bytes per row */
     row_ref r[4];
     int left[4] = {0, 0, 0, 0};  /* rows left in the matrix each quarter is in (0: look the next row up) */
     for (int i = 0; i < len; i++) {
@@ -283,7 +380,7 @@ static void stream_rows(row_lookup find, const void *src, int total, int per, in
             r4(w, s, group, x, K, res);
         } else {
             for (int j = 0; j < m; j++)
-                dot(r[j].w, row_scale(r[j].s, kind, 0), kind == K_INT4 ? r[j].s : NULL, group, r[j].x, K, 1, K,
+                dot(r[j].w, row_scale(r[j].s, kind, 0), kind == K_INT8 ? NULL : r[j].s, group, r[j].x, K, 1, K,
                     r[j].res, 1);
         }
         for (int j = 0; j < m; j++) {  /* each quarter's next row */
@@ -313,13 +410,22 @@ static void one_token_phase(const tk_args *a, int n, int down, rows4_fn r4, dot_
  * phase by phase over all of them: gate and up rows, SwiGLU, down rows. Every entry has the same kind and shape
  * and its own buffers. */
 void experts_one_token(const tk_args *a, int n) {
-    static const rows4_fn four[5] = {rows4_fp32, rows4_bf16, rows4_fp16, rows4_int8, rows4_int4};
-    const rows4_fn r4 = four[a->kind];
-    const dot_fn dot = pick_dot(a->kind, a->isa);
+    static const rows4_fn four[KINDS] = {rows4_fp32, rows4_bf16, rows4_fp16, rows4_int8, rows4_int4, rows4_mxfp4};
+    const int dp = mxfp4_dp(a);  /* MXFP4 by vdpbf16ps: reads the inputs as laid out in xb */
+    const rows4_fn r4 = dp ? rows4_mxfp4_dp : four[a->kind];
+    const dot_fn dot = dp ? dot_mxfp4_dp : pick_dot(a->kind, a->isa);
     #pragma omp parallel num_threads(a->threads)
     {
+        if (dp) {
+            #pragma omp for schedule(static)
+            for (int e = 0; e < n; e++) mxfp4_inputs_bf16(a[e].x, a[e].xb, a->hidden);
+        }
         one_token_phase(a, n, 0, r4, dot);
         experts_swiglu(a, n);
+        if (dp) {
+            #pragma omp for schedule(static)
+            for (int e = 0; e < n; e++) mxfp4_inputs_bf16(a[e].act, a[e].xb, a->inter);
+        }
         one_token_phase(a, n, 1, r4, dot);
     }
 }

@@ -159,7 +159,7 @@ BF16_TARGET void expert_bf16dp(const tk_args *a) {
             const uint16_t *w = r < I ? gate + (size_t)r * H : up + (size_t)(r - I) * H;
             dot2_bf16_dp(w, w + H, a->xb, NULL, ld, T, H, a->act + r, 2 * I);
         }
-        swiglu_rows(a->act, T, I, a->isa);
+        swiglu_rows(a);
         /* x was bf16 already; the activations are not, and rounding them is the one rounding this path would add
          * to the float32 ones: up to 8 tokens they go in as hi + lo (the scratch holds 16 rows), more are rounded */
         #pragma omp for schedule(static)
@@ -186,4 +186,118 @@ BF16_TARGET void expert_bf16dp(const tk_args *a) {
             }
         }
     }
+}
+
+/* ---- MXFP4, one token, with vdpbf16ps ------------------------------------------------------------------
+ * Where activations are bf16 anyway, an MXFP4 row is read 64 bytes (four blocks, 128 values) at a time as 32 words
+ * of four nibbles each: word w, shifted right by 4s, indexes a table of the 16 codes' bf16 values (twice over, so
+ * the bit above the nibble does not matter) with vpermw, 32 weights per lookup, and vdpbf16ps multiplies them by
+ * the activations of those positions, which `mxfp4_inputs_bf16` laid out in that order once per call. Lane i of
+ * the sums covers bytes 4i..4i+3, so block i/4: one FMA by the four blocks' scales (each over four lanes) ends the
+ * chunk. Per 128 values 4 lookups and 6 multiply-adds, against 12 and 12 for the float path (rows4_mxfp4), whose
+ * shuffles bound it below the bandwidth. Values: the codes and scales exact, the activations rounded to bf16. */
+#define CHUNK 128  /* values a step reads: four blocks */
+
+/* bf16 of each E2M1 value (kernels/quant.py E2M1 and negatives), for codes 0-15 and again for 16-31 */
+static const uint16_t E2M1_BF16[32] = {
+    0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
+    0x0000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0,
+    0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
+    0x0000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0,
+};
+
+/* x [n] (n a multiple of 32) as bf16 in the order the MXFP4 rows read it: per chunk of 128 values, for each nibble
+ * position s of a word (0-3), word w's value: byte B = 2w + s/2 of the chunk, its low (s even) or high nibble, so
+ * value 32 (B / 16) + B % 16 + 16 (s % 2). A last partial chunk is padded with zeros (ceil(n / 128) * 128 words). */
+static inline int mxfp4_input_at(int s, int w) {  /* the value of a chunk that word w of nibble position s reads */
+    const int B = 2 * w + s / 2;
+    return 32 * (B / 16) + B % 16 + 16 * (s % 2);
+}
+
+BF16_TARGET void mxfp4_inputs_bf16(const float *x, uint16_t *xp, int n) {
+    uint16_t at[4][32];  /* each output word's source within the chunk's 128 */
+    for (int s = 0; s < 4; s++)
+        for (int w = 0; w < 32; w++) at[s][w] = (uint16_t)mxfp4_input_at(s, w);
+    int c = 0;
+    for (; (c + 1) * CHUNK <= n; c++) {  /* whole chunks: rounded 32 at a time, then each word picked from them */
+        const float *src = x + (size_t)c * CHUNK;
+        __m512i v[4];
+        for (int r = 0; r < 4; r++)
+            v[r] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 32 * r + 16), _mm512_loadu_ps(src + 32 * r));
+        for (int s = 0; s < 4; s++) {
+            const __m512i idx = _mm512_loadu_si512((const void *)at[s]);
+            const __mmask32 upper = _mm512_cmpge_epu16_mask(idx, _mm512_set1_epi16(64));
+            const __m512i lo = _mm512_permutex2var_epi16(v[0], idx, v[1]), hi = _mm512_permutex2var_epi16(v[2], idx, v[3]);
+            _mm512_storeu_si512((void *)(xp + (size_t)c * CHUNK + 32 * s), _mm512_mask_blend_epi16(upper, lo, hi));
+        }
+    }
+    if (c * CHUNK < n)  /* a partial last chunk, padded with zeros */
+        for (int s = 0; s < 4; s++)
+            for (int w = 0; w < 32; w++) {
+                const int v = c * CHUNK + at[s][w];
+                xp[(size_t)c * CHUNK + s * 32 + w] = v < n ? bf16_of(x[v]) : 0;
+            }
+}
+
+/* Sixteen blocks' scales 2^(e-127) from their E8M0 bytes (fewer: `mask`, the rest 0): the bits e << 23, and for
+ * e = 0 the subnormal 2^-127 (the larger of the two, since e >= 1 gives at least 2^-126). Exact, as the reference. */
+BF16_TARGET static inline __m512 e8m0_scales16(const uint8_t *e, __mmask16 mask) {
+    const __m512i u = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, e));
+    const __m512i bits = _mm512_max_epu32(_mm512_slli_epi32(u, 23), _mm512_set1_epi32(0x00400000));
+    return _mm512_castsi512_ps(_mm512_maskz_mov_epi32(mask, bits));
+}
+
+/* m rows (1-4) of one token: rows[j] against the laid-out activations x[j] (mxfp4_inputs_bf16), into *res[j]. The
+ * scales of 16 blocks (4 chunks) are made at once, and spread over each chunk's lanes by a permute. */
+BF16_TARGET static inline __attribute__((always_inline)) void mxfp4_dp_rows(
+        int m, const char *const *rows, const void *const *scales, const uint16_t *const *x, int n, float *const *res) {
+    const int groups = n / 32, chunks = (groups + 3) / 4;
+    const __m512i table = _mm512_loadu_si512((const void *)E2M1_BF16);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 scale16[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int c = 0; c < chunks; c++) {
+        if (c % 4 == 0) {
+            const int left = groups - 4 * c;
+            const __mmask16 blocks = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+            for (int j = 0; j < m; j++) scale16[j] = e8m0_scales16((const uint8_t *)scales[j] + 4 * c, blocks);
+        }
+        const __m512i quads = _mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                               _mm512_set1_epi32(4 * (c % 4)));
+        const int words = c * 4 + 4 <= groups ? 32 : (groups - c * 4) * 8;  /* the last chunk may hold 1-3 blocks */
+        const __mmask32 mask = words == 32 ? 0xffffffffu : (1u << words) - 1;
+        for (int j = 0; j < m; j++) {
+            const char *q = rows[j] + (size_t)c * 64;
+            PREFETCH_AHEAD(q);
+            const __m512i v = _mm512_maskz_loadu_epi16(mask, q);
+            const uint16_t *xs = x[j] + (size_t)c * CHUNK;
+            __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_permutexvar_epi16(v, table),
+                                        (__m512bh)_mm512_loadu_si512((const void *)xs));
+            __m512 u = _mm512_dpbf16_ps(_mm512_setzero_ps(),
+                                        (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table),
+                                        (__m512bh)_mm512_loadu_si512((const void *)(xs + 32)));
+            t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), table),
+                                 (__m512bh)_mm512_loadu_si512((const void *)(xs + 64)));
+            u = _mm512_dpbf16_ps(u, (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), table),
+                                 (__m512bh)_mm512_loadu_si512((const void *)(xs + 96)));
+            acc[j] = _mm512_fmadd_ps(_mm512_add_ps(t, u), _mm512_permutexvar_ps(quads, scale16[j]), acc[j]);
+        }
+    }
+    for (int j = 0; j < m; j++) *res[j] = _mm512_reduce_add_ps(acc[j]);
+}
+
+BF16_TARGET void rows4_mxfp4_dp(const char *const *rows, const void *const *scales, int group, const float *const *x,
+                                int n, float *const *res) {
+    (void)group;
+    mxfp4_dp_rows(4, rows, scales, (const uint16_t *const *)x, n, res);
+}
+
+/* One row of one token (stream_rows' rows beyond the last four; nt is 1 there). */
+BF16_TARGET void dot_mxfp4_dp(const void *wrow, float scale, const void *gscale, int group, const float *x, int ldx,
+                              int nt, int n, float *res, int ldr) {
+    (void)scale, (void)group, (void)ldx, (void)nt, (void)ldr;
+    const char *rows[1] = {(const char *)wrow};
+    const void *scales[1] = {gscale};
+    const uint16_t *xs[1] = {(const uint16_t *)x};
+    float *out[1] = {res};
+    mxfp4_dp_rows(1, rows, scales, xs, n, out);
 }

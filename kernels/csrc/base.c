@@ -5,6 +5,13 @@
 
 DEFINE_DOTS(base, )
 
+/* MXFP4 in plain C (AVX2 has its own, avx2.c: the table lookups here do not vectorise). */
+void dot_mxfp4_base(const void *wrow, float scale, const void *gscale, int group, const float *x, int ldx, int nt,
+                    int n, float *res, int ldr) {
+    (void)scale;
+    MXFP4_BODY
+}
+
 /* One expert on base, AVX2 or AVX-512 (more than one token there): each row once for all tokens through the
  * variant's dot product (pick_dot), in one parallel region: gate and up rows, SwiGLU, down rows. */
 void expert_generic(const tk_args *a) {
@@ -21,7 +28,7 @@ void expert_generic(const tk_args *a) {
             dot((gate_part ? gate : up) + (size_t)row * in_row, row_scale(s, kind, row),
                 row_scales(s, kind, row, H, g), g, a->x, H, T, H, a->act + r, 2 * I);
         }
-        swiglu_rows(a->act, T, I, a->isa);
+        swiglu_rows(a);
         #pragma omp for schedule(static)
         for (int h = 0; h < H; h++)
             dot(down + (size_t)h * down_row, row_scale(a->down_scale, kind, h),

@@ -7,7 +7,12 @@
  *
  * Weight kinds: fp32, bf16, fp16 (row-major [rows, cols]); int8 with one float scale per row; int4 with one
  * bf16 scale per group of `group` values, stored as bytes whose low nibble is element j and high nibble
- * element j + group/2 of the group (values offset by 8). Activations are float32.
+ * element j + group/2 of the group (values offset by 8); MXFP4 (gpt-oss, GGUF): blocks of 32 FP4 (E2M1) values in
+ * 16 bytes laid out as int4's groups of 32, with one E8M0 scale byte per block (its value 2^(e-127)). Activations
+ * are float32.
+ *
+ * The activation is SwiGLU, or gpt-oss's clamped SwiGLU (`act`, with `alpha` and `limit`); gate, up and down may
+ * have biases (float32), added where the reference adds them: gate and up before the activation, down to the result.
  *
  * ISA variants are separate functions compiled with target attributes (every file gets the same compile flags),
  * chosen at run time from what the CPU supports (or forced by the caller), one file each:
@@ -38,7 +43,8 @@
 #include <omp.h>
 #include <immintrin.h>
 
-enum { K_FP32 = 0, K_BF16 = 1, K_FP16 = 2, K_INT8 = 3, K_INT4 = 4 };
+enum { K_FP32 = 0, K_BF16 = 1, K_FP16 = 2, K_INT8 = 3, K_INT4 = 4, K_MXFP4 = 5, KINDS };
+enum { ACT_SILU = 0, ACT_CLAMPED = 1 };  /* silu(g) * u; gpt-oss: g' = min(g, limit), (clamp(u) + 1) * g' sigmoid(alpha g') */
 enum { ISA_BASE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AMX = 4 };
 
 /* Called from another file of the library, not exported: only the tk_ functions of api.c and base.c are. */
@@ -55,17 +61,22 @@ enum { ISA_BASE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AMX =
 typedef struct {
     int kind, isa, tokens, hidden, inter, threads, group;
     const void *gate, *up, *down;        /* [I, H], [I, H], [H, I] */
-    const void *gate_scale, *up_scale, *down_scale;  /* int8: float per row; int4: bf16 [rows, groups] */
+    const void *gate_scale, *up_scale, *down_scale;  /* int8: float per row; int4: bf16 [rows, groups]; MXFP4:
+                                                      * E8M0 bytes [rows, blocks] */
     const float *x;                      /* [T, H] */
     float *out;                          /* [T, H] */
     float *act;                          /* scratch [T, 2I] */
     uint16_t *xb;                        /* scratch of 32 max(H, I) bytes (AVX512_BF16, AMX and VNNI paths) */
+    const float *gate_bias, *up_bias, *down_bias;  /* NULL, or [I], [I], [H] */
+    int act_kind;                        /* ACT_SILU or ACT_CLAMPED */
+    float alpha, limit;                  /* ACT_CLAMPED's */
 } tk_args;
 
 /* One expert of a MoE layer (tk_moe). */
 typedef struct {
     const void *gate, *up, *down;
     const void *gate_scale, *up_scale, *down_scale;  /* as in tk_args */
+    const float *gate_bias, *up_bias, *down_bias;    /* as in tk_args */
 } tk_weights;
 
 typedef struct {
@@ -124,6 +135,7 @@ static inline float silu(float g) { return g / (1.f + expf(-g)); }
 
 #define INT4_BODY                                                                                  \
     const uint8_t *w = (const uint8_t *)wrow;                                                      \
+    const uint16_t *gs = (const uint16_t *)gscale;                                                 \
     const int half = group / 2, ngroups = n / group;                                               \
     for (int t = 0; t < nt; t++) {                                                                 \
         const float *xt = x + (size_t)t * ldx;                                                     \
@@ -135,26 +147,55 @@ static inline float silu(float g) { return g / (1.f + expf(-g)); }
             _Pragma("omp simd reduction(+:a)")                                                     \
             for (int j = 0; j < half; j++)                                                         \
                 a += (float)((int)(q[j] & 15) - 8) * xg[j] + (float)((int)(q[j] >> 4) - 8) * xg[j + half]; \
-            total += a * bf16f(gscale[g]);                                                         \
+            total += a * bf16f(gs[g]);                                                             \
+        }                                                                                          \
+        res[(size_t)t * ldr] = total;                                                              \
+    }
+
+/* MXFP4: a block's 32 values, twice their E2M1 value, as small integers (0.5 steps are whole here), and half its
+ * E8M0 scale, 2^(e-128) (subnormal below e = 2): so value = E2M1X2[code] * e8m0_half(e), the product the GGUF
+ * reference computes, exactly (both factors are exact in float32 and their product is a power of two times a small
+ * integer). */
+static const float E2M1X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t u = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+#define MXFP4_BODY                                                                                 \
+    const uint8_t *w = (const uint8_t *)wrow, *gs = (const uint8_t *)gscale;                       \
+    (void)group;                                                                                   \
+    for (int t = 0; t < nt; t++) {                                                                 \
+        const float *xt = x + (size_t)t * ldx;                                                     \
+        float total = 0.f;                                                                         \
+        for (int g = 0; g < n / 32; g++) {                                                         \
+            const uint8_t *q = w + (size_t)g * 16;                                                 \
+            const float *xg = xt + (size_t)g * 32;                                                 \
+            float a = 0.f;                                                                         \
+            _Pragma("omp simd reduction(+:a)")                                                     \
+            for (int j = 0; j < 16; j++) a += E2M1X2[q[j] & 15] * xg[j] + E2M1X2[q[j] >> 4] * xg[j + 16]; \
+            total += a * e8m0_half(gs[g]);                                                         \
         }                                                                                          \
         res[(size_t)t * ldr] = total;                                                              \
     }
 
 /* dot_fn: one weight row against nt tokens (row stride ldx), result t at res[t * ldr]: scale * (w . x_t) (int8; 1
- * for float weights), or int4's sum over groups of gscale[g] * (w_g . x_t,g). */
-typedef void dot_kernel(const void *wrow, float scale, const uint16_t *gscale, int group, const float *x, int ldx,
+ * for float weights), or the sum over groups of the group's scale (gscale: int4's bf16 scales, MXFP4's E8M0 bytes)
+ * times (w_g . x_t,g). */
+typedef void dot_kernel(const void *wrow, float scale, const void *gscale, int group, const float *x, int ldx,
                         int nt, int n, float *res, int ldr);
 typedef dot_kernel *dot_fn;
 #define DEFINE_DOTS(SUFFIX, ATTR)                                                                  \
-ATTR void dot_fp32_##SUFFIX(const void *wrow, float scale, const uint16_t *gscale, int group,          \
+ATTR void dot_fp32_##SUFFIX(const void *wrow, float scale, const void *gscale, int group,              \
         const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)gscale; (void)group; DOT_BODY(float, IDENT) } \
-ATTR void dot_bf16_##SUFFIX(const void *wrow, float scale, const uint16_t *gscale, int group,          \
+ATTR void dot_bf16_##SUFFIX(const void *wrow, float scale, const void *gscale, int group,              \
         const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)gscale; (void)group; DOT_BODY(uint16_t, bf16f) } \
-ATTR void dot_fp16_##SUFFIX(const void *wrow, float scale, const uint16_t *gscale, int group,          \
+ATTR void dot_fp16_##SUFFIX(const void *wrow, float scale, const void *gscale, int group,              \
         const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)gscale; (void)group; DOT_BODY(_Float16, F16) } \
-ATTR void dot_int8_##SUFFIX(const void *wrow, float scale, const uint16_t *gscale, int group,          \
+ATTR void dot_int8_##SUFFIX(const void *wrow, float scale, const void *gscale, int group,              \
         const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)gscale; (void)group; DOT_BODY(int8_t, I8) } \
-ATTR void dot_int4_##SUFFIX(const void *wrow, float scale, const uint16_t *gscale, int group,          \
+ATTR void dot_int4_##SUFFIX(const void *wrow, float scale, const void *gscale, int group,              \
         const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)scale; INT4_BODY }
 
 /* The bandwidth probe's loop (tk_read_sum): sums n floats with `threads` threads, each reading its share as
@@ -181,6 +222,13 @@ ATTR double NAME(const float *p, size_t n, int threads) {                       
     return total;                                                                                           \
 }
 
+/* One token's rows four at a time (avx512.c stream_rows): rows[j] against x[j] into *res[j], with their scales. */
+typedef void (*rows4_fn)(const char *const *, const void *const *, int, const float *const *, int, float *const *);
+/* The four-row kernels ask for each line this many bytes ahead: 2 KB was the best of none, 512 bytes, 2 KB and 4 KB
+ * on 2048x768 and 4096x14336 experts (bf16 and fp16). Figures: docs/bench/kernels.md. */
+#define ROWS4_PREFETCH 2048
+#define PREFETCH_AHEAD(p) _mm_prefetch((const char *)(p) + ROWS4_PREFETCH, _MM_HINT_T0)
+
 /* ---- exported: what kernels/cpu.py calls through ctypes (api.c; RMSNorm in base.c) ----------------------- */
 void tk_limit_isas(int allowed);
 int tk_isa_mask(void);
@@ -196,24 +244,31 @@ double tk_read_sum(const float *p, size_t n, int threads);
 
 /* ---- what each file gives the others --------------------------------------------------------------- */
 /* base.c */
-TK_INTERNAL dot_kernel dot_fp32_base, dot_bf16_base, dot_fp16_base, dot_int8_base, dot_int4_base;
+TK_INTERNAL dot_kernel dot_fp32_base, dot_bf16_base, dot_fp16_base, dot_int8_base, dot_int4_base, dot_mxfp4_base;
 TK_INTERNAL void expert_generic(const tk_args *a);
 TK_INTERNAL void linear_round(const tk_linear_args *a, int lo, int hi);
 TK_INTERNAL void linear_rows(const tk_linear_args *a, int isa);
 TK_INTERNAL double sum_base(const float *p, size_t n, int threads);
 /* avx2.c */
-TK_INTERNAL dot_kernel dot_fp32_avx2, dot_bf16_avx2, dot_fp16_avx2, dot_int8_avx2, dot_int4_avx2;
+TK_INTERNAL dot_kernel dot_fp32_avx2, dot_bf16_avx2, dot_fp16_avx2, dot_int8_avx2, dot_int4_avx2, dot_mxfp4_avx2;
 TK_INTERNAL double sum_avx2(const float *p, size_t n, int threads);
 /* avx512.c */
-TK_INTERNAL dot_kernel fma_fp32, fma_bf16, fma_fp16, fma_int8, fma_int4;
+TK_INTERNAL dot_kernel fma_fp32, fma_bf16, fma_fp16, fma_int8, fma_int4, fma_mxfp4;
 TK_INTERNAL AVX512_TARGET void swiglu512(float *g, int I, int lo, int hi);
+TK_INTERNAL AVX512_TARGET void clamped512(float *g, const float *gate_bias, const float *up_bias, float alpha, float limit,
+                                           int I, int lo, int hi);
 TK_INTERNAL void experts_one_token(const tk_args *a, int n);
+TK_INTERNAL AVX512_TARGET void e8m0_halves(const uint8_t *e, int n, float *out);
 TK_INTERNAL void linear_one_token(const tk_linear_args *a);
 /* avx512bf16.c */
 TK_INTERNAL BF16_TARGET void to_bf16(const float *src, uint16_t *dst, int n);
 TK_INTERNAL BF16_TARGET void dot2_bf16_dp(const uint16_t *r0, const uint16_t *r1, const uint16_t *xb,
                                           const uint16_t *xlo, int ldx, int nt, int n, float *res, int ldr);
 TK_INTERNAL BF16_TARGET void expert_bf16dp(const tk_args *a);
+TK_INTERNAL BF16_TARGET void mxfp4_inputs_bf16(const float *x, uint16_t *xp, int n);
+TK_INTERNAL BF16_TARGET void rows4_mxfp4_dp(const char *const *rows, const void *const *scales, int group,
+                                            const float *const *x, int n, float *const *res);
+TK_INTERNAL dot_kernel dot_mxfp4_dp;
 /* amx.c */
 TK_INTERNAL AVX512_TARGET void token_scales(const float *x, int ldx, int T, int K, float top_value, float *scale,
                                             float *inv);
@@ -225,16 +280,39 @@ TK_INTERNAL void experts_vnni_one_token(const tk_args *a, int n);
 TK_INTERNAL dot_fn pick_dot(int kind, int isa);
 
 /* ---- helpers of more than one variant ----------------------------------------------------------------- */
-/* Inside a parallel region: the SwiGLU activation of act [T, 2I] (gate then up per token), in place,
- * split across threads in blocks of 512 values. */
-static inline void swiglu_rows(float *act, int T, int I, int isa) {
-    const int blocks = (I + 511) / 512;
-    #pragma omp for schedule(static)
-    for (int b = 0; b < T * blocks; b++) {
-        float *g = act + (size_t)(b / blocks) * 2 * I;
-        const int lo = (b % blocks) * 512, hi = lo + 512 < I ? lo + 512 : I;
+/* The activation of one token's act row g [2I] (gate then up), for i in [lo, hi), in place: the biases added, then
+ * silu(g) * u, or the clamped form (ACT_CLAMPED: g' = min(g, limit), u' = clamp(u, -limit, limit),
+ * (u' + 1) * g' * sigmoid(alpha g'), gpt-oss's). 16 lanes at a time where AVX-512 is there. */
+static inline void activate(const tk_args *e, float *g, int lo, int hi, int isa) {
+    const int I = e->inter;
+    if (e->act_kind == ACT_SILU && !e->gate_bias && !e->up_bias) {
         if (isa >= ISA_AVX512) swiglu512(g, I, lo, hi);
         else for (int i = lo; i < hi; i++) g[i] = silu(g[i]) * g[I + i];
+        return;
+    }
+    if (e->act_kind == ACT_CLAMPED && isa >= ISA_AVX512) {
+        clamped512(g, e->gate_bias, e->up_bias, e->alpha, e->limit, I, lo, hi);
+        return;
+    }
+    for (int i = lo; i < hi; i++) {
+        float gv = g[i] + (e->gate_bias ? e->gate_bias[i] : 0.f), uv = g[I + i] + (e->up_bias ? e->up_bias[i] : 0.f);
+        if (e->act_kind == ACT_CLAMPED) {
+            gv = fminf(gv, e->limit), uv = fminf(fmaxf(uv, -e->limit), e->limit);
+            g[i] = (uv + 1.f) * (gv / (1.f + expf(-e->alpha * gv)));
+        } else {
+            g[i] = silu(gv) * uv;
+        }
+    }
+}
+
+/* Inside a parallel region: the activation of one expert's act [T, 2I] (gate then up per token), in place, split
+ * across threads in blocks of 512 values. */
+static inline void swiglu_rows(const tk_args *a) {
+    const int T = a->tokens, I = a->inter, blocks = (I + 511) / 512;
+    #pragma omp for schedule(static)
+    for (int b = 0; b < T * blocks; b++) {
+        const int lo = (b % blocks) * 512, hi = lo + 512 < I ? lo + 512 : I;
+        activate(a, a->act + (size_t)(b / blocks) * 2 * I, lo, hi, a->isa);
     }
 }
 
@@ -243,13 +321,18 @@ static inline size_t row_bytes(int kind, int n, int group) {
         case K_FP32: return (size_t)n * 4;
         case K_BF16: case K_FP16: return (size_t)n * 2;
         case K_INT8: return (size_t)n;
-        default: (void)group; return (size_t)n / 2;
+        default: (void)group; return (size_t)n / 2;  /* int4, MXFP4 */
     }
 }
 
-static inline const uint16_t *row_scales(const void *s, int kind, int row, int n, int group) {
-    if (kind != K_INT4 || !s) return NULL;
-    return (const uint16_t *)s + (size_t)row * (n / group);
+/* Bytes of a row's group scales: int4 bf16 per group, MXFP4 one E8M0 byte per 32 values; else none. */
+static inline size_t row_scale_bytes(int kind, int n, int group) {
+    return kind == K_INT4 ? (size_t)(n / group) * 2 : kind == K_MXFP4 ? (size_t)n / 32 : 0;
+}
+
+static inline const void *row_scales(const void *s, int kind, int row, int n, int group) {
+    if ((kind != K_INT4 && kind != K_MXFP4) || !s) return NULL;
+    return (const char *)s + (size_t)row * row_scale_bytes(kind, n, group);
 }
 
 static inline float row_scale(const void *s, int kind, int row) {
@@ -257,8 +340,12 @@ static inline float row_scale(const void *s, int kind, int row) {
 }
 
 /* Row q of a one-token phase over n experts: gate and up rows (q < n * 2I, expert by expert, gate then up),
- * or down rows; where its weights, scales (int8: the row's, int4: its groups', else NULL), input and result lie. */
+ * or down rows; where its weights, scales (int8: the row's, int4 and MXFP4: its groups', else NULL), input and
+ * result lie. */
 typedef struct { const char *w; const void *s; const float *x; float *res; int e; } row_ref;
+/* MXFP4 on the AVX512_BF16 variant (one token): vdpbf16ps against the inputs laid out in xb (avx512bf16.c). */
+static inline int mxfp4_dp(const tk_args *a) { return a->kind == K_MXFP4 && a->isa == ISA_AVX512BF16; }
+
 static inline row_ref one_token_row(const tk_args *a, int down, int q) {
     const int H = a->hidden, I = a->inter, kind = a->kind;
     row_ref r;
@@ -266,16 +353,15 @@ static inline row_ref one_token_row(const tk_args *a, int down, int q) {
         const tk_args *e = a + q / H;
         const int row = q % H;
         r.w = (const char *)e->down + (size_t)row * row_bytes(kind, I, a->group);
-        r.s = kind == K_INT8 ? (const float *)e->down_scale + row
-                             : (const void *)row_scales(e->down_scale, kind, row, I, a->group);
-        r.x = e->act, r.res = e->out + row, r.e = q / H;
+        r.s = kind == K_INT8 ? (const float *)e->down_scale + row : row_scales(e->down_scale, kind, row, I, a->group);
+        r.x = mxfp4_dp(a) ? (const float *)e->xb : e->act, r.res = e->out + row, r.e = q / H;
     } else {
         const tk_args *e = a + q / (2 * I);
         const int up = q % (2 * I) >= I, row = q % I;
         const void *s = up ? e->up_scale : e->gate_scale;
         r.w = (const char *)(up ? e->up : e->gate) + (size_t)row * row_bytes(kind, H, a->group);
-        r.s = kind == K_INT8 ? (const float *)s + row : (const void *)row_scales(s, kind, row, H, a->group);
-        r.x = e->x, r.res = e->act + (up ? I : 0) + row, r.e = q / (2 * I);
+        r.s = kind == K_INT8 ? (const float *)s + row : row_scales(s, kind, row, H, a->group);
+        r.x = mxfp4_dp(a) ? (const float *)e->xb : e->x, r.res = e->act + (up ? I : 0) + row, r.e = q / (2 * I);
     }
     return r;
 }
@@ -290,7 +376,7 @@ static inline thread_run this_threads_run(int total, int parts) {
     return r;
 }
 
-/* Inside a parallel region, the SwiGLU phase of n experts: each one's act [tokens, 2I] (gate then up per token)
+/* Inside a parallel region, the activation phase of n experts: each one's act [tokens, 2I] (gate then up per token)
  * in place, split across threads in blocks of 512 values (AVX-512). */
 static inline void experts_swiglu(const tk_args *a, int n) {
     const int I = a->inter, blocks = (I + 511) / 512;
@@ -298,7 +384,7 @@ static inline void experts_swiglu(const tk_args *a, int n) {
     for (int j = 0; j < n * 16 * blocks; j++) {
         const tk_args *e = a + j / (16 * blocks);
         const int t = j % (16 * blocks) / blocks, lo = j % blocks * 512, hi = lo + 512 < I ? lo + 512 : I;
-        if (t < e->tokens) swiglu512(e->act + (size_t)t * 2 * I, I, lo, hi);
+        if (t < e->tokens) activate(e, e->act + (size_t)t * 2 * I, lo, hi, ISA_AVX512);
     }
 }
 

@@ -5,8 +5,9 @@ top-k of its logits then a softmax over those; experts with biases computing a c
 no dense layers.
 
 As transformers 5 (`modeling_gpt_oss.py`, `GptOssConfig`), the reference, including its defaults for absent keys.
-The experts run in torch, never through the C kernels (they compute plain SwiGLU without biases). Published
-checkpoints store the experts as MXFP4 (`*_blocks`, `*_scales`): refused until a kernel reads them.
+Published checkpoints store the experts as MXFP4 (`*_blocks`, `*_scales`, with `quantization_config.quant_method`
+"mxfp4"): they stay 4-bit in RAM and run on the C kernels (moe.MXFP4Expert). Experts stored as bf16/fp16/float32
+(what transformers writes for tiny models, or after dequantizing) run in torch (moe.ClampedSwiGLUExpert).
 """
 
 from __future__ import annotations
@@ -25,11 +26,16 @@ DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
 def parse(raw: dict[str, Any]) -> ModelConfig:
     require(raw, "num_local_experts", "num_experts_per_tok", "intermediate_size")
     quant = raw.get("quantization_config")
-    if isinstance(quant, dict) and quant.get("quant_method") is not None:
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method not in (None, "mxfp4"):
         raise UnsupportedModelError(
-            f"gpt_oss with {quant.get('quant_method')} quantized experts (quantization_config) is not supported yet: "
-            "Tandem runs gpt-oss experts stored as bf16/fp16/float32 (MXFP4 kernels are a separate piece of work). "
-            "Use a bf16 copy (transformers dequantizes MXFP4 on load: save_pretrained it again)")
+            f"gpt_oss with {method} quantized experts (quantization_config) is not supported: Tandem runs gpt-oss "
+            "experts stored as MXFP4 (as published) or as bf16/fp16/float32. Use the published MXFP4 checkpoint, or "
+            "a bf16 copy")
+    if method == "mxfp4" and (raw.get("hidden_size", 0) % 32 or raw["intermediate_size"] % 32):
+        raise UnsupportedModelError(
+            f"gpt_oss with MXFP4 experts needs hidden_size and intermediate_size in whole blocks of 32 values, not "
+            f"{raw.get('hidden_size')} and {raw['intermediate_size']}; the checkpoint is damaged")
     alpha, limit = raw.get("swiglu_alpha", 1.702), raw.get("swiglu_limit", 7.0)
     layers = raw["num_hidden_layers"]
     # transformers' GptOssExperts compute their clamped SwiGLU whatever hidden_act says (gpt-oss has no dense layer
@@ -54,6 +60,7 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
         attention_sinks=True,
         router_bias=True,
         clamped_swiglu=(float(alpha), float(limit)),
+        experts_mxfp4=method == "mxfp4",
     )
 
 

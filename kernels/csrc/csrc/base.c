@@ -1,0 +1,103 @@
+/* The portable variant (ISA_BASE): plain C that the compiler vectorises for any x86-64 CPU, and the drivers that
+ * run every variant's dot products (dot_fn) over an expert (expert_generic) or a dense matrix (linear_rows).
+ * Also the RMSNorm of the decoder (tk_rms_norm_bf16, tk_rms_norm_f32) and the bandwidth probe's baseline loop. */
+#include "common.h"
+
+DEFINE_DOTS(base, )
+
+/* One expert on base, AVX2 or AVX-512 (more than one token there): each row once for all tokens through the
+ * variant's dot product (pick_dot), in one parallel region: gate and up rows, SwiGLU, down rows. */
+void expert_generic(const tk_args *a) {
+    const int T = a->tokens, H = a->hidden, I = a->inter, kind = a->kind, g = a->group;
+    const dot_fn dot = pick_dot(kind, a->isa);
+    const char *gate = a->gate, *up = a->up, *down = a->down;
+    const size_t in_row = row_bytes(kind, H, g), down_row = row_bytes(kind, I, g);
+    #pragma omp parallel num_threads(a->threads)
+    {
+        #pragma omp for schedule(static)
+        for (int r = 0; r < 2 * I; r++) {
+            const int gate_part = r < I, row = gate_part ? r : r - I;
+            const void *s = gate_part ? a->gate_scale : a->up_scale;
+            dot((gate_part ? gate : up) + (size_t)row * in_row, row_scale(s, kind, row),
+                row_scales(s, kind, row, H, g), g, a->x, H, T, H, a->act + r, 2 * I);
+        }
+        swiglu_rows(a);
+        #pragma omp for schedule(static)
+        for (int h = 0; h < H; h++)
+            dot(down + (size_t)h * down_row, row_scale(a->down_scale, kind, h),
+                row_scales(a->down_scale, kind, h, I, g), g, a->act, 2 * I, T, I, a->out + h, H);
+    }
+}
+
+/* Outputs [lo, hi) of every token rounded into yb (the same rounding either way). */
+void linear_round(const tk_linear_args *a, int lo, int hi) {
+    if (!a->yb) return;
+    for (int t = 0; t < a->tokens; t++) {
+        const size_t at = (size_t)t * a->out + lo;
+        if (tk_isa_mask() & (1 << ISA_AVX512BF16)) to_bf16(a->y + at, a->yb + at, hi - lo);
+        else for (int r = 0; r < hi - lo; r++) a->yb[at + r] = bf16_of(a->y[at + r]);
+    }
+}
+
+/* Any token count on any variant: pairs of rows, each read once for all tokens, through the experts' dot
+ * products (AVX512_BF16: vdpbf16ps against x rounded to bf16, which is exact when x came from bf16). */
+void linear_rows(const tk_linear_args *a, int isa) {
+    const int T = a->tokens, I = a->in, O = a->out;
+    const dot_fn dot = pick_dot(K_BF16, isa);
+    #pragma omp parallel num_threads(a->threads)
+    {
+        if (isa == ISA_AVX512BF16) {
+            #pragma omp for schedule(static)
+            for (int t = 0; t < T; t++) to_bf16(a->x + (size_t)t * I, a->xb + (size_t)t * I, I);
+        }
+        #pragma omp for schedule(static)
+        for (int r = 0; r < O; r += 32) {  /* O is a multiple of 32 (checked) */
+            for (int q = r; q < r + 32; q += 2) {
+                const uint16_t *w = a->w + (size_t)q * I;
+                if (isa == ISA_AVX512BF16) dot2_bf16_dp(w, w + I, a->xb, NULL, I, T, I, a->y + q, O);
+                else for (int j = 0; j < 2; j++) dot(w + (size_t)j * I, 1.f, NULL, 0, a->x, I, T, I, a->y + q + j, O);
+            }
+            linear_round(a, r, r + 32);
+        }
+    }
+}
+
+/* RMSNorm of bf16 or float32 rows exactly as the reference rounds it (runtime/model.py rms_norm), in float32:
+ * bf16 x (q/k norms): h = bf16(x * 1/sqrt(mean(x^2) + eps)), y = bf16(h * w); float32 x (the residual stream):
+ * y = bf16(x * 1/sqrt(...) * w), rounded once. One call instead of seven small torch ops per norm (the decode loop
+ * runs two to four per layer). Row r of x starts at x + r * ldx (in elements); y is [rows, n]. */
+static inline float norm_value(const void *x, int f32, size_t i) {
+    return f32 ? ((const float *)x)[i] : bf16f(((const uint16_t *)x)[i]);
+}
+
+static void rms_norm_rows(const void *x, int f32, size_t ldx, const uint16_t *w, uint16_t *y, int rows, int n,
+                          float eps) {
+    for (int r = 0; r < rows; r++) {
+        const size_t row = (size_t)r * ldx;
+        float part[16] = {0};
+        int i = 0;
+        for (; i + 16 <= n; i += 16)
+            for (int j = 0; j < 16; j++) { const float v = norm_value(x, f32, row + i + j); part[j] += v * v; }
+        float ss = 0;
+        for (; i < n; i++) { const float v = norm_value(x, f32, row + i); ss += v * v; }
+        for (int j = 0; j < 16; j++) ss += part[j];
+        const float inv = 1.f / sqrtf(ss / (float)n + eps);
+        uint16_t *yr = y + (size_t)r * n;
+        for (i = 0; i < n; i++) {
+            const float h = norm_value(x, f32, row + i) * inv;
+            yr[i] = bf16_of((f32 ? h : bf16f(bf16_of(h))) * bf16f(w[i]));
+        }
+    }
+}
+
+void tk_rms_norm_bf16(const uint16_t *x, size_t ldx, const uint16_t *w, uint16_t *y, int rows, int n, float eps) {
+    if (rows < 1 || n < 1) return;
+    rms_norm_rows(x, 0, ldx, w, y, rows, n, eps);
+}
+
+void tk_rms_norm_f32(const float *x, size_t ldx, const uint16_t *w, uint16_t *y, int rows, int n, float eps) {
+    if (rows < 1 || n < 1) return;
+    rms_norm_rows(x, 1, ldx, w, y, rows, n, eps);
+}
+
+DEFINE_SUM(sum_base, )

@@ -1,0 +1,394 @@
+/* Tandem CPU expert kernels: what every file of the library shares.
+ *
+ * One SwiGLU expert, out = down(silu(gate x) * up x), for a few tokens. Decode is bound by how fast the weights
+ * stream from DRAM, so every weight row is read once, as one sequential stream, and reused for all tokens of the
+ * call while it sits in L1. The whole expert runs in one OpenMP region: gate and up rows (one fused pass over 2I
+ * rows), then the activation, then down rows.
+ *
+ * Weight kinds: fp32, bf16, fp16 (row-major [rows, cols]); int8 with one float scale per row; int4 with one
+ * bf16 scale per group of `group` values, stored as bytes whose low nibble is element j and high nibble
+ * element j + group/2 of the group (values offset by 8); MXFP4 (gpt-oss, GGUF): blocks of 32 FP4 (E2M1) values in
+ * 16 bytes laid out as int4's groups of 32, with one E8M0 scale byte per block (its value 2^(e-127)). Activations
+ * are float32.
+ *
+ * The activation is SwiGLU, or gpt-oss's clamped SwiGLU (`act`, with `alpha` and `limit`); gate, up and down may
+ * have biases (float32), added where the reference adds them: gate and up before the activation, down to the result.
+ *
+ * ISA variants are separate functions compiled with target attributes (every file gets the same compile flags),
+ * chosen at run time from what the CPU supports (or forced by the caller), one file each:
+ *   base.c        plain C for any x86-64 CPU, and the drivers every variant's dot products share
+ *                 (expert_generic, linear_rows); RMSNorm; the bandwidth probe's loop
+ *   avx2.c        the same C loops compiled for AVX2+FMA+F16C
+ *   avx512.c      AVX-512: rows against up to 8 tokens; one token as four long runs per thread (stream_rows)
+ *                 for every weight kind, experts and dense matrices
+ *   avx512bf16.c  bf16 weights against bf16 activations with vdpbf16ps
+ *   amx.c         AMX tiles for 2-16 tokens: bf16 weights, and int8/int4 in the block layout of
+ *                 kernels/quant.py against 16-bit fixed-point activations
+ *   vnni.c        on AMX machines, one token of int8/int4 (block layout) with AVX512-VNNI, 15-bit fixed point
+ *   api.c         what Python calls through ctypes: the ISA mask, the checks, the choice of variant, several
+ *                 experts in shared parallel regions (tk_experts), a whole MoE layer (tk_moe), dense matrices
+ *                 (tk_linear), the argument struct sizes, and the module init that makes it importable
+ * Functions one file gives another are declared here, hidden from the library's exported symbols (TK_INTERNAL).
+ *
+ * Letters: T tokens, H hidden size, I expert width, K values per row.
+ */
+#ifndef TANDEM_KERNELS_COMMON_H
+#define TANDEM_KERNELS_COMMON_H
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#include <immintrin.h>
+
+enum { K_FP32 = 0, K_BF16 = 1, K_FP16 = 2, K_INT8 = 3, K_INT4 = 4, K_MXFP4 = 5, KINDS };
+enum { ACT_SILU = 0, ACT_CLAMPED = 1 };  /* silu(g) * u; gpt-oss: g' = min(g, limit), (clamp(u) + 1) * g' sigmoid(alpha g') */
+enum { ISA_BASE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AMX = 4 };
+
+/* Called from another file of the library, not exported: only the tk_ functions of api.c and base.c are. */
+#define TK_INTERNAL __attribute__((visibility("hidden")))
+
+/* Instruction sets per function (the AVX2 loops name theirs where they are instantiated, avx2.c). */
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512bf16")))
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+/* ---- argument structs, filled by kernels/cpu.py through ctypes (tk_struct_size reports their sizes) --- */
+/* One expert call (tk_expert; tk_experts takes an array of them). */
+typedef struct {
+    int kind, isa, tokens, hidden, inter, threads, group;
+    const void *gate, *up, *down;        /* [I, H], [I, H], [H, I] */
+    const void *gate_scale, *up_scale, *down_scale;  /* int8: float per row; int4: bf16 [rows, groups]; MXFP4:
+                                                      * E8M0 bytes [rows, blocks] */
+    const float *x;                      /* [T, H] */
+    float *out;                          /* [T, H] */
+    float *act;                          /* scratch [T, 2I] */
+    uint16_t *xb;                        /* scratch of 32 max(H, I) bytes (AVX512_BF16, AMX and VNNI paths) */
+    const float *gate_bias, *up_bias, *down_bias;  /* NULL, or [I], [I], [H] */
+    int act_kind;                        /* ACT_SILU or ACT_CLAMPED */
+    float alpha, limit;                  /* ACT_CLAMPED's */
+} tk_args;
+
+/* One expert of a MoE layer (tk_moe). */
+typedef struct {
+    const void *gate, *up, *down;
+    const void *gate_scale, *up_scale, *down_scale;  /* as in tk_args */
+    const float *gate_bias, *up_bias, *down_bias;    /* as in tk_args */
+} tk_weights;
+
+typedef struct {
+    int tokens, top_k, experts, slots;   /* T <= 16, K, experts in the layer, arena slots (<= AMX_BATCH) */
+    const int64_t *ids;                  /* [T, K] chosen experts */
+    const float *weights;                /* [T, K] their routing weights */
+    const float *x;                      /* [T, H] */
+    float *out;                          /* [T, H] */
+    const tk_weights *table;             /* [experts] */
+    char *arena;                         /* slots * tk_moe_slot_bytes(H, I) */
+    tk_args proto;                       /* kind, isa, hidden, inter, threads, group of every expert call */
+    const uint16_t *x_bf16;              /* NULL, or [T, H] bf16: read instead of x (no float copy made first) */
+} tk_moe_args;
+
+/* A dense bf16 matrix for a few tokens (attention projections, routers, lm_head in decode and beams): y [T, O] =
+ * x [T, I] . W^T, W [O, I] row-major, through the same kernels as the experts (one token: AVX-512 rows; more: AMX
+ * tiles; without those, rows through the dot products of the variant). */
+typedef struct {
+    int tokens, in, out, threads;
+    const uint16_t *w;
+    const float *x;                      /* [T, I] */
+    float *y;                            /* [T, O] */
+    uint16_t *xb;                        /* scratch: 16 * I bf16 */
+    uint16_t *yb;                        /* NULL, or [T, O]: y rounded to bf16 as well (nearest even) */
+    int isa;                             /* the variant to use, or -1: the best for this CPU and token count */
+} tk_linear_args;
+
+/* ---- values: bf16, weight kinds to float32 -------------------------------------------------------------- */
+static inline float bf16f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t bf16_of(float f) {  /* round to nearest even; NaN -> quiet NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+#define IDENT(v) (v)
+#define I8(v) ((float)(v))
+#define F16(v) ((float)(v))
+#define LOAD_FP32(p) _mm512_loadu_ps((const float *)(p))
+#define LOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define LOAD_FP16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define LOAD_INT8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+static inline float silu(float g) { return g / (1.f + expf(-g)); }
+
+/* ---- row dot products, generic C (vectorised by the compiler for each target) ---------------------- */
+#define DOT_BODY(WT, CONV)                                                                          \
+    const WT *w = (const WT *)wrow;                                                                \
+    for (int t = 0; t < nt; t++) {                                                                 \
+        const float *xt = x + (size_t)t * ldx;                                                     \
+        float a = 0.f;                                                                             \
+        _Pragma("omp simd reduction(+:a)")                                                         \
+        for (int k = 0; k < n; k++) a += CONV(w[k]) * xt[k];                                       \
+        res[(size_t)t * ldr] = a * scale;                                                          \
+    }
+
+#define INT4_BODY                                                                                  \
+    const uint8_t *w = (const uint8_t *)wrow;                                                      \
+    const uint16_t *gs = (const uint16_t *)gscale;                                                 \
+    const int half = group / 2, ngroups = n / group;                                               \
+    for (int t = 0; t < nt; t++) {                                                                 \
+        const float *xt = x + (size_t)t * ldx;                                                     \
+        float total = 0.f;                                                                         \
+        for (int g = 0; g < ngroups; g++) {                                                        \
+            const uint8_t *q = w + (size_t)g * half;                                               \
+            const float *xg = xt + (size_t)g * group;                                              \
+            float a = 0.f;                                                                         \
+            _Pragma("omp simd reduction(+:a)")                                                     \
+            for (int j = 0; j < half; j++)                                                         \
+                a += (float)((int)(q[j] & 15) - 8) * xg[j] + (float)((int)(q[j] >> 4) - 8) * xg[j + half]; \
+            total += a * bf16f(gs[g]);                                                             \
+        }                                                                                          \
+        res[(size_t)t * ldr] = total;                                                              \
+    }
+
+/* MXFP4: a block's 32 values, twice their E2M1 value, as small integers (0.5 steps are whole here), and half its
+ * E8M0 scale, 2^(e-128) (subnormal below e = 2): so value = E2M1X2[code] * e8m0_half(e), the product the GGUF
+ * reference computes, exactly (both factors are exact in float32 and their product is a power of two times a small
+ * integer). */
+static const float E2M1X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t u = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+#define MXFP4_BODY                                                                                 \
+    const uint8_t *w = (const uint8_t *)wrow, *gs = (const uint8_t *)gscale;                       \
+    (void)group;                                                                                   \
+    for (int t = 0; t < nt; t++) {                                                                 \
+        const float *xt = x + (size_t)t * ldx;                                                     \
+        float total = 0.f;                                                                         \
+        for (int g = 0; g < n / 32; g++) {                                                         \
+            const uint8_t *q = w + (size_t)g * 16;                                                 \
+            const float *xg = xt + (size_t)g * 32;                                                 \
+            float a = 0.f;                                                                         \
+            _Pragma("omp simd reduction(+:a)")                                                     \
+            for (int j = 0; j < 16; j++) a += E2M1X2[q[j] & 15] * xg[j] + E2M1X2[q[j] >> 4] * xg[j + 16]; \
+            total += a * e8m0_half(gs[g]);                                                         \
+        }                                                                                          \
+        res[(size_t)t * ldr] = total;                                                              \
+    }
+
+/* dot_fn: one weight row against nt tokens (row stride ldx), result t at res[t * ldr]: scale * (w . x_t) (int8; 1
+ * for float weights), or the sum over groups of the group's scale (gscale: int4's bf16 scales, MXFP4's E8M0 bytes)
+ * times (w_g . x_t,g). */
+typedef void dot_kernel(const void *wrow, float scale, const void *gscale, int group, const float *x, int ldx,
+                        int nt, int n, float *res, int ldr);
+typedef dot_kernel *dot_fn;
+#define DEFINE_DOTS(SUFFIX, ATTR)                                                                  \
+ATTR void dot_fp32_##SUFFIX(const void *wrow, float scale, const void *gscale, int group,              \
+        const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)gscale; (void)group; DOT_BODY(float, IDENT) } \
+ATTR void dot_bf16_##SUFFIX(const void *wrow, float scale, const void *gscale, int group,              \
+        const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)gscale; (void)group; DOT_BODY(uint16_t, bf16f) } \
+ATTR void dot_fp16_##SUFFIX(const void *wrow, float scale, const void *gscale, int group,              \
+        const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)gscale; (void)group; DOT_BODY(_Float16, F16) } \
+ATTR void dot_int8_##SUFFIX(const void *wrow, float scale, const void *gscale, int group,              \
+        const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)gscale; (void)group; DOT_BODY(int8_t, I8) } \
+ATTR void dot_int4_##SUFFIX(const void *wrow, float scale, const void *gscale, int group,              \
+        const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)scale; INT4_BODY }              \
+ATTR void dot_mxfp4_##SUFFIX(const void *wrow, float scale, const void *gscale, int group,              \
+        const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)scale; MXFP4_BODY }
+
+/* The bandwidth probe's loop (tk_read_sum): sums n floats with `threads` threads, each reading its share as
+ * PROBE_STREAMS streams side by side. Plain C that the compiler vectorises for the target (8 lanes: one AVX2
+ * vector, two SSE2 ones), so that without AVX2 the probe still measures the memory, not a chain of dependent
+ * scalar adds. */
+#define PROBE_STREAMS 8
+#define DEFINE_SUM(NAME, ATTR)                                                                              \
+ATTR double NAME(const float *p, size_t n, int threads) {                                                   \
+    double total = 0;                                                                                       \
+    _Pragma("omp parallel num_threads(threads) reduction(+:total)")                                         \
+    {                                                                                                       \
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();                                     \
+        const size_t lo = n / nt * t, hi = t == nt - 1 ? n : n / nt * (t + 1);                              \
+        const size_t seg = (hi - lo) / PROBE_STREAMS / 8 * 8;  /* floats per stream, whole groups of 8 */   \
+        float acc[PROBE_STREAMS][8] = {{0}};                                                                \
+        for (size_t i = 0; i < seg; i += 8)                                                                 \
+            for (int s = 0; s < PROBE_STREAMS; s++)                                                         \
+                for (int j = 0; j < 8; j++) acc[s][j] += p[lo + s * seg + i + j];                           \
+        for (int s = 0; s < PROBE_STREAMS; s++)                                                             \
+            for (int j = 0; j < 8; j++) total += acc[s][j];                                                 \
+        for (size_t i = lo + PROBE_STREAMS * seg; i < hi; i++) total += p[i];  /* the tail */               \
+    }                                                                                                       \
+    return total;                                                                                           \
+}
+
+/* ---- exported: what kernels/cpu.py calls through ctypes (api.c; RMSNorm in base.c) ----------------------- */
+void tk_limit_isas(int allowed);
+int tk_isa_mask(void);
+int tk_expert(const tk_args *a);
+int tk_experts(const tk_args *a, int n);
+size_t tk_moe_slot_bytes(int hidden, int inter);
+int tk_moe(const tk_moe_args *m);
+int tk_linear(const tk_linear_args *a);
+void tk_rms_norm_bf16(const uint16_t *x, size_t ldx, const uint16_t *w, uint16_t *y, int rows, int n, float eps);
+void tk_rms_norm_f32(const float *x, size_t ldx, const uint16_t *w, uint16_t *y, int rows, int n, float eps);
+size_t tk_struct_size(int which);
+double tk_read_sum(const float *p, size_t n, int threads);
+
+/* ---- what each file gives the others --------------------------------------------------------------- */
+/* base.c */
+TK_INTERNAL dot_kernel dot_fp32_base, dot_bf16_base, dot_fp16_base, dot_int8_base, dot_int4_base, dot_mxfp4_base;
+TK_INTERNAL void expert_generic(const tk_args *a);
+TK_INTERNAL void linear_round(const tk_linear_args *a, int lo, int hi);
+TK_INTERNAL void linear_rows(const tk_linear_args *a, int isa);
+TK_INTERNAL double sum_base(const float *p, size_t n, int threads);
+/* avx2.c */
+TK_INTERNAL dot_kernel dot_fp32_avx2, dot_bf16_avx2, dot_fp16_avx2, dot_int8_avx2, dot_int4_avx2, dot_mxfp4_avx2;
+TK_INTERNAL double sum_avx2(const float *p, size_t n, int threads);
+/* avx512.c */
+TK_INTERNAL dot_kernel fma_fp32, fma_bf16, fma_fp16, fma_int8, fma_int4, fma_mxfp4;
+TK_INTERNAL AVX512_TARGET void swiglu512(float *g, int I, int lo, int hi);
+TK_INTERNAL AVX512_TARGET void clamped512(float *g, const float *gate_bias, const float *up_bias, float alpha, float limit,
+                                           int I, int lo, int hi);
+TK_INTERNAL void experts_one_token(const tk_args *a, int n);
+TK_INTERNAL void linear_one_token(const tk_linear_args *a);
+/* avx512bf16.c */
+TK_INTERNAL BF16_TARGET void to_bf16(const float *src, uint16_t *dst, int n);
+TK_INTERNAL BF16_TARGET void dot2_bf16_dp(const uint16_t *r0, const uint16_t *r1, const uint16_t *xb,
+                                          const uint16_t *xlo, int ldx, int nt, int n, float *res, int ldr);
+TK_INTERNAL BF16_TARGET void expert_bf16dp(const tk_args *a);
+/* amx.c */
+TK_INTERNAL AVX512_TARGET void token_scales(const float *x, int ldx, int T, int K, float top_value, float *scale,
+                                            float *inv);
+TK_INTERNAL AMX_TARGET void experts_amx(const tk_args *a, int n);
+TK_INTERNAL AMX_TARGET void linear_amx(const tk_linear_args *a);
+/* vnni.c */
+TK_INTERNAL void experts_vnni_one_token(const tk_args *a, int n);
+/* api.c */
+TK_INTERNAL dot_fn pick_dot(int kind, int isa);
+
+/* ---- helpers of more than one variant ----------------------------------------------------------------- */
+/* The activation of one token's act row g [2I] (gate then up), for i in [lo, hi), in place: the biases added, then
+ * silu(g) * u, or the clamped form (ACT_CLAMPED: g' = min(g, limit), u' = clamp(u, -limit, limit),
+ * (u' + 1) * g' * sigmoid(alpha g'), gpt-oss's). 16 lanes at a time where AVX-512 is there. */
+static inline void activate(const tk_args *e, float *g, int lo, int hi, int isa) {
+    const int I = e->inter;
+    if (e->act_kind == ACT_SILU && !e->gate_bias && !e->up_bias) {
+        if (isa >= ISA_AVX512) swiglu512(g, I, lo, hi);
+        else for (int i = lo; i < hi; i++) g[i] = silu(g[i]) * g[I + i];
+        return;
+    }
+    if (e->act_kind == ACT_CLAMPED && isa >= ISA_AVX512) {
+        clamped512(g, e->gate_bias, e->up_bias, e->alpha, e->limit, I, lo, hi);
+        return;
+    }
+    for (int i = lo; i < hi; i++) {
+        float gv = g[i] + (e->gate_bias ? e->gate_bias[i] : 0.f), uv = g[I + i] + (e->up_bias ? e->up_bias[i] : 0.f);
+        if (e->act_kind == ACT_CLAMPED) {
+            gv = fminf(gv, e->limit), uv = fminf(fmaxf(uv, -e->limit), e->limit);
+            g[i] = (uv + 1.f) * (gv / (1.f + expf(-e->alpha * gv)));
+        } else {
+            g[i] = silu(gv) * uv;
+        }
+    }
+}
+
+/* Inside a parallel region: the activation of one expert's act [T, 2I] (gate then up per token), in place, split
+ * across threads in blocks of 512 values. */
+static inline void swiglu_rows(const tk_args *a) {
+    const int T = a->tokens, I = a->inter, blocks = (I + 511) / 512;
+    #pragma omp for schedule(static)
+    for (int b = 0; b < T * blocks; b++) {
+        const int lo = (b % blocks) * 512, hi = lo + 512 < I ? lo + 512 : I;
+        activate(a, a->act + (size_t)(b / blocks) * 2 * I, lo, hi, a->isa);
+    }
+}
+
+static inline size_t row_bytes(int kind, int n, int group) {
+    switch (kind) {
+        case K_FP32: return (size_t)n * 4;
+        case K_BF16: case K_FP16: return (size_t)n * 2;
+        case K_INT8: return (size_t)n;
+        default: (void)group; return (size_t)n / 2;  /* int4, MXFP4 */
+    }
+}
+
+/* Bytes of a row's group scales: int4 bf16 per group, MXFP4 one E8M0 byte per 32 values; else none. */
+static inline size_t row_scale_bytes(int kind, int n, int group) {
+    return kind == K_INT4 ? (size_t)(n / group) * 2 : kind == K_MXFP4 ? (size_t)n / 32 : 0;
+}
+
+static inline const void *row_scales(const void *s, int kind, int row, int n, int group) {
+    if ((kind != K_INT4 && kind != K_MXFP4) || !s) return NULL;
+    return (const char *)s + (size_t)row * row_scale_bytes(kind, n, group);
+}
+
+static inline float row_scale(const void *s, int kind, int row) {
+    return (kind == K_INT8 && s) ? ((const float *)s)[row] : 1.f;
+}
+
+/* Row q of a one-token phase over n experts: gate and up rows (q < n * 2I, expert by expert, gate then up),
+ * or down rows; where its weights, scales (int8: the row's, int4 and MXFP4: its groups', else NULL), input and
+ * result lie. */
+typedef struct { const char *w; const void *s; const float *x; float *res; int e; } row_ref;
+static inline row_ref one_token_row(const tk_args *a, int down, int q) {
+    const int H = a->hidden, I = a->inter, kind = a->kind;
+    row_ref r;
+    if (down) {
+        const tk_args *e = a + q / H;
+        const int row = q % H;
+        r.w = (const char *)e->down + (size_t)row * row_bytes(kind, I, a->group);
+        r.s = kind == K_INT8 ? (const float *)e->down_scale + row : row_scales(e->down_scale, kind, row, I, a->group);
+        r.x = e->act, r.res = e->out + row, r.e = q / H;
+    } else {
+        const tk_args *e = a + q / (2 * I);
+        const int up = q % (2 * I) >= I, row = q % I;
+        const void *s = up ? e->up_scale : e->gate_scale;
+        r.w = (const char *)(up ? e->up : e->gate) + (size_t)row * row_bytes(kind, H, a->group);
+        r.s = kind == K_INT8 ? (const float *)s + row : row_scales(s, kind, row, H, a->group);
+        r.x = e->x, r.res = e->act + (up ? I : 0) + row, r.e = q / (2 * I);
+    }
+    return r;
+}
+
+/* Inside a parallel region: this thread's contiguous share [lo, hi) of `total` items, and the length of its
+ * `parts` parts (item i of part j is lo + j * len + i, while below hi: the last part is the shortest). */
+typedef struct { int lo, hi, len; } thread_run;
+static inline thread_run this_threads_run(int total, int parts) {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    thread_run r = {(int)((long)total * t / nt), (int)((long)total * (t + 1) / nt), 0};
+    r.len = (r.hi - r.lo + parts - 1) / parts;
+    return r;
+}
+
+/* Inside a parallel region, the activation phase of n experts: each one's act [tokens, 2I] (gate then up per token)
+ * in place, split across threads in blocks of 512 values (AVX-512). */
+static inline void experts_swiglu(const tk_args *a, int n) {
+    const int I = a->inter, blocks = (I + 511) / 512;
+    #pragma omp for schedule(static)
+    for (int j = 0; j < n * 16 * blocks; j++) {
+        const tk_args *e = a + j / (16 * blocks);
+        const int t = j % (16 * blocks) / blocks, lo = j % blocks * 512, hi = lo + 512 < I ? lo + 512 : I;
+        if (t < e->tokens) activate(e, e->act + (size_t)t * 2 * I, lo, hi, ISA_AVX512);
+    }
+}
+
+#define AMX_BATCH 64  /* experts per region at most (their per-token scales live on the stack) */
+#define BLOCK_ROWS 16  /* rows per block of the int8/int4 layout: must equal kernels/quant.py BLOCK_ROWS */
+_Static_assert(BLOCK_ROWS == 16, "the tile kernels and VNNI lines take blocks of 16 rows");
+
+/* Inside a parallel region: block i of each of the `parts` parts of this thread's run of 16-row blocks in a
+ * one-phase pass (gate and up, or down) of quantized experts: k[0..parts), where the missing ones (past the run's
+ * end: the last part is the shortest) repeat the first. Returns how many are real (at least 1 for i < run.len). */
+static inline int blocks_of_parts(const tk_args *a, int down, thread_run run, int i, int parts, row_ref *k) {
+    int m = 0;
+    for (int j = 0; j < parts && run.lo + j * run.len + i < run.hi; j++)
+        k[m++] = one_token_row(a, down, (run.lo + j * run.len + i) * BLOCK_ROWS);
+    for (int j = m; j < parts; j++) k[j] = k[0];
+    return m;
+}
+#define BLOCK_PREFETCH 1024  /* bytes ahead in each stream of blocks, into L1 (int4 tiles: 2-8 KB, or into L2, no faster) */
+
+#endif
