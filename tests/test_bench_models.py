@@ -122,9 +122,14 @@ def test_gpt_oss_20b_shape_loads_and_generates(tmp_path: Path, capsys: pytest.Ca
     assert json.loads(capsys.readouterr().out)["stats"]["new_tokens"] > 0
 
 
-def test_gpt_oss_20b_as_published_keeps_its_experts_mxfp4(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_gpt_oss_20b_as_published_keeps_its_experts_mxfp4(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """`--dtype mxfp4`: the experts as gpt-oss publishes them (blocks and scales, 4.25 bits a weight), which
-    `generate` runs on the kernels; other families are refused."""
+    `generate` runs on the kernels; other families are refused. (A small vocabulary: 0.1 GB rather than 2.4.)"""
+    from tandem.autotune.bench import models
+
+    real = models.bench_config
+    monkeypatch.setattr(models, "bench_config", lambda *a, **k: real(*a, **k) | {"vocab_size": 1024})
     assert main(["make-bench-model", "--shape", "gpt-oss-20b", "--layers", "2", "--experts", "4", "--dtype", "mxfp4",
                  "--out", str(tmp_path / "m")]) == 0
     ckpt = open_checkpoint(tmp_path / "m")
