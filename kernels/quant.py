@@ -35,6 +35,7 @@ GROUPS = (32, 64, 128)
 BLOCK_ROWS = 16  # rows per block of the layout the AMX machines use (BLOCK_ROWS in csrc/common.h)
 MX_BLOCK = 32  # values per MXFP4 block
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of codes 0-7; codes 8-15 are their negatives
+E2M1X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # twice each code's value, as GGUF (code 8: +0)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class QuantizedMatrix:
             return (self.data.float() * self.scales[:, None]).to(dtype)
         rows = self.data.shape[0]
         if self.kind == "mxfp4":
-            table = torch.tensor([2 * v for v in E2M1] + [-2 * v for v in E2M1], device=self.data.device)
+            table = torch.tensor(E2M1X2, dtype=torch.float32, device=self.data.device)
             codes = table[self._nibbles().long()]  # [rows, cols]
             values = codes.view(rows, -1, MX_BLOCK) * e8m0_half(self.scales)[:, :, None]  # [rows, G, 32]
             return values.reshape(rows, self.cols).to(dtype)
