@@ -80,8 +80,10 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     folder = Path(path).expanduser()
     if not folder.exists():
         raise CheckpointError(f"model folder {folder} does not exist; pass a folder with config.json and *.safetensors")
+    if folder.is_file() and folder.suffix == ".gguf":
+        return _open_gguf(folder)
     if not folder.is_dir():
-        raise CheckpointError(f"{folder} is a file; pass the model folder that contains it")
+        raise CheckpointError(f"{folder} is a file; pass the model folder that contains it, or a .gguf file")
     config_path = folder / "config.json"
     if not config_path.exists():
         raise CheckpointError(
@@ -101,6 +103,25 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     spec, config = parse_config(raw, str(config_path))
     shards, where = _open_shards(folder)
     ckpt = Checkpoint(folder, raw, config, spec, shards, where)
+    _validate(ckpt)
+    return ckpt
+
+
+def _open_gguf(path: Path) -> Checkpoint:
+    """A GGUF model (runtime/gguf.py): its metadata as config.json, its tensors under Hugging Face names."""
+    from tandem.runtime import gguf
+
+    file = gguf.GGUFFile(path)
+    embed = file.tensors.get("token_embd.weight")
+    if embed is None:
+        raise CheckpointError(f"{path} has no token_embd.weight: it is not a language model's GGUF file")
+    raw = gguf.config_of(file.meta, set(file.tensors), int(embed.shape[1]))
+    spec, config = parse_config(raw, f"{path} (its GGUF metadata)")
+    shapes = dense_tensors(config, spec) | expert_tensors(config, spec)
+    llama = (config.num_heads, config.num_kv_heads) if file.meta.get("general.architecture") == "llama" else None
+    file.name(gguf.sources(list(shapes), spec.moe_prefix, spec.router, spec.expert_proj, spec.shared_expert,
+                           spec.shared_expert_gate, llama), shapes)
+    ckpt = Checkpoint(path, raw, config, spec, [file], dict.fromkeys(file.names(), file))  # type: ignore[list-item]
     _validate(ckpt)
     return ckpt
 

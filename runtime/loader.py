@@ -48,7 +48,7 @@ def load(options: Options, checkpoint: Checkpoint | None = None,
                       kernel_ready=cfg.clamped_swiglu is None)
     estimate = estimate_memory(ckpt, dtype, options.context, options.batch, cpu)
     check_memory(estimate, memory.available_ram(), options.force, cpu.experts_in_ram)
-    tokenizer = Tokenizer.from_folder(ckpt.path)
+    tokenizer = Tokenizer.from_model(ckpt.path)
     accel = make_accelerator(options.accelerator, options.vram_gb)
     try:
         model = MoEModel.from_checkpoint(ckpt, dtype, options.context, options.batch, accel, options.offload, cpu,

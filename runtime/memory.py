@@ -50,8 +50,11 @@ def estimate_memory(
         if cfg.experts_mxfp4:  # always 4-bit copies in RAM, with their scales and float32 biases
             in_ram = CpuOptions(quant="mxfp4").expert_bytes(h, i, 1) + (2 * i + h) * 4
         else:
-            stored = ckpt.dtype(layer_expert_names(cfg, ckpt.spec, first)[0]).itemsize
+            name = layer_expert_names(cfg, ckpt.spec, first)[0]
+            stored = ckpt.dtype(name).itemsize
             in_ram = (cpu or CpuOptions()).expert_bytes(h, i, stored)
+            if not ckpt.where[name].mapped(name):  # a GGUF's quantized experts: float copies made at load
+                in_ram = max(in_ram, 3 * h * i * stored)
         weights += in_ram * cfg.num_moe_layers * cfg.num_experts
     return MemoryEstimate(weights, kv, rope + logits)
 

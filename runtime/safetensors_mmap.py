@@ -63,6 +63,10 @@ class SafetensorsFile:
     def names(self) -> list[str]:
         return list(self.infos)
 
+    def mapped(self, name: str) -> bool:
+        """Whether `tensor(name)` is a view of the file (always, here)."""
+        return name in self.infos
+
     def read_into(self, name: str, out: memoryview) -> None:
         """Copy one tensor's bytes into `out` with plain file reads: no page faults on the memory map, which
         cost more than the copy itself when a whole model is brought into RAM. The file's cached pages for it

@@ -62,6 +62,30 @@ class Tokenizer:
                 raise CheckpointError(f"{config_path} does not hold a JSON object; re-download the tokenizer files")
         return cls(backend, config, *_chat_template(folder, config))
 
+    @classmethod
+    def from_model(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer of a model folder, or of a GGUF file (its own tokenizer metadata and chat template)."""
+        path = Path(path)
+        return cls.from_gguf(path) if path.suffix == ".gguf" and path.is_file() else cls.from_folder(path)
+
+    @classmethod
+    def from_gguf(cls, path: Path) -> Tokenizer:
+        """A GGUF file's tokenizer, as transformers converts llama.cpp's tokenizer metadata (BPE and
+        SentencePiece vocabularies), with its special tokens and `tokenizer.chat_template`."""
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+        from tandem.runtime.gguf import gguf_files
+
+        first = gguf_files(path)[0]  # a split model keeps its metadata in the first part
+        try:
+            architecture, vocabulary, config = get_gguf_tokenizer(str(first))
+            backend, _ = convert_gguf_tokenizer(architecture, vocabulary)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"cannot read the tokenizer of {path}: {e!r}; the file's tokenizer metadata is "
+                                  "missing or of a kind Tandem cannot read") from None
+        template = config.get("chat_template")
+        return cls(backend, config, template if isinstance(template, str) else None)
+
     @property
     def eos_token_id(self) -> int | None:
         return self.backend.token_to_id(self.eos_token) if self.eos_token else None

@@ -1,0 +1,295 @@
+"""GGUF files (llama.cpp, Ollama, LM Studio) read as Tandem checkpoints: the architecture and metadata as a family's
+config, every tensor under its Hugging Face name, the tokenizer and chat template from the file's own metadata.
+
+`open_gguf` gives a `Checkpoint` whose one shard is the file (or the files of a split model): F32, F16 and BF16
+tensors are zero-copy views of the memory-mapped file; the quantized block formats of `kernels/blocks.py` are
+dequantized to float32 when a tensor is asked for, exactly as the gguf package's reference does. Experts are
+stored stacked ([E, I, H] per layer); each expert's name reads its rows.
+
+llama.cpp's converter reorders the q and k rows of `llama` models (Mixtral) for its RoPE layout; they are put back
+in Hugging Face's order here. The MoE architectures of llama.cpp map to Tandem's families:
+
+| GGUF `general.architecture` | family |
+| --- | --- |
+| qwen3moe | qwen3_moe |
+| qwen2moe | qwen2_moe |
+| olmoe | olmoe |
+| llama with experts | mixtral |
+
+Letters: E experts, I expert width, H hidden size.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tandem.kernels.blocks import FORMATS, dequantize
+from tandem.kernels.errors import CheckpointError, UnsupportedModelError
+from tandem.runtime.safetensors_mmap import TensorInfo
+
+FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+Meta = dict[str, Any]  # a file's metadata, with plain Python values
+# the tokenizer's large arrays: left out of `GGUFFile.meta` (the tokenizer reads them itself)
+TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                    "tokenizer.ggml.scores")
+SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a Hugging Face tensor lies in the GGUF: its tensor, the expert's index in a stacked one (or None), and
+    whether its rows are llama.cpp's RoPE order (q or k of a `llama` model: `heads` to undo it with)."""
+
+    name: str
+    expert: int | None = None
+    heads: int = 0
+
+
+def gguf_files(path: Path) -> list[Path]:
+    """The file, or every part of a split model (`name-00001-of-000NN.gguf`, given any part): missing parts are an
+    error naming them."""
+    found = SPLIT.match(path.name)
+    if not found:
+        return [path]
+    count = int(found["count"])
+    parts = [path.with_name(f"{found['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise CheckpointError(f"{path.name} is part of a model split in {count} files, and {', '.join(missing[:3])} "
+                              f"{'is' if len(missing) == 1 else 'are'} missing from {path.parent}; download every part")
+    return parts
+
+
+class GGUFFile:
+    """The tensors of a GGUF model (one file or a split one) under Hugging Face names, with the `SafetensorsFile`
+    interface the checkpoint uses: `infos`, `tensor`, `read_into`, `path`. `name` gives them their names."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.files = gguf_files(path)
+        self.readers = [_reader(p) for p in self.files]
+        self.tensors = {t.name: t for r in self.readers for t in r.tensors}
+        self.meta: Meta = {k: f.contents() for k, f in self.readers[0].fields.items() if k not in TOKENIZER_ARRAYS}
+        self.sources: dict[str, Source] = {}
+        self.infos: dict[str, TensorInfo] = {}
+
+    def name(self, names: dict[str, Source], shapes: dict[str, tuple[int, ...]]) -> None:
+        """Give the tensors their Hugging Face names (those found), in the shapes a checkpoint of them holds."""
+        path = self.path
+        found = {hf: src for hf, src in names.items() if src.name in self.tensors}
+        # the experts run as one dtype (a layer's in one kernel call): their own when the file keeps them all in one
+        # float type, else float32 (a quantized file keeps some in F16, e.g. rows that are not whole blocks)
+        expert_kinds = {self.tensors[s.name].tensor_type.name for s in found.values() if s.expert is not None}
+        experts = FLOATS[next(iter(expert_kinds))] if len(expert_kinds) == 1 and expert_kinds <= set(FLOATS) \
+            else torch.float32
+        for hf, src in found.items():
+            t = self.tensors[src.name]
+            kind = t.tensor_type.name
+            if kind not in FLOATS and kind not in FORMATS:
+                raise UnsupportedModelError(
+                    f"{path.name}: tensor {src.name} is stored as {kind}, a GGUF type Tandem does not read yet "
+                    f"(it reads {', '.join([*FLOATS, *FORMATS])}); use a file quantized as Q4_K_M, Q5_K_M, Q6_K or "
+                    "Q8_0")
+            dtype = experts if src.expert is not None else FLOATS.get(kind, torch.float32)  # blocks: float32
+            shape = shapes.get(hf, self._hf_shape(t, src))
+            self.sources[hf] = src
+            self.infos[hf] = TensorInfo(dtype, shape, 0, math.prod(shape) * dtype.itemsize)
+
+    @staticmethod
+    def _hf_shape(t: Any, src: Source) -> tuple[int, ...]:
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGML lists the innermost dimension first
+        return shape[1:] if src.expert is not None else shape
+
+    def names(self) -> list[str]:
+        return list(self.infos)
+
+    def mapped(self, name: str) -> bool:
+        """Whether `tensor(name)` is a view of the file (a float type kept as it is) rather than a new copy."""
+        return self.tensors[self.sources[name].name].tensor_type.name in FLOATS and not self.sources[name].heads \
+            and FLOATS[self.tensors[self.sources[name].name].tensor_type.name] == self.infos[name].dtype
+
+    def tensor(self, name: str) -> torch.Tensor:
+        src, info = self.sources[name], self.infos[name]
+        t = self.tensors[src.name]
+        kind = t.tensor_type.name
+        rows = t.data if src.expert is None else t.data[src.expert]  # numpy views of the memory map
+        if kind in FLOATS:
+            w = torch.from_numpy(np.ascontiguousarray(rows)).view(FLOATS[kind])
+        else:
+            w = dequantize(torch.from_numpy(np.ascontiguousarray(rows)), kind)
+        w = w.reshape(info.shape).to(info.dtype)
+        if src.heads:
+            w = unpermute(w, src.heads)
+        return w
+
+    def read_into(self, name: str, out: memoryview) -> None:
+        w = self.tensor(name).contiguous()
+        out[: self.infos[name].nbytes] = memoryview(w.view(torch.uint8).numpy()).cast("B")
+
+
+def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of q/k rows for its RoPE layout (back to Hugging Face's): per head, the rows
+    alternate between the two halves there."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _reader(path: Path) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path), "c")  # copy-on-write: writable views, as safetensors_mmap maps
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path} as a GGUF file: {e}; re-download it") from None
+
+
+# ---- metadata -> config.json, per architecture ---------------------------------------------------------------
+
+
+def _get(meta: Meta, arch: str, key: str, default: Any = None) -> Any:
+    value = meta.get(f"{arch}.{key}", default)
+    if value is None:
+        raise CheckpointError(f"the GGUF file has no {arch}.{key}; it is incomplete or not a model file")
+    return value
+
+
+def _common(meta: Meta, arch: str, vocab: int) -> dict[str, Any]:
+    heads = int(_get(meta, arch, "attention.head_count"))
+    hidden = int(_get(meta, arch, "embedding_length"))
+    out = {
+        "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": int(_get(meta, arch, "block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_get(meta, arch, "attention.head_count_kv", heads)),
+        "max_position_embeddings": int(_get(meta, arch, "context_length")),
+        "rms_norm_eps": float(_get(meta, arch, "attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_get(meta, arch, "rope.freq_base", 10000.0)),
+        "num_experts_per_tok": int(_get(meta, arch, "expert_used_count")),
+        "hidden_act": "silu", "tie_word_embeddings": False,
+    }
+    if f"{arch}.attention.key_length" in meta:
+        out["head_dim"] = int(meta[f"{arch}.attention.key_length"])
+    if "tokenizer.ggml.bos_token_id" in meta:
+        out["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
+    if "tokenizer.ggml.eos_token_id" in meta:
+        out["eos_token_id"] = int(meta["tokenizer.ggml.eos_token_id"])
+    return out
+
+
+def _qwen3moe(meta: Meta, vocab: int) -> dict[str, Any]:
+    a = "qwen3moe"
+    return _common(meta, a, vocab) | {
+        "model_type": "qwen3_moe", "num_experts": int(_get(meta, a, "expert_count")),
+        "moe_intermediate_size": int(_get(meta, a, "expert_feed_forward_length")),
+        "intermediate_size": int(_get(meta, a, "feed_forward_length", 0)) or 1,
+        "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm", True)), "decoder_sparse_step": 1,
+        "mlp_only_layers": []}
+
+
+def _qwen2moe(meta: Meta, vocab: int) -> dict[str, Any]:
+    a = "qwen2moe"
+    return _common(meta, a, vocab) | {
+        "model_type": "qwen2_moe", "num_experts": int(_get(meta, a, "expert_count")),
+        "moe_intermediate_size": int(_get(meta, a, "expert_feed_forward_length")),
+        "shared_expert_intermediate_size": int(_get(meta, a, "expert_shared_feed_forward_length", 0)),
+        "intermediate_size": int(_get(meta, a, "feed_forward_length", 0)) or 1,
+        "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm", False)), "decoder_sparse_step": 1,
+        "mlp_only_layers": []}
+
+
+def _olmoe(meta: Meta, vocab: int) -> dict[str, Any]:
+    a = "olmoe"
+    return _common(meta, a, vocab) | {
+        "model_type": "olmoe", "num_experts": int(_get(meta, a, "expert_count")),
+        "intermediate_size": int(_get(meta, a, "expert_feed_forward_length",
+                                      meta.get(f"{a}.feed_forward_length"))),
+        "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm", False))}
+
+
+def _llama(meta: Meta, vocab: int) -> dict[str, Any]:
+    a = "llama"
+    experts = int(meta.get(f"{a}.expert_count", 0))
+    if experts == 0:
+        raise UnsupportedModelError("this GGUF file is a dense llama model (no experts); Tandem runs mixtures of "
+                                    "experts: Mixtral, Qwen-MoE, OLMoE")
+    return _common(meta, a, vocab) | {
+        "model_type": "mixtral", "num_local_experts": experts,
+        "intermediate_size": int(_get(meta, a, "feed_forward_length"))}
+
+
+ARCHITECTURES: dict[str, Callable[[Meta, int], dict[str, Any]]] = {
+    "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "olmoe": _olmoe, "llama": _llama}
+
+
+def config_of(meta: Meta, tensors: set[str], vocab: int) -> dict[str, Any]:
+    """The config.json a Hugging Face folder of this model would hold. What the metadata does not say, the tensors
+    do: which layers are dense (no router), attention biases, a tied lm_head."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not one Tandem reads yet; it reads {', '.join(ARCHITECTURES)}")
+    raw = ARCHITECTURES[arch](meta, vocab)
+    dense = [i for i in range(raw["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    if dense and "mlp_only_layers" not in raw:
+        raise UnsupportedModelError(f"GGUF layers {dense[:3]} have no router: {arch} files are all mixture of "
+                                    "experts layers")
+    if dense:
+        raw["mlp_only_layers"] = dense
+    raw["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    raw["tie_word_embeddings"] = "output.weight" not in tensors
+    if f"{arch}.attention.clamp_kqv" in meta:
+        raw["clip_qkv"] = float(meta[f"{arch}.attention.clamp_kqv"])
+    return raw
+
+
+# ---- Hugging Face tensor names -> GGUF tensors ------------------------------------------------------------------
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_DIRECT = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+_IN_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+             "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+             "self_attn.v_proj.bias": "attn_v.bias", "self_attn.o_proj.bias": "attn_output.bias",
+             "self_attn.q_norm.weight": "attn_q_norm.weight",
+             "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+
+
+def sources(names: list[str], moe_prefix: str, router: str, expert_proj: tuple[str, str, str], shared: str | None,
+            shared_gate: str | None, llama_heads: tuple[int, int] | None) -> dict[str, Source]:
+    """Each Hugging Face tensor name's GGUF source. `llama_heads`: (query, key/value) heads whose q/k rows are in
+    llama.cpp's RoPE order."""
+    experts = re.compile(rf"^{re.escape(moe_prefix)}\.experts\.(\d+)\.({'|'.join(expert_proj)})\.weight$")
+    kinds = dict(zip(expert_proj, ("gate", "up", "down"), strict=True))
+    out: dict[str, Source] = {}
+    for name in names:
+        if name in _DIRECT:
+            out[name] = Source(_DIRECT[name])
+            continue
+        layer = _LAYER.match(name)
+        if layer is None:
+            continue
+        blk, rest = f"blk.{layer[1]}", layer[2]
+        if rest in _IN_LAYER:
+            heads = 0
+            if llama_heads and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+                heads = llama_heads[0] if rest.startswith("self_attn.q") else llama_heads[1]
+            out[name] = Source(f"{blk}.{_IN_LAYER[rest]}", heads=heads)
+        elif rest == f"{moe_prefix}.{router}.weight":
+            out[name] = Source(f"{blk}.ffn_gate_inp.weight")
+        elif (found := experts.match(rest)) is not None:
+            out[name] = Source(f"{blk}.ffn_{kinds[found[2]]}_exps.weight", expert=int(found[1]))
+        elif shared and rest.startswith(f"{moe_prefix}.{shared}.") and rest.endswith("_proj.weight"):
+            kind = rest.removeprefix(f"{moe_prefix}.{shared}.").removesuffix("_proj.weight")
+            out[name] = Source(f"{blk}.ffn_{kind}_shexp.weight")
+        elif shared_gate and rest == f"{moe_prefix}.{shared_gate}.weight":
+            out[name] = Source(f"{blk}.ffn_gate_inp_shexp.weight")
+    return out

@@ -1,0 +1,164 @@
+"""Tiny GGUF files for tests, written with the gguf package's writer from a tiny Hugging Face checkpoint the way
+llama.cpp's converter (convert_hf_to_gguf.py) writes them: its tensor names and metadata keys, experts stacked per
+layer, the q/k rows of `llama` models in its RoPE order, the tokenizer as `gpt2` BPE metadata."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from tandem.runtime.checkpoint import open_checkpoint
+
+ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe"}
+ATTN = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output", "q_norm": "attn_q_norm",
+        "k_norm": "attn_k_norm"}
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's reordering of q/k rows for its RoPE (convert_hf_to_gguf.py LlamaModel.permute)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(folder: Path) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors under llama.cpp's names, float32 numpy, experts stacked [E, rows, cols]."""
+    ckpt = open_checkpoint(folder)
+    cfg, raw = ckpt.config, ckpt.raw_config
+    arch = ARCH[raw["model_type"]]
+    out: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name in ckpt.where:
+        w = ckpt.tensor(name).float().numpy()
+        if name == "model.embed_tokens.weight":
+            out["token_embd.weight"] = w
+        elif name == "model.norm.weight":
+            out["output_norm.weight"] = w
+        elif name == "lm_head.weight":
+            out["output.weight"] = w
+        elif (m := re.match(r"model\.layers\.(\d+)\.(.+)$", name)) is not None:
+            blk, rest = f"blk.{m[1]}", m[2]
+            if rest == "input_layernorm.weight":
+                out[f"{blk}.attn_norm.weight"] = w
+            elif rest == "post_attention_layernorm.weight":
+                out[f"{blk}.ffn_norm.weight"] = w
+            elif (a := re.match(r"self_attn\.(\w+)\.(weight|bias)$", rest)) is not None:
+                if arch == "llama" and a[1] in ("q_proj", "k_proj"):
+                    w = permute(w, cfg.num_heads if a[1] == "q_proj" else cfg.num_kv_heads)
+                out[f"{blk}.{ATTN[a[1]]}.{a[2]}"] = w
+            elif rest in ("block_sparse_moe.gate.weight", "mlp.gate.weight"):
+                out[f"{blk}.ffn_gate_inp.weight"] = w
+            elif (e := re.match(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$", rest)) is not None:
+                kind = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",
+                        "down_proj": "down"}[e[2]]
+                stacks.setdefault(f"{blk}.ffn_{kind}_exps.weight", {})[int(e[1])] = w
+            elif (s := re.match(r"mlp\.shared_expert\.(gate|up|down)_proj\.weight$", rest)) is not None:
+                out[f"{blk}.ffn_{s[1]}_shexp.weight"] = w
+            elif rest == "mlp.shared_expert_gate.weight":
+                out[f"{blk}.ffn_gate_inp_shexp.weight"] = w[0]  # [1, H] -> [H], as llama.cpp stores it
+            elif (d := re.match(r"mlp\.(gate|up|down)_proj\.weight$", rest)) is not None:
+                out[f"{blk}.ffn_{d[1]}.weight"] = w
+            else:
+                raise KeyError(f"no GGUF name for {name}")
+        else:
+            raise KeyError(f"no GGUF name for {name}")
+    for name, experts in stacks.items():
+        out[name] = np.stack([experts[i] for i in range(len(experts))])
+    return out
+
+
+def random_blocks(name: str, shape: tuple[int, ...], qtype: str, seed: int) -> np.ndarray:
+    """Random blocks of a K format (the gguf package cannot quantize to them) with small positive f16 scales, so the
+    weights are ordinary numbers: [..., rows, bytes]."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    values, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed + sum(map(ord, name)))
+    raw = rng.integers(0, 256, (*shape[:-1], shape[-1] // values, nbytes), dtype=np.uint8)
+    scale_at = {"Q6_K": [208]}.get(qtype, [0, 2])  # d (and dmin) of each block
+    for at in scale_at:
+        raw[..., at : at + 2] = rng.uniform(0.0005, 0.002, raw.shape[:-1] + (1,)).astype(np.float16).view(np.uint8)
+    return raw.reshape(*shape[:-1], -1)
+
+
+def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: int = 0,
+               given: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """`folder` (a tiny Hugging Face checkpoint with a BPE tokenizer.json) as a GGUF file: 2-D and 3-D weights in
+    `qtype` (F32, F16, a block format the gguf package quantizes to, or a K format as random blocks), norms and
+    biases in F32, as llama.cpp keeps them; `given` replaces tensors by name. Returns the float32 values each tensor
+    holds (dequantized by the gguf package's reference)."""
+    import gguf
+
+    ckpt = open_checkpoint(folder)
+    cfg, raw = ckpt.config, ckpt.raw_config
+    arch = ARCH[raw["model_type"]]
+    writer = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.top_k)
+    writer.add_expert_weights_norm(bool(cfg.norm_topk_prob))
+    if cfg.clip_qkv:
+        writer.add_clamp_kqv(cfg.clip_qkv)
+    if raw.get("head_dim"):
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    if arch == "llama":
+        writer.add_feed_forward_length(cfg.moe_intermediate_size)
+    else:
+        writer.add_feed_forward_length(raw.get("intermediate_size", cfg.moe_intermediate_size))
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if cfg.shared_expert_intermediate_size:
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    _tokenizer(writer, folder, raw)
+    kind = gguf.GGMLQuantizationType[qtype]
+    held: dict[str, np.ndarray] = {}
+    for name, w in (gguf_tensors(folder) | (given or {})).items():
+        if w.ndim == 1 or qtype == "F32" or w.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] or name in (given or {}):
+            writer.add_tensor(name, w.astype(np.float32))
+            held[name] = w.astype(np.float32)
+            continue
+        if qtype == "F16":
+            raw = w.astype(np.float16)
+            writer.add_tensor(name, raw)
+            held[name] = raw.astype(np.float32)
+            continue
+        raw = random_blocks(name, w.shape, qtype, 0) if qtype.endswith("_K") else gguf.quants.quantize(w, kind)
+        writer.add_tensor(name, raw, raw_dtype=kind)
+        held[name] = gguf.quants.dequantize(raw, kind).astype(np.float32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held
+
+
+def _tokenizer(writer, folder: Path, raw: dict) -> None:  # type: ignore[no-untyped-def]
+    """The folder's BPE tokenizer.json as llama.cpp's `gpt2` tokenizer metadata, with its chat template."""
+    data = json.loads((folder / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    for added in data.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {a["content"] for a in data.get("added_tokens", []) if a.get("special")}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])  # CONTROL, NORMAL
+    writer.add_token_merges(merges)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    if raw.get("eos_token_id") is not None:
+        writer.add_eos_token_id(int(raw["eos_token_id"]) if isinstance(raw["eos_token_id"], int)
+                                else int(raw["eos_token_id"][0]))
+    if raw.get("bos_token_id") is not None:
+        writer.add_bos_token_id(int(raw["bos_token_id"]))
+    if isinstance(config.get("chat_template"), str):
+        writer.add_chat_template(config["chat_template"])
