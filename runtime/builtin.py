@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -61,35 +60,25 @@ def ensure_builtin(progress: Progress | None = None) -> Path:
     return built
 
 
-def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's reordering of q/k rows for its RoPE layout (back to Hugging Face's)."""
-    rows = w.shape[0]
-    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def build(source: Path, out: Path, progress: Progress | None = None) -> Path:
-    import gguf
+    from tandem.runtime.gguf import GGUFFile, Source
 
     def say(message: str, fraction: float) -> None:
         if progress:
             progress(message, fraction)
 
     start = time.perf_counter()
-    reader = gguf.GGUFReader(str(source))
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    file = GGUFFile(source)  # the dense model's tensors, read (and dequantized) as any GGUF model's are
+    meta = file.meta
     heads, kv_heads = int(meta["llama.attention.head_count"]), int(meta["llama.attention.head_count_kv"])
     layers = int(meta["llama.block_count"])
-    tensors = {t.name: t for t in reader.tensors}
+    # by their GGUF names; q and k rows back from llama.cpp's RoPE order
+    rope = {"attn_q.weight": heads, "attn_k.weight": kv_heads}
+    file.name({n: Source(n, heads=rope.get(n.rsplit(".", 2)[-2] + ".weight", 0) if n.startswith("blk.") else 0)
+               for n in file.tensors}, {})
 
     def weight(name: str) -> torch.Tensor:
-        t = tensors[name]
-        w = gguf.quants.dequantize(t.data, t.tensor_type)  # numpy float32, rows x cols
-        w = np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
-        if name.endswith("attn_q.weight"):
-            w = _unpermute(w, heads)
-        elif name.endswith("attn_k.weight"):
-            w = _unpermute(w, kv_heads)
-        return torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(torch.bfloat16)
+        return file.tensor(name).float().contiguous().to(torch.bfloat16)
 
     config = {
         "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
