@@ -268,6 +268,13 @@ class CpuOptions:
         return params * stored if self.experts_in_ram else 0
 
 
+def clamped_glu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation: the gate clamped above at `limit`, the up projection to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate). The reference expert (runtime/moe.py) and the torch path share it."""
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 @dataclass(frozen=True)
 class Epilogue:
     """What an expert adds around its three products (gpt-oss): biases of gate and up (before the activation) and of
@@ -289,12 +296,7 @@ class Epilogue:
         def bias(b: torch.Tensor | None) -> torch.Tensor | None:
             return None if b is None else b.to(x.dtype)
         g, u = F.linear(x, gate, bias(self.gate_bias)), F.linear(x, up, bias(self.up_bias))  # [n, I]
-        if self.clamped is None:
-            h = F.silu(g) * u
-        else:
-            alpha, limit = self.clamped
-            g, u = g.clamp(max=limit), u.clamp(-limit, limit)
-            h = (u + 1) * (g * torch.sigmoid(g * alpha))
+        h = F.silu(g) * u if self.clamped is None else clamped_glu(g, u, *self.clamped)
         return F.linear(h, down, bias(self.down_bias))
 
     def fill(self, a: _Args | _Weights) -> None:

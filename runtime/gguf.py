@@ -113,8 +113,9 @@ class GGUFFile:
 
     def mapped(self, name: str) -> bool:
         """Whether `tensor(name)` is a view of the file (a float type kept as it is) rather than a new copy."""
-        return self.tensors[self.sources[name].name].tensor_type.name in FLOATS and not self.sources[name].heads \
-            and FLOATS[self.tensors[self.sources[name].name].tensor_type.name] == self.infos[name].dtype
+        src = self.sources[name]
+        kind = self.tensors[src.name].tensor_type.name
+        return kind in FLOATS and FLOATS[kind] == self.infos[name].dtype and not src.heads
 
     def tensor(self, name: str) -> torch.Tensor:
         src, info = self.sources[name], self.infos[name]

@@ -13,6 +13,7 @@ from typing import ClassVar, Literal
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels.cpu import clamped_glu
 from tandem.kernels.quant import MX_BLOCK, QuantizedMatrix, nibbles_from_pairs
 
 Scoring = Literal["softmax", "sigmoid", "softmax_topk", "sparsemixer"]
@@ -109,13 +110,6 @@ class ClampedSwiGLUExpert(ExpertWeights):
     def like(self, tensors: Sequence[torch.Tensor]) -> ClampedSwiGLUExpert:
         gate_up, gate_up_bias, down, down_bias = tensors
         return ClampedSwiGLUExpert.from_fused(gate_up, gate_up_bias, down, down_bias, self.alpha, self.limit)
-
-
-def clamped_glu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss's activation: the gate clamped above at `limit`, the up projection to [-limit, limit], then
-    (up + 1) * gate * sigmoid(alpha * gate)."""
-    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 @dataclass(frozen=True, kw_only=True)
