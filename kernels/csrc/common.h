@@ -11,17 +11,18 @@
  * 16 bytes laid out as int4's groups of 32, with one E8M0 scale byte per block (its value 2^(e-127)). Activations
  * are float32.
  *
- * The activation is SwiGLU, or gpt-oss's clamped SwiGLU (`act`, with `alpha` and `limit`); gate, up and down may
+ * The activation is SwiGLU, or gpt-oss's clamped SwiGLU (`act_kind`, with `alpha` and `limit`); gate, up and down may
  * have biases (float32), added where the reference adds them: gate and up before the activation, down to the result.
  *
  * ISA variants are separate functions compiled with target attributes (every file gets the same compile flags),
  * chosen at run time from what the CPU supports (or forced by the caller), one file each:
  *   base.c        plain C for any x86-64 CPU, and the drivers every variant's dot products share
  *                 (expert_generic, linear_rows); RMSNorm; the bandwidth probe's loop
- *   avx2.c        the same C loops compiled for AVX2+FMA+F16C
+ *   avx2.c        the same C loops compiled for AVX2+FMA+F16C, and MXFP4 with pshufb lookups
  *   avx512.c      AVX-512: rows against up to 8 tokens; one token as four long runs per thread (stream_rows)
  *                 for every weight kind, experts and dense matrices
- *   avx512bf16.c  bf16 weights against bf16 activations with vdpbf16ps
+ *   avx512bf16.c  bf16 weights against bf16 activations with vdpbf16ps; one token of MXFP4 likewise (vpermw
+ *                 lookups of the codes' bf16 values)
  *   amx.c         AMX tiles for 2-16 tokens: bf16 weights, and int8/int4 in the block layout of
  *                 kernels/quant.py against 16-bit fixed-point activations
  *   vnni.c        on AMX machines, one token of int8/int4 (block layout) with AVX512-VNNI, 15-bit fixed point
