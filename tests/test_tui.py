@@ -70,8 +70,8 @@ async def test_loading_shows_the_loaders_progress() -> None:
     reported, release = threading.Event(), threading.Event()
 
     def load_backend(_: str | None) -> FakeBackend:
+        reported.set()  # before the report: the screen may show it before this thread runs on
         app.loading_progress("reading the experts into RAM", 0.5)
-        reported.set()
         release.wait(10)
         return FakeBackend()
 
