@@ -273,12 +273,14 @@ def _plan(args: argparse.Namespace) -> int:
 
     hw = _read_json(args.hardware, "hardware file")
     model = Path(args.model)
-    if model.exists() and not model.is_dir():  # a config.json, or a FIFO or device refused as one
-        cfg = parse_config(_read_json(args.model, "model config"), str(model))[1]
-    else:
-        cfg = open_checkpoint(model).config
     item = 4 if args.dtype == "fp32" else 2
-    shape = ModelShape.from_config(cfg, item)
+    if model.exists() and not model.is_dir() and model.suffix != ".gguf":  # a config.json (or a FIFO refused as one)
+        cfg = parse_config(_read_json(args.model, "model config"), str(model))[1]
+        shape = ModelShape.from_config(cfg, item)
+    else:  # a model folder or GGUF file: its experts' bytes as stored
+        ckpt = open_checkpoint(model)
+        cfg = ckpt.config
+        shape = ModelShape.from_checkpoint(ckpt, item)
     meas = from_hardware_file(hw, shape.expert_bytes, 6 * cfg.hidden_size * cfg.moe_intermediate_size,
                               source=args.hardware)
     trace = load_sequence(args.trace, shape.num_layers, shape.num_experts, shape.top_k) if args.trace else None

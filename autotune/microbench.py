@@ -16,6 +16,7 @@ import torch
 from tandem.autotune.measurements import Measurements, fit_cpu
 from tandem.autotune.plan import ModelShape
 from tandem.autotune.probe import HardwareInfo
+from tandem.kernels.blocks import FORMATS, block_matrix
 from tandem.kernels.cpu import CpuExecutor, CpuExpert, read_bandwidth_probe
 from tandem.kernels.quant import QuantizedMatrix, quantize_mxfp4
 
@@ -78,8 +79,17 @@ Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[QuantizedMatri
 
 
 def _weights(h: int, i: int, dtype: torch.dtype, count: int, quant: str | None) -> list[Weights]:
-    """`count` experts' weights as the model stores them: floats, or MXFP4 (copies of one quantized expert)."""
-    plain = [torch.ones(s, dtype=dtype) * 0.01 for s in ((i, h), (i, h), (h, i))]
+    """`count` experts' weights as the model stores them: floats, MXFP4 (copies of one quantized expert), or GGUF
+    blocks ("Q4_K" or "Q4_K/Q6_K": zero bytes, whose scales make every weight 0, an ordinary number)."""
+    shapes = ((i, h), (i, h), (h, i))
+    if quant is not None and quant != "mxfp4":
+        gate, _, down = quant.partition("/")
+        fmts = (gate, gate, down or gate)
+        def zeros(rows: int, cols: int, f: str) -> QuantizedMatrix:
+            return block_matrix(torch.zeros(rows, cols // FORMATS[f].values * FORMATS[f].nbytes, dtype=torch.uint8), f)
+        return [tuple(zeros(*s, f) for s, f in zip(shapes, fmts, strict=True))  # type: ignore[misc]
+                for _ in range(count)]
+    plain = [torch.ones(s, dtype=dtype) * 0.01 for s in shapes]
     if quant != "mxfp4":
         return [tuple(w.clone() for w in plain) for _ in range(count)]  # type: ignore[misc]
     mats = [quantize_mxfp4(w) for w in plain]

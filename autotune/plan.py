@@ -8,7 +8,7 @@ accelerator it also chooses the strategy, static placement and the cache's ways,
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -17,11 +17,12 @@ from tandem.autotune.measurements import Measurements
 from tandem.autotune.simulate import Candidate, SimCosts, SimResult, simulate, synthetic_trace
 from tandem.kernels.cpu import Isa, Quant
 from tandem.kernels.errors import TandemError
+from tandem.runtime.checkpoint import Checkpoint
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.dispatch import Strategy
 from tandem.runtime.expert_cache import CachePolicy
 from tandem.runtime.trace import most_popular
-from tandem.runtime.weights import attention_tensors
+from tandem.runtime.weights import attention_tensors, expert_names
 
 MAX_EXPERTS = 1 << 16  # per layer; the planner keeps [layers, experts] tables, so the sizes are bounded first
 MAX_LAYERS = 1 << 12
@@ -53,7 +54,9 @@ class ModelShape:
     inter: int
     expert_bytes: int
     dense_layer_bytes: int  # non-expert weights read per layer per token (attention, norms, router)
-    expert_quant: str | None = None  # "mxfp4": the experts are stored so (gpt-oss), and measured so
+    # how the experts are stored, and measured: "mxfp4" (gpt-oss), GGUF blocks ("Q4_K", or "Q4_K/Q6_K": gate and
+    # up's format, then down's), or None (floats of the compute dtype)
+    expert_quant: str | None = None
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, dtype_bytes: int = 2) -> ModelShape:
@@ -65,6 +68,19 @@ class ModelShape:
         expert_bytes = params // 2 + params // 32 if cfg.experts_mxfp4 else params * dtype_bytes
         return cls(cfg.num_layers, cfg.num_experts, cfg.top_k, cfg.sparse_layers, cfg.hidden_size,
                    cfg.moe_intermediate_size, expert_bytes, dense, "mxfp4" if cfg.experts_mxfp4 else None)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint, dtype_bytes: int = 2) -> ModelShape:
+        """As `from_config`, with a GGUF file's experts counted as its blocks (the bytes the kernels and the
+        accelerator's slots hold)."""
+        shape = cls.from_config(ckpt.config, dtype_bytes)
+        first = next((i for i, s in enumerate(shape.sparse) if s), None)
+        if first is None or not ckpt.expert_blocks:
+            return shape
+        mats = [ckpt.blocks(n) for n in expert_names(ckpt.spec, first, 0)]
+        gate, down = mats[0].kind, mats[2].kind  # type: ignore[union-attr]
+        return replace(shape, expert_bytes=sum(m.nbytes for m in mats),  # type: ignore[union-attr]
+                       expert_quant=gate if gate == down else f"{gate}/{down}")
 
     @property
     def moe_layers(self) -> list[int]:

@@ -65,7 +65,7 @@ def autotune(model_dir: str | Path, dtype: str = "auto", quick: bool = False,
     hw = hardware or probe()
     name = default_dtype(set(hw.cpu.flags) or None) if dtype == "auto" else dtype
     ckpt = open_checkpoint(model_dir)
-    shape = ModelShape.from_config(ckpt.config, torch.empty((), dtype=DTYPES[name]).element_size())
+    shape = ModelShape.from_checkpoint(ckpt, torch.empty((), dtype=DTYPES[name]).element_size())
     meas = microbench(shape, hw, DTYPES[name], quick=quick, progress=progress)
     recorded, measured_ms, threads = record_trace(model_dir, name, tokens=16 if quick else 32, loaded=loaded,
                                                   checkpoint=ckpt)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.kernels.quant import E2M1X2, e8m0_half
+from tandem.kernels.quant import E2M1X2, QuantizedMatrix, e8m0_half
 
 Dequantizer = Callable[[torch.Tensor], torch.Tensor]  # blocks [n, nbytes] uint8 -> values [n, V] float32
 
@@ -55,7 +55,7 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
 def _high_bits(qh: torch.Tensor, count: int) -> torch.Tensor:
     """Bits 0..count-1 of each little-endian 32-bit word qh [n, 4] bytes -> [n, count] of 0/1 (uint8)."""
     word = qh.contiguous().view(torch.int32)  # [n, 1]
-    return ((word >> torch.arange(count, dtype=torch.int32)) & 1).to(torch.uint8)  # [n, count]
+    return ((word >> torch.arange(count, dtype=torch.int32, device=qh.device)) & 1).to(torch.uint8)  # [n, count]
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
@@ -112,7 +112,7 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     low = _nibbles(b[:, 48:].reshape(n, 4, 32)).view(n, 8, 32)  # [n, S, 32]
     qh = b[:, 16:48].reshape(n, 1, 32)  # [n, 1, 32]: bit i is sub-block i's
-    high = (qh >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1  # [n, S, 32]
+    high = (qh >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)) & 1  # [n, S, 32]
     return _k_quant(b, low | (high << 4))
 
 
@@ -120,14 +120,15 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     ql = _nibbles(b[:, :128].reshape(n, 2, 64)).view(n, 2, 4, 32)  # [n, half, 4, 32]
     qh = b[:, 128:192].reshape(n, 2, 1, 32)  # [n, half, 1, 32]
-    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)) & 3  # [n, half, 4, 32]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+    high = (qh >> shifts) & 3  # [n, half, 4, 32]
     q = ((ql | (high << 4)).to(torch.int8) - 32).view(n, 16, 16).float()  # [n, 16 groups of 16]
     d = (_f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()).view(n, 16, 1)  # [n, 16, 1]
     return (d * q).reshape(n, 256)
 
 
 def _mxfp4(b: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(E2M1X2, dtype=torch.float32)
+    table = torch.tensor(E2M1X2, dtype=torch.float32, device=b.device)
     return e8m0_half(b[:, :1]) * table[_nibbles(b[:, 1:]).long()]
 
 
@@ -142,6 +143,17 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
     BlockFormat("Q6_K", 256, 210, _q6_k),
     BlockFormat("MXFP4", 32, 17, _mxfp4),
 )}
+
+
+def block_matrix(raw: torch.Tensor, fmt: str) -> QuantizedMatrix:
+    """Rows of blocks as stored, raw [rows, k * nbytes] uint8 (a view: nothing is copied), as the kernels' matrix of
+    that format."""
+    f = FORMATS[fmt]
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[-1] % f.nbytes:
+        raise ValueError(f"{f.name} rows are whole blocks of {f.nbytes} bytes (uint8 [rows, bytes]), not {raw.dtype} "
+                         f"{list(raw.shape)}")
+    return QuantizedMatrix(f.name, raw, torch.empty(0, dtype=torch.uint8), raw.shape[1] // f.nbytes * f.values,
+                           f.values)
 
 
 def dequantize(raw: torch.Tensor, fmt: str | BlockFormat) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Literal
@@ -33,12 +33,16 @@ Quant = Literal["int8", "int4", "mxfp4"]  # weight-only quantization of experts
 # each variant is named after the CPU feature it needs (base: none)
 ISAS: tuple[Isa, ...] = ("base", "avx2", "avx512", "avx512bf16", "amx")
 BF16_ONLY = ("avx512bf16", "amx")  # bf16 activations (AMX int8 and int4: 16-bit fixed point, about as fine)
-KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "int8": 3, "int4": 4, "mxfp4": 5}
+KINDS: dict[object, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "int8": 3, "int4": 4, "mxfp4": 5}
+# GGUF's block formats, by GGUF's names (kernels/blocks.py), rows as the file stores them (csrc/blocks.h)
+BLOCK_KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+KINDS.update({name: 6 + i for i, name in enumerate(BLOCK_KINDS)})
 ACT_SILU, ACT_CLAMPED = 0, 1  # the activations the kernels compute (csrc/common.h)
 DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
 AMX_CROSSOVER = 16  # with AMX tiles the kernel stays at the bandwidth roofline up to a full tile of tokens
 AMX_KINDS = (torch.bfloat16, "int8", "int4")
 QUANT_KINDS: tuple[Quant, ...] = ("int8", "int4", "mxfp4")
+QUANTIZED = (*QUANT_KINDS, *BLOCK_KINDS)  # kinds torch has no fast path for: kept on the kernel for longer prompts
 AMX_BATCH = 64  # experts one kernel region takes at most (csrc/common.h)
 # float32 x against bf16 dense weights stays on the kernel, 16 tokens a call, up to this many calls; beyond, a
 # float32 copy of the matrix for torch pays for itself (up to 64 tokens the kernel is ahead on 6144x2048 with
@@ -95,6 +99,7 @@ class _Args(ctypes.Structure):
         ("x", ctypes.c_void_p), ("out", ctypes.c_void_p), ("act", ctypes.c_void_p), ("xb", ctypes.c_void_p),
         ("gate_bias", ctypes.c_void_p), ("up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p),
         ("act_kind", ctypes.c_int), ("alpha", ctypes.c_float), ("limit", ctypes.c_float),
+        ("down_kind", ctypes.c_int),
     ]
 
 
@@ -115,7 +120,7 @@ class _LinearArgs(ctypes.Structure):
     _fields_ = [
         ("tokens", ctypes.c_int), ("inp", ctypes.c_int), ("out", ctypes.c_int), ("threads", ctypes.c_int),
         ("w", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p), ("xb", ctypes.c_void_p),
-        ("yb", ctypes.c_void_p), ("isa", ctypes.c_int),
+        ("yb", ctypes.c_void_p), ("isa", ctypes.c_int), ("kind", ctypes.c_int),
     ]
 
 
@@ -318,7 +323,7 @@ class CpuExpert:
     gate: torch.Tensor | QuantizedMatrix  # [I, H]
     up: torch.Tensor | QuantizedMatrix  # [I, H]
     down: torch.Tensor | QuantizedMatrix  # [H, I]
-    kind: object  # a torch dtype, "int8", "int4" or "mxfp4"
+    kind: object  # a torch dtype, "int8", "int4", "mxfp4", or a GGUF block format (BLOCK_KINDS: gate and up's)
     executor: CpuExecutor
     amx_layout: bool = False  # quantized and laid out for the AMX kernels: only they (or torch, converted) read it
     # an expert the kernels do not compute (gpt-oss's clamped SwiGLU with biases): this torch function runs it, at
@@ -341,6 +346,11 @@ class CpuExpert:
     def nbytes(self) -> int:
         return sum(w.nbytes if isinstance(w, QuantizedMatrix) else w.numel() * w.element_size()
                    for w in (self.gate, self.up, self.down))
+
+    @property
+    def down_kind(self) -> object:
+        """down's weight kind: `kind`, or another GGUF block format."""
+        return self.down.kind if isinstance(self.down, QuantizedMatrix) else self.kind
 
     def pointers(self) -> _Weights:
         """The kernel's view of this expert: its weight (and scale) addresses."""
@@ -403,13 +413,20 @@ class CpuExecutor:
 
     def prepare_quantized(self, gate: QuantizedMatrix, up: QuantizedMatrix, down: QuantizedMatrix,
                           epilogue: Epilogue = NO_EPILOGUE) -> CpuExpert:
-        """One expert whose weights arrive quantized (MXFP4 from a checkpoint), used as they are."""
+        """One expert whose weights arrive quantized, used as they are: MXFP4 from a checkpoint, or GGUF blocks
+        (gate and up of one format; down may be of another, as Q4_K_M's Q6_K rows)."""
         h, i = self.hidden, self.inter
+        kind = gate.kind if isinstance(gate, QuantizedMatrix) else None
+        if kind not in ("mxfp4", *BLOCK_KINDS):
+            raise ValueError(f"gate must be an MXFP4 matrix or GGUF blocks ({', '.join(BLOCK_KINDS)})")
         for name, m, shape in (("gate", gate, (i, h)), ("up", up, (i, h)), ("down", down, (h, i))):
-            if not isinstance(m, QuantizedMatrix) or m.kind != "mxfp4" or (m.data.shape[0], m.cols) != shape:
-                raise ValueError(f"{name} must be an MXFP4 matrix of {list(shape)} values")
-        check_support(h, i, self.dtype, "mxfp4")
-        return CpuExpert(gate, up, down, "mxfp4", self, epilogue=epilogue)
+            alike = kind if name != "down" or kind == "mxfp4" else BLOCK_KINDS
+            if (not isinstance(m, QuantizedMatrix) or m.kind not in alike or (m.data.shape[0], m.cols) != shape
+                    or m.blocked):
+                raise ValueError(f"{name} must be a {kind} matrix of {list(shape)} values, as gate is")
+        if kind == "mxfp4":
+            check_support(h, i, self.dtype, "mxfp4")
+        return CpuExpert(gate, up, down, kind, self, epilogue=epilogue)
 
     def prepare(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                 reference: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -487,7 +504,7 @@ class CpuExecutor:
         isa = self.isa_for(expert, min(n, step))
         if isa is not None and n <= step:
             return self._run_kernel(expert, x, isa).to(x.dtype)
-        if isa is not None and expert.kind in QUANT_KINDS and n <= QUANT_CHUNKS * step:
+        if isa is not None and expert.kind in QUANTIZED and n <= QUANT_CHUNKS * step:
             # torch has no fast int4 path and its int8 one slows down with tokens: re-stream the weights once
             # per chunk of tokens instead.
             # (each chunk copied out of the reused buffer before the next overwrites it, float32 included)
@@ -546,9 +563,9 @@ class CpuExecutor:
             raise ValueError("a layer needs at least one expert")
         for e in experts:
             self._check_expert(e)
-        kinds = {(e.kind, e.amx_layout) for e in experts}
+        kinds = {(e.kind, e.down_kind, e.amx_layout) for e in experts}
         if len(kinds) > 1:
-            raise ValueError(f"a layer's experts must share one weight kind, not {sorted(str(k) for k, _ in kinds)}")
+            raise ValueError(f"a layer's experts must share one weight kind, not {sorted(str(k[:2]) for k in kinds)}")
         return LayerExperts(experts, (_Weights * len(experts))(*(e.pointers() for e in experts)))
 
     def serves_layer(self, layer: LayerExperts, tokens: int) -> bool:
@@ -581,8 +598,10 @@ class CpuExecutor:
         a, xs, _ = self._moe
         expert = layer.experts[0]
         kind, isa = KINDS[expert.kind], ISAS.index(self.isa_for(expert, T))  # type: ignore[arg-type]
-        if (a.proto.kind, a.proto.isa, a.proto.hidden) != (kind, isa, self.hidden):
+        down_kind = KINDS[expert.down_kind]
+        if (a.proto.kind, a.proto.down_kind, a.proto.isa, a.proto.hidden) != (kind, down_kind, isa, self.hidden):
             a.proto = _Args(kind, isa, 0, self.hidden, self.inter, self.threads, self.group)
+            a.proto.down_kind = down_kind
         expert.epilogue.fill(a.proto)  # the activation (the biases come per expert from the table)
         # right after the weights stream, each small torch op here costs tens of microseconds (a few warm), so
         # the kernel reads a bf16 x where it lies and conversions happen only when needed
@@ -632,7 +651,7 @@ class _Slot:
     def fill(self, a: _Args, ex: CpuExecutor, expert: CpuExpert, x: torch.Tensor, isa: str) -> None:
         n = x.shape[0]
         self.x[:n].copy_(x)  # float32, contiguous
-        a.kind, a.isa, a.tokens = KINDS[expert.kind], ISAS.index(isa), n
+        a.kind, a.down_kind, a.isa, a.tokens = KINDS[expert.kind], KINDS[expert.down_kind], ISAS.index(isa), n
         a.hidden, a.inter, a.threads, a.group = ex.hidden, ex.inter, ex.threads, ex.group
         w = expert.pointers()
         a.gate, a.up, a.down, a.gate_scale, a.up_scale, a.down_scale = (
@@ -668,13 +687,19 @@ class DenseLinear:
         self._args = _LinearArgs()
         self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, w: torch.Tensor | QuantizedMatrix | Sequence[QuantizedMatrix],
+                 bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [..., I] . w [O, I]^T (+ bias) -> [..., O] in `out_dtype` (default: x's). x bf16 or float32 (against
-        bf16 weights: computed as against a float32 copy of them)."""
+        bf16 weights: computed as against a float32 copy of them). w may be GGUF blocks (a QuantizedMatrix of a
+        BLOCK_KINDS format), or several of them whose outputs follow one another (q, k and v of different formats)."""
         out_dtype = out_dtype or x.dtype
         if out_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"DenseLinear gives bf16 or float32 results, not {out_dtype}")
+        if isinstance(w, list | tuple):
+            y = torch.cat([self(x, part, None, out_dtype) for part in w], dim=-1)  # [..., O]
+            return y if bias is None else y.add_(bias.to(y.dtype))
+        if isinstance(w, QuantizedMatrix):
+            return self._blocks(x, w, bias, out_dtype)
         if w.dim() != 2 or x.dim() == 0 or x.shape[-1] != w.shape[1]:
             raise ValueError(f"x {list(x.shape)} does not fit the matrix {list(w.shape)}: expected [..., {w.shape[-1]}]"
                              " against [out, in]")
@@ -694,17 +719,46 @@ class DenseLinear:
             rows = x.reshape(n, width)  # [n, I]
             return torch.cat([self(rows[i : i + AMX_CROSSOVER], w, bias, out_dtype)
                               for i in range(0, n, AMX_CROSSOVER)]).view(*x.shape[:-1], w.shape[0])
-        key = (width, w.shape[0])
+        isa = self.float_isa if x.dtype == torch.float32 else self.isa
+        return self._kernel(x, n, w.data_ptr(), w.shape[0], KINDS[torch.bfloat16], isa, bias, out_dtype)
+
+    def _blocks(self, x: torch.Tensor, w: QuantizedMatrix, bias: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        """x [..., I] against GGUF blocks: the kernel (AVX-512 rows at most) 16 tokens a call for up to
+        QUANT_CHUNKS calls, as the quantized experts; beyond, or without the kernel, torch over the matrix
+        dequantized for this call."""
+        rows, width = w.data.shape[0], w.cols
+        if x.dim() == 0 or x.shape[-1] != width or w.kind not in BLOCK_KINDS:
+            raise ValueError(f"x {list(x.shape)} does not fit the {w.kind} matrix [{rows}, {width}]")
+        if bias is not None and tuple(bias.shape) != (rows,):
+            raise ValueError(f"bias has shape {list(bias.shape)}; expected [{rows}]")
+        n = x.numel() // width
+        if not (self.lib is not None and 0 < n <= QUANT_CHUNKS * AMX_CROSSOVER and x.device.type == "cpu"
+                and x.dtype in (torch.bfloat16, torch.float32) and rows % 32 == 0 and width % 32 == 0
+                and w.data.is_contiguous()):
+            return F.linear(x, w.dequantize(x.dtype), None if bias is None else bias.to(x.dtype)).to(out_dtype)
+        if n > AMX_CROSSOVER:
+            flat = x.reshape(n, width)  # [n, I]
+            return torch.cat([self._blocks(flat[i : i + AMX_CROSSOVER], w, bias, out_dtype)
+                              for i in range(0, n, AMX_CROSSOVER)]).view(*x.shape[:-1], rows)
+        isa = self.float_isa if x.dtype == torch.float32 else self.isa
+        isa = min(isa, ISAS.index("avx512"))  # (-1: the best, which the kernel bounds likewise)
+        return self._kernel(x, n, w.data.data_ptr(), rows, KINDS[w.kind], isa, bias, out_dtype)
+
+    def _kernel(self, x: torch.Tensor, n: int, w: int, rows: int, kind: int, isa: int, bias: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        """One tk_linear call: x [..., I] (n <= AMX_CROSSOVER rows) against the matrix at address w, [rows, I]."""
+        width = x.shape[-1]
+        key = (width, rows)
         if key not in self._buffers:  # per matrix shape, reused: no allocation on the decode path
-            self._buffers[key] = (torch.empty(AMX_CROSSOVER, width), torch.empty(AMX_CROSSOVER, w.shape[0]),
+            self._buffers[key] = (torch.empty(AMX_CROSSOVER, width), torch.empty(AMX_CROSSOVER, rows),
                                   torch.empty(16, width, dtype=torch.int16))
         xs, ys, xb = self._buffers[key]
         xs[:n].copy_(x.reshape(n, width))  # [n, I] float32
-        y = torch.empty(*x.shape[:-1], w.shape[0], dtype=out_dtype)  # [..., O]
+        y = torch.empty(*x.shape[:-1], rows, dtype=out_dtype)  # [..., O]
         a = self._args
-        a.tokens, a.inp, a.out, a.threads = n, width, w.shape[0], self.threads
-        a.isa = self.float_isa if x.dtype == torch.float32 else self.isa
-        a.w, a.x, a.xb = w.data_ptr(), xs.data_ptr(), xb.data_ptr()
+        a.tokens, a.inp, a.out, a.threads, a.isa, a.kind = n, width, rows, self.threads, isa, kind
+        a.w, a.x, a.xb = w, xs.data_ptr(), xb.data_ptr()
         if out_dtype == torch.float32:  # the kernel's sums as they are
             a.y, a.yb = y.data_ptr(), None
         else:  # bf16, rounded by the kernel

@@ -40,19 +40,20 @@ E2M1X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # twice each
 
 @dataclass(frozen=True)
 class QuantizedMatrix:
-    kind: str  # "int8" | "int4" | "mxfp4"
-    data: torch.Tensor  # int8 [rows, cols] | uint8 [rows, cols / 2]
+    kind: str  # "int8" | "int4" | "mxfp4" | a GGUF block format ("Q4_K", ...: kernels/blocks.py)
+    data: torch.Tensor  # int8 [rows, cols] | uint8 [rows, cols / 2] | GGUF: uint8 [rows, bytes a row], as stored
     scales: torch.Tensor  # int8: float32 [rows] | int4: bfloat16 [rows, cols / group] | mxfp4: uint8 [rows, cols / 32]
+    # | GGUF: empty (in the blocks)
     cols: int
-    group: int = 0
+    group: int = 0  # int4: values a group; MXFP4 and GGUF: values a block
     blocked: bool = False  # True: the AMX kernels' block layout of BLOCK_ROWS rows (see the module docstring)
 
     def blocked_layout(self) -> QuantizedMatrix:
         """This matrix in blocks of BLOCK_ROWS rows and 64-value chunks (see the module docstring)."""
         if self.blocked:
             return self
-        if self.kind == "mxfp4":
-            raise ValueError("MXFP4 matrices have no block layout: the AMX kernels do not read them")
+        if self.kind not in ("int8", "int4"):
+            raise ValueError(f"{self.kind} matrices have no block layout: the AMX kernels do not read them")
         n, rows, cols = BLOCK_ROWS, self.data.shape[0], self.cols
         if rows % n or cols % 64:
             raise ValueError(f"the block layout needs rows in multiples of {n} and widths of 64 values ({self.kind})")
@@ -97,6 +98,10 @@ class QuantizedMatrix:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.blocked:
             return self.row_major().dequantize(dtype)
+        if self.kind not in ("int8", "int4", "mxfp4"):  # GGUF blocks
+            from tandem.kernels.blocks import dequantize
+
+            return dequantize(self.data, self.kind).to(dtype)
         if self.kind == "int8":
             return (self.data.float() * self.scales[:, None]).to(dtype)
         rows = self.data.shape[0]

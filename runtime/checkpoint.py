@@ -16,6 +16,7 @@ import torch
 
 from tandem.kernels.cpu import WEIGHT_DTYPES
 from tandem.kernels.errors import CheckpointError, UnsupportedModelError
+from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.config import ModelConfig, token_ids
 from tandem.runtime.families import FamilySpec, parse_config, supported_model_types
 from tandem.runtime.paths import read_bounded
@@ -54,6 +55,18 @@ class Checkpoint:
             self.where[name].read_into(name, view[at : at + info.nbytes])
             out.append(buffer[at : at + info.nbytes].view(info.dtype).view(info.shape))
         return out
+
+    def blocks(self, name: str) -> QuantizedMatrix | None:
+        """A GGUF matrix in a block format as the file stores it (a view), for the kernels to read as it is; None for
+        any other tensor (`tensor` gives it, dequantized)."""
+        shard = self.where[name]
+        return shard.blocks(name) if hasattr(shard, "blocks") else None
+
+    @property
+    def expert_blocks(self) -> bool:
+        """Whether this is a GGUF file whose routed experts are in a block format (kept so, as the file has them)."""
+        first = next((n for n in self.where if ".experts." in n), None)
+        return first is not None and self.blocks(first) is not None
 
     def dtype(self, name: str) -> torch.dtype:
         return self.where[name].infos[name].dtype

@@ -26,7 +26,7 @@ from tandem.runtime.accelerator import Accelerator
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.expert_cache import CachePolicy, ExpertCache, Key
 from tandem.runtime.latency import LatencyModel
-from tandem.runtime.moe import ExpertWeights, MoEBlockWeights, MXFP4Expert, route
+from tandem.runtime.moe import BlockExpert, ExpertWeights, MoEBlockWeights, MXFP4Expert, route
 from tandem.runtime.trace import TraceRecorder
 
 GPU, CPU, FETCHED = 0, 1, 2  # columns of the per-layer statistics
@@ -155,6 +155,8 @@ class Dispatcher:
         if isinstance(w, MXFP4Expert):  # 4-bit as stored, biases and clamped SwiGLU in the kernel
             return self.executor.prepare_quantized(
                 *w.matrices(), Epilogue(w.gate_bias, w.up_bias, w.down_bias, (w.alpha, w.limit)))
+        if isinstance(w, BlockExpert):  # GGUF blocks as the file stores them
+            return self.executor.prepare_quantized(*w.matrices())
         return self.executor.prepare(w.gate, w.up, w.down, reference=None if w.kernel_ready else w)
 
     def _slot_dtype(self, t: torch.Tensor) -> torch.dtype:

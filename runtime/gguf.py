@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.kernels.blocks import FORMATS, dequantize
+from tandem.kernels.blocks import FORMATS, block_matrix, dequantize
 from tandem.kernels.errors import CheckpointError, UnsupportedModelError
+from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.safetensors_mmap import TensorInfo
 
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -130,6 +131,21 @@ class GGUFFile:
         if src.heads:
             w = unpermute(w, src.heads)
         return w
+
+    def blocks(self, name: str) -> QuantizedMatrix | None:
+        """A 2-D tensor in a block format, as stored: its rows of blocks (a view of the file; q and k rows of a llama
+        model reordered, a copy), for the kernels to read as they are. None for the float types."""
+        src = self.sources[name]
+        t = self.tensors[src.name]
+        kind = t.tensor_type.name
+        if kind not in FORMATS or len(self.infos[name].shape) != 2:
+            return None
+        rows = t.data if src.expert is None else t.data[src.expert]  # numpy uint8 [rows, bytes a row] of the map
+        raw = torch.from_numpy(rows).view(torch.uint8)
+        raw = raw.reshape(self.infos[name].shape[0], -1)
+        if src.heads:
+            raw = unpermute(raw, src.heads).contiguous()
+        return block_matrix(raw, kind)
 
     def read_into(self, name: str, out: memoryview) -> None:
         w = self.tensor(name).contiguous()

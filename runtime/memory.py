@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from tandem.kernels.cpu import CpuOptions
+from tandem.kernels.cpu import CpuOptions, library
 from tandem.kernels.errors import ResourceError
 from tandem.runtime.checkpoint import Checkpoint
 from tandem.runtime.model import cache_class, kept_dtypes
-from tandem.runtime.weights import dense_tensors, layer_expert_names
+from tandem.runtime.weights import dense_tensors, expert_names, layer_expert_names
 
 GIB = 1024**3
 RESIDENT_SHARE = 0.7  # experts are read into RAM by default when everything then takes at most this share of it
@@ -40,7 +40,12 @@ def estimate_memory(
     cfg = ckpt.config
     item = torch.empty((), dtype=dtype).element_size()
     kept = kept_dtypes(ckpt, dtype, cpu)  # as MoEModel.from_checkpoint keeps them
-    weights = sum(math.prod(s) * kept(name).itemsize for name, s in dense_tensors(cfg, ckpt.spec).items())
+    blocks_run = library() is not None and (cpu is None or cpu.use_kernel)  # GGUF blocks kept as stored
+
+    def dense(name: str, shape: tuple[int, ...]) -> int:
+        m = ckpt.blocks(name) if blocks_run else None
+        return m.nbytes if m is not None else math.prod(shape) * kept(name).itemsize
+    weights = sum(dense(name, s) for name, s in dense_tensors(cfg, ckpt.spec).items())
     kv = cache_class(cfg).nbytes(cfg, batch, context, dtype)
     rope = 2 * context * cfg.head_dim * item
     logits = 4 * cfg.vocab_size * 4
@@ -49,6 +54,10 @@ def estimate_memory(
         h, i = cfg.hidden_size, cfg.moe_intermediate_size
         if cfg.experts_mxfp4:  # always 4-bit copies in RAM, with their scales and float32 biases
             in_ram = CpuOptions(quant="mxfp4").expert_bytes(h, i, 1) + (2 * i + h) * 4
+        elif ckpt.expert_blocks:  # GGUF blocks as stored: memory-mapped, or a RAM copy of their bytes
+            names = expert_names(ckpt.spec, first, 0)
+            stored_bytes = sum(ckpt.blocks(n).nbytes for n in names)  # type: ignore[union-attr]
+            in_ram = stored_bytes if cpu is not None and cpu.experts_in_ram else 0
         else:
             name = layer_expert_names(cfg, ckpt.spec, first)[0]
             stored = ckpt.dtype(name).itemsize

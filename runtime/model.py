@@ -11,18 +11,22 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels.blocks import block_matrix, dequantize
 from tandem.kernels.cpu import CpuOptions, DenseLinear, library, rms_norm_bf16
+from tandem.kernels.errors import CheckpointError
+from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.accelerator import Accelerator
 from tandem.runtime.checkpoint import Checkpoint
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.dispatch import Dispatcher, OffloadOptions
 from tandem.runtime.mla import LatentCache, MLAWeights, attend, load_mla
 from tandem.runtime.moe import (
+    BlockExpert,
     ClampedSwiGLUExpert,
     ExpertWeights,
     MoEBlockWeights,
@@ -103,10 +107,15 @@ def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.view(B, Hq, T, D)
 
 
+# A dense matrix as the model keeps it: a tensor, GGUF blocks as stored (DenseLinear runs both), or q, k and v as
+# blocks of different formats, side by side
+Matrix = torch.Tensor | QuantizedMatrix | list[QuantizedMatrix]
+
+
 @dataclass
 class Attention:
-    qkv: torch.Tensor  # q, k and v projections stacked: [(Hq + 2 Hkv) * D, H], one matrix-vector pass for all three
-    o: torch.Tensor
+    qkv: Matrix  # q, k and v projections stacked: [(Hq + 2 Hkv) * D, H], one matrix-vector pass for all three
+    o: torch.Tensor | QuantizedMatrix
     qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
@@ -119,10 +128,27 @@ def routed_experts(ckpt: Checkpoint, layers: list[int], resident: bool,
     """Each MoE layer's routed experts in their on-disk dtype: views of the memory-mapped files, or (resident)
     copies read into RAM, two layers at a time (file reads release the GIL). Experts stream faster from such
     copies than from the file map, and plain reads fill RAM faster than faulting the map in would. MXFP4 experts
-    are always copied into RAM, 4-bit, in the order the kernels read (`MXFP4Expert.from_stored`)."""
+    are always copied into RAM, 4-bit, in the order the kernels read (`MXFP4Expert.from_stored`). GGUF blocks stay
+    as the file stores them (`BlockExpert`): views of it, or one RAM copy of a layer's bytes."""
     n = ckpt.config.num_experts
+    blocks = ckpt.expert_blocks
 
     def one(layer: int) -> list[ExpertWeights]:
+        if blocks:
+            mats = [ckpt.blocks(name) for e in range(n) for name in expert_names(ckpt.spec, layer, e)]
+            if any(m is None for m in mats):
+                raise CheckpointError(f"{ckpt.path}: layer {layer} keeps some experts in a float type and others in "
+                                      "blocks; convert the model again")
+            data = [m.data for m in mats]  # type: ignore[union-attr]
+            if resident:  # one buffer for the layer, each expert's rows a view of it
+                buffer = torch.empty(sum(d.numel() for d in data), dtype=torch.uint8)
+                at = 0
+                for k, d in enumerate(data):
+                    data[k] = buffer[at : at + d.numel()].view(d.shape)
+                    data[k].copy_(d)
+                    at += d.numel()
+            formats = (mats[0].kind, mats[2].kind)  # type: ignore[union-attr]
+            return [BlockExpert(*data[3 * e : 3 * e + 3], formats=formats) for e in range(n)]
         if ckpt.spec.fused_experts and ckpt.config.experts_mxfp4:  # gpt-oss as published: 4-bit copies per expert
             stored = [ckpt.tensor(name) for name in mxfp4_expert_names(ckpt.spec, layer)]
             alpha, limit = ckpt.config.clamped_swiglu or (1.702, 7.0)
@@ -138,7 +164,7 @@ def routed_experts(ckpt: Checkpoint, layers: list[int], resident: bool,
         tensors = ckpt.read_into_ram(names) if resident else [ckpt.tensor(name) for name in names]
         return [ExpertWeights(*tensors[3 * e : 3 * e + 3]) for e in range(n)]
 
-    if not resident and not ckpt.config.experts_mxfp4:
+    if not resident and not ckpt.config.experts_mxfp4 and not blocks:
         return {layer: one(layer) for layer in layers}
     out: dict[int, list[ExpertWeights]] = {}
     with ThreadPoolExecutor(2) as pool:
@@ -201,10 +227,10 @@ class MoEModel:
     def __init__(
         self,
         cfg: ModelConfig,
-        embed: torch.Tensor,
+        embed: torch.Tensor | QuantizedMatrix,
         layers: list[DecoderLayer],
         norm: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: torch.Tensor | QuantizedMatrix,
         dtype: torch.dtype,
         context: int,
         batch: int = 1,
@@ -213,6 +239,7 @@ class MoEModel:
         cpu: CpuOptions | None = None,
         norm_bias: torch.Tensor | None = None,
         lm_head_bias: torch.Tensor | None = None,
+        linear: DenseLinear | None = None,
     ) -> None:
         self.cfg, self.embed, self.layers, self.norm, self.lm_head = cfg, embed, layers, norm, lm_head
         self.norm_bias, self.lm_head_bias = norm_bias, lm_head_bias
@@ -236,7 +263,7 @@ class MoEModel:
         # Dense matrices (attention, routers, lm_head): bf16 ones through the kernel for the token counts it
         # serves (DenseLinear), anything else through F.linear.
         cpu = cpu or CpuOptions()
-        self.linear = DenseLinear(cpu.threads, cpu.use_kernel, cpu.isa)
+        self.linear = linear or DenseLinear(cpu.threads, cpu.use_kernel, cpu.isa)
         # RMSNorm: one kernel call for bf16 on the CPU (rounded like the reference), else the reference itself.
         fast_norm = cpu.use_kernel and library() is not None and dtype == torch.bfloat16
         self.rms_norm = rms_norm_bf16 if fast_norm and self.device.type == "cpu" else rms_norm
@@ -258,8 +285,29 @@ class MoEModel:
                 return accel.place(ckpt.tensor(name), dtype, name)
             return ckpt.tensor(name).to(kept(name), copy=bool(cpu and cpu.resident))
 
+        blocks_run = accel is None and library() is not None and (cpu is None or cpu.use_kernel)
+
+        def wq(name: str) -> Matrix:
+            """A dense matrix: GGUF blocks as the file stores them where the kernels read them (a RAM copy if
+            resident), else as `w`."""
+            m = ckpt.blocks(name) if blocks_run else None
+            if m is None:
+                return w(name)
+            return replace(m, data=m.data.clone()) if cpu and cpu.resident else m
+
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in ckpt.where else None
+
+        def projections(names: list[str], rows: list[int]) -> Matrix:
+            """q, k and v as one matrix: GGUF blocks of one format stacked (a copy), of several formats side by
+            side (DenseLinear runs each), else `stacked`."""
+            parts = [ckpt.blocks(n) if blocks_run else None for n in names]
+            if any(p is None for p in parts):
+                return stacked(names, rows)
+            if len({p.kind for p in parts}) > 1:  # type: ignore[union-attr]
+                return [wq(n) for n in names]  # type: ignore[misc]
+            data = torch.cat([p.data for p in parts])  # type: ignore[union-attr]
+            return block_matrix(data, parts[0].kind)  # type: ignore[union-attr]
 
         def stacked(names: list[str], rows: list[int]) -> torch.Tensor:
             """Several tensors along dim 0 as one (a missing bias counts as zeros), then placed like `w`."""
@@ -274,9 +322,15 @@ class MoEModel:
             t = ckpt.tensor(name).float()
             return accel.place(t, torch.float32, name) if accel is not None else t
 
+        linear = DenseLinear(*(cpu.threads, cpu.use_kernel, cpu.isa) if cpu else ())
+
         def mlp(prefix: str) -> ExpertWeights:
-            return ExpertWeights(w(f"{prefix}.gate_proj.weight"), w(f"{prefix}.up_proj.weight"),
-                                 w(f"{prefix}.down_proj.weight"))
+            names = [f"{prefix}.{p}_proj.weight" for p in ("gate", "up", "down")]
+            mats = [wq(n) for n in names]
+            if all(isinstance(q, QuantizedMatrix) for q in mats) and mats[0].kind == mats[1].kind:  # type: ignore[union-attr]
+                return BlockExpert(*(q.data for q in mats), formats=(mats[0].kind, mats[2].kind),  # type: ignore[union-attr]
+                                   linear=linear)
+            return ExpertWeights(*(q.dequantize(dtype) if isinstance(q, QuantizedMatrix) else q for q in mats))
 
         layers = []
         rule = RoutingRule(cfg.top_k, cfg.norm_topk_prob, scoring=cfg.scoring, n_group=cfg.n_group,  # type: ignore[arg-type]
@@ -287,7 +341,7 @@ class MoEModel:
             a = f"{p}.self_attn"
             rows = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
             attn = load_mla(cfg, a, w) if cfg.kv_lora_rank else Attention(
-                stacked([f"{a}.{n}_proj.weight" for n in "qkv"], rows), w(f"{a}.o_proj.weight"),
+                projections([f"{a}.{n}_proj.weight" for n in "qkv"], rows), wq(f"{a}.o_proj.weight"),
                 stacked([f"{a}.{n}_proj.bias" for n in "qkv"], rows) if cfg.qkv_bias else None,
                 opt(f"{a}.o_proj.bias") if cfg.o_bias else None,
                 opt(f"{a}.q_norm.weight") if cfg.qk_norm != "none" else None,
@@ -310,15 +364,15 @@ class MoEModel:
             layers.append(DecoderLayer(w(f"{p}.input_layernorm.weight"), w(f"{p}.post_attention_layernorm.weight"),
                                        attn, ffn, w(f"{p}.input_layernorm.bias") if cfg.norm_type == "layer" else None,
                                        w(f"{p}.post_attention_layernorm.bias") if cfg.norm_type == "layer" else None))
-        embed = w("model.embed_tokens.weight")
-        lm_head = embed if cfg.tie_word_embeddings else w("lm_head.weight")
+        embed = wq("model.embed_tokens.weight")
+        lm_head = embed if cfg.tie_word_embeddings else wq("lm_head.weight")
         # Last, as the longest step when they are read into RAM: whatever does not fit has failed by now.
         moe = [i for i in range(cfg.num_layers) if cfg.sparse_layers[i]]
         for i, experts in routed_experts(ckpt, moe, bool(cpu and cpu.experts_in_ram), progress).items():
             layers[i].ffn.experts.extend(experts)  # type: ignore[union-attr]
         return cls(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, context, batch, accel, policy, cpu,
                    w("model.norm.bias") if cfg.norm_type == "layer" else None,
-                   w("lm_head.bias") if cfg.lm_head_bias else None)
+                   w("lm_head.bias") if cfg.lm_head_bias else None, linear)
 
     def with_batch(self, batch: int) -> MoEModel:
         """The same model (weights, experts, dispatcher shared) with its own KV cache of `batch` rows."""
@@ -339,7 +393,7 @@ class MoEModel:
         # The residual stream in float32, whatever the compute dtype (as llama.cpp keeps it): each layer adds to it
         # unrounded, and only the inputs of the matrix products are rounded, so bf16 picks fp32's top-1 token more
         # often (README, bf16 numerics).
-        x = F.embedding(ids.to(self.device), self.embed).float()  # [B, T, H]
+        x = self._embed(ids)  # [B, T, H] float32
         long = self.rope_switch is not None and start + T > self.rope_switch  # LongRoPE: this pass's length decides
         cos, sin = (self.cos_long, self.sin_long) if long else (self.cos, self.sin)
         cos, sin = cos[start : start + T], sin[start : start + T]  # [T, D]
@@ -356,6 +410,13 @@ class MoEModel:
         logits = self.linear(self._norm(x, self.norm, self.norm_bias), self.lm_head, self.lm_head_bias,
                              out_dtype=torch.float32)
         return logits if self.accel is None else self.accel.to_host(logits)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, T] -> their embeddings [B, T, H] float32 (GGUF blocks: only these rows, dequantized)."""
+        if isinstance(self.embed, QuantizedMatrix):
+            rows = self.embed.data[ids.reshape(-1)]  # [B*T, bytes a row]
+            return dequantize(rows, self.embed.kind).view(*ids.shape, -1)
+        return F.embedding(ids.to(self.device), self.embed).float()
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The decoder's norm: RMSNorm, or LayerNorm with its bias (cfg.norm_type "layer")."""

@@ -6,13 +6,14 @@ routed to one expert.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels.blocks import block_matrix
 from tandem.kernels.cpu import clamped_glu
 from tandem.kernels.quant import MX_BLOCK, QuantizedMatrix, nibbles_from_pairs
 
@@ -175,6 +176,35 @@ class MXFP4Expert(ExpertWeights):
         gate, up, down, gs, us, ds, gb, ub, db = tensors
         return MXFP4Expert(gate, up, down, gate_scales=gs, up_scales=us, down_scales=ds, gate_bias=gb, up_bias=ub,
                            down_bias=db, alpha=self.alpha, limit=self.limit)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockExpert(ExpertWeights):
+    """A SwiGLU expert whose matrices are GGUF blocks as the file stores them (kernels/blocks.py): `gate`, `up`,
+    `down` are their rows of blocks, uint8 [I, bytes a row] / [H, bytes a row], views of the file (or of its RAM
+    copy); gate and up share one format, down may have another (Q4_K_M keeps some in Q6_K). The C kernels read
+    them as they are (`matrices`); called directly (an accelerator slot, torch), it dequantizes on use."""
+
+    formats: tuple[str, str]  # (gate and up's, down's)
+    linear: Callable[..., torch.Tensor] | None = field(default=None, compare=False)  # DenseLinear: x . W^T
+
+    def matrices(self) -> tuple[QuantizedMatrix, QuantizedMatrix, QuantizedMatrix]:
+        """gate, up and down as the kernels' matrices (views, no copies)."""
+        fmt, down = self.formats
+        return block_matrix(self.gate, fmt), block_matrix(self.up, fmt), block_matrix(self.down, down)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
+        gate, up, down = self.matrices()
+        if self.linear is not None and x.device.type == "cpu":  # a dense layer or shared expert: the kernel
+            h = F.silu(self.linear(x, gate)) * self.linear(x, up)  # [n, I]
+            return self.linear(h, down)
+        dt = x.dtype
+        gate_w, up_w, down_w = (m.dequantize(dt) for m in (gate, up, down))  # where the blocks lie
+        return F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
+
+    def like(self, tensors: Sequence[torch.Tensor]) -> BlockExpert:
+        gate, up, down = tensors
+        return BlockExpert(gate, up, down, formats=self.formats)
 
 
 @dataclass(frozen=True)

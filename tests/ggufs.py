@@ -84,13 +84,15 @@ def random_blocks(name: str, shape: tuple[int, ...], qtype: str, seed: int) -> n
 
 
 def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: int = 0,
-               given: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+               given: dict[str, np.ndarray] | None = None, mix: dict[str, str] | None = None) -> dict[str, np.ndarray]:
     """`folder` (a tiny Hugging Face checkpoint with a BPE tokenizer.json) as a GGUF file: 2-D and 3-D weights in
     `qtype` (F32, F16, a block format the gguf package quantizes to, or a K format as random blocks), norms and
-    biases in F32, as llama.cpp keeps them; `given` replaces tensors by name. Returns the float32 values each tensor
-    holds (dequantized by the gguf package's reference)."""
+    biases in F32, as llama.cpp keeps them; `given` replaces tensors by name; `mix` gives the tensors whose GGUF
+    name contains a key that key's type instead (Q4_K_M: {"ffn_down": "Q6_K", "attn_v": "Q6_K"}). Returns the
+    float32 values each tensor holds (dequantized by the gguf package's reference)."""
     import gguf
 
+    default = qtype
     ckpt = open_checkpoint(folder)
     cfg, raw = ckpt.config, ckpt.raw_config
     arch = ARCH[raw["model_type"]]
@@ -118,9 +120,10 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
     if cfg.shared_expert_intermediate_size:
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     _tokenizer(writer, folder, raw)
-    kind = gguf.GGMLQuantizationType[qtype]
     held: dict[str, np.ndarray] = {}
     for name, w in (gguf_tensors(folder) | (given or {})).items():
+        qtype = next((t for part, t in (mix or {}).items() if part in name), default)
+        kind = gguf.GGMLQuantizationType[qtype]
         if w.ndim == 1 or qtype == "F32" or w.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] or name in (given or {}):
             writer.add_tensor(name, w.astype(np.float32))
             held[name] = w.astype(np.float32)

@@ -15,9 +15,16 @@ import torch
 from tandem.app.cli import main
 from tandem.autotune.configure import load_model
 from tandem.kernels.errors import CheckpointError, UnsupportedModelError
+from tandem.kernels.quant import QuantizedMatrix
+from tandem.runtime.accelerator import EmulatedAccelerator
 from tandem.runtime.checkpoint import open_checkpoint
+from tandem.runtime.dispatch import OffloadOptions, Strategy
+from tandem.runtime.engine import Engine
+from tandem.runtime.model import MoEModel
+from tandem.runtime.sampling import SamplingParams
 from tests.conftest import build_hf_checkpoint
 from tests.ggufs import write_gguf
+from tests.test_dispatch import MULTI_TOKEN_FETCH
 
 pytestmark = pytest.mark.isa  # F16 and float32 weights run on the kernels: again under every CPU feature mask
 
@@ -57,19 +64,91 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "F16"])
-def test_quantized_tensors_are_read_as_their_dequantized_values(wide: Path, tmp_path: Path, qtype: str) -> None:
-    """The same weights as an F32 file: the same logits, bit for bit for the block formats (dequantized to float32,
-    they run on the float32 kernels as the F32 file does). F16 experts stay F16 and run on the kernels' F16 path,
-    whose sums may be grouped differently (AVX2's compiled loops): equal to float32 rounding."""
+@pytest.mark.parametrize("resident", [False, True])
+def test_quantized_tensors_run_as_stored_and_match_their_dequantized_values(wide: Path, tmp_path: Path, qtype: str,
+                                                                            resident: bool) -> None:
+    """The same weights as an F32 file of their dequantized values: the block formats stay blocks, views of the file
+    (experts, attention, lm_head), and run on the kernels' block paths, whose float32 sums over the same values are
+    grouped differently: equal to float32 rounding, within 1e-5 of the logits' largest magnitude (the K formats'
+    random scales make it 150-360 here; measured: at most 2.3e-6 of it). F16 experts run on the kernels' F16 path
+    likewise.
+    Resident, the experts are one RAM copy of the file's bytes; else the file's memory map itself."""
     held = write_gguf(wide, tmp_path / "q.gguf", qtype)
     write_gguf(wide, tmp_path / "f.gguf", "F32", given=held)
     kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "q.gguf")).tensors}
     assert qtype in kinds  # the experts, attention and lm_head are stored so
-    got, want = logits(tmp_path / "q.gguf"), logits(tmp_path / "f.gguf")
+    loaded = load_model(tmp_path / "q.gguf", dtype="fp32", resident=resident)
+    got, want = loaded.model.forward(IDS, 0), logits(tmp_path / "f.gguf")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
     if qtype == "F16":
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    else:
-        assert torch.equal(got, want)
+        return
+    model = loaded.model
+    experts = next(iter(model.dispatcher.cpu_experts.values()))
+    assert {e.kind for e in experts} == {qtype}  # the kernels read the blocks themselves
+    attn = model.layers[0].attn
+    assert isinstance(attn.o, QuantizedMatrix) and attn.o.kind == qtype
+    assert isinstance(model.lm_head, QuantizedMatrix) and model.lm_head.kind == qtype
+    mapped = loaded.checkpoint.shards[0].readers[0].data  # the file's memory map
+    lo, hi = mapped.ctypes.data, mapped.ctypes.data + mapped.nbytes
+    in_file = [lo <= m.data.data_ptr() < hi for e in experts for m in (e.gate, e.up, e.down)]  # type: ignore[union-attr]
+    assert all(in_file) if not resident else not any(in_file)
+
+
+def test_mixed_formats_run_as_stored(wide: Path, tmp_path: Path) -> None:
+    """Q4_K_M's mix: Q4_K, with the experts' down matrices and attention's v in Q6_K. A layer's experts run with down
+    in another format than gate and up; q, k and v side by side, each in its own."""
+    held = write_gguf(wide, tmp_path / "q.gguf", "Q4_K", mix={"ffn_down": "Q6_K", "attn_v": "Q6_K"})
+    write_gguf(wide, tmp_path / "f.gguf", "F32", given=held)
+    loaded = load_model(tmp_path / "q.gguf", dtype="fp32")
+    got, want = loaded.model.forward(IDS, 0), logits(tmp_path / "f.gguf")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    experts = next(iter(loaded.model.dispatcher.cpu_experts.values()))
+    assert {(e.kind, e.down_kind) for e in experts} == {("Q4_K", "Q6_K")}
+    assert [m.kind for m in loaded.model.layers[0].attn.qkv] == ["Q4_K", "Q4_K", "Q6_K"]  # type: ignore[union-attr]
+    for tokens in (1, 3):  # one token (the four-row kernels) and several, against the dequantized experts
+        x = torch.randn(tokens, 256)
+        for e in experts[:2]:
+            g, u, d = e.dense(torch.float64)
+            ref = torch.nn.functional.linear(torch.nn.functional.silu(x.double() @ g.T) * (x.double() @ u.T), d)
+            with torch.inference_mode():  # (the model's buffers were made so)
+                y = e(x).double()
+            torch.testing.assert_close(y, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("strategy", list(Strategy))
+def test_the_accelerator_holds_experts_as_blocks(wide: Path, tmp_path: Path, strategy: Strategy) -> None:
+    """Accelerator slots keep a Q4_K_M file's experts as its blocks (dequantized on use): 3.1 times the slots a bf16
+    expert would get in the same memory (Q6_K down matrices; 3.6 with Q4_K alone); static, cached, fetched and
+    CPU-served experts give the CPU-only logits and tokens."""
+    write_gguf(wide, tmp_path / "q.gguf", "Q4_K", mix={"ffn_down": "Q6_K"})
+    ckpt = open_checkpoint(tmp_path / "q.gguf")
+    cfg = ckpt.config
+    prompt = torch.randint(3, 500, (1, 5), generator=torch.Generator().manual_seed(5))
+
+    def build(accel: EmulatedAccelerator | None, policy: OffloadOptions | None = None) -> Engine:
+        return Engine(MoEModel.from_checkpoint(ckpt, torch.bfloat16, 64, 1, accel, policy), ())
+
+    cpu = build(None)
+    ref_logits = cpu.model.forward(prompt, 0)
+    ref_tokens = list(cpu.generate(prompt[0].tolist(), SamplingParams(max_new_tokens=6)))
+    budget = 12 << 20
+    engine = build(EmulatedAccelerator(budget),
+                   OffloadOptions(strategy, cache_ways=2, static=((0, 1),), cost=MULTI_TOKEN_FETCH))
+    try:
+        slot = engine.model.dispatcher.scratch
+        h, i = cfg.hidden_size, cfg.moe_intermediate_size
+        assert [t.dtype for t in slot.tensors()] == [torch.uint8] * 3
+        slot_bytes = sum(t.numel() for t in slot.tensors())
+        assert slot_bytes == (2 * i * h // 256 * 144 + h * i // 256 * 210)  # Q4_K gate and up, Q6_K down
+        assert 3 * h * i * 2 / slot_bytes > 3.0  # bf16's bytes over these
+        assert (engine.model.forward(prompt, 0) - ref_logits).abs().max().item() <= 0.02 * ref_logits.abs().max()
+        tokens = list(engine.generate(prompt[0].tolist(), SamplingParams(max_new_tokens=6)))
+        gpu, _, fetched = engine.model.dispatcher.request_stats().per_layer.sum(0)
+    finally:
+        engine.model.close()
+    assert tokens == ref_tokens
+    if strategy is not Strategy.CPU:
+        assert gpu > 0
 
 
 def test_a_split_model_opens_from_any_part_and_a_missing_part_is_named(mixtral_dir: Path, tmp_path: Path) -> None:
@@ -104,13 +183,55 @@ def test_files_tandem_cannot_read_are_refused_by_name(wide: Path, tmp_path: Path
         assert err.startswith("error: ") and says in err and "Traceback" not in err
 
 
-def test_the_memory_estimate_counts_experts_dequantized_at_load(wide: Path, tmp_path: Path) -> None:
+def test_the_memory_estimate_counts_blocks_as_stored(wide: Path, tmp_path: Path) -> None:
+    """Q8_0 experts stay in the memory map, or (resident) take their file bytes in RAM; dense matrices count their
+    blocks (34 bytes a 32 values), not float32 copies."""
+    from tandem.kernels.cpu import CpuOptions
     from tandem.runtime.memory import estimate_memory
+    from tandem.runtime.weights import dense_tensors
 
     write_gguf(wide, tmp_path / "q.gguf", "Q8_0")
     write_gguf(wide, tmp_path / "f.gguf", "F32")
-    ram = {kind: estimate_memory(open_checkpoint(tmp_path / f"{kind}.gguf"), torch.float32, 64).weights
-           for kind in ("q", "f")}
+    ckpt = {kind: open_checkpoint(tmp_path / f"{kind}.gguf") for kind in ("q", "f")}
+    ram = {(kind, resident): estimate_memory(ckpt[kind], torch.float32, 64, cpu=CpuOptions(resident=resident)).weights
+           for kind in ("q", "f") for resident in (False, True)}
+    cfg = ckpt["q"].config
+    experts = cfg.num_moe_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 34 // 32
+    assert ram["q", True] - ram["q", False] == experts
+    blocks = [ckpt["q"].blocks(n) for n in dense_tensors(cfg, ckpt["q"].spec)]
+    saved = sum(m.data.shape[0] * m.cols * 4 - m.nbytes for m in blocks if m is not None)
+    assert saved > 0 and ram["f", False] - ram["q", False] == saved
+
+
+def test_the_tuner_and_planner_count_blocks(wide: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's expert bytes are the file's blocks: in the same accelerator memory, a Q4_K_M file's plan
+    holds about three times the experts of a bf16 one; the tuner measures experts of those formats."""
+    from tandem.autotune.plan import ModelShape
+    from tandem.kernels.cpu import CpuExecutor
+
+    write_gguf(wide, tmp_path / "q.gguf", "Q4_K", mix={"ffn_down": "Q6_K"})
+    write_gguf(wide, tmp_path / "f.gguf", "F32")
     cfg = open_checkpoint(tmp_path / "q.gguf").config
-    experts = cfg.num_moe_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
-    assert ram["q"] - ram["f"] == experts  # F32 experts stay in the memory map; Q8_0 ones become float32 copies
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    shape = ModelShape.from_checkpoint(open_checkpoint(tmp_path / "q.gguf"))
+    assert shape.expert_quant == "Q4_K/Q6_K" and shape.expert_bytes == 2 * h * i // 256 * 144 + h * i // 256 * 210
+    assert ModelShape.from_checkpoint(open_checkpoint(tmp_path / "f.gguf")).expert_bytes == 3 * h * i * 2
+    hw = tmp_path / "hw.json"
+    hw.write_text(json.dumps({"cores": 8, "cpu_threads": {"8": {"expert_ms": 1.0, "per_token_ms": 0.5}},
+                              "gpu": {"expert_ms": 0.05, "h2d_gbps": 25.0,
+                                      "vram_bytes_for_experts": 4 * 3 * h * i * 2}}))  # 4 bf16 experts
+    slots = {}
+    for kind in ("q", "f"):
+        assert main(["plan", "--hardware", str(hw), "--model", str(tmp_path / f"{kind}.gguf"), "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)["plan"]
+        slots[kind] = plan["cache"]["indexes"] * plan["cache"]["ways"] + plan["static_experts"]
+    assert slots["f"] <= 4 and slots["q"] >= 3 * slots["f"] > 0
+    measured: list[tuple[str, str]] = []
+    prepare = CpuExecutor.prepare_quantized
+    monkeypatch.setattr(CpuExecutor, "prepare_quantized",
+                        lambda self, *a, **k: measured.append((a[0].kind, a[2].kind)) or prepare(self, *a, **k))
+    assert main(["autotune", "--model", str(tmp_path / "q.gguf"), "--quick", "--dtype", "fp32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["predicted_tok_s"] > 0
+    assert set(measured) == {("Q4_K", "Q6_K")}
+    assert len(measured) > cfg.num_moe_layers * cfg.num_experts  # the model's, and the tuner's own

@@ -86,7 +86,7 @@ def validate(model_dir: str | Path, expert_fraction: float = 0.25, tokens: int =
     hw = probe()
     name = default_dtype(set(hw.cpu.flags) or None) if dtype == "auto" else dtype
     ckpt = open_checkpoint(model_dir)
-    shape = ModelShape.from_config(ckpt.config, DTYPES[name].itemsize)
+    shape = ModelShape.from_checkpoint(ckpt, DTYPES[name].itemsize)
     meas = microbench(shape, hw, DTYPES[name], quick=quick)
     trace, measured_ms, threads = record_trace(model_dir, name, tokens)
     meas.token_overhead_ms = max(0.0, measured_ms - evaluate(Plan(threads), shape, meas, trace).token_ms)

@@ -339,7 +339,7 @@ AMX_TARGET void linear_amx(const tk_linear_args *a) {
         for (int c = 0; c < a->in / 32; c++) amx_pack_chunk(a->x, a->in, a->tokens, c, a->xb);
         #pragma omp for schedule(static)
         for (int b = 0; b < a->out / 32; b++) {
-            amx_rows32(a->w, b * 32, a->in, a->xb, a->tokens, a->y, a->out);
+            amx_rows32((const uint16_t *)a->w, b * 32, a->in, a->xb, a->tokens, a->y, a->out);
             linear_round(a, b * 32, b * 32 + 32);  /* while the block is in cache: no separate pass over y */
         }
         _tile_release();

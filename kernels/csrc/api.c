@@ -4,6 +4,7 @@
  * one file per instruction set (common.h lists them). */
 #include <Python.h>
 #include "common.h"
+#include "blocks.h"
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -54,9 +55,11 @@ int tk_isa_mask(void) {
 
 dot_fn pick_dot(int kind, int isa) {
     static const dot_fn table[3][KINDS] = {
-        {dot_fp32_base, dot_bf16_base, dot_fp16_base, dot_int8_base, dot_int4_base, dot_mxfp4_base},
-        {dot_fp32_avx2, dot_bf16_avx2, dot_fp16_avx2, dot_int8_avx2, dot_int4_avx2, dot_mxfp4_avx2},
-        {fma_fp32, fma_bf16, fma_fp16, fma_int8, fma_int4, fma_mxfp4},
+        {dot_fp32_base, dot_bf16_base, dot_fp16_base, dot_int8_base, dot_int4_base, dot_mxfp4_base,
+         BLOCK_DOT_ROW(base)},
+        {dot_fp32_avx2, dot_bf16_avx2, dot_fp16_avx2, dot_int8_avx2, dot_int4_avx2, dot_mxfp4_avx2,
+         BLOCK_DOT_ROW(avx2)},
+        {fma_fp32, fma_bf16, fma_fp16, fma_int8, fma_int4, fma_mxfp4, BLOCK_DOT_ROW(avx512)},
     };
     int row = isa >= ISA_AVX512 ? 2 : isa;
     return table[row][kind];
@@ -65,13 +68,17 @@ dot_fn pick_dot(int kind, int isa) {
 /* 0 when the kernel can serve these arguments, else a negative code. */
 static int expert_checks(const tk_args *a) {
     if (a->threads < 1 || a->hidden < 1 || a->inter < 1 || a->tokens < 0) return -7;  /* (Python checks first) */
-    if (a->kind < K_FP32 || a->kind >= KINDS) return -1;
+    if (a->kind < K_FP32 || a->kind >= KINDS || a->down_kind < K_FP32 || a->down_kind >= KINDS) return -1;
+    if (a->down_kind != a->kind && !(IS_BLOCK_KIND(a->kind) && IS_BLOCK_KIND(a->down_kind))) return -1;
     if (a->act_kind != ACT_SILU && a->act_kind != ACT_CLAMPED) return -1;
     if (!(tk_isa_mask() & (1 << a->isa))) return -2;
     /* MXFP4: whole blocks of 32, on the variants with its dot products (base, AVX2, AVX-512) */
     if (a->kind == K_MXFP4 && (a->hidden % 32 || a->inter % 32 || a->isa > ISA_AVX512BF16 || !a->xb)) return -3;
     if (a->kind == K_INT4 && ((a->group != 32 && a->group != 64 && a->group != 128) || a->hidden % a->group ||
                               a->inter % a->group)) return -3;
+    /* GGUF blocks: whole blocks, on the variants with their dot products (base, AVX2, AVX-512) */
+    if (IS_BLOCK_KIND(a->kind) && (a->hidden % block_values(a->kind) || a->inter % block_values(a->down_kind) ||
+                                   a->isa > ISA_AVX512)) return -3;
     if (a->isa == ISA_AVX512BF16 && a->kind != K_MXFP4 && (a->kind != K_BF16 || !a->xb || a->inter % 2)) return -4;
     if (a->isa == ISA_AMX) {
         if ((a->kind != K_BF16 && a->kind != K_INT8 && a->kind != K_INT4) || !a->xb || a->tokens > 16 ||
@@ -130,7 +137,7 @@ int tk_experts(const tk_args *a, int n) {
         if (b->tokens <= 0) continue;
         const int code = expert_checks(b);
         if (code) return code;
-        alike = alike && b->kind == a->kind && b->hidden == a->hidden && b->inter == a->inter &&
+        alike = alike && b->kind == a->kind && b->down_kind == a->down_kind && b->hidden == a->hidden && b->inter == a->inter &&
                 b->group == a->group && b->threads == a->threads;
     }
     tk_args group[AMX_BATCH];
@@ -220,19 +227,21 @@ int tk_moe(const tk_moe_args *m) {
 }
 
 /* The variant as asked (or, for -1, the best: one token on the AVX-512 rows, more on AMX tiles, else the rows of
- * the best dot product). Returns 0, or a negative code for arguments the kernel cannot serve. */
+ * the best dot product; block kinds on the AVX-512 rows at most). Returns 0, or a negative code for arguments the kernel cannot serve. */
 int tk_linear(const tk_linear_args *a) {
     if (a->tokens <= 0) return 0;
     if (a->tokens > 16 || a->in % 32 || a->out % 32) return -5;
     if (a->threads < 1 || a->in < 1 || a->out < 1) return -7;
+    const int blocks = IS_BLOCK_KIND(a->kind);
+    if ((a->kind != K_BF16 && !blocks) || (blocks && a->in % block_values(a->kind))) return -5;
     const int mask = tk_isa_mask();
     int isa = a->isa;
     if (isa < 0) {
         isa = ISA_BASE;
         while (isa < ISA_AMX && (mask & (1 << (isa + 1)))) isa++;
-        if (a->tokens == 1 && isa >= ISA_AVX512) isa = ISA_AVX512;
+        if ((a->tokens == 1 || blocks) && isa >= ISA_AVX512) isa = ISA_AVX512;
     }
-    if (isa < ISA_BASE || isa > ISA_AMX || !(mask & (1 << isa))) return -2;
+    if (isa < ISA_BASE || isa > ISA_AMX || !(mask & (1 << isa)) || (blocks && isa > ISA_AVX512)) return -2;
     if (isa == ISA_AMX) linear_amx(a);
     else if (isa == ISA_AVX512 && a->tokens == 1) linear_one_token(a);
     else linear_rows(a, isa);

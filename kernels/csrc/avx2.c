@@ -1,8 +1,10 @@
-/* The AVX2 variant (ISA_AVX2): the plain C loops of base.c (DEFINE_DOTS, DEFINE_SUM in common.h) compiled for
- * AVX2+FMA+F16C, and MXFP4 with intrinsics; expert_generic and linear_rows (base.c) run them. */
+/* The AVX2 variant (ISA_AVX2): the plain C loops of base.c (DEFINE_DOTS, DEFINE_SUM in common.h; the block kinds'
+ * DEFINE_BLOCK_DOTS in blocks.h) compiled for AVX2+FMA+F16C, and MXFP4 with intrinsics; expert_generic and linear_rows (base.c) run them. */
 #include "common.h"
+#include "blocks.h"
 
 DEFINE_DOTS(avx2, __attribute__((target("avx2,fma,f16c"))))
+DEFINE_BLOCK_DOTS(avx2, __attribute__((target("avx2,fma,f16c"))))
 DEFINE_SUM(sum_avx2, __attribute__((target("avx2,fma"))))
 
 /* MXFP4: per block, the 16 low and the 16 high nibbles are looked up with pshufb in a table of twice the E2M1 values

@@ -1,8 +1,10 @@
 /* The AVX-512 variant (ISA_AVX512): weight rows converted 16 values at a time and FMA'd into up to 8 token
  * accumulators (the dot products expert_generic runs), the SwiGLU activation 16 lanes at a time, and one token
- * as four long runs per thread (stream_rows), for the experts of every weight kind and for dense bf16 matrices.
+ * as four long runs per thread (stream_rows), for the experts of every weight kind and for dense matrices (bf16,
+ * GGUF blocks); the block kinds' dot products (blocks.h) compiled for AVX-512.
  * One token takes these rows on AMX machines too (bf16, fp16, fp32 weights). */
 #include "common.h"
+#include "blocks.h"
 
 /* ---- AVX-512: convert 16 weights once, FMA them into up to 8 token accumulators -------------------- */
 #define FMA_STEP(J) a##J = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + (size_t)(J) * ldx + k), a##J)
@@ -350,6 +352,46 @@ AVX512_TARGET static void rows4_mxfp4(const char *const *rows, const void *const
 }
 
 
+/* GGUF block kinds, one token, four rows: per chunk of 256 values, each row's blocks unpacked into L1 (blocks.h)
+ * and FMA'd against its input in two chains; each line of the rows asked for ROWS4_PREFETCH bytes ahead. */
+#define DEFINE_BLOCK_ROWS4(NAME, V, B)                                                                      \
+AVX512_TARGET static void rows4_##NAME(const char *const *rows, const void *const *scales, int group,       \
+                                       const float *const *x, int n, float *const *res) {                   \
+    (void)scales, (void)group;                                                                              \
+    float buf[CHUNK];                                                                                       \
+    __m512 a[4][2];                                                                                         \
+    for (int j = 0; j < 4; j++) a[j][0] = a[j][1] = _mm512_setzero_ps();                                    \
+    for (int k0 = 0; k0 < n; k0 += CHUNK) {                                                                 \
+        const int c = n - k0 < CHUNK ? n - k0 : CHUNK;                                                      \
+        const size_t at = (size_t)k0 / (V) * (B), len = (size_t)c / (V) * (B);                              \
+        for (int j = 0; j < 4; j++) {                                                                       \
+            const uint8_t *w = (const uint8_t *)rows[j];                                                    \
+            for (size_t o = (at + 63) / 64 * 64; o < at + len; o += 64) PREFETCH_AHEAD(w + o);              \
+            UNPACK_CHUNK(unpack_##NAME, V, B, w, k0, c, buf);                                               \
+            for (int k = 0; k < c; k += 32) {                                                               \
+                a[j][0] = _mm512_fmadd_ps(_mm512_loadu_ps(buf + k), _mm512_loadu_ps(x[j] + k0 + k), a[j][0]); \
+                a[j][1] = _mm512_fmadd_ps(_mm512_loadu_ps(buf + k + 16), _mm512_loadu_ps(x[j] + k0 + k + 16), \
+                                          a[j][1]);                                                         \
+            }                                                                                               \
+        }                                                                                                   \
+    }                                                                                                       \
+    for (int j = 0; j < 4; j++) *res[j] = _mm512_reduce_add_ps(_mm512_add_ps(a[j][0], a[j][1]));            \
+}
+DEFINE_BLOCK_DOTS(avx512, AVX512_TARGET)
+DEFINE_BLOCK_ROWS4(q8_0, 32, 34)
+DEFINE_BLOCK_ROWS4(q4_0, 32, 18)
+DEFINE_BLOCK_ROWS4(q4_1, 32, 20)
+DEFINE_BLOCK_ROWS4(q5_0, 32, 22)
+DEFINE_BLOCK_ROWS4(q5_1, 32, 24)
+DEFINE_BLOCK_ROWS4(q4_k, 256, 144)
+DEFINE_BLOCK_ROWS4(q5_k, 256, 176)
+DEFINE_BLOCK_ROWS4(q6_k, 256, 210)
+DEFINE_BLOCK_ROWS4(gmxfp4, 32, 17)
+/* Every kind's four-row kernel, by kind. */
+static const rows4_fn FOUR[KINDS] = {rows4_fp32, rows4_bf16, rows4_fp16, rows4_int8, rows4_int4, rows4_mxfp4,
+                                     rows4_q8_0, rows4_q4_0, rows4_q4_1, rows4_q5_0, rows4_q5_1, rows4_q4_k,
+                                     rows4_q5_k, rows4_q6_k, rows4_gmxfp4};
+
 /* Where row q of a one-token pass lies (see one_token_row); `src` is the caller's description of the rows. */
 typedef row_ref (*row_lookup)(const void *src, int q);
 
@@ -401,8 +443,8 @@ static row_ref phase_row(const void *src, int q) {
 static void one_token_phase(const tk_args *a, int n, int down, rows4_fn r4, dot_fn dot) {
     const int per = down ? a->hidden : a->inter;  /* rows per matrix */
     const phase_rows src = {a, down};
-    stream_rows(phase_row, &src, n * (down ? per : 2 * per), per, down ? a->inter : a->hidden, a->kind, a->group,
-                r4, dot);
+    stream_rows(phase_row, &src, n * (down ? per : 2 * per), per, down ? a->inter : a->hidden,
+                down ? a->down_kind : a->kind, a->group, r4, dot);
     #pragma omp barrier
 }
 
@@ -410,10 +452,10 @@ static void one_token_phase(const tk_args *a, int n, int down, rows4_fn r4, dot_
  * phase by phase over all of them: gate and up rows, SwiGLU, down rows. Every entry has the same kind and shape
  * and its own buffers. */
 void experts_one_token(const tk_args *a, int n) {
-    static const rows4_fn four[KINDS] = {rows4_fp32, rows4_bf16, rows4_fp16, rows4_int8, rows4_int4, rows4_mxfp4};
     const int dp = mxfp4_dp(a);  /* MXFP4 by vdpbf16ps: reads the inputs as laid out in xb */
-    const rows4_fn r4 = dp ? rows4_mxfp4_dp : four[a->kind];
+    const rows4_fn r4 = dp ? rows4_mxfp4_dp : FOUR[a->kind], r4_down = dp ? rows4_mxfp4_dp : FOUR[a->down_kind];
     const dot_fn dot = dp ? dot_mxfp4_dp : pick_dot(a->kind, a->isa);
+    const dot_fn dot_down = dp ? dot_mxfp4_dp : pick_dot(a->down_kind, a->isa);
     #pragma omp parallel num_threads(a->threads)
     {
         if (dp) {
@@ -426,13 +468,13 @@ void experts_one_token(const tk_args *a, int n) {
             #pragma omp for schedule(static)
             for (int e = 0; e < n; e++) mxfp4_inputs_bf16(a[e].act, a[e].xb, a->inter);
         }
-        one_token_phase(a, n, 1, r4, dot);
+        one_token_phase(a, n, 1, r4_down, dot_down);
     }
 }
 
 static row_ref linear_row(const void *src, int q) {
     const tk_linear_args *a = (const tk_linear_args *)src;
-    const row_ref r = {(const char *)a->w + (size_t)q * a->in * 2, NULL, a->x, a->y + q, 0};
+    const row_ref r = {(const char *)a->w + (size_t)q * row_bytes(a->kind, a->in, 0), NULL, a->x, a->y + q, 0};
     return r;
 }
 
@@ -442,7 +484,7 @@ static row_ref linear_row(const void *src, int q) {
 void linear_one_token(const tk_linear_args *a) {
     #pragma omp parallel num_threads(a->threads)
     {
-        stream_rows(linear_row, a, a->out, a->out, a->in, K_BF16, 0, rows4_bf16, fma_bf16);
+        stream_rows(linear_row, a, a->out, a->out, a->in, a->kind, 0, FOUR[a->kind], pick_dot(a->kind, ISA_AVX512));
         const thread_run run = this_threads_run(a->out, 4);  /* this thread's rows, as stream_rows shared them */
         linear_round(a, run.lo, run.hi);
     }

@@ -2,8 +2,10 @@
  * run every variant's dot products (dot_fn) over an expert (expert_generic) or a dense matrix (linear_rows).
  * Also the RMSNorm of the decoder (tk_rms_norm_bf16, tk_rms_norm_f32) and the bandwidth probe's baseline loop. */
 #include "common.h"
+#include "blocks.h"
 
 DEFINE_DOTS(base, )
+DEFINE_BLOCK_DOTS(base, )
 
 /* MXFP4 in plain C (AVX2 has its own, avx2.c: the table lookups here do not vectorise). */
 void dot_mxfp4_base(const void *wrow, float scale, const void *gscale, int group, const float *x, int ldx, int nt,
@@ -15,10 +17,10 @@ void dot_mxfp4_base(const void *wrow, float scale, const void *gscale, int group
 /* One expert on base, AVX2 or AVX-512 (more than one token there): each row once for all tokens through the
  * variant's dot product (pick_dot), in one parallel region: gate and up rows, SwiGLU, down rows. */
 void expert_generic(const tk_args *a) {
-    const int T = a->tokens, H = a->hidden, I = a->inter, kind = a->kind, g = a->group;
-    const dot_fn dot = pick_dot(kind, a->isa);
+    const int T = a->tokens, H = a->hidden, I = a->inter, kind = a->kind, dk = a->down_kind, g = a->group;
+    const dot_fn dot = pick_dot(kind, a->isa), down_dot = pick_dot(dk, a->isa);
     const char *gate = a->gate, *up = a->up, *down = a->down;
-    const size_t in_row = row_bytes(kind, H, g), down_row = row_bytes(kind, I, g);
+    const size_t in_row = row_bytes(kind, H, g), down_row = row_bytes(dk, I, g);
     #pragma omp parallel num_threads(a->threads)
     {
         #pragma omp for schedule(static)
@@ -31,8 +33,8 @@ void expert_generic(const tk_args *a) {
         swiglu_rows(a);
         #pragma omp for schedule(static)
         for (int h = 0; h < H; h++)
-            dot(down + (size_t)h * down_row, row_scale(a->down_scale, kind, h),
-                row_scales(a->down_scale, kind, h, I, g), g, a->act, 2 * I, T, I, a->out + h, H);
+            down_dot(down + (size_t)h * down_row, row_scale(a->down_scale, dk, h),
+                     row_scales(a->down_scale, dk, h, I, g), g, a->act, 2 * I, T, I, a->out + h, H);
     }
 }
 
@@ -47,10 +49,12 @@ void linear_round(const tk_linear_args *a, int lo, int hi) {
 }
 
 /* Any token count on any variant: pairs of rows, each read once for all tokens, through the experts' dot
- * products (AVX512_BF16: vdpbf16ps against x rounded to bf16, which is exact when x came from bf16). */
+ * products of the matrix's kind (AVX512_BF16, bf16 only: vdpbf16ps against x rounded to bf16, which is exact when x
+ * came from bf16). */
 void linear_rows(const tk_linear_args *a, int isa) {
     const int T = a->tokens, I = a->in, O = a->out;
-    const dot_fn dot = pick_dot(K_BF16, isa);
+    const dot_fn dot = pick_dot(a->kind, isa);
+    const size_t rb = row_bytes(a->kind, I, 0);
     #pragma omp parallel num_threads(a->threads)
     {
         if (isa == ISA_AVX512BF16) {
@@ -60,9 +64,10 @@ void linear_rows(const tk_linear_args *a, int isa) {
         #pragma omp for schedule(static)
         for (int r = 0; r < O; r += 32) {  /* O is a multiple of 32 (checked) */
             for (int q = r; q < r + 32; q += 2) {
-                const uint16_t *w = a->w + (size_t)q * I;
-                if (isa == ISA_AVX512BF16) dot2_bf16_dp(w, w + I, a->xb, NULL, I, T, I, a->y + q, O);
-                else for (int j = 0; j < 2; j++) dot(w + (size_t)j * I, 1.f, NULL, 0, a->x, I, T, I, a->y + q + j, O);
+                const char *w = (const char *)a->w + (size_t)q * rb;
+                if (isa == ISA_AVX512BF16)
+                    dot2_bf16_dp((const uint16_t *)w, (const uint16_t *)(w + rb), a->xb, NULL, I, T, I, a->y + q, O);
+                else for (int j = 0; j < 2; j++) dot(w + (size_t)j * rb, 1.f, NULL, 0, a->x, I, T, I, a->y + q + j, O);
             }
             linear_round(a, r, r + 32);
         }

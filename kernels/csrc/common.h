@@ -7,9 +7,9 @@
  *
  * Weight kinds: fp32, bf16, fp16 (row-major [rows, cols]); int8 with one float scale per row; int4 with one
  * bf16 scale per group of `group` values, stored as bytes whose low nibble is element j and high nibble
- * element j + group/2 of the group (values offset by 8); MXFP4 (gpt-oss, GGUF): blocks of 32 FP4 (E2M1) values in
- * 16 bytes laid out as int4's groups of 32, with one E8M0 scale byte per block (its value 2^(e-127)). Activations
- * are float32.
+ * element j + group/2 of the group (values offset by 8); MXFP4 (gpt-oss): blocks of 32 FP4 (E2M1) values in
+ * 16 bytes laid out as int4's groups of 32, with one E8M0 scale byte per block (its value 2^(e-127)); and GGUF's
+ * block formats (Q8_0 ... Q6_K, MXFP4) with their scales inside the rows (blocks.h). Activations are float32.
  *
  * The activation is SwiGLU, or gpt-oss's clamped SwiGLU (`act_kind`, with `alpha` and `limit`); gate, up and down may
  * have biases (float32), added where the reference adds them: gate and up before the activation, down to the result.
@@ -26,6 +26,7 @@
  *   amx.c         AMX tiles for 2-16 tokens: bf16 weights, and int8/int4 in the block layout of
  *                 kernels/quant.py against 16-bit fixed-point activations
  *   vnni.c        on AMX machines, one token of int8/int4 (block layout) with AVX512-VNNI, 15-bit fixed point
+ *   blocks.h      GGUF's block formats: each block unpacked into L1, the dot products every variant compiles
  *   api.c         what Python calls through ctypes: the ISA mask, the checks, the choice of variant, several
  *                 experts in shared parallel regions (tk_experts), a whole MoE layer (tk_moe), dense matrices
  *                 (tk_linear), the argument struct sizes, and the module init that makes it importable
@@ -44,7 +45,11 @@
 #include <omp.h>
 #include <immintrin.h>
 
-enum { K_FP32 = 0, K_BF16 = 1, K_FP16 = 2, K_INT8 = 3, K_INT4 = 4, K_MXFP4 = 5, KINDS };
+enum { K_FP32 = 0, K_BF16 = 1, K_FP16 = 2, K_INT8 = 3, K_INT4 = 4, K_MXFP4 = 5,
+       /* GGUF's block formats, rows as the file stores them (blocks.h) */
+       K_Q8_0 = 6, K_Q4_0 = 7, K_Q4_1 = 8, K_Q5_0 = 9, K_Q5_1 = 10, K_Q4_K = 11, K_Q5_K = 12, K_Q6_K = 13,
+       K_GMXFP4 = 14, KINDS };
+#define IS_BLOCK_KIND(k) ((k) >= K_Q8_0 && (k) < KINDS)
 enum { ACT_SILU = 0, ACT_CLAMPED = 1 };  /* silu(g) * u; gpt-oss: g' = min(g, limit), (clamp(u) + 1) * g' sigmoid(alpha g') */
 enum { ISA_BASE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AMX = 4 };
 
@@ -71,6 +76,8 @@ typedef struct {
     const float *gate_bias, *up_bias, *down_bias;  /* NULL, or [I], [I], [H] */
     int act_kind;                        /* ACT_SILU or ACT_CLAMPED */
     float alpha, limit;                  /* ACT_CLAMPED's */
+    int down_kind;                       /* down's kind: `kind`, or another block kind when gate and up are blocks
+                                          * (GGUF's Q4_K_M keeps some down matrices in Q6_K) */
 } tk_args;
 
 /* One expert of a MoE layer (tk_moe). */
@@ -92,17 +99,19 @@ typedef struct {
     const uint16_t *x_bf16;              /* NULL, or [T, H] bf16: read instead of x (no float copy made first) */
 } tk_moe_args;
 
-/* A dense bf16 matrix for a few tokens (attention projections, routers, lm_head in decode and beams): y [T, O] =
+/* A dense matrix for a few tokens (attention projections, routers, lm_head in decode and beams): y [T, O] =
  * x [T, I] . W^T, W [O, I] row-major, through the same kernels as the experts (one token: AVX-512 rows; more: AMX
- * tiles; without those, rows through the dot products of the variant). */
+ * tiles; without those, rows through the dot products of the variant). bf16, or a GGUF block kind (its rows as
+ * stored; AVX-512 rows at most). */
 typedef struct {
     int tokens, in, out, threads;
-    const uint16_t *w;
+    const void *w;
     const float *x;                      /* [T, I] */
     float *y;                            /* [T, O] */
     uint16_t *xb;                        /* scratch: 16 * I bf16 */
     uint16_t *yb;                        /* NULL, or [T, O]: y rounded to bf16 as well (nearest even) */
     int isa;                             /* the variant to use, or -1: the best for this CPU and token count */
+    int kind;                            /* K_BF16 or a block kind */
 } tk_linear_args;
 
 /* ---- values: bf16, weight kinds to float32 -------------------------------------------------------------- */
@@ -317,12 +326,22 @@ static inline void swiglu_rows(const tk_args *a) {
     }
 }
 
+/* A block kind's values and bytes a block (blocks.h; kernels/blocks.py FORMATS). */
+static inline int block_values(int kind) { return kind >= K_Q4_K && kind <= K_Q6_K ? 256 : 32; }
+static inline int block_bytes(int kind) {
+    static const int bytes[KINDS] = {[K_Q8_0] = 34, [K_Q4_0] = 18, [K_Q4_1] = 20, [K_Q5_0] = 22, [K_Q5_1] = 24,
+                                     [K_Q4_K] = 144, [K_Q5_K] = 176, [K_Q6_K] = 210, [K_GMXFP4] = 17};
+    return bytes[kind];
+}
+
 static inline size_t row_bytes(int kind, int n, int group) {
+    (void)group;
+    if (IS_BLOCK_KIND(kind)) return (size_t)(n / block_values(kind)) * block_bytes(kind);
     switch (kind) {
         case K_FP32: return (size_t)n * 4;
         case K_BF16: case K_FP16: return (size_t)n * 2;
         case K_INT8: return (size_t)n;
-        default: (void)group; return (size_t)n / 2;  /* int4, MXFP4 */
+        default: return (size_t)n / 2;  /* int4, MXFP4 */
     }
 }
 
@@ -348,7 +367,7 @@ typedef struct { const char *w; const void *s; const float *x; float *res; int e
 static inline int mxfp4_dp(const tk_args *a) { return a->kind == K_MXFP4 && a->isa == ISA_AVX512BF16; }
 
 static inline row_ref one_token_row(const tk_args *a, int down, int q) {
-    const int H = a->hidden, I = a->inter, kind = a->kind;
+    const int H = a->hidden, I = a->inter, kind = down ? a->down_kind : a->kind;
     row_ref r;
     if (down) {
         const tk_args *e = a + q / H;

@@ -1,0 +1,104 @@
+"""The kernels read GGUF's block formats as stored: dense matrices (DenseLinear) and experts (one, several, a whole
+layer) against float64 products over the same matrices dequantized by kernels/blocks.py (which the gguf package's
+reference checks bit for bit, tests/test_blocks.py), on every kernel variant this CPU has."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.kernels.blocks import FORMATS, block_matrix
+from tandem.kernels.cpu import BLOCK_KINDS, CpuExecutor, DenseLinear, available_isas, library
+from tandem.kernels.quant import QuantizedMatrix
+
+pytestmark = [pytest.mark.isa, pytest.mark.skipif(library() is None, reason="the kernels are not built")]
+ISAS = [i for i in ("base", "avx2", "avx512") if i in available_isas()]
+
+
+def matrix(fmt: str, rows: int, cols: int, seed: int) -> QuantizedMatrix:
+    """Random blocks whose scales are small ordinary numbers (f16 d and m; E8M0 near 2^-7)."""
+    f = FORMATS[fmt]
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (rows, cols // f.values, f.nbytes), generator=g, dtype=torch.uint8)
+    if fmt == "MXFP4":
+        raw[..., 0] = torch.randint(118, 124, raw.shape[:-1], generator=g, dtype=torch.uint8)
+    else:
+        scale = torch.rand(raw.shape[:-1] + (2,), generator=g) * 0.002 + 0.0005  # [rows, blocks, 2]
+        bits = scale.half().view(torch.uint8)  # [rows, blocks, 4]: two f16 values
+        for k, at in enumerate({"Q6_K": [208]}.get(fmt, [0, 2] if fmt in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else [0])):
+            raw[..., at : at + 2] = bits[..., 2 * k : 2 * k + 2]
+    return block_matrix(raw.reshape(rows, -1), fmt)
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal to float32 rounding: the same values summed in another order."""
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+def width(fmt: str) -> int:
+    """A row width that is not a whole number of 256-value chunks where the format allows (9 blocks of 32)."""
+    return 512 if FORMATS[fmt].values == 256 else 288
+
+
+@pytest.mark.parametrize("isa", [None, *ISAS])
+@pytest.mark.parametrize("fmt", BLOCK_KINDS)
+def test_dense_matrices_of_every_format_match_the_dequantized_product(fmt: str, isa: str | None) -> None:
+    cols = width(fmt)
+    w = matrix(fmt, 96, cols, seed=1)
+    ref = w.dequantize(torch.float64)  # [96, cols]
+    linear = DenseLinear(2, isa=isa)
+    for tokens in (1, 3, 20):  # one token (four-row runs), a few, more than one call's 16
+        x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
+        close(linear(x, w, out_dtype=torch.float32), x.double() @ ref.T)
+        xb = x.bfloat16()
+        close(linear(xb, w, out_dtype=torch.float32), xb.double() @ ref.T)
+    bias = torch.randn(192)  # two matrices side by side (q, k and v of different formats), one bias for both
+    close(linear(x, [w, w], bias, out_dtype=torch.float32), torch.cat([x.double() @ ref.T] * 2, -1) + bias.double())
+
+
+def reference(x: torch.Tensor, mats: list[QuantizedMatrix]) -> torch.Tensor:
+    g, u, d = (m.dequantize(torch.float64) for m in mats)
+    return F.linear(F.silu(x.double() @ g.T) * (x.double() @ u.T), d)
+
+
+@pytest.mark.parametrize("isa", [None, *ISAS])
+@pytest.mark.parametrize("formats", [(f, f) for f in BLOCK_KINDS] + [("Q4_K", "Q6_K"), ("Q4_0", "Q8_0")])
+def test_experts_of_every_format_match_the_dequantized_reference(formats: tuple[str, str], isa: str | None) -> None:
+    """One expert at a time (one token and several, then chunks of tokens past the crossover), several in one call,
+    and a layer's experts through one call from the routing, with gate and up in one format and down in another as
+    Q4_K_M has them."""
+    fmt, down_fmt = formats
+    h, i = width(fmt), width(down_fmt)
+    ex = CpuExecutor(h, i, torch.float32, 2, isa=isa)
+    experts = []
+    for e in range(4):
+        mats = [matrix(fmt, i, h, 10 * e), matrix(fmt, i, h, 10 * e + 1), matrix(down_fmt, h, i, 10 * e + 2)]
+        experts.append((ex.prepare_quantized(*mats), mats))
+    assert {(e.kind, e.down_kind) for e, _ in experts} == {formats}
+    g = torch.Generator().manual_seed(3)
+    for tokens in (1, 3, 20):
+        x = torch.randn(tokens, h, generator=g)
+        close(experts[0][0](x), reference(x, experts[0][1]))
+    xs = [torch.randn(n, h, generator=g) for n in (1, 2, 1)]
+    got: dict[int, torch.Tensor] = {}
+    ex.run_many([(e, x) for (e, _), x in zip(experts, xs, strict=False)], lambda k, y: got.__setitem__(k, y.clone()))
+    for k, x in enumerate(xs):
+        close(got[k], reference(x, experts[k][1]))
+    layer = ex.layer([e for e, _ in experts])
+    x = torch.randn(3, h, generator=g)
+    ids = torch.tensor([[0, 2], [1, 2], [3, 0]])
+    weights = torch.rand(3, 2, generator=g)
+    want = torch.stack([sum(weights[t, k].double() * reference(x[t : t + 1], experts[int(ids[t, k])][1])[0]
+                            for k in range(2)) for t in range(3)])
+    close(ex.run_layer(layer, x, ids, weights), want)
+
+
+def test_a_down_matrix_of_another_kind_than_blocks_is_refused() -> None:
+    ex = CpuExecutor(256, 256, torch.float32, 1)
+    gate, up = matrix("Q4_K", 256, 256, 0), matrix("Q4_K", 256, 256, 1)
+    with pytest.raises(ValueError, match="down must be a Q4_K matrix"):
+        ex.prepare_quantized(gate, up, QuantizedMatrix("int8", torch.zeros(256, 256, dtype=torch.int8),
+                                                       torch.ones(256), 256))
+    with pytest.raises(ValueError, match="up must be a Q4_K matrix"):
+        ex.prepare_quantized(gate, matrix("Q8_0", 256, 256, 2), matrix("Q6_K", 256, 256, 3))
