@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     add(chat, "--models-dir")
     chat.set_defaults(func=_chat)
 
+    models = sub.add_parser("models", help="list the models found: --models-dir folders, the Hugging Face cache, "
+                                           "LM Studio and Ollama")
+    add(models, "--models-dir", "--json")
+    models.set_defaults(func=_models)
+
     tune = sub.add_parser("autotune", help="measure this machine on a model and save the best plan as a profile")
     add(tune, "--model", help="model folder to tune for (default: the built-in model)")
     add(tune, "--quick", help="fewer measurements (about 15 s)")
@@ -232,12 +237,45 @@ def _chat(args: argparse.Namespace) -> int:
         args.model = path
         return RuntimeBackend(load_from_args(args, notify=notices.append, progress=app.loading_progress))
 
-    folders = [Path(p).expanduser() for p in args.models_dir] or [Path.home() / "models"]
-    app = TandemApp(load_backend, args.model, models_folders=folders)
+    app = TandemApp(load_backend, args.model, models_folders=_models_folders(args))
     app.run()
     for text in notices:
         print(f"note: {text}", file=sys.stderr)
     return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    import psutil
+
+    from tandem.autotune.probe import probe
+    from tandem.runtime.discover import discover
+
+    entries = discover(_models_folders(args))
+    gpus = probe().gpus
+    vram = gpus[0].memory_total if gpus else None
+    ram = psutil.virtual_memory().total
+    rows = [{"name": e.name, "family": e.family, "runs": e.runs, "quant": e.quant, "params": e.params,
+             "experts": e.experts, "size_bytes": e.size_bytes, "fits_ram": e.fits(ram), "on_gpu": e.fits_vram(vram),
+             "source": e.source, "path": e.path} for e in entries]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        print("no models found; pass --models-dir DIR, or download one (Hugging Face, LM Studio, Ollama)")
+        return 0
+    head = ("name", "family", "quant", "size", "fits RAM", "on GPU", "from")
+    table = [head] + [(r["name"], r["family"] if r["runs"] else f"{r['family']} (not run)", r["quant"],
+                       f"{r['size_bytes'] / 2**30:.1f} GiB", "yes" if r["fits_ram"] else "no", r["on_gpu"],
+                       r["source"]) for r in rows]
+    widths = [max(len(str(row[k])) for row in table) for k in range(len(head))]
+    for row in table:
+        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def _models_folders(args: argparse.Namespace) -> list[Path]:
+    """The folders of model folders to look in: --models-dir, else ~/models."""
+    return [Path(p).expanduser() for p in args.models_dir] or [Path.home() / "models"]
 
 
 def _autotune(args: argparse.Namespace) -> int:
@@ -269,12 +307,13 @@ def _plan(args: argparse.Namespace) -> int:
     from tandem.autotune.plan import ModelShape, make_plan
     from tandem.runtime.checkpoint import open_checkpoint
     from tandem.runtime.families import parse_config
+    from tandem.runtime.gguf import is_gguf
     from tandem.runtime.trace import load_sequence
 
     hw = _read_json(args.hardware, "hardware file")
     model = Path(args.model)
     item = 4 if args.dtype == "fp32" else 2
-    if model.exists() and not model.is_dir() and model.suffix != ".gguf":  # a config.json (or a FIFO refused as one)
+    if model.exists() and not model.is_dir() and not is_gguf(model):  # a config.json (or a FIFO refused as one)
         cfg = parse_config(_read_json(args.model, "model config"), str(model))[1]
         shape = ModelShape.from_config(cfg, item)
     else:  # a model folder or GGUF file: its experts' bytes as stored

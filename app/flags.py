@@ -153,13 +153,14 @@ DTYPE_CHOICES = ["auto", "bf16", "fp32"]
 FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
     # the model and the prompt
     "--model": (("--model",), dict(type=path, default=None,
-                                   help="Hugging Face model folder (config.json + *.safetensors); default: the "
-                                        "built-in model")),
+                                   help="Hugging Face model folder (config.json + *.safetensors), a .gguf file or an "
+                                        "Ollama model's name (`tandem models` lists them); default: the built-in "
+                                        "model")),
     "--prompt": (("-p", "--prompt"), dict(default=None, help="the prompt text")),
     "--chat": (("--chat",), dict(action="store_true", help="wrap the prompt in the model's chat template")),
     "--models-dir": (("--models-dir",), dict(action="append", default=[], metavar="DIR",
-                                             help="a folder of model folders for the picker (Ctrl+O); repeatable "
-                                                  "(default: ~/models)")),
+                                             help="a folder of models (folders, .gguf files) for the picker (Ctrl+O) "
+                                                  "and `tandem models`; repeatable (default: ~/models)")),
     # sampling
     "--max-new-tokens": (("--max-new-tokens",), dict(type=whole(0), default=256)),
     "--temperature": (("--temperature",), dict(type=real(0), default=0.0, help="0 = greedy (default)")),

@@ -33,7 +33,7 @@ from tandem.app.screens.help import (
     key_rows,
     own_widget_bindings,
 )
-from tandem.app.screens.picker import ModelEntry, PickerScreen, discover
+from tandem.app.screens.picker import PickerScreen
 from tandem.app.screens.settings import SettingsChoice, SettingsScreen
 from tandem.app.screens.wizard import WizardScreen, tuning_keys
 from tandem.app.search import ChatSearch
@@ -43,6 +43,7 @@ from tandem.app.tuning_choices import load_tuning_choices, save_skip
 from tandem.autotune.microbench import Step
 from tandem.autotune.run import Tuned, autotune
 from tandem.kernels.errors import TandemError
+from tandem.runtime.discover import Stores
 from tandem.runtime.sampling import SamplingParams
 
 
@@ -80,12 +81,15 @@ class TandemApp(App[None]):
     def __init__(self, load_backend: Callable[[str | None], ChatBackend], model: str | None = None,
                  store: ConversationStore | None = None, params: SamplingParams | None = None,
                  models_folders: list[Path] | None = None,
-                 tune: Callable[[str, str, Callable[[Step], None]], Tuned] | None = None) -> None:
-        """`load_backend(path)` loads a model folder (None: the built-in model) in a worker thread."""
+                 tune: Callable[[str, str, Callable[[Step], None]], Tuned] | None = None,
+                 stores: Stores | None = None) -> None:
+        """`load_backend(path)` loads a model folder (None: the built-in model) in a worker thread. The picker lists
+        `models_folders` and other apps' `stores` (None: where they keep models on this machine)."""
         super().__init__()
         self.load_backend = load_backend
         self.model_path = model
         self.models_folders = models_folders or []
+        self.stores = stores
         self.tune = tune or self.tune_loaded
         self.store = store or ConversationStore()
         self.settings, self.settings_notice = load_settings()  # the defaults new chats start with
@@ -200,6 +204,7 @@ class TandemApp(App[None]):
         if self.busy():
             return
         from tandem.runtime.builtin import builtin_dir
+        from tandem.runtime.discover import ModelEntry, discover
 
         def chosen(entry: ModelEntry | None) -> None:
             if entry is not None and not self.busy():  # (an answer may have started from the keyboard meanwhile)
@@ -209,7 +214,7 @@ class TandemApp(App[None]):
 
         gpus = probe().gpus
         vram = gpus[0].memory_total if gpus else None
-        self.push_screen(PickerScreen(discover(self.models_folders, builtin_dir()), error, vram), chosen)
+        self.push_screen(PickerScreen(discover(self.models_folders, builtin_dir(), self.stores), error, vram), chosen)
 
     # -- tuning ---------------------------------------------------------------------------------
     def screen_changed(self, screen: Screen) -> None:

@@ -90,10 +90,19 @@ class Checkpoint:
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
+    from tandem.runtime.gguf import is_gguf
+
     folder = Path(path).expanduser()
     if not folder.exists():
-        raise CheckpointError(f"model folder {folder} does not exist; pass a folder with config.json and *.safetensors")
-    if folder.is_file() and folder.suffix == ".gguf":
+        from tandem.runtime.discover import OLLAMA_NAME, resolve_ollama_name
+
+        blob = resolve_ollama_name(str(path)) if OLLAMA_NAME.match(str(path)) else None
+        if blob is not None:  # an Ollama model's name: its GGUF blob
+            return _open_gguf(blob)
+        raise CheckpointError(f"model folder {folder} does not exist; pass a folder with config.json and "
+                              "*.safetensors, a .gguf file or the name of an Ollama model (`tandem models` lists "
+                              "those it finds)")
+    if folder.is_file() and (folder.suffix == ".gguf" or is_gguf(folder)):
         return _open_gguf(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder} is a file; pass the model folder that contains it, or a .gguf file")

@@ -41,6 +41,7 @@ Meta = dict[str, Any]  # a file's metadata, with plain Python values
 # the tokenizer's large arrays: left out of `GGUFFile.meta` (the tokenizer reads them itself)
 TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                     "tokenizer.ggml.scores")
+GGUF_MAGIC = b"GGUF"  # a GGUF file's first bytes
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
@@ -52,6 +53,17 @@ class Source:
     name: str
     expert: int | None = None
     heads: int = 0
+
+
+def is_gguf(path: Path) -> bool:
+    """A regular file that starts as GGUF files do, whatever its name (Ollama's blobs have no suffix)."""
+    if not path.is_file():  # (a FIFO would block the read)
+        return False
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
 
 
 def gguf_files(path: Path) -> list[Path]:
@@ -243,6 +255,7 @@ def _llama(meta: Meta, vocab: int) -> dict[str, Any]:
 
 ARCHITECTURES: dict[str, Callable[[Meta, int], dict[str, Any]]] = {
     "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "olmoe": _olmoe, "llama": _llama}
+FAMILY_OF_ARCH = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe", "llama": "mixtral"}
 
 
 def config_of(meta: Meta, tensors: set[str], vocab: int) -> dict[str, Any]:

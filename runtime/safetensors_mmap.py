@@ -51,7 +51,7 @@ class SafetensorsFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self.infos = _read_header(path)
+            self.infos = read_header(path)
             size = path.stat().st_size
             with open(path, "rb") as f:
                 # ACCESS_COPY: a private mapping, so torch gets a writable buffer without copying the file;
@@ -92,7 +92,8 @@ class SafetensorsFile:
         return flat.view(info.shape)
 
 
-def _read_header(path: Path) -> dict[str, TensorInfo]:
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """A safetensors file's tensor table, checked against the file's size (its data is not read)."""
     size = path.stat().st_size
     corrupt = f"{path} is not a valid safetensors file"
     fix = "re-download or re-convert the checkpoint"

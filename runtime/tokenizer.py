@@ -65,8 +65,10 @@ class Tokenizer:
     @classmethod
     def from_model(cls, path: str | Path) -> Tokenizer:
         """The tokenizer of a model folder, or of a GGUF file (its own tokenizer metadata and chat template)."""
+        from tandem.runtime.gguf import is_gguf
+
         path = Path(path)
-        return cls.from_gguf(path) if path.suffix == ".gguf" and path.is_file() else cls.from_folder(path)
+        return cls.from_gguf(path) if path.is_file() and is_gguf(path) else cls.from_folder(path)
 
     @classmethod
     def from_gguf(cls, path: Path) -> Tokenizer:

@@ -169,6 +169,11 @@ def tandem_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mo
     """Saved state (profiles, later conversations) goes to a fresh folder per test, never the user's."""
     home = tmp_path_factory.mktemp("tandem-home")
     monkeypatch.setenv("TANDEM_HOME", str(home))
+    # other apps' model stores (the picker, `tandem models`): an empty home, never the user's
+    monkeypatch.setenv("HOME", str(home / "user"))
+    monkeypatch.setenv("OLLAMA_MODELS", str(home / "user" / ".ollama" / "models"))  # (not the system service's)
+    for name in ("HF_HOME", "HF_HUB_CACHE"):
+        monkeypatch.delenv(name, raising=False)
     return home
 
 

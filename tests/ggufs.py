@@ -84,12 +84,14 @@ def random_blocks(name: str, shape: tuple[int, ...], qtype: str, seed: int) -> n
 
 
 def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: int = 0,
-               given: dict[str, np.ndarray] | None = None, mix: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+               given: dict[str, np.ndarray] | None = None, mix: dict[str, str] | None = None,
+               file_type: str | None = None) -> dict[str, np.ndarray]:
     """`folder` (a tiny Hugging Face checkpoint with a BPE tokenizer.json) as a GGUF file: 2-D and 3-D weights in
     `qtype` (F32, F16, a block format the gguf package quantizes to, or a K format as random blocks), norms and
     biases in F32, as llama.cpp keeps them; `given` replaces tensors by name; `mix` gives the tensors whose GGUF
-    name contains a key that key's type instead (Q4_K_M: {"ffn_down": "Q6_K", "attn_v": "Q6_K"}). Returns the
-    float32 values each tensor holds (dequantized by the gguf package's reference)."""
+    name contains a key that key's type instead (Q4_K_M: {"ffn_down": "Q6_K", "attn_v": "Q6_K"}); `file_type`
+    names the whole file's (general.file_type, as llama.cpp's LlamaFileType: "MOSTLY_Q4_K_M"). Returns the float32
+    values each tensor holds (dequantized by the gguf package's reference)."""
     import gguf
 
     default = qtype
@@ -97,6 +99,8 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
     cfg, raw = ckpt.config, ckpt.raw_config
     arch = ARCH[raw["model_type"]]
     writer = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
+    if file_type is not None:
+        writer.add_file_type(gguf.LlamaFileType[file_type])
     writer.add_block_count(cfg.num_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -166,3 +170,39 @@ def _tokenizer(writer, folder: Path, raw: dict) -> None:  # type: ignore[no-unty
         writer.add_bos_token_id(int(raw["bos_token_id"]))
     if isinstance(config.get("chat_template"), str):
         writer.add_chat_template(config["chat_template"])
+
+
+def fake_stores(home: Path, model: Path) -> dict[str, str]:
+    """Other apps' stores under `home` (a user's home folder), each holding `model` (a GGUF file) as that app does:
+    LM Studio as publisher/repo/file.gguf; Ollama as a manifest naming a content-addressed blob (`qwen3:30b-a3b`,
+    and `someone/tiny:latest` in another namespace), beside a manifest whose blob is missing and one that is not
+    JSON; the Hugging Face cache as a GGUF repository's snapshot. Returns each app's name for it."""
+    import hashlib
+    import shutil
+
+    lms = home / ".lmstudio" / "models" / "lmstudio-community" / "Tiny-MoE-GGUF"
+    lms.mkdir(parents=True)
+    shutil.copy(model, lms / "Tiny-MoE-Q4_K_M.gguf")
+    store = home / ".ollama" / "models"
+    digest = hashlib.sha256(model.read_bytes()).hexdigest()
+    (store / "blobs").mkdir(parents=True)
+    shutil.copy(model, store / "blobs" / f"sha256-{digest}")
+    layers = [{"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "0" * 64, "size": 10},
+              {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}",
+               "size": model.stat().st_size}]
+    for namespace, name, tag in (("library", "qwen3", "30b-a3b"), ("someone", "tiny", "latest")):
+        manifest = store / "manifests" / "registry.ollama.ai" / namespace / name / tag
+        manifest.parent.mkdir(parents=True)
+        manifest.write_text(json.dumps({"schemaVersion": 2, "layers": layers}))
+    gone = store / "manifests" / "registry.ollama.ai" / "library" / "gone" / "latest"
+    gone.parent.mkdir(parents=True)
+    gone.write_text(json.dumps({"layers": [{"mediaType": "application/vnd.ollama.image.model",
+                                            "digest": "sha256:" + "1" * 64}]}))
+    broken = store / "manifests" / "registry.ollama.ai" / "library" / "broken" / "latest"
+    broken.parent.mkdir(parents=True)
+    broken.write_text("{not json")
+    hub = home / ".cache" / "huggingface" / "hub" / "models--someone--Tiny-MoE-GGUF" / "snapshots" / "abc123"
+    hub.mkdir(parents=True)
+    shutil.copy(model, hub / "tiny-moe-q4_k_m.gguf")
+    return {"LM Studio": "lmstudio-community/Tiny-MoE-GGUF/Tiny-MoE-Q4_K_M.gguf", "Ollama": "qwen3:30b-a3b",
+            "Ollama other": "someone/tiny:latest", "HF cache": "someone/Tiny-MoE-GGUF/tiny-moe-q4_k_m.gguf"}

@@ -225,6 +225,44 @@ async def test_help_lists_every_key_and_the_palette_has_every_action() -> None:
         assert {b.description for b in [*ChatScreen.BINDINGS, *TandemApp.BINDINGS]} <= commands
 
 
+async def test_picker_lists_lm_studio_ollama_and_gguf_repos_and_loads_the_one_chosen(tmp_path: Path) -> None:
+    """A fake LM Studio folder, Ollama store and Hugging Face GGUF repository (tests/ggufs.py fake_stores) in the
+    tests' home: each model is listed under its app's name, with its family, quantization and source, and the
+    chosen one loads from its file (Ollama's: the blob its manifest names)."""
+    from textual.widgets import DataTable
+
+    from tandem.app.screens.picker import PickerScreen
+    from tests.conftest import build_hf_checkpoint
+    from tests.ggufs import fake_stores, write_gguf
+
+    hf = build_hf_checkpoint(tmp_path / "hf", "qwen3_moe", {"hidden_size": 256, "moe_intermediate_size": 256,
+                                                             "head_dim": 64})
+    write_gguf(hf, tmp_path / "tiny.gguf", "Q8_0", file_type="MOSTLY_Q8_0")
+    names = fake_stores(Path.home(), tmp_path / "tiny.gguf")
+    loaded: list[str | None] = []
+
+    def load_backend(path: str | None) -> FakeBackend:
+        loaded.append(path)
+        return FakeBackend()
+
+    app = TandemApp(load_backend)
+    async with app.run_test(size=(140, 30)) as pilot:
+        await wait_until(pilot, lambda: app.lifecycle.backend is not None)
+        await press(pilot, "ctrl+o")
+        picker = app.screen
+        assert isinstance(picker, PickerScreen)
+        found = {e.name: e for e in picker.entries}
+        for source in ("LM Studio", "Ollama", "HF cache"):
+            entry = found[names[source]]
+            assert (entry.source, entry.family, entry.quant, entry.runs) == (source, "Qwen3-MoE", "Q8_0", True)
+        rows = [picker.query_one(DataTable).get_row_at(i) for i in range(len(picker.entries))]
+        assert [names["Ollama"], "Qwen3-MoE", "Q8_0"] == [str(v) for v in rows[list(found).index(names["Ollama"])][:3]]
+        picker.dismiss(found[names["Ollama"]])
+        await wait_until(pilot, lambda: len(loaded) == 2)
+    blob = Path(loaded[1] or "")
+    assert blob.parent.name == "blobs" and blob.read_bytes() == (tmp_path / "tiny.gguf").read_bytes()
+
+
 async def test_picker_lists_a_models_folder_and_a_broken_model_keeps_the_app_alive(tmp_path: Path) -> None:
     from tandem.app.screens.picker import PickerScreen
     from tandem.runtime.synth import tiny_config, write_test_model
@@ -249,7 +287,8 @@ async def test_picker_lists_a_models_folder_and_a_broken_model_keeps_the_app_ali
         names = [e.name for e in picker.entries]
         assert "tiny-olmoe" in names and "broken" in names and names[0].startswith("built-in")
         tiny = next(e for e in picker.entries if e.name == "tiny-olmoe")
-        assert tiny.family == "OLMoE" and tiny.experts == 8 and tiny.params > 0 and tiny.fits
+        assert tiny.family == "OLMoE" and tiny.experts == 8 and tiny.params > 0
+        assert tiny.fits(1 << 40) and not tiny.fits(1)
         picker.dismiss(next(e for e in picker.entries if e.name == "broken"))
         await wait_until(pilot, lambda: isinstance(app.screen, PickerScreen) and app.screen is not picker
                          and app.screen.is_mounted)

@@ -1,0 +1,281 @@
+"""Finding the models a user already has: folders they name, the Hugging Face cache (safetensors folders and GGUF
+files), LM Studio's models folder, and Ollama's store (manifests naming GGUF blobs, listed under Ollama's own names,
+e.g. `qwen3:30b-a3b`). Reading is cheap: config.json, or a GGUF file's header (metadata and tensor table, through
+its memory map), never the weights.
+
+Where each app keeps its models (`Stores.default`): Hugging Face in `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
+`~/.cache/huggingface/hub`; LM Studio in `~/.lmstudio/models` (or the folder its settings name as
+`downloadsFolder`) and, in older versions, `~/.cache/lm-studio/models`, as `publisher/model/file.gguf`; Ollama in
+`$OLLAMA_MODELS`, else `~/.ollama/models` and the Linux service's `/usr/share/ollama/.ollama/models`, as
+`manifests/<registry>/<namespace>/<model>/<tag>` (JSON whose layer of media type
+`application/vnd.ollama.image.model` names the GGUF blob `blobs/sha256-<hex>`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tandem.kernels.errors import CheckpointError, TandemError
+from tandem.runtime.families import family_for, parse_config
+from tandem.runtime.gguf import ARCHITECTURES, FAMILY_OF_ARCH, SPLIT, gguf_files, is_gguf
+from tandem.runtime.safetensors_mmap import read_header
+from tandem.runtime.weights import dense_tensors, expert_tensors
+
+OLLAMA_MODEL = "application/vnd.ollama.image.model"
+OLLAMA_REGISTRY = "registry.ollama.ai"
+MANIFEST_MOST = 1 << 20  # bytes: an Ollama manifest is a few hundred
+OLLAMA_NAME = re.compile(r"^[\w.-]+(/[\w.-]+){0,2}(:[\w.-]+)?$")  # model[:tag], namespace/model[:tag], ...
+SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    path: str | None  # None: the built-in model
+    name: str
+    family: str  # the family Tandem runs it as, or the file's own architecture when it runs none
+    params: int
+    experts: int
+    size_bytes: int
+    source: str  # "built-in", "folder", "HF cache", "LM Studio", "Ollama"
+    quant: str = ""  # "bf16", "Q4_K_M", "MXFP4", ...
+    runs: bool = True  # whether Tandem runs this model (a mixture of experts of a family it knows)
+
+    def fits(self, ram: int) -> bool:
+        """Whether the weights fit in RAM (memory-mapped experts stream from disk otherwise)."""
+        return self.size_bytes <= ram
+
+    def fits_vram(self, vram: int | None) -> str:
+        """All of it on the GPU, part of it (the rest on the CPU), or no GPU."""
+        if not vram:
+            return "no GPU"
+        return "all" if self.size_bytes <= vram * 0.9 else f"{min(99, int(100 * vram * 0.9 / self.size_bytes))}%"
+
+
+@dataclass(frozen=True)
+class Stores:
+    """Where other apps keep models (see the module docstring)."""
+
+    hf_hub: Path | None = None
+    lmstudio: list[Path] = field(default_factory=list)
+    ollama: list[Path] = field(default_factory=list)
+
+    @classmethod
+    def default(cls, home: Path | None = None, env: dict[str, str] | None = None) -> Stores:
+        home = Path.home() if home is None else home
+        env = dict(os.environ) if env is None else env
+        hub = Path(env["HF_HUB_CACHE"]) if env.get("HF_HUB_CACHE") else \
+            Path(env["HF_HOME"]) / "hub" if env.get("HF_HOME") else home / ".cache" / "huggingface" / "hub"
+        lms = [home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"]
+        settings = _json(home / ".lmstudio" / "settings.json")
+        if isinstance(settings.get("downloadsFolder"), str):
+            lms.insert(0, Path(settings["downloadsFolder"]).expanduser())
+        ollama = [Path(env["OLLAMA_MODELS"])] if env.get("OLLAMA_MODELS") else \
+            [home / ".ollama" / "models", Path("/usr/share/ollama/.ollama/models")]
+        return cls(hub, list(dict.fromkeys(lms)), ollama)
+
+
+def _json(path: Path, most: int = MANIFEST_MOST) -> dict[str, Any]:
+    """A small JSON object from a file, or {} when it is missing, too large or not one."""
+    try:
+        if not path.is_file() or path.stat().st_size > most:
+            return {}
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def describe_folder(folder: Path, source: str) -> ModelEntry | None:
+    """A Hugging Face model folder of a family Tandem runs -> its entry; anything else -> None."""
+    raw = _json(folder / "config.json", 64 << 20)
+    if not raw:
+        return None
+    try:
+        spec, cfg = parse_config(raw, str(folder / "config.json"))
+    except (TandemError, KeyError, TypeError, ValueError):
+        return None
+    shapes = dense_tensors(cfg, spec) | expert_tensors(cfg, spec)
+    size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    if size == 0:
+        return None
+    qc = raw.get("quantization_config")
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "") or _stored_dtype(folder)
+    quant = str(method).upper() if method else SHORT_DTYPES.get(dtype, dtype)
+    return ModelEntry(str(folder), folder.name, spec.display_name, sum(math.prod(s) for s in shapes.values()),
+                      cfg.num_experts, size, source, quant)
+
+
+def _stored_dtype(folder: Path) -> str:
+    """The dtype of the largest tensor of a folder's first shard, from its header ("" when unreadable)."""
+    shard = next(iter(sorted(folder.glob("*.safetensors"))), None)
+    try:
+        infos = read_header(shard) if shard is not None else {}
+    except (OSError, CheckpointError):
+        return ""
+    if not infos:
+        return ""
+    biggest = max(infos.values(), key=lambda i: i.nbytes)
+    return str(biggest.dtype).removeprefix("torch.")
+
+
+def describe_gguf(path: Path, source: str, name: str | None = None) -> ModelEntry | None:
+    """A GGUF file (a whole model, or the first part of a split one) -> its entry; anything else -> None. Files of
+    an architecture Tandem does not run are listed too (`runs` False), so that the user sees why."""
+    import gguf
+    import numpy as np
+
+    split = SPLIT.match(path.name)
+    if split and int(split["part"]) != 1:
+        return None
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+        files = gguf_files(path)
+    except (OSError, ValueError, CheckpointError):
+        return None
+    fields = reader.fields
+
+    def value(key: str) -> Any:
+        f = fields.get(key)
+        return None if f is None else f.contents()
+
+    arch = str(value("general.architecture") or "")
+    experts = int(value(f"{arch}.expert_count") or 0)
+    params = sum(int(np.prod(t.shape)) for t in reader.tensors)
+    if len(files) > 1:  # the other parts' tensors count too
+        params = 0
+        for part in files:
+            params += sum(int(np.prod(t.shape)) for t in gguf.GGUFReader(str(part), "r").tensors)
+    runs = arch in ARCHITECTURES and experts > 0
+    family = _family(arch) if runs else arch or "unknown"
+    return ModelEntry(str(path), name or _gguf_name(path), family, params, experts,
+                      sum(p.stat().st_size for p in files), source, _file_type(value("general.file_type"), reader),
+                      runs)
+
+
+def _family(arch: str) -> str:
+    """The display name of the family a GGUF architecture runs as."""
+    return family_for(FAMILY_OF_ARCH[arch]).display_name
+
+
+def _gguf_name(path: Path) -> str:
+    """A file's name without `.gguf` (and without `-00001-of-000NN` for a split model)."""
+    found = SPLIT.match(path.name)
+    return found["stem"] if found else path.stem
+
+
+def _file_type(ftype: object, reader: Any) -> str:
+    """The file's quantization as llama.cpp names it (Q4_K_M), else its experts' tensor type."""
+    import gguf
+
+    if isinstance(ftype, int):
+        try:
+            return gguf.LlamaFileType(ftype).name.removeprefix("MOSTLY_").replace("ALL_", "")
+        except ValueError:
+            pass
+    kinds = [t.tensor_type.name for t in reader.tensors if "exps" in t.name]
+    return kinds[0] if kinds else ""
+
+
+def _folders(root: Path) -> Iterator[Path]:
+    """root and its subfolders, one level down (a folder of model folders)."""
+    if root.is_dir():
+        yield root
+        for sub in sorted(root.iterdir()):
+            if sub.is_dir():
+                yield sub
+
+
+def _ggufs(root: Path, depth: int) -> list[Path]:
+    """*.gguf files up to `depth` folders below root."""
+    found: list[Path] = []
+    if not root.is_dir():
+        return found
+    for level in range(depth + 1):
+        found += sorted(root.glob("/".join(["*"] * level + ["*.gguf"])))
+    return found
+
+
+def ollama_models(root: Path) -> list[tuple[str, Path]]:
+    """(Ollama name, GGUF blob) for every manifest of an Ollama store: `model:tag` for the default registry's
+    `library` namespace, `namespace/model:tag` for others there, `registry/namespace/model:tag` elsewhere."""
+    out: list[tuple[str, Path]] = []
+    manifests = root / "manifests"
+    if not manifests.is_dir():
+        return out
+    for path in sorted(manifests.glob("*/*/*/*")):
+        if not path.is_file():
+            continue
+        registry, namespace, model, tag = path.relative_to(manifests).parts
+        layers = _json(path).get("layers")
+        digest = next((layer.get("digest") for layer in layers or [] if isinstance(layer, dict)
+                       and layer.get("mediaType") == OLLAMA_MODEL), None)
+        if not isinstance(digest, str) or not digest.startswith("sha256:"):
+            continue
+        blob = root / "blobs" / digest.replace(":", "-")
+        if not blob.is_file():
+            continue
+        name = f"{model}:{tag}"
+        if namespace != "library" or registry != OLLAMA_REGISTRY:
+            name = f"{namespace}/{name}"
+        if registry != OLLAMA_REGISTRY:
+            name = f"{registry}/{name}"
+        out.append((name, blob))
+    return out
+
+
+def resolve_ollama_name(name: str, stores: Stores | None = None) -> Path | None:
+    """The GGUF blob of an Ollama model name (`qwen3:30b-a3b`, `qwen3` for `:latest`), or None."""
+    stores = stores or Stores.default()
+    wanted = name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
+    for root in stores.ollama:
+        for found, blob in ollama_models(root):
+            if found == wanted:
+                return blob
+    return None
+
+
+def discover(folders: list[Path], builtin: Path | None = None, stores: Stores | None = None) -> list[ModelEntry]:
+    """Every model found: the built-in one first, then the named folders, the Hugging Face cache, LM Studio's
+    folders and Ollama's store."""
+    stores = stores or Stores.default()
+    entries: list[ModelEntry] = []
+    if builtin is not None:
+        e = describe_folder(builtin, "built-in") if builtin.exists() else None
+        entries.append(ModelEntry(None, "built-in: SmolLM2-135M ×8 experts", "Mixtral", e.params if e else 0,
+                                  8, e.size_bytes if e else 0, "built-in", e.quant if e else "bf16"))
+    for root in folders:
+        for sub in _folders(root):
+            if e := describe_folder(sub, "folder"):
+                entries.append(e)
+        for path in _ggufs(root, 2):
+            if e := describe_gguf(path, "folder"):
+                entries.append(e)
+    hub = stores.hf_hub
+    if hub is not None and hub.is_dir():
+        for snap in sorted(hub.glob("models--*/snapshots/*")):
+            repo = snap.parent.parent.name.removeprefix("models--").replace("--", "/")
+            if e := describe_folder(snap, "HF cache"):
+                entries.append(ModelEntry(e.path, repo, e.family, e.params, e.experts, e.size_bytes, e.source,
+                                          e.quant, e.runs))
+            for path in _ggufs(snap, 1):
+                if e := describe_gguf(path, "HF cache", f"{repo}/{path.name}"):
+                    entries.append(e)
+    for root in stores.lmstudio:
+        for path in _ggufs(root, 2):
+            name = "/".join(path.relative_to(root).parts)
+            if e := describe_gguf(path, "LM Studio", name):
+                entries.append(e)
+    for root in stores.ollama:
+        for name, blob in ollama_models(root):
+            if is_gguf(blob) and (e := describe_gguf(blob, "Ollama", name)):
+                entries.append(e)
+    return entries
+
