@@ -37,6 +37,9 @@ KINDS: dict[object, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 
 # GGUF's block formats, by GGUF's names (kernels/blocks.py), rows as the file stores them (csrc/blocks.h)
 BLOCK_KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 KINDS.update({name: 6 + i for i, name in enumerate(BLOCK_KINDS)})
+# GGUF kinds whose one-token products the AVX512_BF16 variant computes against int8 activations, as llama.cpp does
+# (csrc/q8.c), where activations are bf16 anyway; float32 compute keeps the exact float path (csrc/blocks.h)
+Q8_KINDS = ("Q4_K", "Q6_K", "Q8_0")
 ACT_SILU, ACT_CLAMPED = 0, 1  # the activations the kernels compute (csrc/common.h)
 DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
 AMX_CROSSOVER = 16  # with AMX tiles the kernel stays at the bandwidth roofline up to a full tile of tokens
@@ -188,6 +191,8 @@ def best_isa(kind: object, compute_dtype: torch.dtype, isas: list[str], tokens: 
         return "avx512"
     if kind == "mxfp4" and compute_dtype == torch.bfloat16 and "avx512bf16" in isas:
         return "avx512bf16"  # one token by vdpbf16ps (several: the AVX-512 float path, which it falls back to)
+    if kind in Q8_KINDS and compute_dtype == torch.bfloat16 and "avx512bf16" in isas:
+        return "avx512bf16"  # one token against int8 activations (several: the AVX-512 float path)
     if kind in AMX_KINDS and compute_dtype == torch.bfloat16:
         if "amx" in isas:
             return "amx"
@@ -472,8 +477,8 @@ class CpuExecutor:
         if amx_layout:  # laid out for the AMX kernels alone
             return "amx" if "amx" in self.isas and tokens <= AMX_CROSSOVER else None
         isas = [i for i in self.isas if i not in BF16_ONLY]
-        if (kind == torch.bfloat16 and self.inter % 2 == 0) or kind == "mxfp4":  # vdpbf16ps (bf16: rows in pairs)
-            isas.append("avx512bf16")
+        if (kind == torch.bfloat16 and self.inter % 2 == 0) or kind == "mxfp4" or kind in BLOCK_KINDS:
+            isas.append("avx512bf16")  # vdpbf16ps (bf16: rows in pairs); GGUF blocks against int8 (csrc/q8.c)
         if self.amx_serves(kind) and tokens <= AMX_CROSSOVER and kind not in QUANT_KINDS:
             isas.append("amx")  # quantized weights reach AMX only in its block layout (the branch above)
         isas = [i for i in isas if i in self.isas]
@@ -741,8 +746,12 @@ class DenseLinear:
             flat = x.reshape(n, width)  # [n, I]
             return torch.cat([self._blocks(flat[i : i + AMX_CROSSOVER], w, bias, out_dtype)
                               for i in range(0, n, AMX_CROSSOVER)]).view(*x.shape[:-1], rows)
-        isa = self.float_isa if x.dtype == torch.float32 else self.isa
-        isa = min(isa, ISAS.index("avx512"))  # (-1: the best, which the kernel bounds likewise)
+        if x.dtype == torch.float32:  # exact float sums: the float path (the AVX-512 rows at most)
+            isa = min(self.float_isa, ISAS.index("avx512"))
+        elif self.isa == -1 and w.kind in Q8_KINDS and "avx512bf16" in available_isas():
+            isa = ISAS.index("avx512bf16")  # one token against int8 activations (csrc/q8.c)
+        else:
+            isa = min(self.isa, ISAS.index("avx512bf16"))  # (-1: the best, which the kernel bounds likewise)
         return self._kernel(x, n, w.data.data_ptr(), rows, KINDS[w.kind], isa, bias, out_dtype)
 
     def _kernel(self, x: torch.Tensor, n: int, w: int, rows: int, kind: int, isa: int, bias: torch.Tensor | None,

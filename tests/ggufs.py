@@ -123,7 +123,7 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if cfg.shared_expert_intermediate_size:
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    _tokenizer(writer, folder, raw)
+    _tokenizer(writer, folder, raw, cfg.vocab_size)
     held: dict[str, np.ndarray] = {}
     for name, w in (gguf_tensors(folder) | (given or {})).items():
         qtype = next((t for part, t in (mix or {}).items() if part in name), default)
@@ -148,19 +148,21 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
     return held
 
 
-def _tokenizer(writer, folder: Path, raw: dict) -> None:  # type: ignore[no-untyped-def]
-    """The folder's BPE tokenizer.json as llama.cpp's `gpt2` tokenizer metadata, with its chat template."""
+def _tokenizer(writer, folder: Path, raw: dict, vocab_size: int) -> None:  # type: ignore[no-untyped-def]
+    """The folder's BPE tokenizer.json as llama.cpp's `gpt2` tokenizer metadata, with its chat template; a vocabulary
+    smaller than the embedding is padded with unused [PAD<i>] tokens, as llama.cpp's converter pads it."""
     data = json.loads((folder / "tokenizer.json").read_text())
     vocab = data["model"]["vocab"]
     for added in data.get("added_tokens", []):
         vocab[added["content"]] = added["id"]
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    pads = [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
     special = {a["content"] for a in data.get("added_tokens", []) if a.get("special")}
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in special else 1 for t in tokens])  # CONTROL, NORMAL
+    writer.add_token_list(tokens + pads)
+    writer.add_token_types([3 if t in special else 1 for t in tokens] + [5] * len(pads))  # CONTROL, NORMAL, UNUSED
     writer.add_token_merges(merges)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     if raw.get("eos_token_id") is not None:

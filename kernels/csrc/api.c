@@ -78,8 +78,8 @@ static int expert_checks(const tk_args *a) {
                               a->inter % a->group)) return -3;
     /* GGUF blocks: whole blocks, on the variants with their dot products (base, AVX2, AVX-512) */
     if (IS_BLOCK_KIND(a->kind) && (a->hidden % block_values(a->kind) || a->inter % block_values(a->down_kind) ||
-                                   a->isa > ISA_AVX512)) return -3;
-    if (a->isa == ISA_AVX512BF16 && a->kind != K_MXFP4 && (a->kind != K_BF16 || !a->xb || a->inter % 2)) return -4;
+                                   a->isa > ISA_AVX512BF16 || (a->isa == ISA_AVX512BF16 && !a->xb))) return -3;
+    if (a->isa == ISA_AVX512BF16 && a->kind != K_MXFP4 && !IS_BLOCK_KIND(a->kind) && (a->kind != K_BF16 || !a->xb || a->inter % 2)) return -4;
     if (a->isa == ISA_AMX) {
         if ((a->kind != K_BF16 && a->kind != K_INT8 && a->kind != K_INT4) || !a->xb || a->tokens > 16 ||
             a->hidden % 32 || a->inter % 32) return -5;
@@ -91,7 +91,8 @@ static int expert_checks(const tk_args *a) {
 /* The shared parallel region an expert call can join (tk_experts): 0 none (it runs alone), else one of these. */
 enum { REGION_NONE, REGION_ROWS, REGION_VNNI_ONE, REGION_AMX, REGIONS };
 static int region_of(const tk_args *b) {
-    if ((b->isa == ISA_AVX512 || mxfp4_dp(b)) && b->tokens == 1) return REGION_ROWS;  /* experts_one_token */
+    if ((b->isa == ISA_AVX512 || mxfp4_dp(b) || (b->isa == ISA_AVX512BF16 && IS_BLOCK_KIND(b->kind))) &&
+        b->tokens == 1) return REGION_ROWS;  /* experts_one_token */
     if (b->isa != ISA_AMX) return REGION_NONE;
     if (b->tokens == 1 && b->kind != K_BF16) return REGION_VNNI_ONE;  /* int8, int4 */
     return REGION_AMX;
@@ -241,9 +242,9 @@ int tk_linear(const tk_linear_args *a) {
         while (isa < ISA_AMX && (mask & (1 << (isa + 1)))) isa++;
         if ((a->tokens == 1 || blocks) && isa >= ISA_AVX512) isa = ISA_AVX512;
     }
-    if (isa < ISA_BASE || isa > ISA_AMX || !(mask & (1 << isa)) || (blocks && isa > ISA_AVX512)) return -2;
+    if (isa < ISA_BASE || isa > ISA_AMX || !(mask & (1 << isa)) || (blocks && isa > ISA_AVX512BF16)) return -2;
     if (isa == ISA_AMX) linear_amx(a);
-    else if (isa == ISA_AVX512 && a->tokens == 1) linear_one_token(a);
+    else if ((isa == ISA_AVX512 || (blocks && isa == ISA_AVX512BF16)) && a->tokens == 1) linear_one_token(a);
     else linear_rows(a, isa);
     return 0;
 }

@@ -387,6 +387,12 @@ DEFINE_BLOCK_ROWS4(q4_k, 256, 144)
 DEFINE_BLOCK_ROWS4(q5_k, 256, 176)
 DEFINE_BLOCK_ROWS4(q6_k, 256, 210)
 DEFINE_BLOCK_ROWS4(gmxfp4, 32, 17)
+/* The int8-input kernels of a kind q8_serves (q8.c). */
+static rows4_fn q8_rows4(int kind) {
+    return kind == K_Q4_K ? rows4_q4_k_q8 : kind == K_Q6_K ? rows4_q6_k_q8 : rows4_q8_0_q8;
+}
+static dot_fn q8_dot(int kind) { return kind == K_Q4_K ? dot_q4_k_q8 : kind == K_Q6_K ? dot_q6_k_q8 : dot_q8_0_q8; }
+
 /* Every kind's four-row kernel, by kind. */
 static const rows4_fn FOUR[KINDS] = {rows4_fp32, rows4_bf16, rows4_fp16, rows4_int8, rows4_int4, rows4_mxfp4,
                                      rows4_q8_0, rows4_q4_0, rows4_q4_1, rows4_q5_0, rows4_q5_1, rows4_q4_k,
@@ -453,20 +459,26 @@ static void one_token_phase(const tk_args *a, int n, int down, rows4_fn r4, dot_
  * and its own buffers. */
 void experts_one_token(const tk_args *a, int n) {
     const int dp = mxfp4_dp(a);  /* MXFP4 by vdpbf16ps: reads the inputs as laid out in xb */
-    const rows4_fn r4 = dp ? rows4_mxfp4_dp : FOUR[a->kind], r4_down = dp ? rows4_mxfp4_dp : FOUR[a->down_kind];
-    const dot_fn dot = dp ? dot_mxfp4_dp : pick_dot(a->kind, a->isa);
-    const dot_fn dot_down = dp ? dot_mxfp4_dp : pick_dot(a->down_kind, a->isa);
+    const int q8_in = q8_path(a->kind, a->isa), q8_down = q8_path(a->down_kind, a->isa);  /* int8 inputs in xb */
+    const rows4_fn r4 = dp ? rows4_mxfp4_dp : q8_in ? q8_rows4(a->kind) : FOUR[a->kind];
+    const rows4_fn r4_down = dp ? rows4_mxfp4_dp : q8_down ? q8_rows4(a->down_kind) : FOUR[a->down_kind];
+    const dot_fn dot = dp ? dot_mxfp4_dp : q8_in ? q8_dot(a->kind) : pick_dot(a->kind, a->isa);
+    const dot_fn dot_down = dp ? dot_mxfp4_dp : q8_down ? q8_dot(a->down_kind) : pick_dot(a->down_kind, a->isa);
     #pragma omp parallel num_threads(a->threads)
     {
-        if (dp) {
+        if (dp || q8_in) {
             #pragma omp for schedule(static)
-            for (int e = 0; e < n; e++) mxfp4_inputs_bf16(a[e].x, a[e].xb, a->hidden);
+            for (int e = 0; e < n; e++)
+                if (dp) mxfp4_inputs_bf16(a[e].x, a[e].xb, a->hidden);
+                else q8_inputs(a->kind, a[e].x, a->hidden, a[e].xb);
         }
         one_token_phase(a, n, 0, r4, dot);
         experts_swiglu(a, n);
-        if (dp) {
+        if (dp || q8_down) {
             #pragma omp for schedule(static)
-            for (int e = 0; e < n; e++) mxfp4_inputs_bf16(a[e].act, a[e].xb, a->inter);
+            for (int e = 0; e < n; e++)
+                if (dp) mxfp4_inputs_bf16(a[e].act, a[e].xb, a->inter);
+                else q8_inputs(a->down_kind, a[e].act, a->inter, a[e].xb);
         }
         one_token_phase(a, n, 1, r4_down, dot_down);
     }
@@ -474,7 +486,8 @@ void experts_one_token(const tk_args *a, int n) {
 
 static row_ref linear_row(const void *src, int q) {
     const tk_linear_args *a = (const tk_linear_args *)src;
-    const row_ref r = {(const char *)a->w + (size_t)q * row_bytes(a->kind, a->in, 0), NULL, a->x, a->y + q, 0};
+    const float *x = q8_path(a->kind, a->isa) ? (const float *)a->xb : a->x;  /* int8 inputs: laid out in xb */
+    const row_ref r = {(const char *)a->w + (size_t)q * row_bytes(a->kind, a->in, 0), NULL, x, a->y + q, 0};
     return r;
 }
 
@@ -482,9 +495,13 @@ static row_ref linear_row(const void *src, int q) {
  * than the AMX tiles on 2048x2048 and 50304x2048 matrices (docs/bench/kernels.md): tk_linear takes them for one
  * token on AMX machines too. */
 void linear_one_token(const tk_linear_args *a) {
+    const int q8 = q8_path(a->kind, a->isa);
+    if (q8) q8_inputs(a->kind, a->x, a->in, a->xb);
+    const rows4_fn r4 = q8 ? q8_rows4(a->kind) : FOUR[a->kind];
+    const dot_fn dot = q8 ? q8_dot(a->kind) : pick_dot(a->kind, ISA_AVX512);
     #pragma omp parallel num_threads(a->threads)
     {
-        stream_rows(linear_row, a, a->out, a->out, a->in, a->kind, 0, FOUR[a->kind], pick_dot(a->kind, ISA_AVX512));
+        stream_rows(linear_row, a, a->out, a->out, a->in, a->kind, 0, r4, dot);
         const thread_run run = this_threads_run(a->out, 4);  /* this thread's rows, as stream_rows shared them */
         linear_round(a, run.lo, run.hi);
     }

@@ -57,7 +57,8 @@ void linear_rows(const tk_linear_args *a, int isa) {
     const size_t rb = row_bytes(a->kind, I, 0);
     #pragma omp parallel num_threads(a->threads)
     {
-        if (isa == ISA_AVX512BF16) {
+        const int bf16dp = isa == ISA_AVX512BF16 && a->kind == K_BF16;  /* (blocks there: the AVX-512 rows) */
+        if (bf16dp) {
             #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) to_bf16(a->x + (size_t)t * I, a->xb + (size_t)t * I, I);
         }
@@ -65,7 +66,7 @@ void linear_rows(const tk_linear_args *a, int isa) {
         for (int r = 0; r < O; r += 32) {  /* O is a multiple of 32 (checked) */
             for (int q = r; q < r + 32; q += 2) {
                 const char *w = (const char *)a->w + (size_t)q * rb;
-                if (isa == ISA_AVX512BF16)
+                if (bf16dp)
                     dot2_bf16_dp((const uint16_t *)w, (const uint16_t *)(w + rb), a->xb, NULL, I, T, I, a->y + q, O);
                 else for (int j = 0; j < 2; j++) dot(w + (size_t)j * rb, 1.f, NULL, 0, a->x, I, T, I, a->y + q + j, O);
             }

@@ -27,6 +27,7 @@
  *                 kernels/quant.py against 16-bit fixed-point activations
  *   vnni.c        on AMX machines, one token of int8/int4 (block layout) with AVX512-VNNI, 15-bit fixed point
  *   blocks.h      GGUF's block formats: each block unpacked into L1, the dot products every variant compiles
+ *   q8.c          one token of Q4_K, Q6_K and Q8_0 against int8 activations (AVX-512 BW; the AVX512_BF16 variant)
  *   api.c         what Python calls through ctypes: the ISA mask, the checks, the choice of variant, several
  *                 experts in shared parallel regions (tk_experts), a whole MoE layer (tk_moe), dense matrices
  *                 (tk_linear), the argument struct sizes, and the module init that makes it importable
@@ -286,6 +287,17 @@ TK_INTERNAL AMX_TARGET void experts_amx(const tk_args *a, int n);
 TK_INTERNAL AMX_TARGET void linear_amx(const tk_linear_args *a);
 /* vnni.c */
 TK_INTERNAL void experts_vnni_one_token(const tk_args *a, int n);
+/* q8.c */
+TK_INTERNAL int q8_block(int kind);
+TK_INTERNAL int q8_serves(int kind);
+TK_INTERNAL void q8_inputs(int kind, const float *x, int n, void *buf);
+TK_INTERNAL void rows4_q4_k_q8(const char *const *rows, const void *const *scales, int group, const float *const *x,
+                               int n, float *const *res);
+TK_INTERNAL void rows4_q6_k_q8(const char *const *rows, const void *const *scales, int group, const float *const *x,
+                               int n, float *const *res);
+TK_INTERNAL void rows4_q8_0_q8(const char *const *rows, const void *const *scales, int group, const float *const *x,
+                               int n, float *const *res);
+TK_INTERNAL dot_kernel dot_q4_k_q8, dot_q6_k_q8, dot_q8_0_q8;
 /* api.c */
 TK_INTERNAL dot_fn pick_dot(int kind, int isa);
 
@@ -365,6 +377,13 @@ static inline float row_scale(const void *s, int kind, int row) {
 typedef struct { const char *w; const void *s; const float *x; float *res; int e; } row_ref;
 /* MXFP4 on the AVX512_BF16 variant (one token): vdpbf16ps against the inputs laid out in xb (avx512bf16.c). */
 static inline int mxfp4_dp(const tk_args *a) { return a->kind == K_MXFP4 && a->isa == ISA_AVX512BF16; }
+/* GGUF blocks of `kind` on the AVX512_BF16 variant (one token): integer products against the inputs quantized to int8
+ * in xb (q8.c), for the kinds it serves. */
+static inline int q8_path(int kind, int isa) { return isa == ISA_AVX512BF16 && q8_serves(kind); }
+/* Whether a phase's rows read their inputs from xb (laid out there first). */
+static inline int reads_xb(const tk_args *a, int down) {
+    return mxfp4_dp(a) || q8_path(down ? a->down_kind : a->kind, a->isa);
+}
 
 static inline row_ref one_token_row(const tk_args *a, int down, int q) {
     const int H = a->hidden, I = a->inter, kind = down ? a->down_kind : a->kind;
@@ -374,14 +393,14 @@ static inline row_ref one_token_row(const tk_args *a, int down, int q) {
         const int row = q % H;
         r.w = (const char *)e->down + (size_t)row * row_bytes(kind, I, a->group);
         r.s = kind == K_INT8 ? (const float *)e->down_scale + row : row_scales(e->down_scale, kind, row, I, a->group);
-        r.x = mxfp4_dp(a) ? (const float *)e->xb : e->act, r.res = e->out + row, r.e = q / H;
+        r.x = reads_xb(a, 1) ? (const float *)e->xb : e->act, r.res = e->out + row, r.e = q / H;
     } else {
         const tk_args *e = a + q / (2 * I);
         const int up = q % (2 * I) >= I, row = q % I;
         const void *s = up ? e->up_scale : e->gate_scale;
         r.w = (const char *)(up ? e->up : e->gate) + (size_t)row * row_bytes(kind, H, a->group);
         r.s = kind == K_INT8 ? (const float *)s + row : row_scales(s, kind, row, H, a->group);
-        r.x = mxfp4_dp(a) ? (const float *)e->xb : e->x, r.res = e->act + (up ? I : 0) + row, r.e = q / (2 * I);
+        r.x = reads_xb(a, 0) ? (const float *)e->xb : e->x, r.res = e->act + (up ? I : 0) + row, r.e = q / (2 * I);
     }
     return r;
 }
