@@ -112,6 +112,16 @@ def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 Matrix = torch.Tensor | QuantizedMatrix | list[QuantizedMatrix]
 
 
+def matrix_bytes(m: Matrix, rows: int | None = None) -> int:
+    """The bytes of a matrix as kept (GGUF blocks: as stored), or of its first `rows` rows."""
+    if isinstance(m, list):
+        return sum(matrix_bytes(part, rows) for part in m)
+    if isinstance(m, QuantizedMatrix):
+        return m.nbytes if rows is None else m.data[:rows].numel()
+    t = m if rows is None else m[:rows]
+    return t.numel() * t.element_size()
+
+
 @dataclass
 class Attention:
     qkv: Matrix  # q, k and v projections stacked: [(Hq + 2 Hkv) * D, H], one matrix-vector pass for all three

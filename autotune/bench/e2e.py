@@ -28,6 +28,7 @@ from tandem.autotune.microbench import dram_bandwidth
 from tandem.autotune.probe import probe
 from tandem.runtime.engine import Engine, GenerationStats
 from tandem.runtime.loader import LoadedModel
+from tandem.runtime.model import matrix_bytes
 from tandem.runtime.sampling import SamplingParams
 
 FULL = {
@@ -122,9 +123,8 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
     # one expert's bytes as the kernels read them: the file's dtype, or quantized (int8, int4 with their scales)
     expert_bytes = layer_experts[0].nbytes if layer_experts else \
         3 * cfg.hidden_size * cfg.moe_intermediate_size * model.dtype.itemsize
-    dense_bytes = sum(t.numel() * t.element_size() for t in (model.embed[:1], model.norm, model.lm_head))
-    dense_bytes += sum(sum(w.numel() * w.element_size() for w in (a.qkv, a.o))
-                       for a in (layer.attn for layer in model.layers))
+    dense_bytes = matrix_bytes(model.embed, 1) + matrix_bytes(model.norm) + matrix_bytes(model.lm_head)
+    dense_bytes += sum(matrix_bytes(a.qkv) + matrix_bytes(a.o) for a in (layer.attn for layer in model.layers))
     per_token = dense_bytes + cfg.num_moe_layers * cfg.top_k * expert_bytes  # weights read per decode token
     rows = []
     later: list[dict[str, Any]] = []  # points for a child-process peer, run after Tandem's rows

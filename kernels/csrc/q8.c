@@ -69,12 +69,19 @@ Q8_TARGET static inline __m512i two256(const void *lo, const void *hi) {
  * sub-block 2i low, 2i + 1 high). sum = d dx sum_j sc_j (q_j . x_j) - dmin dx sum_j m_j bsum_j ---------------- */
 Q8_TARGET static inline void q4k_super(const uint8_t *blk, const int8_t *xq, float dx, const int16_t *bs,
                                        __m512 *acc, float *offset) {
-    uint8_t sc[8], mn[8];
-    const uint8_t *s = blk + 4;
-    for (int i = 0; i < 4; i++) sc[i] = s[i] & 63, mn[i] = s[i + 4] & 63;
-    for (int i = 4; i < 8; i++) sc[i] = (s[i + 4] & 15) | (s[i - 4] >> 6) << 4, mn[i] = (s[i + 4] >> 4) | (s[i] >> 6) << 4;
-    int mins = 0;
-    for (int i = 0; i < 8; i++) mins += mn[i] * (bs[2 * i] + bs[2 * i + 1]);
+    /* the 12 bytes as three words a, b, c: scales 0-3 the low 6 bits of a's bytes, mins 0-3 of b's; scales 4-7 the
+     * low nibbles of c's bytes with a's top two bits above them, mins 4-7 c's high nibbles with b's top bits */
+    uint32_t w[3];
+    memcpy(w, blk + 4, 12);
+    const uint32_t six = 0x3f3f3f3fu, nib = 0x0f0f0f0fu, top = 0x03030303u;
+    const uint32_t sw[2] = {w[0] & six, (w[2] & nib) | ((w[0] >> 6) & top) << 4};
+    const uint32_t mw[2] = {w[1] & six, ((w[2] >> 4) & nib) | ((w[1] >> 6) & top) << 4};
+    uint8_t sc[8];
+    memcpy(sc, sw, 8);
+    /* sum_i m_i (bsum_2i + bsum_2i+1): each min over its two 16-value sums */
+    const __m128i m8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mw));  /* 8 mins, 16-bit */
+    const __m256i m16 = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
+    const __m256i mins = _mm256_madd_epi16(m16, _mm256_loadu_si256((const __m256i *)bs));
     const __m512i low = _mm512_set1_epi8(15);
     __m512i isum = _mm512_setzero_si512();
     for (int p = 0; p < 2; p++) {  /* 64 bytes: sub-blocks 4p (low nibbles of bytes 0-31), 4p + 1 (their high),
@@ -89,7 +96,10 @@ Q8_TARGET static inline void q4k_super(const uint8_t *blk, const int8_t *xq, flo
     }
     const float d = f16f(blk) * dx;
     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d), *acc);
-    *offset -= f16f(blk + 2) * dx * (float)mins;
+    /* the mins' 8 lanes into the accumulator too, times -dmin dx */
+    const __m512 m = _mm512_castps256_ps512(_mm256_cvtepi32_ps(mins));
+    *acc = _mm512_mask3_fmadd_ps(m, _mm512_set1_ps(-f16f(blk + 2) * dx), *acc, 0xFF);
+    (void)offset;
 }
 
 /* ---- Q6_K: superblock = ql[128], qh[64], int8 scales[16] (one per 16 values), d. Per half of 128 values, ql's 64
@@ -98,14 +108,24 @@ Q8_TARGET static inline void q4k_super(const uint8_t *blk, const int8_t *xq, flo
  * sc_g bsum_g) ---------------------------------------------------------------------------------------------- */
 Q8_TARGET static inline void q6k_super(const uint8_t *blk, const int8_t *xq, float dx, const int16_t *bs,
                                        __m512 *acc, float *offset) {
-    const int8_t *sc = (const int8_t *)(blk + 192);
-    int bias = 0;
-    for (int g = 0; g < 16; g++) bias += sc[g] * bs[g];
-    const __m512i scales = _mm512_cvtepi8_epi16(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)sc)));
+    const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+    const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+    /* the offsets' sum_g sc_g bsum_g, 8 lanes of pairs (summed with the products below) */
+    const __m256i bias = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)bs));
+    const __m512i scales = _mm512_castsi256_si512(sc16);
     const __m512i low = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3);
     const __m512i shift_a = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);  /* 0 | 2 */
     const __m512i shift_b = _mm512_add_epi16(shift_a, _mm512_set1_epi16(4));                     /* 4 | 6 */
-    __m512i isum = _mm512_setzero_si512();
+    /* each 16 values' scale over its 8 lanes of products: groups 0-3, 4-7, 8-11, 12-15 */
+    const __m512i ia = _mm512_set_epi16(
+        3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i four = _mm512_set1_epi16(4);
+    const __m512i s0 = _mm512_permutexvar_epi16(ia, scales), s1 = _mm512_permutexvar_epi16(_mm512_add_epi16(ia, four), scales);
+    const __m512i ib = _mm512_add_epi16(ia, _mm512_set1_epi16(8));
+    const __m512i s2 = _mm512_permutexvar_epi16(ib, scales), s3 = _mm512_permutexvar_epi16(_mm512_add_epi16(ib, four), scales);
+    /* the products' sums less 32 times the offsets' (codes are q + 32): bias's 8 lanes, times -32, into lanes 0-7 */
+    __m512i isum = _mm512_castsi256_si512(_mm256_mullo_epi32(bias, _mm256_set1_epi32(-32)));
+    isum = _mm512_inserti64x4(isum, _mm256_setzero_si256(), 1);
     for (int half = 0; half < 2; half++) {
         const __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * half));
         const __m256i h256 = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));
@@ -117,19 +137,11 @@ Q8_TARGET static inline void q6k_super(const uint8_t *blk, const int8_t *xq, flo
         const int8_t *x = xq + 128 * half;
         const __m512i pa = _mm512_maddubs_epi16(qa, _mm512_loadu_si512((const void *)x));         /* values 0-63 */
         const __m512i pb = _mm512_maddubs_epi16(qb, _mm512_loadu_si512((const void *)(x + 64)));  /* 64-127 */
-        /* each 16 values' scale over its 8 lanes of products: groups 8 half + 0-3, then 4-7 */
-        const __m512i ia = _mm512_set_epi16(
-            3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-        const __m512i base = _mm512_set1_epi16((short)(8 * half));
-        const __m512i sa = _mm512_permutexvar_epi16(_mm512_add_epi16(ia, base), scales);
-        const __m512i sb = _mm512_permutexvar_epi16(_mm512_add_epi16(ia, _mm512_add_epi16(base, _mm512_set1_epi16(4))),
-                                                    scales);
-        isum = _mm512_add_epi32(isum, _mm512_madd_epi16(pa, sa));
-        isum = _mm512_add_epi32(isum, _mm512_madd_epi16(pb, sb));
+        isum = _mm512_add_epi32(isum, _mm512_madd_epi16(pa, half ? s2 : s0));
+        isum = _mm512_add_epi32(isum, _mm512_madd_epi16(pb, half ? s3 : s1));
     }
-    const float d = f16f(blk + 208) * dx;
-    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d), *acc);
-    *offset -= d * 32.f * (float)bias;
+    (void)offset;
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(f16f(blk + 208) * dx), *acc);
 }
 
 /* ---- Q8_0: blocks of d and 32 int8 codes; two blocks a step (signed by signed: |w| against x signed as w) ---- */
