@@ -15,6 +15,7 @@ in Hugging Face's order here. The MoE architectures of llama.cpp map to Tandem's
 | qwen2moe | qwen2_moe |
 | olmoe | olmoe |
 | llama with experts | mixtral |
+| glm4moe | glm4_moe |
 
 Letters: E experts, I expert width, H hidden size.
 """
@@ -253,9 +254,33 @@ def _llama(meta: Meta, vocab: int) -> dict[str, Any]:
         "intermediate_size": int(_get(meta, a, "feed_forward_length"))}
 
 
+def _glm4moe(meta: Meta, vocab: int) -> dict[str, Any]:
+    """GLM-4.5(-Air): block_count includes the multi-token-prediction layers (not run, as transformers does not),
+    rope.dimension_count the rotated dims of a head (partial rotary)."""
+    a = "glm4moe"
+    raw = _common(meta, a, vocab)
+    nextn = int(meta.get(f"{a}.nextn_predict_layers", 0))
+    raw["num_hidden_layers"] -= nextn
+    head_dim = int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"])
+    rotary = int(meta.get(f"{a}.rope.dimension_count", head_dim // 2))
+    return raw | {
+        "model_type": "glm4_moe", "head_dim": head_dim, "partial_rotary_factor": rotary / head_dim,
+        "n_routed_experts": int(_get(meta, a, "expert_count")),
+        "moe_intermediate_size": int(_get(meta, a, "expert_feed_forward_length")),
+        "intermediate_size": int(_get(meta, a, "feed_forward_length")),
+        "n_shared_experts": int(meta.get(f"{a}.expert_shared_count", 1)),
+        "first_k_dense_replace": int(meta.get(f"{a}.leading_dense_block_count", 1)),
+        "routed_scaling_factor": float(meta.get(f"{a}.expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm", True)),
+        "n_group": int(meta.get(f"{a}.expert_group_count", 1)),
+        "topk_group": int(meta.get(f"{a}.expert_group_used_count", 1)),
+        "num_nextn_predict_layers": nextn}
+
+
 ARCHITECTURES: dict[str, Callable[[Meta, int], dict[str, Any]]] = {
-    "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "olmoe": _olmoe, "llama": _llama}
-FAMILY_OF_ARCH = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe", "llama": "mixtral"}
+    "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "olmoe": _olmoe, "llama": _llama, "glm4moe": _glm4moe}
+FAMILY_OF_ARCH = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe", "llama": "mixtral",
+                  "glm4moe": "glm4_moe"}
 
 
 def config_of(meta: Meta, tensors: set[str], vocab: int) -> dict[str, Any]:
@@ -267,12 +292,17 @@ def config_of(meta: Meta, tensors: set[str], vocab: int) -> dict[str, Any]:
             f"GGUF architecture {arch!r} is not one Tandem reads yet; it reads {', '.join(ARCHITECTURES)}")
     raw = ARCHITECTURES[arch](meta, vocab)
     dense = [i for i in range(raw["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
-    if dense and "mlp_only_layers" not in raw:
+    if "first_k_dense_replace" in raw:  # the dense layers come first (GLM)
+        if dense != list(range(raw["first_k_dense_replace"])):
+            raise CheckpointError(f"this {arch} file says its first {raw['first_k_dense_replace']} layers are dense, "
+                                  f"but layers {dense[:3]} have no router; the file is inconsistent")
+    elif dense and "mlp_only_layers" not in raw:
         raise UnsupportedModelError(f"GGUF layers {dense[:3]} have no router: {arch} files are all mixture of "
                                     "experts layers")
-    if dense:
+    elif dense:
         raw["mlp_only_layers"] = dense
     raw["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    raw["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
     raw["tie_word_embeddings"] = "output.weight" not in tensors
     if f"{arch}.attention.clamp_kqv" in meta:
         raw["clip_qkv"] = float(meta[f"{arch}.attention.clamp_kqv"])
@@ -315,6 +345,8 @@ def sources(names: list[str], moe_prefix: str, router: str, expert_proj: tuple[s
             out[name] = Source(f"{blk}.{_IN_LAYER[rest]}", heads=heads)
         elif rest == f"{moe_prefix}.{router}.weight":
             out[name] = Source(f"{blk}.ffn_gate_inp.weight")
+        elif rest == f"{moe_prefix}.{router}.e_score_correction_bias":
+            out[name] = Source(f"{blk}.exp_probs_b.bias")
         elif (found := experts.match(rest)) is not None:
             out[name] = Source(f"{blk}.ffn_{kinds[found[2]]}_exps.weight", expert=int(found[1]))
         elif shared and rest.startswith(f"{moe_prefix}.{shared}.") and rest.endswith("_proj.weight"):

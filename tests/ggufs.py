@@ -12,7 +12,7 @@ import numpy as np
 
 from tandem.runtime.checkpoint import open_checkpoint
 
-ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe"}
+ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "glm4_moe": "glm4moe"}
 ATTN = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output", "q_norm": "attn_q_norm",
         "k_norm": "attn_k_norm"}
 
@@ -49,11 +49,13 @@ def gguf_tensors(folder: Path) -> dict[str, np.ndarray]:
                 out[f"{blk}.{ATTN[a[1]]}.{a[2]}"] = w
             elif rest in ("block_sparse_moe.gate.weight", "mlp.gate.weight"):
                 out[f"{blk}.ffn_gate_inp.weight"] = w
+            elif rest == "mlp.gate.e_score_correction_bias":
+                out[f"{blk}.exp_probs_b.bias"] = w
             elif (e := re.match(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$", rest)) is not None:
                 kind = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",
                         "down_proj": "down"}[e[2]]
                 stacks.setdefault(f"{blk}.ffn_{kind}_exps.weight", {})[int(e[1])] = w
-            elif (s := re.match(r"mlp\.shared_expert\.(gate|up|down)_proj\.weight$", rest)) is not None:
+            elif (s := re.match(r"mlp\.shared_experts?\.(gate|up|down)_proj\.weight$", rest)) is not None:
                 out[f"{blk}.ffn_{s[1]}_shexp.weight"] = w
             elif rest == "mlp.shared_expert_gate.weight":
                 out[f"{blk}.ffn_gate_inp_shexp.weight"] = w[0]  # [1, H] -> [H], as llama.cpp stores it
@@ -121,8 +123,18 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
     else:
         writer.add_feed_forward_length(raw.get("intermediate_size", cfg.moe_intermediate_size))
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    if cfg.shared_expert_intermediate_size:
+    if cfg.shared_expert_intermediate_size and arch != "glm4moe":
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "glm4moe":  # as the converter's Glm4MoeModel writes it
+        writer.add_expert_shared_count(int(raw.get("n_shared_experts", 1)))
+        writer.add_leading_dense_block_count(int(raw.get("first_k_dense_replace", 1)))
+        writer.add_expert_weights_scale(float(raw.get("routed_scaling_factor", 1.0)))
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_rope_dimension_count(cfg.rotary_dim)
+        writer.add_nextn_predict_layers(0)
+        if cfg.n_group > 1:
+            writer.add_expert_group_count(cfg.n_group)
+            writer.add_expert_group_used_count(cfg.topk_group)
     _tokenizer(writer, folder, raw, cfg.vocab_size)
     held: dict[str, np.ndarray] = {}
     for name, w in (gguf_tensors(folder) | (given or {})).items():

@@ -29,7 +29,7 @@ from tests.test_dispatch import MULTI_TOKEN_FETCH
 pytestmark = pytest.mark.isa  # F16 and float32 weights run on the kernels: again under every CPU feature mask
 
 READ = ["mixtral", "mixtral-tied", "qwen3_moe", "qwen3_moe-dense-bias", "qwen2_moe-shared", "qwen2_moe-dense-noshared",
-        "olmoe"]
+        "olmoe", "glm4_moe", "glm4_moe-grouped-qknorm", "glm4_moe-fullrope-nobias"]
 IDS = torch.randint(0, 500, (1, 13), generator=torch.Generator().manual_seed(1))
 
 
