@@ -16,6 +16,7 @@ in Hugging Face's order here. The MoE architectures of llama.cpp map to Tandem's
 | olmoe | olmoe |
 | llama with experts | mixtral |
 | glm4moe | glm4_moe |
+| deepseek2 | deepseek_v2 (softmax gating), deepseek_v3 (sigmoid) |
 
 Letters: E experts, I expert width, H hidden size.
 """
@@ -48,12 +49,14 @@ SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 @dataclass(frozen=True)
 class Source:
-    """Where a Hugging Face tensor lies in the GGUF: its tensor, the expert's index in a stacked one (or None), and
-    whether its rows are llama.cpp's RoPE order (q or k of a `llama` model: `heads` to undo it with)."""
+    """Where a Hugging Face tensor lies in the GGUF: its tensor, the expert's index in a stacked one (or None),
+    whether its rows are llama.cpp's RoPE order (q or k of a `llama` model: `heads` to undo it with), and for
+    DeepSeek's kv_b_proj, whether it was split into attn_k_b (each head's k rows, transposed) and attn_v_b."""
 
     name: str
     expert: int | None = None
     heads: int = 0
+    kv_b: str | None = None  # DeepSeek's kv_b_proj split by llama.cpp: `name` is attn_k_b, this attn_v_b
 
 
 def is_gguf(path: Path) -> bool:
@@ -98,6 +101,10 @@ class GGUFFile:
     def name(self, names: dict[str, Source], shapes: dict[str, tuple[int, ...]]) -> None:
         """Give the tensors their Hugging Face names (those found), in the shapes a checkpoint of them holds."""
         path = self.path
+        for hf, src in names.items():  # llama.cpp's newer files split DeepSeek's kv_b into k_b and v_b
+            k_b, v_b = src.name.replace("attn_kv_b", "attn_k_b"), src.name.replace("attn_kv_b", "attn_v_b")
+            if src.name.endswith("attn_kv_b.weight") and src.name not in self.tensors and k_b in self.tensors:
+                names[hf] = Source(k_b, kv_b=v_b)
         found = {hf: src for hf, src in names.items() if src.name in self.tensors}
         # the experts run as one dtype (a layer's in one kernel call): their own when the file keeps them all in one
         # float type, else float32 (a quantized file keeps some in F16, e.g. rows that are not whole blocks)
@@ -107,6 +114,13 @@ class GGUFFile:
         for hf, src in found.items():
             t = self.tensors[src.name]
             kind = t.tensor_type.name
+            if src.kv_b is not None:  # k_b [heads, rank, nope] and v_b [heads, v, rank] -> [heads * (nope + v), rank]
+                v = self.tensors[src.kv_b]  # (GGML lists dimensions innermost first)
+                heads, rank, nope = int(t.shape[2]), int(t.shape[1]), int(t.shape[0])
+                shape = (heads * (nope + int(v.shape[1])), rank)
+                self.sources[hf] = src
+                self.infos[hf] = TensorInfo(torch.float32, shape, 0, math.prod(shape) * 4)
+                continue
             if kind not in FLOATS and kind not in FORMATS:
                 raise UnsupportedModelError(
                     f"{path.name}: tensor {src.name} is stored as {kind}, a GGUF type Tandem does not read yet "
@@ -128,11 +142,17 @@ class GGUFFile:
     def mapped(self, name: str) -> bool:
         """Whether `tensor(name)` is a view of the file (a float type kept as it is) rather than a new copy."""
         src = self.sources[name]
+        if src.kv_b is not None:
+            return False
         kind = self.tensors[src.name].tensor_type.name
         return kind in FLOATS and FLOATS[kind] == self.infos[name].dtype and not src.heads
 
     def tensor(self, name: str) -> torch.Tensor:
         src, info = self.sources[name], self.infos[name]
+        if src.kv_b is not None:
+            k_b, v_b = self._values(src.name), self._values(src.kv_b)  # [heads, rank, nope], [heads, v, rank]
+            kv_b = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # [heads, nope + v, rank]
+            return kv_b.reshape(-1, k_b.shape[1]).to(info.dtype)  # [heads * (nope + v), rank]
         t = self.tensors[src.name]
         kind = t.tensor_type.name
         rows = t.data if src.expert is None else t.data[src.expert]  # numpy views of the memory map
@@ -151,7 +171,7 @@ class GGUFFile:
         src = self.sources[name]
         t = self.tensors[src.name]
         kind = t.tensor_type.name
-        if kind not in FORMATS or len(self.infos[name].shape) != 2:
+        if kind not in FORMATS or len(self.infos[name].shape) != 2 or src.kv_b is not None:
             return None
         rows = t.data if src.expert is None else t.data[src.expert]  # numpy uint8 [rows, bytes a row] of the map
         raw = torch.from_numpy(rows).view(torch.uint8)
@@ -159,6 +179,15 @@ class GGUFFile:
         if src.heads:
             raw = unpermute(raw, src.heads).contiguous()
         return block_matrix(raw, kind)
+
+    def _values(self, gguf_name: str) -> torch.Tensor:
+        """A whole GGUF tensor as float32, in its Hugging Face dimension order (dequantized if in blocks)."""
+        t = self.tensors[gguf_name]
+        shape = tuple(int(d) for d in reversed(t.shape))
+        raw = torch.from_numpy(np.ascontiguousarray(t.data))
+        kind = t.tensor_type.name
+        w = raw.view(FLOATS[kind]).float() if kind in FLOATS else dequantize(raw, kind)
+        return w.reshape(shape)
 
     def read_into(self, name: str, out: memoryview) -> None:
         w = self.tensor(name).contiguous()
@@ -277,10 +306,49 @@ def _glm4moe(meta: Meta, vocab: int) -> dict[str, Any]:
         "num_nextn_predict_layers": nextn}
 
 
+def _deepseek2(meta: Meta, vocab: int) -> dict[str, Any]:
+    """DeepSeek-V2 (softmax gating) and V3 (sigmoid gating, expert_gating_func 2): llama.cpp writes MLA as one
+    key/value head of kv_lora_rank + rope dims, the head's own sizes in the `_mla` keys; YaRN's mscale_all_dim as
+    0.1 times the log multiplier (and mscale equal to it, as the published configs have it)."""
+    a = "deepseek2"
+    raw = _common(meta, a, vocab)
+    raw.pop("head_dim", None)
+    raw["num_key_value_heads"] = raw["num_attention_heads"]
+    rope = int(_get(meta, a, "rope.dimension_count"))
+    sigmoid = int(meta.get(f"{a}.expert_gating_func", 1)) == 2
+    groups, used = int(meta.get(f"{a}.expert_group_count", 1)), int(meta.get(f"{a}.expert_group_used_count", 1))
+    out = raw | {
+        "model_type": "deepseek_v3" if sigmoid else "deepseek_v2",
+        "kv_lora_rank": int(_get(meta, a, "attention.kv_lora_rank")),
+        "q_lora_rank": int(meta.get(f"{a}.attention.q_lora_rank", 0)) or None,
+        "qk_rope_head_dim": rope, "qk_nope_head_dim": int(_get(meta, a, "attention.key_length_mla")) - rope,
+        "v_head_dim": int(_get(meta, a, "attention.value_length_mla")),
+        "n_routed_experts": int(_get(meta, a, "expert_count")),
+        "n_shared_experts": int(meta.get(f"{a}.expert_shared_count", 0)),
+        "moe_intermediate_size": int(_get(meta, a, "expert_feed_forward_length")),
+        "intermediate_size": int(_get(meta, a, "feed_forward_length")),
+        "first_k_dense_replace": int(meta.get(f"{a}.leading_dense_block_count", 0)),
+        "routed_scaling_factor": float(meta.get(f"{a}.expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm", False)),
+        "n_group": groups, "topk_group": used,
+        "scoring_func": "sigmoid" if sigmoid else "softmax",
+        "topk_method": "noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy"}
+    if meta.get(f"{a}.rope.scaling.type") == "yarn":
+        log_mul = float(meta.get(f"{a}.rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        out["rope_scaling"] = {
+            "type": "yarn", "factor": float(_get(meta, a, "rope.scaling.factor")),
+            "original_max_position_embeddings": int(_get(meta, a, "rope.scaling.original_context_length")),
+            "beta_fast": float(meta.get(f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(meta.get(f"{a}.rope.scaling.yarn_beta_slow", 1.0)),
+            "mscale": log_mul, "mscale_all_dim": log_mul}
+    return out
+
+
 ARCHITECTURES: dict[str, Callable[[Meta, int], dict[str, Any]]] = {
-    "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "olmoe": _olmoe, "llama": _llama, "glm4moe": _glm4moe}
+    "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "olmoe": _olmoe, "llama": _llama, "glm4moe": _glm4moe,
+    "deepseek2": _deepseek2}
 FAMILY_OF_ARCH = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe", "llama": "mixtral",
-                  "glm4moe": "glm4_moe"}
+                  "glm4moe": "glm4_moe", "deepseek2": "deepseek_v2"}
 
 
 def config_of(meta: Meta, tensors: set[str], vocab: int) -> dict[str, Any]:
@@ -320,7 +388,13 @@ _IN_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layer
              "self_attn.v_proj.bias": "attn_v.bias", "self_attn.o_proj.bias": "attn_output.bias",
              "self_attn.q_norm.weight": "attn_q_norm.weight",
              "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+             # DeepSeek's multi-head latent attention
+             "self_attn.q_a_proj.weight": "attn_q_a.weight", "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+             "self_attn.q_b_proj.weight": "attn_q_b.weight",
+             "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+             "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+             "self_attn.kv_b_proj.weight": "attn_kv_b.weight"}
 
 
 def sources(names: list[str], moe_prefix: str, router: str, expert_proj: tuple[str, str, str], shared: str | None,

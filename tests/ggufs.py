@@ -12,9 +12,11 @@ import numpy as np
 
 from tandem.runtime.checkpoint import open_checkpoint
 
-ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "glm4_moe": "glm4moe"}
+ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "glm4_moe": "glm4moe",
+        "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
 ATTN = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output", "q_norm": "attn_q_norm",
-        "k_norm": "attn_k_norm"}
+        "k_norm": "attn_k_norm", "q_a_proj": "attn_q_a", "q_b_proj": "attn_q_b", "q_a_layernorm": "attn_q_a_norm",
+        "kv_a_proj_with_mqa": "attn_kv_a_mqa", "kv_a_layernorm": "attn_kv_a_norm", "kv_b_proj": "attn_kv_b"}
 
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -22,8 +24,10 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(folder: Path) -> dict[str, np.ndarray]:
-    """The checkpoint's tensors under llama.cpp's names, float32 numpy, experts stacked [E, rows, cols]."""
+def gguf_tensors(folder: Path, split_kv_b: bool = True) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors under llama.cpp's names, float32 numpy, experts stacked [E, rows, cols]; DeepSeek's
+    kv_b_proj split into attn_k_b (each head's k rows, transposed) and attn_v_b as the converter does today
+    (`split_kv_b`), or whole as older converters wrote it."""
     ckpt = open_checkpoint(folder)
     cfg, raw = ckpt.config, ckpt.raw_config
     arch = ARCH[raw["model_type"]]
@@ -43,6 +47,10 @@ def gguf_tensors(folder: Path) -> dict[str, np.ndarray]:
                 out[f"{blk}.attn_norm.weight"] = w
             elif rest == "post_attention_layernorm.weight":
                 out[f"{blk}.ffn_norm.weight"] = w
+            elif rest == "self_attn.kv_b_proj.weight" and split_kv_b:
+                kv_b = w.reshape(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)  # [heads, nope + v, rank]
+                out[f"{blk}.attn_k_b.weight"] = np.ascontiguousarray(kv_b[:, : cfg.qk_nope_head_dim].swapaxes(1, 2))
+                out[f"{blk}.attn_v_b.weight"] = np.ascontiguousarray(kv_b[:, cfg.qk_nope_head_dim :])
             elif (a := re.match(r"self_attn\.(\w+)\.(weight|bias)$", rest)) is not None:
                 if arch == "llama" and a[1] in ("q_proj", "k_proj"):
                     w = permute(w, cfg.num_heads if a[1] == "q_proj" else cfg.num_kv_heads)
@@ -87,7 +95,7 @@ def random_blocks(name: str, shape: tuple[int, ...], qtype: str, seed: int) -> n
 
 def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: int = 0,
                given: dict[str, np.ndarray] | None = None, mix: dict[str, str] | None = None,
-               file_type: str | None = None) -> dict[str, np.ndarray]:
+               file_type: str | None = None, split_kv_b: bool = True) -> dict[str, np.ndarray]:
     """`folder` (a tiny Hugging Face checkpoint with a BPE tokenizer.json) as a GGUF file: 2-D and 3-D weights in
     `qtype` (F32, F16, a block format the gguf package quantizes to, or a K format as random blocks), norms and
     biases in F32, as llama.cpp keeps them; `given` replaces tensors by name; `mix` gives the tensors whose GGUF
@@ -107,7 +115,8 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
+    if arch != "deepseek2":
+        writer.add_head_count_kv(cfg.num_kv_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_expert_count(cfg.num_experts)
@@ -115,7 +124,7 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
     writer.add_expert_weights_norm(bool(cfg.norm_topk_prob))
     if cfg.clip_qkv:
         writer.add_clamp_kqv(cfg.clip_qkv)
-    if raw.get("head_dim"):
+    if raw.get("head_dim") and arch != "deepseek2":
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
     if arch == "llama":
@@ -125,6 +134,32 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if cfg.shared_expert_intermediate_size and arch != "glm4moe":
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "deepseek2":  # as the converter's DeepseekV2Model writes it: MLA as one key/value head
+        writer.add_head_count_kv(1)
+        writer.add_kv_lora_rank(cfg.kv_lora_rank)
+        if cfg.q_lora_rank:
+            writer.add_q_lora_rank(cfg.q_lora_rank)
+        writer.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        writer.add_value_length(cfg.kv_lora_rank)
+        writer.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        writer.add_value_length_mla(cfg.v_head_dim)
+        writer.add_leading_dense_block_count(int(raw.get("first_k_dense_replace", 0)))
+        writer.add_expert_shared_count(int(raw.get("n_shared_experts", 0)))
+        writer.add_expert_weights_scale(float(raw.get("routed_scaling_factor", 1.0)))
+        writer.add_rope_dimension_count(cfg.qk_rope_head_dim)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if raw["model_type"] == "deepseek_v3"
+                                      else gguf.ExpertGatingFuncType.SOFTMAX)
+        if cfg.n_group > 1:
+            writer.add_expert_group_count(cfg.n_group)
+            writer.add_expert_group_used_count(cfg.topk_group)
+        rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}  # (transformers 5 saves the latter)
+        if rope.get("type", rope.get("rope_type")) == "yarn":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(rope["factor"])
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            writer.add_rope_scaling_yarn_beta_fast(rope.get("beta_fast", 32))
+            writer.add_rope_scaling_yarn_beta_slow(rope.get("beta_slow", 1))
+            writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
     if arch == "glm4moe":  # as the converter's Glm4MoeModel writes it
         writer.add_expert_shared_count(int(raw.get("n_shared_experts", 1)))
         writer.add_leading_dense_block_count(int(raw.get("first_k_dense_replace", 1)))
@@ -137,7 +172,7 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
             writer.add_expert_group_used_count(cfg.topk_group)
     _tokenizer(writer, folder, raw, cfg.vocab_size)
     held: dict[str, np.ndarray] = {}
-    for name, w in (gguf_tensors(folder) | (given or {})).items():
+    for name, w in (gguf_tensors(folder, split_kv_b) | (given or {})).items():
         qtype = next((t for part, t in (mix or {}).items() if part in name), default)
         kind = gguf.GGMLQuantizationType[qtype]
         if w.ndim == 1 or qtype == "F32" or w.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] or name in (given or {}):

@@ -29,7 +29,8 @@ from tests.test_dispatch import MULTI_TOKEN_FETCH
 pytestmark = pytest.mark.isa  # F16 and float32 weights run on the kernels: again under every CPU feature mask
 
 READ = ["mixtral", "mixtral-tied", "qwen3_moe", "qwen3_moe-dense-bias", "qwen2_moe-shared", "qwen2_moe-dense-noshared",
-        "olmoe", "glm4_moe", "glm4_moe-grouped-qknorm", "glm4_moe-fullrope-nobias"]
+        "olmoe", "glm4_moe", "glm4_moe-grouped-qknorm", "glm4_moe-fullrope-nobias", "deepseek_v2", "deepseek_v2-dense2",
+        "deepseek_v3"]
 IDS = torch.randint(0, 500, (1, 13), generator=torch.Generator().manual_seed(1))
 
 
@@ -53,6 +54,22 @@ def test_a_gguf_file_runs_as_the_checkpoint_it_came_from(hf_checkpoints: dict[st
     # the tokenizer and chat template come from the file's metadata: the same prompt, the same tokens
     ours, theirs = generate(file, capsys), generate(folder, capsys)
     assert ours["prompt_tokens"] == theirs["prompt_tokens"] and ours["tokens"] == theirs["tokens"]
+
+
+@pytest.mark.parametrize("split_kv_b", [True, False])
+def test_deepseek_files_with_yarn_and_either_kv_b_run_as_their_checkpoint(tmp_path: Path, split_kv_b: bool) -> None:
+    """DeepSeek-V2 with q_lora, groups and YaRN, as llama.cpp writes it: kv_b_proj split into attn_k_b and attn_v_b
+    (today's converter) or whole (older files). YaRN's mscale and mscale_all_dim equal, as the published models have
+    them: a GGUF keeps only the one (llama.cpp computes with it alone)."""
+    folder = build_hf_checkpoint(tmp_path / "hf", "deepseek_v2", {
+        "q_lora_rank": 24, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+        "num_experts_per_tok": 3, "routed_scaling_factor": 1.7, "first_k_dense_replace": 1,
+        "rope_scaling": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}})
+    write_gguf(folder, tmp_path / "m.gguf", split_kv_b=split_kv_b)
+    names = {t.name for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+    assert ("blk.0.attn_k_b.weight" in names) == split_kv_b and ("blk.0.attn_kv_b.weight" in names) != split_kv_b
+    assert torch.equal(logits(tmp_path / "m.gguf"), logits(folder))
 
 
 @pytest.fixture(scope="module")
