@@ -137,7 +137,7 @@ def _open_gguf(path: Path) -> Checkpoint:
     embed = file.tensors.get("token_embd.weight")
     if embed is None:
         raise CheckpointError(f"{path} has no token_embd.weight: it is not a language model's GGUF file")
-    raw = gguf.config_of(file.meta, set(file.tensors), int(embed.shape[1]))
+    raw = gguf.config_of(file.meta, {n: t.tensor_type.name for n, t in file.tensors.items()}, int(embed.shape[1]))
     spec, config = parse_config(raw, f"{path} (its GGUF metadata)")
     shapes = dense_tensors(config, spec) | expert_tensors(config, spec)
     llama = (config.num_heads, config.num_kv_heads) if file.meta.get("general.architecture") == "llama" else None

@@ -17,6 +17,7 @@ in Hugging Face's order here. The MoE architectures of llama.cpp map to Tandem's
 | llama with experts | mixtral |
 | glm4moe | glm4_moe |
 | deepseek2 | deepseek_v2 (softmax gating), deepseek_v3 (sigmoid) |
+| gpt-oss | gpt_oss |
 
 Letters: E experts, I expert width, H hidden size.
 """
@@ -57,6 +58,7 @@ class Source:
     expert: int | None = None
     heads: int = 0
     kv_b: str | None = None  # DeepSeek's kv_b_proj split by llama.cpp: `name` is attn_k_b, this attn_v_b
+    fused: str | None = None  # gpt-oss's fused experts made from the layer's three (see GGUFFile.tensor)
 
 
 def is_gguf(path: Path) -> bool:
@@ -101,10 +103,13 @@ class GGUFFile:
     def name(self, names: dict[str, Source], shapes: dict[str, tuple[int, ...]]) -> None:
         """Give the tensors their Hugging Face names (those found), in the shapes a checkpoint of them holds."""
         path = self.path
-        for hf, src in names.items():  # llama.cpp's newer files split DeepSeek's kv_b into k_b and v_b
+        for hf, src in names.items():
             k_b, v_b = src.name.replace("attn_kv_b", "attn_k_b"), src.name.replace("attn_kv_b", "attn_v_b")
             if src.name.endswith("attn_kv_b.weight") and src.name not in self.tensors and k_b in self.tensors:
-                names[hf] = Source(k_b, kv_b=v_b)
+                names[hf] = Source(k_b, kv_b=v_b)  # llama.cpp's newer files split DeepSeek's kv_b into k_b and v_b
+            post = src.name.replace("ffn_norm", "post_attention_norm")
+            if src.name.endswith("ffn_norm.weight") and src.name not in self.tensors and post in self.tensors:
+                names[hf] = Source(post)  # gpt-oss's name for the norm before the MLP
         found = {hf: src for hf, src in names.items() if src.name in self.tensors}
         # the experts run as one dtype (a layer's in one kernel call): their own when the file keeps them all in one
         # float type, else float32 (a quantized file keeps some in F16, e.g. rows that are not whole blocks)
@@ -114,6 +119,13 @@ class GGUFFile:
         for hf, src in found.items():
             t = self.tensors[src.name]
             kind = t.tensor_type.name
+            if src.fused is not None:  # gpt-oss's fused experts, in the shapes the family reads
+                shape = shapes[hf]
+                dtype = torch.uint8 if src.fused.endswith(("_blocks", "_scales")) else \
+                    FLOATS.get(kind, torch.float32) if src.fused in ("gate_up", "down") else torch.float32
+                self.sources[hf] = src
+                self.infos[hf] = TensorInfo(dtype, shape, 0, math.prod(shape) * dtype.itemsize)
+                continue
             if src.kv_b is not None:  # k_b [heads, rank, nope] and v_b [heads, v, rank] -> [heads * (nope + v), rank]
                 v = self.tensors[src.kv_b]  # (GGML lists dimensions innermost first)
                 heads, rank, nope = int(t.shape[2]), int(t.shape[1]), int(t.shape[0])
@@ -142,13 +154,15 @@ class GGUFFile:
     def mapped(self, name: str) -> bool:
         """Whether `tensor(name)` is a view of the file (a float type kept as it is) rather than a new copy."""
         src = self.sources[name]
-        if src.kv_b is not None:
+        if src.kv_b is not None or src.fused is not None:
             return False
         kind = self.tensors[src.name].tensor_type.name
         return kind in FLOATS and FLOATS[kind] == self.infos[name].dtype and not src.heads
 
     def tensor(self, name: str) -> torch.Tensor:
         src, info = self.sources[name], self.infos[name]
+        if src.fused is not None:
+            return self._fused(src).to(info.dtype)
         if src.kv_b is not None:
             k_b, v_b = self._values(src.name), self._values(src.kv_b)  # [heads, rank, nope], [heads, v, rank]
             kv_b = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # [heads, nope + v, rank]
@@ -171,7 +185,7 @@ class GGUFFile:
         src = self.sources[name]
         t = self.tensors[src.name]
         kind = t.tensor_type.name
-        if kind not in FORMATS or len(self.infos[name].shape) != 2 or src.kv_b is not None:
+        if kind not in FORMATS or len(self.infos[name].shape) != 2 or src.kv_b is not None or src.fused is not None:
             return None
         rows = t.data if src.expert is None else t.data[src.expert]  # numpy uint8 [rows, bytes a row] of the map
         raw = torch.from_numpy(rows).view(torch.uint8)
@@ -179,6 +193,28 @@ class GGUFFile:
         if src.heads:
             raw = unpermute(raw, src.heads).contiguous()
         return block_matrix(raw, kind)
+
+    def _fused(self, src: Source) -> torch.Tensor:
+        """gpt-oss's experts as its checkpoints store them, from llama.cpp's ffn_{gate,up,down}_exps (and biases):
+        gate_up [E, H, 2I] (and its bias [E, 2I]) with gate and up interleaved, down [E, I, H]; MXFP4 as published,
+        `*_blocks` [E, rows, blocks, 16] (byte j: values 2j, 2j + 1) and `*_scales` [E, rows, blocks]."""
+        blk = src.name.removesuffix(".ffn_gate_exps.weight")
+        part = src.fused
+        if part == "gate_up_bias":
+            return _interleave(self._values(f"{blk}.ffn_gate_exps.bias"), self._values(f"{blk}.ffn_up_exps.bias"))
+        if part in ("gate_up", "down"):
+            if part == "down":
+                return self._values(f"{blk}.ffn_down_exps.weight").transpose(1, 2)  # [E, I, H]
+            gate, up = (self._values(f"{blk}.ffn_{p}_exps.weight") for p in ("gate", "up"))  # [E, I, H] each
+            return _interleave(gate, up).transpose(1, 2)  # [E, H, 2I]
+        which, field = part.rsplit("_", 1)  # ("gate_up" | "down", "blocks" | "scales")
+        if which == "down":
+            return _published_mxfp4(self._raw(f"{blk}.ffn_down_exps.weight"), field)
+        gate, up = (_published_mxfp4(self._raw(f"{blk}.ffn_{p}_exps.weight"), field) for p in ("gate", "up"))
+        return _interleave(gate, up)
+
+    def _raw(self, gguf_name: str) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(self.tensors[gguf_name].data))
 
     def _values(self, gguf_name: str) -> torch.Tensor:
         """A whole GGUF tensor as float32, in its Hugging Face dimension order (dequantized if in blocks)."""
@@ -192,6 +228,21 @@ class GGUFFile:
     def read_into(self, name: str, out: memoryview) -> None:
         w = self.tensor(name).contiguous()
         out[: self.infos[name].nbytes] = memoryview(w.view(torch.uint8).numpy()).cast("B")
+
+
+def _interleave(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[E, n, ...] and [E, n, ...] -> [E, 2n, ...]: a's rows even, b's odd (gpt-oss's gate and up)."""
+    return torch.stack((a, b), dim=2).flatten(1, 2)
+
+
+def _published_mxfp4(raw: torch.Tensor, field: str) -> torch.Tensor:
+    """GGUF MXFP4 rows [E, rows, blocks * 17] (an E8M0 byte, then 16 bytes whose low nibbles are values 0-15 and
+    high ones 16-31) -> gpt-oss's `blocks` [E, rows, blocks, 16] (byte j: values 2j, 2j + 1) or `scales`."""
+    blocks = raw.reshape(*raw.shape[:-1], -1, 17)  # [E, rows, G, 17]
+    if field == "scales":
+        return blocks[..., 0].contiguous()
+    codes = torch.cat((blocks[..., 1:] & 15, blocks[..., 1:] >> 4), dim=-1)  # [E, rows, G, 32] in order
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
 
 
 def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -344,16 +395,37 @@ def _deepseek2(meta: Meta, vocab: int) -> dict[str, Any]:
     return out
 
 
+def _gpt_oss(meta: Meta, vocab: int) -> dict[str, Any]:
+    """gpt-oss: sliding layers alternating with full ones (the first slides), YaRN; the clamped SwiGLU's alpha and
+    limit are not in the file (llama.cpp takes gpt-oss's own, 1.702 and 7.0, as the family does). MXFP4 experts are
+    read as the published checkpoint stores them (`quantization_config`: mxfp4; see `GGUFFile.tensor`)."""
+    a = "gpt-oss"
+    raw = _common(meta, a, vocab)
+    out = raw | {
+        "model_type": "gpt_oss", "num_local_experts": int(_get(meta, a, "expert_count")),
+        "intermediate_size": int(_get(meta, a, "expert_feed_forward_length")),
+        "sliding_window": int(_get(meta, a, "attention.sliding_window")),
+        "head_dim": int(meta.get(f"{a}.attention.key_length", raw["hidden_size"] // raw["num_attention_heads"]))}
+    if meta.get(f"{a}.rope.scaling.type") == "yarn":
+        out["rope_scaling"] = {
+            "rope_type": "yarn", "factor": float(_get(meta, a, "rope.scaling.factor")),
+            "original_max_position_embeddings": int(_get(meta, a, "rope.scaling.original_context_length")),
+            "beta_fast": float(meta.get(f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(meta.get(f"{a}.rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
+    return out
+
+
 ARCHITECTURES: dict[str, Callable[[Meta, int], dict[str, Any]]] = {
     "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "olmoe": _olmoe, "llama": _llama, "glm4moe": _glm4moe,
-    "deepseek2": _deepseek2}
+    "deepseek2": _deepseek2, "gpt-oss": _gpt_oss}
 FAMILY_OF_ARCH = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe", "llama": "mixtral",
-                  "glm4moe": "glm4_moe", "deepseek2": "deepseek_v2"}
+                  "glm4moe": "glm4_moe", "deepseek2": "deepseek_v2", "gpt-oss": "gpt_oss"}
 
 
-def config_of(meta: Meta, tensors: set[str], vocab: int) -> dict[str, Any]:
+def config_of(meta: Meta, types: dict[str, str], vocab: int) -> dict[str, Any]:
     """The config.json a Hugging Face folder of this model would hold. What the metadata does not say, the tensors
-    do: which layers are dense (no router), attention biases, a tied lm_head."""
+    (their names and types) do: which layers are dense (no router), attention biases, a tied lm_head, MXFP4 experts."""
+    tensors = set(types)
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise UnsupportedModelError(
@@ -371,6 +443,8 @@ def config_of(meta: Meta, tensors: set[str], vocab: int) -> dict[str, Any]:
         raw["mlp_only_layers"] = dense
     raw["attention_bias"] = "blk.0.attn_q.bias" in tensors
     raw["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
+    if arch == "gpt-oss" and types.get("blk.0.ffn_gate_exps.weight") == "MXFP4":
+        raw["quantization_config"] = {"quant_method": "mxfp4"}  # its experts read as the published layout
     raw["tie_word_embeddings"] = "output.weight" not in tensors
     if f"{arch}.attention.clamp_kqv" in meta:
         raw["clip_qkv"] = float(meta[f"{arch}.attention.clamp_kqv"])
@@ -421,6 +495,15 @@ def sources(names: list[str], moe_prefix: str, router: str, expert_proj: tuple[s
             out[name] = Source(f"{blk}.ffn_gate_inp.weight")
         elif rest == f"{moe_prefix}.{router}.e_score_correction_bias":
             out[name] = Source(f"{blk}.exp_probs_b.bias")
+        elif rest == f"{moe_prefix}.{router}.bias":
+            out[name] = Source(f"{blk}.ffn_gate_inp.bias")
+        elif rest == "self_attn.sinks":
+            out[name] = Source(f"{blk}.attn_sinks.weight")
+        elif rest == f"{moe_prefix}.experts.down_proj_bias":
+            out[name] = Source(f"{blk}.ffn_down_exps.bias")
+        elif rest.startswith(f"{moe_prefix}.experts.") and rest.count(".") == 2:  # gpt-oss's fused experts
+            out[name] = Source(f"{blk}.ffn_gate_exps.weight", fused=rest.rsplit(".", 1)[1].removesuffix("_proj")
+                               .replace("_proj_", "_"))
         elif (found := experts.match(rest)) is not None:
             out[name] = Source(f"{blk}.ffn_{kinds[found[2]]}_exps.weight", expert=int(found[1]))
         elif shared and rest.startswith(f"{moe_prefix}.{shared}.") and rest.endswith("_proj.weight"):

@@ -13,7 +13,7 @@ import numpy as np
 from tandem.runtime.checkpoint import open_checkpoint
 
 ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "glm4_moe": "glm4moe",
-        "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
+        "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss"}
 ATTN = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output", "q_norm": "attn_q_norm",
         "k_norm": "attn_k_norm", "q_a_proj": "attn_q_a", "q_b_proj": "attn_q_b", "q_a_layernorm": "attn_q_a_norm",
         "kv_a_proj_with_mqa": "attn_kv_a_mqa", "kv_a_layernorm": "attn_kv_a_norm", "kv_b_proj": "attn_kv_b"}
@@ -46,7 +46,24 @@ def gguf_tensors(folder: Path, split_kv_b: bool = True) -> dict[str, np.ndarray]
             if rest == "input_layernorm.weight":
                 out[f"{blk}.attn_norm.weight"] = w
             elif rest == "post_attention_layernorm.weight":
-                out[f"{blk}.ffn_norm.weight"] = w
+                out[f"{blk}.{'post_attention_norm' if arch == 'gpt-oss' else 'ffn_norm'}.weight"] = w
+            elif rest == "self_attn.sinks":
+                out[f"{blk}.attn_sinks.weight"] = w
+            elif rest in ("mlp.router.weight", "mlp.router.bias"):
+                out[f"{blk}.ffn_gate_inp.{rest.rsplit('.', 1)[1]}"] = w
+            elif rest.startswith("mlp.experts.") and arch == "gpt-oss":  # fused, gate and up interleaved
+                part = rest.removeprefix("mlp.experts.")
+                if part == "gate_up_proj":  # [E, H, 2I]
+                    out[f"{blk}.ffn_gate_exps.weight"] = np.ascontiguousarray(w[:, :, 0::2].swapaxes(1, 2))
+                    out[f"{blk}.ffn_up_exps.weight"] = np.ascontiguousarray(w[:, :, 1::2].swapaxes(1, 2))
+                elif part == "gate_up_proj_bias":
+                    out[f"{blk}.ffn_gate_exps.bias"], out[f"{blk}.ffn_up_exps.bias"] = w[:, 0::2], w[:, 1::2]
+                elif part == "down_proj":  # [E, I, H]
+                    out[f"{blk}.ffn_down_exps.weight"] = np.ascontiguousarray(w.swapaxes(1, 2))
+                elif part == "down_proj_bias":
+                    out[f"{blk}.ffn_down_exps.bias"] = w
+                else:
+                    raise KeyError(f"MXFP4 experts ({name}): write the GGUF from a float checkpoint")
             elif rest == "self_attn.kv_b_proj.weight" and split_kv_b:
                 kv_b = w.reshape(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)  # [heads, nope + v, rank]
                 out[f"{blk}.attn_k_b.weight"] = np.ascontiguousarray(kv_b[:, : cfg.qk_nope_head_dim].swapaxes(1, 2))
@@ -134,6 +151,16 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if cfg.shared_expert_intermediate_size and arch != "glm4moe":
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "gpt-oss":  # as the converter's GptOssModel writes it
+        writer.add_sliding_window(int(raw["sliding_window"]))
+        rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+        if rope.get("rope_type", rope.get("type")) == "yarn":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(rope["factor"])
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            if "beta_fast" in rope:
+                writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+                writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     if arch == "deepseek2":  # as the converter's DeepseekV2Model writes it: MLA as one key/value head
         writer.add_head_count_kv(1)
         writer.add_kv_lora_rank(cfg.kv_lora_rank)

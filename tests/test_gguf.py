@@ -30,7 +30,7 @@ pytestmark = pytest.mark.isa  # F16 and float32 weights run on the kernels: agai
 
 READ = ["mixtral", "mixtral-tied", "qwen3_moe", "qwen3_moe-dense-bias", "qwen2_moe-shared", "qwen2_moe-dense-noshared",
         "olmoe", "glm4_moe", "glm4_moe-grouped-qknorm", "glm4_moe-fullrope-nobias", "deepseek_v2", "deepseek_v2-dense2",
-        "deepseek_v3"]
+        "deepseek_v3", "gpt_oss"]
 IDS = torch.randint(0, 500, (1, 13), generator=torch.Generator().manual_seed(1))
 
 
@@ -70,6 +70,24 @@ def test_deepseek_files_with_yarn_and_either_kv_b_run_as_their_checkpoint(tmp_pa
     names = {t.name for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
     assert ("blk.0.attn_k_b.weight" in names) == split_kv_b and ("blk.0.attn_kv_b.weight" in names) != split_kv_b
     assert torch.equal(logits(tmp_path / "m.gguf"), logits(folder))
+
+
+def test_gpt_oss_mxfp4_experts_run_on_the_kernels(tmp_path: Path) -> None:
+    """gpt-oss with MXFP4 experts, as llama.cpp writes it (ffn_{gate,up,down}_exps and their biases): read as the
+    published checkpoint stores its experts, they run on the kernels 4-bit; the same logits as an F32 file of their
+    values (float32 rounding)."""
+    from tandem.runtime.moe import MXFP4Expert
+
+    folder = build_hf_checkpoint(tmp_path / "hf", "gpt_oss", {"intermediate_size": 64, "hidden_size": 64})
+    held = write_gguf(folder, tmp_path / "q.gguf", "MXFP4")
+    write_gguf(folder, tmp_path / "f.gguf", "F32", given=held)
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "q.gguf")).tensors}
+    assert kinds["blk.0.ffn_gate_exps.weight"] == kinds["blk.0.ffn_down_exps.weight"] == "MXFP4"
+    loaded = load_model(tmp_path / "q.gguf", dtype="fp32")
+    assert loaded.checkpoint.config.experts_mxfp4
+    assert all(isinstance(e, MXFP4Expert) for e in loaded.model.layers[0].ffn.experts)  # type: ignore[union-attr]
+    want = logits(tmp_path / "f.gguf")
+    torch.testing.assert_close(loaded.model.forward(IDS, 0), want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
 @pytest.fixture(scope="module")

@@ -183,6 +183,31 @@ async def test_with_the_real_runtime(mixtral_dir: Path) -> None:
         assert app.lifecycle.backend.activity()
 
 
+@pytest.mark.parametrize("case", ["qwen3_moe", "qwen2_moe-shared", "olmoe", "mixtral", "glm4_moe", "deepseek_v2",
+                                  "gpt_oss"])
+async def test_the_chat_app_on_a_gguf_file_of_each_architecture(hf_checkpoints: dict[str, Path], tmp_path: Path,
+                                                               case: str) -> None:
+    """The chat app answers from a GGUF file of every architecture it reads (tests/ggufs.py writes them as llama.cpp's
+    converter does), with the file's own chat template: the answer the runtime streams for the conversation."""
+    from tandem.app.screens.wizard import WizardScreen
+    from tests.ggufs import write_gguf
+
+    file = write_gguf(hf_checkpoints[case], tmp_path / "m.gguf") and tmp_path / "m.gguf"
+    backend = RuntimeBackend(load_model(file, dtype="fp32", context=128))
+    want = "".join(backend.stream([{"role": "user", "content": "Hello"}], SamplingParams(max_new_tokens=6)))
+    app = TandemApp(lambda _: RuntimeBackend(load_model(file, dtype="fp32", context=128)),
+                    params=SamplingParams(max_new_tokens=6))
+    async with app.run_test() as pilot:
+        from textual.widgets import Button
+
+        await wait_for_screen(pilot, app, WizardScreen)
+        app.screen.query_one("#skip", Button).press()
+        await pilot.pause()
+        await ask(pilot, app, "Hello")
+        await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.chat.current.turns) == 2, timeout=30)
+        assert app.chat.current.turns[1].content.strip() == want.strip() and want.strip()
+
+
 async def test_settings_are_edited_validated_and_saved(tandem_home: Path) -> None:
     from textual.widgets import Button, Checkbox, Input, TextArea
 
