@@ -117,10 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     add(kern, "--json", help="print the rows as JSON")
     kern.set_defaults(func=_bench_kernels)
 
-    quant = bench_sub.add_parser("quant", help="int8/int4 CPU experts: logits drift and greedy agreement")
+    quant = bench_sub.add_parser("quant", help="quantized CPU experts (int8, int4, MXFP4, Q8_0, Q4_K): logits drift, "
+                                               "KL divergence and greedy agreement against the unquantized model")
     add(quant, "--model", required=True)
     add(quant, "--new-tokens")
     add(quant, "--quant-group", default=64)
+    quant.add_argument("--gguf", action="append", default=[], type=flags.path, metavar="FILE",
+                       help="a GGUF file of the same model (another quantizer's, say llama.cpp's) to compare too; "
+                            "repeatable")
     quant.set_defaults(func=_bench_quant)
 
     num = bench_sub.add_parser("numerics", help="bf16 paths against fp32: top-1 agreement, teacher-forced")
@@ -547,7 +551,7 @@ def _bench_plan(args: argparse.Namespace) -> int:
 def _bench_quant(args: argparse.Namespace) -> int:
     from tandem.autotune.bench.quant import bench_quant
 
-    print(json.dumps(bench_quant(args.model, args.new_tokens, group=args.quant_group), indent=1))
+    print(json.dumps(bench_quant(args.model, args.new_tokens, group=args.quant_group, files=args.gguf), indent=1))
     return 0
 
 

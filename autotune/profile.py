@@ -134,8 +134,8 @@ def check_plan(plan: dict[str, Any]) -> None:
         raise bad("strategy", plan["strategy"], f"one of {', '.join(Strategy)}")
     if not _whole(plan.get("static_experts", 0), 0):
         raise bad("static_experts", plan["static_experts"], "a whole number ≥ 0")
-    if plan.get("quant", "none") not in (None, "none", "int8", "int4", "mxfp4"):
-        raise bad("quant", plan["quant"], "none, int8, int4 or mxfp4")
+    if plan.get("quant", "none") not in (None, "none", "int8", "int4", "mxfp4", "q8_0", "q4_k"):
+        raise bad("quant", plan["quant"], "none, int8, int4, mxfp4, q8_0 or q4_k")
     cache = plan.get("cache", {})
     if not isinstance(cache, dict) or set(cache) - {"indexes", "ways", "policy"}:
         raise bad("cache", cache, "an object of indexes, ways and policy")

@@ -165,3 +165,61 @@ def dequantize(raw: torch.Tensor, fmt: str | BlockFormat) -> torch.Tensor:
     lead = raw.shape[:-1]
     blocks = raw.reshape(-1, f.nbytes)  # [n, nbytes]
     return f.dequantize_blocks(blocks).reshape(*lead, raw.shape[-1] // f.nbytes * f.values)
+
+
+# ---- quantizing (Tandem's --quant q8_0 / q4_k) -------------------------------------------------------------------
+QUANTIZABLE = ("Q8_0", "Q4_K")
+
+
+def _round_away(x: torch.Tensor) -> torch.Tensor:
+    """Round half away from zero (C's roundf, as ggml quantizes)."""
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def _f16_bytes(v: torch.Tensor) -> torch.Tensor:
+    """float32 [n] -> its f16 bits as bytes [n, 2] (little-endian)."""
+    return v.to(torch.float16).contiguous().view(torch.uint8).view(-1, 2)
+
+
+def _quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """[n, 32] -> [n, 34]: d = max|x| / 127 (f16), q = round(x / d) computed with the float32 d, as ggml does."""
+    d = x.abs().amax(dim=1, keepdim=True) / 127  # [n, 1]
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = _round_away(x * inv).to(torch.int8)  # [n, 32]
+    return torch.cat((_f16_bytes(d[:, 0]), q.view(torch.uint8)), dim=1)
+
+
+def _quantize_q4_k(x: torch.Tensor) -> torch.Tensor:
+    """[n, 256] -> [n, 144]: each sub-block of 32 gets the scale and offset of its range (the offset from its minimum
+    clipped at 0, so a min >= 0 is 0), both quantized to 6 bits against the superblock's f16 d and dmin; then each
+    value to 4 bits against them. (llama.cpp refines each sub-block's scale by a search; this takes the range.)"""
+    n = x.shape[0]
+    sub = x.view(n, 8, 32)  # [n, S, 32]
+    low = sub.amin(dim=-1).clamp(max=0)  # [n, S]
+    scale = (sub.amax(dim=-1) - low) / 15  # [n, S]
+    offset = -low  # [n, S] >= 0
+    d = (scale.amax(dim=-1) / 63).to(torch.float16).float()  # [n]
+    dmin = (offset.amax(dim=-1) / 63).to(torch.float16).float()  # [n]
+    sc = torch.where(d[:, None] > 0, _round_away(scale / d[:, None].clamp(min=1e-30)), 0).clamp(0, 63)  # [n, S]
+    mn = torch.where(dmin[:, None] > 0, _round_away(offset / dmin[:, None].clamp(min=1e-30)), 0).clamp(0, 63)
+    ds, dm = d[:, None] * sc, dmin[:, None] * mn  # [n, S]: what dequantizing gives each sub-block
+    q = torch.where(ds[..., None] > 0, _round_away((sub + dm[..., None]) / ds[..., None].clamp(min=1e-30)), 0)
+    q = q.clamp(0, 15).to(torch.uint8)  # [n, S, 32]
+    sc, mn = sc.to(torch.uint8), mn.to(torch.uint8)
+    packed = torch.cat((sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+                        (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)), dim=1)  # [n, 12]
+    pairs = q.view(n, 4, 2, 32)  # [n, 4, 2, 32]: sub-blocks 2j (low nibbles) and 2j + 1 (high)
+    nibbles = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, 128)  # [n, 128]
+    return torch.cat((_f16_bytes(d), _f16_bytes(dmin), packed, nibbles), dim=1)
+
+
+def quantize(w: torch.Tensor, fmt: str) -> QuantizedMatrix:
+    """w [rows, cols] (cols whole blocks) -> its blocks in `fmt` (QUANTIZABLE), as the kernels' matrix."""
+    f = FORMATS[fmt]
+    rows, cols = w.shape
+    if fmt not in QUANTIZABLE or cols % f.values:
+        raise ValueError(f"cannot quantize a [{rows}, {cols}] matrix to {fmt}: Tandem quantizes to "
+                         f"{', '.join(QUANTIZABLE)}, rows of whole blocks ({f.values} values)")
+    blocks = w.float().reshape(-1, f.values)  # [rows * blocks, V]
+    raw = _quantize_q8_0(blocks) if fmt == "Q8_0" else _quantize_q4_k(blocks)
+    return block_matrix(raw.reshape(rows, -1).contiguous(), fmt)

@@ -29,7 +29,7 @@ from tandem.kernels.isa import masked_features
 from tandem.kernels.quant import GROUPS, MX_BLOCK, QuantizedMatrix, quantize_int4, quantize_int8, quantize_mxfp4
 
 Isa = Literal["base", "avx2", "avx512", "avx512bf16", "amx"]  # a kernel variant
-Quant = Literal["int8", "int4", "mxfp4"]  # weight-only quantization of experts
+Quant = Literal["int8", "int4", "mxfp4", "q8_0", "q4_k"]  # weight-only quantization of experts
 # each variant is named after the CPU feature it needs (base: none)
 ISAS: tuple[Isa, ...] = ("base", "avx2", "avx512", "avx512bf16", "amx")
 BF16_ONLY = ("avx512bf16", "amx")  # bf16 activations (AMX int8 and int4: 16-bit fixed point, about as fine)
@@ -44,7 +44,10 @@ ACT_SILU, ACT_CLAMPED = 0, 1  # the activations the kernels compute (csrc/common
 DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
 AMX_CROSSOVER = 16  # with AMX tiles the kernel stays at the bandwidth roofline up to a full tile of tokens
 AMX_KINDS = (torch.bfloat16, "int8", "int4")
-QUANT_KINDS: tuple[Quant, ...] = ("int8", "int4", "mxfp4")
+QUANT_KINDS: tuple[Quant, ...] = ("int8", "int4", "mxfp4")  # what the executor quantizes each expert to
+# GGUF's block formats, which the loader quantizes to once and keeps in a cache (runtime/quant_cache.py): the executor
+# gets them as blocks
+BLOCK_QUANTS: tuple[Quant, ...] = ("q8_0", "q4_k")
 QUANTIZED = (*QUANT_KINDS, *BLOCK_KINDS)  # kinds torch has no fast path for: kept on the kernel for longer prompts
 AMX_BATCH = 64  # experts one kernel region takes at most (csrc/common.h)
 # float32 x against bf16 dense weights stays on the kernel, 16 tokens a call, up to this many calls; beyond, a
@@ -227,8 +230,13 @@ def check_support(hidden: int, inter: int, compute_dtype: torch.dtype, quant: st
         raise KernelError(_torch_path_quant(quant))
     if compute_dtype not in COMPUTE_DTYPES:
         raise KernelError(f"experts compute in float32, bf16 or fp16, not {compute_dtype}")
-    if quant not in (None, *QUANT_KINDS):
-        raise KernelError(f"quantization must be one of {', '.join(QUANT_KINDS)} or None, not {quant!r}")
+    if quant not in (None, *QUANT_KINDS, *BLOCK_QUANTS):
+        raise KernelError(f"quantization must be one of {', '.join(QUANT_KINDS + BLOCK_QUANTS)} or None, not "
+                          f"{quant!r}")
+    block = {"q8_0": 32, "q4_k": 256}.get(quant or "", 0)
+    if block and (hidden % block or inter % block):
+        raise KernelError(f"{quant} takes blocks of {block} values: the hidden size and expert width ({hidden}, "
+                          f"{inter}) must be multiples of {block}")
     if quant == "int4" and (group not in GROUPS or hidden % group or inter % group):
         raise KernelError(f"int4 groups must be one of {GROUPS} and divide the hidden size and expert width "
                           f"({hidden}, {inter}), not {group!r}")
@@ -263,8 +271,9 @@ class CpuOptions:
         return bool(self.resident) and self.quant is None
 
     def executor(self, hidden: int, inter: int, compute_dtype: torch.dtype) -> CpuExecutor:
-        return CpuExecutor(hidden, inter, compute_dtype, self.threads, self.crossover, self.quant, self.group,
-                           self.isa, self.use_kernel)
+        quant = self.quant if self.quant in QUANT_KINDS else None  # (block formats arrive quantized)
+        return CpuExecutor(hidden, inter, compute_dtype, self.threads, self.crossover, quant, self.group, self.isa,
+                           self.use_kernel)
 
     def expert_bytes(self, hidden: int, inter: int, stored: int) -> int:
         """RAM one expert takes beyond its memory-mapped file bytes (quantized or resident copies only)."""
@@ -275,6 +284,8 @@ class CpuOptions:
             return params // 2 + params // self.group * 2  # bf16 scale per group
         if self.quant == "mxfp4":
             return params // 2 + params // MX_BLOCK  # a scale byte per block
+        if self.quant in BLOCK_QUANTS:
+            return 0  # memory-mapped from the cache file (runtime/quant_cache.py)
         return params * stored if self.experts_in_ram else 0
 
 

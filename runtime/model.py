@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.blocks import block_matrix, dequantize
-from tandem.kernels.cpu import CpuOptions, DenseLinear, library, rms_norm_bf16
+from tandem.kernels.cpu import BLOCK_QUANTS, CpuOptions, DenseLinear, library, rms_norm_bf16
 from tandem.kernels.errors import CheckpointError
 from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.accelerator import Accelerator
@@ -134,7 +134,8 @@ class Attention:
 
 
 def routed_experts(ckpt: Checkpoint, layers: list[int], resident: bool,
-                   progress: Callable[[str, float], None] | None = None) -> dict[int, list[ExpertWeights]]:
+                   progress: Callable[[str, float], None] | None = None,
+                   quant: str | None = None) -> dict[int, list[ExpertWeights]]:
     """Each MoE layer's routed experts in their on-disk dtype: views of the memory-mapped files, or (resident)
     copies read into RAM, two layers at a time (file reads release the GIL). Experts stream faster from such
     copies than from the file map, and plain reads fill RAM faster than faulting the map in would. MXFP4 experts
@@ -142,6 +143,10 @@ def routed_experts(ckpt: Checkpoint, layers: list[int], resident: bool,
     as the file stores them (`BlockExpert`): views of it, or one RAM copy of a layer's bytes."""
     n = ckpt.config.num_experts
     blocks = ckpt.expert_blocks
+    if quant in BLOCK_QUANTS:  # quantized to GGUF blocks once, then read from the cache file
+        from tandem.runtime.quant_cache import block_experts
+
+        return dict(block_experts(ckpt, layers, quant, progress))  # type: ignore[arg-type]
 
     def one(layer: int) -> list[ExpertWeights]:
         if blocks:
@@ -378,7 +383,8 @@ class MoEModel:
         lm_head = embed if cfg.tie_word_embeddings else wq("lm_head.weight")
         # Last, as the longest step when they are read into RAM: whatever does not fit has failed by now.
         moe = [i for i in range(cfg.num_layers) if cfg.sparse_layers[i]]
-        for i, experts in routed_experts(ckpt, moe, bool(cpu and cpu.experts_in_ram), progress).items():
+        for i, experts in routed_experts(ckpt, moe, bool(cpu and cpu.experts_in_ram), progress,
+                                         cpu.quant if cpu else None).items():
             layers[i].ffn.experts.extend(experts)  # type: ignore[union-attr]
         return cls(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, context, batch, accel, policy, cpu,
                    w("model.norm.bias") if cfg.norm_type == "layer" else None,

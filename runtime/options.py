@@ -214,6 +214,12 @@ def _check_group(cfg: ModelConfig, quant: str | None, group: int) -> None:
     """int4 groups must divide both widths; say which group size would (or that int8 is the way). MXFP4 takes
     blocks of 32."""
     widths = (cfg.hidden_size, cfg.moe_intermediate_size)
+    block = {"q8_0": 32, "q4_k": 256}.get(quant or "", 0)
+    if block and any(w % block for w in widths):
+        raise SettingsError(
+            f"{quant} takes blocks of {block} values: the hidden size ({cfg.hidden_size}) and expert width "
+            f"({cfg.moe_intermediate_size}) must be multiples of {block}; use --quant "
+            f"{'q8_0' if not any(w % 32 for w in widths) else 'int8'} for this model")
     if quant == "mxfp4" and any(w % 32 for w in widths):
         raise SettingsError(
             f"MXFP4 takes blocks of 32 values: the hidden size ({cfg.hidden_size}) and expert width "

@@ -15,7 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from tandem.kernels.errors import StoreError, TandemError
 
@@ -99,11 +99,16 @@ def atomic_write_text(path: Path, text: str) -> Path:
     The data reach the disk before the rename, so a crash or power cut leaves the old file or the new one,
     never an empty or half-written one; the folder is synced after so the rename itself is kept. The temporary
     file ends like `path` (`.json` for JSON), so `remove_stale_temporaries` finds a JSON save's leftovers."""
+    return atomic_write_with(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def atomic_write_with(path: Path, fill: Callable[[BinaryIO], object]) -> Path:
+    """`atomic_write_text` for any bytes: `fill` writes them to the temporary file (a large file, piece by piece)."""
     ensure_folder(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=path.suffix or ".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            fill(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
