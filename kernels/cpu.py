@@ -699,6 +699,8 @@ class DenseLinear:
         self.bf16_most = 4 if have[-1] == "avx512bf16" else AMX_CROSSOVER
         # float32 x: a variant that keeps it so (AVX512_BF16 and AMX would round it to bf16), unless one is forced
         self.float_isa = self.isa if isa is not None else ISAS.index([i for i in have if i not in BF16_ONLY][-1])
+        # bf16 x against Q8_KINDS blocks: the int8-activation path of AVX512_BF16 where there is one (-1: none)
+        self.q8_isa = ISAS.index("avx512bf16") if "avx512bf16" in have else -1
         self.threads = check_threads(torch.get_num_threads() if threads is None else threads)
         self._args = _LinearArgs()
         self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -759,8 +761,8 @@ class DenseLinear:
                               for i in range(0, n, AMX_CROSSOVER)]).view(*x.shape[:-1], rows)
         if x.dtype == torch.float32:  # exact float sums: the float path (the AVX-512 rows at most)
             isa = min(self.float_isa, ISAS.index("avx512"))
-        elif self.isa == -1 and w.kind in Q8_KINDS and "avx512bf16" in available_isas():
-            isa = ISAS.index("avx512bf16")  # one token against int8 activations (csrc/q8.c)
+        elif self.isa == -1 and w.kind in Q8_KINDS and self.q8_isa >= 0:
+            isa = self.q8_isa  # one token against int8 activations (csrc/q8.c)
         else:
             isa = min(self.isa, ISAS.index("avx512bf16"))  # (-1: the best, which the kernel bounds likewise)
         return self._kernel(x, n, w.data.data_ptr(), rows, KINDS[w.kind], isa, bias, out_dtype)
