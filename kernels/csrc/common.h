@@ -27,7 +27,8 @@
  *                 kernels/quant.py against 16-bit fixed-point activations
  *   vnni.c        on AMX machines, one token of int8/int4 (block layout) with AVX512-VNNI, 15-bit fixed point
  *   blocks.h      GGUF's block formats: each block unpacked into L1, the dot products every variant compiles
- *   q8.c          one token of Q4_K, Q6_K and Q8_0 against int8 activations (AVX-512 BW; the AVX512_BF16 variant)
+ *   q8.c          one token of Q4_K, Q5_K, Q6_K and Q8_0 against int8 activations (AVX-512 BW; the AVX512_BF16
+ *                 variant)
  *   api.c         what Python calls through ctypes: the ISA mask, the checks, the choice of variant, several
  *                 experts in shared parallel regions (tk_experts), a whole MoE layer (tk_moe), dense matrices
  *                 (tk_linear), the argument struct sizes, and the module init that makes it importable
@@ -293,11 +294,13 @@ TK_INTERNAL int q8_serves(int kind);
 TK_INTERNAL void q8_inputs(int kind, const float *x, int n, void *buf);
 TK_INTERNAL void rows4_q4_k_q8(const char *const *rows, const void *const *scales, int group, const float *const *x,
                                int n, float *const *res);
+TK_INTERNAL void rows4_q5_k_q8(const char *const *rows, const void *const *scales, int group, const float *const *x,
+                               int n, float *const *res);
 TK_INTERNAL void rows4_q6_k_q8(const char *const *rows, const void *const *scales, int group, const float *const *x,
                                int n, float *const *res);
 TK_INTERNAL void rows4_q8_0_q8(const char *const *rows, const void *const *scales, int group, const float *const *x,
                                int n, float *const *res);
-TK_INTERNAL dot_kernel dot_q4_k_q8, dot_q6_k_q8, dot_q8_0_q8;
+TK_INTERNAL dot_kernel dot_q4_k_q8, dot_q5_k_q8, dot_q6_k_q8, dot_q8_0_q8;
 /* api.c */
 TK_INTERNAL dot_fn pick_dot(int kind, int isa);
 

@@ -4,8 +4,8 @@
  * vpmaddwd by the sub-block scales into 32 bits), one float multiply per block or superblock. Per 64 weights a few
  * integer instructions, against the float path's unpacking of each value (blocks.h), which cannot keep up with the
  * memory on two cores. Taken by the AVX512_BF16 variant, where activations are bf16 (rounded) anyway; the
- * instructions themselves are AVX-512 BW. Q4_K, Q6_K and Q8_0 (the formats of Q4_K_M, Q6_K and Q8_0 files); the
- * others keep the float path.
+ * instructions themselves are AVX-512 BW. Q4_K, Q5_K, Q6_K and Q8_0 (the formats of Q4_K_M, Q5_K_M, Q6_K and Q8_0
+ * files); the others keep the float path.
  *
  * Activations (`q8_inputs`, into the caller's scratch): int8 q[n], then (64-byte aligned) float d[n / block], then
  * for the K formats int16 bsums[n / 16] (the sum of each 16 codes, for the formats' offsets).
@@ -29,7 +29,7 @@ static inline q8_view q8_at(const void *buf, int n, int block) {
 }
 
 int q8_block(int kind) { return kind == K_Q8_0 ? 32 : 256; }
-int q8_serves(int kind) { return kind == K_Q4_K || kind == K_Q6_K || kind == K_Q8_0; }
+int q8_serves(int kind) { return kind == K_Q4_K || kind == K_Q5_K || kind == K_Q6_K || kind == K_Q8_0; }
 
 /* x [n] -> buf: per block of `block` values, d = max|x| / 127 and q = round(x / d) (as llama.cpp's quantize_row_q8_K
  * and q8_0); bsums per 16 for the K formats. */
@@ -66,9 +66,10 @@ Q8_TARGET static inline __m512i two256(const void *lo, const void *hi) {
 }
 
 /* ---- Q4_K: superblock = d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles (bytes 32i..32i+31:
- * sub-block 2i low, 2i + 1 high). sum = d dx sum_j sc_j (q_j . x_j) - dmin dx sum_j m_j bsum_j ---------------- */
+ * sub-block 2i low, 2i + 1 high). sum = d dx sum_j sc_j (q_j . x_j) - dmin dx sum_j m_j bsum_j. Q5_K (`five`): the
+ * same with qh[32] before the nibbles, bit i of byte l the fifth bit of sub-block i's value l ---------------- */
 Q8_TARGET static inline void q4k_super(const uint8_t *blk, const int8_t *xq, float dx, const int16_t *bs,
-                                       __m512 *acc, float *offset) {
+                                       __m512 *acc, float *offset, int five) {
     /* the 12 bytes as three words a, b, c: scales 0-3 the low 6 bits of a's bytes, mins 0-3 of b's; scales 4-7 the
      * low nibbles of c's bytes with a's top two bits above them, mins 4-7 c's high nibbles with b's top bits */
     uint32_t w[3];
@@ -82,12 +83,25 @@ Q8_TARGET static inline void q4k_super(const uint8_t *blk, const int8_t *xq, flo
     const __m128i m8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mw));  /* 8 mins, 16-bit */
     const __m256i m16 = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
     const __m256i mins = _mm256_madd_epi16(m16, _mm256_loadu_si256((const __m256i *)bs));
-    const __m512i low = _mm512_set1_epi8(15);
+    const __m512i low = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
+    const uint8_t *qs = blk + (five ? 48 : 16);
+    __m512i qh = _mm512_setzero_si512();
+    if (five) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        qh = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
+    }
     __m512i isum = _mm512_setzero_si512();
     for (int p = 0; p < 2; p++) {  /* 64 bytes: sub-blocks 4p (low nibbles of bytes 0-31), 4p + 1 (their high),
                                     * 4p + 2 (low of bytes 32-63), 4p + 3 (high) */
-        const __m512i v = _mm512_loadu_si512((const void *)(blk + 16 + 64 * p));
-        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const __m512i v = _mm512_loadu_si512((const void *)(qs + 64 * p));
+        __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if (five) {  /* each half's sub-block's bit of qh, as bit 4 */
+            const __m512i s_lo = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16((short)(4 * p)),
+                                                         _mm512_set1_epi16((short)(4 * p + 2)));
+            const __m512i s_hi = _mm512_add_epi16(s_lo, _mm512_set1_epi16(1));
+            lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, s_lo), one), 4));
+            hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, s_hi), one), 4));
+        }
         const int8_t *x = xq + 128 * p;
         const __m512i plo = _mm512_maddubs_epi16(lo, two256(x, x + 64));      /* sub-blocks 4p, 4p + 2 */
         const __m512i phi = _mm512_maddubs_epi16(hi, two256(x + 32, x + 96)); /* 4p + 1, 4p + 3 */
@@ -171,8 +185,9 @@ Q8_TARGET static float row_q8(int kind, const uint8_t *w, const void *in, int n)
         if (b < n / 32) offset += q8_0_tail(w + (size_t)b * 34, x.q + (size_t)b * 32, x.d[b]);
     } else {
         for (int s = 0; s < n / 256; s++) {
-            if (kind == K_Q4_K) q4k_super(w + (size_t)s * 144, x.q + (size_t)s * 256, x.d[s], x.bsums + 16 * s, &acc,
-                                          &offset);
+            if (kind == K_Q4_K || kind == K_Q5_K)
+                q4k_super(w + (size_t)s * (kind == K_Q5_K ? 176 : 144), x.q + (size_t)s * 256, x.d[s],
+                          x.bsums + 16 * s, &acc, &offset, kind == K_Q5_K);
             else q6k_super(w + (size_t)s * 210, x.q + (size_t)s * 256, x.d[s], x.bsums + 16 * s, &acc, &offset);
         }
     }
@@ -210,9 +225,11 @@ Q8_TARGET void dot_##NAME##_q8(const void *wrow, float scale, const void *gscale
     (void)scale, (void)gscale, (void)group, (void)ldx, (void)nt, (void)ldr;                                     \
     *res = row_q8(KIND, (const uint8_t *)wrow, x, n);                                                           \
 }
-#define Q8_STEP_q4_k q4k_super(w, xv[j].q + (size_t)s * 256, xv[j].d[s], xv[j].bsums + 16 * s, &acc[j], &offset[j]);
+#define Q8_STEP_q4_k q4k_super(w, xv[j].q + (size_t)s * 256, xv[j].d[s], xv[j].bsums + 16 * s, &acc[j], &offset[j], 0);
+#define Q8_STEP_q5_k q4k_super(w, xv[j].q + (size_t)s * 256, xv[j].d[s], xv[j].bsums + 16 * s, &acc[j], &offset[j], 1);
 #define Q8_STEP_q6_k q6k_super(w, xv[j].q + (size_t)s * 256, xv[j].d[s], xv[j].bsums + 16 * s, &acc[j], &offset[j]);
 #define Q8_STEP_q8_0 q8_0_pair(w, xv[j].q + (size_t)s * 64, xv[j].d + 2 * s, &acc[j]);
 DEFINE_Q8_ROWS(q4_k, K_Q4_K, 256, 144)
+DEFINE_Q8_ROWS(q5_k, K_Q5_K, 256, 176)
 DEFINE_Q8_ROWS(q6_k, K_Q6_K, 256, 210)
 DEFINE_Q8_ROWS(q8_0, K_Q8_0, 64, 68)
