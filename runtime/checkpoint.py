@@ -44,11 +44,7 @@ class Checkpoint:
     def read_into_ram(self, names: list[str]) -> list[torch.Tensor]:
         """Copies of these tensors in RAM (on-disk dtype), each starting on a cache line of one shared buffer."""
         infos = [self.where[n].infos[n] for n in names]
-        offsets, total = [], 0
-        for info in infos:
-            offsets.append(total)
-            total += -(-info.nbytes // RAM_ALIGN) * RAM_ALIGN
-        buffer = torch.empty(total, dtype=torch.uint8)
+        buffer, offsets = one_buffer([info.nbytes for info in infos])
         view = memoryview(buffer.numpy())
         out = []
         for name, info, at in zip(names, infos, offsets, strict=True):
@@ -87,6 +83,15 @@ class Checkpoint:
                                   "them; fix the file or remove it")
         ids += [i for i in token_ids(extra) if i not in ids]
         return tuple(ids)
+
+
+def one_buffer(sizes: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """One uint8 buffer for pieces of these byte sizes, each starting on a cache line (RAM_ALIGN), and their offsets."""
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // RAM_ALIGN) * RAM_ALIGN
+    return torch.empty(total, dtype=torch.uint8), offsets
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:

@@ -168,13 +168,8 @@ class GGUFFile:
             kv_b = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # [heads, nope + v, rank]
             return kv_b.reshape(-1, k_b.shape[1]).to(info.dtype)  # [heads * (nope + v), rank]
         t = self.tensors[src.name]
-        kind = t.tensor_type.name
         rows = t.data if src.expert is None else t.data[src.expert]  # numpy views of the memory map
-        if kind in FLOATS:
-            w = torch.from_numpy(np.ascontiguousarray(rows)).view(FLOATS[kind])
-        else:
-            w = dequantize(torch.from_numpy(np.ascontiguousarray(rows)), kind)
-        w = w.reshape(info.shape).to(info.dtype)
+        w = _decoded(rows, t.tensor_type.name).reshape(info.shape).to(info.dtype)
         if src.heads:
             w = unpermute(w, src.heads)
         return w
@@ -219,15 +214,18 @@ class GGUFFile:
     def _values(self, gguf_name: str) -> torch.Tensor:
         """A whole GGUF tensor as float32, in its Hugging Face dimension order (dequantized if in blocks)."""
         t = self.tensors[gguf_name]
-        shape = tuple(int(d) for d in reversed(t.shape))
-        raw = torch.from_numpy(np.ascontiguousarray(t.data))
-        kind = t.tensor_type.name
-        w = raw.view(FLOATS[kind]).float() if kind in FLOATS else dequantize(raw, kind)
-        return w.reshape(shape)
+        return _decoded(t.data, t.tensor_type.name).float().reshape(tuple(int(d) for d in reversed(t.shape)))
 
     def read_into(self, name: str, out: memoryview) -> None:
         w = self.tensor(name).contiguous()
         out[: self.infos[name].nbytes] = memoryview(w.view(torch.uint8).numpy()).cast("B")
+
+
+def _decoded(rows: np.ndarray, kind: str) -> torch.Tensor:
+    """A tensor's stored bytes (a numpy view of the map) as values: a float type viewed as it is, blocks dequantized
+    to float32 (flat rows; the caller shapes them)."""
+    raw = torch.from_numpy(np.ascontiguousarray(rows))
+    return raw.view(FLOATS[kind]) if kind in FLOATS else dequantize(raw, kind)
 
 
 def _interleave(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

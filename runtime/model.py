@@ -21,7 +21,7 @@ from tandem.kernels.cpu import BLOCK_QUANTS, CpuOptions, DenseLinear, library, r
 from tandem.kernels.errors import CheckpointError
 from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.accelerator import Accelerator
-from tandem.runtime.checkpoint import Checkpoint
+from tandem.runtime.checkpoint import Checkpoint, one_buffer
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.dispatch import Dispatcher, OffloadOptions
 from tandem.runtime.mla import LatentCache, MLAWeights, attend, load_mla
@@ -155,13 +155,9 @@ def routed_experts(ckpt: Checkpoint, layers: list[int], resident: bool,
                 raise CheckpointError(f"{ckpt.path}: layer {layer} keeps some experts in a float type and others in "
                                       "blocks; convert the model again")
             data = [m.data for m in mats]  # type: ignore[union-attr]
-            if resident:  # one buffer for the layer, each expert's rows a view of it
-                buffer = torch.empty(sum(d.numel() for d in data), dtype=torch.uint8)
-                at = 0
-                for k, d in enumerate(data):
-                    data[k] = buffer[at : at + d.numel()].view(d.shape)
-                    data[k].copy_(d)
-                    at += d.numel()
+            if resident:  # one buffer for the layer, each expert's rows a view of it starting on a cache line
+                buffer, offsets = one_buffer([d.numel() for d in data])
+                data = [buffer[at : at + d.numel()].view(d.shape).copy_(d) for d, at in zip(data, offsets, strict=True)]
             formats = (mats[0].kind, mats[2].kind)  # type: ignore[union-attr]
             return [BlockExpert(*data[3 * e : 3 * e + 3], formats=formats) for e in range(n)]
         if ckpt.spec.fused_experts and ckpt.config.experts_mxfp4:  # gpt-oss as published: 4-bit copies per expert
