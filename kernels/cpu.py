@@ -37,8 +37,8 @@ KINDS: dict[object, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 
 # GGUF's block formats, by GGUF's names (kernels/blocks.py), rows as the file stores them (csrc/blocks.h)
 BLOCK_KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 KINDS.update({name: 6 + i for i, name in enumerate(BLOCK_KINDS)})
-# GGUF kinds whose one-token products the AVX512_BF16 variant computes against int8 activations, as llama.cpp does
-# (csrc/q8.c), where activations are bf16 anyway; float32 compute keeps the exact float path (csrc/blocks.h)
+# GGUF kinds whose products the AVX512_BF16 variant computes against int8 activations, as llama.cpp does (csrc/q8.c),
+# where activations are bf16 anyway; float32 compute keeps the exact float path (csrc/blocks.h)
 Q8_KINDS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
 ACT_SILU, ACT_CLAMPED = 0, 1  # the activations the kernels compute (csrc/common.h)
 DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
@@ -50,6 +50,7 @@ QUANT_KINDS: tuple[Quant, ...] = ("int8", "int4", "mxfp4")  # what the executor 
 BLOCK_QUANTS: tuple[Quant, ...] = ("q8_0", "q4_k")
 QUANTIZED = (*QUANT_KINDS, *BLOCK_KINDS)  # kinds torch has no fast path for: kept on the kernel for longer prompts
 AMX_BATCH = 64  # experts one kernel region takes at most (csrc/common.h)
+XB_EXTRA = 192  # 16-bit values a row of xb holds beyond its width: room for int8 inputs (csrc/common.h q8_stride)
 # float32 x against bf16 dense weights stays on the kernel, 16 tokens a call, up to this many calls; beyond, a
 # float32 copy of the matrix for torch pays for itself (up to 64 tokens the kernel is ahead on 6144x2048 with
 # AVX-512 and with AVX2: docs/bench/kernels.md).
@@ -195,7 +196,7 @@ def best_isa(kind: object, compute_dtype: torch.dtype, isas: list[str], tokens: 
     if kind == "mxfp4" and compute_dtype == torch.bfloat16 and "avx512bf16" in isas:
         return "avx512bf16"  # one token by vdpbf16ps (several: the AVX-512 float path, which it falls back to)
     if kind in Q8_KINDS and compute_dtype == torch.bfloat16 and "avx512bf16" in isas:
-        return "avx512bf16"  # one token against int8 activations (several: the AVX-512 float path)
+        return "avx512bf16"  # against int8 activations, one token or several (csrc/q8.c)
     if kind in AMX_KINDS and compute_dtype == torch.bfloat16:
         if "amx" in isas:
             return "amx"
@@ -661,7 +662,7 @@ class _Slot:
         self.x = torch.empty(t, hidden, dtype=torch.float32)
         self.out = torch.empty(t, hidden, dtype=torch.float32)
         self.act = torch.empty(t, 2 * inter, dtype=torch.float32)
-        self.xb = torch.empty(max(t, 16), max(hidden, inter), dtype=torch.int16)
+        self.xb = torch.empty(max(t, 16), max(hidden, inter) + XB_EXTRA, dtype=torch.int16)
         self.args = _Args()
 
     def fill(self, a: _Args, ex: CpuExecutor, expert: CpuExpert, x: torch.Tensor, isa: str) -> None:
@@ -762,7 +763,7 @@ class DenseLinear:
         if x.dtype == torch.float32:  # exact float sums: the float path (the AVX-512 rows at most)
             isa = min(self.float_isa, ISAS.index("avx512"))
         elif self.isa == -1 and w.kind in Q8_KINDS and self.q8_isa >= 0:
-            isa = self.q8_isa  # one token against int8 activations (csrc/q8.c)
+            isa = self.q8_isa  # against int8 activations (csrc/q8.c)
         else:
             isa = min(self.isa, ISAS.index("avx512bf16"))  # (-1: the best, which the kernel bounds likewise)
         return self._kernel(x, n, w.data.data_ptr(), rows, KINDS[w.kind], isa, bias, out_dtype)
@@ -774,7 +775,7 @@ class DenseLinear:
         key = (width, rows)
         if key not in self._buffers:  # per matrix shape, reused: no allocation on the decode path
             self._buffers[key] = (torch.empty(AMX_CROSSOVER, width), torch.empty(AMX_CROSSOVER, rows),
-                                  torch.empty(16, width, dtype=torch.int16))
+                                  torch.empty(16, width + XB_EXTRA, dtype=torch.int16))
         xs, ys, xb = self._buffers[key]
         xs[:n].copy_(x.reshape(n, width))  # [n, I] float32
         y = torch.empty(*x.shape[:-1], rows, dtype=out_dtype)  # [..., O]

@@ -387,15 +387,6 @@ DEFINE_BLOCK_ROWS4(q4_k, 256, 144)
 DEFINE_BLOCK_ROWS4(q5_k, 256, 176)
 DEFINE_BLOCK_ROWS4(q6_k, 256, 210)
 DEFINE_BLOCK_ROWS4(gmxfp4, 32, 17)
-/* The int8-input kernels of a kind q8_serves (q8.c). */
-static rows4_fn q8_rows4(int kind) {
-    return kind == K_Q4_K ? rows4_q4_k_q8 : kind == K_Q5_K ? rows4_q5_k_q8 : kind == K_Q6_K ? rows4_q6_k_q8
-                                                                                               : rows4_q8_0_q8;
-}
-static dot_fn q8_dot(int kind) {
-    return kind == K_Q4_K ? dot_q4_k_q8 : kind == K_Q5_K ? dot_q5_k_q8 : kind == K_Q6_K ? dot_q6_k_q8 : dot_q8_0_q8;
-}
-
 /* Every kind's four-row kernel, by kind. */
 static const rows4_fn FOUR[KINDS] = {rows4_fp32, rows4_bf16, rows4_fp16, rows4_int8, rows4_int4, rows4_mxfp4,
                                      rows4_q8_0, rows4_q4_0, rows4_q4_1, rows4_q5_0, rows4_q5_1, rows4_q4_k,

@@ -74,7 +74,8 @@ typedef struct {
     const float *x;                      /* [T, H] */
     float *out;                          /* [T, H] */
     float *act;                          /* scratch [T, 2I] */
-    uint16_t *xb;                        /* scratch of 32 max(H, I) bytes (AVX512_BF16, AMX and VNNI paths) */
+    uint16_t *xb;                        /* scratch: max(T, 16) rows of max(H, I) + 192 16-bit values (AVX512_BF16,
+                                          * AMX and VNNI paths) */
     const float *gate_bias, *up_bias, *down_bias;  /* NULL, or [I], [I], [H] */
     int act_kind;                        /* ACT_SILU or ACT_CLAMPED */
     float alpha, limit;                  /* ACT_CLAMPED's */
@@ -110,7 +111,7 @@ typedef struct {
     const void *w;
     const float *x;                      /* [T, I] */
     float *y;                            /* [T, O] */
-    uint16_t *xb;                        /* scratch: 16 * I bf16 */
+    uint16_t *xb;                        /* scratch: 16 rows of I + 192 16-bit values */
     uint16_t *yb;                        /* NULL, or [T, O]: y rounded to bf16 as well (nearest even) */
     int isa;                             /* the variant to use, or -1: the best for this CPU and token count */
     int kind;                            /* K_BF16 or a block kind */
@@ -301,6 +302,12 @@ TK_INTERNAL void rows4_q6_k_q8(const char *const *rows, const void *const *scale
 TK_INTERNAL void rows4_q8_0_q8(const char *const *rows, const void *const *scales, int group, const float *const *x,
                                int n, float *const *res);
 TK_INTERNAL dot_kernel dot_q4_k_q8, dot_q5_k_q8, dot_q6_k_q8, dot_q8_0_q8;
+TK_INTERNAL rows4_fn q8_rows4(int kind);
+TK_INTERNAL dot_fn q8_dot(int kind);
+TK_INTERNAL void q8_rows(int kind, const float *x, size_t ldx, int T, int n, void *buf);
+/* Bytes between the quantized inputs of n values in a buffer of several (q8.c's layout: codes, block scales, sums
+ * of 16, each from a cache line): at most n + n/4 + 192, within the 2 (n + 192) bytes a row of xb holds. */
+static inline size_t q8_stride(int n) { return ((size_t)n + 63) / 64 * 64 + 2 * (((size_t)n / 8 + 63) / 64 * 64); }
 /* api.c */
 TK_INTERNAL dot_fn pick_dot(int kind, int isa);
 
