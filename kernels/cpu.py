@@ -55,6 +55,10 @@ XB_EXTRA = 192  # 16-bit values a row of xb holds beyond its width: room for int
 # float32 copy of the matrix for torch pays for itself (up to 64 tokens the kernel is ahead on 6144x2048 with
 # AVX-512 and with AVX2: docs/bench/kernels.md).
 FLOAT_CHUNKS = 4
+# GGUF blocks: tokens per kernel call at least. Their several-token kernels compute 8 tokens at a time, each row's
+# blocks unpacked once per 8 from L1: more tokens a call stream each expert from memory fewer times in a prompt
+# (docs/bench/README.md).
+BLOCK_STEP = 32
 QUANT_CHUNKS = 32  # quantized experts stay on the kernel up to this many chunks of tokens (measured: beyond
 # that, dequantizing once and using torch's matmul wins)
 MAX_THREADS = 4096  # a sanity bound: libgomp takes any positive count and allocates per thread
@@ -499,8 +503,13 @@ class CpuExecutor:
         return best_isa(kind, self.dtype, isas, tokens)
 
     def _step(self, expert: CpuExpert) -> int:
-        """Tokens per kernel call for this expert."""
-        return min(self.crossover, AMX_CROSSOVER) if expert.amx_layout else self.crossover
+        """Tokens per kernel call for this expert. GGUF blocks: at least BLOCK_STEP while the kernel is on
+        (crossover > 0)."""
+        if expert.amx_layout:
+            return min(self.crossover, AMX_CROSSOVER)
+        if expert.kind in BLOCK_KINDS and self.crossover:
+            return max(self.crossover, BLOCK_STEP)
+        return self.crossover
 
     def _check_expert(self, expert: CpuExpert) -> None:
         """The expert was prepared for this executor's sizes (its kernel reads them as this executor's)."""
@@ -562,7 +571,7 @@ class CpuExecutor:
         if not together:
             return
         while len(self._slots) < len(together):
-            self._slots.append(_Slot(self.hidden, self.inter, self.crossover))
+            self._slots.append(_Slot(self.hidden, self.inter, max(self.crossover, BLOCK_STEP)))
         if len(self._batch) < len(together):
             self._batch = (_Args * len(self._slots))()
         for k, i in enumerate(together):
@@ -645,7 +654,7 @@ class CpuExecutor:
 
     def _run_kernel(self, expert: CpuExpert, x: torch.Tensor, isa: str) -> torch.Tensor:
         if not self._slots:
-            self._slots.append(_Slot(self.hidden, self.inter, self.crossover))
+            self._slots.append(_Slot(self.hidden, self.inter, max(self.crossover, BLOCK_STEP)))
         slot = self._slots[0]
         slot.fill(slot.args, self, expert, x, isa)
         code = self.lib.tk_expert(ctypes.byref(slot.args))  # type: ignore[union-attr]

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.blocks import FORMATS, block_matrix
-from tandem.kernels.cpu import BLOCK_KINDS, Q8_KINDS, CpuExecutor, DenseLinear, available_isas, library
+from tandem.kernels.cpu import BLOCK_KINDS, BLOCK_STEP, Q8_KINDS, CpuExecutor, DenseLinear, available_isas, library
 from tandem.kernels.quant import QuantizedMatrix
 
 pytestmark = [pytest.mark.isa, pytest.mark.skipif(library() is None, reason="the kernels are not built")]
@@ -98,7 +98,7 @@ def reference(x: torch.Tensor, mats: list[QuantizedMatrix], int8: bool = False) 
 @pytest.mark.parametrize("isa", [None, *ISAS])
 @pytest.mark.parametrize("formats", [(f, f) for f in BLOCK_KINDS] + [("Q4_K", "Q6_K"), ("Q4_0", "Q8_0")])
 def test_experts_of_every_format_match_the_dequantized_reference(formats: tuple[str, str], isa: str | None) -> None:
-    """One expert at a time (one token and several, then chunks of tokens past the crossover), several in one call,
+    """One expert at a time (one token, several in one call, then in calls of BLOCK_STEP tokens), several in one call,
     and a layer's experts through one call from the routing, with gate and up in one format and down in another as
     Q4_K_M has them."""
     fmt, down_fmt = formats
@@ -113,7 +113,8 @@ def test_experts_of_every_format_match_the_dequantized_reference(formats: tuple[
 
     int8 = any(int8_path(f, isa, False) for f in formats)
     tolerance = INT8 if int8 else FLOAT
-    for tokens in (1, 3, 20):
+    assert ex._step(experts[0][0]) == BLOCK_STEP
+    for tokens in (1, 3, 20, BLOCK_STEP + 5):
         x = torch.randn(tokens, h, generator=g)
         close(experts[0][0](x), reference(x, experts[0][1], int8), tolerance)
     xs = [torch.randn(n, h, generator=g) for n in (1, 2, 1)]

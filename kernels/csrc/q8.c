@@ -159,18 +159,21 @@ Q8_TARGET static inline k_super q6k_weights(const uint8_t *blk) {
 }
 
 /* ---- Q8_0: blocks of d and 32 int8 codes; two blocks a step (signed by signed: |w| against x signed as w) ---- */
-typedef struct { __m512i w; __mmask64 negative; float d0, d1; } q8_0_pair_w;
+typedef struct { __m512i w; __mmask64 negative; __m512 d; } q8_0_pair_w;  /* d: each block's over its 8 lanes */
 Q8_TARGET static inline q8_0_pair_w q8_0_weights(const uint8_t *b0) {
     const __m512i w = two256(b0 + 2, b0 + 36);
-    const q8_0_pair_w p = {_mm512_abs_epi8(w), _mm512_movepi8_mask(w), f16f(b0), f16f(b0 + 34)};
+    const q8_0_pair_w p = {_mm512_abs_epi8(w), _mm512_movepi8_mask(w),
+                           _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16f(b0)), _mm512_set1_ps(f16f(b0 + 34)))};
     return p;
 }
 Q8_TARGET static inline __m512 q8_0_token(const q8_0_pair_w *p, const int8_t *x, const float *dx, __m512 acc) {
     const __m512i xs = _mm512_loadu_si512((const void *)x);
     const __m512i sx = _mm512_mask_sub_epi8(xs, p->negative, _mm512_setzero_si512(), xs);
     const __m512i prod = _mm512_madd_epi16(_mm512_maddubs_epi16(p->w, sx), _mm512_set1_epi16(1));
-    const __m512 scale = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(p->d0 * dx[0]), _mm512_set1_ps(p->d1 * dx[1]));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(prod), scale, acc);
+    /* the two blocks' input scales over their 8 lanes each: one 8-byte load spread by a permute */
+    const __m512 dxs = _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                             _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)dx))));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(prod), _mm512_mul_ps(p->d, dxs), acc);
 }
 Q8_TARGET static inline float q8_0_tail(const uint8_t *b, const int8_t *x, float dx) {  /* an odd last block */
     int s = 0;
@@ -210,7 +213,11 @@ Q8_TARGET static inline __attribute__((always_inline)) void row_inputs(int kind,
     q8_view xv[8];
     __m512 acc[8];
     for (int j = 0; j < M; j++) xv[j] = q8_at(x + (size_t)j * stride, n, q8_block(kind)), acc[j] = _mm512_setzero_ps();
-    for (int s = 0; s < n / STEP_VALUES(kind); s++) row_step(kind, w + (size_t)s * STEP_BYTES(kind), s, M, xv, acc);
+    for (int s = 0; s < n / STEP_VALUES(kind); s++) {
+        const uint8_t *ws = w + (size_t)s * STEP_BYTES(kind);
+        for (int o = 0; o < STEP_BYTES(kind); o += 64) PREFETCH_AHEAD(ws + o);  /* (the next rows: the thread's next) */
+        row_step(kind, ws, s, M, xv, acc);
+    }
     for (int j = 0; j < M; j++) res[(size_t)j * ldr] = row_sum(kind, w, &xv[j], n, acc[j]);
 }
 
