@@ -55,9 +55,9 @@ XB_EXTRA = 192  # 16-bit values a row of xb holds beyond its width: room for int
 # float32 copy of the matrix for torch pays for itself (up to 64 tokens the kernel is ahead on 6144x2048 with
 # AVX-512 and with AVX2: docs/bench/kernels.md).
 FLOAT_CHUNKS = 4
-# GGUF blocks: tokens per kernel call at least. Their several-token kernels compute 8 tokens at a time, each row's
-# blocks unpacked once per 8 from L1: more tokens a call stream each expert from memory fewer times in a prompt
-# (docs/bench/README.md).
+# GGUF blocks: tokens per kernel call (experts: at least; dense matrices: at most, csrc/common.h BLOCK_TOKENS). Their
+# several-token kernels compute 8 tokens at a time, each row's blocks unpacked once per 8 from L1: more tokens a call
+# stream each matrix from memory fewer times in a prompt (docs/bench/README.md).
 BLOCK_STEP = 32
 QUANT_CHUNKS = 32  # quantized experts stay on the kernel up to this many chunks of tokens (measured: beyond
 # that, dequantizing once and using torch's matmul wins)
@@ -752,23 +752,23 @@ class DenseLinear:
 
     def _blocks(self, x: torch.Tensor, w: QuantizedMatrix, bias: torch.Tensor | None,
                 out_dtype: torch.dtype) -> torch.Tensor:
-        """x [..., I] against GGUF blocks: the kernel (AVX-512 rows at most) 16 tokens a call for up to
-        QUANT_CHUNKS calls, as the quantized experts; beyond, or without the kernel, torch over the matrix
-        dequantized for this call."""
+        """x [..., I] against GGUF blocks: the kernel (AVX-512 rows at most) BLOCK_STEP tokens a call for up to
+        QUANT_CHUNKS calls, as the GGUF experts; beyond, or without the kernel, torch over the matrix dequantized for
+        this call."""
         rows, width = w.data.shape[0], w.cols
         if x.dim() == 0 or x.shape[-1] != width or w.kind not in BLOCK_KINDS:
             raise ValueError(f"x {list(x.shape)} does not fit the {w.kind} matrix [{rows}, {width}]")
         if bias is not None and tuple(bias.shape) != (rows,):
             raise ValueError(f"bias has shape {list(bias.shape)}; expected [{rows}]")
         n = x.numel() // width
-        if not (self.lib is not None and 0 < n <= QUANT_CHUNKS * AMX_CROSSOVER and x.device.type == "cpu"
+        if not (self.lib is not None and 0 < n <= QUANT_CHUNKS * BLOCK_STEP and x.device.type == "cpu"
                 and x.dtype in (torch.bfloat16, torch.float32) and rows % 32 == 0 and width % 32 == 0
                 and w.data.is_contiguous()):
             return F.linear(x, w.dequantize(x.dtype), None if bias is None else bias.to(x.dtype)).to(out_dtype)
-        if n > AMX_CROSSOVER:
+        if n > BLOCK_STEP:
             flat = x.reshape(n, width)  # [n, I]
-            return torch.cat([self._blocks(flat[i : i + AMX_CROSSOVER], w, bias, out_dtype)
-                              for i in range(0, n, AMX_CROSSOVER)]).view(*x.shape[:-1], rows)
+            return torch.cat([self._blocks(flat[i : i + BLOCK_STEP], w, bias, out_dtype)
+                              for i in range(0, n, BLOCK_STEP)]).view(*x.shape[:-1], rows)
         if x.dtype == torch.float32:  # exact float sums: the float path (the AVX-512 rows at most)
             isa = min(self.float_isa, ISAS.index("avx512"))
         elif self.isa == -1 and w.kind in Q8_KINDS and self.q8_isa >= 0:
@@ -779,12 +779,14 @@ class DenseLinear:
 
     def _kernel(self, x: torch.Tensor, n: int, w: int, rows: int, kind: int, isa: int, bias: torch.Tensor | None,
                 out_dtype: torch.dtype) -> torch.Tensor:
-        """One tk_linear call: x [..., I] (n <= AMX_CROSSOVER rows) against the matrix at address w, [rows, I]."""
+        """One tk_linear call: x [..., I] (n <= AMX_CROSSOVER rows; of blocks, BLOCK_STEP) against the matrix at
+        address w, [rows, I]."""
         width = x.shape[-1]
         key = (width, rows)
         if key not in self._buffers:  # per matrix shape, reused: no allocation on the decode path
-            self._buffers[key] = (torch.empty(AMX_CROSSOVER, width), torch.empty(AMX_CROSSOVER, rows),
-                                  torch.empty(16, width + XB_EXTRA, dtype=torch.int16))
+            t = max(AMX_CROSSOVER, BLOCK_STEP)
+            self._buffers[key] = (torch.empty(t, width), torch.empty(t, rows),
+                                  torch.empty(t, width + XB_EXTRA, dtype=torch.int16))
         xs, ys, xb = self._buffers[key]
         xs[:n].copy_(x.reshape(n, width))  # [n, I] float32
         y = torch.empty(*x.shape[:-1], rows, dtype=out_dtype)  # [..., O]

@@ -74,7 +74,7 @@ def test_dense_matrices_of_every_format_match_the_dequantized_product(fmt: str, 
     w = matrix(fmt, 96, cols, seed=1)
     ref = w.dequantize(torch.float64)  # [96, cols]
     linear = DenseLinear(2, isa=isa)
-    for tokens in (1, 3, 20):  # one token (four-row runs), a few, more than one call's 16
+    for tokens in (1, 3, 20, BLOCK_STEP + 8):  # one token (four-row runs), a few, more than one call's BLOCK_STEP
         x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
         close(linear(x, w, out_dtype=torch.float32), x.double() @ ref.T)  # float32 x: the float paths
         xb = x.bfloat16()

@@ -229,10 +229,11 @@ int tk_moe(const tk_moe_args *m) {
 }
 
 /* The variant as asked (or, for -1, the best: one token on the AVX-512 rows, more on AMX tiles, else the rows of
- * the best dot product; block kinds on the AVX-512 rows at most). Returns 0, or a negative code for arguments the kernel cannot serve. */
+ * the best dot product; block kinds on the AVX-512 rows at most). Up to 16 tokens, or BLOCK_TOKENS of block kinds.
+ * Returns 0, or a negative code for arguments the kernel cannot serve. */
 int tk_linear(const tk_linear_args *a) {
     if (a->tokens <= 0) return 0;
-    if (a->tokens > 16 || a->in % 32 || a->out % 32) return -5;
+    if (a->tokens > (IS_BLOCK_KIND(a->kind) ? BLOCK_TOKENS : 16) || a->in % 32 || a->out % 32) return -5;
     if (a->threads < 1 || a->in < 1 || a->out < 1) return -7;
     const int blocks = IS_BLOCK_KIND(a->kind);
     if ((a->kind != K_BF16 && !blocks) || (blocks && a->in % block_values(a->kind))) return -5;

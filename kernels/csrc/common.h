@@ -111,7 +111,7 @@ typedef struct {
     const void *w;
     const float *x;                      /* [T, I] */
     float *y;                            /* [T, O] */
-    uint16_t *xb;                        /* scratch: 16 rows of I + 192 16-bit values */
+    uint16_t *xb;                        /* scratch: max(T, 16) rows of I + 192 16-bit values */
     uint16_t *yb;                        /* NULL, or [T, O]: y rounded to bf16 as well (nearest even) */
     int isa;                             /* the variant to use, or -1: the best for this CPU and token count */
     int kind;                            /* K_BF16 or a block kind */
@@ -437,6 +437,7 @@ static inline void experts_swiglu(const tk_args *a, int n) {
     }
 }
 
+#define BLOCK_TOKENS 32  /* tokens of GGUF blocks one tk_linear call takes at most: kernels/cpu.py BLOCK_STEP */
 #define AMX_BATCH 64  /* experts per region at most (their per-token scales live on the stack) */
 #define BLOCK_ROWS 16  /* rows per block of the int8/int4 layout: must equal kernels/quant.py BLOCK_ROWS */
 _Static_assert(BLOCK_ROWS == 16, "the tile kernels and VNNI lines take blocks of 16 rows");
