@@ -306,8 +306,9 @@ TK_INTERNAL rows4_fn q8_rows4(int kind);
 TK_INTERNAL dot_fn q8_dot(int kind);
 TK_INTERNAL void q8_rows(int kind, const float *x, size_t ldx, int T, int n, void *buf);
 /* Bytes between the quantized inputs of n values in a buffer of several (q8.c's layout: codes, block scales, sums
- * of 16, each from a cache line): at most n + n/4 + 192, within the 2 (n + 192) bytes a row of xb holds. */
-static inline size_t q8_stride(int n) { return ((size_t)n + 63) / 64 * 64 + 2 * (((size_t)n / 8 + 63) / 64 * 64); }
+ * of 16, sums of 32 times their scale, each from a cache line): at most n + 3n/8 + 252, within the 2 (n + 192)
+ * bytes a row of xb holds. */
+static inline size_t q8_stride(int n) { return ((size_t)n + 63) / 64 * 64 + 3 * (((size_t)n / 8 + 63) / 64 * 64); }
 /* api.c */
 TK_INTERNAL dot_fn pick_dot(int kind, int isa);
 

@@ -10,7 +10,8 @@
  * time goes.
  *
  * Activations (`q8_inputs`, into the caller's scratch): int8 q[n], then (64-byte aligned) float d[n / block], then
- * for the K formats int16 bsums[n / 16] (the sum of each 16 codes, for the formats' offsets).
+ * for the K formats int16 bsums[n / 16] (the sum of each 16 codes, for the formats' offsets), then for Q4_K and
+ * Q5_K float bx[n / 32] (each 32 values' code sum times its d: what a sub-block's min multiplies).
  *
  */
 #include "common.h"
@@ -21,11 +22,12 @@
 static inline size_t align64(size_t n) { return (n + 63) / 64 * 64; }
 
 /* Where the parts of a quantized input lie. */
-typedef struct { const int8_t *q; const float *d; const int16_t *bsums; } q8_view;
+typedef struct { const int8_t *q; const float *d; const int16_t *bsums; const float *bx; } q8_view;
 static inline q8_view q8_at(const void *buf, int n, int block) {
     const char *b = (const char *)buf;
-    const q8_view v = {(const int8_t *)b, (const float *)(b + align64((size_t)n)),
-                       (const int16_t *)(b + align64((size_t)n) + align64((size_t)(n / block) * 4))};
+    const size_t at_d = align64((size_t)n), at_bsums = at_d + align64((size_t)(n / block) * 4);
+    const q8_view v = {(const int8_t *)b, (const float *)(b + at_d), (const int16_t *)(b + at_bsums),
+                       (const float *)(b + at_bsums + align64((size_t)n / 16 * 2))};
     return v;
 }
 
@@ -33,13 +35,13 @@ int q8_block(int kind) { return kind == K_Q8_0 ? 32 : 256; }
 int q8_serves(int kind) { return kind == K_Q4_K || kind == K_Q5_K || kind == K_Q6_K || kind == K_Q8_0; }
 
 /* x [n] -> buf: per block of `block` values, d = max|x| / 127 and q = round(x / d) (as llama.cpp's quantize_row_q8_K
- * and q8_0); bsums per 16 for the K formats. */
+ * and q8_0); bsums per 16 for the K formats, bx per 32 for Q4_K and Q5_K. */
 Q8_TARGET void q8_inputs(int kind, const float *x, int n, void *buf) {
     const int block = q8_block(kind);
-    char *b = (char *)buf;
-    int8_t *q = (int8_t *)b;
-    float *d = (float *)(b + align64((size_t)n));
-    int16_t *bsums = (int16_t *)(b + align64((size_t)n) + align64((size_t)(n / block) * 4));
+    const q8_view v = q8_at(buf, n, block);
+    int8_t *q = (int8_t *)v.q;
+    float *d = (float *)v.d, *bx = (float *)v.bx;
+    int16_t *bsums = (int16_t *)v.bsums;
     for (int k = 0; k < n / block; k++) {
         const float *xs = x + (size_t)k * block;
         __m512 m = _mm512_setzero_ps();
@@ -54,6 +56,8 @@ Q8_TARGET void q8_inputs(int kind, const float *x, int n, void *buf) {
             if (block == 256) bsums[(size_t)k * 16 + j / 16] = (int16_t)_mm512_reduce_add_epi32(v);
         }
     }
+    if (kind == K_Q4_K || kind == K_Q5_K)
+        for (int i = 0; i < n / 32; i++) bx[i] = d[i / 8] * (float)(bsums[2 * i] + bsums[2 * i + 1]);
 }
 
 /* 16-bit lanes 0-15 a, 16-31 b. */
@@ -67,26 +71,29 @@ Q8_TARGET static inline __m512i two256(const void *lo, const void *hi) {
 }
 
 /* One K superblock's weights, unpacked once for every token that meets them: four vectors of unsigned codes, each
- * against 64 consecutive activations (q), the 16-bit sub-block scales over each one's products (sc), and the
- * offset term's parts: its 16-bit factors against the input's 16 sums of 16 (off16), and their float scale (off).
- * A superblock's sum is d dx sum_i (q_i . x_i by sc_i) + off dx (off16 . bsums). */
-typedef struct { __m512i q[4], sc[4]; __m256i off16; float d, off; } k_super;
+ * against 64 consecutive activations (q), the 16-bit sub-block scales over each one's products (sc), and d. Q6_K
+ * also its 16 scales (sc16), for the codes' offset of 32: sum = d dx (sum_i (q_i . x_i by sc_i) - 32 sc16 . bsums),
+ * all of it in integers. Q4_K's and Q5_K's offsets, -dmin m_j times each sub-block's code sum, are summed apart:
+ * the weights' side as floats into the row's `mf` (q4k_weights), once per row for all its tokens (row_sum). */
+typedef struct { __m512i q[4], sc[4]; __m256i sc16; float d; } k_super;
 
-Q8_TARGET static inline __m512 k_token(const k_super *w, const int8_t *x, float dx, const int16_t *bs, __m512 acc) {
+Q8_TARGET static inline __m512 k_token(const k_super *w, int q6, const int8_t *x, float dx, const int16_t *bs,
+                                       __m512 acc) {
     __m512i isum = _mm512_madd_epi16(_mm512_maddubs_epi16(w->q[0], _mm512_loadu_si512((const void *)x)), w->sc[0]);
     for (int i = 1; i < 4; i++)
         isum = _mm512_add_epi32(isum, _mm512_madd_epi16(_mm512_maddubs_epi16(w->q[i],
                                 _mm512_loadu_si512((const void *)(x + 64 * i))), w->sc[i]));
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(w->d * dx), acc);
-    const __m256i o = _mm256_madd_epi16(w->off16, _mm256_loadu_si256((const __m256i *)bs));  /* 8 lanes of pairs */
-    return _mm512_mask3_fmadd_ps(_mm512_castps256_ps512(_mm256_cvtepi32_ps(o)), _mm512_set1_ps(w->off * dx), acc,
-                                 0xFF);
+    if (q6) {  /* less 32 times each scale over its 16 codes' sum: 8 lanes of pairs */
+        const __m256i o = _mm256_madd_epi16(w->sc16, _mm256_loadu_si256((const __m256i *)bs));
+        isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(_mm256_slli_epi32(o, 5)));
+    }
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(w->d * dx), acc);
 }
 
 /* ---- Q4_K: superblock = d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles (bytes 32i..32i+31:
  * sub-block 2i low, 2i + 1 high). sum = d dx sum_j sc_j (q_j . x_j) - dmin dx sum_j m_j bsum_j. Q5_K (`five`): the
  * same with qh[32] before the nibbles, bit i of byte l the fifth bit of sub-block i's value l ---------------- */
-Q8_TARGET static inline k_super q4k_weights(const uint8_t *blk, int five) {
+Q8_TARGET static inline k_super q4k_weights(const uint8_t *blk, int five, float *mf) {
     k_super w;
     /* the 12 bytes as three words a, b, c: scales 0-3 the low 6 bits of a's bytes, mins 0-3 of b's; scales 4-7 the
      * low nibbles of c's bytes with a's top two bits above them, mins 4-7 c's high nibbles with b's top bits */
@@ -97,9 +104,9 @@ Q8_TARGET static inline k_super q4k_weights(const uint8_t *blk, int five) {
     const uint32_t mw[2] = {s[1] & six, ((s[2] >> 4) & nib) | ((s[1] >> 6) & top) << 4};
     uint8_t sc[8];
     memcpy(sc, sw, 8);
-    /* each min over its sub-block's two sums of 16 */
-    const __m128i m8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mw));  /* 8 mins, 16-bit */
-    w.off16 = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
+    /* the 8 mins times -dmin, as floats: what each sub-block's code sum times dx is multiplied by */
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mw)));
+    _mm256_storeu_ps(mf, _mm256_mul_ps(mins, _mm256_set1_ps(-f16f(blk + 2))));
     const __m512i low = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
     const uint8_t *qs = blk + (five ? 48 : 16);
     __m512i qh = _mm512_setzero_si512();
@@ -124,7 +131,7 @@ Q8_TARGET static inline k_super q4k_weights(const uint8_t *blk, int five) {
         w.sc[2 * p] = halves16(sc[4 * p], sc[4 * p + 1]);
         w.sc[2 * p + 1] = halves16(sc[4 * p + 2], sc[4 * p + 3]);
     }
-    w.d = f16f(blk), w.off = -f16f(blk + 2);
+    w.sc16 = _mm256_setzero_si256(), w.d = f16f(blk);
     return w;
 }
 
@@ -153,8 +160,8 @@ Q8_TARGET static inline k_super q6k_weights(const uint8_t *blk) {
         w.q[2 * half + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low),
                                             _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_b), two), 4));
     }
-    w.off16 = sc16;  /* the codes' offset of 32: each scale over its 16 values' sum */
-    w.d = f16f(blk + 208), w.off = -32.f * w.d;
+    w.sc16 = sc16;
+    w.d = f16f(blk + 208);
     return w;
 }
 
@@ -182,25 +189,36 @@ Q8_TARGET static inline float q8_0_tail(const uint8_t *b, const int8_t *x, float
 }
 
 /* One step of a row (a K superblock, or a pair of Q8_0 blocks) against M inputs: its weights unpacked once, then
- * multiplied with each input's codes into that input's accumulator. */
+ * multiplied with each input's codes into that input's accumulator. Q4_K and Q5_K: the superblock's 8 mins times
+ * -dmin into mf[8 s] (the row's, for row_sum). */
 Q8_TARGET static inline __attribute__((always_inline)) void row_step(int kind, const uint8_t *w, int s, int M,
-                                                                      const q8_view *xv, __m512 *acc) {
+                                                                      const q8_view *xv, __m512 *acc, float *mf) {
     if (kind == K_Q8_0) {
         const q8_0_pair_w p = q8_0_weights(w);
         for (int j = 0; j < M; j++) acc[j] = q8_0_token(&p, xv[j].q + (size_t)s * 64, xv[j].d + 2 * s, acc[j]);
         return;
     }
-    const k_super k = kind == K_Q6_K ? q6k_weights(w) : q4k_weights(w, kind == K_Q5_K);
+    const k_super k = kind == K_Q6_K ? q6k_weights(w) : q4k_weights(w, kind == K_Q5_K, mf + 8 * (size_t)s);
     for (int j = 0; j < M; j++)
-        acc[j] = k_token(&k, xv[j].q + (size_t)s * 256, xv[j].d[s], xv[j].bsums + 16 * s, acc[j]);
+        acc[j] = k_token(&k, kind == K_Q6_K, xv[j].q + (size_t)s * 256, xv[j].d[s], xv[j].bsums + 16 * s, acc[j]);
 }
 
 /* Values and bytes of a row_step. */
 #define STEP_VALUES(kind) ((kind) == K_Q8_0 ? 64 : 256)
 #define STEP_BYTES(kind) ((kind) == K_Q8_0 ? 68 : (kind) == K_Q6_K ? 210 : (kind) == K_Q5_K ? 176 : 144)
 
-/* The sum of an accumulator, and a Q8_0 row's odd last block if it has one. */
-Q8_TARGET static inline float row_sum(int kind, const uint8_t *w, const q8_view *x, int n, __m512 acc) {
+/* Floats of a row's mins (mf) a kind needs: Q4_K and Q5_K one per 32 values (at least 1: an array's length). */
+#define MINS(kind, n) ((kind) == K_Q4_K || (kind) == K_Q5_K ? (n) / 32 : 1)
+
+/* The sum of an accumulator; Q4_K's and Q5_K's offsets (the row's mins mf against the input's bx: n / 32 of each,
+ * a multiple of 8); a Q8_0 row's odd last block if it has one. */
+Q8_TARGET static inline float row_sum(int kind, const uint8_t *w, const q8_view *x, int n, __m512 acc,
+                                      const float *mf) {
+    if (kind == K_Q4_K || kind == K_Q5_K)
+        for (int i = 0; i < n / 32; i += 16) {
+            const __mmask16 m = n / 32 - i >= 16 ? 0xFFFF : 0xFF;
+            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, mf + i), _mm512_maskz_loadu_ps(m, x->bx + i), acc);
+        }
     const int done = n / STEP_VALUES(kind) * STEP_VALUES(kind);
     const float tail = done < n ? q8_0_tail(w + (size_t)done / 32 * 34, x->q + done, x->d[done / 32]) : 0.f;
     return _mm512_reduce_add_ps(acc) + tail;
@@ -209,16 +227,16 @@ Q8_TARGET static inline float row_sum(int kind, const uint8_t *w, const q8_view 
 /* M inputs (a constant at each call) against one row: step by step, each step's weights unpacked once for all M. */
 Q8_TARGET static inline __attribute__((always_inline)) void row_inputs(int kind, const uint8_t *w, const char *x,
                                                                         size_t stride, int M, int n, float *res,
-                                                                        int ldr) {
+                                                                        int ldr, float *mf) {
     q8_view xv[8];
     __m512 acc[8];
     for (int j = 0; j < M; j++) xv[j] = q8_at(x + (size_t)j * stride, n, q8_block(kind)), acc[j] = _mm512_setzero_ps();
     for (int s = 0; s < n / STEP_VALUES(kind); s++) {
         const uint8_t *ws = w + (size_t)s * STEP_BYTES(kind);
         for (int o = 0; o < STEP_BYTES(kind); o += 64) PREFETCH_AHEAD(ws + o);  /* (the next rows: the thread's next) */
-        row_step(kind, ws, s, M, xv, acc);
+        row_step(kind, ws, s, M, xv, acc, mf);
     }
-    for (int j = 0; j < M; j++) res[(size_t)j * ldr] = row_sum(kind, w, &xv[j], n, acc[j]);
+    for (int j = 0; j < M; j++) res[(size_t)j * ldr] = row_sum(kind, w, &xv[j], n, acc[j], mf);
 }
 
 /* rows4_fn and dot_fn of each kind. rows4: four rows against one input side by side, step by step, each row's
@@ -231,32 +249,35 @@ Q8_TARGET void rows4_##NAME##_q8(const char *const *rows, const void *const *sca
     (void)scales, (void)group;                                                                                  \
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};       \
     q8_view xv[4];                                                                                              \
+    float mf[4 * MINS(KIND, n)];  /* each row's mins */                                                         \
     for (int j = 0; j < 4; j++) xv[j] = q8_at(x[j], n, q8_block(KIND));                                        \
     for (int s = 0; s < n / STEP_VALUES(KIND); s++)                                                             \
         for (int j = 0; j < 4; j++) {                                                                           \
             const uint8_t *w = (const uint8_t *)rows[j] + (size_t)s * STEP_BYTES(KIND);                         \
             for (int o = 0; o < STEP_BYTES(KIND); o += 64) PREFETCH_AHEAD(w + o);                               \
-            row_step(KIND, w, s, 1, &xv[j], &acc[j]);                                                           \
+            row_step(KIND, w, s, 1, &xv[j], &acc[j], mf + (size_t)j * MINS(KIND, n));                           \
         }                                                                                                       \
-    for (int j = 0; j < 4; j++) *res[j] = row_sum(KIND, (const uint8_t *)rows[j], &xv[j], n, acc[j]);          \
+    for (int j = 0; j < 4; j++)                                                                                 \
+        *res[j] = row_sum(KIND, (const uint8_t *)rows[j], &xv[j], n, acc[j], mf + (size_t)j * MINS(KIND, n));   \
 }                                                                                                               \
 Q8_TARGET void dot_##NAME##_q8(const void *wrow, float scale, const void *gscale, int group, const float *x,     \
                                int ldx, int nt, int n, float *res, int ldr) {                                    \
     (void)scale, (void)gscale, (void)group;                                                                     \
     const uint8_t *w = (const uint8_t *)wrow;                                                                   \
     const size_t stride = (size_t)ldx * sizeof(float);                                                          \
+    float mf[MINS(KIND, n)];  /* the row's mins */                                                              \
     for (int t = 0; t < nt; t += 8) {                                                                           \
         const char *xs = (const char *)x + (size_t)t * stride;                                                  \
         float *r = res + (size_t)t * ldr;                                                                       \
         switch (nt - t < 8 ? nt - t : 8) {  /* constant M per case: the accumulators stay in registers */      \
-            case 1: row_inputs(KIND, w, xs, stride, 1, n, r, ldr); break;                                       \
-            case 2: row_inputs(KIND, w, xs, stride, 2, n, r, ldr); break;                                       \
-            case 3: row_inputs(KIND, w, xs, stride, 3, n, r, ldr); break;                                       \
-            case 4: row_inputs(KIND, w, xs, stride, 4, n, r, ldr); break;                                       \
-            case 5: row_inputs(KIND, w, xs, stride, 5, n, r, ldr); break;                                       \
-            case 6: row_inputs(KIND, w, xs, stride, 6, n, r, ldr); break;                                       \
-            case 7: row_inputs(KIND, w, xs, stride, 7, n, r, ldr); break;                                       \
-            default: row_inputs(KIND, w, xs, stride, 8, n, r, ldr); break;                                      \
+            case 1: row_inputs(KIND, w, xs, stride, 1, n, r, ldr, mf); break;                                    \
+            case 2: row_inputs(KIND, w, xs, stride, 2, n, r, ldr, mf); break;                                    \
+            case 3: row_inputs(KIND, w, xs, stride, 3, n, r, ldr, mf); break;                                    \
+            case 4: row_inputs(KIND, w, xs, stride, 4, n, r, ldr, mf); break;                                    \
+            case 5: row_inputs(KIND, w, xs, stride, 5, n, r, ldr, mf); break;                                    \
+            case 6: row_inputs(KIND, w, xs, stride, 6, n, r, ldr, mf); break;                                    \
+            case 7: row_inputs(KIND, w, xs, stride, 7, n, r, ldr, mf); break;                                    \
+            default: row_inputs(KIND, w, xs, stride, 8, n, r, ldr, mf); break;                                   \
         }                                                                                                       \
     }                                                                                                           \
 }
