@@ -55,9 +55,9 @@ XB_EXTRA = 192  # 16-bit values a row of xb holds beyond its width: room for int
 # float32 copy of the matrix for torch pays for itself (up to 64 tokens the kernel is ahead on 6144x2048 with
 # AVX-512 and with AVX2: docs/bench/kernels.md).
 FLOAT_CHUNKS = 4
-# GGUF blocks: tokens per kernel call (experts: at least; dense matrices: at most, csrc/common.h BLOCK_TOKENS). Their
-# several-token kernels compute 8 tokens at a time, each row's blocks unpacked once per 8 from L1: more tokens a call
-# stream each matrix from memory fewer times in a prompt (docs/bench/README.md).
+# GGUF blocks: tokens per kernel call (experts, MXFP4's too: at least; dense matrices: at most, csrc/common.h
+# BLOCK_TOKENS). Their several-token kernels compute 8 tokens at a time, each row's blocks unpacked once per 8 from
+# L1: more tokens a call stream each matrix from memory fewer times in a prompt (docs/bench/README.md).
 BLOCK_STEP = 32
 QUANT_CHUNKS = 32  # quantized experts stay on the kernel up to this many chunks of tokens (measured: beyond
 # that, dequantizing once and using torch's matmul wins)
@@ -198,7 +198,7 @@ def best_isa(kind: object, compute_dtype: torch.dtype, isas: list[str], tokens: 
     if kind == torch.bfloat16 and tokens == 1 and "avx512" in isas:
         return "avx512"
     if kind == "mxfp4" and compute_dtype == torch.bfloat16 and "avx512bf16" in isas:
-        return "avx512bf16"  # one token by vdpbf16ps (several: the AVX-512 float path, which it falls back to)
+        return "avx512bf16"  # one token by vdpbf16ps, several against int8 activations (csrc/q8.c)
     if kind in Q8_KINDS and compute_dtype == torch.bfloat16 and "avx512bf16" in isas:
         return "avx512bf16"  # against int8 activations, one token or several (csrc/q8.c)
     if kind in AMX_KINDS and compute_dtype == torch.bfloat16:
@@ -503,11 +503,11 @@ class CpuExecutor:
         return best_isa(kind, self.dtype, isas, tokens)
 
     def _step(self, expert: CpuExpert) -> int:
-        """Tokens per kernel call for this expert. GGUF blocks: at least BLOCK_STEP while the kernel is on
+        """Tokens per kernel call for this expert. GGUF blocks and MXFP4: at least BLOCK_STEP while the kernel is on
         (crossover > 0)."""
         if expert.amx_layout:
             return min(self.crossover, AMX_CROSSOVER)
-        if expert.kind in BLOCK_KINDS and self.crossover:
+        if (expert.kind in BLOCK_KINDS or expert.kind == "mxfp4") and self.crossover:
             return max(self.crossover, BLOCK_STEP)
         return self.crossover
 

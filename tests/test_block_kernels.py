@@ -47,8 +47,9 @@ def close(got: torch.Tensor, want: torch.Tensor, tolerance: float = FLOAT) -> No
 
 def int8_inputs(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """x [..., n] as the int8-activation kernels read it (csrc/q8.c q8_inputs), in float64: per block of the format's
-    (Q8_0: 32 values; the K formats: 256), d = max|x| / 127 and codes round(x * (127 / max|x|)), all in float32."""
-    block = 32 if fmt == "Q8_0" else 256
+    (Q8_0 and MXFP4: 32 values; the K formats: 256), d = max|x| / 127 and codes round(x * (127 / max|x|)), all in
+    float32."""
+    block = 32 if fmt in ("Q8_0", "mxfp4") else 256
     xs = x.float().reshape(*x.shape[:-1], -1, block)  # [..., n / block, block]
     amax = xs.abs().amax(-1, keepdim=True)  # [..., n / block, 1]
     inv = torch.full_like(amax, 127) / amax  # (a division: torch computes 127 / amax as 127 * (1 / amax))
@@ -173,3 +174,21 @@ def test_several_tokens_against_int8_activations_give_each_token_its_one_token_r
         assert ex.isa_for(expert, tokens) == "avx512bf16"
         assert torch.equal(expert(x[:tokens]), alone[:tokens]), tokens
         assert torch.equal(linear(x[:tokens], mats[0], out_dtype=torch.float32), rows[:tokens]), tokens
+
+
+@pytest.mark.skipif("avx512bf16" not in available_isas(), reason="this CPU has no AVX512_BF16")
+def test_several_tokens_of_mxfp4_experts_run_against_int8_activations() -> None:
+    """gpt-oss's MXFP4 experts under bf16 compute: one token by vdpbf16ps, several against int8 activations like the
+    GGUF formats (csrc/q8.c), in calls of BLOCK_STEP tokens; an odd number of blocks in a row (288 = 9 x 32) too."""
+    for h, i in ((256, 288), (288, 256)):
+        g = torch.Generator().manual_seed(h)
+        ex = CpuExecutor(h, i, torch.bfloat16, 2, quant="mxfp4", group=32)
+        expert = ex.prepare(*((torch.randn(shape, generator=g) * 0.05) for shape in ((i, h), (i, h), (h, i))))
+        gate, up, down = (w.double() for w in expert.dense(torch.float32))
+        assert ex._step(expert) == BLOCK_STEP
+        for tokens in (2, 9, BLOCK_STEP + 3):
+            x = torch.randn(tokens, h, generator=g)  # (float32 out: not rounded to bf16)
+            assert ex.isa_for(expert, tokens) == "avx512bf16"
+            xq = int8_inputs(x, "mxfp4")
+            want = F.linear(int8_inputs(F.silu(xq @ gate.T) * (xq @ up.T), "mxfp4"), down)
+            close(expert(x), want, INT8)

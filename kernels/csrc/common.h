@@ -301,7 +301,7 @@ TK_INTERNAL void rows4_q6_k_q8(const char *const *rows, const void *const *scale
                                int n, float *const *res);
 TK_INTERNAL void rows4_q8_0_q8(const char *const *rows, const void *const *scales, int group, const float *const *x,
                                int n, float *const *res);
-TK_INTERNAL dot_kernel dot_q4_k_q8, dot_q5_k_q8, dot_q6_k_q8, dot_q8_0_q8;
+TK_INTERNAL dot_kernel dot_q4_k_q8, dot_q5_k_q8, dot_q6_k_q8, dot_q8_0_q8, dot_mxfp4_q8;
 TK_INTERNAL rows4_fn q8_rows4(int kind);
 TK_INTERNAL dot_fn q8_dot(int kind);
 TK_INTERNAL void q8_rows(int kind, const float *x, size_t ldx, int T, int n, void *buf);
@@ -386,10 +386,11 @@ static inline float row_scale(const void *s, int kind, int row) {
  * or down rows; where its weights, scales (int8: the row's, int4 and MXFP4: its groups', else NULL), input and
  * result lie. */
 typedef struct { const char *w; const void *s; const float *x; float *res; int e; } row_ref;
-/* MXFP4 on the AVX512_BF16 variant (one token): vdpbf16ps against the inputs laid out in xb (avx512bf16.c). */
+/* MXFP4 on the AVX512_BF16 variant, one token: vdpbf16ps against the inputs laid out in xb (avx512bf16.c); it comes
+ * before q8_path wherever both could serve. */
 static inline int mxfp4_dp(const tk_args *a) { return a->kind == K_MXFP4 && a->isa == ISA_AVX512BF16; }
-/* GGUF blocks of `kind` on the AVX512_BF16 variant (one token): integer products against the inputs quantized to int8
- * in xb (q8.c), for the kinds it serves. */
+/* GGUF blocks of `kind`, and several tokens of MXFP4, on the AVX512_BF16 variant: integer products against the inputs
+ * quantized to int8 in xb (q8.c), for the kinds it serves. */
 static inline int q8_path(int kind, int isa) { return isa == ISA_AVX512BF16 && q8_serves(kind); }
 /* Whether a phase's rows read their inputs from xb (laid out there first). */
 static inline int reads_xb(const tk_args *a, int down) {

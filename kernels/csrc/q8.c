@@ -5,7 +5,7 @@
  * integer instructions, against the float path's unpacking of each value (blocks.h), which cannot keep up with the
  * memory on two cores. Taken by the AVX512_BF16 variant, where activations are bf16 (rounded) anyway; the
  * instructions themselves are AVX-512 BW. Q4_K, Q5_K, Q6_K and Q8_0 (the formats of Q4_K_M, Q5_K_M, Q6_K and Q8_0
- * files); the others keep the float path. One token streams rows four at a time (rows4); several tokens unpack each
+ * files), and several tokens of MXFP4 experts (gpt-oss); the others keep the float path. One token streams rows four at a time (rows4); several tokens unpack each
  * superblock of a row once into registers and multiply it with every token's codes (dot), which is where prefill's
  * time goes.
  *
@@ -31,8 +31,10 @@ static inline q8_view q8_at(const void *buf, int n, int block) {
     return v;
 }
 
-int q8_block(int kind) { return kind == K_Q8_0 ? 32 : 256; }
-int q8_serves(int kind) { return kind == K_Q4_K || kind == K_Q5_K || kind == K_Q6_K || kind == K_Q8_0; }
+int q8_block(int kind) { return kind == K_Q8_0 || kind == K_MXFP4 ? 32 : 256; }
+int q8_serves(int kind) {
+    return kind == K_Q4_K || kind == K_Q5_K || kind == K_Q6_K || kind == K_Q8_0 || kind == K_MXFP4;
+}
 
 /* x [n] -> buf: per block of `block` values, d = max|x| / 127 and q = round(x / d) (as llama.cpp's quantize_row_q8_K
  * and q8_0); bsums per 16 for the K formats, bx per 32 for Q4_K and Q5_K. */
@@ -182,6 +184,26 @@ Q8_TARGET static inline __m512 q8_0_token(const q8_0_pair_w *p, const int8_t *x,
                                              _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)dx))));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(prod), _mm512_mul_ps(p->d, dxs), acc);
 }
+/* ---- MXFP4 (the experts' layout: 16 code bytes a block, low nibbles values 0-15, high 16-31; the E8M0 scales
+ * apart): two blocks a step, as Q8_0's: each code's magnitude, twice its E2M1 value (0-12, whole), looked up with
+ * vpshufb, its sign bit as the mask, half the block's scale as d (value = magnitude * d, exactly) ---------- */
+Q8_TARGET static inline q8_0_pair_w mxfp4_weights(const uint8_t *codes, const uint8_t *e) {
+    const __m256i b = _mm256_loadu_si256((const __m256i *)codes), low = _mm256_set1_epi8(15);
+    const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+    /* in value order: block 0's low nibbles (values 0-15), its high (16-31), then block 1's */
+    const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                                         _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+    const __m512i magnitudes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12));
+    const q8_0_pair_w p = {_mm512_shuffle_epi8(magnitudes, c), _mm512_test_epi8_mask(c, _mm512_set1_epi8(8)),
+                           _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(e8m0_half(e[0])), _mm512_set1_ps(e8m0_half(e[1])))};
+    return p;
+}
+Q8_TARGET static inline float mxfp4_tail(const uint8_t *codes, uint8_t e, const int8_t *x, float dx) {  /* odd last */
+    float s = 0.f;
+    for (int j = 0; j < 16; j++) s += E2M1X2[codes[j] & 15] * x[j] + E2M1X2[codes[j] >> 4] * x[j + 16];
+    return e8m0_half(e) * dx * s;
+}
+
 Q8_TARGET static inline float q8_0_tail(const uint8_t *b, const int8_t *x, float dx) {  /* an odd last block */
     int s = 0;
     for (int j = 0; j < 32; j++) s += (int8_t)b[2 + j] * x[j];
@@ -286,12 +308,51 @@ DEFINE_Q8_ROWS(q5_k, K_Q5_K)
 DEFINE_Q8_ROWS(q6_k, K_Q6_K)
 DEFINE_Q8_ROWS(q8_0, K_Q8_0)
 
+/* MXFP4: M inputs (a constant at each call) against one row, a pair of blocks at a time. */
+Q8_TARGET static inline __attribute__((always_inline)) void mxfp4_row_inputs(const uint8_t *w, const uint8_t *e,
+        const char *x, size_t stride, int M, int n, float *res, int ldr) {
+    q8_view xv[8];
+    __m512 acc[8];
+    for (int j = 0; j < M; j++) xv[j] = q8_at(x + (size_t)j * stride, n, 32), acc[j] = _mm512_setzero_ps();
+    for (int s = 0; s < n / 64; s++) {
+        PREFETCH_AHEAD(w + (size_t)s * 32);
+        const q8_0_pair_w p = mxfp4_weights(w + (size_t)s * 32, e + 2 * s);
+        for (int j = 0; j < M; j++) acc[j] = q8_0_token(&p, xv[j].q + (size_t)s * 64, xv[j].d + 2 * s, acc[j]);
+    }
+    const int done = n / 64 * 64;
+    for (int j = 0; j < M; j++)
+        res[(size_t)j * ldr] = _mm512_reduce_add_ps(acc[j]) +
+            (done < n ? mxfp4_tail(w + done / 2, e[done / 32], xv[j].q + done, xv[j].d[done / 32]) : 0.f);
+}
+Q8_TARGET void dot_mxfp4_q8(const void *wrow, float scale, const void *gscale, int group, const float *x, int ldx,
+                            int nt, int n, float *res, int ldr) {
+    (void)scale, (void)group;
+    const uint8_t *w = (const uint8_t *)wrow, *e = (const uint8_t *)gscale;
+    const size_t stride = (size_t)ldx * sizeof(float);
+    for (int t = 0; t < nt; t += 8) {
+        const char *xs = (const char *)x + (size_t)t * stride;
+        float *r = res + (size_t)t * ldr;
+        switch (nt - t < 8 ? nt - t : 8) {  /* constant M per case: the accumulators stay in registers */
+            case 1: mxfp4_row_inputs(w, e, xs, stride, 1, n, r, ldr); break;
+            case 2: mxfp4_row_inputs(w, e, xs, stride, 2, n, r, ldr); break;
+            case 3: mxfp4_row_inputs(w, e, xs, stride, 3, n, r, ldr); break;
+            case 4: mxfp4_row_inputs(w, e, xs, stride, 4, n, r, ldr); break;
+            case 5: mxfp4_row_inputs(w, e, xs, stride, 5, n, r, ldr); break;
+            case 6: mxfp4_row_inputs(w, e, xs, stride, 6, n, r, ldr); break;
+            case 7: mxfp4_row_inputs(w, e, xs, stride, 7, n, r, ldr); break;
+            default: mxfp4_row_inputs(w, e, xs, stride, 8, n, r, ldr); break;
+        }
+    }
+}
+
+/* (MXFP4 has no four-row kernel here: one token of it takes vdpbf16ps, mxfp4_dp.) */
 rows4_fn q8_rows4(int kind) {
     return kind == K_Q4_K ? rows4_q4_k_q8 : kind == K_Q5_K ? rows4_q5_k_q8 : kind == K_Q6_K ? rows4_q6_k_q8
                                                                                                : rows4_q8_0_q8;
 }
 dot_fn q8_dot(int kind) {
-    return kind == K_Q4_K ? dot_q4_k_q8 : kind == K_Q5_K ? dot_q5_k_q8 : kind == K_Q6_K ? dot_q6_k_q8 : dot_q8_0_q8;
+    return kind == K_Q4_K ? dot_q4_k_q8 : kind == K_Q5_K ? dot_q5_k_q8 : kind == K_Q6_K ? dot_q6_k_q8
+         : kind == K_MXFP4 ? dot_mxfp4_q8 : dot_q8_0_q8;
 }
 
 /* Inside a parallel region: rows [0, T) of x (row t at x + t * ldx) quantized for `kind` into buf, row t at
