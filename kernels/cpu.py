@@ -39,7 +39,7 @@ BLOCK_KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "
 KINDS.update({name: 6 + i for i, name in enumerate(BLOCK_KINDS)})
 # GGUF kinds whose products the AVX512_BF16 variant computes against int8 activations, as llama.cpp does (csrc/q8.c),
 # where activations are bf16 anyway; float32 compute keeps the exact float path (csrc/blocks.h)
-Q8_KINDS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
+Q8_KINDS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 ACT_SILU, ACT_CLAMPED = 0, 1  # the activations the kernels compute (csrc/common.h)
 DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
 AMX_CROSSOVER = 16  # with AMX tiles the kernel stays at the bandwidth roofline up to a full tile of tokens

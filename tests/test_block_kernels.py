@@ -2,8 +2,8 @@
 layer) against float64 products over the same matrices dequantized by kernels/blocks.py (which the gguf package's
 reference checks bit for bit, tests/test_blocks.py), on every kernel variant this CPU has.
 
-The float paths sum the same values in another order: equal to 1e-5 of the largest result. Q4_K, Q5_K, Q6_K and
-Q8_0 on the AVX512_BF16 variant run against int8 activations (csrc/q8.c), as llama.cpp does. Their reference takes
+The float paths sum the same values in another order: equal to 1e-5 of the largest result. Every format but GGUF's
+MXFP4 runs against int8 activations on the AVX512_BF16 variant (csrc/q8.c), as llama.cpp does. Their reference takes
 the inputs as the kernel quantizes them (`int8_inputs`), and an expert's intermediate likewise: within 1e-5 for a
 matrix; within 1e-4 for an expert, whose intermediate values the kernel and the reference compute in different
 precision, so that a value on a rounding boundary could take the next code (measured: within 1e-5 here too).
@@ -47,9 +47,9 @@ def close(got: torch.Tensor, want: torch.Tensor, tolerance: float = FLOAT) -> No
 
 def int8_inputs(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """x [..., n] as the int8-activation kernels read it (csrc/q8.c q8_inputs), in float64: per block of the format's
-    (Q8_0 and MXFP4: 32 values; the K formats: 256), d = max|x| / 127 and codes round(x * (127 / max|x|)), all in
+    (the K formats: 256 values; the others: 32), d = max|x| / 127 and codes round(x * (127 / max|x|)), all in
     float32."""
-    block = 32 if fmt in ("Q8_0", "mxfp4") else 256
+    block = 256 if fmt in ("Q4_K", "Q5_K", "Q6_K") else 32
     xs = x.float().reshape(*x.shape[:-1], -1, block)  # [..., n / block, block]
     amax = xs.abs().amax(-1, keepdim=True)  # [..., n / block, 1]
     inv = torch.full_like(amax, 127) / amax  # (a division: torch computes 127 / amax as 127 * (1 / amax))
@@ -155,7 +155,8 @@ def test_bf16_compute_takes_int8_activations_and_float32_keeps_the_float_path() 
 
 
 @pytest.mark.skipif("avx512bf16" not in available_isas(), reason="this CPU has no AVX512_BF16")
-@pytest.mark.parametrize("formats", [("Q4_K", "Q6_K"), ("Q5_K", "Q5_K"), ("Q8_0", "Q8_0")])
+@pytest.mark.parametrize("formats", [("Q4_K", "Q6_K"), ("Q5_K", "Q5_K"), ("Q8_0", "Q8_0"), ("Q4_0", "Q4_1"),
+                                     ("Q5_0", "Q5_1")])
 def test_several_tokens_against_int8_activations_give_each_token_its_one_token_result(formats: tuple[str, str]
                                                                                       ) -> None:
     """The several-token kernels unpack each superblock once for up to eight tokens (csrc/q8.c dot); the one-token

@@ -293,15 +293,6 @@ TK_INTERNAL void experts_vnni_one_token(const tk_args *a, int n);
 TK_INTERNAL int q8_block(int kind);
 TK_INTERNAL int q8_serves(int kind);
 TK_INTERNAL void q8_inputs(int kind, const float *x, int n, void *buf);
-TK_INTERNAL void rows4_q4_k_q8(const char *const *rows, const void *const *scales, int group, const float *const *x,
-                               int n, float *const *res);
-TK_INTERNAL void rows4_q5_k_q8(const char *const *rows, const void *const *scales, int group, const float *const *x,
-                               int n, float *const *res);
-TK_INTERNAL void rows4_q6_k_q8(const char *const *rows, const void *const *scales, int group, const float *const *x,
-                               int n, float *const *res);
-TK_INTERNAL void rows4_q8_0_q8(const char *const *rows, const void *const *scales, int group, const float *const *x,
-                               int n, float *const *res);
-TK_INTERNAL dot_kernel dot_q4_k_q8, dot_q5_k_q8, dot_q6_k_q8, dot_q8_0_q8, dot_mxfp4_q8;
 TK_INTERNAL rows4_fn q8_rows4(int kind);
 TK_INTERNAL dot_fn q8_dot(int kind);
 TK_INTERNAL void q8_rows(int kind, const float *x, size_t ldx, int T, int n, void *buf);

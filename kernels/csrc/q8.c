@@ -31,13 +31,19 @@ static inline q8_view q8_at(const void *buf, int n, int block) {
     return v;
 }
 
-int q8_block(int kind) { return kind == K_Q8_0 || kind == K_MXFP4 ? 32 : 256; }
-int q8_serves(int kind) {
-    return kind == K_Q4_K || kind == K_Q5_K || kind == K_Q6_K || kind == K_Q8_0 || kind == K_MXFP4;
+/* The formats of 32-value blocks taken two at a time (Q8_0's step), and those of them with a min (value q d + m). */
+static inline int pair_kind(int kind) {
+    return kind == K_Q8_0 || kind == K_Q4_0 || kind == K_Q4_1 || kind == K_Q5_0 || kind == K_Q5_1;
 }
+static inline int has_min(int kind) { return kind == K_Q4_1 || kind == K_Q5_1; }
+/* Formats whose offsets are summed once per row and token (row_sum): Q4_K's and Q5_K's mins, Q4_1's and Q5_1's. */
+static inline int sums_mins(int kind) { return kind == K_Q4_K || kind == K_Q5_K || has_min(kind); }
+
+int q8_block(int kind) { return kind == K_Q4_K || kind == K_Q5_K || kind == K_Q6_K ? 256 : 32; }
+int q8_serves(int kind) { return pair_kind(kind) || kind == K_Q4_K || kind == K_Q5_K || kind == K_Q6_K || kind == K_MXFP4; }
 
 /* x [n] -> buf: per block of `block` values, d = max|x| / 127 and q = round(x / d) (as llama.cpp's quantize_row_q8_K
- * and q8_0); bsums per 16 for the K formats, bx per 32 for Q4_K and Q5_K. */
+ * and q8_0); bsums per 16 for the K formats and those with mins, bx per 32 for those that sum their mins apart. */
 Q8_TARGET void q8_inputs(int kind, const float *x, int n, void *buf) {
     const int block = q8_block(kind);
     const q8_view v = q8_at(buf, n, block);
@@ -55,11 +61,11 @@ Q8_TARGET void q8_inputs(int kind, const float *x, int n, void *buf) {
             const __m512i v = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xs + j), _mm512_set1_ps(inv)),
                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             _mm_storeu_si128((__m128i *)(q + (size_t)k * block + j), _mm512_cvtsepi32_epi8(v));
-            if (block == 256) bsums[(size_t)k * 16 + j / 16] = (int16_t)_mm512_reduce_add_epi32(v);
+            if (block == 256 || has_min(kind)) bsums[(size_t)k * block / 16 + j / 16] = (int16_t)_mm512_reduce_add_epi32(v);
         }
     }
-    if (kind == K_Q4_K || kind == K_Q5_K)
-        for (int i = 0; i < n / 32; i++) bx[i] = d[i / 8] * (float)(bsums[2 * i] + bsums[2 * i + 1]);
+    if (sums_mins(kind))
+        for (int i = 0; i < n / 32; i++) bx[i] = d[i * 32 / block] * (float)(bsums[2 * i] + bsums[2 * i + 1]);
 }
 
 /* 16-bit lanes 0-15 a, 16-31 b. */
@@ -187,12 +193,42 @@ Q8_TARGET static inline __m512 q8_0_token(const q8_0_pair_w *p, const int8_t *x,
 /* ---- MXFP4 (the experts' layout: 16 code bytes a block, low nibbles values 0-15, high 16-31; the E8M0 scales
  * apart): two blocks a step, as Q8_0's: each code's magnitude, twice its E2M1 value (0-12, whole), looked up with
  * vpshufb, its sign bit as the mask, half the block's scale as d (value = magnitude * d, exactly) ---------- */
+/* Two blocks' 16 bytes of nibbles (at a and b; low nibbles values 0-15, high 16-31) as 64 codes in value order. */
+Q8_TARGET static inline __m512i nibbles_pair(const uint8_t *a, const uint8_t *b) {
+    const __m256i v = _mm256_loadu2_m128i((const __m128i *)b, (const __m128i *)a), low = _mm256_set1_epi8(15);
+    const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                              _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+}
+
+/* ---- Q4_0 (d, 16 bytes of nibbles: q - 8), Q4_1 (d, m, nibbles: q d + m), Q5_0 (d, 32 fifth bits, nibbles:
+ * q - 16), Q5_1 (d, m, fifth bits, nibbles): two blocks a step as Q8_0's, their codes signed as w = q - 8 or q - 16
+ * (|w| against x signed as w), or with a min unsigned as they are, the mins (m) into the row's mf for row_sum ---- */
+Q8_TARGET static inline q8_0_pair_w pair_weights(int kind, const uint8_t *b0, float *mf) {
+    if (kind == K_Q8_0) return q8_0_weights(b0);
+    const uint8_t *b1 = b0 + block_bytes(kind);
+    const int mins = has_min(kind), five = kind == K_Q5_0 || kind == K_Q5_1, at_h = 2 + 2 * mins;
+    const int at_q = at_h + 4 * five;
+    __m512i c = nibbles_pair(b0 + at_q, b1 + at_q);
+    if (five) {  /* bit j of a block's qh: value j's fifth bit */
+        uint32_t h0, h1;
+        memcpy(&h0, b0 + at_h, 4), memcpy(&h1, b1 + at_h, 4);
+        c = _mm512_or_si512(c, _mm512_maskz_mov_epi8((__mmask64)h1 << 32 | h0, _mm512_set1_epi8(16)));
+    }
+    q8_0_pair_w p;
+    p.d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16f(b0)), _mm512_set1_ps(f16f(b1)));
+    if (mins) {
+        p.w = c, p.negative = 0;
+        mf[0] = f16f(b0 + 2), mf[1] = f16f(b1 + 2);
+    } else {
+        const __m512i w = _mm512_sub_epi8(c, _mm512_set1_epi8(five ? 16 : 8));
+        p.w = _mm512_abs_epi8(w), p.negative = _mm512_movepi8_mask(w);
+    }
+    return p;
+}
+
 Q8_TARGET static inline q8_0_pair_w mxfp4_weights(const uint8_t *codes, const uint8_t *e) {
-    const __m256i b = _mm256_loadu_si256((const __m256i *)codes), low = _mm256_set1_epi8(15);
-    const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-    /* in value order: block 0's low nibbles (values 0-15), its high (16-31), then block 1's */
-    const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
-                                         _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+    const __m512i c = nibbles_pair(codes, codes + 16);
     const __m512i magnitudes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12));
     const q8_0_pair_w p = {_mm512_shuffle_epi8(magnitudes, c), _mm512_test_epi8_mask(c, _mm512_set1_epi8(8)),
                            _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(e8m0_half(e[0])), _mm512_set1_ps(e8m0_half(e[1])))};
@@ -204,9 +240,22 @@ Q8_TARGET static inline float mxfp4_tail(const uint8_t *codes, uint8_t e, const 
     return e8m0_half(e) * dx * s;
 }
 
-Q8_TARGET static inline float q8_0_tail(const uint8_t *b, const int8_t *x, float dx) {  /* an odd last block */
+/* A row's odd last block of a pair kind (its min, if it has one, into *mf for row_sum). */
+Q8_TARGET static inline float pair_tail(int kind, const uint8_t *b, const int8_t *x, float dx, float *mf) {
     int s = 0;
-    for (int j = 0; j < 32; j++) s += (int8_t)b[2 + j] * x[j];
+    if (kind == K_Q8_0) {
+        for (int j = 0; j < 32; j++) s += (int8_t)b[2 + j] * x[j];
+        return f16f(b) * dx * (float)s;
+    }
+    const int mins = has_min(kind), five = kind == K_Q5_0 || kind == K_Q5_1, at_h = 2 + 2 * mins;
+    const int at_q = at_h + 4 * five, offset = mins ? 0 : five ? 16 : 8;
+    uint32_t h = 0;
+    if (five) memcpy(&h, b + at_h, 4);
+    for (int j = 0; j < 16; j++) {
+        const int lo = (b[at_q + j] & 15) | (int)((h >> j) & 1) << 4, hi = (b[at_q + j] >> 4) | (int)((h >> (j + 16)) & 1) << 4;
+        s += (lo - offset) * x[j] + (hi - offset) * x[j + 16];
+    }
+    if (mins) *mf = f16f(b + 2);
     return f16f(b) * dx * (float)s;
 }
 
@@ -215,8 +264,8 @@ Q8_TARGET static inline float q8_0_tail(const uint8_t *b, const int8_t *x, float
  * -dmin into mf[8 s] (the row's, for row_sum). */
 Q8_TARGET static inline __attribute__((always_inline)) void row_step(int kind, const uint8_t *w, int s, int M,
                                                                       const q8_view *xv, __m512 *acc, float *mf) {
-    if (kind == K_Q8_0) {
-        const q8_0_pair_w p = q8_0_weights(w);
+    if (pair_kind(kind)) {
+        const q8_0_pair_w p = pair_weights(kind, w, mf + 2 * (size_t)s);
         for (int j = 0; j < M; j++) acc[j] = q8_0_token(&p, xv[j].q + (size_t)s * 64, xv[j].d + 2 * s, acc[j]);
         return;
     }
@@ -226,23 +275,23 @@ Q8_TARGET static inline __attribute__((always_inline)) void row_step(int kind, c
 }
 
 /* Values and bytes of a row_step. */
-#define STEP_VALUES(kind) ((kind) == K_Q8_0 ? 64 : 256)
-#define STEP_BYTES(kind) ((kind) == K_Q8_0 ? 68 : (kind) == K_Q6_K ? 210 : (kind) == K_Q5_K ? 176 : 144)
+#define STEP_VALUES(kind) (pair_kind(kind) ? 64 : 256)
+#define STEP_BYTES(kind) (pair_kind(kind) ? 2 * block_bytes(kind) : block_bytes(kind))
 
-/* Floats of a row's mins (mf) a kind needs: Q4_K and Q5_K one per 32 values (at least 1: an array's length). */
-#define MINS(kind, n) ((kind) == K_Q4_K || (kind) == K_Q5_K ? (n) / 32 : 1)
+/* Floats of a row's mins (mf) a kind needs: one per 32 values where sums_mins (at least 1: an array's length). */
+#define MINS(kind, n) (sums_mins(kind) ? (n) / 32 : 1)
 
-/* The sum of an accumulator; Q4_K's and Q5_K's offsets (the row's mins mf against the input's bx: n / 32 of each,
- * a multiple of 8); a Q8_0 row's odd last block if it has one. */
-Q8_TARGET static inline float row_sum(int kind, const uint8_t *w, const q8_view *x, int n, __m512 acc,
-                                      const float *mf) {
-    if (kind == K_Q4_K || kind == K_Q5_K)
+/* The sum of an accumulator: a pair kind's odd last block if the row has one; the offsets of the kinds that sum
+ * their mins apart (the row's mins mf against the input's bx, n / 32 of each). */
+Q8_TARGET static inline float row_sum(int kind, const uint8_t *w, const q8_view *x, int n, __m512 acc, float *mf) {
+    const int done = n / STEP_VALUES(kind) * STEP_VALUES(kind);
+    const float tail = done < n ? pair_tail(kind, w + (size_t)done / 32 * block_bytes(kind), x->q + done,
+                                            x->d[done / 32], mf + done / 32) : 0.f;
+    if (sums_mins(kind))
         for (int i = 0; i < n / 32; i += 16) {
-            const __mmask16 m = n / 32 - i >= 16 ? 0xFFFF : 0xFF;
+            const __mmask16 m = n / 32 - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n / 32 - i)) - 1);
             acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, mf + i), _mm512_maskz_loadu_ps(m, x->bx + i), acc);
         }
-    const int done = n / STEP_VALUES(kind) * STEP_VALUES(kind);
-    const float tail = done < n ? q8_0_tail(w + (size_t)done / 32 * 34, x->q + done, x->d[done / 32]) : 0.f;
     return _mm512_reduce_add_ps(acc) + tail;
 }
 
@@ -266,8 +315,8 @@ Q8_TARGET static inline __attribute__((always_inline)) void row_inputs(int kind,
  * between them (ldx, in floats, is that stride / 4), eight at a time; the same steps in the same order, so a row's
  * result for an input is the same bits in either. */
 #define DEFINE_Q8_ROWS(NAME, KIND)                                                                              \
-Q8_TARGET void rows4_##NAME##_q8(const char *const *rows, const void *const *scales, int group,                 \
-                                  const float *const *x, int n, float *const *res) {                             \
+Q8_TARGET static void rows4_##NAME##_q8(const char *const *rows, const void *const *scales, int group,                 \
+                                         const float *const *x, int n, float *const *res) {                      \
     (void)scales, (void)group;                                                                                  \
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};       \
     q8_view xv[4];                                                                                              \
@@ -282,8 +331,8 @@ Q8_TARGET void rows4_##NAME##_q8(const char *const *rows, const void *const *sca
     for (int j = 0; j < 4; j++)                                                                                 \
         *res[j] = row_sum(KIND, (const uint8_t *)rows[j], &xv[j], n, acc[j], mf + (size_t)j * MINS(KIND, n));   \
 }                                                                                                               \
-Q8_TARGET void dot_##NAME##_q8(const void *wrow, float scale, const void *gscale, int group, const float *x,     \
-                               int ldx, int nt, int n, float *res, int ldr) {                                    \
+Q8_TARGET static void dot_##NAME##_q8(const void *wrow, float scale, const void *gscale, int group, const float *x,     \
+                                      int ldx, int nt, int n, float *res, int ldr) {                             \
     (void)scale, (void)gscale, (void)group;                                                                     \
     const uint8_t *w = (const uint8_t *)wrow;                                                                   \
     const size_t stride = (size_t)ldx * sizeof(float);                                                          \
@@ -307,6 +356,10 @@ DEFINE_Q8_ROWS(q4_k, K_Q4_K)
 DEFINE_Q8_ROWS(q5_k, K_Q5_K)
 DEFINE_Q8_ROWS(q6_k, K_Q6_K)
 DEFINE_Q8_ROWS(q8_0, K_Q8_0)
+DEFINE_Q8_ROWS(q4_0, K_Q4_0)
+DEFINE_Q8_ROWS(q4_1, K_Q4_1)
+DEFINE_Q8_ROWS(q5_0, K_Q5_0)
+DEFINE_Q8_ROWS(q5_1, K_Q5_1)
 
 /* MXFP4: M inputs (a constant at each call) against one row, a pair of blocks at a time. */
 Q8_TARGET static inline __attribute__((always_inline)) void mxfp4_row_inputs(const uint8_t *w, const uint8_t *e,
@@ -324,8 +377,8 @@ Q8_TARGET static inline __attribute__((always_inline)) void mxfp4_row_inputs(con
         res[(size_t)j * ldr] = _mm512_reduce_add_ps(acc[j]) +
             (done < n ? mxfp4_tail(w + done / 2, e[done / 32], xv[j].q + done, xv[j].d[done / 32]) : 0.f);
 }
-Q8_TARGET void dot_mxfp4_q8(const void *wrow, float scale, const void *gscale, int group, const float *x, int ldx,
-                            int nt, int n, float *res, int ldr) {
+Q8_TARGET static void dot_mxfp4_q8(const void *wrow, float scale, const void *gscale, int group, const float *x, int ldx,
+                                   int nt, int n, float *res, int ldr) {
     (void)scale, (void)group;
     const uint8_t *w = (const uint8_t *)wrow, *e = (const uint8_t *)gscale;
     const size_t stride = (size_t)ldx * sizeof(float);
@@ -347,12 +400,29 @@ Q8_TARGET void dot_mxfp4_q8(const void *wrow, float scale, const void *gscale, i
 
 /* (MXFP4 has no four-row kernel here: one token of it takes vdpbf16ps, mxfp4_dp.) */
 rows4_fn q8_rows4(int kind) {
-    return kind == K_Q4_K ? rows4_q4_k_q8 : kind == K_Q5_K ? rows4_q5_k_q8 : kind == K_Q6_K ? rows4_q6_k_q8
-                                                                                               : rows4_q8_0_q8;
+    switch (kind) {
+        case K_Q4_K: return rows4_q4_k_q8;
+        case K_Q5_K: return rows4_q5_k_q8;
+        case K_Q6_K: return rows4_q6_k_q8;
+        case K_Q4_0: return rows4_q4_0_q8;
+        case K_Q4_1: return rows4_q4_1_q8;
+        case K_Q5_0: return rows4_q5_0_q8;
+        case K_Q5_1: return rows4_q5_1_q8;
+        default: return rows4_q8_0_q8;
+    }
 }
 dot_fn q8_dot(int kind) {
-    return kind == K_Q4_K ? dot_q4_k_q8 : kind == K_Q5_K ? dot_q5_k_q8 : kind == K_Q6_K ? dot_q6_k_q8
-         : kind == K_MXFP4 ? dot_mxfp4_q8 : dot_q8_0_q8;
+    switch (kind) {
+        case K_Q4_K: return dot_q4_k_q8;
+        case K_Q5_K: return dot_q5_k_q8;
+        case K_Q6_K: return dot_q6_k_q8;
+        case K_Q4_0: return dot_q4_0_q8;
+        case K_Q4_1: return dot_q4_1_q8;
+        case K_Q5_0: return dot_q5_0_q8;
+        case K_Q5_1: return dot_q5_1_q8;
+        case K_MXFP4: return dot_mxfp4_q8;
+        default: return dot_q8_0_q8;
+    }
 }
 
 /* Inside a parallel region: rows [0, T) of x (row t at x + t * ldx) quantized for `kind` into buf, row t at
