@@ -1,19 +1,18 @@
-/* GGUF blocks against int8 activations, as llama.cpp computes them: each token's values quantized per
- * block (Q8_0: 32 values and a float scale; the K formats: 256 values, a float scale and the sums of each 16), then
- * integer products of the codes (vpmaddubsw: unsigned codes by signed activations, pairs summed into 16 bits;
- * vpmaddwd by the sub-block scales into 32 bits), one float multiply per block or superblock. Per 64 weights a few
- * integer instructions, against the float path's unpacking of each value (blocks.h), which cannot keep up with the
- * memory on two cores. Taken by the AVX512_BF16 variant, where activations are bf16 (rounded) anyway; the
- * instructions themselves are AVX-512 BW. Q4_K, Q5_K, Q6_K and Q8_0 (the formats of Q4_K_M, Q5_K_M, Q6_K and Q8_0
- * files), and several tokens of MXFP4 experts (gpt-oss); the others keep the float path. One token streams rows four at a time (rows4); several tokens unpack each
- * superblock of a row once into registers and multiply it with every token's codes (dot), which is where prefill's
- * time goes.
+/* GGUF blocks against int8 activations, as llama.cpp computes them: each token's values quantized per block (32
+ * values and a float scale; for the K formats 256, a float scale and the sums of each 16), then integer products of
+ * the codes (vpmaddubsw: unsigned codes by signed activations, pairs summed into 16 bits; vpmaddwd by the sub-block
+ * scales, or by ones, into 32 bits), one float multiply per block or superblock. Per 64 weights a few integer
+ * instructions, against the float path's unpacking of each value (blocks.h), which cannot keep up with the memory on
+ * two cores. Taken by the AVX512_BF16 variant, where activations are bf16 (rounded) anyway; the instructions
+ * themselves are AVX-512 BW. Every GGUF format but MXFP4 blocks (the 32-value ones two blocks a step, as Q8_0's),
+ * and several tokens of MXFP4 experts (gpt-oss). One token streams rows four at a time (rows4); several tokens
+ * unpack each superblock of a row into registers once and multiply it with every token's codes (dot), which is where
+ * a prompt's time goes.
  *
  * Activations (`q8_inputs`, into the caller's scratch): int8 q[n], then (64-byte aligned) float d[n / block], then
- * for the K formats int16 bsums[n / 16] (the sum of each 16 codes, for the formats' offsets), then for Q4_K and
- * Q5_K float bx[n / 32] (each 32 values' code sum times its d: what a sub-block's min multiplies).
- *
- */
+ * int16 bsums[n / 16] (the sum of each 16 codes, for the formats' offsets: the K formats and those with mins), then
+ * float bx[n / 32] (each 32 values' code sum times its d: what a min multiplies, for the formats that sum their mins
+ * apart). */
 #include "common.h"
 #include "blocks.h"
 
@@ -40,16 +39,19 @@ static inline int has_min(int kind) { return kind == K_Q4_1 || kind == K_Q5_1; }
 static inline int sums_mins(int kind) { return kind == K_Q4_K || kind == K_Q5_K || has_min(kind); }
 
 int q8_block(int kind) { return kind == K_Q4_K || kind == K_Q5_K || kind == K_Q6_K ? 256 : 32; }
-int q8_serves(int kind) { return pair_kind(kind) || kind == K_Q4_K || kind == K_Q5_K || kind == K_Q6_K || kind == K_MXFP4; }
+int q8_serves(int kind) {
+    return pair_kind(kind) || kind == K_Q4_K || kind == K_Q5_K || kind == K_Q6_K || kind == K_MXFP4;
+}
 
 /* x [n] -> buf: per block of `block` values, d = max|x| / 127 and q = round(x / d) (as llama.cpp's quantize_row_q8_K
  * and q8_0); bsums per 16 for the K formats and those with mins, bx per 32 for those that sum their mins apart. */
 Q8_TARGET void q8_inputs(int kind, const float *x, int n, void *buf) {
     const int block = q8_block(kind);
-    const q8_view v = q8_at(buf, n, block);
-    int8_t *q = (int8_t *)v.q;
-    float *d = (float *)v.d, *bx = (float *)v.bx;
-    int16_t *bsums = (int16_t *)v.bsums;
+    const q8_view at = q8_at(buf, n, block);
+    int8_t *q = (int8_t *)at.q;
+    float *d = (float *)at.d, *bx = (float *)at.bx;
+    int16_t *bsums = (int16_t *)at.bsums;
+    const int sums = block == 256 || has_min(kind);
     for (int k = 0; k < n / block; k++) {
         const float *xs = x + (size_t)k * block;
         __m512 m = _mm512_setzero_ps();
@@ -61,7 +63,7 @@ Q8_TARGET void q8_inputs(int kind, const float *x, int n, void *buf) {
             const __m512i v = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xs + j), _mm512_set1_ps(inv)),
                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             _mm_storeu_si128((__m128i *)(q + (size_t)k * block + j), _mm512_cvtsepi32_epi8(v));
-            if (block == 256 || has_min(kind)) bsums[(size_t)k * block / 16 + j / 16] = (int16_t)_mm512_reduce_add_epi32(v);
+            if (sums) bsums[(size_t)k * block / 16 + j / 16] = (int16_t)_mm512_reduce_add_epi32(v);
         }
     }
     if (sums_mins(kind))
@@ -230,8 +232,8 @@ Q8_TARGET static inline q8_0_pair_w pair_weights(int kind, const uint8_t *b0, fl
 Q8_TARGET static inline q8_0_pair_w mxfp4_weights(const uint8_t *codes, const uint8_t *e) {
     const __m512i c = nibbles_pair(codes, codes + 16);
     const __m512i magnitudes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12));
-    const q8_0_pair_w p = {_mm512_shuffle_epi8(magnitudes, c), _mm512_test_epi8_mask(c, _mm512_set1_epi8(8)),
-                           _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(e8m0_half(e[0])), _mm512_set1_ps(e8m0_half(e[1])))};
+    const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(e8m0_half(e[0])), _mm512_set1_ps(e8m0_half(e[1])));
+    const q8_0_pair_w p = {_mm512_shuffle_epi8(magnitudes, c), _mm512_test_epi8_mask(c, _mm512_set1_epi8(8)), d};
     return p;
 }
 Q8_TARGET static inline float mxfp4_tail(const uint8_t *codes, uint8_t e, const int8_t *x, float dx) {  /* odd last */
@@ -252,7 +254,8 @@ Q8_TARGET static inline float pair_tail(int kind, const uint8_t *b, const int8_t
     uint32_t h = 0;
     if (five) memcpy(&h, b + at_h, 4);
     for (int j = 0; j < 16; j++) {
-        const int lo = (b[at_q + j] & 15) | (int)((h >> j) & 1) << 4, hi = (b[at_q + j] >> 4) | (int)((h >> (j + 16)) & 1) << 4;
+        const int lo = (b[at_q + j] & 15) | (int)((h >> j) & 1) << 4;
+        const int hi = (b[at_q + j] >> 4) | (int)((h >> (j + 16)) & 1) << 4;
         s += (lo - offset) * x[j] + (hi - offset) * x[j + 16];
     }
     if (mins) *mf = f16f(b + 2);
@@ -331,7 +334,7 @@ Q8_TARGET static void rows4_##NAME##_q8(const char *const *rows, const void *con
     for (int j = 0; j < 4; j++)                                                                                 \
         *res[j] = row_sum(KIND, (const uint8_t *)rows[j], &xv[j], n, acc[j], mf + (size_t)j * MINS(KIND, n));   \
 }                                                                                                               \
-Q8_TARGET static void dot_##NAME##_q8(const void *wrow, float scale, const void *gscale, int group, const float *x,     \
+Q8_TARGET static void dot_##NAME##_q8(const void *wrow, float scale, const void *gscale, int group, const float *x, \
                                       int ldx, int nt, int n, float *res, int ldr) {                             \
     (void)scale, (void)gscale, (void)group;                                                                     \
     const uint8_t *w = (const uint8_t *)wrow;                                                                   \
@@ -377,8 +380,8 @@ Q8_TARGET static inline __attribute__((always_inline)) void mxfp4_row_inputs(con
         res[(size_t)j * ldr] = _mm512_reduce_add_ps(acc[j]) +
             (done < n ? mxfp4_tail(w + done / 2, e[done / 32], xv[j].q + done, xv[j].d[done / 32]) : 0.f);
 }
-Q8_TARGET static void dot_mxfp4_q8(const void *wrow, float scale, const void *gscale, int group, const float *x, int ldx,
-                                   int nt, int n, float *res, int ldr) {
+Q8_TARGET static void dot_mxfp4_q8(const void *wrow, float scale, const void *gscale, int group, const float *x,
+                                   int ldx, int nt, int n, float *res, int ldr) {
     (void)scale, (void)group;
     const uint8_t *w = (const uint8_t *)wrow, *e = (const uint8_t *)gscale;
     const size_t stride = (size_t)ldx * sizeof(float);
