@@ -70,10 +70,6 @@ Q8_TARGET void q8_inputs(int kind, const float *x, int n, void *buf) {
         for (int i = 0; i < n / 32; i++) bx[i] = d[i * 32 / block] * (float)(bsums[2 * i] + bsums[2 * i + 1]);
 }
 
-/* 16-bit lanes 0-15 a, 16-31 b. */
-Q8_TARGET static inline __m512i halves16(int a, int b) {
-    return _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16((short)a), _mm512_set1_epi16((short)b));
-}
 /* Two 32-byte runs as one vector. */
 Q8_TARGET static inline __m512i two256(const void *lo, const void *hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)lo)),
@@ -112,8 +108,11 @@ Q8_TARGET static inline k_super q4k_weights(const uint8_t *blk, int five, float 
     const uint32_t six = 0x3f3f3f3fu, nib = 0x0f0f0f0fu, top = 0x03030303u;
     const uint32_t sw[2] = {s[0] & six, (s[2] & nib) | ((s[0] >> 6) & top) << 4};
     const uint32_t mw[2] = {s[1] & six, ((s[2] >> 4) & nib) | ((s[1] >> 6) & top) << 4};
-    uint8_t sc[8];
-    memcpy(sc, sw, 8);
+    /* the scale of each vector's two sub-blocks over their 16 lanes each: vector i takes scales 2i and 2i + 1 */
+    const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sw)));
+    const __m512i pick = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_setzero_si512(), _mm512_set1_epi16(1));
+    for (int i = 0; i < 4; i++)
+        w.sc[i] = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, _mm512_set1_epi16((short)(2 * i))), sc16);
     /* the 8 mins times -dmin, as floats: what each sub-block's code sum times dx is multiplied by */
     const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mw)));
     _mm256_storeu_ps(mf, _mm256_mul_ps(mins, _mm256_set1_ps(-f16f(blk + 2))));
@@ -138,8 +137,6 @@ Q8_TARGET static inline k_super q4k_weights(const uint8_t *blk, int five, float 
         /* in value order: sub-blocks 4p, 4p + 1 (values 128p..128p+63), then 4p + 2, 4p + 3 */
         w.q[2 * p] = _mm512_shuffle_i64x2(lo, hi, 0x44);
         w.q[2 * p + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
-        w.sc[2 * p] = halves16(sc[4 * p], sc[4 * p + 1]);
-        w.sc[2 * p + 1] = halves16(sc[4 * p + 2], sc[4 * p + 3]);
     }
     w.sc16 = _mm256_setzero_si256(), w.d = f16f(blk);
     return w;
