@@ -164,11 +164,10 @@ int tk_experts(const tk_args *a, int n) {
  * (shared parallel regions) `slots` at a time, and each output row, times its routing weight, is added into
  * out. What the decode loop would otherwise do per expert in Python (find the tokens, gather, scale, add). */
 
-/* Scratch per slot: x [16, H], out [16, H], act [16, 2I] float32, xb [16, max(H, I) + 192] 16-bit (room for
- * q8_stride). */
+/* Scratch per slot: x [16, H], out [16, H], act [16, 2I] float32, xb [16, max(H, I) + XB_EXTRA] 16-bit. */
 size_t tk_moe_slot_bytes(int hidden, int inter) {
     const size_t wide = hidden > inter ? hidden : inter;
-    return 16 * ((size_t)hidden * 8 + (size_t)inter * 8 + (wide + 192) * 2);
+    return 16 * ((size_t)hidden * 8 + (size_t)inter * 8 + (wide + XB_EXTRA) * 2);
 }
 
 int tk_moe(const tk_moe_args *m) {

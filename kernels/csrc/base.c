@@ -14,9 +14,9 @@ void dot_mxfp4_base(const void *wrow, float scale, const void *gscale, int group
     MXFP4_BODY
 }
 
-/* One expert on base, AVX2 or AVX-512 (more than one token there), or several tokens of GGUF blocks on AVX512_BF16
- * (against int8 activations where q8_path: the inputs quantized into xb first): each row once for all tokens
- * through the variant's dot product (pick_dot), in one parallel region: gate and up rows, SwiGLU, down rows. */
+/* One expert on base, AVX2 or AVX-512 (more than one token there), or several tokens of GGUF blocks or MXFP4 on
+ * AVX512_BF16 (against int8 activations where q8_path: the inputs quantized into xb first): each row once for all
+ * tokens through the variant's dot product (pick_dot), in one parallel region: gate and up rows, SwiGLU, down rows. */
 void expert_generic(const tk_args *a) {
     const int T = a->tokens, H = a->hidden, I = a->inter, kind = a->kind, dk = a->down_kind, g = a->group;
     const int q8_in = q8_path(kind, a->isa), q8_down = q8_path(dk, a->isa);

@@ -74,7 +74,7 @@ typedef struct {
     const float *x;                      /* [T, H] */
     float *out;                          /* [T, H] */
     float *act;                          /* scratch [T, 2I] */
-    uint16_t *xb;                        /* scratch: max(T, 16) rows of max(H, I) + 192 16-bit values (AVX512_BF16,
+    uint16_t *xb;                        /* scratch: max(T, 16) rows of max(H, I) + XB_EXTRA 16-bit values (AVX512_BF16,
                                           * AMX and VNNI paths) */
     const float *gate_bias, *up_bias, *down_bias;  /* NULL, or [I], [I], [H] */
     int act_kind;                        /* ACT_SILU or ACT_CLAMPED */
@@ -111,7 +111,7 @@ typedef struct {
     const void *w;
     const float *x;                      /* [T, I] */
     float *y;                            /* [T, O] */
-    uint16_t *xb;                        /* scratch: max(T, 16) rows of I + 192 16-bit values */
+    uint16_t *xb;                        /* scratch: max(T, 16) rows of I + XB_EXTRA 16-bit values */
     uint16_t *yb;                        /* NULL, or [T, O]: y rounded to bf16 as well (nearest even) */
     int isa;                             /* the variant to use, or -1: the best for this CPU and token count */
     int kind;                            /* K_BF16 or a block kind */
@@ -296,8 +296,10 @@ TK_INTERNAL void q8_inputs(int kind, const float *x, int n, void *buf);
 TK_INTERNAL rows4_fn q8_rows4(int kind);
 TK_INTERNAL dot_fn q8_dot(int kind);
 TK_INTERNAL void q8_rows(int kind, const float *x, size_t ldx, int T, int n, void *buf);
+/* 16-bit values a row of xb holds beyond the widest input (kernels/cpu.py XB_EXTRA): room for q8_stride. */
+#define XB_EXTRA 192
 /* Bytes between the quantized inputs of n values in a buffer of several (q8.c's layout: codes, block scales, sums
- * of 16, sums of 32 times their scale, each from a cache line): at most n + 3n/8 + 252, within the 2 (n + 192)
+ * of 16, sums of 32 times their scale, each from a cache line): at most n + 3n/8 + 252, within the 2 (n + XB_EXTRA)
  * bytes a row of xb holds. */
 static inline size_t q8_stride(int n) { return ((size_t)n + 63) / 64 * 64 + 3 * (((size_t)n / 8 + 63) / 64 * 64); }
 /* api.c */
