@@ -32,16 +32,14 @@ static inline q8_view q8_at(const void *buf, int n, int block) {
 
 /* The formats of 32-value blocks taken two at a time (Q8_0's step), and those of them with a min (value q d + m). */
 static inline int pair_kind(int kind) {
-    return kind == K_Q8_0 || kind == K_Q4_0 || kind == K_Q4_1 || kind == K_Q5_0 || kind == K_Q5_1;
+    return kind == K_Q8_0 || kind == K_Q4_0 || kind == K_Q4_1 || kind == K_Q5_0 || kind == K_Q5_1 || kind == K_MXFP4;
 }
 static inline int has_min(int kind) { return kind == K_Q4_1 || kind == K_Q5_1; }
 /* Formats whose offsets are summed once per row and token (row_sum): Q4_K's and Q5_K's mins, Q4_1's and Q5_1's. */
 static inline int sums_mins(int kind) { return kind == K_Q4_K || kind == K_Q5_K || has_min(kind); }
 
 int q8_block(int kind) { return kind == K_Q4_K || kind == K_Q5_K || kind == K_Q6_K ? 256 : 32; }
-int q8_serves(int kind) {
-    return pair_kind(kind) || kind == K_Q4_K || kind == K_Q5_K || kind == K_Q6_K || kind == K_MXFP4;
-}
+int q8_serves(int kind) { return pair_kind(kind) || kind == K_Q4_K || kind == K_Q5_K || kind == K_Q6_K; }
 
 /* x [n] -> buf: per block of `block` values, d = max|x| / 127 and q = round(x / d) (as llama.cpp's quantize_row_q8_K
  * and q8_0); bsums per 16 for the K formats and those with mins, bx per 32 for those that sum their mins apart. */
@@ -189,9 +187,6 @@ Q8_TARGET static inline __m512 q8_0_token(const q8_0_pair_w *p, const int8_t *x,
                                              _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)dx))));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(prod), _mm512_mul_ps(p->d, dxs), acc);
 }
-/* ---- MXFP4 (the experts' layout: 16 code bytes a block, low nibbles values 0-15, high 16-31; the E8M0 scales
- * apart): two blocks a step, as Q8_0's: each code's magnitude, twice its E2M1 value (0-12, whole), looked up with
- * vpshufb, its sign bit as the mask, half the block's scale as d (value = magnitude * d, exactly) ---------- */
 /* Two blocks' 16 bytes of nibbles (at a and b; low nibbles values 0-15, high 16-31) as 64 codes in value order. */
 Q8_TARGET static inline __m512i nibbles_pair(const uint8_t *a, const uint8_t *b) {
     const __m256i v = _mm256_loadu2_m128i((const __m128i *)b, (const __m128i *)a), low = _mm256_set1_epi8(15);
@@ -200,11 +195,29 @@ Q8_TARGET static inline __m512i nibbles_pair(const uint8_t *a, const uint8_t *b)
                               _mm256_permute2x128_si256(lo, hi, 0x31), 1);
 }
 
+/* ---- MXFP4 (the experts' layout: 16 code bytes a block, low nibbles values 0-15, high 16-31; the E8M0 scales
+ * apart): two blocks a step, as Q8_0's: each code's magnitude, twice its E2M1 value (0-12, whole), looked up with
+ * vpshufb, its sign bit as the mask, half the block's scale as d (value = magnitude * d, exactly) ---------- */
+Q8_TARGET static inline q8_0_pair_w mxfp4_weights(const uint8_t *codes, const uint8_t *e) {
+    const __m512i c = nibbles_pair(codes, codes + 16);
+    const __m512i magnitudes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12));
+    const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(e8m0_half(e[0])), _mm512_set1_ps(e8m0_half(e[1])));
+    const q8_0_pair_w p = {_mm512_shuffle_epi8(magnitudes, c), _mm512_test_epi8_mask(c, _mm512_set1_epi8(8)), d};
+    return p;
+}
+Q8_TARGET static inline float mxfp4_tail(const uint8_t *codes, uint8_t e, const int8_t *x, float dx) {  /* odd last */
+    float s = 0.f;
+    for (int j = 0; j < 16; j++) s += E2M1X2[codes[j] & 15] * x[j] + E2M1X2[codes[j] >> 4] * x[j + 16];
+    return e8m0_half(e) * dx * s;
+}
+
 /* ---- Q4_0 (d, 16 bytes of nibbles: q - 8), Q4_1 (d, m, nibbles: q d + m), Q5_0 (d, 32 fifth bits, nibbles:
  * q - 16), Q5_1 (d, m, fifth bits, nibbles): two blocks a step as Q8_0's, their codes signed as w = q - 8 or q - 16
  * (|w| against x signed as w), or with a min unsigned as they are, the mins (m) into the row's mf for row_sum ---- */
-Q8_TARGET static inline q8_0_pair_w pair_weights(int kind, const uint8_t *b0, float *mf) {
+/* Any pair kind's two blocks at b0 (MXFP4: their scales at e). */
+Q8_TARGET static inline q8_0_pair_w pair_weights(int kind, const uint8_t *b0, const uint8_t *e, float *mf) {
     if (kind == K_Q8_0) return q8_0_weights(b0);
+    if (kind == K_MXFP4) return mxfp4_weights(b0, e);
     const uint8_t *b1 = b0 + block_bytes(kind);
     const int mins = has_min(kind), five = kind == K_Q5_0 || kind == K_Q5_1, at_h = 2 + 2 * mins;
     const int at_q = at_h + 4 * five;
@@ -226,21 +239,10 @@ Q8_TARGET static inline q8_0_pair_w pair_weights(int kind, const uint8_t *b0, fl
     return p;
 }
 
-Q8_TARGET static inline q8_0_pair_w mxfp4_weights(const uint8_t *codes, const uint8_t *e) {
-    const __m512i c = nibbles_pair(codes, codes + 16);
-    const __m512i magnitudes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12));
-    const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(e8m0_half(e[0])), _mm512_set1_ps(e8m0_half(e[1])));
-    const q8_0_pair_w p = {_mm512_shuffle_epi8(magnitudes, c), _mm512_test_epi8_mask(c, _mm512_set1_epi8(8)), d};
-    return p;
-}
-Q8_TARGET static inline float mxfp4_tail(const uint8_t *codes, uint8_t e, const int8_t *x, float dx) {  /* odd last */
-    float s = 0.f;
-    for (int j = 0; j < 16; j++) s += E2M1X2[codes[j] & 15] * x[j] + E2M1X2[codes[j] >> 4] * x[j + 16];
-    return e8m0_half(e) * dx * s;
-}
-
-/* A row's odd last block of a pair kind (its min, if it has one, into *mf for row_sum). */
-Q8_TARGET static inline float pair_tail(int kind, const uint8_t *b, const int8_t *x, float dx, float *mf) {
+/* A row's odd last block of a pair kind (MXFP4: its scale at e; its min, if it has one, into *mf for row_sum). */
+Q8_TARGET static inline float pair_tail(int kind, const uint8_t *b, const uint8_t *e, const int8_t *x, float dx,
+                                        float *mf) {
+    if (kind == K_MXFP4) return mxfp4_tail(b, *e, x, dx);
     int s = 0;
     if (kind == K_Q8_0) {
         for (int j = 0; j < 32; j++) s += (int8_t)b[2 + j] * x[j];
@@ -259,13 +261,14 @@ Q8_TARGET static inline float pair_tail(int kind, const uint8_t *b, const int8_t
     return f16f(b) * dx * (float)s;
 }
 
-/* One step of a row (a K superblock, or a pair of Q8_0 blocks) against M inputs: its weights unpacked once, then
- * multiplied with each input's codes into that input's accumulator. Q4_K and Q5_K: the superblock's 8 mins times
- * -dmin into mf[8 s] (the row's, for row_sum). */
-Q8_TARGET static inline __attribute__((always_inline)) void row_step(int kind, const uint8_t *w, int s, int M,
-                                                                      const q8_view *xv, __m512 *acc, float *mf) {
+/* One step of a row (a K superblock, or a pair of 32-value blocks) against M inputs: its weights unpacked once, then
+ * multiplied with each input's codes into that input's accumulator. e: the row's MXFP4 scales (else unused). The
+ * formats that sum their mins apart put the step's mins into mf (the row's, for row_sum). */
+Q8_TARGET static inline __attribute__((always_inline)) void row_step(int kind, const uint8_t *w, const uint8_t *e,
+                                                                      int s, int M, const q8_view *xv, __m512 *acc,
+                                                                      float *mf) {
     if (pair_kind(kind)) {
-        const q8_0_pair_w p = pair_weights(kind, w, mf + 2 * (size_t)s);
+        const q8_0_pair_w p = pair_weights(kind, w, e + 2 * (size_t)s, mf + 2 * (size_t)s);
         for (int j = 0; j < M; j++) acc[j] = q8_0_token(&p, xv[j].q + (size_t)s * 64, xv[j].d + 2 * s, acc[j]);
         return;
     }
@@ -274,19 +277,21 @@ Q8_TARGET static inline __attribute__((always_inline)) void row_step(int kind, c
         acc[j] = k_token(&k, kind == K_Q6_K, xv[j].q + (size_t)s * 256, xv[j].d[s], xv[j].bsums + 16 * s, acc[j]);
 }
 
-/* Values and bytes of a row_step. */
+/* Bytes of a block in a row (MXFP4: its codes; the scales lie apart), and the values and bytes of a row_step. */
+#define ROW_BLOCK_BYTES(kind) ((kind) == K_MXFP4 ? 16 : block_bytes(kind))
 #define STEP_VALUES(kind) (pair_kind(kind) ? 64 : 256)
-#define STEP_BYTES(kind) (pair_kind(kind) ? 2 * block_bytes(kind) : block_bytes(kind))
+#define STEP_BYTES(kind) (pair_kind(kind) ? 2 * ROW_BLOCK_BYTES(kind) : block_bytes(kind))
 
 /* Floats of a row's mins (mf) a kind needs: one per 32 values where sums_mins (at least 1: an array's length). */
 #define MINS(kind, n) (sums_mins(kind) ? (n) / 32 : 1)
 
 /* The sum of an accumulator: a pair kind's odd last block if the row has one; the offsets of the kinds that sum
  * their mins apart (the row's mins mf against the input's bx, n / 32 of each). */
-Q8_TARGET static inline float row_sum(int kind, const uint8_t *w, const q8_view *x, int n, __m512 acc, float *mf) {
+Q8_TARGET static inline float row_sum(int kind, const uint8_t *w, const uint8_t *e, const q8_view *x, int n,
+                                      __m512 acc, float *mf) {
     const int done = n / STEP_VALUES(kind) * STEP_VALUES(kind);
-    const float tail = done < n ? pair_tail(kind, w + (size_t)done / 32 * block_bytes(kind), x->q + done,
-                                            x->d[done / 32], mf + done / 32) : 0.f;
+    const float tail = done < n ? pair_tail(kind, w + (size_t)done / 32 * ROW_BLOCK_BYTES(kind), e + done / 32,
+                                            x->q + done, x->d[done / 32], mf + done / 32) : 0.f;
     if (sums_mins(kind))
         for (int i = 0; i < n / 32; i += 16) {
             const __mmask16 m = n / 32 - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n / 32 - i)) - 1);
@@ -296,7 +301,8 @@ Q8_TARGET static inline float row_sum(int kind, const uint8_t *w, const q8_view 
 }
 
 /* M inputs (a constant at each call) against one row: step by step, each step's weights unpacked once for all M. */
-Q8_TARGET static inline __attribute__((always_inline)) void row_inputs(int kind, const uint8_t *w, const char *x,
+Q8_TARGET static inline __attribute__((always_inline)) void row_inputs(int kind, const uint8_t *w,
+                                                                        const uint8_t *e, const char *x,
                                                                         size_t stride, int M, int n, float *res,
                                                                         int ldr, float *mf) {
     q8_view xv[8];
@@ -305,17 +311,17 @@ Q8_TARGET static inline __attribute__((always_inline)) void row_inputs(int kind,
     for (int s = 0; s < n / STEP_VALUES(kind); s++) {
         const uint8_t *ws = w + (size_t)s * STEP_BYTES(kind);
         for (int o = 0; o < STEP_BYTES(kind); o += 64) PREFETCH_AHEAD(ws + o);  /* (the next rows: the thread's next) */
-        row_step(kind, ws, s, M, xv, acc, mf);
+        row_step(kind, ws, e, s, M, xv, acc, mf);
     }
-    for (int j = 0; j < M; j++) res[(size_t)j * ldr] = row_sum(kind, w, &xv[j], n, acc[j], mf);
+    for (int j = 0; j < M; j++) res[(size_t)j * ldr] = row_sum(kind, w, e, &xv[j], n, acc[j], mf);
 }
 
 /* rows4_fn and dot_fn of each kind. rows4: four rows against one input side by side, step by step, each row's
  * lines asked for ROWS4_PREFETCH bytes ahead. dot: one row against nt inputs, quantized at x with q8_stride(n) bytes
  * between them (ldx, in floats, is that stride / 4), eight at a time; the same steps in the same order, so a row's
- * result for an input is the same bits in either. */
-#define DEFINE_Q8_ROWS(NAME, KIND)                                                                              \
-Q8_TARGET static void rows4_##NAME##_q8(const char *const *rows, const void *const *scales, int group,                 \
+ * result for an input is the same bits in either. (MXFP4 has no rows4: one token of it takes vdpbf16ps, mxfp4_dp.) */
+#define DEFINE_Q8_ROWS4(NAME, KIND)                                                                             \
+Q8_TARGET static void rows4_##NAME##_q8(const char *const *rows, const void *const *scales, int group,          \
                                          const float *const *x, int n, float *const *res) {                      \
     (void)scales, (void)group;                                                                                  \
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};       \
@@ -326,32 +332,34 @@ Q8_TARGET static void rows4_##NAME##_q8(const char *const *rows, const void *con
         for (int j = 0; j < 4; j++) {                                                                           \
             const uint8_t *w = (const uint8_t *)rows[j] + (size_t)s * STEP_BYTES(KIND);                         \
             for (int o = 0; o < STEP_BYTES(KIND); o += 64) PREFETCH_AHEAD(w + o);                               \
-            row_step(KIND, w, s, 1, &xv[j], &acc[j], mf + (size_t)j * MINS(KIND, n));                           \
+            row_step(KIND, w, NULL, s, 1, &xv[j], &acc[j], mf + (size_t)j * MINS(KIND, n));                     \
         }                                                                                                       \
     for (int j = 0; j < 4; j++)                                                                                 \
-        *res[j] = row_sum(KIND, (const uint8_t *)rows[j], &xv[j], n, acc[j], mf + (size_t)j * MINS(KIND, n));   \
-}                                                                                                               \
+        *res[j] = row_sum(KIND, (const uint8_t *)rows[j], NULL, &xv[j], n, acc[j], mf + (size_t)j * MINS(KIND, n)); \
+}
+#define DEFINE_Q8_DOT(NAME, KIND)                                                                               \
 Q8_TARGET static void dot_##NAME##_q8(const void *wrow, float scale, const void *gscale, int group, const float *x, \
                                       int ldx, int nt, int n, float *res, int ldr) {                             \
-    (void)scale, (void)gscale, (void)group;                                                                     \
-    const uint8_t *w = (const uint8_t *)wrow;                                                                   \
+    (void)scale, (void)group;                                                                                   \
+    const uint8_t *w = (const uint8_t *)wrow, *e = (const uint8_t *)gscale;  /* (e: MXFP4's scales) */          \
     const size_t stride = (size_t)ldx * sizeof(float);                                                          \
     float mf[MINS(KIND, n)];  /* the row's mins */                                                              \
     for (int t = 0; t < nt; t += 8) {                                                                           \
         const char *xs = (const char *)x + (size_t)t * stride;                                                  \
         float *r = res + (size_t)t * ldr;                                                                       \
         switch (nt - t < 8 ? nt - t : 8) {  /* constant M per case: the accumulators stay in registers */      \
-            case 1: row_inputs(KIND, w, xs, stride, 1, n, r, ldr, mf); break;                                    \
-            case 2: row_inputs(KIND, w, xs, stride, 2, n, r, ldr, mf); break;                                    \
-            case 3: row_inputs(KIND, w, xs, stride, 3, n, r, ldr, mf); break;                                    \
-            case 4: row_inputs(KIND, w, xs, stride, 4, n, r, ldr, mf); break;                                    \
-            case 5: row_inputs(KIND, w, xs, stride, 5, n, r, ldr, mf); break;                                    \
-            case 6: row_inputs(KIND, w, xs, stride, 6, n, r, ldr, mf); break;                                    \
-            case 7: row_inputs(KIND, w, xs, stride, 7, n, r, ldr, mf); break;                                    \
-            default: row_inputs(KIND, w, xs, stride, 8, n, r, ldr, mf); break;                                   \
+            case 1: row_inputs(KIND, w, e, xs, stride, 1, n, r, ldr, mf); break;                                 \
+            case 2: row_inputs(KIND, w, e, xs, stride, 2, n, r, ldr, mf); break;                                 \
+            case 3: row_inputs(KIND, w, e, xs, stride, 3, n, r, ldr, mf); break;                                 \
+            case 4: row_inputs(KIND, w, e, xs, stride, 4, n, r, ldr, mf); break;                                 \
+            case 5: row_inputs(KIND, w, e, xs, stride, 5, n, r, ldr, mf); break;                                 \
+            case 6: row_inputs(KIND, w, e, xs, stride, 6, n, r, ldr, mf); break;                                 \
+            case 7: row_inputs(KIND, w, e, xs, stride, 7, n, r, ldr, mf); break;                                 \
+            default: row_inputs(KIND, w, e, xs, stride, 8, n, r, ldr, mf); break;                                \
         }                                                                                                       \
     }                                                                                                           \
 }
+#define DEFINE_Q8_ROWS(NAME, KIND) DEFINE_Q8_ROWS4(NAME, KIND) DEFINE_Q8_DOT(NAME, KIND)
 DEFINE_Q8_ROWS(q4_k, K_Q4_K)
 DEFINE_Q8_ROWS(q5_k, K_Q5_K)
 DEFINE_Q8_ROWS(q6_k, K_Q6_K)
@@ -360,45 +368,8 @@ DEFINE_Q8_ROWS(q4_0, K_Q4_0)
 DEFINE_Q8_ROWS(q4_1, K_Q4_1)
 DEFINE_Q8_ROWS(q5_0, K_Q5_0)
 DEFINE_Q8_ROWS(q5_1, K_Q5_1)
+DEFINE_Q8_DOT(mxfp4, K_MXFP4)
 
-/* MXFP4: M inputs (a constant at each call) against one row, a pair of blocks at a time. */
-Q8_TARGET static inline __attribute__((always_inline)) void mxfp4_row_inputs(const uint8_t *w, const uint8_t *e,
-        const char *x, size_t stride, int M, int n, float *res, int ldr) {
-    q8_view xv[8];
-    __m512 acc[8];
-    for (int j = 0; j < M; j++) xv[j] = q8_at(x + (size_t)j * stride, n, 32), acc[j] = _mm512_setzero_ps();
-    for (int s = 0; s < n / 64; s++) {
-        PREFETCH_AHEAD(w + (size_t)s * 32);
-        const q8_0_pair_w p = mxfp4_weights(w + (size_t)s * 32, e + 2 * s);
-        for (int j = 0; j < M; j++) acc[j] = q8_0_token(&p, xv[j].q + (size_t)s * 64, xv[j].d + 2 * s, acc[j]);
-    }
-    const int done = n / 64 * 64;
-    for (int j = 0; j < M; j++)
-        res[(size_t)j * ldr] = _mm512_reduce_add_ps(acc[j]) +
-            (done < n ? mxfp4_tail(w + done / 2, e[done / 32], xv[j].q + done, xv[j].d[done / 32]) : 0.f);
-}
-Q8_TARGET static void dot_mxfp4_q8(const void *wrow, float scale, const void *gscale, int group, const float *x,
-                                   int ldx, int nt, int n, float *res, int ldr) {
-    (void)scale, (void)group;
-    const uint8_t *w = (const uint8_t *)wrow, *e = (const uint8_t *)gscale;
-    const size_t stride = (size_t)ldx * sizeof(float);
-    for (int t = 0; t < nt; t += 8) {
-        const char *xs = (const char *)x + (size_t)t * stride;
-        float *r = res + (size_t)t * ldr;
-        switch (nt - t < 8 ? nt - t : 8) {  /* constant M per case: the accumulators stay in registers */
-            case 1: mxfp4_row_inputs(w, e, xs, stride, 1, n, r, ldr); break;
-            case 2: mxfp4_row_inputs(w, e, xs, stride, 2, n, r, ldr); break;
-            case 3: mxfp4_row_inputs(w, e, xs, stride, 3, n, r, ldr); break;
-            case 4: mxfp4_row_inputs(w, e, xs, stride, 4, n, r, ldr); break;
-            case 5: mxfp4_row_inputs(w, e, xs, stride, 5, n, r, ldr); break;
-            case 6: mxfp4_row_inputs(w, e, xs, stride, 6, n, r, ldr); break;
-            case 7: mxfp4_row_inputs(w, e, xs, stride, 7, n, r, ldr); break;
-            default: mxfp4_row_inputs(w, e, xs, stride, 8, n, r, ldr); break;
-        }
-    }
-}
-
-/* (MXFP4 has no four-row kernel here: one token of it takes vdpbf16ps, mxfp4_dp.) */
 rows4_fn q8_rows4(int kind) {
     switch (kind) {
         case K_Q4_K: return rows4_q4_k_q8;
