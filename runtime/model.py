@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels.attend import attend_one, attend_serves
 from tandem.kernels.blocks import block_matrix, dequantize
 from tandem.kernels.cpu import BLOCK_QUANTS, CpuOptions, DenseLinear, library, rms_norm_bf16
 from tandem.kernels.errors import CheckpointError
@@ -105,6 +106,39 @@ def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     probs = torch.softmax(logits, dim=-1)[..., :-1].to(values.dtype)  # [B, Hq, T, S]: the sink's share dropped
     out = probs.reshape(B, Hkv, Hq // Hkv * T, S) @ values  # [B, Hkv, G*T, D]
     return out.view(B, Hq, T, D)
+
+
+def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           kcache: torch.Tensor, vcache: torch.Tensor, start: int, first: int, window: int | None,
+           sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention of T new tokens in plain PyTorch, the reference (kernels/attend.py's one-token kernel is tested
+    against it): q [B, T, Hq, D], k and v [B, T, Hkv, D] at positions start..start+T-1, their RoPE tables cos and sin
+    [T, R], the layer's caches [B' >= B, Hkv, C, D]. The roped keys and the values go into the caches; each query
+    sees the positions from `first` (a sliding window's start, else 0) up to its own, within `window` of it ->
+    [B, T, Hq*D] in the compute dtype."""
+    B, T, Hq, D = q.shape
+    q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
+    k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+    end = start + T
+    kcache[:B, :, start:end] = k
+    vcache[:B, :, start:end] = v.transpose(1, 2)
+    keys, values = kcache[:B, :, first:end], vcache[:B, :, first:end]  # [B, Hkv, S, D]
+    mask = None
+    slides = window is not None and end - first > 1 and T > 1
+    if T > 1 and (start > 0 or slides):  # query t (at start + t) sees keys from start + t - window + 1 on
+        q_pos = start + torch.arange(T, device=q.device)[:, None]  # [T, 1]
+        k_pos = torch.arange(first, end, device=q.device)[None, :]  # [1, S]
+        mask = (k_pos <= q_pos) & (k_pos > q_pos - window) if window else k_pos <= q_pos  # [T, S]
+    if sinks is not None:
+        if mask is None and T > 1:  # causal
+            q_pos = start + torch.arange(T, device=q.device)[:, None]  # [T, 1]
+            mask = torch.arange(first, end, device=q.device)[None, :] <= q_pos  # [T, S]
+        out = attend_with_sinks(q, keys, values, mask, sinks)  # [B, Hq, T, D]
+    else:
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=(T > 1 and mask is None), enable_gqa=True
+        )  # [B, Hq, T, D]
+    return out.transpose(1, 2).reshape(B, T, Hq * D)  # [B, T, Hq*D]
 
 
 # A dense matrix as the model keeps it: a tensor, GGUF blocks as stored (DenseLinear runs both), or q, k and v as
@@ -278,6 +312,9 @@ class MoEModel:
         # RMSNorm: one kernel call for bf16 on the CPU (rounded like the reference), else the reference itself.
         fast_norm = cpu.use_kernel and library() is not None and dtype == torch.bfloat16
         self.rms_norm = rms_norm_bf16 if fast_norm and self.device.type == "cpu" else rms_norm
+        # Decode attention: one kernel call per layer on the CPU (kernels/attend.py), else `attend_cached`.
+        self.threads = self.linear.threads
+        self.attend_kernel = cpu.use_kernel and self.device.type == "cpu" and attend_serves(dtype, cfg.head_dim)
         blocks = {i: layer.ffn for i, layer in enumerate(layers) if isinstance(layer.ffn, MoEBlockWeights)}
         self.dispatcher = Dispatcher(cfg, blocks, dtype, accel, policy, cpu, self.linear)
 
@@ -455,29 +492,12 @@ class MoEModel:
         v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, D]
         if cfg.qk_norm == "head":
             q, k = self.rms_norm(q, a.q_norm, cfg.rms_norm_eps), self.rms_norm(k, a.k_norm, cfg.rms_norm_eps)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
-        end = start + T
-        self.cache.k[i, :B, :, start:end] = k
-        self.cache.v[i, :B, :, start:end] = v.transpose(1, 2)
         window = cfg.window(i)
         # a sliding window: no key before the first one the earliest query sees is read at all
         first = max(0, start + 1 - window) if window else 0
-        keys, values = self.cache.k[i, :B, :, first:end], self.cache.v[i, :B, :, first:end]  # [B, Hkv, S, D]
-        mask = None
-        slides = window is not None and end - first > 1 and T > 1
-        if T > 1 and (start > 0 or slides):  # query t (at start + t) sees keys from start + t - window + 1 on
-            q_pos = start + torch.arange(T, device=x.device)[:, None]  # [T, 1]
-            k_pos = torch.arange(first, end, device=x.device)[None, :]  # [1, S]
-            mask = (k_pos <= q_pos) & (k_pos > q_pos - window) if window else k_pos <= q_pos  # [T, S]
-        if a.sinks is not None:
-            if mask is None and T > 1:  # causal
-                q_pos = start + torch.arange(T, device=x.device)[:, None]  # [T, 1]
-                mask = torch.arange(first, end, device=x.device)[None, :] <= q_pos  # [T, S]
-            out = attend_with_sinks(q, keys, values, mask, a.sinks)  # [B, Hq, T, D]
+        if T == 1 and self.attend_kernel:  # decode: one kernel call from RoPE to the values' sum
+            out = attend_one(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), cos[0], sin[0], self.cache.k[i],
+                             self.cache.v[i], start, first, a.sinks, self.threads).view(B, 1, -1)  # [B, T, Hq*D]
         else:
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, is_causal=(T > 1 and mask is None), enable_gqa=True
-            )  # [B, Hq, T, D]
-        out = out.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim)  # [B, T, Hq*D]
+            out = attend_cached(q, k, v, cos, sin, self.cache.k[i], self.cache.v[i], start, first, window, a.sinks)
         return self.linear(out, a.o, a.o_bias, out_dtype=torch.float32)  # into the residual stream, unrounded

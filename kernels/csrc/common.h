@@ -29,6 +29,8 @@
  *   blocks.h      GGUF's block formats: each block unpacked into L1, the dot products every variant compiles
  *   q8.c          one token of Q4_K, Q5_K, Q6_K and Q8_0 against int8 activations (AVX-512 BW; the AVX512_BF16
  *                 variant)
+ *   attend.c      one new token per sequence through attention (RoPE, the KV cache write, an online softmax),
+ *                 its loops compiled for base, AVX2 and AVX-512
  *   api.c         what Python calls through ctypes: the ISA mask, the checks, the choice of variant, several
  *                 experts in shared parallel regions (tk_experts), a whole MoE layer (tk_moe), dense matrices
  *                 (tk_linear), the argument struct sizes, and the module init that makes it importable
@@ -65,6 +67,22 @@ enum { ISA_BASE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AMX =
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 
 /* ---- argument structs, filled by kernels/cpu.py through ctypes (tk_struct_size reports their sizes) --- */
+/* One new token per sequence through attention (tk_attend_one, attend.c). */
+typedef struct {
+    int batch, heads, kv_heads, dim, rot;  /* B, Hq, Hkv, D, R */
+    int bf16;                              /* 1: q, k, v, cos, sin, the cache, sinks and out are bf16; 0: float32 */
+    int threads, isa;                      /* isa: ISA_BASE, ISA_AVX2 or ISA_AVX512 (the loops' compiled variant) */
+    int start, first;                      /* the new token's position; the first position read (a sliding window) */
+    long long ld_q, ld_k, ld_v;            /* values from one sequence's q (k, v) to the next's; heads are D apart */
+    long long context;                     /* positions in a cache row */
+    const void *q, *k, *v;                 /* [B, Hq * D], [B, Hkv * D], [B, Hkv * D] */
+    const void *cos, *sin;                 /* [R] at `start` */
+    void *kcache, *vcache;                 /* this layer's [B, Hkv, context, D], contiguous */
+    const void *sinks;                     /* NULL, or [Hq] */
+    float scale;                           /* multiplies q . k (1/sqrt(D)) */
+    void *out;                             /* [B, Hq * D] */
+} tk_attend_args;
+
 /* One expert call (tk_expert; tk_experts takes an array of them). */
 typedef struct {
     int kind, isa, tokens, hidden, inter, threads, group;

@@ -1,0 +1,100 @@
+"""One new token per sequence through attention in one kernel call (csrc/attend.c): RoPE on its query and key, the
+key and value written into the layer's KV cache, each query head's softmax over its cached keys (with gpt-oss's sink
+logits if given), the values' weighted sum. runtime/model.py's torch path is the reference.
+
+Letters: B sequences, Hq query heads, Hkv key/value heads, D head dim, R rotated dims, C cached positions a row.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+
+from tandem.kernels.cpu import available_isas, library
+
+
+class _AttendArgs(ctypes.Structure):
+    _fields_ = [
+        ("batch", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("dim", ctypes.c_int),
+        ("rot", ctypes.c_int), ("bf16", ctypes.c_int), ("threads", ctypes.c_int), ("isa", ctypes.c_int),
+        ("start", ctypes.c_int), ("first", ctypes.c_int), ("ld_q", ctypes.c_longlong), ("ld_k", ctypes.c_longlong),
+        ("ld_v", ctypes.c_longlong), ("context", ctypes.c_longlong), ("q", ctypes.c_void_p), ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("kcache", ctypes.c_void_p),
+        ("vcache", ctypes.c_void_p), ("sinks", ctypes.c_void_p), ("scale", ctypes.c_float), ("out", ctypes.c_void_p),
+    ]
+
+
+ATTEND_ISAS = ("base", "avx2", "avx512")  # the variants its loops are compiled for (ISA_ numbers 0, 1, 2)
+MAX_HEAD_DIM = 512
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernels with tk_attend_one declared, or None where they were not built."""
+    lib = library()
+    if lib is None:
+        return None
+    if lib.tk_struct_size(4) != ctypes.sizeof(_AttendArgs):  # a stale build: calling it would corrupt memory
+        raise RuntimeError("the compiled kernels disagree with kernels/attend.py on _AttendArgs; rebuild them (make, "
+                           "or pip install -e .)")
+    lib.tk_attend_one.argtypes = [ctypes.POINTER(_AttendArgs)]
+    lib.tk_attend_one.restype = ctypes.c_int
+    return lib
+
+
+def attend_isa() -> str | None:
+    """The variant attend_one runs by default (the widest this CPU, under its feature mask, has), or None where the
+    kernels are not built."""
+    isas = [isa for isa in available_isas() if isa in ATTEND_ISAS]
+    return isas[-1] if isas else None
+
+
+def attend_serves(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attend_one takes a model of this compute dtype and head dim on this machine."""
+    return attend_isa() is not None and dtype in (torch.bfloat16, torch.float32) and head_dim <= MAX_HEAD_DIM
+
+
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               kcache: torch.Tensor, vcache: torch.Tensor, start: int, first: int, sinks: torch.Tensor | None = None,
+               threads: int = 1, isa: str | None = None) -> torch.Tensor:
+    """q [B, Hq*D], k and v [B, Hkv*D] (rows may be strided views, each row contiguous), this position's RoPE tables
+    cos and sin [R], the layer's caches [B' >= B, Hkv, C, D] (contiguous), the token's position `start` and the
+    first position its keys start at (a sliding window's) -> [B, Hq*D] in the compute dtype. k (roped) and v are
+    written into the caches at `start` first. Everything is bf16, or everything float32."""
+    lib = _library()
+    isa = isa or attend_isa()
+    if lib is None or isa not in ATTEND_ISAS:
+        raise ValueError(f"attend_one needs the compiled kernels and one of {', '.join(ATTEND_ISAS)}, not {isa!r}")
+    B, (_, Hkv, C, D) = q.shape[0], kcache.shape
+    dtype = q.dtype
+    tensors = [q, k, v, cos, sin, kcache, vcache] + ([sinks] if sinks is not None else [])
+    if dtype not in (torch.bfloat16, torch.float32) or any(t.dtype != dtype or t.device.type != "cpu"
+                                                          for t in tensors):
+        raise ValueError("attend_one takes bf16 or float32 CPU tensors, all of one dtype")
+    if q.dim() != 2 or q.shape[1] % D or k.shape != (B, Hkv * D) or v.shape != (B, Hkv * D):
+        raise ValueError(f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not fit the cache's "
+                         f"{Hkv} heads of {D}")
+    if any(t.stride(1) != 1 for t in (q, k, v)) or not (kcache.is_contiguous() and vcache.is_contiguous()):
+        raise ValueError("q, k and v need contiguous rows, and the caches must be contiguous")
+    if vcache.shape != kcache.shape or kcache.shape[0] < B or cos.shape != sin.shape or cos.dim() != 1 \
+            or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("the caches or the RoPE tables have mismatched shapes, or the tables are not contiguous")
+    Hq = q.shape[1] // D
+    if sinks is not None and (sinks.shape != (Hq,) or not sinks.is_contiguous()):
+        raise ValueError(f"sinks must be [{Hq}]")
+    if not 0 <= first <= start < C:
+        raise ValueError(f"positions first {first} and start {start} must satisfy 0 <= first <= start < {C}")
+    out = torch.empty(B, Hq * D, dtype=dtype)  # [B, Hq*D]
+    a = _AttendArgs(
+        batch=B, heads=Hq, kv_heads=Hkv, dim=D, rot=cos.shape[0], bf16=int(dtype == torch.bfloat16), threads=threads,
+        isa=ATTEND_ISAS.index(isa), start=start, first=first, ld_q=q.stride(0), ld_k=k.stride(0), ld_v=v.stride(0),
+        context=C, q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
+        kcache=kcache.data_ptr(), vcache=vcache.data_ptr(),
+        sinks=sinks.data_ptr() if sinks is not None else None, scale=D ** -0.5, out=out.data_ptr(),
+    )
+    code = lib.tk_attend_one(ctypes.byref(a))
+    if code != 0:
+        raise ValueError(f"the attention kernel rejected its arguments (code {code})")
+    return out

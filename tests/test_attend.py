@@ -1,0 +1,94 @@
+"""The one-token attention kernel (kernels/attend.py) against the decoder's torch attention (`attend_cached`), the
+reference: the same cache contents bit for bit, the same output within rounding. Every variant this machine runs;
+marked `isa`: run again under every CPU feature mask (tests/run_masks.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.kernels.attend import ATTEND_ISAS, attend_isa, attend_one
+from tandem.kernels.cpu import available_isas
+from tandem.runtime.model import attend_cached
+
+pytestmark = [pytest.mark.isa, pytest.mark.skipif(attend_isa() is None, reason="the kernels are not built")]
+
+ISAS = [isa for isa in available_isas() if isa in ATTEND_ISAS]
+# of the largest output: float32 sums in another order; under bf16 the torch path also rounds the probabilities to
+# bf16 (observed up to 0.0072), the kernel keeps them float32
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}
+C = 80  # cached positions a row
+
+
+def rope_rows(rot: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [C, R] as rope_tables lays them out (each half the same angles)."""
+    angles = torch.arange(C)[:, None] * 0.5 ** torch.arange(rot // 2)[None, :]  # [C, R/2]
+    angles = torch.cat((angles, angles), dim=-1)  # [C, R]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def run_both(dtype: torch.dtype, batch: int, heads: int, kv_heads: int, dim: int, rot: int, start: int,
+             window: int | None, sinks: bool, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(start * 7 + heads)
+    width = (heads + 2 * kv_heads) * dim
+    qkv = (torch.randn(batch, 1, width, generator=g) * 2).to(dtype)  # [B, 1, (Hq + 2 Hkv) * D]
+    q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)  # strided views, as the model's
+    cache = [torch.randn(batch + 1, kv_heads, C, dim, generator=g).to(dtype) for _ in range(2)]  # a row to spare
+    ref_cache = [c.clone() for c in cache]
+    cos, sin = rope_rows(rot, dtype)
+    sink = (torch.randn(heads, generator=g) * 3).to(dtype) if sinks else None
+    first = max(0, start + 1 - window) if window else 0
+    want = attend_cached(q.view(batch, 1, heads, dim), k.view(batch, 1, kv_heads, dim),
+                         v.view(batch, 1, kv_heads, dim), cos[start : start + 1], sin[start : start + 1],
+                         *ref_cache, start, first, window, sink)  # [B, 1, Hq*D]
+    got = attend_one(q.reshape(batch, -1), k.reshape(batch, -1), v.reshape(batch, -1), cos[start], sin[start],
+                     *cache, start, first, sink, threads=2, isa=isa)  # [B, Hq*D]
+    assert torch.equal(cache[0], ref_cache[0]) and torch.equal(cache[1], ref_cache[1])  # roped key, value, nothing else
+    return got, want.view(batch, -1)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("batch", "heads", "kv_heads", "dim", "rot", "start", "window", "sinks"), [
+    (1, 4, 4, 64, 64, 0, None, False),  # the first token: itself only
+    (1, 8, 2, 64, 64, 37, None, False),  # grouped queries
+    (2, 6, 3, 48, 32, 70, None, False),  # partial rotary, a head dim not a multiple of 16, two sequences
+    (1, 8, 4, 64, 64, 79, 16, False),  # a sliding window, at the last position
+    (2, 4, 2, 64, 64, 66, None, True),  # sink logits (gpt-oss), more keys than one step of the online softmax
+    (1, 4, 1, 128, 128, 5, 4, True),
+])
+def test_one_token_matches_the_torch_attention(isa: str, dtype: torch.dtype, batch: int, heads: int, kv_heads: int,
+                                               dim: int, rot: int, start: int, window: int | None,
+                                               sinks: bool) -> None:
+    got, want = run_both(dtype, batch, heads, kv_heads, dim, rot, start, window, sinks, isa)
+    assert got.dtype == dtype and got.shape == want.shape
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= TOL[dtype] * want.float().abs().max().item(), err
+
+
+def test_a_large_sink_takes_the_mass_and_the_output_shrinks() -> None:
+    """A sink logit far above every score leaves almost nothing to the values; one far below changes nothing."""
+    q, kv = torch.randn(1, 128), torch.randn(1, 128)
+    caches = [torch.randn(1, 1, 8, 128) for _ in range(2)]
+    cos, sin = torch.ones(128), torch.zeros(128)
+    plain = attend_one(q, kv, kv, cos, sin, *[c.clone() for c in caches], 5, 0)
+    low = attend_one(q, kv, kv, cos, sin, *[c.clone() for c in caches], 5, 0, sinks=torch.full((1,), -1e4))
+    high = attend_one(q, kv, kv, cos, sin, *[c.clone() for c in caches], 5, 0, sinks=torch.full((1,), 1e4))
+    assert torch.allclose(low, plain, atol=1e-6)
+    assert high.abs().max().item() < 1e-30
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"dtype": torch.float16}, "bf16 or float32"),
+    ({"start": C}, "positions"),
+    ({"first": 6}, "positions"),
+    ({"isa": "amx"}, "one of"),
+])
+def test_bad_arguments_are_refused(change: dict[str, object], says: str) -> None:
+    dtype = change.get("dtype", torch.float32)
+    q, kv = torch.randn(1, 128).to(dtype), torch.randn(1, 128).to(dtype)  # type: ignore[arg-type]
+    caches = [torch.randn(1, 1, C, 128).to(dtype) for _ in range(2)]  # type: ignore[arg-type]
+    cos, sin = torch.ones(128).to(dtype), torch.zeros(128).to(dtype)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=says):
+        attend_one(q, kv, kv, cos, sin, *caches, change.get("start", 5), change.get("first", 0),  # type: ignore[arg-type]
+                   isa=change.get("isa"))  # type: ignore[arg-type]
