@@ -8,40 +8,13 @@ Letters: B sequences, Hq query heads, Hkv key/value heads, D head dim, R rotated
 from __future__ import annotations
 
 import ctypes
-from functools import cache
 
 import torch
 
-from tandem.kernels.cpu import available_isas, library
-
-
-class _AttendArgs(ctypes.Structure):
-    _fields_ = [
-        ("batch", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("dim", ctypes.c_int),
-        ("rot", ctypes.c_int), ("bf16", ctypes.c_int), ("threads", ctypes.c_int), ("isa", ctypes.c_int),
-        ("start", ctypes.c_int), ("first", ctypes.c_int), ("ld_q", ctypes.c_longlong), ("ld_k", ctypes.c_longlong),
-        ("ld_v", ctypes.c_longlong), ("context", ctypes.c_longlong), ("q", ctypes.c_void_p), ("k", ctypes.c_void_p),
-        ("v", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("kcache", ctypes.c_void_p),
-        ("vcache", ctypes.c_void_p), ("sinks", ctypes.c_void_p), ("scale", ctypes.c_float), ("out", ctypes.c_void_p),
-    ]
-
+from tandem.kernels.cpu import _AttendArgs, available_isas, library
 
 ATTEND_ISAS = ("base", "avx2", "avx512")  # the variants its loops are compiled for (ISA_ numbers 0, 1, 2)
 MAX_HEAD_DIM = 512
-
-
-@cache
-def _library() -> ctypes.CDLL | None:
-    """The compiled kernels with tk_attend_one declared, or None where they were not built."""
-    lib = library()
-    if lib is None:
-        return None
-    if lib.tk_struct_size(4) != ctypes.sizeof(_AttendArgs):  # a stale build: calling it would corrupt memory
-        raise RuntimeError("the compiled kernels disagree with kernels/attend.py on _AttendArgs; rebuild them (make, "
-                           "or pip install -e .)")
-    lib.tk_attend_one.argtypes = [ctypes.POINTER(_AttendArgs)]
-    lib.tk_attend_one.restype = ctypes.c_int
-    return lib
 
 
 def attend_isa() -> str | None:
@@ -63,7 +36,7 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
     cos and sin [R], the layer's caches [B' >= B, Hkv, C, D] (contiguous), the token's position `start` and the
     first position its keys start at (a sliding window's) -> [B, Hq*D] in the compute dtype. k (roped) and v are
     written into the caches at `start` first. Everything is bf16, or everything float32."""
-    lib = _library()
+    lib = library()
     isa = isa or attend_isa()
     if lib is None or isa not in ATTEND_ISAS:
         raise ValueError(f"attend_one needs the compiled kernels and one of {', '.join(ATTEND_ISAS)}, not {isa!r}")

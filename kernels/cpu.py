@@ -135,6 +135,28 @@ class _LinearArgs(ctypes.Structure):
     ]
 
 
+class _AttendArgs(ctypes.Structure):
+    _fields_ = [
+        ("batch", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("dim", ctypes.c_int),
+        ("rot", ctypes.c_int), ("bf16", ctypes.c_int), ("threads", ctypes.c_int), ("isa", ctypes.c_int),
+        ("start", ctypes.c_int), ("first", ctypes.c_int), ("ld_q", ctypes.c_longlong), ("ld_k", ctypes.c_longlong),
+        ("ld_v", ctypes.c_longlong), ("context", ctypes.c_longlong), ("q", ctypes.c_void_p), ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("kcache", ctypes.c_void_p),
+        ("vcache", ctypes.c_void_p), ("sinks", ctypes.c_void_p), ("scale", ctypes.c_float), ("out", ctypes.c_void_p),
+    ]
+
+
+class _LayerArgs(ctypes.Structure):
+    _fields_ = [
+        ("hidden", ctypes.c_int), ("n_qkv", ctypes.c_int), ("qk_norm", ctypes.c_int), ("scoring", ctypes.c_int),
+        ("normalize", ctypes.c_int), ("window", ctypes.c_int), ("eps", ctypes.c_float), ("scaling", ctypes.c_float),
+        ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p), ("h", ctypes.c_void_p), ("hf", ctypes.c_void_p), ("qkv_out", ctypes.c_void_p),
+        ("attend_out", ctypes.c_void_p), ("qkv", _LinearArgs * 3), ("o", _LinearArgs), ("router", _LinearArgs),
+        ("attend", _AttendArgs), ("moe", _MoeArgs),
+    ]
+
+
 @cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they were not built (the torch path is used then)."""
@@ -164,8 +186,16 @@ def library() -> ctypes.CDLL | None:
     lib.tk_rms_norm_bf16.restype = None
     lib.tk_rms_norm_f32.argtypes = lib.tk_rms_norm_bf16.argtypes
     lib.tk_rms_norm_f32.restype = None
+    lib.tk_dequantize_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                       ctypes.c_void_p]
+    lib.tk_dequantize_rows.restype = ctypes.c_int
     lib.tk_linear.argtypes = [ctypes.POINTER(_LinearArgs)]
     lib.tk_linear.restype = ctypes.c_int
+    lib.tk_attend_one.argtypes = [ctypes.POINTER(_AttendArgs)]
+    lib.tk_attend_one.restype = ctypes.c_int
+    lib.tk_decode_layers.argtypes = [ctypes.POINTER(_LayerArgs), ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                     ctypes.c_void_p, ctypes.c_void_p]
+    lib.tk_decode_layers.restype = ctypes.c_int
     lib.tk_read_sum.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     lib.tk_read_sum.restype = ctypes.c_double
     lib.tk_struct_size.argtypes = [ctypes.c_int]
@@ -179,7 +209,8 @@ def library() -> ctypes.CDLL | None:
 
 def struct_sizes(lib: ctypes.CDLL) -> list[tuple[type[ctypes.Structure], int]]:
     """Each argument structure with the size the compiled library gives its C counterpart."""
-    return [(s, lib.tk_struct_size(i)) for i, s in enumerate((_Args, _Weights, _MoeArgs, _LinearArgs))]
+    return [(s, lib.tk_struct_size(i))
+            for i, s in enumerate((_Args, _Weights, _MoeArgs, _LinearArgs, _AttendArgs, _LayerArgs))]
 
 
 def available_isas() -> list[str]:
@@ -423,7 +454,7 @@ class CpuExecutor:
         self._isa_cache: dict[tuple[object, int, bool], str | None] = {}  # (kind, tokens, amx_layout) -> variant
         self._slots: list[_Slot] = []  # per expert of one call: buffers and arguments, grown on demand
         self._batch = (_Args * 0)()
-        self._moe: tuple[_MoeArgs, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # run_layer's buffers
+        self._moe: tuple[_MoeArgs, torch.Tensor, torch.Tensor] | None = None  # run_layer's buffers
 
     def amx_serves(self, kind: object) -> bool:
         """Whether AMX tiles can run experts of this weight kind (whole tiles: bf16 takes 32 values; int8 and
@@ -599,6 +630,29 @@ class CpuExecutor:
         return (0 < tokens <= min(self.crossover, AMX_CROSSOVER) and self.lib is not None
                 and self.isa_for(layer.experts[0], tokens) is not None)
 
+    def moe_args(self, layer: LayerExperts, tokens: int, into: _MoeArgs | None = None) -> _MoeArgs:
+        """A tk_moe call's arguments for `tokens` tokens of this layer, all but the routing, x and out: the ones
+        run_layer reuses, or `into`. One arena serves every call (they run one at a time)."""
+        if self._moe is None:
+            slots = min(len(layer.experts), AMX_BATCH)
+            arena = torch.empty(slots * self.lib.tk_moe_slot_bytes(self.hidden, self.inter), dtype=torch.uint8)  # type: ignore[union-attr]
+            xs = torch.empty(AMX_CROSSOVER, self.hidden)
+            args = _MoeArgs(slots=slots, x=xs.data_ptr(), arena=arena.data_ptr())
+            self._moe = (args, xs, arena)
+        a = self._moe[0]
+        if into is not None:
+            into.slots, into.x, into.arena = a.slots, a.x, a.arena
+            a = into
+        expert = layer.experts[0]
+        kind, isa = KINDS[expert.kind], ISAS.index(self.isa_for(expert, tokens))  # type: ignore[arg-type]
+        down_kind = KINDS[expert.down_kind]
+        if (a.proto.kind, a.proto.down_kind, a.proto.isa, a.proto.hidden) != (kind, down_kind, isa, self.hidden):
+            a.proto = _Args(kind, isa, 0, self.hidden, self.inter, self.threads, self.group)
+            a.proto.down_kind = down_kind
+        expert.epilogue.fill(a.proto)  # the activation (the biases come per expert from the table)
+        a.experts, a.table = len(layer.experts), ctypes.addressof(layer.table)
+        return a
+
     def run_layer(self, layer: LayerExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                   ) -> torch.Tensor:
         """A MoE layer's routed experts in one kernel call: x [T, H], expert ids [T, K], routing weights
@@ -615,20 +669,8 @@ class CpuExecutor:
             raise ValueError(f"x has {x.shape[0]} rows but the routing has {T}; both need at least one")
         if not self.serves_layer(layer, T):
             raise ValueError(f"run_layer cannot take {T} tokens of these experts here; use run_many")
-        if self._moe is None:
-            slots = min(len(layer.experts), AMX_BATCH)
-            arena = torch.empty(slots * self.lib.tk_moe_slot_bytes(self.hidden, self.inter), dtype=torch.uint8)  # type: ignore[union-attr]
-            xs = torch.empty(AMX_CROSSOVER, self.hidden)
-            args = _MoeArgs(slots=slots, x=xs.data_ptr(), arena=arena.data_ptr())
-            self._moe = (args, xs, arena)
-        a, xs, _ = self._moe
-        expert = layer.experts[0]
-        kind, isa = KINDS[expert.kind], ISAS.index(self.isa_for(expert, T))  # type: ignore[arg-type]
-        down_kind = KINDS[expert.down_kind]
-        if (a.proto.kind, a.proto.down_kind, a.proto.isa, a.proto.hidden) != (kind, down_kind, isa, self.hidden):
-            a.proto = _Args(kind, isa, 0, self.hidden, self.inter, self.threads, self.group)
-            a.proto.down_kind = down_kind
-        expert.epilogue.fill(a.proto)  # the activation (the biases come per expert from the table)
+        a = self.moe_args(layer, T)
+        xs = self._moe[1]  # type: ignore[index]
         # right after the weights stream, each small torch op here costs tens of microseconds (a few warm), so
         # the kernel reads a bf16 x where it lies and conversions happen only when needed
         if x.dtype == torch.bfloat16 and x.is_contiguous():
@@ -640,8 +682,8 @@ class CpuExecutor:
             ids = ids.to(torch.int64).contiguous()  # [T, K]
         if weights.dtype != torch.float32 or not weights.is_contiguous():
             weights = weights.float().contiguous()  # [T, K]
-        a.tokens, a.top_k, a.experts = T, K, len(layer.experts)
-        a.ids, a.weights, a.table = ids.data_ptr(), weights.data_ptr(), ctypes.addressof(layer.table)
+        a.tokens, a.top_k = T, K
+        a.ids, a.weights = ids.data_ptr(), weights.data_ptr()
         out = torch.empty(T, self.hidden)  # [T, H] float32
         a.out = out.data_ptr()
         code = self.lib.tk_moe(ctypes.byref(a))  # type: ignore[union-attr]
@@ -769,13 +811,32 @@ class DenseLinear:
             flat = x.reshape(n, width)  # [n, I]
             return torch.cat([self._blocks(flat[i : i + BLOCK_STEP], w, bias, out_dtype)
                               for i in range(0, n, BLOCK_STEP)]).view(*x.shape[:-1], rows)
-        if x.dtype == torch.float32:  # exact float sums: the float path (the AVX-512 rows at most)
-            isa = min(self.float_isa, ISAS.index("avx512"))
-        elif self.isa == -1 and w.kind in Q8_KINDS and self.q8_isa >= 0:
-            isa = self.q8_isa  # against int8 activations (csrc/q8.c)
-        else:
-            isa = min(self.isa, ISAS.index("avx512bf16"))  # (-1: the best, which the kernel bounds likewise)
-        return self._kernel(x, n, w.data.data_ptr(), rows, KINDS[w.kind], isa, bias, out_dtype)
+        return self._kernel(x, n, w.data.data_ptr(), rows, KINDS[w.kind], self._block_isa(w.kind, x.dtype), bias,
+                            out_dtype)
+
+    def _block_isa(self, kind: str, dtype: torch.dtype) -> int:
+        """The variant for x of this dtype against blocks of this kind."""
+        if dtype == torch.float32:  # exact float sums: the float path (the AVX-512 rows at most)
+            return min(self.float_isa, ISAS.index("avx512"))
+        if self.isa == -1 and kind in Q8_KINDS and self.q8_isa >= 0:
+            return self.q8_isa  # against int8 activations (csrc/q8.c)
+        return min(self.isa, ISAS.index("avx512bf16"))  # (-1: the best, which the kernel bounds likewise)
+
+    def one_token_call(self, w: object) -> tuple[int, int, int, int, int] | None:
+        """How one bf16 token meets this matrix in one tk_linear call, as __call__ would make it: (address, rows,
+        width, kind, variant); None where __call__ would not make one such call (no kernel, F.linear, or several
+        matrices side by side)."""
+        if self.lib is None:
+            return None
+        if isinstance(w, QuantizedMatrix):
+            rows, width = w.data.shape[0], w.cols
+            if w.kind not in BLOCK_KINDS or rows % 32 or width % 32 or not w.data.is_contiguous():
+                return None
+            return w.data.data_ptr(), rows, width, KINDS[w.kind], self._block_isa(w.kind, torch.bfloat16)
+        if (not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype != torch.bfloat16 or not w.is_contiguous()
+                or w.shape[0] == 0 or w.shape[0] % 32 or w.shape[1] % 32):
+            return None
+        return w.data_ptr(), w.shape[0], w.shape[1], KINDS[torch.bfloat16], self.isa
 
     def _kernel(self, x: torch.Tensor, n: int, w: int, rows: int, kind: int, isa: int, bias: torch.Tensor | None,
                 out_dtype: torch.dtype) -> torch.Tensor:
@@ -825,3 +886,21 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     norm = lib.tk_rms_norm_f32 if x.dtype == torch.float32 else lib.tk_rms_norm_bf16
     norm(flat.data_ptr(), flat.stride(0) if rows > 1 else n, weight.data_ptr(), y.data_ptr(), rows, n, eps)
     return y
+
+
+def lookup_rows(m: QuantizedMatrix, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [...] of a matrix of GGUF blocks (an embedding) as float32 [..., cols], exactly as
+    kernels.blocks.dequantize gives them: one kernel call (torch ops where the kernels are not built)."""
+    lib = library()
+    flat = ids.reshape(-1).to(torch.int64).contiguous()  # [n]
+    if lib is None or m.kind not in BLOCK_KINDS or not m.data.is_contiguous():
+        from tandem.kernels.blocks import dequantize
+
+        return dequantize(m.data[flat], m.kind).view(*ids.shape, -1)
+    if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < m.data.shape[0]:
+        raise ValueError(f"token ids must be from 0 to {m.data.shape[0] - 1}")
+    out = torch.empty(flat.numel(), m.cols)  # [n, cols]
+    if lib.tk_dequantize_rows(KINDS[m.kind], m.data.data_ptr(), flat.data_ptr(), flat.numel(), m.cols,
+                              out.data_ptr()) != 0:
+        raise ValueError(f"{m.kind} rows of {m.cols} values are not whole blocks")
+    return out.view(*ids.shape, m.cols)

@@ -256,9 +256,8 @@ class Dispatcher:
         block = self.blocks[layer]
         logits = self.linear(x, block.router, block.router_bias)  # [T, E]
         weights, ids = route(logits, block.rule, block.correction)  # [T, K], [T, K]
-        counts = self.recorder.record(layer, ids)  # [E] routings per expert
         if self.accel is None:  # CPU only: every expert through the executor
-            self.stats.misses += self.stats.count_all(layer, counts > 0, CPU)
+            counts = self.record_cpu(layer, ids)  # [E] routings per expert
             table = self.cpu_layers[layer]
             if self.executor.serves_layer(table, x.shape[0]):  # a few tokens: the whole layer in one kernel call
                 out = self.executor.run_layer(table, x, ids, weights)  # [T, H] float32
@@ -271,6 +270,7 @@ class Dispatcher:
             if block.shared is not None:
                 out += block.shared(x)
             return out
+        counts = self.recorder.record(layer, ids)  # [E] routings per expert
         chosen = np.flatnonzero(counts).tolist()  # the experts this pass uses, in id order
         weights = weights.to(x.dtype)
         if self.cache.policy is CachePolicy.TRACE:
@@ -285,6 +285,13 @@ class Dispatcher:
             out = launched.result() + self.accel.to_device(cpu_out)  # [T, H]
         self._post_fetch(layer, cpu_jobs, keep=frozenset((layer, j.expert) for j in gpu_jobs))
         return out
+
+    def record_cpu(self, layer: int, ids: torch.Tensor) -> np.ndarray:
+        """A CPU-only pass at `layer` whose tokens chose `ids` [T, K] into the trace and the statistics (each expert
+        used ran once on the CPU); returns the routings per expert [E]."""
+        counts = self.recorder.record(layer, ids)
+        self.stats.misses += self.stats.count_all(layer, counts > 0, CPU)
+        return counts
 
     def _plan(self, layer: int, ids: torch.Tensor, chosen: list[int], block: MoEBlockWeights
               ) -> tuple[list[_Job], list[_Job]]:

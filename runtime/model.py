@@ -17,13 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.attend import attend_one, attend_serves
-from tandem.kernels.blocks import block_matrix, dequantize
-from tandem.kernels.cpu import BLOCK_QUANTS, CpuOptions, DenseLinear, library, rms_norm_bf16
+from tandem.kernels.blocks import block_matrix
+from tandem.kernels.cpu import BLOCK_QUANTS, CpuOptions, DenseLinear, library, lookup_rows, rms_norm_bf16
 from tandem.kernels.errors import CheckpointError
 from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.accelerator import Accelerator
 from tandem.runtime.checkpoint import Checkpoint, one_buffer
 from tandem.runtime.config import ModelConfig
+from tandem.runtime.decode_step import DecodeStep, why_not
 from tandem.runtime.dispatch import Dispatcher, OffloadOptions
 from tandem.runtime.mla import LatentCache, MLAWeights, attend, load_mla
 from tandem.runtime.moe import (
@@ -317,6 +318,11 @@ class MoEModel:
         self.attend_kernel = cpu.use_kernel and self.device.type == "cpu" and attend_serves(dtype, cfg.head_dim)
         blocks = {i: layer.ffn for i, layer in enumerate(layers) if isinstance(layer.ffn, MoEBlockWeights)}
         self.dispatcher = Dispatcher(cfg, blocks, dtype, accel, policy, cpu, self.linear)
+        # One decode token through every layer in one kernel call, where the step serves the model (off: the
+        # torch path for every token, as the step's tests compare)
+        self.use_step = True
+        self._step: DecodeStep | None = None
+        self._step_key: tuple[object, bool] | None = None
 
     @classmethod
     def from_checkpoint(
@@ -427,6 +433,7 @@ class MoEModel:
         """The same model (weights, experts, dispatcher shared) with its own KV cache of `batch` rows."""
         wide = copy.copy(self)
         wide.cache = cache_class(self.cfg)(self.cfg, batch, self.context, self.dtype, self.accel)
+        wide._step, wide._step_key = None, None
         return wide
 
     def close(self) -> None:
@@ -446,12 +453,17 @@ class MoEModel:
         long = self.rope_switch is not None and start + T > self.rope_switch  # LongRoPE: this pass's length decides
         cos, sin = (self.cos_long, self.sin_long) if long else (self.cos, self.sin)
         cos, sin = cos[start : start + T], sin[start : start + T]  # [T, D]
-        for i, layer in enumerate(self.layers):
-            h = self._norm(x, layer.input_norm, layer.input_norm_bias)
-            x = x + self._attention(i, layer.attn, h, start, cos, sin)
-            h = self._norm(x, layer.post_norm, layer.post_norm_bias).view(B * T, -1)  # [B*T, H]
-            y = self.dispatcher(i, h) if isinstance(layer.ffn, MoEBlockWeights) else layer.ffn(h)  # [B*T, H]
-            x = x + y.view(B, T, -1)  # [B, T, H]
+        step = self._decode_step() if B == 1 and T == 1 else None
+        if step is not None:  # one token: every layer in one kernel call
+            x = x.contiguous()
+            step(x.view(-1), start, cos[0], sin[0])
+        else:
+            for i, layer in enumerate(self.layers):
+                h = self._norm(x, layer.input_norm, layer.input_norm_bias)
+                x = x + self._attention(i, layer.attn, h, start, cos, sin)
+                h = self._norm(x, layer.post_norm, layer.post_norm_bias).view(B * T, -1)  # [B*T, H]
+                y = self.dispatcher(i, h) if isinstance(layer.ffn, MoEBlockWeights) else layer.ffn(h)  # [B*T, H]
+                x = x + y.view(B, T, -1)  # [B, T, H]
         if last_only:
             x = x[:, -1:]  # [B, 1, H]
         # float32 logits, not rounded to the compute dtype: bf16 steps of 1/8 around 16-32 turn near ties into
@@ -460,11 +472,18 @@ class MoEModel:
                              out_dtype=torch.float32)
         return logits if self.accel is None else self.accel.to_host(logits)
 
+    def _decode_step(self) -> DecodeStep | None:
+        """The decode step of this model and its KV cache, planned on first use; None where it does not serve the
+        model (runtime/decode_step.py why_not) or `use_step` is off."""
+        if self._step_key is None or self._step_key[0] is not self.cache or self._step_key[1] != self.use_step:
+            self._step_key = (self.cache, self.use_step)  # planned once per cache and setting
+            self._step = DecodeStep(self) if self.use_step and why_not(self) is None else None
+        return self._step
+
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids [B, T] -> their embeddings [B, T, H] float32 (GGUF blocks: only these rows, dequantized)."""
         if isinstance(self.embed, QuantizedMatrix):
-            rows = self.embed.data[ids.reshape(-1)]  # [B*T, bytes a row]
-            return dequantize(rows, self.embed.kind).view(*ids.shape, -1)
+            return lookup_rows(self.embed, ids)  # [B, T, H]
         return F.embedding(ids.to(self.device), self.embed).float()
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

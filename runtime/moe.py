@@ -243,17 +243,24 @@ def route(router_logits: torch.Tensor, rule: RoutingRule,
         weights, ids = _sparsemixer(logits, rule.jitter_eps)
         return weights * rule.scaling, ids
     if rule.scoring == "softmax_topk":
-        top, ids = torch.topk(logits, rule.top_k, dim=-1)  # [T, K], [T, K]
-        return torch.softmax(top, dim=-1) * rule.scaling, ids
+        ids = best_first(logits, rule.top_k)  # [T, K]
+        return torch.softmax(logits.gather(-1, ids), dim=-1) * rule.scaling, ids
     scores = torch.softmax(logits, dim=-1) if rule.scoring == "softmax" else torch.sigmoid(logits)  # [T, E]
     choose = scores if correction is None else scores + correction.float()  # [T, E]
     if rule.n_group > 1:
         choose = _keep_best_groups(choose, rule)
-    ids = torch.topk(choose, rule.top_k, dim=-1).indices  # [T, K]
+    ids = best_first(choose, rule.top_k)  # [T, K]
     weights = scores.gather(-1, ids)  # [T, K]
     if rule.normalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if rule.scoring == "sigmoid" else 0.0))
     return weights * rule.scaling, ids
+
+
+def best_first(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids of the k best scores [T, E] -> [T, K], best first; equal scores go to the lower id. (torch.topk picks
+    among equals arbitrarily, and bf16 router logits tie often enough to matter: the decode step's kernel, csrc/
+    step.c, chooses by this rule, so both paths pick the same experts.)"""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 def _sparsemixer(logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.kernels.blocks import FORMATS, dequantize
+from tandem.kernels.blocks import FORMATS, block_matrix, dequantize
+from tandem.kernels.cpu import lookup_rows
 
 EDGE_F16 = [0x0000, 0x8000, 0x0001, 0x03FF, 0x0400, 0x7BFF, 0x7C00, 0xFC00, 0x7E00, 0x3C00]  # 0, -0, subnormals,
 # the smallest normal, the largest, +-inf, NaN, 1
@@ -45,6 +46,10 @@ def test_every_format_dequantizes_as_the_gguf_reference(name: str) -> None:
     assert got.shape == want.shape == (6, 100 * fmt.values) and got.dtype == torch.float32
     assert same_bits(got, want)
     assert torch.isfinite(got).float().mean() > 0.5  # mostly ordinary numbers: the test compares values
+    # a quantized embedding's lookup (the kernel's unpacking where it is built), rows in any order, some twice
+    ids = torch.tensor([[5, 0, 3], [3, 1, 4]])
+    looked_up = lookup_rows(block_matrix(rows, name), ids)
+    assert looked_up.shape == (2, 3, 100 * fmt.values) and same_bits(looked_up, want[ids])
 
 
 def test_a_row_of_part_of_a_block_is_refused() -> None:

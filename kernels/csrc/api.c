@@ -251,7 +251,7 @@ int tk_linear(const tk_linear_args *a) {
 }
 
 /* The size of each argument struct Python fills through ctypes (0 tk_args, 1 tk_weights, 2 tk_moe_args,
- * 3 tk_linear_args, 4 tk_attend_args; 0 for any other): kernels/cpu.py compares them with its own structures when it loads the
+ * 3 tk_linear_args, 4 tk_attend_args, 5 tk_layer_args; 0 for any other): kernels/cpu.py compares them with its own structures when it loads the
  * library, so a layout that drifted on one side is refused before it can corrupt memory. */
 size_t tk_struct_size(int which) {
     switch (which) {
@@ -260,6 +260,7 @@ size_t tk_struct_size(int which) {
         case 2: return sizeof(tk_moe_args);
         case 3: return sizeof(tk_linear_args);
         case 4: return sizeof(tk_attend_args);
+        case 5: return sizeof(tk_layer_args);
         default: return 0;
     }
 }

@@ -1,6 +1,7 @@
 /* The portable variant (ISA_BASE): plain C that the compiler vectorises for any x86-64 CPU, and the drivers that
  * run every variant's dot products (dot_fn) over an expert (expert_generic) or a dense matrix (linear_rows).
- * Also the RMSNorm of the decoder (tk_rms_norm_bf16, tk_rms_norm_f32) and the bandwidth probe's baseline loop. */
+ * Also the RMSNorm of the decoder (tk_rms_norm_bf16, tk_rms_norm_f32), rows of GGUF blocks dequantized
+ * (tk_dequantize_rows: a quantized embedding's looked-up rows) and the bandwidth probe's baseline loop. */
 #include "common.h"
 #include "blocks.h"
 
@@ -125,3 +126,26 @@ void tk_rms_norm_f32(const float *x, size_t ldx, const uint16_t *w, uint16_t *y,
 }
 
 DEFINE_SUM(sum_base, )
+
+/* Rows `ids` [n] of a matrix of GGUF blocks (`cols` values a row) as float32 [n, cols], each block unpacked as the
+ * dot products unpack it. 0, or -1 for a kind that is not a block kind or a width that is not whole blocks. */
+int tk_dequantize_rows(int kind, const uint8_t *data, const int64_t *ids, int n, int cols, float *out) {
+    if (!IS_BLOCK_KIND(kind) || cols < 1 || cols % block_values(kind)) return -1;
+    const size_t row = row_bytes(kind, cols, 0);
+    for (int i = 0; i < n; i++) {
+        const uint8_t *w = data + (size_t)ids[i] * row;
+        float *y = out + (size_t)i * cols;
+        switch (kind) {
+            case K_Q8_0: UNPACK_CHUNK(unpack_q8_0, 32, 34, w, 0, cols, y); break;
+            case K_Q4_0: UNPACK_CHUNK(unpack_q4_0, 32, 18, w, 0, cols, y); break;
+            case K_Q4_1: UNPACK_CHUNK(unpack_q4_1, 32, 20, w, 0, cols, y); break;
+            case K_Q5_0: UNPACK_CHUNK(unpack_q5_0, 32, 22, w, 0, cols, y); break;
+            case K_Q5_1: UNPACK_CHUNK(unpack_q5_1, 32, 24, w, 0, cols, y); break;
+            case K_Q4_K: UNPACK_CHUNK(unpack_q4_k, 256, 144, w, 0, cols, y); break;
+            case K_Q5_K: UNPACK_CHUNK(unpack_q5_k, 256, 176, w, 0, cols, y); break;
+            case K_Q6_K: UNPACK_CHUNK(unpack_q6_k, 256, 210, w, 0, cols, y); break;
+            default: UNPACK_CHUNK(unpack_gmxfp4, 32, 17, w, 0, cols, y); break;
+        }
+    }
+    return 0;
+}

@@ -31,6 +31,8 @@
  *                 variant)
  *   attend.c      one new token per sequence through attention (RoPE, the KV cache write, an online softmax),
  *                 its loops compiled for base, AVX2 and AVX-512
+ *   step.c        one decode token through a run of planned layers (norms, projections, attention, routing,
+ *                 experts) in one call
  *   api.c         what Python calls through ctypes: the ISA mask, the checks, the choice of variant, several
  *                 experts in shared parallel regions (tk_experts), a whole MoE layer (tk_moe), dense matrices
  *                 (tk_linear), the argument struct sizes, and the module init that makes it importable
@@ -134,6 +136,23 @@ typedef struct {
     int isa;                             /* the variant to use, or -1: the best for this CPU and token count */
     int kind;                            /* K_BF16 or a block kind */
 } tk_linear_args;
+
+/* One decoder layer of one decode token (tk_decode_layers, step.c), planned once: weights, buffers, variants. */
+typedef struct {
+    int hidden, n_qkv;                   /* H; q, k and v as 1 stacked matrix or 3 (formats that differ) */
+    int qk_norm;                         /* QK_NORM_NONE, _FULL (over all heads: OLMoE) or _HEAD (per head: Qwen3) */
+    int scoring, normalize, window;      /* SCORE_SOFTMAX or _SOFTMAX_TOPK; weights scaled to sum to 1; 0 or a
+                                          * sliding window's length */
+    float eps, scaling;                  /* the norms' epsilon; the routing weights' factor */
+    const uint16_t *input_norm, *post_norm, *q_norm, *k_norm;  /* bf16: [H], [H], the q/k norms' ([Hq*D] or [D]) */
+    uint16_t *h;                         /* [H] bf16: the normed residual stream */
+    float *hf;                           /* [H] the same as float32: the projections' and the router's input */
+    uint16_t *qkv_out;                   /* [(Hq + 2 Hkv) * D] bf16: q, k, v (attend.q, .k, .v point into it) */
+    uint16_t *attend_out;                /* [Hq * D] bf16: attend.out */
+    tk_linear_args qkv[3], o, router;    /* o.x: attend_out as float32; o.y: [H] float32; router.yb: [E] bf16 */
+    tk_attend_args attend;               /* start and first are set per token */
+    tk_moe_args moe;                     /* x_bf16: h; ids, weights: [K] chosen here; out: [H] float32 */
+} tk_layer_args;
 
 /* ---- values: bf16, weight kinds to float32 -------------------------------------------------------------- */
 static inline float bf16f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
@@ -270,6 +289,9 @@ int tk_moe(const tk_moe_args *m);
 int tk_linear(const tk_linear_args *a);
 void tk_rms_norm_bf16(const uint16_t *x, size_t ldx, const uint16_t *w, uint16_t *y, int rows, int n, float eps);
 void tk_rms_norm_f32(const float *x, size_t ldx, const uint16_t *w, uint16_t *y, int rows, int n, float eps);
+int tk_dequantize_rows(int kind, const uint8_t *data, const int64_t *ids, int n, int cols, float *out);
+int tk_attend_one(const tk_attend_args *a);
+int tk_decode_layers(tk_layer_args *layers, int n, float *x, int start, const void *cos, const void *sin);
 size_t tk_struct_size(int which);
 double tk_read_sum(const float *p, size_t n, int threads);
 

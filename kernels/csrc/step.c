@@ -1,0 +1,102 @@
+/* One decode token through a run of decoder layers in one call: per layer RMSNorm, the q/k/v projections, the
+ * q/k norms, attention (tk_attend_one), the output projection into the residual stream, RMSNorm, the router, the
+ * choice of experts, the experts (tk_moe) into the residual stream. Everything the layer needs was planned once in
+ * Python (runtime/decode_step.py: weights, buffers, variants), so a token returns to Python once, not ten times a
+ * layer with small torch ops between the calls. It rounds where the torch path rounds (bf16 after each norm and
+ * projection, float32 residual stream), which stays the reference it is tested against.
+ *
+ * Letters: H hidden size, Hq query heads, Hkv key/value heads, D head dim, E experts, K experts per token. */
+#include "common.h"
+
+enum { QK_NORM_NONE = 0, QK_NORM_FULL = 1, QK_NORM_HEAD = 2 };
+enum { SCORE_SOFTMAX = 0, SCORE_SOFTMAX_TOPK = 1 };
+enum { MAX_EXPERTS = 1024, MAX_TOP_K = 64 };
+
+static void bf16_to_float(const uint16_t *src, float *dst, int n) {
+    for (int i = 0; i < n; i++) dst[i] = bf16f(src[i]);
+}
+
+/* The router's logits [E] (bf16 values) -> K expert ids and weights, as runtime/moe.py's route: "softmax" scores
+ * every expert, takes the K best scores (ties: the lower id), their scores normalised to sum to one if asked;
+ * "softmax_topk" takes the K best logits and a softmax over those alone. Then times `scaling`. */
+static void choose_experts(const float *logits, int E, int K, int scoring, int normalize, float scaling,
+                           int64_t *ids, float *weights) {
+    float scores[MAX_EXPERTS];
+    int taken[MAX_EXPERTS] = {0};
+    if (scoring == SCORE_SOFTMAX) {
+        float mx = -INFINITY, sum = 0.0f;
+        for (int e = 0; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
+        for (int e = 0; e < E; e++) sum += scores[e] = expf(logits[e] - mx);
+        for (int e = 0; e < E; e++) scores[e] /= sum;
+    } else {
+        memcpy(scores, logits, sizeof(float) * (size_t)E);
+    }
+    for (int k = 0; k < K; k++) {
+        int best = -1;
+        for (int e = 0; e < E; e++)
+            if (!taken[e] && (best < 0 || scores[e] > scores[best])) best = e;
+        taken[best] = 1;
+        ids[k] = best;
+        weights[k] = scores[best];
+    }
+    if (scoring == SCORE_SOFTMAX_TOPK) {  /* the chosen logits, best first: a softmax over them */
+        float sum = 0.0f;
+        for (int k = 0; k < K; k++) sum += weights[k] = expf(weights[k] - scores[ids[0]]);
+        for (int k = 0; k < K; k++) weights[k] /= sum;
+    } else if (normalize) {
+        float sum = 0.0f;
+        for (int k = 0; k < K; k++) sum += weights[k];
+        for (int k = 0; k < K; k++) weights[k] /= sum;
+    }
+    for (int k = 0; k < K; k++) weights[k] *= scaling;
+}
+
+/* x [H] float32, the residual stream, through one layer (positions as `a->attend` says). 0, or a negative code. */
+static int layer_step(tk_layer_args *a, float *x) {
+    const int H = a->hidden, D = a->attend.dim, Hq = a->attend.heads, Hkv = a->attend.kv_heads;
+    const int nq = Hq * D, nkv = Hkv * D;
+    int code;
+    /* attention */
+    tk_rms_norm_f32(x, H, a->input_norm, a->h, 1, H, a->eps);
+    bf16_to_float(a->h, a->hf, H);
+    for (int i = 0; i < a->n_qkv; i++)
+        if ((code = tk_linear(&a->qkv[i]))) return code;
+    if (a->qk_norm == QK_NORM_FULL) {
+        tk_rms_norm_bf16(a->qkv_out, nq, a->q_norm, a->qkv_out, 1, nq, a->eps);
+        tk_rms_norm_bf16(a->qkv_out + nq, nkv, a->k_norm, a->qkv_out + nq, 1, nkv, a->eps);
+    } else if (a->qk_norm == QK_NORM_HEAD) {
+        tk_rms_norm_bf16(a->qkv_out, D, a->q_norm, a->qkv_out, Hq, D, a->eps);
+        tk_rms_norm_bf16(a->qkv_out + nq, D, a->k_norm, a->qkv_out + nq, Hkv, D, a->eps);
+    }
+    if ((code = tk_attend_one(&a->attend))) return code;
+    bf16_to_float(a->attend_out, (float *)a->o.x, nq);
+    if ((code = tk_linear(&a->o))) return code;
+    for (int i = 0; i < H; i++) x[i] += a->o.y[i];
+    /* experts */
+    tk_rms_norm_f32(x, H, a->post_norm, a->h, 1, H, a->eps);
+    bf16_to_float(a->h, a->hf, H);
+    if ((code = tk_linear(&a->router))) return code;
+    float logits[MAX_EXPERTS];
+    bf16_to_float(a->router.yb, logits, a->moe.experts);  /* the router's logits as the torch path rounds them */
+    choose_experts(logits, a->moe.experts, a->moe.top_k, a->scoring, a->normalize, a->scaling, (int64_t *)a->moe.ids,
+                   (float *)a->moe.weights);
+    if ((code = tk_moe(&a->moe))) return code;
+    for (int i = 0; i < H; i++) x[i] += a->moe.out[i];
+    return 0;
+}
+
+/* One token (x [H] float32, at position `start`, whose RoPE tables are cos and sin [R]) through `n` planned layers;
+ * each layer's chosen experts are left in its moe.ids and moe.weights. 0, or a negative code. */
+int tk_decode_layers(tk_layer_args *layers, int n, float *x, int start, const void *cos, const void *sin) {
+    for (int l = 0; l < n; l++) {
+        tk_layer_args *a = &layers[l];
+        if (a->moe.experts > MAX_EXPERTS || a->moe.top_k > MAX_TOP_K || a->moe.top_k > a->moe.experts ||
+            a->moe.tokens != 1)
+            return -8;
+        a->attend.start = start, a->attend.cos = cos, a->attend.sin = sin;
+        a->attend.first = a->window && start + 1 > a->window ? start + 1 - a->window : 0;
+        const int code = layer_step(a, x);
+        if (code) return code;
+    }
+    return 0;
+}

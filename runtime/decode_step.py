@@ -1,0 +1,143 @@
+"""Decode in one kernel call per token: every decoder layer's work for one new token (norms, projections, attention,
+routing, experts) planned once into kernels/cpu.py's structures (`_LayerArgs`), then run by csrc/step.c without
+returning to Python between the pieces. `MoEModel.forward` uses it for one token of one sequence when `why_not`
+finds nothing against the model; anything else (other variants, several tokens, an accelerator) runs the layer
+loop, which stays the reference the step is tested against.
+
+What the step does: RMSNorm (bf16 weights), q/k/v as one matrix or three, q/k norms over all heads or per head,
+attention (kernels/attend.py: RoPE, sinks, sliding windows), the output projection, a router whose matrix the kernel
+multiplies, softmax or softmax-over-the-top-k routing, and routed experts the kernels run (no shared expert, no
+correction bias); bf16 compute on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tandem.kernels.attend import ATTEND_ISAS, attend_isa
+from tandem.kernels.cpu import XB_EXTRA, DenseLinear, _AttendArgs, _LayerArgs, _LinearArgs, rms_norm_bf16
+from tandem.kernels.step import MAX_EXPERTS, MAX_TOP_K, QK_NORMS, SCORINGS, decode_layers, step_available
+from tandem.runtime.moe import MoEBlockWeights
+
+if TYPE_CHECKING:
+    from tandem.runtime.model import MoEModel
+
+
+def why_not(model: MoEModel) -> str | None:
+    """What keeps this model off the decode step (None: nothing)."""
+    from tandem.runtime.model import Attention, KVCache
+
+    cfg = model.cfg
+    if not step_available() or not model.attend_kernel:
+        return "the kernels are not built, or not used"
+    if model.accel is not None or model.dtype != torch.bfloat16 or model.rms_norm is not rms_norm_bf16:
+        return "it runs on an accelerator, or not in bf16 with the kernels' RMSNorm"
+    if cfg.norm_type != "rms" or cfg.qkv_bias or cfg.o_bias or cfg.clip_qkv is not None or not isinstance(
+            model.cache, KVCache) or cfg.qk_norm not in QK_NORMS:
+        return "its attention has a variant the step does not do (biases, clipping, LayerNorm, latents)"
+    if cfg.num_experts > MAX_EXPERTS or cfg.top_k > MAX_TOP_K:
+        return "it has more experts than the step takes"
+    executor = model.dispatcher.executor
+    for i, layer in enumerate(model.layers):
+        ffn = layer.ffn
+        if not isinstance(layer.attn, Attention) or not isinstance(ffn, MoEBlockWeights):
+            return f"layer {i} is dense or has latent attention"
+        if ffn.shared is not None or ffn.correction is not None or ffn.router_bias is not None:
+            return f"layer {i} has a shared expert or router biases"
+        if ffn.rule.n_group > 1 or ffn.rule.scoring not in SCORINGS:
+            return f"layer {i} routes by {ffn.rule.scoring} or by groups"
+        if not executor.serves_layer(model.dispatcher.cpu_layers[i], 1):
+            return f"layer {i}'s experts do not run on the kernels"
+        matrices = [ffn.router, layer.attn.o] + (layer.attn.qkv if isinstance(layer.attn.qkv, list)
+                                                 else [layer.attn.qkv])
+        if any(model.linear.one_token_call(m) is None for m in matrices):
+            return f"layer {i} has a matrix the kernels do not multiply"
+        norms = [layer.input_norm, layer.post_norm] + ([layer.attn.q_norm, layer.attn.k_norm]
+                                                       if cfg.qk_norm != "none" else [])
+        if any(n is None or n.dtype != torch.bfloat16 or not n.is_contiguous() for n in norms):
+            return f"layer {i} has norms that are not bf16"
+    return None
+
+
+class DecodeStep:
+    """The planned layers of one model (its weights, its KV cache) and the buffers they share."""
+
+    def __init__(self, model: MoEModel) -> None:
+        cfg, linear = model.cfg, model.linear
+        H, Hq, Hkv, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        E, K = cfg.num_experts, cfg.top_k
+        self.model, self.cache = model, model.cache
+        widths = [H, Hq * D]
+        rows = [H, E, (Hq + 2 * Hkv) * D]
+        self.h = torch.empty(H, dtype=torch.bfloat16)
+        self.hf = torch.empty(H)
+        self.qkv_out = torch.empty((Hq + 2 * Hkv) * D, dtype=torch.bfloat16)
+        self.attend_out = torch.empty(Hq * D, dtype=torch.bfloat16)
+        self.o_x, self.o_y = torch.empty(Hq * D), torch.empty(H)
+        self.y = torch.empty(max(rows))  # the projections' float32 results, before rounding to bf16
+        self.xb = torch.empty(32, max(widths) + XB_EXTRA, dtype=torch.int16)  # as DenseLinear's (csrc/common.h xb)
+        self.logits = torch.empty(E, dtype=torch.bfloat16)
+        self.ids = torch.zeros(cfg.num_layers, K, dtype=torch.int64)  # [L, K] each layer's choice, this token
+        self.weights = torch.zeros(cfg.num_layers, K)  # [L, K]
+        self.moe_out = torch.empty(H)
+        self.layers = (_LayerArgs * cfg.num_layers)()
+        executor = model.dispatcher.executor
+        for i, layer in enumerate(model.layers):
+            a, attn, ffn = self.layers[i], layer.attn, layer.ffn
+            assert isinstance(ffn, MoEBlockWeights)
+            a.hidden, a.qk_norm, a.eps = H, QK_NORMS[cfg.qk_norm], cfg.rms_norm_eps
+            a.scoring, a.normalize, a.scaling = SCORINGS[ffn.rule.scoring], ffn.rule.normalize, ffn.rule.scaling
+            a.window = cfg.window(i) or 0
+            a.input_norm, a.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            if cfg.qk_norm != "none":
+                a.q_norm, a.k_norm = attn.q_norm.data_ptr(), attn.k_norm.data_ptr()  # type: ignore[union-attr]
+            a.h, a.hf, a.qkv_out, a.attend_out = (t.data_ptr() for t in (self.h, self.hf, self.qkv_out,
+                                                                        self.attend_out))
+            parts = attn.qkv if isinstance(attn.qkv, list) else [attn.qkv]  # type: ignore[union-attr]
+            a.n_qkv, at = len(parts), 0
+            for j, m in enumerate(parts):
+                rows_j = self._linear(a.qkv[j], linear, m, self.hf)
+                a.qkv[j].yb = self.qkv_out.data_ptr() + 2 * at
+                at += rows_j
+            self._linear(a.o, linear, attn.o, self.o_x)  # type: ignore[union-attr]
+            a.o.y, a.o.yb = self.o_y.data_ptr(), None
+            self._linear(a.router, linear, ffn.router, self.hf)
+            a.router.yb = self.logits.data_ptr()
+            self._attend(a.attend, model, i)
+            executor.moe_args(model.dispatcher.cpu_layers[i], 1, into=a.moe)
+            a.moe.tokens, a.moe.top_k = 1, K
+            a.moe.ids, a.moe.weights = self.ids[i].data_ptr(), self.weights[i].data_ptr()
+            a.moe.x_bf16, a.moe.out = self.h.data_ptr(), self.moe_out.data_ptr()
+
+    def _linear(self, a: _LinearArgs, linear: DenseLinear, m: object, x: torch.Tensor) -> int:
+        """One token against matrix m as DenseLinear would call the kernel, reading x (float32); returns its rows."""
+        call = linear.one_token_call(m)
+        assert call is not None  # (why_not checked)
+        w, rows, width, kind, isa = call
+        a.tokens, a.inp, a.out, a.threads, a.isa, a.kind = 1, width, rows, linear.threads, isa, kind
+        a.w, a.x, a.y, a.xb = w, x.data_ptr(), self.y.data_ptr(), self.xb.data_ptr()
+        return rows
+
+    def _attend(self, a: _AttendArgs, model: MoEModel, i: int) -> None:
+        cfg = model.cfg
+        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        sinks = model.layers[i].attn.sinks  # type: ignore[union-attr]
+        a.batch, a.heads, a.kv_heads, a.dim = 1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        a.rot, a.bf16, a.threads = model.cos.shape[-1], 1, model.threads
+        a.isa = ATTEND_ISAS.index(attend_isa())  # type: ignore[arg-type]
+        a.ld_q, a.ld_k, a.ld_v, a.context = nq, nkv, nkv, model.context
+        q = self.qkv_out.data_ptr()
+        a.q, a.k, a.v = q, q + 2 * nq, q + 2 * (nq + nkv)
+        a.kcache, a.vcache = model.cache.k[i].data_ptr(), model.cache.v[i].data_ptr()  # type: ignore[union-attr]
+        a.sinks = sinks.data_ptr() if sinks is not None else None
+        a.scale, a.out = cfg.head_dim ** -0.5, self.attend_out.data_ptr()
+
+    def __call__(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """x [H] float32, the residual stream of one token at `start`, through every layer (in place); cos and sin
+        [R] are this position's RoPE rows. Each layer's choice of experts goes into the trace and statistics."""
+        decode_layers(self.layers, x, start, cos, sin)
+        dispatcher = self.model.dispatcher
+        for i in range(len(self.layers)):
+            dispatcher.record_cpu(i, self.ids[i : i + 1])  # [1, K]

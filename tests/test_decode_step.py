@@ -1,0 +1,126 @@
+"""The decode step (runtime/decode_step.py: one kernel call per token through every layer) against the torch path
+of the same model, the reference: one layer's pieces bit for bit where both round the same way, whole models
+within bf16's rounding, the same tokens, the same expert trace. Marked `isa`: run again under every CPU feature
+mask (tests/run_masks.py)."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.autotune.configure import load_model
+from tandem.kernels.attend import attend_isa
+from tandem.kernels.cpu import _LayerArgs
+from tandem.kernels.step import decode_layers
+from tandem.runtime.decode_step import DecodeStep, why_not
+from tandem.runtime.model import MoEModel
+from tandem.runtime.moe import route
+from tests.conftest import build_hf_checkpoint
+from tests.ggufs import write_gguf
+
+pytestmark = [pytest.mark.isa, pytest.mark.skipif(attend_isa() is None, reason="the kernels are not built")]
+
+# Tiny models whose every matrix the kernels multiply (widths and routers in multiples of 32 rows): q/k norms over
+# all heads (OLMoE), per head (Qwen3-MoE), a sliding window shorter than the test's sequence, softmax weights left
+# unnormalised
+SERVED = {
+    "olmoe": ("olmoe", {"num_experts": 32, "num_experts_per_tok": 4}),
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 32, "num_experts_per_tok": 3, "moe_intermediate_size": 64,
+                                "norm_topk_prob": True}),
+    "qwen3_moe-sliding": ("qwen3_moe", {"num_experts": 32, "moe_intermediate_size": 64, "use_sliding_window": True,
+                                        "sliding_window": 5, "norm_topk_prob": False}),
+}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("step")
+    return {name: build_hf_checkpoint(root / name, family, overrides) for name, (family, overrides) in SERVED.items()}
+
+
+def decode(model: MoEModel, use_step: bool, steps: int = 12) -> tuple[torch.Tensor, list[int], object]:
+    """Prefill 9 tokens, then greedy decode: the logits [steps, V], the tokens, the decode trace counts."""
+    model.use_step = use_step
+    model.dispatcher.begin_request()
+    logits = model.forward(torch.arange(3, 12).view(1, -1), 0)
+    token, out, tokens = logits[0, -1].argmax().view(1, 1), [], []
+    for p in range(steps):
+        logits = model.forward(token, 9 + p, last_only=True, phase="decode")
+        out.append(logits[0, -1])
+        token = logits[0, -1].argmax().view(1, 1)
+        tokens.append(int(token))
+    return torch.stack(out), tokens, model.dispatcher.recorder.decode.copy()
+
+
+@pytest.mark.parametrize("name", list(SERVED))
+def test_the_step_decodes_as_the_torch_path(served: dict[str, Path], name: str) -> None:
+    model = load_model(served[name], dtype="bf16").model
+    assert why_not(model) is None
+    want, want_tokens, want_trace = decode(model, use_step=False)
+    assert model._step is None
+    got, tokens, trace = decode(model, use_step=True)
+    assert model._step is not None  # (it ran)
+    assert tokens == want_tokens
+    assert (trace == want_trace).all()  # the same experts, recorded as the torch path records them
+    # the same kernels in the same order: equal here, bit for bit; only the routing weights' exp differs (expf
+    # there, torch's softmax here), by a float32 step at most
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
+def test_one_layer_matches_the_torch_path_piece_by_piece(served: dict[str, Path]) -> None:
+    """Layer 0 of one token: the normed input, the attention's output and the KV cache bit for bit (the same
+    kernels in the same order), the router's logits and choice exactly, the experts' sum within a float32 step of
+    the routing weights (expf here, torch's softmax there)."""
+    model = load_model(served["olmoe"], dtype="bf16").model
+    model.use_step = False
+    with torch.inference_mode():
+        model.forward(torch.arange(3, 12).view(1, -1), 0)
+        step, start, layer = DecodeStep(model), 9, model.layers[0]
+        x = model._embed(torch.tensor([[5]])).contiguous()  # [1, 1, H]
+        cos, sin = model.cos[start : start + 1], model.sin[start : start + 1]
+        h = model._norm(x, layer.input_norm, None)
+        attention = model._attention(0, layer.attn, h, start, cos, sin)  # [1, 1, H]
+        key = model.cache.k[0, 0, :, start].clone()
+        x1 = x + attention
+        h1 = model._norm(x1, layer.post_norm, None).view(1, -1)  # [1, H]
+        logits = model.linear(h1, layer.ffn.router)  # type: ignore[union-attr]
+        weights, ids = route(logits, layer.ffn.rule)  # type: ignore[union-attr]
+        moe = model.dispatcher(0, h1)  # [1, H]
+        first = ctypes.cast(step.layers, ctypes.POINTER(_LayerArgs * 1)).contents
+        y = x.clone().view(-1)
+        decode_layers(first, y, start, cos[0], sin[0])
+    assert torch.equal(model.cache.k[0, 0, :, start], key)
+    assert torch.equal(step.o_y, attention.view(-1))
+    assert torch.equal(step.h, h1.view(-1))
+    assert torch.equal(step.logits, logits.view(-1))
+    assert step.ids[0].tolist() == ids[0].tolist()  # best first, ties to the lower id (moe.best_first)
+    assert torch.allclose(step.weights[0], weights[0], rtol=1e-6, atol=0)
+    assert (step.moe_out - moe.view(-1)).abs().max().item() <= 1e-6 * moe.abs().max().item()
+    assert (y - (x1 + moe).view(-1)).abs().max().item() <= 1e-6 * x1.abs().max().item()
+
+
+def test_gguf_blocks_decode_through_the_step(served: dict[str, Path], tmp_path: Path) -> None:
+    """A GGUF file's blocks as stored (Q8_0, and Q4_K with Q6_K down projections and values: Q4_K_M's mix) decode
+    through the step as through the torch path."""
+    for qtype, mix in (("Q8_0", None), ("Q4_K", {"ffn_down": "Q6_K", "attn_v": "Q6_K"})):
+        out = tmp_path / f"olmoe-{qtype}.gguf"
+        write_gguf(served["olmoe"], out, qtype, mix=mix)
+        model = load_model(out, dtype="bf16").model
+        assert why_not(model) is None
+        want, want_tokens, _ = decode(model, use_step=False)
+        got, tokens, _ = decode(model, use_step=True)
+        assert tokens == want_tokens
+        assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
+def test_what_the_step_does_not_do_runs_the_torch_path(served: dict[str, Path], mixtral_dir: Path) -> None:
+    """Each reason names itself, and such a model decodes without the step."""
+    fp32 = load_model(served["olmoe"], dtype="fp32").model
+    assert "bf16" in (why_not(fp32) or "")
+    mixtral = load_model(mixtral_dir, dtype="bf16").model  # 8 experts: a router the kernels do not multiply
+    assert "matrix" in (why_not(mixtral) or "")
+    decode(mixtral, use_step=True, steps=2)
+    assert mixtral._step is None
