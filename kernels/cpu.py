@@ -122,8 +122,9 @@ class _Weights(ctypes.Structure):
 class _MoeArgs(ctypes.Structure):
     _fields_ = [
         ("tokens", ctypes.c_int), ("top_k", ctypes.c_int), ("experts", ctypes.c_int), ("slots", ctypes.c_int),
-        ("ids", ctypes.c_void_p), ("weights", ctypes.c_void_p), ("x", ctypes.c_void_p), ("out", ctypes.c_void_p),
-        ("table", ctypes.c_void_p), ("arena", ctypes.c_void_p), ("proto", _Args), ("x_bf16", ctypes.c_void_p),
+        ("chunk", ctypes.c_int), ("ids", ctypes.c_void_p), ("weights", ctypes.c_void_p), ("x", ctypes.c_void_p),
+        ("out", ctypes.c_void_p), ("table", ctypes.c_void_p), ("arena", ctypes.c_void_p), ("proto", _Args),
+        ("x_bf16", ctypes.c_void_p),
     ]
 
 
@@ -179,15 +180,15 @@ def library() -> ctypes.CDLL | None:
     lib.tk_experts.restype = ctypes.c_int
     lib.tk_moe.argtypes = [ctypes.POINTER(_MoeArgs)]
     lib.tk_moe.restype = ctypes.c_int
-    lib.tk_moe_slot_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.tk_moe_slot_bytes.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.tk_moe_slot_bytes.restype = ctypes.c_size_t
     lib.tk_rms_norm_bf16.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p,
                                      ctypes.c_int, ctypes.c_int, ctypes.c_float]
     lib.tk_rms_norm_bf16.restype = None
     lib.tk_rms_norm_f32.argtypes = lib.tk_rms_norm_bf16.argtypes
     lib.tk_rms_norm_f32.restype = None
-    lib.tk_dequantize_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                       ctypes.c_void_p]
+    lib.tk_dequantize_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                                       ctypes.c_int, ctypes.c_void_p]
     lib.tk_dequantize_rows.restype = ctypes.c_int
     lib.tk_linear.argtypes = [ctypes.POINTER(_LinearArgs)]
     lib.tk_linear.restype = ctypes.c_int
@@ -454,7 +455,9 @@ class CpuExecutor:
         self._isa_cache: dict[tuple[object, int, bool], str | None] = {}  # (kind, tokens, amx_layout) -> variant
         self._slots: list[_Slot] = []  # per expert of one call: buffers and arguments, grown on demand
         self._batch = (_Args * 0)()
-        self._moe: tuple[_MoeArgs, torch.Tensor, torch.Tensor] | None = None  # run_layer's buffers
+        self._moe: _MoeArgs | None = None  # run_layer's arguments
+        # run_layer's scratch, the newest last; one outgrown stays alive: arguments planned with it point there
+        self._arenas: list[torch.Tensor] = []
 
     def amx_serves(self, kind: object) -> bool:
         """Whether AMX tiles can run experts of this weight kind (whole tiles: bf16 takes 32 values; int8 and
@@ -626,25 +629,35 @@ class CpuExecutor:
         return LayerExperts(experts, (_Weights * len(experts))(*(e.pointers() for e in experts)))
 
     def serves_layer(self, layer: LayerExperts, tokens: int) -> bool:
-        """Whether `run_layer` can take this many tokens (every expert then gets at most that many)."""
-        return (0 < tokens <= min(self.crossover, AMX_CROSSOVER) and self.lib is not None
-                and self.isa_for(layer.experts[0], tokens) is not None)
+        """Whether `run_layer` can take this many tokens: every expert then gets at most that many, which run_layer
+        runs `_chunk` at a time; quantized experts up to QUANT_CHUNKS calls each (as `run`), others in one."""
+        expert = layer.experts[0]
+        chunk = self._chunk(expert)
+        most = QUANT_CHUNKS * chunk if expert.kind in QUANTIZED else chunk
+        return self.lib is not None and 0 < tokens <= most and self.isa_for(expert, min(tokens, chunk)) is not None
+
+    def _chunk(self, expert: CpuExpert) -> int:
+        """Tokens one expert call of run_layer takes at most (csrc/api.c tk_moe's chunk): as `run_many` does,
+        bounded by what one call of the kind takes (GGUF blocks and MXFP4: BLOCK_STEP; else AMX_CROSSOVER)."""
+        bound = BLOCK_STEP if expert.kind in BLOCK_KINDS or expert.kind == "mxfp4" else AMX_CROSSOVER
+        return min(self._step(expert), bound)
 
     def moe_args(self, layer: LayerExperts, tokens: int, into: _MoeArgs | None = None) -> _MoeArgs:
         """A tk_moe call's arguments for `tokens` tokens of this layer, all but the routing, x and out: the ones
         run_layer reuses, or `into`. One arena serves every call (they run one at a time)."""
-        if self._moe is None:
-            slots = min(len(layer.experts), AMX_BATCH)
-            arena = torch.empty(slots * self.lib.tk_moe_slot_bytes(self.hidden, self.inter), dtype=torch.uint8)  # type: ignore[union-attr]
-            xs = torch.empty(AMX_CROSSOVER, self.hidden)
-            args = _MoeArgs(slots=slots, x=xs.data_ptr(), arena=arena.data_ptr())
-            self._moe = (args, xs, arena)
-        a = self._moe[0]
-        if into is not None:
-            into.slots, into.x, into.arena = a.slots, a.x, a.arena
-            a = into
         expert = layer.experts[0]
-        kind, isa = KINDS[expert.kind], ISAS.index(self.isa_for(expert, tokens))  # type: ignore[arg-type]
+        chunk = max(1, self._chunk(expert))
+        if self._moe is None or self._moe.chunk < chunk:
+            slots = min(len(layer.experts), AMX_BATCH)
+            per_slot = self.lib.tk_moe_slot_bytes(self.hidden, self.inter, chunk)  # type: ignore[union-attr]
+            self._arenas.append(torch.empty(slots * per_slot, dtype=torch.uint8))
+            self._moe = _MoeArgs(slots=slots, chunk=chunk, arena=self._arenas[-1].data_ptr())
+        a = self._moe
+        if into is not None:
+            into.slots, into.chunk, into.arena = a.slots, a.chunk, a.arena
+            a = into
+        kind = KINDS[expert.kind]
+        isa = ISAS.index(self.isa_for(expert, min(tokens, chunk)))  # type: ignore[arg-type]
         down_kind = KINDS[expert.down_kind]
         if (a.proto.kind, a.proto.down_kind, a.proto.isa, a.proto.hidden) != (kind, down_kind, isa, self.hidden):
             a.proto = _Args(kind, isa, 0, self.hidden, self.inter, self.threads, self.group)
@@ -664,20 +677,19 @@ class CpuExecutor:
             raise ValueError(f"expert ids {list(ids.shape)} and routing weights {list(weights.shape)} must both be "
                              "[tokens, top_k]")
         T, K = ids.shape
-        _check_rows("x", x, self.hidden, min(self.crossover, AMX_CROSSOVER))
+        _check_rows("x", x, self.hidden)
         if x.shape[0] != T or T == 0:
             raise ValueError(f"x has {x.shape[0]} rows but the routing has {T}; both need at least one")
         if not self.serves_layer(layer, T):
             raise ValueError(f"run_layer cannot take {T} tokens of these experts here; use run_many")
         a = self.moe_args(layer, T)
-        xs = self._moe[1]  # type: ignore[index]
         # right after the weights stream, each small torch op here costs tens of microseconds (a few warm), so
-        # the kernel reads a bf16 x where it lies and conversions happen only when needed
+        # the kernel reads a bf16 or float32 x where it lies and conversions happen only when needed
         if x.dtype == torch.bfloat16 and x.is_contiguous():
-            a.x_bf16 = x.data_ptr()
+            a.x_bf16, a.x = x.data_ptr(), None
         else:
-            a.x_bf16 = None
-            xs[:T].copy_(x)
+            x = x.float().contiguous()  # [T, H] (kept alive through the call)
+            a.x_bf16, a.x = None, x.data_ptr()
         if ids.dtype != torch.int64 or not ids.is_contiguous():
             ids = ids.to(torch.int64).contiguous()  # [T, K]
         if weights.dtype != torch.float32 or not weights.is_contiguous():
@@ -689,7 +701,7 @@ class CpuExecutor:
         code = self.lib.tk_moe(ctypes.byref(a))  # type: ignore[union-attr]
         if code == -6:
             raise ValueError(f"expert ids must be from 0 to {len(layer.experts) - 1}, at least one per token (top_k "
-                             f"{K}), and no expert may take more than {AMX_CROSSOVER} tokens in one call")
+                             f"{K}), none twice for one token")
         if code != 0:
             raise RuntimeError(f"CPU expert kernel rejected its arguments (code {code})")
         return out
@@ -897,10 +909,11 @@ def lookup_rows(m: QuantizedMatrix, ids: torch.Tensor) -> torch.Tensor:
         from tandem.kernels.blocks import dequantize
 
         return dequantize(m.data[flat], m.kind).view(*ids.shape, -1)
-    if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < m.data.shape[0]:
-        raise ValueError(f"token ids must be from 0 to {m.data.shape[0] - 1}")
     out = torch.empty(flat.numel(), m.cols)  # [n, cols]
-    if lib.tk_dequantize_rows(KINDS[m.kind], m.data.data_ptr(), flat.data_ptr(), flat.numel(), m.cols,
-                              out.data_ptr()) != 0:
+    code = lib.tk_dequantize_rows(KINDS[m.kind], m.data.data_ptr(), m.data.shape[0], flat.data_ptr(), flat.numel(),
+                                  m.cols, out.data_ptr())
+    if code == -2:
+        raise ValueError(f"token ids must be from 0 to {m.data.shape[0] - 1}")
+    if code != 0:
         raise ValueError(f"{m.kind} rows of {m.cols} values are not whole blocks")
     return out.view(*ids.shape, m.cols)

@@ -130,6 +130,18 @@ def test_experts_of_every_format_match_the_dequantized_reference(formats: tuple[
     want = torch.stack([sum(weights[t, k].double() * reference(x[t : t + 1], experts[int(ids[t, k])][1], int8)[0]
                             for k in range(2)) for t in range(3)])
     close(ex.run_layer(layer, x, ids, weights), want, tolerance)
+    # a prompt's tokens: each expert's in calls of at most BLOCK_STEP (here two or three each), all in one run_layer
+    T = 2 * BLOCK_STEP + 13
+    assert ex.serves_layer(layer, T)
+    x = torch.randn(T, h, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(T)])  # [T, 2] distinct per token
+    weights = torch.rand(T, 2, generator=g)
+    assert torch.bincount(ids.flatten()).max() > BLOCK_STEP
+    want = torch.zeros(T, h, dtype=torch.float64)
+    for e in range(4):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        want[tok] += weights[tok, slot, None].double() * reference(x[tok], experts[e][1], int8)
+    close(ex.run_layer(layer, x, ids, weights), want, tolerance)
 
 
 def test_a_down_matrix_of_another_kind_than_blocks_is_refused() -> None:

@@ -50,6 +50,8 @@ def test_every_format_dequantizes_as_the_gguf_reference(name: str) -> None:
     ids = torch.tensor([[5, 0, 3], [3, 1, 4]])
     looked_up = lookup_rows(block_matrix(rows, name), ids)
     assert looked_up.shape == (2, 3, 100 * fmt.values) and same_bits(looked_up, want[ids])
+    with pytest.raises(ValueError, match="from 0 to 5"):
+        lookup_rows(block_matrix(rows, name), torch.tensor([2, 6]))
 
 
 def test_a_row_of_part_of_a_block_is_refused() -> None:

@@ -158,71 +158,77 @@ int tk_experts(const tk_args *a, int n) {
     return 0;
 }
 
-/* ---- a whole MoE layer for a few tokens -------------------------------------------------------------
+/* ---- a whole MoE layer ----------------------------------------------------------------------------------
  * From the router's choice to the weighted sum in one call: the tokens are grouped by expert (experts in id
- * order), each group's rows are copied into a slot of the caller's arena, the groups run through tk_experts
- * (shared parallel regions) `slots` at a time, and each output row, times its routing weight, is added into
- * out. What the decode loop would otherwise do per expert in Python (find the tokens, gather, scale, add). */
+ * order), each expert's tokens in chunks of at most `chunk` (the tokens one expert call takes: a prompt's many
+ * tokens make several), each chunk's rows copied into a slot of the caller's arena; the chunks run through
+ * tk_experts (shared parallel regions) `slots` at a time, and each output row, times its routing weight, is added
+ * into out (a token's experts in id order). What the layer loop would otherwise do per expert in Python (find the
+ * tokens, gather, scale, add). */
 
-/* Scratch per slot: x [16, H], out [16, H], act [16, 2I] float32, xb [16, max(H, I) + XB_EXTRA] 16-bit. */
-size_t tk_moe_slot_bytes(int hidden, int inter) {
-    const size_t wide = hidden > inter ? hidden : inter;
-    return 16 * ((size_t)hidden * 8 + (size_t)inter * 8 + (wide + XB_EXTRA) * 2);
+/* Scratch per slot of `tokens` rows: x [T, H], out [T, H], act [T, 2I] float32, xb [max(T, 16), max(H, I) +
+ * XB_EXTRA] 16-bit. */
+size_t tk_moe_slot_bytes(int hidden, int inter, int tokens) {
+    const size_t wide = hidden > inter ? hidden : inter, t = tokens > 16 ? (size_t)tokens : 16;
+    return (size_t)tokens * ((size_t)hidden * 8 + (size_t)inter * 8) + t * (wide + XB_EXTRA) * 2;
 }
 
 int tk_moe(const tk_moe_args *m) {
-    const int T = m->tokens, K = m->top_k, H = m->proto.hidden, I = m->proto.inter;
+    const int T = m->tokens, K = m->top_k, H = m->proto.hidden, I = m->proto.inter, chunk = m->chunk;
     if (T <= 0) return 0;
-    if (T > 16 || K < 1 || m->slots < 1 || m->slots > AMX_BATCH) return -6;
+    if (K < 1 || m->slots < 1 || m->slots > AMX_BATCH || chunk < 1 || chunk > BLOCK_TOKENS) return -6;
     if (m->proto.threads < 1 || H < 1 || I < 1) return -7;
-    for (int i = 0; i < T * K; i++)
+    for (size_t i = 0; i < (size_t)T * K; i++) {
         if (m->ids[i] < 0 || m->ids[i] >= m->experts) return -6;
+        for (size_t j = i - i % K; j < i; j++)  /* a token's experts are distinct (a router never picks one twice) */
+            if (m->ids[j] == m->ids[i]) return -6;
+    }
     memset(m->out, 0, sizeof(float) * (size_t)T * H);
-    const size_t per = tk_moe_slot_bytes(H, I);
+    const size_t per = tk_moe_slot_bytes(H, I, chunk), routings = (size_t)T * K;
     tk_args a[AMX_BATCH];
-    int rows[AMX_BATCH][16];
-    float rw[AMX_BATCH][16];
-    int n = 0, left = T * K;  /* jobs in the current round; routings not yet grouped */
+    int rows[AMX_BATCH][BLOCK_TOKENS];
+    float rw[AMX_BATCH][BLOCK_TOKENS];
+    size_t left = routings;  /* routings not yet in a chunk */
+    int n = 0;  /* chunks in the current round */
     for (int e = 0; e < m->experts && left; e++) {
-        int c = 0;
-        for (int i = 0; i < T * K; i++) {
-            if (m->ids[i] != e) continue;
-            if (c == 16) return -6;  /* a token chose this expert twice */
-            rows[n][c] = i / K;
-            rw[n][c++] = m->weights[i];
-        }
-        if (!c) continue;
-        left -= c;
-        char *slot = m->arena + per * (size_t)n;
-        a[n] = m->proto;
-        a[n].tokens = c;
-        a[n].gate = m->table[e].gate, a[n].up = m->table[e].up, a[n].down = m->table[e].down;
-        a[n].gate_scale = m->table[e].gate_scale, a[n].up_scale = m->table[e].up_scale;
-        a[n].down_scale = m->table[e].down_scale;
-        a[n].gate_bias = m->table[e].gate_bias, a[n].up_bias = m->table[e].up_bias;
-        a[n].down_bias = m->table[e].down_bias;
-        float *x = (float *)slot;
-        a[n].x = x, a[n].out = x + 16 * (size_t)H, a[n].act = x + 32 * (size_t)H;
-        a[n].xb = (uint16_t *)(a[n].act + 32 * (size_t)I);
-        for (int i = 0; i < c; i++) {
-            float *dst = x + (size_t)i * H;
-            if (m->x_bf16) {
-                const uint16_t *src = m->x_bf16 + (size_t)rows[n][i] * H;
-                for (int h = 0; h < H; h++) dst[h] = bf16f(src[h]);
-            } else {
-                memcpy(dst, m->x + (size_t)rows[n][i] * H, sizeof(float) * H);
+        size_t i = 0;  /* where the scan for this expert's next chunk resumes */
+        for (;;) {
+            int c = 0;
+            for (; i < routings && c < chunk; i++)
+                if (m->ids[i] == e) rows[n][c] = (int)(i / K), rw[n][c++] = m->weights[i];
+            if (!c) break;
+            left -= c;
+            char *slot = m->arena + per * (size_t)n;
+            a[n] = m->proto;
+            a[n].tokens = c;
+            a[n].gate = m->table[e].gate, a[n].up = m->table[e].up, a[n].down = m->table[e].down;
+            a[n].gate_scale = m->table[e].gate_scale, a[n].up_scale = m->table[e].up_scale;
+            a[n].down_scale = m->table[e].down_scale;
+            a[n].gate_bias = m->table[e].gate_bias, a[n].up_bias = m->table[e].up_bias;
+            a[n].down_bias = m->table[e].down_bias;
+            float *x = (float *)slot;
+            a[n].x = x, a[n].out = x + (size_t)chunk * H, a[n].act = x + 2 * (size_t)chunk * H;
+            a[n].xb = (uint16_t *)(a[n].act + 2 * (size_t)chunk * I);
+            for (int r = 0; r < c; r++) {
+                float *dst = x + (size_t)r * H;
+                if (m->x_bf16) {
+                    const uint16_t *src = m->x_bf16 + (size_t)rows[n][r] * H;
+                    for (int h = 0; h < H; h++) dst[h] = bf16f(src[h]);
+                } else {
+                    memcpy(dst, m->x + (size_t)rows[n][r] * H, sizeof(float) * H);
+                }
             }
+            if (++n < m->slots && left) continue;
+            const int code = tk_experts(a, n);
+            if (code) return code;
+            for (int j = 0; j < n; j++)
+                for (int r = 0; r < a[j].tokens; r++) {
+                    float *dst = m->out + (size_t)rows[j][r] * H;
+                    const float *y = a[j].out + (size_t)r * H, w = rw[j][r];
+                    for (int h = 0; h < H; h++) dst[h] += w * y[h];
+                }
+            n = 0;
         }
-        if (++n < m->slots && left) continue;
-        const int code = tk_experts(a, n);
-        if (code) return code;
-        for (int j = 0; j < n; j++)
-            for (int i = 0; i < a[j].tokens; i++) {
-                float *dst = m->out + (size_t)rows[j][i] * H;
-                const float *y = a[j].out + (size_t)i * H, w = rw[j][i];
-                for (int h = 0; h < H; h++) dst[h] += w * y[h];
-            }
-        n = 0;
     }
     return 0;
 }

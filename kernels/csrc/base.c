@@ -127,10 +127,13 @@ void tk_rms_norm_f32(const float *x, size_t ldx, const uint16_t *w, uint16_t *y,
 
 DEFINE_SUM(sum_base, )
 
-/* Rows `ids` [n] of a matrix of GGUF blocks (`cols` values a row) as float32 [n, cols], each block unpacked as the
- * dot products unpack it. 0, or -1 for a kind that is not a block kind or a width that is not whole blocks. */
-int tk_dequantize_rows(int kind, const uint8_t *data, const int64_t *ids, int n, int cols, float *out) {
+/* Rows `ids` [n] of a matrix of GGUF blocks ([rows, cols]) as float32 [n, cols], each block unpacked as the dot
+ * products unpack it. 0, -1 for a kind that is not a block kind or a width that is not whole blocks, -2 for an id
+ * outside the rows. */
+int tk_dequantize_rows(int kind, const uint8_t *data, int64_t rows, const int64_t *ids, int n, int cols, float *out) {
     if (!IS_BLOCK_KIND(kind) || cols < 1 || cols % block_values(kind)) return -1;
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= rows) return -2;
     const size_t row = row_bytes(kind, cols, 0);
     for (int i = 0; i < n; i++) {
         const uint8_t *w = data + (size_t)ids[i] * row;

@@ -111,13 +111,14 @@ typedef struct {
 } tk_weights;
 
 typedef struct {
-    int tokens, top_k, experts, slots;   /* T <= 16, K, experts in the layer, arena slots (<= AMX_BATCH) */
+    int tokens, top_k, experts, slots;   /* T, K, experts in the layer, arena slots (<= AMX_BATCH) */
+    int chunk;                           /* tokens per expert call at most (<= BLOCK_TOKENS) */
     const int64_t *ids;                  /* [T, K] chosen experts */
     const float *weights;                /* [T, K] their routing weights */
     const float *x;                      /* [T, H] */
     float *out;                          /* [T, H] */
     const tk_weights *table;             /* [experts] */
-    char *arena;                         /* slots * tk_moe_slot_bytes(H, I) */
+    char *arena;                         /* slots * tk_moe_slot_bytes(H, I, chunk) */
     tk_args proto;                       /* kind, isa, hidden, inter, threads, group of every expert call */
     const uint16_t *x_bf16;              /* NULL, or [T, H] bf16: read instead of x (no float copy made first) */
 } tk_moe_args;
@@ -284,12 +285,13 @@ void tk_limit_isas(int allowed);
 int tk_isa_mask(void);
 int tk_expert(const tk_args *a);
 int tk_experts(const tk_args *a, int n);
-size_t tk_moe_slot_bytes(int hidden, int inter);
+size_t tk_moe_slot_bytes(int hidden, int inter, int tokens);
 int tk_moe(const tk_moe_args *m);
 int tk_linear(const tk_linear_args *a);
 void tk_rms_norm_bf16(const uint16_t *x, size_t ldx, const uint16_t *w, uint16_t *y, int rows, int n, float eps);
 void tk_rms_norm_f32(const float *x, size_t ldx, const uint16_t *w, uint16_t *y, int rows, int n, float eps);
-int tk_dequantize_rows(int kind, const uint8_t *data, const int64_t *ids, int n, int cols, float *out);
+int tk_dequantize_rows(int kind, const uint8_t *data, int64_t rows, const int64_t *ids, int n, int cols,
+                       float *out);
 int tk_attend_one(const tk_attend_args *a);
 int tk_decode_layers(tk_layer_args *layers, int n, float *x, int start, const void *cos, const void *sin);
 size_t tk_struct_size(int which);
