@@ -206,7 +206,8 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
                                        help="threads for CPU experts (default: all cores)")),
     "--quant": (("--quant",), dict(choices=["none", "int8", "int4", "mxfp4", "q8_0", "q4_k"], default=None,
                                    help="weight-only quantization of CPU experts, done at load (opt-in); q8_0 and "
-                                        "q4_k: GGUF's block formats, made once and kept in the cache folder")),
+                                        "q4_k (the ones to choose): GGUF's block formats, made once and kept in the "
+                                        "cache folder")),
     "--quant-group": (("--quant-group",), dict(type=int, choices=[32, 64, 128], default=None,
                                                help="int4 group size (default: 64)")),
     "--kernel-crossover": (("--kernel-crossover",), dict(type=whole(0), default=None,

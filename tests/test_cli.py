@@ -45,6 +45,7 @@ def test_bench_decode_prints_json_with_ratio(mixtral_dir: Path, capsys: pytest.C
     result = json.loads(capsys.readouterr().out)
     assert set(result["decode_tok_s"]) == {"tandem", "transformers"}
     assert result["ratio"] > 0
+    assert set(result["prefill_tok_s"]) == {"tandem", "transformers"} and min(result["prefill_tok_s"].values()) > 0
 
 
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:

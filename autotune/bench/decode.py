@@ -2,7 +2,9 @@
 
 Both run in this process, alternating, with the same prompt ids and greedy decoding; speeds are
 reported as medians and as a ratio measured in one run (machines are noisy: compare ratios, not runs).
-Decode tokens/s is (N - 1) / (time for N tokens - time for 1 token), measured the same way for both.
+Decode tokens/s is (N - 1) / (time for N tokens - time for 1 token), measured the same way for both; prefill
+tokens/s is the prompt's length over the time for 1 token (the prompt's pass and the first token's choice), warm,
+as llama-bench's pp rows are.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ def _timed(fn: Callable[[int], None], n: int) -> float:
     return time.perf_counter() - start
 
 
-def _decode_rate(fn: Callable[[int], None], new_tokens: int) -> float:
+def _rates(fn: Callable[[int], None], prompt_tokens: int, new_tokens: int) -> tuple[float, float]:
+    """(decode tokens/s, prefill tokens/s) of one round."""
     one = _timed(fn, 1)
     many = _timed(fn, new_tokens)
-    return (new_tokens - 1) / max(many - one, 1e-9)
+    return (new_tokens - 1) / max(many - one, 1e-9), prompt_tokens / max(one, 1e-9)
 
 
 def bench_decode(
@@ -62,9 +65,12 @@ def bench_decode(
     for fn in runners.values():  # warm-up
         fn(2)
     rates: dict[str, list[float]] = {name: [] for name in runners}
+    prefill: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(repeats):
         for name, fn in runners.items():  # alternate, so drift hits both alike
-            rates[name].append(_decode_rate(fn, new_tokens))
+            decode_rate, prefill_rate = _rates(fn, prompt_tokens, new_tokens)
+            rates[name].append(decode_rate)
+            prefill[name].append(prefill_rate)
     result: dict[str, Any] = {
         "model": str(model_dir),
         "plan": loaded.model.dispatcher.describe(),
@@ -75,6 +81,8 @@ def bench_decode(
         "new_tokens": new_tokens,
         "decode_tok_s": {name: round(statistics.median(r), 2) for name, r in rates.items()},
         "samples": {name: [round(x, 2) for x in r] for name, r in rates.items()},
+        "prefill_tok_s": {name: round(statistics.median(r), 1) for name, r in prefill.items()},
+        "prefill_samples": {name: [round(x, 1) for x in r] for name, r in prefill.items()},
     }
     if "transformers" in rates:
         result["ratio"] = round(statistics.median(rates["tandem"]) / statistics.median(rates["transformers"]), 3)
