@@ -13,11 +13,11 @@ import os
 
 ENV = "TANDEM_CPU_FEATURES"
 # Each maskable feature -> the features it needs (the kernel variants avx2, avx512, avx512bf16 and amx are named
-# after the feature they use). AMX needs both dot-product extensions because the kernels' AMX paths use
-# them (one token of int8/int4 runs on VNNI, the tiles' inputs are packed with AVX512_BF16).
+# after the feature they use). The avx512bf16 variant uses VNNI as well (csrc/q8.c's integer sums; no CPU has
+# AVX512_BF16 without it); AMX needs both, through them.
 NEEDS: dict[str, tuple[str, ...]] = {
-    "avx2": (), "avx512": ("avx2",), "avx512vnni": ("avx512",), "avx512bf16": ("avx512",),
-    "amx": ("avx512bf16", "avx512vnni"),
+    "avx2": (), "avx512": ("avx2",), "avx512vnni": ("avx512",), "avx512bf16": ("avx512vnni",),
+    "amx": ("avx512bf16",),
 }
 FEATURES = tuple(NEEDS)
 

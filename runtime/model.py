@@ -110,8 +110,8 @@ def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           kcache: torch.Tensor, vcache: torch.Tensor, start: int, first: int, window: int | None,
-           sinks: torch.Tensor | None) -> torch.Tensor:
+                  kcache: torch.Tensor, vcache: torch.Tensor, start: int, first: int, window: int | None,
+                  sinks: torch.Tensor | None) -> torch.Tensor:
     """Attention of T new tokens in plain PyTorch, the reference (kernels/attend.py's one-token kernel is tested
     against it): q [B, T, Hq, D], k and v [B, T, Hkv, D] at positions start..start+T-1, their RoPE tables cos and sin
     [T, R], the layer's caches [B' >= B, Hkv, C, D]. The roped keys and the values go into the caches; each query

@@ -28,7 +28,8 @@ static int amx_usable(void) {
  *   bit 0, ISA_BASE        always (plain C)
  *   bit 1, ISA_AVX2        AVX2 and FMA (its loops are compiled for AVX2+FMA+F16C; F16C is taken as given with AVX2)
  *   bit 2, ISA_AVX512      AVX512F, AVX512BW and AVX512VL (also compiled for AVX512DQ, FMA and F16C, taken as given)
- *   bit 3, ISA_AVX512BF16  bit 2 and AVX512_BF16 (vdpbf16ps)
+ *   bit 3, ISA_AVX512BF16  bit 2, AVX512_BF16 (vdpbf16ps) and AVX512-VNNI (q8.c's integer sums; every CPU with the
+ *                          first has the second)
  *   bit 4, ISA_AMX         bit 3, AVX512-VNNI (one token of int8/int4, vnni.c), AMX-TILE, AMX-BF16 and AMX-INT8 (CPUID
  *                          leaf 7), and Linux granting this process the tile state (amx_usable)
  * then limited by tk_limit_isas (bit 0 stays). Every choice and check in the library goes through it, so a limit
@@ -46,8 +47,9 @@ int tk_isa_mask(void) {
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
             __builtin_cpu_supports("avx512vl"))
             m |= 1 << ISA_AVX512;
-        if ((m & (1 << ISA_AVX512)) && __builtin_cpu_supports("avx512bf16")) m |= 1 << ISA_AVX512BF16;
-        if ((m & (1 << ISA_AVX512BF16)) && __builtin_cpu_supports("avx512vnni") && amx_usable()) m |= 1 << ISA_AMX;
+        if ((m & (1 << ISA_AVX512)) && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni"))
+            m |= 1 << ISA_AVX512BF16;
+        if ((m & (1 << ISA_AVX512BF16)) && amx_usable()) m |= 1 << ISA_AMX;
         cached = m;
     }
     return cached & isa_limit;

@@ -16,7 +16,13 @@
 #include "common.h"
 #include "blocks.h"
 
-#define Q8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+/* AVX512-VNNI too: vpdpwssd adds the scaled 16-bit products into 32 bits in one instruction (vpmaddwd and vpaddd
+ * before), vpdpbusd multiplies Q8_0's bytes into 32 bits in one (vpmaddubsw and vpmaddwd by ones). The same sums:
+ * no 16-bit pair of those products reaches saturation. Every CPU with AVX512_BF16 has it (api.c tk_isa_mask). */
+#define Q8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+/* The odd last block's plain loops are compiled without VNNI, and not inlined: GCC 12 vectorises a signed-by-signed
+ * byte dot product into vpdpbusd, which reads one side as unsigned (wrong sums, which the tests caught). */
+#define Q8_TAIL_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"), noinline))
 
 static inline size_t align64(size_t n) { return (n + 63) / 64 * 64; }
 
@@ -85,8 +91,8 @@ Q8_TARGET static inline __m512 k_token(const k_super *w, int q6, const int8_t *x
                                        __m512 acc) {
     __m512i isum = _mm512_madd_epi16(_mm512_maddubs_epi16(w->q[0], _mm512_loadu_si512((const void *)x)), w->sc[0]);
     for (int i = 1; i < 4; i++)
-        isum = _mm512_add_epi32(isum, _mm512_madd_epi16(_mm512_maddubs_epi16(w->q[i],
-                                _mm512_loadu_si512((const void *)(x + 64 * i))), w->sc[i]));
+        isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(w->q[i], _mm512_loadu_si512((const void *)(x + 64 * i))),
+                                   w->sc[i]);
     if (q6) {  /* less 32 times each scale over its 16 codes' sum: 8 lanes of pairs */
         const __m256i o = _mm256_madd_epi16(w->sc16, _mm256_loadu_si256((const __m256i *)bs));
         isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(_mm256_slli_epi32(o, 5)));
@@ -181,7 +187,7 @@ Q8_TARGET static inline q8_0_pair_w q8_0_weights(const uint8_t *b0) {
 Q8_TARGET static inline __m512 q8_0_token(const q8_0_pair_w *p, const int8_t *x, const float *dx, __m512 acc) {
     const __m512i xs = _mm512_loadu_si512((const void *)x);
     const __m512i sx = _mm512_mask_sub_epi8(xs, p->negative, _mm512_setzero_si512(), xs);
-    const __m512i prod = _mm512_madd_epi16(_mm512_maddubs_epi16(p->w, sx), _mm512_set1_epi16(1));
+    const __m512i prod = _mm512_dpbusd_epi32(_mm512_setzero_si512(), p->w, sx);
     /* the two blocks' input scales over their 8 lanes each: one 8-byte load spread by a permute */
     const __m512 dxs = _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
                                              _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)dx))));
@@ -205,7 +211,7 @@ Q8_TARGET static inline q8_0_pair_w mxfp4_weights(const uint8_t *codes, const ui
     const q8_0_pair_w p = {_mm512_shuffle_epi8(magnitudes, c), _mm512_test_epi8_mask(c, _mm512_set1_epi8(8)), d};
     return p;
 }
-Q8_TARGET static inline float mxfp4_tail(const uint8_t *codes, uint8_t e, const int8_t *x, float dx) {  /* odd last */
+Q8_TAIL_TARGET static float mxfp4_tail(const uint8_t *codes, uint8_t e, const int8_t *x, float dx) {  /* odd last */
     float s = 0.f;
     for (int j = 0; j < 16; j++) s += E2M1X2[codes[j] & 15] * x[j] + E2M1X2[codes[j] >> 4] * x[j + 16];
     return e8m0_half(e) * dx * s;
@@ -240,8 +246,8 @@ Q8_TARGET static inline q8_0_pair_w pair_weights(int kind, const uint8_t *b0, co
 }
 
 /* A row's odd last block of a pair kind (MXFP4: its scale at e; its min, if it has one, into *mf for row_sum). */
-Q8_TARGET static inline float pair_tail(int kind, const uint8_t *b, const uint8_t *e, const int8_t *x, float dx,
-                                        float *mf) {
+Q8_TAIL_TARGET static float pair_tail(int kind, const uint8_t *b, const uint8_t *e, const int8_t *x, float dx,
+                                      float *mf) {
     if (kind == K_MXFP4) return mxfp4_tail(b, *e, x, dx);
     int s = 0;
     if (kind == K_Q8_0) {
