@@ -27,8 +27,8 @@
  *                 kernels/quant.py against 16-bit fixed-point activations
  *   vnni.c        on AMX machines, one token of int8/int4 (block layout) with AVX512-VNNI, 15-bit fixed point
  *   blocks.h      GGUF's block formats: each block unpacked into L1, the dot products every variant compiles
- *   q8.c          one token of Q4_K, Q5_K, Q6_K and Q8_0 against int8 activations (AVX-512 BW; the AVX512_BF16
- *                 variant)
+ *   q8.c          GGUF blocks (and several tokens of MXFP4 experts) against int8 activations, one token or many
+ *                 (AVX-512 BW and VNNI; the AVX512_BF16 variant)
  *   attend.c      one new token per sequence through attention (RoPE, the KV cache write, an online softmax),
  *                 its loops compiled for base, AVX2 and AVX-512
  *   step.c        one decode token through a run of planned layers (norms, projections, attention, routing,
