@@ -138,6 +138,4 @@ class DecodeStep:
         """x [H] float32, the residual stream of one token at `start`, through every layer (in place); cos and sin
         [R] are this position's RoPE rows. Each layer's choice of experts goes into the trace and statistics."""
         decode_layers(self.layers, x, start, cos, sin)
-        dispatcher = self.model.dispatcher
-        for i in range(len(self.layers)):
-            dispatcher.record_cpu(i, self.ids[i : i + 1])  # [1, K]
+        self.model.dispatcher.record_cpu_token(self.ids)  # [L, K]

@@ -74,6 +74,13 @@ class DispatchStats:
         self.per_expert[layer, :, where] += used
         return n
 
+    def count_layers(self, used: np.ndarray, where: int) -> int:
+        """count_all for every layer at once: `used` [layers, experts]; returns how many executions in all."""
+        n = np.count_nonzero(used, axis=1)  # [layers]
+        self.per_layer[:, where] += n
+        self.per_expert[:, :, where] += used
+        return int(n.sum())
+
     bytes_h2d: int = 0  # bytes moved during this request (set by the dispatcher when asked)
     bytes_d2h: int = 0
 
@@ -292,6 +299,12 @@ class Dispatcher:
         counts = self.recorder.record(layer, ids)
         self.stats.misses += self.stats.count_all(layer, counts > 0, CPU)
         return counts
+
+    def record_cpu_token(self, ids: torch.Tensor) -> None:
+        """One decode token's choices at every layer, ids [layers, K] (the decode step's, all on the CPU), into the
+        trace and the statistics, as record_cpu would put them layer by layer."""
+        counts = self.recorder.record_token(ids.numpy())  # [L, E]
+        self.stats.misses += self.stats.count_layers(counts > 0, CPU)
 
     def _plan(self, layer: int, ids: torch.Tensor, chosen: list[int], block: MoEBlockWeights
               ) -> tuple[list[_Job], list[_Job]]:

@@ -47,6 +47,17 @@ class TraceRecorder:
             self._step[layer] = chosen[0]  # the first sequence (beam 0) in a batch
         return counts
 
+    def record_token(self, chosen: np.ndarray) -> np.ndarray:
+        """chosen [layers, K]: one token's experts at every layer at once (the decode step's; every layer MoE).
+        Returns the routings per layer and expert [layers, experts]."""
+        L, E = self.num_layers, self.num_experts
+        flat = (chosen + E * np.arange(L)[:, None]).ravel()  # [L*K] as layer * E + expert
+        counts = np.bincount(flat, minlength=L * E).reshape(L, E)
+        (self.decode if self.phase == "decode" else self.prefill)[:] += counts
+        if self.phase == "decode" and self._step is not None:
+            self._step[:] = chosen
+        return counts
+
     def save(self, path: str | Path, model: str) -> None:
         seq = np.stack(self.sequence) if self.sequence else np.zeros((0, self.num_layers, self.top_k), np.int32)
         # built in memory, then written as it is: given a name, numpy would add ".npz" to one without it, and a zip
