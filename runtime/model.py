@@ -437,6 +437,7 @@ class MoEModel:
         return wide
 
     def close(self) -> None:
+        self._step, self._step_key = None, None  # its plan points into the experts the dispatcher frees
         self.dispatcher.close()
 
     @torch.inference_mode()
