@@ -47,6 +47,10 @@ static inline int sums_mins(int kind) { return kind == K_Q4_K || kind == K_Q5_K 
 int q8_block(int kind) { return kind == K_Q4_K || kind == K_Q5_K || kind == K_Q6_K ? 256 : 32; }
 int q8_serves(int kind) { return pair_kind(kind) || kind == K_Q4_K || kind == K_Q5_K || kind == K_Q6_K; }
 
+/* Where each run of 32 values of a Q4_K or Q5_K superblock lies in the quantized input: in the order a superblock's
+ * nibbles hold them, 64 bytes of codes (low nibbles, high nibbles) holding runs 0, 2 | 1, 3 | 4, 6 | 5, 7. */
+static const int8_t NIBBLE_RUNS[8] = {0, 2, 1, 3, 4, 6, 5, 7};  /* (its own inverse) */
+
 /* x [n] -> buf: per block of `block` values, d = max|x| / 127 and q = round(x / d) (as llama.cpp's quantize_row_q8_K
  * and q8_0); bsums per 16 for the K formats and those with mins, bx per 32 for those that sum their mins apart. */
 Q8_TARGET void q8_inputs(int kind, const float *x, int n, void *buf) {
@@ -55,7 +59,7 @@ Q8_TARGET void q8_inputs(int kind, const float *x, int n, void *buf) {
     int8_t *q = (int8_t *)at.q;
     float *d = (float *)at.d, *bx = (float *)at.bx;
     int16_t *bsums = (int16_t *)at.bsums;
-    const int sums = block == 256 || has_min(kind);
+    const int sums = block == 256 || has_min(kind), nibble_order = kind == K_Q4_K || kind == K_Q5_K;
     for (int k = 0; k < n / block; k++) {
         const float *xs = x + (size_t)k * block;
         __m512 m = _mm512_setzero_ps();
@@ -66,7 +70,10 @@ Q8_TARGET void q8_inputs(int kind, const float *x, int n, void *buf) {
         for (int j = 0; j < block; j += 16) {
             const __m512i v = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xs + j), _mm512_set1_ps(inv)),
                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            _mm_storeu_si128((__m128i *)(q + (size_t)k * block + j), _mm512_cvtsepi32_epi8(v));
+            /* Q4_K's and Q5_K's codes in the order of the weights' nibbles (q4k_weights); the sums of 16 stay in
+             * value order */
+            const int at = nibble_order ? NIBBLE_RUNS[j / 32] * 32 + j % 32 : j;
+            _mm_storeu_si128((__m128i *)(q + (size_t)k * block + at), _mm512_cvtsepi32_epi8(v));
             if (sums) bsums[(size_t)k * block / 16 + j / 16] = (int16_t)_mm512_reduce_add_epi32(v);
         }
     }
@@ -81,8 +88,8 @@ Q8_TARGET static inline __m512i two256(const void *lo, const void *hi) {
 }
 
 /* One K superblock's weights, unpacked once for every token that meets them: four vectors of unsigned codes, each
- * against 64 consecutive activations (q), the 16-bit sub-block scales over each one's products (sc), and d. Q6_K
- * also its 16 scales (sc16), for the codes' offset of 32: sum = d dx (sum_i (q_i . x_i by sc_i) - 32 sc16 . bsums),
+ * against the next 64 of the input's codes as q8_inputs lays them (q), the 16-bit sub-block scales over each one's
+ * products (sc), and d. Q6_K also its 16 scales (sc16), for the codes' offset of 32: sum = d dx (sum_i (q_i . x_i by sc_i) - 32 sc16 . bsums),
  * all of it in integers. Q4_K's and Q5_K's offsets, -dmin m_j times each sub-block's code sum, are summed apart:
  * the weights' side as floats into the row's `mf` (q4k_weights), once per row for all its tokens (row_sum). */
 typedef struct { __m512i q[4], sc[4]; __m256i sc16; float d; } k_super;
@@ -103,23 +110,38 @@ Q8_TARGET static inline __m512 k_token(const k_super *w, int q6, const int8_t *x
 /* ---- Q4_K: superblock = d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles (bytes 32i..32i+31:
  * sub-block 2i low, 2i + 1 high). sum = d dx sum_j sc_j (q_j . x_j) - dmin dx sum_j m_j bsum_j. Q5_K (`five`): the
  * same with qh[32] before the nibbles, bit i of byte l the fifth bit of sub-block i's value l ---------------- */
+
+/* The 12 bytes at blk + 4 as the 8 scales (bytes 0-7) and the 8 mins (bytes 8-15). As three words a, b, c: scales
+ * 0-3 the low 6 bits of a's bytes, mins 0-3 of b's; scales 4-7 the low nibbles of c's bytes with a's top two bits
+ * above them, mins 4-7 c's high nibbles with b's top bits. */
+Q8_TARGET static inline __m128i q4k_scales_mins(const uint8_t *blk) {
+    const __m128i s = _mm_loadu_si128((const __m128i *)blk), m4 = _mm_set1_epi8(15);
+    const __m128i ab = _mm_shuffle_epi8(s, _mm_setr_epi8(4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 10, 11, 8, 9, 10, 11));
+    const __m128i c = _mm_shuffle_epi8(s, _mm_setr_epi8(12, 13, 14, 15, 12, 13, 14, 15, 12, 13, 14, 15, 12, 13, 14, 15));
+    const __m128i c4 = _mm_mask_blend_epi8(0xF000, _mm_and_si128(c, m4), _mm_and_si128(_mm_srli_epi16(c, 4), m4));
+    const __m128i top = _mm_and_si128(_mm_srli_epi16(ab, 2), _mm_set1_epi8(0x30));  /* bits 6-7 as 4-5 */
+    return _mm_mask_blend_epi8(0xF0F0, _mm_and_si128(ab, _mm_set1_epi8(63)), _mm_or_si128(c4, top));
+}
+
+/* A 16-bit vpshufb control: word a of each 128-bit lane in the low 256 bits' lanes, word b in the high ones'. */
+#define WORD_PICK(a, b) _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16((short)(0x0100 + 0x0202 * (a))), \
+                                                _mm512_set1_epi16((short)(0x0100 + 0x0202 * (b))))
+
+/* The four code vectors are the nibbles as they lie (the input's codes are in that order: NIBBLE_RUNS): low
+ * nibbles of bytes 0-63 (sub-blocks 0 | 2), their high nibbles (1 | 3), then 4 | 6 and 5 | 7 from bytes 64-127;
+ * each vector's scales over its 16-bit lanes by one vpshufb of the scales repeated in each 128-bit lane. */
 Q8_TARGET static inline k_super q4k_weights(const uint8_t *blk, int five, float *mf) {
     k_super w;
-    /* the 12 bytes as three words a, b, c: scales 0-3 the low 6 bits of a's bytes, mins 0-3 of b's; scales 4-7 the
-     * low nibbles of c's bytes with a's top two bits above them, mins 4-7 c's high nibbles with b's top bits */
-    uint32_t s[3];
-    memcpy(s, blk + 4, 12);
-    const uint32_t six = 0x3f3f3f3fu, nib = 0x0f0f0f0fu, top = 0x03030303u;
-    const uint32_t sw[2] = {s[0] & six, (s[2] & nib) | ((s[0] >> 6) & top) << 4};
-    const uint32_t mw[2] = {s[1] & six, ((s[2] >> 4) & nib) | ((s[1] >> 6) & top) << 4};
-    /* the scale of each vector's two sub-blocks over their 16 lanes each: vector i takes scales 2i and 2i + 1 */
-    const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sw)));
-    const __m512i pick = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_setzero_si512(), _mm512_set1_epi16(1));
-    for (int i = 0; i < 4; i++)
-        w.sc[i] = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, _mm512_set1_epi16((short)(2 * i))), sc16);
+    uint32_t dd;
+    memcpy(&dd, blk, 4);
+    const __m128 d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));  /* exact, as f16f */
+    const __m128i sm = q4k_scales_mins(blk);
+    const __m512i sc = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm));
+    w.sc[0] = _mm512_shuffle_epi8(sc, WORD_PICK(0, 2)), w.sc[1] = _mm512_shuffle_epi8(sc, WORD_PICK(1, 3));
+    w.sc[2] = _mm512_shuffle_epi8(sc, WORD_PICK(4, 6)), w.sc[3] = _mm512_shuffle_epi8(sc, WORD_PICK(5, 7));
     /* the 8 mins times -dmin, as floats: what each sub-block's code sum times dx is multiplied by */
-    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mw)));
-    _mm256_storeu_ps(mf, _mm256_mul_ps(mins, _mm256_set1_ps(-f16f(blk + 2))));
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
+    _mm256_storeu_ps(mf, _mm256_mul_ps(mins, _mm256_set1_ps(-_mm_cvtss_f32(_mm_movehdup_ps(d_dmin)))));
     const __m512i low = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
     const uint8_t *qs = blk + (five ? 48 : 16);
     __m512i qh = _mm512_setzero_si512();
@@ -127,8 +149,7 @@ Q8_TARGET static inline k_super q4k_weights(const uint8_t *blk, int five, float 
         const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 16));
         qh = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
     }
-    for (int p = 0; p < 2; p++) {  /* 64 bytes: sub-blocks 4p (low nibbles of bytes 0-31), 4p + 1 (their high),
-                                    * 4p + 2 (low of bytes 32-63), 4p + 3 (high) */
+    for (int p = 0; p < 2; p++) {  /* 64 bytes: sub-blocks 4p | 4p + 2 (low nibbles), 4p + 1 | 4p + 3 (high) */
         const __m512i v = _mm512_loadu_si512((const void *)(qs + 64 * p));
         __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         if (five) {  /* each half's sub-block's bit of qh, as bit 4 */
@@ -138,11 +159,9 @@ Q8_TARGET static inline k_super q4k_weights(const uint8_t *blk, int five, float 
             lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, s_lo), one), 4));
             hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, s_hi), one), 4));
         }
-        /* in value order: sub-blocks 4p, 4p + 1 (values 128p..128p+63), then 4p + 2, 4p + 3 */
-        w.q[2 * p] = _mm512_shuffle_i64x2(lo, hi, 0x44);
-        w.q[2 * p + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
+        w.q[2 * p] = lo, w.q[2 * p + 1] = hi;
     }
-    w.sc16 = _mm256_setzero_si256(), w.d = f16f(blk);
+    w.sc16 = _mm256_setzero_si256(), w.d = _mm_cvtss_f32(d_dmin);
     return w;
 }
 
@@ -154,9 +173,11 @@ Q8_TARGET static inline k_super q6k_weights(const uint8_t *blk) {
     k_super w;
     const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
     const __m512i scales = _mm512_castsi256_si512(sc16);
-    const __m512i low = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3);
-    const __m512i shift_a = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);  /* 0 | 2 */
-    const __m512i shift_b = _mm512_add_epi16(shift_a, _mm512_set1_epi16(4));                     /* 4 | 6 */
+    const __m512i low = _mm512_set1_epi8(15), bits45 = _mm512_set1_epi8(0x30);
+    /* each value's two bits of qh to bits 4-5, then masked: of the low nibbles' values (groups 0 | 1 of qh's bits)
+     * shifted left 4 | 2, of the high nibbles' (groups 2 | 3) right 0 | 2 */
+    const __m512i left = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(4), _mm512_set1_epi16(2));
+    const __m512i right = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_setzero_si512(), _mm512_set1_epi16(2));
     /* each 16 values' scale over its 8 lanes of products: groups 0-3, 4-7, 8-11, 12-15 */
     const __m512i ia = _mm512_set_epi16(
         3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -166,13 +187,13 @@ Q8_TARGET static inline k_super q6k_weights(const uint8_t *blk) {
         const __m512i v = _mm512_loadu_si512((const void *)(blk + 64 * half));
         const __m256i h256 = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));
         const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(h256), h256, 1);
-        w.q[2 * half] = _mm512_or_si512(_mm512_and_si512(v, low),
-                                        _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_a), two), 4));
-        w.q[2 * half + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low),
-                                            _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_b), two), 4));
+        const __m512i h_lo = _mm512_and_si512(_mm512_sllv_epi16(h, left), bits45);
+        const __m512i h_hi = _mm512_and_si512(_mm512_srlv_epi16(h, right), bits45);
+        w.q[2 * half] = _mm512_ternarylogic_epi32(v, low, h_lo, 0xEA);  /* (v & low) | h_lo */
+        w.q[2 * half + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), low, h_hi, 0xEA);
     }
     w.sc16 = sc16;
-    w.d = f16f(blk + 208);
+    w.d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(blk[208] | blk[209] << 8)));  /* exact, as f16f */
     return w;
 }
 
@@ -335,6 +356,7 @@ Q8_TARGET static void rows4_##NAME##_q8(const char *const *rows, const void *con
     float mf[4 * MINS(KIND, n)];  /* each row's mins */                                                         \
     for (int j = 0; j < 4; j++) xv[j] = q8_at(x[j], n, q8_block(KIND));                                        \
     for (int s = 0; s < n / STEP_VALUES(KIND); s++)                                                             \
+        _Pragma("GCC unroll 4")  /* the accumulators in registers */                                            \
         for (int j = 0; j < 4; j++) {                                                                           \
             const uint8_t *w = (const uint8_t *)rows[j] + (size_t)s * STEP_BYTES(KIND);                         \
             for (int o = 0; o < STEP_BYTES(KIND); o += 64) PREFETCH_AHEAD(w + o);                               \
