@@ -197,22 +197,32 @@ Q8_TARGET static inline k_super q6k_weights(const uint8_t *blk) {
     return w;
 }
 
+/* Two f16 fields (at a and b) as floats in lanes 0 and 1, exactly as f16f: F16C. */
+Q8_TARGET static inline __m128 two_f16(const uint8_t *a, const uint8_t *b) {
+    uint16_t ha, hb;
+    memcpy(&ha, a, 2), memcpy(&hb, b, 2);
+    return _mm_cvtph_ps(_mm_insert_epi16(_mm_cvtsi32_si128(ha), (short)hb, 1));
+}
+/* Lanes 0 and 1 of v over the low and high 8 lanes: a pair's two block scales over their products. */
+Q8_TARGET static inline __m512 pair_spread(__m128 v) {
+    const __m512i two_halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(two_halves, _mm512_castps128_ps512(v));
+}
+
 /* ---- Q8_0: blocks of d and 32 int8 codes; two blocks a step (signed by signed: |w| against x signed as w) ---- */
-typedef struct { __m512i w; __mmask64 negative; __m512 d; } q8_0_pair_w;  /* d: each block's over its 8 lanes */
+typedef struct { __m512i w; __mmask64 negative; __m128 d; } q8_0_pair_w;  /* d: the two blocks' in lanes 0, 1 */
 Q8_TARGET static inline q8_0_pair_w q8_0_weights(const uint8_t *b0) {
     const __m512i w = two256(b0 + 2, b0 + 36);
-    const q8_0_pair_w p = {_mm512_abs_epi8(w), _mm512_movepi8_mask(w),
-                           _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16f(b0)), _mm512_set1_ps(f16f(b0 + 34)))};
+    const q8_0_pair_w p = {_mm512_abs_epi8(w), _mm512_movepi8_mask(w), two_f16(b0, b0 + 34)};
     return p;
 }
 Q8_TARGET static inline __m512 q8_0_token(const q8_0_pair_w *p, const int8_t *x, const float *dx, __m512 acc) {
     const __m512i xs = _mm512_loadu_si512((const void *)x);
     const __m512i sx = _mm512_mask_sub_epi8(xs, p->negative, _mm512_setzero_si512(), xs);
     const __m512i prod = _mm512_dpbusd_epi32(_mm512_setzero_si512(), p->w, sx);
-    /* the two blocks' input scales over their 8 lanes each: one 8-byte load spread by a permute */
-    const __m512 dxs = _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
-                                             _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)dx))));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(prod), _mm512_mul_ps(p->d, dxs), acc);
+    /* the two blocks' scales times the input's (one 8-byte load), spread over their 8 lanes each */
+    const __m512 dd = pair_spread(_mm_mul_ps(p->d, _mm_castpd_ps(_mm_load_sd((const double *)dx))));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(prod), dd, acc);
 }
 /* Two blocks' 16 bytes of nibbles (at a and b; low nibbles values 0-15, high 16-31) as 64 codes in value order. */
 Q8_TARGET static inline __m512i nibbles_pair(const uint8_t *a, const uint8_t *b) {
@@ -228,7 +238,7 @@ Q8_TARGET static inline __m512i nibbles_pair(const uint8_t *a, const uint8_t *b)
 Q8_TARGET static inline q8_0_pair_w mxfp4_weights(const uint8_t *codes, const uint8_t *e) {
     const __m512i c = nibbles_pair(codes, codes + 16);
     const __m512i magnitudes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12));
-    const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(e8m0_half(e[0])), _mm512_set1_ps(e8m0_half(e[1])));
+    const __m128 d = _mm_setr_ps(e8m0_half(e[0]), e8m0_half(e[1]), 0.f, 0.f);
     const q8_0_pair_w p = {_mm512_shuffle_epi8(magnitudes, c), _mm512_test_epi8_mask(c, _mm512_set1_epi8(8)), d};
     return p;
 }
@@ -255,10 +265,10 @@ Q8_TARGET static inline q8_0_pair_w pair_weights(int kind, const uint8_t *b0, co
         c = _mm512_or_si512(c, _mm512_maskz_mov_epi8((__mmask64)h1 << 32 | h0, _mm512_set1_epi8(16)));
     }
     q8_0_pair_w p;
-    p.d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16f(b0)), _mm512_set1_ps(f16f(b1)));
+    p.d = two_f16(b0, b1);
     if (mins) {
         p.w = c, p.negative = 0;
-        mf[0] = f16f(b0 + 2), mf[1] = f16f(b1 + 2);
+        _mm_storel_pi((__m64 *)mf, two_f16(b0 + 2, b1 + 2));
     } else {
         const __m512i w = _mm512_sub_epi8(c, _mm512_set1_epi8(five ? 16 : 8));
         p.w = _mm512_abs_epi8(w), p.negative = _mm512_movepi8_mask(w);
