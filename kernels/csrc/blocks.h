@@ -99,16 +99,19 @@ BI unpack_q5_k(const uint8_t *b, float *y) {
 BI unpack_q6_k(const uint8_t *b, float *y) {
     const float d = f16f(b + 208);
     const int8_t *sc = (const int8_t *)(b + 192);
-    for (int half = 0; half < 2; half++, y += 128, sc += 8) {
-        const uint8_t *ql = b + 64 * half, *qh = b + 128 + 32 * half;
-        for (int l = 0; l < 32; l++) {
-            const int is = l / 16;
-            y[l] = d * (float)sc[is] * (float)((int)((ql[l] & 15) | ((qh[l] >> 0) & 3) << 4) - 32);
-            y[l + 32] = d * (float)sc[is + 2] * (float)((int)((ql[l + 32] & 15) | ((qh[l] >> 2) & 3) << 4) - 32);
-            y[l + 64] = d * (float)sc[is + 4] * (float)((int)((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4) - 32);
-            y[l + 96] = d * (float)sc[is + 6] * (float)((int)((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4) - 32);
+    for (int half = 0; half < 2; half++, y += 128, sc += 8)
+        for (int h = 0; h < 2; h++) {  /* each run of 16 values under one scale (d sc, rounded as the reference) */
+            const uint8_t *ql = b + 64 * half + 16 * h, *qh = b + 128 + 32 * half + 16 * h;
+            const float s0 = d * (float)sc[h], s1 = d * (float)sc[h + 2], s2 = d * (float)sc[h + 4];
+            const float s3 = d * (float)sc[h + 6];
+            float *o = y + 16 * h;
+            for (int l = 0; l < 16; l++) {
+                o[l] = s0 * (float)((int)((ql[l] & 15) | ((qh[l] >> 0) & 3) << 4) - 32);
+                o[l + 32] = s1 * (float)((int)((ql[l + 32] & 15) | ((qh[l] >> 2) & 3) << 4) - 32);
+                o[l + 64] = s2 * (float)((int)((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4) - 32);
+                o[l + 96] = s3 * (float)((int)((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4) - 32);
+            }
         }
-    }
 }
 /* GGUF's MXFP4: the E8M0 byte first, then the codes (low nibbles values 0-15, high 16-31). */
 BI unpack_gmxfp4(const uint8_t *b, float *y) {
