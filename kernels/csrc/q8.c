@@ -9,7 +9,8 @@
  * unpack each superblock of a row into registers once and multiply it with every token's codes (dot), which is where
  * a prompt's time goes.
  *
- * Activations (`q8_inputs`, into the caller's scratch): int8 q[n], then (64-byte aligned) float d[n / block], then
+ * Activations (`q8_inputs`, into the caller's scratch): int8 q[n] (Q4_K's and Q5_K's in their nibbles' order,
+ * NIBBLE_RUNS), then (64-byte aligned) float d[n / block], then
  * int16 bsums[n / 16] (the sum of each 16 codes, for the formats' offsets: the K formats and those with mins), then
  * float bx[n / 32] (each 32 values' code sum times its d: what a min multiplies, for the formats that sum their mins
  * apart). */
