@@ -14,10 +14,6 @@ SCORINGS = {"softmax": 0, "softmax_topk": 1}  # its SCORE_
 MAX_EXPERTS, MAX_TOP_K = 1024, 64
 
 
-def step_available() -> bool:
-    return library() is not None
-
-
 def decode_layers(layers: ctypes.Array[_LayerArgs], x: torch.Tensor, start: int, cos: torch.Tensor,
                   sin: torch.Tensor) -> None:
     """x [H] float32 (the residual stream, updated in place) through the planned layers at position `start`, whose

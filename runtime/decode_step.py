@@ -18,7 +18,7 @@ import torch
 
 from tandem.kernels.attend import ATTEND_ISAS, attend_isa
 from tandem.kernels.cpu import XB_EXTRA, DenseLinear, _AttendArgs, _LayerArgs, _LinearArgs, rms_norm_bf16
-from tandem.kernels.step import MAX_EXPERTS, MAX_TOP_K, QK_NORMS, SCORINGS, decode_layers, step_available
+from tandem.kernels.step import MAX_EXPERTS, MAX_TOP_K, QK_NORMS, SCORINGS, decode_layers
 from tandem.runtime.moe import MoEBlockWeights
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ def why_not(model: MoEModel) -> str | None:
     from tandem.runtime.model import Attention, KVCache
 
     cfg = model.cfg
-    if not step_available() or not model.attend_kernel:
+    if not model.attend_kernel:  # (set only where the kernels are built and used)
         return "the kernels are not built, or not used"
     if model.accel is not None or model.dtype != torch.bfloat16 or model.rms_norm is not rms_norm_bf16:
         return "it runs on an accelerator, or not in bf16 with the kernels' RMSNorm"
