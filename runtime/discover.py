@@ -154,14 +154,17 @@ def describe_gguf(path: Path, source: str, name: str | None = None) -> ModelEntr
         for part in files:
             params += sum(int(np.prod(t.shape)) for t in gguf.GGUFReader(str(part), "r").tensors)
     runs = arch in ARCHITECTURES and experts > 0
-    family = _family(arch) if runs else arch or "unknown"
+    family = _family(arch, value(f"{arch}.expert_gating_func")) if runs else arch or "unknown"
     return ModelEntry(str(path), name or _gguf_name(path), family, params, experts,
                       sum(p.stat().st_size for p in files), source, _file_type(value("general.file_type"), reader),
                       runs)
 
 
-def _family(arch: str) -> str:
-    """The display name of the family a GGUF architecture runs as."""
+def _family(arch: str, gating: Any) -> str:
+    """The display name of the family a GGUF architecture runs as: `deepseek2` files with sigmoid gating
+    (expert_gating_func 2, as runtime/gguf.py reads them) are DeepSeek-V3's."""
+    if arch == "deepseek2" and gating is not None and int(gating) == 2:
+        return family_for("deepseek_v3").display_name
     return family_for(FAMILY_OF_ARCH[arch]).display_name
 
 

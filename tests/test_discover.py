@@ -104,3 +104,13 @@ def test_ollama_names_follow_its_registry_and_namespaces(moe_gguf: Path, tmp_pat
     assert resolve_ollama_name("hf.co/someone/Tiny-GGUF:Q4_K_M", stores) == resolve_ollama_name("qwen3:30b-a3b", stores)
     assert resolve_ollama_name("qwen3", stores) is None  # no qwen3:latest
     assert [e.name for e in discover([], None, stores)] == names
+
+
+@pytest.mark.parametrize("family, shown", [("deepseek_v2", "DeepSeek-V2"), ("deepseek_v3", "DeepSeek-V3")])
+def test_deepseek_files_are_listed_as_the_family_their_gating_says(tmp_path: Path, family: str, shown: str) -> None:
+    """llama.cpp writes V2 and V3 both as `deepseek2`; V3's sigmoid gating (expert_gating_func 2) tells them apart."""
+    from tandem.runtime.discover import describe_gguf
+
+    write_gguf(build_hf_checkpoint(tmp_path / "hf", family, {}), tmp_path / "m.gguf")
+    entry = describe_gguf(tmp_path / "m.gguf", "models-dir")
+    assert entry is not None and entry.runs and entry.family == shown
