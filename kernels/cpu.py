@@ -153,7 +153,8 @@ class _LayerArgs(ctypes.Structure):
         ("normalize", ctypes.c_int), ("window", ctypes.c_int), ("eps", ctypes.c_float), ("scaling", ctypes.c_float),
         ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
         ("k_norm", ctypes.c_void_p), ("h", ctypes.c_void_p), ("hf", ctypes.c_void_p), ("qkv_out", ctypes.c_void_p),
-        ("attend_out", ctypes.c_void_p), ("qkv", _LinearArgs * 3), ("o", _LinearArgs), ("router", _LinearArgs),
+        ("attend_out", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p), ("router_bias", ctypes.c_void_p),
+        ("o_bias", ctypes.c_void_p), ("qkv", _LinearArgs * 3), ("o", _LinearArgs), ("router", _LinearArgs),
         ("attend", _AttendArgs), ("moe", _MoeArgs),
     ]
 

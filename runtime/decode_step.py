@@ -34,9 +34,9 @@ def why_not(model: MoEModel) -> str | None:
         return "the kernels are not built, or not used"
     if model.accel is not None or model.dtype != torch.bfloat16 or model.rms_norm is not rms_norm_bf16:
         return "it runs on an accelerator, or not in bf16 with the kernels' RMSNorm"
-    if cfg.norm_type != "rms" or cfg.qkv_bias or cfg.o_bias or cfg.clip_qkv is not None or not isinstance(
-            model.cache, KVCache) or cfg.qk_norm not in QK_NORMS:
-        return "its attention has a variant the step does not do (biases, clipping, LayerNorm, latents)"
+    if cfg.norm_type != "rms" or cfg.clip_qkv is not None or not isinstance(model.cache, KVCache) \
+            or cfg.qk_norm not in QK_NORMS:
+        return "its attention has a variant the step does not do (clipping, LayerNorm, latents)"
     if cfg.num_experts > MAX_EXPERTS or cfg.top_k > MAX_TOP_K:
         return "it has more experts than the step takes"
     executor = model.dispatcher.executor
@@ -44,8 +44,8 @@ def why_not(model: MoEModel) -> str | None:
         ffn = layer.ffn
         if not isinstance(layer.attn, Attention) or not isinstance(ffn, MoEBlockWeights):
             return f"layer {i} is dense or has latent attention"
-        if ffn.shared is not None or ffn.correction is not None or ffn.router_bias is not None:
-            return f"layer {i} has a shared expert or router biases"
+        if ffn.shared is not None or ffn.correction is not None:
+            return f"layer {i} has a shared expert or a correction bias"
         if ffn.rule.n_group > 1 or ffn.rule.scoring not in SCORINGS:
             return f"layer {i} routes by {ffn.rule.scoring} or by groups"
         if not executor.serves_layer(model.dispatcher.cpu_layers[i], 1):
@@ -82,6 +82,9 @@ class DecodeStep:
         self.ids = torch.zeros(cfg.num_layers, K, dtype=torch.int64)  # [L, K] each layer's choice, this token
         self.weights = torch.zeros(cfg.num_layers, K)  # [L, K]
         self.moe_out = torch.empty(H)
+        # the biases in the dtypes the torch path adds them in (DenseLinear: bias.to(y.dtype)): bf16 for q/k/v and
+        # the router, whose outputs are rounded first; float32 for o, added to its unrounded sums
+        self.biases: list[torch.Tensor] = []
         self.layers = (_LayerArgs * cfg.num_layers)()
         executor = model.dispatcher.executor
         for i, layer in enumerate(model.layers):
@@ -105,11 +108,21 @@ class DecodeStep:
             a.o.y, a.o.yb = self.o_y.data_ptr(), None
             self._linear(a.router, linear, ffn.router, self.hf)
             a.router.yb = self.logits.data_ptr()
+            a.qkv_bias = self._bias(attn.qkv_bias, torch.bfloat16)  # type: ignore[union-attr]
+            a.o_bias = self._bias(attn.o_bias, torch.float32)  # type: ignore[union-attr]
+            a.router_bias = self._bias(ffn.router_bias, torch.bfloat16)
             self._attend(a.attend, model, i)
             executor.moe_args(model.dispatcher.cpu_layers[i], 1, into=a.moe)
             a.moe.tokens, a.moe.top_k = 1, K
             a.moe.ids, a.moe.weights = self.ids[i].data_ptr(), self.weights[i].data_ptr()
             a.moe.x_bf16, a.moe.out = self.h.data_ptr(), self.moe_out.data_ptr()
+
+    def _bias(self, bias: torch.Tensor | None, dtype: torch.dtype) -> int | None:
+        """The address of `bias` in `dtype` (a copy kept with the plan), or None."""
+        if bias is None:
+            return None
+        self.biases.append(bias.to(dtype).contiguous())
+        return self.biases[-1].data_ptr()
 
     def _linear(self, a: _LinearArgs, linear: DenseLinear, m: object, x: torch.Tensor) -> int:
         """One token against matrix m as DenseLinear would call the kernel, reading x (float32); returns its rows."""

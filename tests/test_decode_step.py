@@ -19,7 +19,7 @@ from tandem.kernels.step import decode_layers
 from tandem.runtime.decode_step import DecodeStep, why_not
 from tandem.runtime.model import MoEModel
 from tandem.runtime.moe import route
-from tests.conftest import build_hf_checkpoint
+from tests.conftest import MXFP4, build_hf_checkpoint
 from tests.ggufs import write_gguf
 
 pytestmark = [pytest.mark.isa, pytest.mark.skipif(attend_isa() is None, reason="the kernels are not built")]
@@ -119,6 +119,23 @@ def test_gguf_blocks_decode_through_the_step(served: dict[str, Path], tmp_path: 
         got, tokens, _ = decode(model, use_step=True)
         assert tokens == want_tokens
         assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
+def test_gpt_oss_decodes_through_the_step(tmp_path: Path) -> None:
+    """gpt-oss as published, with 32 experts: q/k/v, o and router biases (rounded where the torch path rounds them),
+    attention sinks, alternating sliding windows shorter than the sequence, MXFP4 experts with their biases and the
+    clamped SwiGLU (a limit that clamps)."""
+    folder = build_hf_checkpoint(tmp_path / "gpt_oss", "gpt_oss", {
+        "num_local_experts": 32, "intermediate_size": 64, "num_hidden_layers": 3, "sliding_window": 4,
+        "swiglu_limit": 0.25, "quantization_config": MXFP4})
+    model = load_model(folder, dtype="bf16").model
+    assert why_not(model) is None
+    want, want_tokens, want_trace = decode(model, use_step=False)
+    got, tokens, trace = decode(model, use_step=True)
+    assert model._step is not None and tokens == want_tokens
+    for got_part, want_part in zip(trace, want_trace, strict=True):
+        assert np.array_equal(got_part, want_part)
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
 
 
 def test_what_the_step_does_not_do_runs_the_torch_path(served: dict[str, Path], mixtral_dir: Path) -> None:

@@ -150,6 +150,8 @@ typedef struct {
     float *hf;                           /* [H] the same as float32: the projections' and the router's input */
     uint16_t *qkv_out;                   /* [(Hq + 2 Hkv) * D] bf16: q, k, v (attend.q, .k, .v point into it) */
     uint16_t *attend_out;                /* [Hq * D] bf16: attend.out */
+    const uint16_t *qkv_bias, *router_bias;  /* NULL, or bf16 [(Hq + 2 Hkv) * D], [E]: added to the rounded outputs */
+    const float *o_bias;                 /* NULL, or [H]: added to o's float32 sums */
     tk_linear_args qkv[3], o, router;    /* o.x: attend_out as float32; o.y: [H] float32; router.yb: [E] bf16 */
     tk_attend_args attend;               /* start and first are set per token */
     tk_moe_args moe;                     /* x_bf16: h; ids, weights: [K] chosen here; out: [H] float32 */

@@ -3,7 +3,8 @@
  * choice of experts, the experts (tk_moe) into the residual stream. Everything the layer needs was planned once in
  * Python (runtime/decode_step.py: weights, buffers, variants), so a token returns to Python once, not ten times a
  * layer with small torch ops between the calls. It rounds where the torch path rounds (bf16 after each norm and
- * projection, float32 residual stream), which stays the reference it is tested against.
+ * projection, and after adding q/k/v's and the router's biases; float32 residual stream), which stays the reference
+ * it is tested against.
  *
  * Letters: H hidden size, Hq query heads, Hkv key/value heads, D head dim, E experts, K experts per token. */
 #include "common.h"
@@ -14,6 +15,12 @@ enum { MAX_EXPERTS = 1024, MAX_TOP_K = 64 };
 
 static void bf16_to_float(const uint16_t *src, float *dst, int n) {
     for (int i = 0; i < n; i++) dst[i] = bf16f(src[i]);
+}
+
+/* y += bias, both bf16, rounded to bf16 as torch adds them (in float32, then to the nearest even). */
+static void add_bias_bf16(uint16_t *y, const uint16_t *bias, int n) {
+    if (bias)
+        for (int i = 0; i < n; i++) y[i] = bf16_of(bf16f(y[i]) + bf16f(bias[i]));
 }
 
 /* The router's logits [E] (bf16 values) -> K expert ids and weights, as runtime/moe.py's route: "softmax" scores
@@ -61,6 +68,7 @@ static int layer_step(tk_layer_args *a, float *x) {
     bf16_to_float(a->h, a->hf, H);
     for (int i = 0; i < a->n_qkv; i++)
         if ((code = tk_linear(&a->qkv[i]))) return code;
+    add_bias_bf16(a->qkv_out, a->qkv_bias, nq + 2 * nkv);
     if (a->qk_norm == QK_NORM_FULL) {
         tk_rms_norm_bf16(a->qkv_out, nq, a->q_norm, a->qkv_out, 1, nq, a->eps);
         tk_rms_norm_bf16(a->qkv_out + nq, nkv, a->k_norm, a->qkv_out + nq, 1, nkv, a->eps);
@@ -71,11 +79,15 @@ static int layer_step(tk_layer_args *a, float *x) {
     if ((code = tk_attend_one(&a->attend))) return code;
     bf16_to_float(a->attend_out, (float *)a->o.x, nq);
     if ((code = tk_linear(&a->o))) return code;
-    for (int i = 0; i < H; i++) x[i] += a->o.y[i];
+    if (a->o_bias)
+        for (int i = 0; i < H; i++) x[i] += a->o.y[i] + a->o_bias[i];  /* o's sums plus its bias, then the residual */
+    else
+        for (int i = 0; i < H; i++) x[i] += a->o.y[i];
     /* experts */
     tk_rms_norm_f32(x, H, a->post_norm, a->h, 1, H, a->eps);
     bf16_to_float(a->h, a->hf, H);
     if ((code = tk_linear(&a->router))) return code;
+    add_bias_bf16(a->router.yb, a->router_bias, a->moe.experts);
     float logits[MAX_EXPERTS];
     bf16_to_float(a->router.yb, logits, a->moe.experts);  /* the router's logits as the torch path rounds them */
     choose_experts(logits, a->moe.experts, a->moe.top_k, a->scoring, a->normalize, a->scaling, (int64_t *)a->moe.ids,
