@@ -210,11 +210,13 @@ class TandemApp(App[None]):
             if entry is not None and not self.busy():  # (an answer may have started from the keyboard meanwhile)
                 self.load_model(entry.path, from_picker=True)
 
-        from tandem.autotune.probe import probe
+        def find() -> tuple[list[ModelEntry], int | None]:  # (in the picker's worker thread)
+            from tandem.autotune.probe import probe
 
-        gpus = probe().gpus
-        vram = gpus[0].memory_total if gpus else None
-        self.push_screen(PickerScreen(discover(self.models_folders, builtin_dir(), self.stores), error, vram), chosen)
+            gpus = probe().gpus
+            return discover(self.models_folders, builtin_dir(), self.stores), gpus[0].memory_total if gpus else None
+
+        self.push_screen(PickerScreen(find, error), chosen)
 
     # -- tuning ---------------------------------------------------------------------------------
     def screen_changed(self, screen: Screen) -> None:

@@ -36,6 +36,12 @@ async def wait_for_screen(pilot, app, kind: type, timeout: float = 10.0):
     return app.screen
 
 
+async def found_models(pilot, picker) -> list:
+    """The picker's models, once its search (a worker) is done."""
+    await wait_until(pilot, lambda: picker.entries is not None)
+    return picker.entries
+
+
 async def press(pilot, *keys: str) -> None:
     """Press keys and let the app settle (screens push and pop between key presses)."""
     await pilot.press(*keys)
@@ -276,11 +282,12 @@ async def test_picker_lists_lm_studio_ollama_and_gguf_repos_and_loads_the_one_ch
         await press(pilot, "ctrl+o")
         picker = app.screen
         assert isinstance(picker, PickerScreen)
-        found = {e.name: e for e in picker.entries}
+        entries = await found_models(pilot, picker)
+        found = {e.name: e for e in entries}
         for source in ("LM Studio", "Ollama", "HF cache"):
             entry = found[names[source]]
             assert (entry.source, entry.family, entry.quant, entry.runs) == (source, "Qwen3-MoE", "Q8_0", True)
-        rows = [picker.query_one(DataTable).get_row_at(i) for i in range(len(picker.entries))]
+        rows = [picker.query_one(DataTable).get_row_at(i) for i in range(len(entries))]
         assert [names["Ollama"], "Qwen3-MoE", "Q8_0"] == [str(v) for v in rows[list(found).index(names["Ollama"])][:3]]
         picker.dismiss(found[names["Ollama"]])
         await wait_until(pilot, lambda: len(loaded) == 2)
@@ -309,16 +316,53 @@ async def test_picker_lists_a_models_folder_and_a_broken_model_keeps_the_app_ali
         await press(pilot, "ctrl+o")
         picker = app.screen
         assert isinstance(picker, PickerScreen)
-        names = [e.name for e in picker.entries]
+        entries = await found_models(pilot, picker)
+        names = [e.name for e in entries]
         assert "tiny-olmoe" in names and "broken" in names and names[0].startswith("built-in")
-        tiny = next(e for e in picker.entries if e.name == "tiny-olmoe")
+        tiny = next(e for e in entries if e.name == "tiny-olmoe")
         assert tiny.family == "OLMoE" and tiny.experts == 8 and tiny.params > 0
         assert tiny.fits(1 << 40) and not tiny.fits(1)
-        picker.dismiss(next(e for e in picker.entries if e.name == "broken"))
+        picker.dismiss(next(e for e in entries if e.name == "broken"))
         await wait_until(pilot, lambda: isinstance(app.screen, PickerScreen) and app.screen is not picker
                          and app.screen.is_mounted)
         assert "not a valid safetensors" in str(app.screen.query_one("#picker-error").render())
         assert app.is_running and app.lifecycle.backend is not None  # the previous model is still loaded
+
+
+async def test_the_picker_opens_before_its_search_ends_and_says_when_it_fails(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The search runs in a worker: the picker is up (and Escape works) while it is still going; a search that
+    fails says so in the picker and the chat goes on."""
+    import threading
+
+    from tandem.app.screens.picker import PickerScreen
+    from tandem.kernels.errors import CheckpointError
+
+    release, outcome = threading.Event(), {"fail": False}
+
+    def slow_discover(*args: object, **kwargs: object) -> list:
+        assert release.wait(10)
+        if outcome["fail"]:
+            raise CheckpointError("Ollama's manifests are unreadable")
+        return []
+
+    monkeypatch.setattr("tandem.runtime.discover.discover", slow_discover)
+    app = TandemApp(lambda path: FakeBackend())
+    async with app.run_test() as pilot:
+        await wait_until(pilot, lambda: app.lifecycle.backend is not None)
+        await press(pilot, "ctrl+o")
+        picker = await wait_for_screen(pilot, app, PickerScreen)
+        assert picker.entries is None and "Looking for models" in str(picker.query_one("#picker-status").render())
+        await press(pilot, "escape")
+        assert not isinstance(app.screen, PickerScreen)
+        release.set()  # the first search ends after its picker closed: nothing to fill
+        await pilot.pause(0.1)
+        outcome["fail"] = True
+        await press(pilot, "ctrl+o")
+        picker = await wait_for_screen(pilot, app, PickerScreen)
+        entries = await found_models(pilot, picker)
+        assert entries == [] and "unreadable" in str(picker.query_one("#picker-status").render())
+        assert app.is_running and app.lifecycle.backend is not None
 
 
 def fake_tune(path: str, dtype: str, progress) -> object:

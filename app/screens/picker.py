@@ -1,16 +1,32 @@
 """Choosing a model to chat with, from what `runtime/discover.py` finds: the built-in model, the configured folders,
-the Hugging Face cache, LM Studio's folders and Ollama's store."""
+the Hugging Face cache, LM Studio's folders and Ollama's store. The search (every GGUF header, every manifest, and the
+GPU's memory) runs in a worker: the picker opens at once and fills when it is done."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import psutil
+from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Label, Static
 
+from tandem.kernels.errors import TandemError
 from tandem.runtime.discover import ModelEntry
+
+
+@dataclass
+class Found(Message):
+    """What the search found: the models, and the GPU's memory in bytes (None without a GPU)."""
+
+    entries: list[ModelEntry]
+    vram: int | None
+    error: str = ""  # why the search stopped short, if it did
 
 
 def _human(n: float, unit: str) -> str:
@@ -21,25 +37,43 @@ def _human(n: float, unit: str) -> str:
 
 
 class PickerScreen(ModalScreen[ModelEntry | None]):
-    """Choose a model; Escape keeps the current one. An error from a failed load is shown on top."""
+    """Choose a model; Escape keeps the current one. An error from a failed load is shown on top. `find` searches
+    (in a worker thread) and returns the models and the GPU's memory."""
 
     BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
 
-    def __init__(self, entries: list[ModelEntry], error: str = "", vram: int | None = None) -> None:
+    def __init__(self, find: Callable[[], tuple[list[ModelEntry], int | None]], error: str = "") -> None:
         super().__init__()
-        self.entries = entries
+        self.find = find
+        self.entries: list[ModelEntry] | None = None  # None until the search is done
         self.error = error
-        self.vram = vram  # bytes of GPU memory, None without a GPU
+        self.vram: int | None = None  # bytes of GPU memory, None without a GPU
 
     def compose(self) -> ComposeResult:
         with Vertical(id="picker"):
             yield Label("Models (Enter loads, Esc cancels)")
             yield Static(self.error, id="picker-error")
+            yield Static("Looking for models…", id="picker-status")
             yield DataTable(id="models", cursor_type="row")
 
     def on_mount(self) -> None:
+        self.query_one(DataTable).add_columns("model", "family", "quant", "params", "experts", "on disk", "fits RAM",
+                                              "on GPU", "from")
+        self.search()
+
+    @work(thread=True, exclusive=True, group="picker")
+    def search(self) -> None:
+        try:
+            entries, vram = self.find()
+        except (OSError, TandemError) as e:  # an unreadable store must not end the chat
+            self.post_message(Found([], None, f"the search for models failed: {e}"))
+            return
+        self.post_message(Found(entries, vram))
+
+    def on_found(self, message: Found) -> None:
+        self.entries, self.vram = message.entries, message.vram
+        self.query_one("#picker-status", Static).update(message.error or f"{len(self.entries)} found")
         table = self.query_one(DataTable)
-        table.add_columns("model", "family", "quant", "params", "experts", "on disk", "fits RAM", "on GPU", "from")
         ram = psutil.virtual_memory().total
         for e in self.entries:
             unbuilt = e.source == "built-in" and e.size_bytes == 0
@@ -50,4 +84,5 @@ class PickerScreen(ModalScreen[ModelEntry | None]):
         table.focus()
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
-        self.dismiss(self.entries[event.cursor_row])
+        if self.entries is not None:
+            self.dismiss(self.entries[event.cursor_row])
