@@ -57,6 +57,7 @@ def test_picker(snap_compare, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         await wait_until(pilot, lambda: pilot.app.lifecycle.backend is not None)
         pilot.app.query_one(Composer).cursor_blink = False
         await pilot.press("ctrl+o")
+        await wait_until(pilot, lambda: getattr(pilot.app.screen, "entries", None) is not None)  # (its search)
         await pilot.pause()
 
     app = TandemApp(lambda _: FakeBackend(), models_folders=[tmp_path / "models"])
