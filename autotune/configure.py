@@ -16,7 +16,7 @@ from tandem.autotune.probe import HardwareInfo, probe
 from tandem.autotune.profile import find_profile, model_fingerprint
 from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
 from tandem.runtime.loader import LoadedModel, load
-from tandem.runtime.options import Machine, Options, Request, default_dtype, resolve
+from tandem.runtime.options import Machine, Options, Request, default_dtype, resolve, takes_int8_blocks
 from tandem.runtime.trace import load_popularity, most_popular
 
 
@@ -44,7 +44,7 @@ def configure(request: Request, *, placement: str | None = None, use_profile: bo
     if use_profile:
         hw = hardware or probe()
         machine = Machine.here(frozenset(hw.cpu.flags))
-        dtype = request.dtype or default_dtype(machine.cpu_flags)
+        dtype = request.dtype or default_dtype(machine.cpu_flags, takes_int8_blocks(ckpt, request.quant))
         found = find_profile(hw.fingerprint(), model_fingerprint(ckpt.raw_config, dtype))
         if found.notice and notify is not None:
             notify(found.notice)

@@ -18,7 +18,7 @@ from tandem.autotune.profile import Profile, model_fingerprint, profiles_dir, sa
 from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
 from tandem.runtime.engine import Engine, GenerationStats
 from tandem.runtime.loader import LoadedModel, load
-from tandem.runtime.options import DTYPES, Dtype, Request, default_dtype
+from tandem.runtime.options import DTYPES, Dtype, Request, default_dtype, takes_int8_blocks
 from tandem.runtime.paths import ensure_folder
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.trace import most_popular
@@ -63,8 +63,8 @@ def autotune(model_dir: str | Path, dtype: str = "auto", quick: bool = False,
     if save:  # the folder the profile goes to must be usable before minutes of measuring, not after
         ensure_folder(profiles_dir())
     hw = hardware or probe()
-    name = default_dtype(set(hw.cpu.flags) or None) if dtype == "auto" else dtype
     ckpt = open_checkpoint(model_dir)
+    name = default_dtype(set(hw.cpu.flags) or None, takes_int8_blocks(ckpt, None)) if dtype == "auto" else dtype
     shape = ModelShape.from_checkpoint(ckpt, torch.empty((), dtype=DTYPES[name]).element_size())
     meas = microbench(shape, hw, DTYPES[name], quick=quick, progress=progress)
     recorded, measured_ms, threads = record_trace(model_dir, name, tokens=16 if quick else 32, loaded=loaded,

@@ -37,8 +37,9 @@ KINDS: dict[object, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 
 # GGUF's block formats, by GGUF's names (kernels/blocks.py), rows as the file stores them (csrc/blocks.h)
 BLOCK_KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 KINDS.update({name: 6 + i for i, name in enumerate(BLOCK_KINDS)})
-# GGUF kinds whose products the AVX512_BF16 variant computes against int8 activations, as llama.cpp does (csrc/q8.c),
-# where activations are bf16 anyway; float32 compute keeps the exact float path (csrc/blocks.h)
+# GGUF kinds whose products the AVX512_BF16 and AVX2 variants compute against int8 activations, as llama.cpp does
+# (csrc/q8.c, csrc/q8avx2.c), where activations are bf16 anyway; float32 compute keeps the exact float path
+# (csrc/blocks.h: on AVX-512, or else the base variant, since AVX2's blocks are the int8 path)
 Q8_KINDS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 ACT_SILU, ACT_CLAMPED = 0, 1  # the activations the kernels compute (csrc/common.h)
 DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
@@ -232,15 +233,17 @@ def best_isa(kind: object, compute_dtype: torch.dtype, isas: list[str], tokens: 
         return "avx512"
     if kind == "mxfp4" and compute_dtype == torch.bfloat16 and "avx512bf16" in isas:
         return "avx512bf16"  # one token by vdpbf16ps, several against int8 activations (csrc/q8.c)
-    if kind in Q8_KINDS and compute_dtype == torch.bfloat16 and "avx512bf16" in isas:
-        return "avx512bf16"  # against int8 activations, one token or several (csrc/q8.c)
+    if kind in Q8_KINDS and compute_dtype == torch.bfloat16:  # against int8 activations, one token or several
+        for isa in ("avx512bf16", "avx2"):  # csrc/q8.c, csrc/q8avx2.c
+            if isa in isas:
+                return isa
     if kind in AMX_KINDS and compute_dtype == torch.bfloat16:
         if "amx" in isas:
             return "amx"
         if kind == torch.bfloat16 and "avx512bf16" in isas:
             return "avx512bf16"
-    for isa in ("avx512", "avx2", "base"):
-        if isa in isas:
+    for isa in ("avx512", "avx2", "base"):  # (AVX2's blocks are against int8 activations: not for float32)
+        if isa in isas and not (isa == "avx2" and kind in Q8_KINDS):
             return isa
     return None
 
@@ -764,8 +767,8 @@ class DenseLinear:
         self.bf16_most = 4 if have[-1] == "avx512bf16" else AMX_CROSSOVER
         # float32 x: a variant that keeps it so (AVX512_BF16 and AMX would round it to bf16), unless one is forced
         self.float_isa = self.isa if isa is not None else ISAS.index([i for i in have if i not in BF16_ONLY][-1])
-        # bf16 x against Q8_KINDS blocks: the int8-activation path of AVX512_BF16 where there is one (-1: none)
-        self.q8_isa = ISAS.index("avx512bf16") if "avx512bf16" in have else -1
+        # bf16 x against Q8_KINDS blocks: the int8-activation path of AVX512_BF16, else AVX2's (-1: neither)
+        self.q8_isa = next((ISAS.index(i) for i in ("avx512bf16", "avx2") if i in have), -1)
         self.threads = check_threads(torch.get_num_threads() if threads is None else threads)
         self._args = _LinearArgs()
         self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -829,8 +832,9 @@ class DenseLinear:
 
     def _block_isa(self, kind: str, dtype: torch.dtype) -> int:
         """The variant for x of this dtype against blocks of this kind."""
-        if dtype == torch.float32:  # exact float sums: the float path (the AVX-512 rows at most)
-            return min(self.float_isa, ISAS.index("avx512"))
+        if dtype == torch.float32:  # exact float sums: the float path (the AVX-512 rows at most; not AVX2's blocks)
+            isa = min(self.float_isa, ISAS.index("avx512"))
+            return ISAS.index("base") if isa == ISAS.index("avx2") and kind in Q8_KINDS else isa
         if self.isa == -1 and kind in Q8_KINDS and self.q8_isa >= 0:
             return self.q8_isa  # against int8 activations (csrc/q8.c)
         return min(self.isa, ISAS.index("avx512bf16"))  # (-1: the best, which the kernel bounds likewise)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from tandem.kernels.cpu import CpuOptions, Isa, Quant, available_isas
+from tandem.kernels.cpu import BLOCK_QUANTS, Q8_KINDS, CpuOptions, Isa, Quant, available_isas
 from tandem.kernels.errors import SettingsError
 from tandem.kernels.isa import mask_flags, masked_features
 from tandem.kernels.quant import GROUPS
@@ -135,11 +135,25 @@ class Options:
         return lines
 
 
-def default_dtype(cpu_flags: set[str] | frozenset[str] | None) -> Dtype:
-    """bf16 where the CPU computes it natively (AVX512_BF16 or AMX); fp32 elsewhere or when unknown."""
+def default_dtype(cpu_flags: set[str] | frozenset[str] | None, int8_blocks: bool = False) -> Dtype:
+    """bf16 where the CPU computes it natively (AVX512_BF16 or AMX), and for a model of GGUF blocks the kernels run
+    against int8 activations (`int8_blocks`, see takes_int8_blocks) where the CPU has AVX2: bf16 is the compute that
+    takes that path (kernels/csrc/q8avx2.c), and the model was quantized anyway. fp32 elsewhere or when unknown."""
     if cpu_flags and ({"avx512_bf16", "amx_bf16"} & cpu_flags):
         return "bf16"
+    if cpu_flags and int8_blocks and "avx2" in cpu_flags:
+        return "bf16"
     return "fp32"
+
+
+def takes_int8_blocks(ckpt: Checkpoint, quant: str | None) -> bool:
+    """Whether this model's experts are GGUF blocks of a format the kernels run against int8 activations: a GGUF
+    file's, or Tandem's own `--quant q8_0|q4_k`."""
+    if quant in BLOCK_QUANTS:
+        return True
+    first = next((n for n in ckpt.where if ".experts." in n), None)
+    blocks = ckpt.blocks(first) if first is not None else None
+    return blocks is not None and blocks.kind in Q8_KINDS
 
 
 def resolve_context(cfg: ModelConfig, requested: int | None) -> int:
@@ -171,7 +185,8 @@ def resolve(request: Request, profile: Request | None, ckpt: Checkpoint, machine
     if request.model is None:
         raise SettingsError("no model given")
     cfg = ckpt.config
-    dtype = pick("dtype", default_dtype(machine.cpu_flags), "machine", profiled=False)
+    dtype = pick("dtype", default_dtype(machine.cpu_flags, takes_int8_blocks(ckpt, request.quant)), "machine",
+                 profiled=False)
     if dtype not in DTYPES:
         raise SettingsError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
     context = resolve_context(cfg, pick("context", profiled=False))

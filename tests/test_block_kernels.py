@@ -57,10 +57,16 @@ def int8_inputs(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return (codes.double() * (amax / 127).double()).reshape(x.shape)
 
 
+# The variant bf16 compute takes for Q8_KINDS blocks on this CPU (under its mask): the int8 path of AVX512_BF16
+# (csrc/q8.c), else AVX2's (csrc/q8avx2.c)
+Q8_ISA = next((i for i in ("avx512bf16", "avx2") if i in available_isas()), None)
+
+
 def int8_path(fmt: str, isa: str | None, x_bf16: bool) -> bool:
-    """Whether this call runs against int8 activations (csrc/q8.c)."""
-    chosen = isa or ("avx512bf16" if x_bf16 and "avx512bf16" in available_isas() else None)
-    return chosen == "avx512bf16" and fmt in Q8_KINDS
+    """Whether this call runs against int8 activations: the variants with an int8 path, for the formats they take
+    (every block format but MXFP4)."""
+    chosen = isa or (Q8_ISA if x_bf16 else None)
+    return chosen in ("avx512bf16", "avx2") and fmt in Q8_KINDS
 
 
 def width(fmt: str) -> int:
@@ -154,10 +160,13 @@ def test_a_down_matrix_of_another_kind_than_blocks_is_refused() -> None:
         ex.prepare_quantized(gate, matrix("Q8_0", 256, 256, 2), matrix("Q6_K", 256, 256, 3))
 
 
-@pytest.mark.skipif("avx512bf16" not in available_isas(), reason="this CPU has no AVX512_BF16")
+@pytest.mark.skipif(Q8_ISA is None, reason="this CPU has neither AVX512_BF16 nor AVX2")
 def test_bf16_compute_takes_int8_activations_and_float32_keeps_the_float_path() -> None:
+    """bf16: AVX512_BF16's int8 path, else AVX2's; float32: the float path, on AVX-512, else on the base variant
+    (AVX2's blocks are its int8 path)."""
     mats = [matrix("Q4_K", 256, 256, 0), matrix("Q4_K", 256, 256, 1), matrix("Q6_K", 256, 256, 2)]
-    for dtype, isa in ((torch.bfloat16, "avx512bf16"), (torch.float32, "avx512")):
+    float_isa = "avx512" if "avx512" in available_isas() else "base"
+    for dtype, isa in ((torch.bfloat16, Q8_ISA), (torch.float32, float_isa)):
         ex = CpuExecutor(256, 256, dtype, 2)
         expert = ex.prepare_quantized(*mats)
         assert ex.isa_for(expert, 1) == ex.isa_for(expert, 4) == isa
@@ -166,14 +175,15 @@ def test_bf16_compute_takes_int8_activations_and_float32_keeps_the_float_path() 
         close(expert(x), reference(x, mats, int8), INT8 if int8 else FLOAT)
 
 
-@pytest.mark.skipif("avx512bf16" not in available_isas(), reason="this CPU has no AVX512_BF16")
+@pytest.mark.skipif(Q8_ISA is None, reason="this CPU has neither AVX512_BF16 nor AVX2")
 @pytest.mark.parametrize("formats", [("Q4_K", "Q6_K"), ("Q5_K", "Q5_K"), ("Q8_0", "Q8_0"), ("Q4_0", "Q4_1"),
                                      ("Q5_0", "Q5_1")])
 def test_several_tokens_against_int8_activations_give_each_token_its_one_token_result(formats: tuple[str, str]
                                                                                       ) -> None:
-    """The several-token kernels unpack each superblock once for up to eight tokens (csrc/q8.c dot); the one-token
-    kernels stream four rows side by side (rows4). Both take the same steps in the same order: the same bits, for
-    every token count up to a call's 16 (eight and a remainder), experts and dense matrices alike."""
+    """The several-token kernels unpack each superblock once for up to eight tokens (csrc/q8.c dot; AVX2's: four);
+    the one-token kernels stream four rows side by side (rows4; AVX2's: the same dot for one). Both take the same
+    steps in the same order: the same bits, for every token count up to a call's 16, experts and dense matrices
+    alike."""
     fmt, down_fmt = formats
     h, i = width(fmt), width(down_fmt)
     mats = [matrix(fmt, i, h, 0), matrix(fmt, i, h, 1), matrix(down_fmt, h, i, 2)]
@@ -184,7 +194,7 @@ def test_several_tokens_against_int8_activations_give_each_token_its_one_token_r
     alone = torch.cat([expert(x[t : t + 1]) for t in range(16)])
     rows = torch.cat([linear(x[t : t + 1], mats[0], out_dtype=torch.float32) for t in range(16)])
     for tokens in (2, 8, 11, 16):
-        assert ex.isa_for(expert, tokens) == "avx512bf16"
+        assert ex.isa_for(expert, tokens) == Q8_ISA
         assert torch.equal(expert(x[:tokens]), alone[:tokens]), tokens
         assert torch.equal(linear(x[:tokens], mats[0], out_dtype=torch.float32), rows[:tokens]), tokens
 

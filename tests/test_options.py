@@ -129,3 +129,24 @@ def test_every_caller_configures_the_same_way(mixtral_dir: Path) -> None:
     a = configure(request, use_profile=False).options
     b = configure(request, use_profile=False, checkpoint=open_checkpoint(mixtral_dir)).options
     assert a == b and a.context == 64 and a.accelerator == "none"
+
+
+def test_a_model_of_gguf_blocks_computes_in_bf16_wherever_the_cpu_has_avx2(tmp_path: Path) -> None:
+    """bf16 is the compute that takes the kernels' int8 path for GGUF blocks (on AVX2 without AVX512_BF16 too):
+    a Q8_0 file, or `--quant q8_0`, defaults to it there; a float model, a file of F16 experts or a CPU without
+    AVX2 stay in fp32; a given dtype wins."""
+    from tests.conftest import build_hf_checkpoint
+    from tests.ggufs import write_gguf
+
+    folder = build_hf_checkpoint(tmp_path / "hf", "qwen3_moe", {"moe_intermediate_size": 64})  # (whole blocks)
+    write_gguf(folder, tmp_path / "q8_0.gguf", "Q8_0")
+    write_gguf(folder, tmp_path / "f16.gguf", "F16")
+    avx2 = dataclasses.replace(MACHINE, cpu_flags=frozenset({"avx2", "fma"}), isas=("base", "avx2"))
+    old = dataclasses.replace(MACHINE, cpu_flags=frozenset({"sse4_2"}), isas=("base",))
+
+    def dtype(model: Path, machine: Machine, **given: object) -> str:
+        return resolve(Request(model=str(model), **given), None, open_checkpoint(model), machine).dtype
+
+    assert dtype(tmp_path / "q8_0.gguf", avx2) == "bf16" and dtype(folder, avx2, quant="q8_0") == "bf16"
+    assert dtype(folder, avx2) == dtype(tmp_path / "f16.gguf", avx2) == dtype(tmp_path / "q8_0.gguf", old) == "fp32"
+    assert dtype(tmp_path / "q8_0.gguf", avx2, dtype="fp32") == "fp32"

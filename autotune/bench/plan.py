@@ -26,7 +26,7 @@ from tandem.runtime.dispatch import Strategy, budget_for_slots
 from tandem.runtime.engine import Engine, GenerationStats
 from tandem.runtime.expert_cache import CachePolicy
 from tandem.runtime.moe import ExpertWeights
-from tandem.runtime.options import DTYPES, default_dtype
+from tandem.runtime.options import DTYPES, default_dtype, takes_int8_blocks
 from tandem.runtime.sampling import SamplingParams
 
 PROMPT = "Tell me about the history of the printing press and why it mattered."
@@ -84,8 +84,8 @@ def _summary(rows: list[dict[str, Any]], chosen: dict[str, Any]) -> dict[str, An
 def validate(model_dir: str | Path, expert_fraction: float = 0.25, tokens: int = 32, dtype: str = "auto",
              quick: bool = True) -> dict[str, Any]:
     hw = probe()
-    name = default_dtype(set(hw.cpu.flags) or None) if dtype == "auto" else dtype
     ckpt = open_checkpoint(model_dir)
+    name = default_dtype(set(hw.cpu.flags) or None, takes_int8_blocks(ckpt, None)) if dtype == "auto" else dtype
     shape = ModelShape.from_checkpoint(ckpt, DTYPES[name].itemsize)
     meas = microbench(shape, hw, DTYPES[name], quick=quick)
     trace, measured_ms, threads = record_trace(model_dir, name, tokens)

@@ -21,15 +21,15 @@ void dot_mxfp4_base(const void *wrow, float scale, const void *gscale, int group
 void expert_generic(const tk_args *a) {
     const int T = a->tokens, H = a->hidden, I = a->inter, kind = a->kind, dk = a->down_kind, g = a->group;
     const int q8_in = q8_path(kind, a->isa), q8_down = q8_path(dk, a->isa);
-    const dot_fn dot = q8_in ? q8_dot(kind) : pick_dot(kind, a->isa);
-    const dot_fn down_dot = q8_down ? q8_dot(dk) : pick_dot(dk, a->isa);
+    const dot_fn dot = q8_in ? q8_dot_for(kind, a->isa) : pick_dot(kind, a->isa);
+    const dot_fn down_dot = q8_down ? q8_dot_for(dk, a->isa) : pick_dot(dk, a->isa);
     const float *x = q8_in ? (const float *)a->xb : a->x, *act = q8_down ? (const float *)a->xb : a->act;
     const int ldx = q8_in ? (int)(q8_stride(H) / 4) : H, ld_act = q8_down ? (int)(q8_stride(I) / 4) : 2 * I;
     const char *gate = a->gate, *up = a->up, *down = a->down;
     const size_t in_row = row_bytes(kind, H, g), down_row = row_bytes(dk, I, g);
     #pragma omp parallel num_threads(a->threads)
     {
-        if (q8_in) q8_rows(kind, a->x, H, T, H, a->xb);
+        if (q8_in) q8_rows(kind, a->isa, a->x, H, T, H, a->xb);
         #pragma omp for schedule(static)
         for (int r = 0; r < 2 * I; r++) {
             const int gate_part = r < I, row = gate_part ? r : r - I;
@@ -38,7 +38,7 @@ void expert_generic(const tk_args *a) {
                 row_scales(s, kind, row, H, g), g, x, ldx, T, H, a->act + r, 2 * I);
         }
         swiglu_rows(a);
-        if (q8_down) q8_rows(dk, a->act, 2 * (size_t)I, T, I, a->xb);  /* (xb's inputs all read: barrier above) */
+        if (q8_down) q8_rows(dk, a->isa, a->act, 2 * (size_t)I, T, I, a->xb);  /* (xb's inputs all read: barrier above) */
         #pragma omp for schedule(static)
         for (int h = 0; h < H; h++)
             down_dot(down + (size_t)h * down_row, row_scale(a->down_scale, dk, h),
@@ -62,7 +62,7 @@ void linear_round(const tk_linear_args *a, int lo, int hi) {
 void linear_rows(const tk_linear_args *a, int isa) {
     const int T = a->tokens, I = a->in, O = a->out;
     const int q8 = q8_path(a->kind, isa);  /* blocks against int8 activations, quantized into xb first */
-    const dot_fn dot = q8 ? q8_dot(a->kind) : pick_dot(a->kind, isa);
+    const dot_fn dot = q8 ? q8_dot_for(a->kind, isa) : pick_dot(a->kind, isa);
     const float *x = q8 ? (const float *)a->xb : a->x;
     const int ldx = q8 ? (int)(q8_stride(I) / 4) : I;
     const size_t rb = row_bytes(a->kind, I, 0);
@@ -73,7 +73,7 @@ void linear_rows(const tk_linear_args *a, int isa) {
             #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) to_bf16(a->x + (size_t)t * I, a->xb + (size_t)t * I, I);
         }
-        if (q8) q8_rows(a->kind, a->x, I, T, I, a->xb);
+        if (q8) q8_rows(a->kind, isa, a->x, I, T, I, a->xb);
         #pragma omp for schedule(static)
         for (int r = 0; r < O; r += 32) {  /* O is a multiple of 32 (checked) */
             for (int q = r; q < r + 32; q += 2) {

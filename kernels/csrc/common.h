@@ -29,6 +29,7 @@
  *   blocks.h      GGUF's block formats: each block unpacked into L1, the dot products every variant compiles
  *   q8.c          GGUF blocks (and several tokens of MXFP4 experts) against int8 activations, one token or many
  *                 (AVX-512 BW and VNNI; the AVX512_BF16 variant)
+ *   q8avx2.c      the same sums for every GGUF format but MXFP4 in 256-bit vectors (the AVX2 variant)
  *   attend.c      one new token per sequence through attention (RoPE, the KV cache write, an online softmax),
  *                 its loops compiled for base, AVX2 and AVX-512
  *   step.c        one decode token through a run of planned layers (norms, projections, attention, routing,
@@ -339,7 +340,11 @@ TK_INTERNAL int q8_serves(int kind);
 TK_INTERNAL void q8_inputs(int kind, const float *x, int n, void *buf);
 TK_INTERNAL rows4_fn q8_rows4(int kind);
 TK_INTERNAL dot_fn q8_dot(int kind);
-TK_INTERNAL void q8_rows(int kind, const float *x, size_t ldx, int T, int n, void *buf);
+TK_INTERNAL void q8_rows(int kind, int isa, const float *x, size_t ldx, int T, int n, void *buf);
+/* q8avx2.c */
+TK_INTERNAL int q8_avx2_serves(int kind);
+TK_INTERNAL void q8_inputs_avx2(int kind, const float *x, int n, void *buf);
+TK_INTERNAL dot_fn q8_avx2_dot(int kind);
 /* 16-bit values a row of xb holds beyond the widest input (kernels/cpu.py XB_EXTRA): room for q8_stride. */
 #define XB_EXTRA 192
 /* Bytes between the quantized inputs of n values in a buffer of several (q8.c's layout: codes, block scales, sums
@@ -426,9 +431,13 @@ typedef struct { const char *w; const void *s; const float *x; float *res; int e
 /* MXFP4 on the AVX512_BF16 variant, one token: vdpbf16ps against the inputs laid out in xb (avx512bf16.c); it comes
  * before q8_path wherever both could serve. */
 static inline int mxfp4_dp(const tk_args *a) { return a->kind == K_MXFP4 && a->isa == ISA_AVX512BF16; }
-/* GGUF blocks of `kind`, and several tokens of MXFP4, on the AVX512_BF16 variant: integer products against the inputs
- * quantized to int8 in xb (q8.c), for the kinds it serves. */
-static inline int q8_path(int kind, int isa) { return isa == ISA_AVX512BF16 && q8_serves(kind); }
+/* GGUF blocks of `kind`, and several tokens of MXFP4, on the AVX512_BF16 variant (q8.c), and every block format but
+ * MXFP4 on the AVX2 variant (q8avx2.c): integer products against the inputs quantized to int8 in xb. */
+static inline int q8_path(int kind, int isa) {
+    return (isa == ISA_AVX512BF16 && q8_serves(kind)) || (isa == ISA_AVX2 && q8_avx2_serves(kind));
+}
+/* The dot product of such a path's variant. */
+static inline dot_fn q8_dot_for(int kind, int isa) { return isa == ISA_AVX2 ? q8_avx2_dot(kind) : q8_dot(kind); }
 /* Whether a phase's rows read their inputs from xb (laid out there first). */
 static inline int reads_xb(const tk_args *a, int down) {
     return mxfp4_dp(a) || q8_path(down ? a->down_kind : a->kind, a->isa);

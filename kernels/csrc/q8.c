@@ -435,9 +435,14 @@ dot_fn q8_dot(int kind) {
     }
 }
 
-/* Inside a parallel region: rows [0, T) of x (row t at x + t * ldx) quantized for `kind` into buf, row t at
- * t * q8_stride(n) bytes, shared out over the threads. Ends with a barrier. */
-void q8_rows(int kind, const float *x, size_t ldx, int T, int n, void *buf) {
+/* Inside a parallel region: rows [0, T) of x (row t at x + t * ldx) quantized for `kind` and the variant `isa`
+ * (AVX2: q8avx2.c's layout) into buf, row t at t * q8_stride(n) bytes, shared out over the threads. Ends with a
+ * barrier. */
+void q8_rows(int kind, int isa, const float *x, size_t ldx, int T, int n, void *buf) {
     #pragma omp for schedule(static)
-    for (int t = 0; t < T; t++) q8_inputs(kind, x + (size_t)t * ldx, n, (char *)buf + (size_t)t * q8_stride(n));
+    for (int t = 0; t < T; t++) {
+        char *row = (char *)buf + (size_t)t * q8_stride(n);
+        if (isa == ISA_AVX2) q8_inputs_avx2(kind, x + (size_t)t * ldx, n, row);
+        else q8_inputs(kind, x + (size_t)t * ldx, n, row);
+    }
 }
