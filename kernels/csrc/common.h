@@ -351,6 +351,16 @@ TK_INTERNAL dot_fn q8_avx2_dot(int kind);
  * of 16, sums of 32 times their scale, each from a cache line): at most n + 3n/8 + 252, within the 2 (n + XB_EXTRA)
  * bytes a row of xb holds. */
 static inline size_t q8_stride(int n) { return ((size_t)n + 63) / 64 * 64 + 3 * (((size_t)n / 8 + 63) / 64 * 64); }
+/* Where the parts of one quantized input lie in its q8_stride bytes (q8.c's header says what they are). */
+static inline size_t align64(size_t n) { return (n + 63) / 64 * 64; }
+typedef struct { const int8_t *q; const float *d; const int16_t *bsums; const float *bx; } q8_view;
+static inline q8_view q8_at(const void *buf, int n, int block) {
+    const char *b = (const char *)buf;
+    const size_t at_d = align64((size_t)n), at_bsums = at_d + align64((size_t)(n / block) * 4);
+    const q8_view v = {(const int8_t *)b, (const float *)(b + at_d), (const int16_t *)(b + at_bsums),
+                       (const float *)(b + at_bsums + align64((size_t)n / 16 * 2))};
+    return v;
+}
 /* api.c */
 TK_INTERNAL dot_fn pick_dot(int kind, int isa);
 

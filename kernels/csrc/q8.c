@@ -25,18 +25,6 @@
  * byte dot product into vpdpbusd, which reads one side as unsigned (wrong sums, which the tests caught). */
 #define Q8_TAIL_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"), noinline))
 
-static inline size_t align64(size_t n) { return (n + 63) / 64 * 64; }
-
-/* Where the parts of a quantized input lie. */
-typedef struct { const int8_t *q; const float *d; const int16_t *bsums; const float *bx; } q8_view;
-static inline q8_view q8_at(const void *buf, int n, int block) {
-    const char *b = (const char *)buf;
-    const size_t at_d = align64((size_t)n), at_bsums = at_d + align64((size_t)(n / block) * 4);
-    const q8_view v = {(const int8_t *)b, (const float *)(b + at_d), (const int16_t *)(b + at_bsums),
-                       (const float *)(b + at_bsums + align64((size_t)n / 16 * 2))};
-    return v;
-}
-
 /* The formats of 32-value blocks taken two at a time (Q8_0's step), and those of them with a min (value q d + m). */
 static inline int pair_kind(int kind) {
     return kind == K_Q8_0 || kind == K_Q4_0 || kind == K_Q4_1 || kind == K_Q5_0 || kind == K_Q5_1 || kind == K_MXFP4;

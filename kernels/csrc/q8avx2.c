@@ -12,18 +12,6 @@
 
 #define Q8A_TARGET __attribute__((target("avx2,fma,f16c")))
 
-static inline size_t align64(size_t n) { return (n + 63) / 64 * 64; }
-
-/* Where the parts of a quantized input lie (q8.c's q8_at). */
-typedef struct { const int8_t *q; const float *d; const int16_t *bsums; const float *bx; } q8a_view;
-static inline q8a_view q8a_at(const void *buf, int n, int block) {
-    const char *b = (const char *)buf;
-    const size_t at_d = align64((size_t)n), at_bsums = at_d + align64((size_t)(n / block) * 4);
-    const q8a_view v = {(const int8_t *)b, (const float *)(b + at_d), (const int16_t *)(b + at_bsums),
-                        (const float *)(b + at_bsums + align64((size_t)n / 16 * 2))};
-    return v;
-}
-
 static inline int k_kind(int kind) { return kind == K_Q4_K || kind == K_Q5_K || kind == K_Q6_K; }
 static inline int with_min(int kind) { return kind == K_Q4_1 || kind == K_Q5_1; }
 static inline int avx2_block(int kind) { return k_kind(kind) ? 256 : 32; }
@@ -47,7 +35,7 @@ Q8A_TARGET static inline int hsum8i(__m256i v) {
  * those with mins, bx per 32 for those with mins), codes in value order. */
 Q8A_TARGET void q8_inputs_avx2(int kind, const float *x, int n, void *buf) {
     const int block = avx2_block(kind);
-    const q8a_view at = q8a_at(buf, n, block);
+    const q8_view at = q8_at(buf, n, block);
     int8_t *q = (int8_t *)at.q;
     float *d = (float *)at.d, *bx = (float *)at.bx;
     int16_t *bsums = (int16_t *)at.bsums;
@@ -110,7 +98,7 @@ Q8A_TARGET static inline __m128i scales_mins(const uint8_t *blk) {
  * mf: the row's floats for the offsets summed apart (Q4_K's and Q5_K's -dmin m per 32 values, Q4_1's and Q5_1's
  * m per block), against each input's bx in row_end. */
 Q8A_TARGET static inline __attribute__((always_inline)) void step_avx2(int kind, const uint8_t *w, int s, int M,
-                                                                       const q8a_view *xv, __m256 *acc, float *mf) {
+                                                                       const q8_view *xv, __m256 *acc, float *mf) {
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
     if (kind == K_Q4_K || kind == K_Q5_K) {
         const int five = kind == K_Q5_K;
@@ -197,7 +185,7 @@ Q8A_TARGET static inline __attribute__((always_inline)) void step_avx2(int kind,
 }
 
 /* An accumulator's sum, with the offsets summed apart: the row's mf against the input's bx. */
-Q8A_TARGET static inline float row_end(int kind, const q8a_view *x, int n, __m256 acc, const float *mf) {
+Q8A_TARGET static inline float row_end(int kind, const q8_view *x, int n, __m256 acc, const float *mf) {
     float s = hsum8(acc);
     if (kind == K_Q4_K || kind == K_Q5_K || with_min(kind)) {
         __m256 m = _mm256_setzero_ps();
@@ -212,10 +200,10 @@ Q8A_TARGET static inline float row_end(int kind, const q8a_view *x, int n, __m25
 Q8A_TARGET static inline __attribute__((always_inline)) void row_avx2(int kind, const uint8_t *w, const char *x,
                                                                       size_t stride, int M, int n, float *res,
                                                                       int ldr, float *mf) {
-    q8a_view xv[4];
+    q8_view xv[4];
     __m256 acc[4];
     const int block = avx2_block(kind), step_bytes = block_bytes(kind);
-    for (int j = 0; j < M; j++) xv[j] = q8a_at(x + (size_t)j * stride, n, block), acc[j] = _mm256_setzero_ps();
+    for (int j = 0; j < M; j++) xv[j] = q8_at(x + (size_t)j * stride, n, block), acc[j] = _mm256_setzero_ps();
     for (int s = 0; s < n / block; s++) step_avx2(kind, w + (size_t)s * step_bytes, s, M, xv, acc, mf);
     for (int j = 0; j < M; j++) res[(size_t)j * ldr] = row_end(kind, &xv[j], n, acc[j], mf);
 }
