@@ -836,7 +836,7 @@ class DenseLinear:
             isa = min(self.float_isa, ISAS.index("avx512"))
             return ISAS.index("base") if isa == ISAS.index("avx2") and kind in Q8_KINDS else isa
         if self.isa == -1 and kind in Q8_KINDS and self.q8_isa >= 0:
-            return self.q8_isa  # against int8 activations (csrc/q8.c)
+            return self.q8_isa  # against int8 activations (csrc/q8.c, csrc/q8avx2.c)
         return min(self.isa, ISAS.index("avx512bf16"))  # (-1: the best, which the kernel bounds likewise)
 
     def one_token_call(self, w: object) -> tuple[int, int, int, int, int] | None:
