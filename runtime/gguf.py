@@ -439,6 +439,13 @@ def config_of(meta: Meta, types: dict[str, str], vocab: int) -> dict[str, Any]:
                                     "experts layers")
     elif dense:
         raw["mlp_only_layers"] = dense
+    for i in range(raw["num_hidden_layers"]):  # the kernels take experts as blocks throughout, or as floats
+        kinds = {types[n] for n in (f"blk.{i}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")) if n in types}
+        if kinds & set(FORMATS) and kinds - set(FORMATS):
+            raise UnsupportedModelError(
+                f"layer {i}'s experts mix block formats and float tensors ({', '.join(sorted(kinds))}); Tandem runs "
+                "experts stored as blocks throughout or as floats throughout: quantize the file again "
+                "(llama-quantize) or use an F16 or BF16 file")
     raw["attention_bias"] = "blk.0.attn_q.bias" in tensors
     raw["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
     if arch == "gpt-oss" and types.get("blk.0.ffn_gate_exps.weight") == "MXFP4":

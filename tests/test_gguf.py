@@ -218,6 +218,19 @@ def test_files_tandem_cannot_read_are_refused_by_name(wide: Path, tmp_path: Path
         assert err.startswith("error: ") and says in err and "Traceback" not in err
 
 
+def test_experts_partly_blocks_and_partly_floats_are_refused_clearly(wide: Path, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """gate and up as Q8_0 and down as F32 (a width that is no whole number of blocks, written as floats): the
+    kernels take one or the other, and the CLI says which layer and what to do instead of failing later."""
+    write_gguf(wide, tmp_path / "mixed.gguf", "Q8_0", mix={"ffn_down_exps": "F32"})
+    with pytest.raises(UnsupportedModelError, match="layer 0's experts mix block formats and float tensors"):
+        open_checkpoint(tmp_path / "mixed.gguf")
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path / "mixed.gguf"), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "llama-quantize" in err and "Traceback" not in err
+
+
 def test_the_memory_estimate_counts_blocks_as_stored(wide: Path, tmp_path: Path) -> None:
     """Q8_0 experts stay in the memory map, or (resident) take their file bytes in RAM; dense matrices count their
     blocks (34 bytes a 32 values), not float32 copies."""
