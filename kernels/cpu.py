@@ -224,6 +224,12 @@ def available_isas() -> list[str]:
     return [name for i, name in enumerate(ISAS) if mask & (1 << i)]
 
 
+def int8_only(isa: str, kind: object) -> bool:
+    """Whether this variant computes blocks of this kind against int8 activations alone (AVX2's Q8_KINDS blocks,
+    csrc/q8avx2.c): not a float32 path."""
+    return isa == "avx2" and kind in Q8_KINDS
+
+
 def best_isa(kind: object, compute_dtype: torch.dtype, isas: list[str], tokens: int = 1) -> str | None:
     """The fastest variant of those offered for this weight kind and token count. The bf16 dot-product units
     (AMX tiles, vdpbf16ps) only where activations are bf16 anyway; AMX before vdpbf16ps. One token of bf16
@@ -242,8 +248,8 @@ def best_isa(kind: object, compute_dtype: torch.dtype, isas: list[str], tokens: 
             return "amx"
         if kind == torch.bfloat16 and "avx512bf16" in isas:
             return "avx512bf16"
-    for isa in ("avx512", "avx2", "base"):  # (AVX2's blocks are against int8 activations: not for float32)
-        if isa in isas and not (isa == "avx2" and kind in Q8_KINDS):
+    for isa in ("avx512", "avx2", "base"):
+        if isa in isas and not int8_only(isa, kind):
             return isa
     return None
 
@@ -834,7 +840,7 @@ class DenseLinear:
         """The variant for x of this dtype against blocks of this kind."""
         if dtype == torch.float32:  # exact float sums: the float path (the AVX-512 rows at most; not AVX2's blocks)
             isa = min(self.float_isa, ISAS.index("avx512"))
-            return ISAS.index("base") if isa == ISAS.index("avx2") and kind in Q8_KINDS else isa
+            return ISAS.index("base") if int8_only(ISAS[isa], kind) else isa
         if self.isa == -1 and kind in Q8_KINDS and self.q8_isa >= 0:
             return self.q8_isa  # against int8 activations (csrc/q8.c, csrc/q8avx2.c)
         return min(self.isa, ISAS.index("avx512bf16"))  # (-1: the best, which the kernel bounds likewise)

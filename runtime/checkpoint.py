@@ -61,8 +61,14 @@ class Checkpoint:
     @property
     def expert_blocks(self) -> bool:
         """Whether this is a GGUF file whose routed experts are in a block format (kept so, as the file has them)."""
+        return self.expert_block_kind is not None
+
+    @property
+    def expert_block_kind(self) -> str | None:
+        """The block format of a GGUF file's routed experts (their first matrix's), or None."""
         first = next((n for n in self.where if ".experts." in n), None)
-        return first is not None and self.blocks(first) is not None
+        blocks = self.blocks(first) if first is not None else None
+        return blocks.kind if blocks is not None else None
 
     def dtype(self, name: str) -> torch.dtype:
         return self.where[name].infos[name].dtype

@@ -149,11 +149,7 @@ def default_dtype(cpu_flags: set[str] | frozenset[str] | None, int8_blocks: bool
 def takes_int8_blocks(ckpt: Checkpoint, quant: str | None) -> bool:
     """Whether this model's experts are GGUF blocks of a format the kernels run against int8 activations: a GGUF
     file's, or Tandem's own `--quant q8_0|q4_k`."""
-    if quant in BLOCK_QUANTS:
-        return True
-    first = next((n for n in ckpt.where if ".experts." in n), None)
-    blocks = ckpt.blocks(first) if first is not None else None
-    return blocks is not None and blocks.kind in Q8_KINDS
+    return quant in BLOCK_QUANTS or ckpt.expert_block_kind in Q8_KINDS
 
 
 def resolve_context(cfg: ModelConfig, requested: int | None) -> int:
