@@ -1,12 +1,21 @@
 """The accelerator tier: where non-expert weights, the KV cache and cached experts live.
 
-All orchestration is written once against `Accelerator`. Two implementations:
-- `CudaAccelerator`: device memory, a side stream for weight copies fed from pinned staging buffers,
-  events to order copies after the compute that last read a slot.
-- `EmulatedAccelerator`: the CPU plays the GPU, with its own memory budget in bytes, a background
-  thread as the copy engine and another as the compute stream — the same bookkeeping, so tests
-  exercise every GPU code path on a machine without one.
-Both count bytes moved host->device (h2d) and device->host (d2h).
+All orchestration is written once against `Accelerator`, in CUDA's terms:
+- `submit` queues device work on the compute stream, in order, without waiting for it; `after=` makes the
+  stream (not the host) wait for weight copies first.
+- `download` copies device tensors to host memory behind the queued work; `HostRead.wait` is a host
+  synchronisation, and so is `join` where the device runs apart from the caller.
+- `copy_async` puts weights on the copy engine: a background copier (post-fetches) and a demand copier (a
+  copy a kernel is about to read, never queued behind post-fetches). A copy waits, on the device, for the
+  work queued before it (a slot is never overwritten while a kernel reads it).
+Two implementations:
+- `CudaAccelerator`: device memory, two side streams fed from pinned staging rings, events; no
+  `synchronize()` anywhere but the host reads.
+- `EmulatedAccelerator`: the CPU plays the GPU with its own memory budget in bytes; one thread is the
+  compute stream (work runs there asynchronously, in order) and two play the copy engine, with threading
+  events for CUDA's. Its caller's own thread plays the default stream of the dense layers, so it joins the
+  expert stream with a wait where CUDA would only order two streams.
+Both count host synchronisations (`syncs`) and bytes moved host->device (h2d) and device->host (d2h).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from tandem.kernels.errors import ResourceError
 
 T = TypeVar("T")
 GIB = 1024**3
+STAGING = 2  # pinned staging buffers per copier: one is filled from RAM while the other's DMA runs
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -55,6 +65,70 @@ def human(size: float) -> str:
     return f"{size / GIB:.2f} GiB" if size >= GIB / 10 else f"{size / 1024**2:.1f} MiB"
 
 
+def done(value: T) -> Future[T]:
+    fut: Future[T] = Future()
+    fut.set_result(value)
+    return fut
+
+
+class Copy:
+    """Weights on their way to device buffers. `done()` asks without waiting; `result()` waits on the host (a
+    synchronisation, raising the copy's error); `submit(after=...)` makes the device wait instead."""
+
+    def __init__(self, accel: Accelerator, future: Future[Any]) -> None:
+        self.accel, self.future = accel, future  # the copier's job; its result is the device event, if any
+
+    def done(self) -> bool:
+        if not self.future.done():
+            return False
+        return self.future.exception() is not None or self.accel._finished(self.future.result())
+
+    def exception(self) -> BaseException | None:
+        return self.future.exception() if self.future.done() else None
+
+    def result(self, timeout: float | None = None) -> None:
+        self.accel._synced()
+        self.accel._host_wait(self.future.result(timeout))
+
+
+class HostRead:
+    """Device tensors on their way to host memory; `wait()` is the host's synchronisation for them."""
+
+    def __init__(self, accel: Accelerator, future: Future[tuple[torch.Tensor, ...]], event: Any = None) -> None:
+        self.accel, self.future, self.event = accel, future, event
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        self.accel._synced()
+        out = self.future.result()
+        self.accel._host_wait(self.event)
+        return out
+
+
+class StagingRing:
+    """Host buffers a copier converts weights into before the device reads them: `STAGING` in turn, each reused
+    only after the copy that last read it has finished (`wait` on its event); grown to the largest tensor."""
+
+    def __init__(self, pinned: bool, wait: Callable[[Any], None]) -> None:
+        self.pinned, self.wait = pinned, wait
+        self.buffers: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8) for _ in range(STAGING)]
+        self.events: list[Any] = [None] * STAGING
+        self.turn = 0
+
+    def stage(self, src: torch.Tensor, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+        """src converted to `dtype` in the next buffer; returns (buffer number, the staged tensor)."""
+        k, self.turn = self.turn, (self.turn + 1) % STAGING
+        self.wait(self.events[k])  # its last copy has read it
+        size = src.numel() * dtype.itemsize
+        if self.buffers[k].numel() < size:
+            self.buffers[k] = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+        staged = self.buffers[k][:size].view(dtype).view(src.shape)
+        staged.copy_(src)  # RAM (often memory-mapped, pageable) -> staging, converting the dtype
+        return k, staged
+
+    def release(self, k: int, event: Any) -> None:
+        self.events[k] = event
+
+
 class Accelerator(ABC):
     name: str
     device: torch.device
@@ -64,8 +138,12 @@ class Accelerator(ABC):
         self.used = 0
         self.bytes_h2d = 0
         self.bytes_d2h = 0
-        self._lock = threading.Lock()  # byte counters are touched by the copy thread too
+        self.syncs = 0  # times the host waited for the device (host reads, joins, copies waited on)
+        self._lock = threading.Lock()  # byte counters are touched by the copy threads too
+        # post-fetches on one copier; a copy a kernel waits for on the other, never behind them
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-copy",
+                                          initializer=_single_threaded)
+        self._demand = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-demand",
                                           initializer=_single_threaded)
 
     # -- memory -------------------------------------------------------------------------------
@@ -83,55 +161,78 @@ class Accelerator(ABC):
         return self.budget - self.used
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype, what: str) -> torch.Tensor:
-        t = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-        self.reserve(nbytes(t), what)
-        return t
+        size = dtype.itemsize
+        for n in shape:
+            size *= n
+        return self._allocate(size, what, lambda: torch.empty(tuple(shape), dtype=dtype, device=self.device))
 
     def place(self, t: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
         """A weight that lives on the accelerator for the whole run (copied once, accounted)."""
-        out = t.to(device=self.device, dtype=dtype)
-        self.reserve(nbytes(out), what)
+        out = self._allocate(t.numel() * dtype.itemsize, what, lambda: t.to(device=self.device, dtype=dtype))
         self._count(h2d=nbytes(out))
         return out
 
+    def _allocate(self, size: int, what: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Checked against the budget before the device is asked; the device running out anyway (another
+        program took its memory) is the same error."""
+        self.reserve(size, what)
+        try:
+            return make()
+        except torch.OutOfMemoryError as e:
+            self.used -= size
+            raise ResourceError(f"the accelerator ran out of memory for {what} ({human(size)}): another program "
+                                "may hold it; lower --vram-gb or use --accelerator none") from e
+
     # -- activations ----------------------------------------------------------------------------
+    def download(self, fn: Callable[[], Sequence[torch.Tensor]]) -> HostRead:
+        """Host copies of the device tensors `fn` returns, behind all queued device work; wait() for them."""
+        return self._download(fn)
+
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        self._count(d2h=nbytes(t))
-        return self._to_host(t)
+        return self.download(lambda: (t,)).wait()[0]
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device, without the host waiting for the copy."""
         self._count(h2d=nbytes(t))
         return self._to_device(t)
 
-    # -- weight copies (the side stream) --------------------------------------------------------
-    def copy_async(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> Future[None]:
-        """Copy host weights into device buffers in the background; the future completes after the copy."""
+    # -- weight copies (the copy engine) ----------------------------------------------------------
+    def copy_async(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], demand: bool = False) -> Copy:
+        """Copy host weights into device buffers on the copy engine, after the device work queued so far.
+        `demand`: a kernel is about to read them (the demand copier, not queued behind post-fetches)."""
         fence = self._fence()
-        return self._copier.submit(self._copy_job, list(dst), list(src), fence)
+        copier, ring = (self._demand, self._rings[1]) if demand else (self._copier, self._rings[0])
+        return Copy(self, copier.submit(self._copy_job, list(dst), list(src), fence, ring, demand))
 
     def copy_now(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-        self.copy_async(dst, src).result()
-
-    def _copy_job(self, dst: list[torch.Tensor], src: list[torch.Tensor], fence: Any) -> None:
-        for d, s in zip(dst, src, strict=True):
-            self._copy(d, s, fence)
-            self._count(h2d=nbytes(d))
+        self.copy_async(dst, src, demand=True).result()
 
     # -- compute --------------------------------------------------------------------------------
     @abstractmethod
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
-        """Launch device work without waiting for it; the future's result is the device tensor."""
+    def submit(self, fn: Callable[[], T], after: Sequence[Copy] = ()) -> Future[T]:
+        """Queue device work on the compute stream, after `after`'s copies, without the host waiting; the
+        future's result is its device value (read it only from later device work, or through `join`)."""
+
+    @abstractmethod
+    def join(self, fut: Future[T]) -> T:
+        """Submitted work's result for the caller's own device work (the dense layers) to go on with."""
 
     def close(self) -> None:
         self._copier.shutdown(wait=True)
+        self._demand.shutdown(wait=True)
 
     def _count(self, h2d: int = 0, d2h: int = 0) -> None:
         with self._lock:
             self.bytes_h2d += h2d
             self.bytes_d2h += d2h
 
+    def _synced(self) -> None:
+        self.syncs += 1
+
+    _rings: tuple[StagingRing, StagingRing]
+
     @abstractmethod
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor: ...
+    def _download(self, fn: Callable[[], Sequence[torch.Tensor]]) -> HostRead: ...
 
     @abstractmethod
     def _to_device(self, t: torch.Tensor) -> torch.Tensor: ...
@@ -141,11 +242,21 @@ class Accelerator(ABC):
         """A marker after all device work queued so far (a copy into a slot waits for it)."""
 
     @abstractmethod
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, fence: Any) -> None: ...
+    def _copy_job(self, dst: list[torch.Tensor], src: list[torch.Tensor], fence: Any, ring: StagingRing,
+                  demand: bool) -> Any:
+        """On a copier thread: wait (on the device) for the fence, then copy; returns the copy's event, or None."""
+
+    @abstractmethod
+    def _finished(self, event: Any) -> bool:
+        """Whether the device has passed `event` (without waiting)."""
+
+    @abstractmethod
+    def _host_wait(self, event: Any) -> None:
+        """The host waits until the device has passed `event` (None: nothing to wait for)."""
 
 
 class EmulatedAccelerator(Accelerator):
-    """The CPU standing in for a GPU: separate budget, copy thread, compute thread."""
+    """The CPU standing in for a GPU: separate budget, a compute stream thread, copy threads (see the module)."""
 
     name = "emulated"
     device = torch.device("cpu")
@@ -156,27 +267,55 @@ class EmulatedAccelerator(Accelerator):
         # One intra-op thread: the stand-in device must not fight the CPU experts for the cores.
         self._stream = ThreadPoolExecutor(max_workers=1, thread_name_prefix="emulated-compute",
                                           initializer=_single_threaded)
+        self._rings = (StagingRing(False, self._host_wait), StagingRing(False, self._host_wait))
 
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
-        return self._stream.submit(fn)
+    def submit(self, fn: Callable[[], T], after: Sequence[Copy] = ()) -> Future[T]:
+        def run() -> T:
+            for copy in after:
+                copy.future.result()  # the stream waits for the copy, the host does not
+            return fn()
+
+        return self._stream.submit(run)
+
+    def join(self, fut: Future[T]) -> T:
+        self._synced()
+        return fut.result()
 
     def close(self) -> None:
         super().close()
         self._stream.shutdown(wait=True)
 
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        return t.clone()
+    def _download(self, fn: Callable[[], Sequence[torch.Tensor]]) -> HostRead:
+        def copy() -> tuple[torch.Tensor, ...]:
+            out = tuple(t.clone() for t in fn())
+            self._count(d2h=sum(nbytes(t) for t in out))
+            return out
+
+        return HostRead(self, self._stream.submit(copy))
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.clone()
 
-    def _fence(self) -> None:
-        return None  # device work is finished (its future waited on) before a slot is refilled
+    def _fence(self) -> threading.Event:
+        reached = threading.Event()
+        self._stream.submit(reached.set)  # set when the stream gets past everything queued before it
+        return reached
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, fence: None) -> None:
+    def _copy_job(self, dst: list[torch.Tensor], src: list[torch.Tensor], fence: threading.Event,
+                  ring: StagingRing, demand: bool) -> None:
+        fence.wait()
         if self.copy_delay_s:
             threading.Event().wait(self.copy_delay_s)
-        dst.copy_(src)
+        for d, s in zip(dst, src, strict=True):
+            _k, staged = ring.stage(s, d.dtype)
+            d.copy_(staged)  # ring.release is not needed: this copy has finished when it returns
+            self._count(h2d=nbytes(d))
+
+    def _finished(self, event: None) -> bool:
+        return True  # its copies are finished when their job returns
+
+    def _host_wait(self, event: None) -> None:
+        return None
 
 
 class CudaAccelerator(Accelerator):  # pragma: no cover - no GPU on test machines; mirrored by Emulated
@@ -185,35 +324,66 @@ class CudaAccelerator(Accelerator):  # pragma: no cover - no GPU on test machine
     def __init__(self, budget: int, index: int = 0) -> None:
         self.device = torch.device("cuda", index)
         super().__init__(budget)
-        self._side = torch.cuda.Stream(device=self.device)
-        self._staging: dict[tuple[torch.Size, torch.dtype], torch.Tensor] = {}
+        self._sides = (torch.cuda.Stream(device=self.device), torch.cuda.Stream(device=self.device))
+        self._rings = (StagingRing(True, self._host_wait), StagingRing(True, self._host_wait))
 
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
-        fut: Future[T] = Future()
-        fut.set_result(fn())  # kernels are queued on the current stream; reading the result syncs
-        return fut
+    def submit(self, fn: Callable[[], T], after: Sequence[Copy] = ()) -> Future[T]:
+        stream = torch.cuda.current_stream(self.device)
+        for copy in after:
+            stream.wait_event(copy.future.result())  # recorded once the copier has queued the copy
+        return done(fn())  # kernels are queued on the current stream
 
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to("cpu")
+    def join(self, fut: Future[T]) -> T:
+        return fut.result()  # the dense layers' kernels queue behind the experts' on the same stream
+
+    def _download(self, fn: Callable[[], Sequence[torch.Tensor]]) -> HostRead:
+        out = []
+        for t in fn():
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            out.append(host)
+        self._count(d2h=sum(nbytes(t) for t in out))
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return HostRead(self, done(tuple(out)), event)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device, non_blocking=True)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _fence(self) -> torch.cuda.Event:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, fence: torch.cuda.Event) -> None:
-        key = (dst.shape, dst.dtype)
-        if key not in self._staging:
-            self._staging[key] = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True)
-        staging = self._staging[key]
-        staging.copy_(src)  # mmap'd (pageable) weights -> pinned buffer, converting dtype if needed
-        with torch.cuda.stream(self._side):
-            self._side.wait_event(fence)  # never overwrite a slot that queued kernels still read
-            dst.copy_(staging, non_blocking=True)
-        self._side.synchronize()  # staging is reused by the next copy; the future completes after this
+    def _copy_job(self, dst: list[torch.Tensor], src: list[torch.Tensor], fence: torch.cuda.Event,
+                  ring: StagingRing, demand: bool) -> torch.cuda.Event:
+        side = self._sides[demand]
+        side.wait_event(fence)  # never overwrite a slot that queued kernels still read
+        with torch.cuda.stream(side):
+            for d, s in zip(dst, src, strict=True):
+                if s.is_pinned() and s.dtype == d.dtype:
+                    d.copy_(s, non_blocking=True)  # straight from pinned RAM
+                else:
+                    k, staged = ring.stage(s, d.dtype)
+                    d.copy_(staged, non_blocking=True)
+                    read = torch.cuda.Event()
+                    read.record(side)
+                    ring.release(k, read)
+                self._count(h2d=nbytes(d))
+            copied = torch.cuda.Event()
+            copied.record(side)
+        return copied
+
+    def _finished(self, event: torch.cuda.Event) -> bool:
+        return event.query()
+
+    def _host_wait(self, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            event.synchronize()
+
+    def close(self) -> None:
+        super().close()
+        torch.cuda.empty_cache()  # what the model held goes back to the device (see loader.release)
 
 
 def cuda_usable() -> bool:

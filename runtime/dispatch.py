@@ -6,7 +6,9 @@ After the router of a MoE layer, for each expert with s > 0 tokens:
      -> copy its weights over (into the cache if the layer is covered, else a scratch buffer), run there;
   3. else ship the activations to the CPU, run it there, ship the result back; if the layer is covered by
      the cache, post-fetch the weights in the background for later tokens (collaborative inference).
-Accelerator experts are launched first, CPU experts computed meanwhile, then the two are combined.
+On the accelerator a layer synchronises the host once: right after the router, one copy of the routing result
+and the activations to host memory. The accelerator experts are then queued, the CPU experts run meanwhile, and
+their sum is added on the device behind the accelerator's (the emulated device joins with one more wait).
 
 Letters: T tokens in this pass, H hidden size, E experts, K experts per token, n tokens of one expert.
 """
@@ -14,15 +16,17 @@ Letters: T tokens in this pass, H hidden size, E experts, K experts per token, n
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import partial
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from tandem.kernels.cpu import CpuExpert, CpuOptions, Epilogue
-from tandem.runtime.accelerator import Accelerator
+from tandem.runtime.accelerator import Accelerator, Copy
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.expert_cache import CachePolicy, ExpertCache, Key
 from tandem.runtime.latency import LatencyModel
@@ -125,6 +129,7 @@ class _Job:
     weights: ExpertWeights | None  # device weights, or None = copy `source` into scratch first
     source: ExpertWeights  # host weights (what gets copied)
     cpu: CpuExpert  # how it runs on the CPU
+    after: tuple[Copy, ...] = ()  # copies the device waits for before it runs this expert
 
 
 class Dispatcher:
@@ -277,21 +282,22 @@ class Dispatcher:
             if block.shared is not None:
                 out += block.shared(x)
             return out
-        counts = self.recorder.record(layer, ids)  # [E] routings per expert
-        chosen = np.flatnonzero(counts).tolist()  # the experts this pass uses, in id order
         weights = weights.to(x.dtype)
+        # the layer's one host read: the routing for the plan, the activations for the CPU experts
+        ids_h, weights_h, x_h = self.accel.download(lambda: (ids, weights, x)).wait()  # [T, K], [T, K], [T, H]
+        counts = self.recorder.record(layer, ids_h)  # [E] routings per expert
+        chosen = np.flatnonzero(counts).tolist()  # the experts this pass uses, in id order
         if self.cache.policy is CachePolicy.TRACE:
             for e in chosen:
                 self.cache.observe(layer, e, int(counts[e]))
-        gpu_jobs, cpu_jobs = self._plan(layer, ids, chosen, block)
-        if not cpu_jobs:  # nothing to overlap with: run the device work right here
-            out = self._run_device(x, weights, gpu_jobs, block)
-        else:  # launch the device work, compute the CPU experts meanwhile, then combine
-            launched = self.accel.submit(lambda: self._run_device(x, weights, gpu_jobs, block))
-            cpu_out = self._run_cpu(x, weights, cpu_jobs)
-            out = launched.result() + self.accel.to_device(cpu_out)  # [T, H]
+        gpu_jobs, cpu_jobs = self._plan(layer, ids_h, chosen, block)
+        out = self._launch_device(x, weights, gpu_jobs, block)  # queued: the host goes on
+        if cpu_jobs:  # computed while the device runs its experts, then added behind them
+            cpu_out = self.accel.to_device(self._cpu_combine(x_h, weights_h, cpu_jobs))  # [T, H] float32
+            gpu_out = out
+            out = self.accel.submit(lambda: gpu_out.result() + cpu_out)
         self._post_fetch(layer, cpu_jobs, keep=frozenset((layer, j.expert) for j in gpu_jobs))
-        return out
+        return self.accel.join(out)  # [T, H]
 
     def record_cpu(self, layer: int, ids: torch.Tensor) -> np.ndarray:
         """A CPU-only pass at `layer` whose tokens chose `ids` [T, K] into the trace and the statistics (each expert
@@ -311,7 +317,6 @@ class Dispatcher:
         gpu: list[_Job] = []
         cpu: list[_Job] = []
         resident = {e: w for (lay, e), w in self.static.items() if lay == layer}
-        ids = ids.cpu()  # [T, K] (token bookkeeping stays on the host)
         for e in chosen:
             tok, slot = (ids == e).nonzero(as_tuple=True)  # [n], [n]
             source = block.experts[e]
@@ -328,8 +333,8 @@ class Dispatcher:
             if self._should_fetch(tok.numel()):
                 self.stats.count(layer, e, FETCHED)
                 in_use = frozenset((layer, j.expert) for j in gpu)
-                fetched = self._fetch_into_cache(layer, e, source, in_use)
-                gpu.append(_Job(e, tok, slot, fetched, source, self.cpu_experts[layer][e]))
+                fetched, after = self._fetch_into_cache(layer, e, source, in_use)
+                gpu.append(_Job(e, tok, slot, fetched, source, self.cpu_experts[layer][e], after))
             else:
                 self.stats.count(layer, e, CPU)
                 cpu.append(_Job(e, tok, slot, None, source, self.cpu_experts[layer][e]))
@@ -343,34 +348,48 @@ class Dispatcher:
 
     def _fetch_into_cache(
         self, layer: int, e: int, source: ExpertWeights, in_use: frozenset[Key]
-    ) -> ExpertWeights | None:
-        """Copy now into a cache slot of this layer (it stays resident); None: use the scratch buffer."""
+    ) -> tuple[ExpertWeights | None, tuple[Copy, ...]]:
+        """Copy into a cache slot of this layer (it stays resident), on the demand copier; returns the slot's
+        buffers and the copy the device waits for. (None, ()): use the scratch buffer."""
         assert self.accel is not None
         slot = self.cache.begin_fill(layer, e, keep=in_use) if self.cache.covers(layer) else None
         if slot is None:
-            return None
-        self.accel.copy_now(self._tensors(self.slot_buffers[slot.id]), self._tensors(source))
-        return self.slot_buffers[slot.id]
+            return None, ()
+        copy = self.accel.copy_async(self._tensors(self.slot_buffers[slot.id]), self._tensors(source), demand=True)
+        self.cache.start(slot, copy)
+        return self.slot_buffers[slot.id], (copy,)
 
-    def _run_device(self, x: torch.Tensor, weights: torch.Tensor, jobs: Sequence[_Job], block: MoEBlockWeights
-                    ) -> torch.Tensor:
-        assert self.accel is not None
-        out = block.shared(x) if block.shared is not None else torch.zeros_like(x)  # [T, H]
+    def _launch_device(self, x: torch.Tensor, weights: torch.Tensor, jobs: Sequence[_Job], block: MoEBlockWeights
+                       ) -> Future[torch.Tensor]:
+        """Queue the accelerator's share of the layer: x [T, H] and routing weights [T, K] on the device -> the
+        future of its output [T, H] (the shared expert's, plus every job's weighted expert output), which
+        completes with the last of that work."""
+        accel = self.accel
+        assert accel is not None
+        # every job's token rows and choice columns in one host->device copy, no synchronisation
+        rows = torch.cat([torch.stack((j.tok, j.slot)) for j in jobs], dim=1) if jobs else None  # [2, sum n]
+        index = accel.to_device(rows) if rows is not None else None
+        first = accel.submit(lambda: block.shared(x) if block.shared is not None else torch.zeros_like(x))  # [T, H]
+        out = first
+        at = 0
         for job in jobs:
-            expert = job.weights
-            if expert is None:  # not cached: through the scratch buffer, one at a time in stream order
-                self.accel.copy_now(self._tensors(self.scratch), self._tensors(job.source))
+            n = job.tok.numel()
+            tok, slot = index[0, at : at + n], index[1, at : at + n]  # type: ignore[index]  # [n], [n]
+            at += n
+            expert, after = job.weights, job.after
+            if expert is None:  # not cached: through the scratch buffer, after the kernels that read it last
+                after = (accel.copy_async(self._tensors(self.scratch), self._tensors(job.source), demand=True),)
                 expert = self.scratch
-            tok, slot = job.tok.to(x.device), job.slot.to(x.device)
-            y = expert(x[tok])  # [n, H]
-            out.index_add_(0, tok, y * weights[tok, slot].unsqueeze(-1))
+            out = accel.submit(partial(self._device_expert, first, expert, x, weights, tok, slot), after)
         return out
 
-    def _run_cpu(self, x: torch.Tensor, weights: torch.Tensor, jobs: Sequence[_Job]) -> torch.Tensor:
-        assert self.accel is not None
-        xh = self.accel.to_host(x)  # [T, H] activations, not weights, cross the bus
-        wh = self.accel.to_host(weights)  # [T, K] routing weights
-        return self._cpu_combine(xh, wh, jobs)
+    @staticmethod
+    def _device_expert(out: Future[torch.Tensor], expert: ExpertWeights, x: torch.Tensor, weights: torch.Tensor,
+                       tok: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """Device work: one expert over its n tokens `tok` [n] (their choice columns `slot` [n]), weighted, added
+        into the output [T, H] (`out`, finished: earlier work on the same stream); returns that output."""
+        y = expert(x[tok])  # [n, H]
+        return out.result().index_add_(0, tok, y * weights[tok, slot].unsqueeze(-1))
 
     def _cpu_combine(self, x: torch.Tensor, weights: torch.Tensor, jobs: Sequence[_Job]) -> torch.Tensor:
         """Host x [T, H], routing weights [T, K] -> the weighted sum of these CPU experts' outputs [T, H], summed

@@ -485,7 +485,8 @@ class MoEModel:
         """Token ids [B, T] -> their embeddings [B, T, H] float32 (GGUF blocks: only these rows, dequantized)."""
         if isinstance(self.embed, QuantizedMatrix):
             return lookup_rows(self.embed, ids)  # [B, T, H]
-        return F.embedding(ids.to(self.device), self.embed).float()
+        ids = ids if self.accel is None else self.accel.to_device(ids)  # [B, T] (no host wait on the copy)
+        return F.embedding(ids, self.embed).float()
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The decoder's norm: RMSNorm, or LayerNorm with its bias (cfg.norm_type "layer")."""

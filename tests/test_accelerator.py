@@ -85,3 +85,99 @@ def test_selection() -> None:
     accel = make_accelerator("emulated", 0.5)
     assert isinstance(accel, EmulatedAccelerator) and accel.budget == 512 * 1024**2
     accel.close()
+
+
+def test_device_work_runs_apart_from_the_host_in_stream_order() -> None:
+    accel = EmulatedAccelerator(budget=10**6)
+    gate = threading.Event()
+    order: list[int] = []
+    first = accel.submit(lambda: (gate.wait(5), order.append(1)))
+    second = accel.submit(lambda: order.append(2))
+    assert not first.done() and not second.done()  # the host was not held up by either
+    gate.set()
+    accel.join(second)
+    assert order == [1, 2] and accel.syncs == 1  # joined once, in the order submitted
+    accel.close()
+
+
+def test_a_host_read_waits_behind_queued_work_and_is_one_synchronisation() -> None:
+    accel = EmulatedAccelerator(budget=10**6)
+    t = torch.zeros(4)
+    accel.submit(lambda: t.add_(1))
+    read = accel.download(lambda: (t, t * 2))
+    host, doubled = read.wait()
+    assert torch.equal(host, torch.ones(4)) and torch.equal(doubled, torch.full((4,), 2.0))
+    assert accel.syncs == 1 and accel.bytes_d2h == 2 * nbytes(t)
+    accel.close()
+
+
+def test_the_stream_waits_for_a_copy_and_the_host_does_not() -> None:
+    accel = EmulatedAccelerator(budget=10**6, copy_delay_s=0.3)
+    slot = accel.empty((64,), torch.float32, "slot")
+    copy = accel.copy_async([slot], [torch.arange(64, dtype=torch.float32)], demand=True)
+    seen = accel.submit(lambda: slot.clone(), after=(copy,))
+    assert not copy.done() and not seen.done()  # the host went on at once
+    assert torch.equal(accel.join(seen), torch.arange(64, dtype=torch.float32))  # the kernel saw the copy
+    assert accel.syncs == 1
+    accel.close()
+
+
+def test_a_slot_is_not_overwritten_while_queued_work_reads_it() -> None:
+    """The fence: a copy into a slot starts only after the device work queued before it, which may still read the
+    slot's old expert."""
+    accel = EmulatedAccelerator(budget=10**6)
+    slot = accel.empty((64,), torch.float32, "slot")
+    slot.fill_(1.0)
+    reading = threading.Event()
+    release = threading.Event()
+
+    def kernel() -> torch.Tensor:  # reads the slot slowly
+        reading.set()
+        release.wait(5)
+        return slot.clone()
+
+    read = accel.submit(kernel)
+    assert reading.wait(5)
+    copy = accel.copy_async([slot], [torch.full((64,), 2.0)])
+    threading.Event().wait(0.2)
+    assert not copy.done() and torch.equal(slot, torch.ones(64))  # held back by the kernel still reading
+    release.set()
+    assert torch.equal(accel.join(read), torch.ones(64))
+    copy.result(timeout=5)
+    assert torch.equal(slot, torch.full((64,), 2.0))
+    accel.close()
+
+
+def test_a_demand_copy_is_not_queued_behind_post_fetches() -> None:
+    accel = EmulatedAccelerator(budget=10**7, copy_delay_s=0.3)
+    slots = [accel.empty((64,), torch.float32, f"slot {i}") for i in range(4)]
+    background = [accel.copy_async([s], [torch.ones(64)]) for s in slots[:3]]  # 0.9 s of copies in a row
+    demand = accel.copy_async([slots[3]], [torch.ones(64)], demand=True)
+    demand.result(timeout=5)
+    assert not background[-1].done()  # the demand copy finished first
+    for copy in background:
+        copy.result(timeout=5)
+    accel.close()
+
+
+def test_running_out_of_device_memory_is_a_resource_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    accel = EmulatedAccelerator(budget=10**6)
+
+    def no_memory(*args: object, **kwargs: object) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(torch, "empty", no_memory)
+    with pytest.raises(ResourceError, match="ran out of memory for the KV cache"):
+        accel.empty((16,), torch.float32, "the KV cache")
+    assert accel.used == 0  # nothing held for the failed allocation
+    accel.close()
+
+
+def test_the_budget_is_checked_before_the_device_is_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    accel = EmulatedAccelerator(budget=100)
+    asked: list[object] = []
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: asked.append(a))
+    with pytest.raises(ResourceError, match="budget"):
+        accel.empty((1000,), torch.float32, "too big")
+    assert not asked
+    accel.close()

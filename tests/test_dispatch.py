@@ -3,6 +3,8 @@ cache policy, geometry and placement; statistics add up; the budget is never exc
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -257,3 +259,61 @@ def test_gpt_oss_experts_agree_on_every_path(checkpoints, strategy: Strategy, fa
         assert cpu == 0 and fetched > 0
     if strategy is Strategy.CPU:
         assert fetched == 0 and cpu > 0
+
+
+@pytest.mark.parametrize("strategy", list(Strategy))
+def test_decode_synchronises_the_host_at_most_twice_per_moe_layer(checkpoints, strategy: Strategy) -> None:
+    """After the router, one host read of the routing and activations; the emulated device then joins its expert
+    stream once (CUDA orders its streams instead). Plus one read of the logits a step."""
+    folder = checkpoints["mixtral"]  # 3 MoE layers
+    accel = EmulatedAccelerator(budget_for(folder, 6))
+    engine = build(folder, accel, OffloadOptions(strategy, cache_ways=2, cost=MULTI_TOKEN_FETCH))
+    steps = engine.generate(prompt_of(5), SamplingParams(max_new_tokens=13))
+    next(steps)  # the prefill
+    before = accel.syncs
+    decoded = len(list(steps))
+    per_step = (accel.syncs - before) / decoded
+    gpu, cpu, fetched = engine.model.dispatcher.request_stats().per_layer.sum(0)
+    engine.model.close()
+    assert decoded == 12 and per_step <= 2 * 3 + 1
+    assert gpu > 0 and (cpu > 0 or strategy is Strategy.FETCH)  # both tiers ran (or fetched: no CPU expert)
+
+
+def test_a_layer_takes_the_longer_of_its_device_and_cpu_work_not_their_sum(checkpoints, monkeypatch) -> None:
+    """GPU work d and CPU work c in one MoE layer (sleeps standing in for them): they run at the same time."""
+    from tandem.runtime.dispatch import Dispatcher
+
+    folder = checkpoints["mixtral"]
+    engine = build(folder, EmulatedAccelerator(budget_for(folder, 6)), OffloadOptions(Strategy.CPU, cache_ways=2))
+    dispatcher = engine.model.dispatcher
+    list(engine.generate(prompt_of(5), SamplingParams(max_new_tokens=8)))  # some experts cached
+    delay = 0.25
+    spans: dict[str, list[float]] = {}
+
+    def timed(name: str, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            threading.Event().wait(delay)
+            out = fn(*args, **kwargs)
+            spans.setdefault(name, [start, 0.0])[1] = time.perf_counter()
+            return out
+        return run
+
+    monkeypatch.setattr(Dispatcher, "_device_expert", staticmethod(timed("device", Dispatcher._device_expert)))
+    monkeypatch.setattr(dispatcher.executor, "run_many", timed("cpu", dispatcher.executor.run_many))
+    measured = []
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(30):  # layers whose routing needs exactly one cached expert and the CPU for the other
+        spans.clear()
+        h = torch.randn(1, engine.model.cfg.hidden_size, generator=generator)
+        with torch.inference_mode():
+            start = time.perf_counter()
+            dispatcher(0, h)
+            took = time.perf_counter() - start
+        if "cpu" in spans and "device" in spans and spans["device"][1] - spans["device"][0] < 1.5 * delay:
+            measured.append((took, spans["cpu"], spans["device"]))
+    engine.model.close()
+    assert measured, "no layer ran experts on both tiers"
+    for took, cpu, device in measured:
+        assert cpu[0] < device[1] and device[0] < cpu[1]  # their spans overlap
+        assert took < 1.75 * delay  # about max(c, d) = 1 delay; c + d would be 2
