@@ -218,7 +218,7 @@ def load_from_args(args: argparse.Namespace, batch: int = 1, notify: Callable[[s
     from tandem.runtime.loader import load
 
     configured = configure_from_args(args, batch, notify)
-    return load(configured.options, configured.checkpoint, progress)
+    return load(configured.options, configured.checkpoint, progress, notify)
 
 
 def _show_config(args: argparse.Namespace) -> int:
@@ -508,7 +508,7 @@ def _list_flag(flag: str, parse: Callable[[str], tuple[Any, ...]], text: str) ->
 
 
 def _bench_e2e(args: argparse.Namespace) -> int:
-    from tandem.autotune.bench.e2e import bench_e2e, plot
+    from tandem.autotune.bench.e2e import bench_e2e, grid_of, plot
 
     if args.json:
         check_output_file(args.json, "--json")
@@ -518,12 +518,15 @@ def _bench_e2e(args: argparse.Namespace) -> int:
             raise TandemError("--plot needs matplotlib: pip install 'tandem[plot]' (or matplotlib)")
     if args.context is None:
         args.context = 4096 + 64 if not args.quick else 2048 + 64
+    scenarios = ["decode", "prefill", "beam"] if args.scenario == "all" else [args.scenario]
+    # loaded for the most beams: every row count shares its KV cache (on an accelerator, counted in the budget
+    # before the expert slots take the rest)
+    batch = max(beams for *_, beams in grid_of(args.quick)["beam"]) if "beam" in scenarios else 1
     try:
-        loaded = load_from_args(args)
+        loaded = load_from_args(args, batch)
     except TandemError:
         args.context = None  # the model's own limit is smaller
-        loaded = load_from_args(args)
-    scenarios = ["decode", "prefill", "beam"] if args.scenario == "all" else [args.scenario]
+        loaded = load_from_args(args, batch)
     result = bench_e2e(loaded, scenarios, args.quick, args.peer, peer_process=args.peer_process)
     print(f"plan: {json.dumps(result['plan'])}")
     if result["peer"]:

@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from tandem.app.backend import ChatBackend
 from tandem.kernels.errors import ResourceError, TandemError
+from tandem.runtime.accelerator import release_device_memory
 
 T = TypeVar("T")
 
@@ -46,10 +47,17 @@ class Unloaded:
 
 
 def load_in_turn(load_backend: Callable[[str | None], ChatBackend], path: str | None,
-                 make_room: Callable[[], Unloaded | None], report: Callable[[Ready | Failed], None]) -> None:
+                 make_room: Callable[[], Unloaded | None], report: Callable[[Ready | Failed], None],
+                 release_first: bool = False) -> None:
     """Load `path` while the current model stays. Should the two not fit in memory side by side (ResourceError), let
     the current one go (`make_room`; None when it may not) and try once more; should that fail too, load the one
-    let go again. Runs in a worker thread; `report` gets a Ready or a Failed, or (after a restore) both."""
+    let go again. `release_first`: the current model holds accelerator memory, whose free share the new load would
+    measure, so it goes before the first try. Runs in a worker thread; `report` gets a Ready or a Failed, or (after
+    a restore) both."""
+    previous = make_room() if release_first else None
+    if previous is not None:
+        _load_or_restore(load_backend, path, previous, report)
+        return
     too_big = ""
     try:
         backend = load_backend(path)
@@ -65,6 +73,12 @@ def load_in_turn(load_backend: Callable[[str | None], ChatBackend], path: str | 
     if previous is None:
         report(Failed(too_big))
         return
+    _load_or_restore(load_backend, path, previous, report)
+
+
+def _load_or_restore(load_backend: Callable[[str | None], ChatBackend], path: str | None, previous: Unloaded,
+                     report: Callable[[Ready | Failed], None]) -> None:
+    """Load `path` now that `previous` has been let go; should that fail, load `previous` again."""
     try:
         report(Ready(load_backend(path), path))
         return
@@ -131,7 +145,12 @@ class ModelLifecycle:
         old.close()
         del old
         gc.collect()  # the model's own reference cycles: its memory goes back now, before the retry measures RAM
+        release_device_memory()  # and the accelerator's, before the next load measures what is free there
         return unloaded
+
+    def holds_accelerator(self) -> bool:
+        """Whether the current model keeps weights in accelerator memory."""
+        return self.backend is not None and self.backend.vram() is not None
 
     def arrived(self, ready: Ready, load: int) -> bool:
         """Load number `load` brought `ready`: it becomes the current model (True), unless a newer load has begun

@@ -141,10 +141,10 @@ class TandemApp(App[None]):
         """Load in the background; the current model stays until the new one is ready, unless the two do not fit
         in memory side by side: then the current one is let go first and the load tried once more (and should
         that fail too, the current one is loaded again). No answer starts meanwhile."""
-        self.load_worker(path, from_picker, self.lifecycle.begin_load())
+        self.load_worker(path, from_picker, self.lifecycle.begin_load(), self.lifecycle.holds_accelerator())
 
     @work(thread=True, exclusive=True, group="model")
-    def load_worker(self, path: str | None, from_picker: bool, load: int) -> None:
+    def load_worker(self, path: str | None, from_picker: bool, load: int, release_first: bool) -> None:
         name = path or "the built-in model"
         self.call_from_thread(self.chat.show_loading, f"loading {name}…")
 
@@ -154,7 +154,8 @@ class TandemApp(App[None]):
             else:
                 self.post_message(ModelFailed(outcome.error, from_picker, load))
 
-        load_in_turn(self.load_backend, path, lambda: self.call_from_thread(self.unload_model, name, load), report)
+        load_in_turn(self.load_backend, path, lambda: self.call_from_thread(self.unload_model, name, load), report,
+                     release_first)
 
     def unload_model(self, name: str, load: int) -> Unloaded | None:
         """Let the current model go to make room for `name` (load number `load`), if it may go (see

@@ -62,7 +62,9 @@ def _single_threaded() -> None:
 
 
 def human(size: float) -> str:
-    return f"{size / GIB:.2f} GiB" if size >= GIB / 10 else f"{size / 1024**2:.1f} MiB"
+    if size >= GIB / 10:
+        return f"{size / GIB:.2f} GiB"
+    return f"{size / 1024**2:.1f} MiB" if size >= 1024**2 / 10 else f"{size / 1024:.1f} KiB"
 
 
 def done(value: T) -> Future[T]:
@@ -384,6 +386,12 @@ class CudaAccelerator(Accelerator):  # pragma: no cover - no GPU on test machine
     def close(self) -> None:
         super().close()
         torch.cuda.empty_cache()  # what the model held goes back to the device (see loader.release)
+
+
+def release_device_memory() -> None:
+    """Memory the device's allocator keeps for reuse goes back to the device (after a model is let go)."""
+    if torch.cuda.is_initialized():  # pragma: no cover - no GPU on test machines
+        torch.cuda.empty_cache()
 
 
 def cuda_usable() -> bool:

@@ -105,7 +105,7 @@ class Engine:
         history[:n_prompt] = torch.tensor(prompt_ids)
         self._begin(stats, n_prompt)
         start = time.perf_counter()
-        logits = self.model.forward(history[None, :n_prompt], 0, last_only=True)[0, -1]  # [V]
+        logits = self._prefill(history[None, :n_prompt])[0]  # [V]
         budget = min(params.max_new_tokens, self.context - n_prompt)
         pos = n_prompt
         for step in range(budget):
@@ -127,11 +127,22 @@ class Engine:
                 break
             start = time.perf_counter()
             if self._rope_switches(pos):
-                logits = self.model.forward(history[None, :pos], 0, last_only=True)[0, -1]
+                logits = self._prefill(history[None, :pos])[0]
             else:
                 logits = self.model.forward(history[None, pos - 1 : pos], pos - 1, last_only=True,
                                             phase="decode")[0, -1]
         stats.finish_reason = "length" if budget == params.max_new_tokens else "context"
+
+    def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Sequences ids [R, n] from position 0 -> their last position's logits [R, V]: in passes of the model's
+        `prefill_chunk` tokens (one pass without it). Under LongRoPE every pass rotates as the whole length
+        decides, as one pass would."""
+        n = ids.shape[1]
+        chunk = self.model.prefill_chunk or n
+        long = self.model.rope_switch is not None and n > self.model.rope_switch
+        for start in range(0, n, chunk):
+            logits = self.model.forward(ids[:, start : start + chunk], start, last_only=True, long=long)  # [R, 1, V]
+        return logits[:, -1]
 
     def _rope_switches(self, length: int) -> bool:
         """Whether the step that makes the sequence `length` tokens long crosses LongRoPE's switch: the cached keys
@@ -153,7 +164,7 @@ class Engine:
         self._begin(stats, n_prompt)
         start = time.perf_counter()
         budget = min(params.max_new_tokens, self.context - n_prompt)
-        logits = self.model.forward(torch.tensor([prompt_ids]), 0, last_only=True)[0, -1]  # [V]
+        logits = self._prefill(torch.tensor([prompt_ids]))[0]  # [V]
         if budget:
             _check_scores(logits, 0)
         scores = torch.log_softmax(logits, -1)[None]  # [1, V]: one row until the beams diverge
@@ -164,7 +175,7 @@ class Engine:
         for step in range(budget):
             if step and self._rope_switches(pos):  # every beam again from the start (see _rope_switches)
                 whole = torch.tensor([prompt_ids + r for r in rows])  # [R, pos]
-                logits = self.model.forward(whole, 0, last_only=True)[:, -1]  # [R, V]
+                logits = self._prefill(whole)  # [R, V]
             elif step:
                 last = torch.tensor([[r[-1]] for r in rows])  # [R, 1]
                 logits = self.model.forward(last, pos - 1, last_only=True, phase="decode")[:, -1]  # [R, V]

@@ -7,10 +7,10 @@ RAM or left memory-mapped as the options say.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tandem.kernels.cpu import check_support
-from tandem.kernels.errors import KernelError
+from tandem.kernels.errors import KernelError, ResourceError
 from tandem.runtime import memory
 from tandem.runtime.accelerator import make_accelerator
 from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
@@ -32,9 +32,11 @@ class LoadedModel:
 
 
 def load(options: Options, checkpoint: Checkpoint | None = None,
-         progress: Callable[[str, float], None] | None = None) -> LoadedModel:
+         progress: Callable[[str, float], None] | None = None,
+         notify: Callable[[str], None] | None = None) -> LoadedModel:
     """Build everything needed to generate. `checkpoint`: `options.model` already open (as `configure` leaves
-    it); `progress` hears about long steps (message, fraction done)."""
+    it); `progress` hears about long steps (message, fraction done); `notify` about a change of plan (an
+    accelerator nobody asked for that cannot hold the model: it runs on the CPU only)."""
     ckpt = checkpoint or open_checkpoint(options.model)
     cfg, cpu, dtype = ckpt.config, options.cpu, options.torch_dtype
     first = next((i for i in range(cfg.num_layers) if cfg.sparse_layers[i]), None)
@@ -54,6 +56,17 @@ def load(options: Options, checkpoint: Checkpoint | None = None,
     accel = make_accelerator(options.accelerator, options.vram_gb)
     try:
         model = MoEModel.from_checkpoint(ckpt, dtype, options.context, options.batch, accel, options.offload, cpu,
+                                         progress)
+    except ResourceError as e:
+        if accel is None:
+            raise
+        accel.close()
+        if options.source("accelerator") != "machine":  # asked for: say so rather than run elsewhere
+            raise
+        if notify is not None:
+            notify(f"{e}; the model runs on the CPU only")
+        options = replace(options, accelerator="none")
+        model = MoEModel.from_checkpoint(ckpt, dtype, options.context, options.batch, None, options.offload, cpu,
                                          progress)
     except BaseException:
         if accel is not None:

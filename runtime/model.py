@@ -261,6 +261,26 @@ class KVCache:
         return 2 * cfg.num_layers * batch * cfg.num_kv_heads * context * cfg.head_dim * item
 
 
+PREFILL_CHUNK = 512  # tokens per prefill pass on an accelerator: bounds the activations the budget keeps back
+
+
+def activation_bytes(cfg: ModelConfig, tokens: int, context: int, batch: int, dtype: torch.dtype) -> int:
+    """Device memory a pass of `tokens` new tokens for each of `batch` sequences takes at its peak, beyond the
+    weights and the KV cache (an upper bound: what is alive at once in the largest layer). The float32 residual
+    stream, its update and a norm's output; q, k and v with their roped copies; attention scores as the math
+    kernel makes them (every head, every query against the whole context, float32); the MoE layer's router logits
+    and output with one expert's (or the dense feed-forward's, the shared expert's) hidden activations over every
+    token; the last position's float32 logits."""
+    T, h, item = batch * tokens, cfg.hidden_size, dtype.itemsize
+    heads = cfg.num_heads + 2 * cfg.num_kv_heads
+    width = max(cfg.moe_intermediate_size, cfg.dense_intermediate_size, cfg.shared_expert_intermediate_size)
+    residual = T * h * (3 * 4 + item)
+    attention = 2 * T * heads * max(cfg.head_dim, cfg.qk_rope_head_dim + cfg.v_head_dim) * item \
+        + batch * cfg.num_heads * tokens * context * 4
+    ffn = T * (cfg.num_experts * 4 + 2 * h * 4 + 3 * width * item)
+    return residual + max(attention, ffn) + batch * cfg.vocab_size * 4
+
+
 def cache_class(cfg: ModelConfig) -> type[KVCache] | type[LatentCache]:
     """The KV cache a model keeps: latents under Multi-head Latent Attention, else keys and values."""
     return LatentCache if cfg.kv_lora_rank else KVCache
@@ -316,6 +336,12 @@ class MoEModel:
         # Decode attention: one kernel call per layer on the CPU (kernels/attend.py), else `attend_cached`.
         self.threads = self.linear.threads
         self.attend_kernel = cpu.use_kernel and self.device.type == "cpu" and attend_serves(dtype, cfg.head_dim)
+        # On an accelerator a prompt runs in passes of at most PREFILL_CHUNK tokens, and the memory their
+        # activations take at the peak is kept back from the expert slots: a long prompt cannot run out of it.
+        self.prefill_chunk: int | None = None
+        if accel is not None:
+            self.prefill_chunk = min(PREFILL_CHUNK, context)
+            accel.reserve(activation_bytes(cfg, self.prefill_chunk, context, batch, dtype), "activations")
         blocks = {i: layer.ffn for i, layer in enumerate(layers) if isinstance(layer.ffn, MoEBlockWeights)}
         self.dispatcher = Dispatcher(cfg, blocks, dtype, accel, policy, cpu, self.linear)
         # One decode token through every layer in one kernel call, where the step serves the model (off: the
@@ -430,9 +456,12 @@ class MoEModel:
                    w("lm_head.bias") if cfg.lm_head_bias else None, linear)
 
     def with_batch(self, batch: int) -> MoEModel:
-        """The same model (weights, experts, dispatcher shared) with its own KV cache of `batch` rows."""
+        """The same model (weights, experts, dispatcher shared) for `batch` sequences: its KV cache's first rows
+        when it holds that many (the two must then not generate at the same time), else a cache of its own (on an
+        accelerator, within what its budget has left: load with the batch to keep room for it)."""
         wide = copy.copy(self)
-        wide.cache = cache_class(self.cfg)(self.cfg, batch, self.context, self.dtype, self.accel)
+        if batch > self.cache.batch:
+            wide.cache = cache_class(self.cfg)(self.cfg, batch, self.context, self.dtype, self.accel)
         wide._step, wide._step_key = None, None
         return wide
 
@@ -441,17 +470,20 @@ class MoEModel:
         self.dispatcher.close()
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, start: int, last_only: bool = False, phase: str = "prefill") -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, start: int, last_only: bool = False, phase: str = "prefill",
+                long: bool | None = None) -> torch.Tensor:
         """Token ids [B, T] at positions start..start+T-1 -> float32 host logits [B, T, V] (or [B, 1, V]).
 
-        `phase` ("prefill" or "decode") labels the step in the expert activation trace."""
+        `phase` ("prefill" or "decode") labels the step in the expert activation trace. `long`: LongRoPE's long
+        tables or not (None: as this pass's length decides; a prompt in several passes decides once)."""
         B, T = ids.shape
         self.dispatcher.begin_step(phase)
         # The residual stream in float32, whatever the compute dtype (as llama.cpp keeps it): each layer adds to it
         # unrounded, and only the inputs of the matrix products are rounded, so bf16 picks fp32's top-1 token more
         # often (README, bf16 numerics).
         x = self._embed(ids)  # [B, T, H] float32
-        long = self.rope_switch is not None and start + T > self.rope_switch  # LongRoPE: this pass's length decides
+        if long is None:  # LongRoPE: this pass's length decides
+            long = self.rope_switch is not None and start + T > self.rope_switch
         cos, sin = (self.cos_long, self.sin_long) if long else (self.cos, self.sin)
         cos, sin = cos[start : start + T], sin[start : start + T]  # [T, D]
         step = self._decode_step() if B == 1 and T == 1 else None

@@ -24,6 +24,7 @@ class FakeBackend:
         self.produced = 0
         self.closed = False
         self.hold: threading.Event | None = None  # when given: after the first word, wait for it to be set
+        self.on_gpu: tuple[int, int] | None = None  # accelerator memory (used, budget) it holds; None: none
 
     def prompt_tokens(self, messages: list[dict[str, str]]) -> int:
         """One token a word, two a message for the template's markers."""
@@ -53,7 +54,7 @@ class FakeBackend:
         return None
 
     def vram(self) -> tuple[int, int] | None:
-        return None
+        return self.on_gpu
 
     def tuning_target(self) -> TuningTarget | None:
         return None

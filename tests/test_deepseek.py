@@ -127,8 +127,9 @@ def test_beam_search_moves_latent_rows(v2_dir: Path, eos: set[int]) -> None:
     prompt = [3, 14, 15, 92]
     got = list(Engine(loaded.model, eos).generate(prompt, SamplingParams(max_new_tokens=8, beams=4)))
     assert got == reference_beam_search(loaded.engine, prompt, 4, 8, eos)
-    wide = loaded.model.with_batch(3)
-    assert isinstance(wide.cache, LatentCache) and wide.cache.latent.shape[1] == 3
+    assert loaded.model.with_batch(3).cache is loaded.model.cache  # rows it holds already: shared
+    wide = loaded.model.with_batch(6)
+    assert isinstance(wide.cache, LatentCache) and wide.cache.latent.shape[1] == 6
 
 
 def test_latent_cache_bytes_and_memory_estimate(v2_dir: Path) -> None:

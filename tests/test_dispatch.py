@@ -317,3 +317,80 @@ def test_a_layer_takes_the_longer_of_its_device_and_cpu_work_not_their_sum(check
     for took, cpu, device in measured:
         assert cpu[0] < device[1] and device[0] < cpu[1]  # their spans overlap
         assert took < 1.75 * delay  # about max(c, d) = 1 delay; c + d would be 2
+
+
+def _options(folder: Path, vram_gb: float, accelerator_from: str, batch: int = 1):
+    from dataclasses import replace
+
+    from tandem.autotune.configure import configure
+    from tandem.runtime.options import Request
+
+    options = configure(Request(model=folder, dtype="fp32", accelerator="emulated", vram_gb=vram_gb, batch=batch),
+                        use_profile=False).options
+    sources = tuple((n, accelerator_from if n == "accelerator" else s) for n, s in options.sources)
+    return replace(options, sources=sources)
+
+
+def test_an_accelerator_nobody_asked_for_that_cannot_hold_the_model_leaves_it_on_the_cpu(checkpoints) -> None:
+    from tandem.kernels.errors import ResourceError
+    from tandem.runtime.loader import load
+
+    folder = checkpoints["mixtral"]
+    notices: list[str] = []
+    loaded = load(_options(folder, 1e-5, "machine"), notify=notices.append)  # 10 KiB: not even the embeddings
+    assert loaded.model.accel is None and loaded.options.accelerator == "none"
+    assert len(notices) == 1 and "accelerator memory" in notices[0] and "CPU only" in notices[0]
+    assert list(loaded.engine.generate([5, 6, 7], SamplingParams(max_new_tokens=4)))
+    loaded.model.close()
+    with pytest.raises(ResourceError, match="accelerator memory"):  # asked for by name: an error, not a surprise
+        load(_options(folder, 1e-5, "given"))
+
+
+def test_the_activations_of_the_longest_prefill_pass_are_kept_back(checkpoints) -> None:
+    from tandem.runtime.model import PREFILL_CHUNK, KVCache, activation_bytes
+
+    folder = checkpoints["mixtral"]
+    accel = EmulatedAccelerator(1 << 30)
+    engine = build(folder, accel, OffloadOptions(cache_ways=0))  # no slots: what is used is the model's own
+    model = engine.model
+    cfg = model.cfg
+    assert model.prefill_chunk == min(PREFILL_CHUNK, 128)
+    activations = activation_bytes(cfg, model.prefill_chunk, 128, 1, torch.float32)
+    assert activations > cfg.num_heads * model.prefill_chunk * 128 * 4  # the attention scores at least
+    kv = KVCache.nbytes(cfg, 1, 128, torch.float32)
+    assert accel.used >= activations + kv
+    engine.model.close()
+
+
+def test_a_prompt_in_several_passes_gives_the_same_answer(checkpoints) -> None:
+    folder = checkpoints["qwen3_moe"]
+    prompt = prompt_of(70)
+    _, ref_tokens, _ = reference(folder, prompt)
+    engine = build(folder, EmulatedAccelerator(budget_for(folder, 6)), OffloadOptions(Strategy.CPU, cache_ways=2))
+    engine.model.prefill_chunk = 16  # 70 tokens in 5 passes
+    calls: list[tuple[int, int]] = []
+    forward = engine.model.forward
+
+    def counted(ids: torch.Tensor, start: int, *args, **kwargs) -> torch.Tensor:
+        calls.append((start, ids.shape[1]))
+        return forward(ids, start, *args, **kwargs)
+
+    engine.model.forward = counted
+    tokens = list(engine.generate(prompt, SamplingParams(max_new_tokens=NEW_TOKENS)))
+    engine.model.close()
+    assert calls[:5] == [(0, 16), (16, 16), (32, 16), (48, 16), (64, 6)]
+    assert tokens == ref_tokens
+
+
+def test_beam_rows_share_the_kv_cache_the_model_was_loaded_with(checkpoints) -> None:
+    from tandem.kernels.errors import ResourceError
+
+    folder = checkpoints["mixtral"]
+    accel = EmulatedAccelerator(budget_for(folder, 4, batch=4))
+    engine = build(folder, accel, OffloadOptions(Strategy.CPU), batch=4)
+    used = accel.used
+    wide = engine.model.with_batch(4)
+    assert wide.cache is engine.model.cache and accel.used == used  # no second cache
+    with pytest.raises(ResourceError, match="the KV cache"):  # more rows than loaded for: beyond the budget
+        engine.model.with_batch(64)
+    engine.model.close()

@@ -46,7 +46,7 @@ def run_load(lifecycle: ModelLifecycle, memory: Memory, path: str | None) -> lis
     """One load as the app runs it, in one thread: the worker's steps, then the app handling each reply."""
     load = lifecycle.begin_load()
     outcomes: list[Ready | Failed] = []
-    load_in_turn(memory.load, path, lambda: lifecycle.unload(load), outcomes.append)
+    load_in_turn(memory.load, path, lambda: lifecycle.unload(load), outcomes.append, lifecycle.holds_accelerator())
     for outcome in outcomes:
         if isinstance(outcome, Ready):
             lifecycle.arrived(outcome, load)
@@ -242,3 +242,27 @@ def test_the_lifecycle_imports_no_textual() -> None:
     code = ("import sys, tandem.app.lifecycle\n"
             "assert not [m for m in sys.modules if m.split('.')[0] == 'textual'], 'textual imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_model_on_the_accelerator_goes_before_the_next_load_measures_its_memory() -> None:
+    """Room for two in RAM, but the current model holds accelerator memory: a load beside it would find the
+    device's memory taken (its budget is what is free then), so the current one is let go first."""
+    memory = Memory(room=2)
+    lifecycle = ModelLifecycle()
+    run_load(lifecycle, memory, "first")
+    memory.models[0].on_gpu = (1 << 30, 2 << 30)
+    assert lifecycle.holds_accelerator()
+    outcomes = run_load(lifecycle, memory, "second")
+    assert outcomes == [Ready(memory.models[1], "second")]
+    assert memory.events == [("load", "first"), ("close", "first"), ("load", "second")]
+
+
+def test_a_model_let_go_first_comes_back_when_the_new_one_fails() -> None:
+    memory = Memory(room=2)
+    lifecycle = ModelLifecycle()
+    run_load(lifecycle, memory, "first")
+    memory.models[0].on_gpu = (1 << 30, 2 << 30)
+    outcomes = run_load(lifecycle, memory, "broken")
+    assert outcomes == [Ready(memory.models[1], "first", restored=True),
+                        Failed("broken is not a model folder; first is loaded again")]
+    assert memory.events == [("load", "first"), ("close", "first"), ("load", "broken"), ("load", "first")]

@@ -91,6 +91,10 @@ def _peer_in_child(path: str | Path, dtype: torch.dtype, points: list[dict[str, 
     return json.loads(done.stdout)
 
 
+def grid_of(quick: bool) -> dict[str, list[tuple[int, ...]]]:
+    return QUICK if quick else FULL
+
+
 def peer_fits_beside(tandem_bytes: int, peer_bytes: int, total_ram: int | None = None) -> bool:
     """Whether transformers' copy of the weights fits in RAM beside Tandem's memory-mapped pages (20% spare)."""
     total = total_ram if total_ram is not None else psutil.virtual_memory().total
@@ -99,7 +103,7 @@ def peer_fits_beside(tandem_bytes: int, peer_bytes: int, total_ram: int | None =
 
 def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, peer: str | None = None,
               grid: dict[str, list[tuple[int, ...]]] | None = None, peer_process: str = "auto") -> dict[str, Any]:
-    grid = grid or (QUICK if quick else FULL)
+    grid = grid or grid_of(quick)
     model, cfg = loaded.model, loaded.model.cfg
     engines: dict[int, Engine] = {}
 
