@@ -155,8 +155,8 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     """The settings of a model load: the runtime's own, where experts run, and the CPU experts."""
     flags.declare(p, "--dtype", "--context", "--force", "--show-config", "--no-profile")
     g = p.add_argument_group("accelerator and expert placement")
-    flags.declare(g, "--accelerator", "--vram-gb", "--strategy", "--cache-ways", "--cache-policy", "--max-inflight",
-                  "--placement", "--cost")
+    flags.declare(g, "--accelerator", "--vram-gb", "--gpu", "--strategy", "--cache-ways", "--cache-policy",
+                  "--max-inflight", "--placement", "--cost")
     c = p.add_argument_group("CPU experts")
     flags.declare(c, "--threads", "--quant", "--quant-group", "--kernel-crossover", "--resident", "--kernel-isa")
 
@@ -193,7 +193,7 @@ def request_from_args(args: argparse.Namespace, batch: int = 1) -> Request:
 
     return Request(
         model=args.model, dtype=args.dtype, context=args.context, batch=batch,
-        force=args.force, accelerator=args.accelerator, vram_gb=args.vram_gb,
+        force=args.force, accelerator=args.accelerator, vram_gb=args.vram_gb, gpu=args.gpu,
         strategy=None if args.strategy is None else Strategy(args.strategy), cache_ways=args.cache_ways,
         cache_policy=None if args.cache_policy is None else CachePolicy(args.cache_policy),
         max_inflight=args.max_inflight, cost=args.cost, threads=args.threads, crossover=args.kernel_crossover,

@@ -145,7 +145,7 @@ def whole_list(low: int, high: int) -> Callable[[str], tuple[int, ...]]:
     return parse
 
 
-DTYPE_CHOICES = ["auto", "bf16", "fp32"]
+DTYPE_CHOICES = ["auto", "bf16", "fp16", "fp32"]
 
 # Every flag of every command, declared once: (names, argparse keywords). A command lists the flags it takes
 # (`declare`), overriding a keyword only where its meaning differs (a required --model, --tokens counting other
@@ -172,7 +172,8 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
     "--beams": (("--beams",), dict(type=whole(1), default=1, help="beam search width (1 = off)")),
     # the load
     "--dtype": (("--dtype",), dict(choices=DTYPE_CHOICES, default="auto",
-                                   help="compute dtype (auto: bf16 where the CPU has native bf16, else fp32)")),
+                                   help="compute dtype (auto: on a GPU, bf16 from Ampere on and fp16 before; on the "
+                                        "CPU, bf16 where it has native bf16, else fp32)")),
     "--context": (("--context",), dict(type=whole(2), default=None,
                                        help="context length to allocate (default: min(model, 4096))")),
     "--force": (("--force",), dict(action="store_true", help="load even if the RAM estimate says it will not fit")),
@@ -187,6 +188,9 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
                                                     "CPU plays a GPU (needs --vram-gb)")),
     "--vram-gb": (("--vram-gb",), dict(type=real(0, MAX_VRAM_GB, low_open=True), default=None,
                                        help=f"accelerator memory budget in GB, at most {MAX_VRAM_GB:g} (caps CUDA)")),
+    "--gpu": (("--gpu",), dict(type=whole(0), default=None, metavar="N",
+                               help="which CUDA GPU, numbered as nvidia-smi and `tandem probe` do (PCI bus order); "
+                                    "default 0")),
     "--strategy": (("--strategy",), dict(choices=["fiddler", "cpu", "fetch"], default=None,
                                          help="fiddler: per-expert choice by latency; cpu: never copy weights; "
                                               "fetch: always copy")),

@@ -60,6 +60,7 @@ class GpuInfo:
     pcie_width_max: int | None
     driver: str | None
     capability: tuple[int, int] | None  # CUDA compute capability
+    pci_bus_id: str | None = None  # "DDDDDDDD:BB:DD.F", as NVML gives it (matches the GPU to torch's numbering)
 
     @property
     def pcie_gbps(self) -> float | None:
@@ -160,6 +161,7 @@ class LiveSources:
             for i in range(pynvml.nvmlDeviceGetCount()):
                 h = pynvml.nvmlDeviceGetHandleByIndex(i)
                 mem = _nvml(pynvml.nvmlDeviceGetMemoryInfo, h)
+                bus = _text(getattr(_nvml(pynvml.nvmlDeviceGetPciInfo, h), "busId", None))
                 found.append({
                     "name": _text(_nvml(pynvml.nvmlDeviceGetName, h)),
                     "memory_total": getattr(mem, "total", None), "memory_free": getattr(mem, "free", None),
@@ -167,7 +169,7 @@ class LiveSources:
                     "pcie_gen_max": _nvml(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
                     "pcie_width": _nvml(pynvml.nvmlDeviceGetCurrPcieLinkWidth, h),
                     "pcie_width_max": _nvml(pynvml.nvmlDeviceGetMaxPcieLinkWidth, h),
-                    "driver": driver, "capability": _torch_capability(i),
+                    "driver": driver, "capability": _torch_capability(bus), "pci_bus_id": bus,
                 })
             return found
         finally:
@@ -187,15 +189,17 @@ def _text(v: Any) -> str | None:
     return v.decode() if isinstance(v, bytes) else v
 
 
-def _torch_capability(index: int) -> list[int] | None:
-    try:
-        import torch
+def _torch_capability(bus_id: str | None) -> list[int] | None:
+    """The compute capability torch reports for the GPU at `bus_id` (NVML numbers GPUs by bus, torch by speed:
+    the two are matched by bus, never by index); None when torch does not see it."""
+    from tandem.runtime.accelerator import cuda_devices, parse_bus_id  # torch: only when there is a GPU
 
-        if torch.cuda.is_available():
-            return list(torch.cuda.get_device_capability(index))
+    at = parse_bus_id(bus_id) if bus_id else None
+    try:
+        device = next((d for d in cuda_devices() if d.pci == at), None)
     except (RuntimeError, AssertionError):
-        pass
-    return None
+        return None
+    return list(device.capability) if device is not None and device.capability is not None else None
 
 
 @dataclass
@@ -295,7 +299,8 @@ def parse_gpu(index: int, raw: dict[str, Any]) -> GpuInfo:
                    _amount(raw.get("memory_free"), f"{where} memory_free", MAX_BYTES),
                    *(_amount(raw.get(k), f"{where} {k}") for k in ("pcie_gen", "pcie_gen_max", "pcie_width",
                                                                    "pcie_width_max")),
-                   _name(raw.get("driver"), f"{where} driver"), (cap[0], cap[1]) if cap else None)
+                   _name(raw.get("driver"), f"{where} driver"), (cap[0], cap[1]) if cap else None,
+                   _name(raw.get("pci_bus_id"), f"{where} pci_bus_id"))
 
 
 def probe(sources: ProbeSources | None = None, removed: frozenset[str] | None = None) -> HardwareInfo:

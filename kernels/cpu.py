@@ -785,8 +785,8 @@ class DenseLinear:
         bf16 weights: computed as against a float32 copy of them). w may be GGUF blocks (a QuantizedMatrix of a
         BLOCK_KINDS format), or several of them whose outputs follow one another (q, k and v of different formats)."""
         out_dtype = out_dtype or x.dtype
-        if out_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"DenseLinear gives bf16 or float32 results, not {out_dtype}")
+        if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):  # (fp16, an older GPU's: through torch)
+            raise ValueError(f"DenseLinear gives bf16, fp16 or float32 results, not {out_dtype}")
         if isinstance(w, list | tuple):
             y = torch.cat([self(x, part, None, out_dtype) for part in w], dim=-1)  # [..., O]
             return y if bias is None else y.add_(bias.to(y.dtype))
@@ -799,8 +799,8 @@ class DenseLinear:
             raise ValueError(f"bias has shape {list(bias.shape)}; expected [{w.shape[0]}]")
         n, width = (x.numel() // x.shape[-1] if x.shape[-1] else 0), x.shape[-1]
         if not (self.lib is not None and n > 0 and x.dtype in (torch.bfloat16, torch.float32)
-                and w.dtype == torch.bfloat16 and x.device.type == "cpu" and w.shape[0] % 32 == 0
-                and width % 32 == 0 and w.shape[0] > 0 and w.is_contiguous()):
+                and out_dtype != torch.float16 and w.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and w.shape[0] % 32 == 0 and width % 32 == 0 and w.shape[0] > 0 and w.is_contiguous()):
             b = None if bias is None else bias.to(x.dtype)
             return F.linear(x, w.to(x.dtype), b).to(out_dtype)  # (weights kept in another dtype: per call)
         if out_dtype == torch.bfloat16 and n > self.bf16_most:

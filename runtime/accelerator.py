@@ -25,6 +25,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import cache
 from typing import Any, TypeVar
 
@@ -394,12 +395,51 @@ def release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+@dataclass(frozen=True)
+class CudaDevice:
+    """A CUDA GPU as torch numbers it (`index`), with where it sits on the PCI bus (domain, bus, device)."""
+
+    index: int
+    pci: tuple[int, int, int]
+    capability: tuple[int, int] | None
+
+
+def parse_bus_id(text: str) -> tuple[int, int, int] | None:
+    """NVML's and sysfs's "DDDDDDDD:BB:DD.F" (or "DDDD:BB:DD.F"), hexadecimal -> (domain, bus, device); None if
+    it is not one."""
+    parts = text.strip().lower().replace(".", ":").split(":")
+    try:
+        domain, bus, device = (int(x, 16) for x in parts[:3])
+    except ValueError:
+        return None
+    return (domain, bus, device) if len(parts) == 4 else None
+
+
+def in_bus_order(devices: Sequence[CudaDevice]) -> list[CudaDevice]:
+    """The GPUs as nvidia-smi, NVML and `tandem probe` number them: by PCI bus. Torch's own numbering puts the
+    fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, so the two differ on machines with unlike GPUs."""
+    return sorted(devices, key=lambda d: d.pci)
+
+
+def cuda_devices() -> list[CudaDevice]:
+    """This machine's CUDA GPUs in PCI bus order (empty without one)."""
+    if not cuda_usable():
+        return []
+    found = []  # pragma: no cover - no GPU on test machines
+    for i in range(torch.cuda.device_count()):  # pragma: no cover
+        props = torch.cuda.get_device_properties(i)
+        found.append(CudaDevice(i, (props.pci_domain_id, props.pci_bus_id, props.pci_device_id),
+                                (props.major, props.minor)))
+    return in_bus_order(found)  # pragma: no cover
+
+
 def cuda_usable() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
-def make_accelerator(kind: str, vram_gb: float | None) -> Accelerator | None:
-    """`auto` picks CUDA when usable, else none (CPU only). `--vram-gb` sets or caps the budget."""
+def make_accelerator(kind: str, vram_gb: float | None, gpu: int = 0) -> Accelerator | None:
+    """`auto` picks CUDA when usable, else none (CPU only). `--vram-gb` sets or caps the budget; `gpu`: which
+    CUDA GPU in PCI bus order."""
     if kind == "auto":
         kind = "cuda" if cuda_usable() else "none"
     if kind == "none":
@@ -409,9 +449,13 @@ def make_accelerator(kind: str, vram_gb: float | None) -> Accelerator | None:
             raise ResourceError("--accelerator emulated needs --vram-gb to size the emulated device memory")
         return EmulatedAccelerator(int(vram_gb * GIB))
     if kind == "cuda":
-        if not cuda_usable():
+        devices = cuda_devices()
+        if not devices:
             raise ResourceError("--accelerator cuda: no usable CUDA device (driver or GPU missing); use auto or none")
-        free, _total = torch.cuda.mem_get_info()  # pragma: no cover
+        if not 0 <= gpu < len(devices):  # pragma: no cover
+            raise ResourceError(f"--gpu {gpu}: this machine has {len(devices)} CUDA GPUs, numbered from 0")
+        index = devices[gpu].index  # pragma: no cover
+        free, _total = torch.cuda.mem_get_info(index)  # pragma: no cover
         budget = free if vram_gb is None else min(free, int(vram_gb * GIB))  # pragma: no cover
-        return CudaAccelerator(budget)  # pragma: no cover
+        return CudaAccelerator(budget, index)  # pragma: no cover
     raise ResourceError(f"unknown accelerator {kind!r}; choose auto, none, cuda or emulated")

@@ -139,11 +139,14 @@ class Dispatcher:
         self, cfg: ModelConfig, blocks: dict[int, MoEBlockWeights], dtype: torch.dtype,
         accel: Accelerator | None = None, policy: OffloadOptions | None = None, cpu: CpuOptions | None = None,
         linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear,
+        cpu_dtype: torch.dtype | None = None,
     ) -> None:
         self.cfg, self.blocks, self.dtype, self.accel = cfg, blocks, dtype, accel
         self.linear = linear  # for the routers and their biases (the model's dense-matrix path)
-        # Every expert that runs on the CPU runs through the kernels' executor (quantized here if asked).
-        self.executor = (cpu or CpuOptions()).executor(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
+        # Every expert that runs on the CPU runs through the kernels' executor (quantized here if asked), in
+        # `cpu_dtype` where the device's dtype is not one the CPU computes (fp16)
+        self.executor = (cpu or CpuOptions()).executor(cfg.hidden_size, cfg.moe_intermediate_size,
+                                                       cpu_dtype or dtype)
         self.resident = bool(cpu and cpu.experts_in_ram)  # experts read into RAM (else memory-mapped or quantized)
         # an expert the kernels do not compute (gpt-oss's) runs its own torch code at every token count
         self.cpu_experts: dict[int, list[CpuExpert]] = {
@@ -293,6 +296,7 @@ class Dispatcher:
         gpu_jobs, cpu_jobs = self._plan(layer, ids_h, chosen, block)
         out = self._launch_device(x, weights, gpu_jobs, block)  # queued: the host goes on
         if cpu_jobs:  # computed while the device runs its experts, then added behind them
+            x_h = x_h.to(self.executor.dtype)  # an fp16 device's activations in the CPU's dtype
             cpu_out = self.accel.to_device(self._cpu_combine(x_h, weights_h, cpu_jobs))  # [T, H] float32
             gpu_out = out
             out = self.accel.submit(lambda: gpu_out.result() + cpu_out)

@@ -38,25 +38,25 @@ def load(options: Options, checkpoint: Checkpoint | None = None,
     it); `progress` hears about long steps (message, fraction done); `notify` about a change of plan (an
     accelerator nobody asked for that cannot hold the model: it runs on the CPU only)."""
     ckpt = checkpoint or open_checkpoint(options.model)
-    cfg, cpu, dtype = ckpt.config, options.cpu, options.torch_dtype
+    cfg, cpu, dtype, cpu_dtype = ckpt.config, options.cpu, options.torch_dtype, options.cpu_torch_dtype
     first = next((i for i in range(cfg.num_layers) if cfg.sparse_layers[i]), None)
     if ckpt.expert_blocks and cpu.quant is not None:  # a GGUF file's blocks: the kernels read them as stored
         raise KernelError(f"{ckpt.path.name} stores its experts quantized already; run it without --quant")
     if cfg.experts_mxfp4:  # already 4-bit: the kernels read it as stored
         if cpu.quant is not None:
             raise KernelError(f"{ckpt.path} stores its experts as MXFP4 already; run it without --quant")
-        check_support(cfg.hidden_size, cfg.moe_intermediate_size, dtype, "mxfp4")
+        check_support(cfg.hidden_size, cfg.moe_intermediate_size, cpu_dtype, "mxfp4")
     else:
         stored = None if first is None else ckpt.dtype(layer_expert_names(cfg, ckpt.spec, first)[0])
-        check_support(cfg.hidden_size, cfg.moe_intermediate_size, dtype, cpu.quant, cpu.group, stored,
+        check_support(cfg.hidden_size, cfg.moe_intermediate_size, cpu_dtype, cpu.quant, cpu.group, stored,
                       kernel_ready=cfg.clamped_swiglu is None)
     estimate = estimate_memory(ckpt, dtype, options.context, options.batch, cpu)
     check_memory(estimate, memory.available_ram(), options.force, cpu.experts_in_ram)
     tokenizer = Tokenizer.from_model(ckpt.path)
-    accel = make_accelerator(options.accelerator, options.vram_gb)
+    accel = make_accelerator(options.accelerator, options.vram_gb, options.gpu)
     try:
         model = MoEModel.from_checkpoint(ckpt, dtype, options.context, options.batch, accel, options.offload, cpu,
-                                         progress)
+                                         progress, cpu_dtype)
     except ResourceError as e:
         if accel is None:
             raise
@@ -65,9 +65,9 @@ def load(options: Options, checkpoint: Checkpoint | None = None,
             raise
         if notify is not None:
             notify(f"{e}; the model runs on the CPU only")
-        options = replace(options, accelerator="none")
-        model = MoEModel.from_checkpoint(ckpt, dtype, options.context, options.batch, None, options.offload, cpu,
-                                         progress)
+        options = replace(options, accelerator="none", dtype=options.cpu_dtype or options.dtype, cpu_dtype=None)
+        model = MoEModel.from_checkpoint(ckpt, options.torch_dtype, options.context, options.batch, None,
+                                         options.offload, cpu, progress)
     except BaseException:
         if accel is not None:
             accel.close()

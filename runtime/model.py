@@ -306,6 +306,7 @@ class MoEModel:
         norm_bias: torch.Tensor | None = None,
         lm_head_bias: torch.Tensor | None = None,
         linear: DenseLinear | None = None,
+        cpu_dtype: torch.dtype | None = None,
     ) -> None:
         self.cfg, self.embed, self.layers, self.norm, self.lm_head = cfg, embed, layers, norm, lm_head
         self.norm_bias, self.lm_head_bias = norm_bias, lm_head_bias
@@ -343,7 +344,7 @@ class MoEModel:
             self.prefill_chunk = min(PREFILL_CHUNK, context)
             accel.reserve(activation_bytes(cfg, self.prefill_chunk, context, batch, dtype), "activations")
         blocks = {i: layer.ffn for i, layer in enumerate(layers) if isinstance(layer.ffn, MoEBlockWeights)}
-        self.dispatcher = Dispatcher(cfg, blocks, dtype, accel, policy, cpu, self.linear)
+        self.dispatcher = Dispatcher(cfg, blocks, dtype, accel, policy, cpu, self.linear, cpu_dtype)
         # One decode token through every layer in one kernel call, where the step serves the model (off: the
         # torch path for every token, as the step's tests compare)
         self.use_step = True
@@ -354,8 +355,9 @@ class MoEModel:
     def from_checkpoint(
         cls, ckpt: Checkpoint, dtype: torch.dtype, context: int, batch: int = 1,
         accel: Accelerator | None = None, policy: OffloadOptions | None = None, cpu: CpuOptions | None = None,
-        progress: Callable[[str, float], None] | None = None,
+        progress: Callable[[str, float], None] | None = None, cpu_dtype: torch.dtype | None = None,
     ) -> MoEModel:
+        """`cpu_dtype`: the CPU experts' compute dtype where it is not `dtype` (an fp16 GPU's)."""
         cfg, spec = ckpt.config, ckpt.spec
         kept = kept_dtypes(ckpt, dtype, cpu) if accel is None else lambda name: dtype
 
@@ -453,7 +455,7 @@ class MoEModel:
             layers[i].ffn.experts.extend(experts)  # type: ignore[union-attr]
         return cls(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, context, batch, accel, policy, cpu,
                    w("model.norm.bias") if cfg.norm_type == "layer" else None,
-                   w("lm_head.bias") if cfg.lm_head_bias else None, linear)
+                   w("lm_head.bias") if cfg.lm_head_bias else None, linear, cpu_dtype)
 
     def with_batch(self, batch: int) -> MoEModel:
         """The same model (weights, experts, dispatcher shared) for `batch` sequences: its KV cache's first rows

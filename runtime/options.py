@@ -21,7 +21,7 @@ from tandem.kernels.errors import SettingsError
 from tandem.kernels.isa import mask_flags, masked_features
 from tandem.kernels.quant import GROUPS
 from tandem.runtime import memory
-from tandem.runtime.accelerator import cuda_usable
+from tandem.runtime.accelerator import cuda_devices, cuda_usable
 from tandem.runtime.checkpoint import Checkpoint
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.cpuinfo import proc_cpuinfo
@@ -30,11 +30,11 @@ from tandem.runtime.expert_cache import CachePolicy, Key
 from tandem.runtime.latency import LatencyModel
 from tandem.runtime.memory import estimate_memory, resident_fits
 
-Dtype = Literal["bf16", "fp32"]
+Dtype = Literal["bf16", "fp16", "fp32"]
 AcceleratorKind = Literal["auto", "none", "cuda", "emulated"]
 Source = Literal["given", "profile", "default", "machine"]  # where a resolved value came from
 
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_CONTEXT = 4096
 DEFAULT_GROUP = 64  # int4 group size when none is given
 DEFAULT_INFLIGHT = 4  # background expert copies in flight at most
@@ -51,6 +51,7 @@ class Request:
     force: bool = False  # load even when the RAM estimate says it will not fit
     accelerator: AcceleratorKind | None = None  # None: auto (CUDA when usable, else CPU only)
     vram_gb: float | None = None
+    gpu: int | None = None  # which GPU, in PCI bus order (as nvidia-smi and `tandem probe` number them); None: 0
     strategy: Strategy | None = None
     cache_ways: int | None = None
     cache_policy: CachePolicy | None = None
@@ -75,6 +76,7 @@ class Machine:
     isas: tuple[str, ...]  # compiled kernel variants this CPU can run
     available_ram: int  # bytes
     cuda: bool  # a usable CUDA device
+    gpu_capabilities: tuple[tuple[int, int] | None, ...] = ()  # each CUDA GPU's, in PCI bus order; None: unknown
 
     @classmethod
     def here(cls, cpu_flags: frozenset[str] | None = None) -> Machine:
@@ -83,8 +85,9 @@ class Machine:
             info = proc_cpuinfo()
             if info and info["flags"]:
                 cpu_flags = frozenset(mask_flags(info["flags"], masked_features()))
-        return cls(cpu_flags or None, os.cpu_count() or 1, tuple(available_isas()), memory.available_ram(),
-                   cuda_usable())
+        usable = cuda_usable()
+        return cls(cpu_flags or None, os.cpu_count() or 1, tuple(available_isas()), memory.available_ram(), usable,
+                   tuple(d.capability for d in cuda_devices()) if usable else ())
 
 
 @dataclass(frozen=True)
@@ -101,10 +104,16 @@ class Options:
     offload: OffloadOptions
     cpu: CpuOptions
     sources: tuple[tuple[str, Source], ...] = field(default=(), compare=False)
+    gpu: int = 0
+    cpu_dtype: Dtype | None = None  # the CPU experts' compute dtype where it is not `dtype` (an fp16 GPU's)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def cpu_torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.cpu_dtype or self.dtype]
 
     def source(self, name: str) -> Source:
         return dict(self.sources).get(name, "default")
@@ -114,7 +123,7 @@ class Options:
         o, c = self.offload, self.cpu
         values: dict[str, Any] = {
             "model": str(self.model), "dtype": self.dtype, "context": self.context, "batch": self.batch,
-            "force": self.force, "accelerator": self.accelerator, "vram_gb": self.vram_gb,
+            "force": self.force, "accelerator": self.accelerator, "vram_gb": self.vram_gb, "gpu": self.gpu,
             "strategy": str(o.strategy), "cache_ways": o.cache_ways, "cache_policy": str(o.cache_policy),
             "static": [list(k) for k in o.static], "max_inflight": o.max_inflight,
             "cost": None if o.cost is None else [o.cost.cpu_a_ms, o.cost.cpu_b_ms, o.cost.gpu_ms, o.cost.transfer_ms],
@@ -144,6 +153,14 @@ def default_dtype(cpu_flags: set[str] | frozenset[str] | None, int8_blocks: bool
     if cpu_flags and int8_blocks and "avx2" in cpu_flags:
         return "bf16"
     return "fp32"
+
+
+def gpu_dtype(capability: tuple[int, int] | None) -> Dtype:
+    """A GPU's compute dtype: bf16 from Ampere (sm80) on, where its tensor cores compute it; fp16 on older GPUs
+    (Turing, Volta: bf16 there is emulated, several times slower); fp32 when the GPU is unknown."""
+    if capability is None:
+        return "fp32"
+    return "bf16" if capability >= (8, 0) else "fp16"
 
 
 def takes_int8_blocks(ckpt: Checkpoint, quant: str | None) -> bool:
@@ -181,15 +198,24 @@ def resolve(request: Request, profile: Request | None, ckpt: Checkpoint, machine
     if request.model is None:
         raise SettingsError("no model given")
     cfg = ckpt.config
-    dtype = pick("dtype", default_dtype(machine.cpu_flags, takes_int8_blocks(ckpt, request.quant)), "machine",
-                 profiled=False)
-    if dtype not in DTYPES:
-        raise SettingsError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
-    context = resolve_context(cfg, pick("context", profiled=False))
     accelerator = pick("accelerator", "auto", profiled=False)
     if accelerator == "auto":
         accelerator = "cuda" if machine.cuda else "none"
         sources["accelerator"] = "machine"
+    gpu = pick("gpu", 0, profiled=False)
+    if accelerator == "cuda" and not 0 <= gpu < max(1, len(machine.gpu_capabilities)):
+        raise SettingsError(f"--gpu {gpu}: this machine has {len(machine.gpu_capabilities)} CUDA GPUs, numbered from 0 "
+                            "in PCI bus order (tandem probe lists them)")
+    cpu_default = default_dtype(machine.cpu_flags, takes_int8_blocks(ckpt, request.quant))
+    on_gpu = machine.gpu_capabilities[gpu] if accelerator == "cuda" and machine.gpu_capabilities else None
+    dtype = pick("dtype", gpu_dtype(on_gpu) if accelerator == "cuda" else cpu_default, "machine", profiled=False)
+    if dtype not in DTYPES:
+        raise SettingsError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
+    if dtype == "fp16" and accelerator == "none":
+        raise SettingsError("fp16 is a GPU's compute dtype (one without bf16); on the CPU choose bf16 or fp32")
+    # the CPU experts compute in the model's dtype, but an fp16 GPU's CPU experts in the CPU's own
+    cpu_dtype: Dtype | None = cpu_default if dtype == "fp16" else None
+    context = resolve_context(cfg, pick("context", profiled=False))
     isa = request.kernel_isa
     if isa is not None and isa not in machine.isas:
         raise SettingsError(f"--kernel-isa {isa} is not available on this machine "
@@ -218,7 +244,7 @@ def resolve(request: Request, profile: Request | None, ckpt: Checkpoint, machine
     sources["model"] = "given"
     names = [f.name for f in fields(Request)]
     return Options(Path(request.model), dtype, context, batch, request.force, accelerator, request.vram_gb, offload,
-                   cpu, tuple((n, sources.get(n, "default")) for n in names))
+                   cpu, tuple((n, sources.get(n, "default")) for n in names), gpu, cpu_dtype)
 
 
 def _check_group(cfg: ModelConfig, quant: str | None, group: int) -> None:

@@ -181,3 +181,12 @@ def test_the_budget_is_checked_before_the_device_is_asked(monkeypatch: pytest.Mo
         accel.empty((1000,), torch.float32, "too big")
     assert not asked
     accel.close()
+
+
+def test_gpus_are_numbered_by_pci_bus_as_nvidia_smi_does() -> None:
+    from tandem.runtime.accelerator import CudaDevice, in_bus_order, parse_bus_id
+
+    assert parse_bus_id("00000000:65:00.0") == (0, 0x65, 0) and parse_bus_id("0001:0a:1f.0") == (1, 10, 31)
+    assert parse_bus_id("not a bus") is None and parse_bus_id("0000:01:00") is None
+    fastest_first = [CudaDevice(0, (0, 0x41, 0), (8, 9)), CudaDevice(1, (0, 0x01, 0), (7, 5))]  # torch's order
+    assert [d.index for d in in_bus_order(fastest_first)] == [1, 0]  # --gpu 0 is the one on bus 01: torch's 1

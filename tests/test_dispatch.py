@@ -394,3 +394,23 @@ def test_beam_rows_share_the_kv_cache_the_model_was_loaded_with(checkpoints) -> 
     with pytest.raises(ResourceError, match="the KV cache"):  # more rows than loaded for: beyond the budget
         engine.model.with_batch(64)
     engine.model.close()
+
+
+def test_an_fp16_device_with_its_cpu_experts_in_the_cpus_dtype(checkpoints) -> None:
+    """An fp16 GPU (before Ampere): dense layers and slots in fp16, the CPU experts in fp32 (the CPU computes no
+    fp16), their activations converted at the boundary. Close to the fp32 model."""
+    folder = checkpoints["qwen3_moe"]
+    prompt = prompt_of(5)
+    ref_logits, _, _ = reference(folder, prompt)
+    accel = EmulatedAccelerator(budget_for(folder, 6))
+    model = MoEModel.from_checkpoint(open_checkpoint(folder), torch.float16, 128, 1, accel,
+                                     OffloadOptions(Strategy.CPU, cache_ways=2), cpu_dtype=torch.float32)
+    try:
+        assert model.dispatcher.executor.dtype == torch.float32 and model.dispatcher.scratch.gate.dtype == torch.float16
+        logits = model.forward(torch.tensor([prompt]), 0)
+        list(Engine(model, ()).generate(prompt, SamplingParams(max_new_tokens=6)))
+        gpu, cpu, _ = model.dispatcher.request_stats().per_layer.sum(0)
+    finally:
+        model.close()
+    assert logits.dtype == torch.float32 and (logits - ref_logits).abs().max().item() < 0.05
+    assert gpu > 0 and cpu > 0

@@ -176,7 +176,7 @@ BAD_DENSE: dict[str, Callable[[], object]] = {
     "matrix 3-D": lambda: DenseLinear(2)(torch.zeros(1, 64, dtype=torch.bfloat16), w64[None]),
     "x 0-D": lambda: DenseLinear(2)(torch.tensor(1.0), w64),
     "bias too short": lambda: DenseLinear(2)(torch.zeros(1, 64, dtype=torch.bfloat16), w64, torch.zeros(32)),
-    "fp16 results": lambda: DenseLinear(2)(torch.zeros(1, 64, dtype=torch.bfloat16), w64, out_dtype=torch.float16),
+    "float64 results": lambda: DenseLinear(2)(torch.zeros(1, 64, dtype=torch.bfloat16), w64, out_dtype=torch.float64),
     "threads -3": lambda: DenseLinear(-3),
     "threads 0": lambda: DenseLinear(0),
     "unknown variant": lambda: DenseLinear(2, isa="neon"),
@@ -300,3 +300,11 @@ def test_a_structure_that_drifted_is_refused_when_the_library_loads(monkeypatch:
         monkeypatch.undo()
         library.cache_clear()
         library()
+
+
+def test_fp16_dense_products_go_through_torch() -> None:
+    """fp16, an older GPU's compute dtype, which the kernels do not compute: torch's product, in fp16."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 64, generator=g).half(), torch.randn(32, 64, generator=g).half()
+    y = DenseLinear(2)(x, w)
+    assert y.dtype == torch.float16 and torch.equal(y, torch.nn.functional.linear(x, w))

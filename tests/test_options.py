@@ -150,3 +150,30 @@ def test_a_model_of_gguf_blocks_computes_in_bf16_wherever_the_cpu_has_avx2(tmp_p
     assert dtype(tmp_path / "q8_0.gguf", avx2) == "bf16" and dtype(folder, avx2, quant="q8_0") == "bf16"
     assert dtype(folder, avx2) == dtype(tmp_path / "f16.gguf", avx2) == dtype(tmp_path / "q8_0.gguf", old) == "fp32"
     assert dtype(tmp_path / "q8_0.gguf", avx2, dtype="fp32") == "fp32"
+
+
+@pytest.mark.parametrize("capability, dtype", [((8, 6), "bf16"), ((9, 0), "bf16"), ((7, 5), "fp16"),
+                                               ((7, 0), "fp16"), (None, "fp32")])
+def test_on_a_gpu_the_dtype_comes_from_the_gpu(mixtral_dir: Path, capability, dtype: str) -> None:
+    """bf16 from Ampere on, fp16 before (bf16 is emulated there), fp32 when unknown; not from the CPU's flags. An
+    fp16 GPU's CPU experts compute in the CPU's own dtype."""
+    from tandem.runtime.options import gpu_dtype
+
+    assert gpu_dtype(capability) == dtype
+    ckpt = open_checkpoint(mixtral_dir)
+    avx2_only = dataclasses.replace(MACHINE, cpu_flags=frozenset({"avx2"}), cuda=True,
+                                    gpu_capabilities=((6, 1), capability))  # the second GPU, as --gpu 1 picks
+    options = resolve(Request(model=mixtral_dir, gpu=1), None, ckpt, avx2_only)
+    assert (options.accelerator, options.gpu, options.dtype) == ("cuda", 1, dtype)
+    assert options.source("dtype") == "machine"
+    assert options.cpu_dtype == ("fp32" if dtype == "fp16" else None)  # this CPU has no bf16
+    assert resolve(Request(model=mixtral_dir, gpu=1, dtype="fp32"), None, ckpt, avx2_only).dtype == "fp32"
+
+
+def test_a_gpu_that_is_not_there_and_fp16_on_the_cpu_are_refused(mixtral_dir: Path) -> None:
+    ckpt = open_checkpoint(mixtral_dir)
+    one_gpu = dataclasses.replace(MACHINE, cuda=True, gpu_capabilities=((8, 9),))
+    with pytest.raises(SettingsError, match="--gpu 1: this machine has 1 CUDA GPUs"):
+        resolve(Request(model=mixtral_dir, gpu=1), None, ckpt, one_gpu)
+    with pytest.raises(SettingsError, match="fp16 is a GPU's compute dtype"):
+        resolve(Request(model=mixtral_dir, dtype="fp16"), None, ckpt, MACHINE)

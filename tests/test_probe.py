@@ -163,3 +163,15 @@ def test_record_keeps_plausible_readings(tmp_path: Path, capsys) -> None:
     found = json.loads(out)
     assert code == 0 and found["cpu"]["physical_cores"] == 8 and found["ram_total"] == 2**34
     assert found["gpus"][0]["memory_total"] == 2**34 and found["gpus"][0]["capability"] == [8, 9]
+
+
+def test_a_gpus_capability_is_matched_to_torch_by_bus_not_by_index(monkeypatch) -> None:
+    from tandem.autotune import probe as probe_module
+    from tandem.runtime import accelerator
+    from tandem.runtime.accelerator import CudaDevice
+
+    seen = [CudaDevice(0, (0, 0x41, 0), (8, 9)), CudaDevice(1, (0, 0x01, 0), (7, 5))]
+    monkeypatch.setattr(accelerator, "cuda_devices", lambda: sorted(seen, key=lambda d: d.pci))
+    assert probe_module._torch_capability("00000000:01:00.0") == [7, 5]  # NVML's GPU 0 is torch's device 1
+    assert probe_module._torch_capability("00000000:41:00.0") == [8, 9]
+    assert probe_module._torch_capability("00000000:02:00.0") is None and probe_module._torch_capability(None) is None
