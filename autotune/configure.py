@@ -11,12 +11,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from tandem.autotune.measurements import Measurements
 from tandem.autotune.plan import Plan
 from tandem.autotune.probe import HardwareInfo, probe
 from tandem.autotune.profile import find_profile, model_fingerprint
 from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
+from tandem.runtime.latency import LatencyModel
 from tandem.runtime.loader import LoadedModel, load
-from tandem.runtime.options import Machine, Options, Request, default_dtype, resolve, takes_int8_blocks
+from tandem.runtime.options import Machine, Options, Request, auto_dtype, resolve
 from tandem.runtime.trace import load_popularity, most_popular
 
 
@@ -44,12 +46,13 @@ def configure(request: Request, *, placement: str | None = None, use_profile: bo
     if use_profile:
         hw = hardware or probe()
         machine = Machine.here(frozenset(hw.cpu.flags))
-        dtype = request.dtype or default_dtype(machine.cpu_flags, takes_int8_blocks(ckpt, request.quant))
+        dtype = request.dtype if request.dtype not in (None, "auto") else auto_dtype(
+            machine, ckpt, request.quant, request.accelerator, request.gpu)
         found = find_profile(hw.fingerprint(), model_fingerprint(ckpt.raw_config, dtype))
         if found.notice and notify is not None:
             notify(found.notice)
         if found.profile is not None:
-            profile = profile_request(found.profile.plan)
+            profile = profile_request(found.profile.plan, found.profile.measurements)
     else:
         machine = Machine.here(frozenset(hardware.cpu.flags) if hardware is not None else None)
     return Configured(resolve(request, profile, ckpt, machine), ckpt)
@@ -64,13 +67,22 @@ def load_model(model: str | Path, *, placement: str | None = None,
     return load(configured.options, configured.checkpoint, progress)
 
 
-def profile_request(plan: dict[str, Any]) -> Request:
+def profile_request(plan: dict[str, Any], measurements: dict[str, Any] | None = None) -> Request:
     """What a saved plan decides, as the settings it fills: kernel and threads always, the accelerator's strategy,
-    cache and static experts only when the plan used one."""
+    cache and static experts only when the plan used one, with the cost model Fiddler's choice runs on from the
+    `measurements` it was planned with (CPU latencies at its thread count, the accelerator's and the copy's). A
+    plan that measured a GPU and chose the CPU alone says so: the accelerator stays off."""
     p = Plan.from_dict(plan)
     tuned = Request(threads=p.threads, crossover=p.crossover or None, kernel_isa=p.kernel_isa)
+    meas = Measurements.from_dict(measurements) if measurements else None
     if not p.accelerator:
-        return tuned
+        return replace(tuned, accelerator="none") if meas is not None and meas.has_gpu else tuned
     static = tuple((int(layer), int(e)) for layer, e in plan.get("static", []))
-    return replace(tuned, strategy=p.strategy, cache_policy=p.cache_policy,
-                   cache_ways=p.cache_ways or None, static=static)
+    tuned = replace(tuned, strategy=p.strategy, cache_policy=p.cache_policy, cache_ways=p.cache_ways or None,
+                    static=static)
+    fit = meas.cpu.get(p.threads) if meas is not None else None
+    if meas is None or fit is None or meas.gpu_expert_ms is None or meas.copy_expert_ms is None:
+        return tuned
+    # CpuFit is a + b(s - 1), LatencyModel a + b s
+    cost = LatencyModel(max(0.0, fit.a_ms - fit.b_ms), fit.b_ms, meas.gpu_expert_ms, meas.copy_expert_ms)
+    return replace(tuned, cost=cost)

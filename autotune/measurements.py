@@ -179,11 +179,12 @@ def from_hardware_file(d: dict[str, Any], expert_bytes: int, flops_per_token: fl
     h2d = f.optional(gpu, "h2d_gbps", GBPS, "gpu.")
     if copy_ms is None and h2d is not None:
         copy_ms = expert_bytes / h2d / 1e6
+    ship_ms = f.optional(gpu, "ship_ms", MS, "gpu.")  # a layer's activations to the CPU and back
     vram = gpu.get("vram_bytes_for_experts")
     vram = 0 if vram is None else f.count(vram, "gpu.vram_bytes_for_experts", 1 << 60, zero=True)
     overhead = d.get("token_overhead_ms")
     return Measurements(
         cores=cores, expert_bytes=expert_bytes, cpu=cpu, dram_gbps=dram, gpu_expert_ms=expert_ms,
-        copy_expert_ms=copy_ms, h2d_gbps=h2d, vram_for_experts=vram,
+        copy_expert_ms=copy_ms, h2d_gbps=h2d, vram_for_experts=vram, ship_ms=ship_ms,
         token_overhead_ms=0.0 if overhead is None else f.number(d, "token_overhead_ms", MS, zero=True),
     )

@@ -19,6 +19,9 @@ from tandem.autotune.probe import HardwareInfo
 from tandem.kernels.blocks import FORMATS, block_matrix
 from tandem.kernels.cpu import CpuExecutor, CpuExpert, read_bandwidth_probe
 from tandem.kernels.quant import QuantizedMatrix, quantize_mxfp4
+from tandem.runtime.accelerator import Accelerator, make_accelerator
+from tandem.runtime.dispatch import slot_budget
+from tandem.runtime.moe import ExpertWeights
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 QUICK_TOKENS = (1, 4, 16, 64)
@@ -104,7 +107,10 @@ def _prepare(executor: CpuExecutor, w: Weights) -> CpuExpert:
 
 
 def microbench(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype = torch.bfloat16, quick: bool = False,
-               progress: Progress | None = None) -> Measurements:
+               progress: Progress | None = None, device_dtype: torch.dtype | None = None,
+               accelerator_fixed: int | None = None) -> Measurements:
+    """`dtype`: the CPU experts'; `device_dtype`: the GPU's where it differs (fp16); `accelerator_fixed`: what the
+    model keeps on an accelerator beside its slots (memory.accelerator_bytes), to measure one at all."""
     threads = thread_candidates(hw)
     tokens = QUICK_TOKENS if quick else TOKENS
     min_time = 0.04 if quick else 0.12
@@ -183,36 +189,37 @@ def microbench(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype = torch.b
         dram_gbps=bw, cpu_samples=samples,
         kernel={"isa": isa, "crossover": crossover or None, "torch_ms": {str(n): ms for n, ms in torch_ms.items()},
                 "variants": {v: {str(n): ms for n, ms in s.items()} for v, s in variants.items()}},
-        **_gpu_measurements(shape, hw, dtype),
+        **_gpu_measurements(shape, hw, device_dtype or dtype, accelerator_fixed),
     )
 
 
-def _gpu_measurements(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype) -> dict[str, object]:
-    """Accelerator expert latency, pinned copy bandwidth both ways and one expert's copy time (CUDA only)."""
-    if not hw.gpus or not torch.cuda.is_available():
+def accelerator_measurements(accel: Accelerator, shape: ModelShape, dtype: torch.dtype, fixed: int,
+                             min_time: float = 0.1) -> dict[str, object]:
+    """What the planner needs of an accelerator, measured through the runtime's own paths (so on the emulated device
+    as on CUDA): one expert's run on the device's stream, read back by the host; one expert's copy from pageable
+    host memory through the staging ring, as the experts in RAM or memory-mapped are copied; and the bytes the
+    dispatcher gives the expert slots once the model's own `fixed` bytes (memory.accelerator_bytes) and the
+    scratch expert are placed (dispatch.slot_budget)."""
+    h, i = shape.hidden, shape.inter
+    host = [torch.ones(s, dtype=dtype) for s in ((i, h), (i, h), (h, i))]  # pageable
+    slot = [accel.empty(t.shape, dtype, "an expert being measured") for t in host]
+    expert = ExpertWeights(*slot)
+    x = accel.to_device(torch.ones(1, h, dtype=dtype))
+    copy_ms = time_per_call(lambda k: accel.copy_async(slot, host, demand=True).result(), 1, min_time)
+    run_ms = time_per_call(lambda k: accel.download(lambda: (expert(x),)).wait(), 1, min_time)
+    nbytes = sum(t.numel() * t.element_size() for t in slot)
+    return {"gpu_expert_ms": run_ms, "copy_expert_ms": copy_ms, "h2d_gbps": nbytes / copy_ms / 1e6,
+            "vram_for_experts": slot_budget(accel.budget, fixed + nbytes)}
+
+
+def _gpu_measurements(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype, fixed: int | None
+                      ) -> dict[str, object]:
+    """The accelerator's measurements on the first CUDA GPU (none without one, or without `fixed`)."""
+    if not hw.gpus or not torch.cuda.is_available() or fixed is None:
         return {}
-    dev = torch.device("cuda", 0)  # pragma: no cover - no GPU on test machines
-    h, i = shape.hidden, shape.inter  # pragma: no cover
-    gate, up, down = (torch.ones(s, dtype=dtype, device=dev) for s in ((i, h), (i, h), (h, i)))  # pragma: no cover
-    x = torch.ones(1, h, dtype=dtype, device=dev)  # pragma: no cover
-
-    def run() -> None:  # pragma: no cover
-        torch.nn.functional.linear(torch.nn.functional.silu(x @ gate.T) * (x @ up.T), down)
-
-    def timed(fn: Callable[[], object], reps: int = 20) -> float:  # pragma: no cover
-        fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / reps * 1e3
-
-    host = torch.ones(3 * h * i, dtype=dtype, pin_memory=True)  # pragma: no cover
-    device = torch.empty_like(host, device=dev)  # pragma: no cover
-    copy_ms = timed(lambda: device.copy_(host, non_blocking=True))  # pragma: no cover
-    back_ms = timed(lambda: host.copy_(device, non_blocking=True))  # pragma: no cover
-    nbytes = host.numel() * host.element_size()  # pragma: no cover
-    free = min(g.memory_free or 0 for g in hw.gpus[:1])  # pragma: no cover
-    return {"gpu_expert_ms": timed(run), "copy_expert_ms": copy_ms, "h2d_gbps": nbytes / copy_ms / 1e6,
-            "d2h_gbps": nbytes / back_ms / 1e6, "vram_for_experts": int(free * 0.8)}  # pragma: no cover
+    accel = make_accelerator("cuda", None)  # pragma: no cover - no GPU on test machines
+    assert accel is not None  # pragma: no cover
+    try:  # pragma: no cover
+        return accelerator_measurements(accel, shape, dtype, fixed)
+    finally:  # pragma: no cover
+        accel.close()

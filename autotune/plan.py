@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from tandem.autotune.measurements import Measurements
+from tandem.autotune.routing import popularity, routing_stats
 from tandem.autotune.simulate import Candidate, SimCosts, SimResult, simulate, synthetic_trace
 from tandem.kernels.cpu import Isa, Quant
 from tandem.kernels.errors import TandemError
@@ -57,6 +58,7 @@ class ModelShape:
     # how the experts are stored, and measured: "mxfp4" (gpt-oss), GGUF blocks ("Q4_K", or "Q4_K/Q6_K": gate and
     # up's format, then down's), or None (floats of the compute dtype)
     expert_quant: str | None = None
+    family: str = ""  # config.json's model_type: its routing statistics (routing.py) when there is no trace
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, dtype_bytes: int = 2) -> ModelShape:
@@ -67,7 +69,8 @@ class ModelShape:
         # MXFP4: half a byte a weight and a scale byte per 32 (its float32 biases are noise beside them)
         expert_bytes = params // 2 + params // 32 if cfg.experts_mxfp4 else params * dtype_bytes
         return cls(cfg.num_layers, cfg.num_experts, cfg.top_k, cfg.sparse_layers, cfg.hidden_size,
-                   cfg.moe_intermediate_size, expert_bytes, dense, "mxfp4" if cfg.experts_mxfp4 else None)
+                   cfg.moe_intermediate_size, expert_bytes, dense, "mxfp4" if cfg.experts_mxfp4 else None,
+                   cfg.model_type)
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype_bytes: int = 2) -> ModelShape:
@@ -128,6 +131,26 @@ class PlanResult:
                 "hit_rate": round(self.hit_rate, 4), "alternatives": self.alternatives}
 
 
+# DRAM bytes a copy of an expert moves per byte copied: the runtime reads the (memory-mapped, pageable) weights,
+# writes them into a pinned staging buffer, and the DMA reads that (accelerator.StagingRing)
+COPY_TRAFFIC = 3
+
+
+def dram_contention_ms(shape: ModelShape, meas: Measurements, threads: int) -> float:
+    """CPU expert time one background copy takes away. Decode streams experts from DRAM at the rate a thread count
+    reaches (its one-token latency); a copy moves COPY_TRAFFIC times the expert's bytes through DRAM meanwhile. What
+    the DRAM delivers beyond the copy's share still feeds the CPU experts at full speed; the rest of their stream
+    waits. The DRAM's peak: the probed bandwidth, else the fastest stream measured. Few threads leave bandwidth
+    over and lose nothing; many threads saturate it and lose most of the copy's duration."""
+    copy_ms = meas.copy_expert_ms or 0.0
+    if not copy_ms:
+        return 0.0
+    streams = {t: shape.expert_bytes / fit.a_ms / 1e6 for t, fit in meas.cpu.items()}  # GB/s at each count
+    peak = max(meas.dram_gbps or 0.0, *streams.values())
+    copy_gbps = COPY_TRAFFIC * shape.expert_bytes / copy_ms / 1e6
+    return copy_ms * max(0.0, 1.0 - max(0.0, peak - copy_gbps) / streams[threads])
+
+
 def sim_costs(shape: ModelShape, meas: Measurements, threads: int, accelerator: bool) -> SimCosts:
     fit = meas.cpu[threads]
     dram = meas.dram_gbps or 20.0
@@ -136,7 +159,7 @@ def sim_costs(shape: ModelShape, meas: Measurements, threads: int, accelerator: 
         dense = shape.dense_layer_bytes / gpu_gbps / 1e6
         ship = meas.ship_ms if meas.ship_ms is not None else 2 * shape.hidden * 4 / (meas.h2d_gbps or 10.0) / 1e6 + 0.01
         return SimCosts(fit.a_ms, fit.b_ms, meas.gpu_expert_ms or 0.0, meas.copy_expert_ms or 0.0, dense, ship,
-                        meas.token_overhead_ms, meas.shared_device)
+                        meas.token_overhead_ms, meas.shared_device, dram_contention_ms(shape, meas, threads))
     return SimCosts(fit.a_ms, fit.b_ms, dense_layer=shape.dense_layer_bytes / dram / 1e6,
                     token=meas.token_overhead_ms)
 
@@ -165,23 +188,48 @@ def candidates(shape: ModelShape, meas: Measurements) -> list[Plan]:
     return plans
 
 
-def evaluate(plan: Plan, shape: ModelShape, meas: Measurements, trace: np.ndarray) -> SimResult:
+def trace_counts(shape: ModelShape, trace: np.ndarray) -> np.ndarray:
+    """[layers, experts] routings in a trace."""
     counts = np.zeros((shape.num_layers, shape.num_experts), dtype=np.int64)
     for layer in range(shape.num_layers):
         ids = trace[:, layer].ravel()
         ids = ids[ids >= 0]
         counts[layer] = np.bincount(ids, minlength=shape.num_experts)
+    return counts
+
+
+def evaluate(plan: Plan, shape: ModelShape, meas: Measurements, trace: np.ndarray,
+             popular: np.ndarray | None = None) -> SimResult:
+    """`plan` simulated on `trace`; its static experts are the most popular by `popular` [layers, experts] (default:
+    the trace's own counts)."""
+    counts = trace_counts(shape, trace) if popular is None else popular
     static = tuple(most_popular(counts, plan.static_experts)) if plan.static_experts else ()
     policy = Candidate(plan.accelerator, plan.strategy, static, tuple(shape.moe_layers[: plan.cache_indexes]),
                        plan.cache_ways, CachePolicy(plan.cache_policy))
     return simulate(trace, sim_costs(shape, meas, plan.threads, plan.accelerator), policy, shape.expert_bytes)
 
 
+SYNTHETIC_STEPS = 64  # decode tokens of a synthetic trace
+
+
+def family_trace(shape: ModelShape, steps: int = SYNTHETIC_STEPS, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A decode trace [steps, layers, top_k] drawn from the family's routing statistics, and the popularity
+    [layers, experts] it was drawn from."""
+    stats = routing_stats(shape.family)
+    table = popularity(shape.num_layers, shape.num_experts, stats.skew, seed)
+    trace = synthetic_trace(steps, shape.num_layers, shape.num_experts, shape.top_k, stats.reuse, seed=seed,
+                            sparse=shape.sparse, table=table)
+    return trace, table
+
+
 def make_plan(shape: ModelShape, meas: Measurements, trace: np.ndarray | None = None, keep: int = 5) -> PlanResult:
-    """The plan with the highest predicted decode tokens/s, and the runners-up."""
+    """The plan with the highest predicted decode tokens/s, and the runners-up. Without a recorded trace, one drawn
+    from the family's routing statistics (routing.py), whose static experts are the most popular by the
+    statistics themselves: chosen from the trace they are judged on, they would look better than they are."""
+    popular = None
     if trace is None:
-        trace = synthetic_trace(48, shape.num_layers, shape.num_experts, shape.top_k, sparse=shape.sparse)
-    scored = [(plan, evaluate(plan, shape, meas, trace)) for plan in candidates(shape, meas)]
+        trace, popular = family_trace(shape)
+    scored = [(plan, evaluate(plan, shape, meas, trace, popular)) for plan in candidates(shape, meas)]
     scored.sort(key=lambda pr: (-pr[1].tok_s, pr[0].threads))
     best, result = scored[0]
     alternatives = [{"plan": p.to_dict(), "predicted_tok_s": round(r.tok_s, 2), "hit_rate": round(r.hit_rate, 4)}

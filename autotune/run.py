@@ -18,7 +18,17 @@ from tandem.autotune.profile import Profile, model_fingerprint, profiles_dir, sa
 from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
 from tandem.runtime.engine import Engine, GenerationStats
 from tandem.runtime.loader import LoadedModel, load
-from tandem.runtime.options import DTYPES, Dtype, Request, default_dtype, takes_int8_blocks
+from tandem.runtime.memory import accelerator_bytes
+from tandem.runtime.options import (
+    DTYPES,
+    Dtype,
+    Machine,
+    Request,
+    auto_dtype,
+    default_dtype,
+    resolve_context,
+    takes_int8_blocks,
+)
 from tandem.runtime.paths import ensure_folder
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.trace import most_popular
@@ -64,10 +74,14 @@ def autotune(model_dir: str | Path, dtype: str = "auto", quick: bool = False,
         ensure_folder(profiles_dir())
     hw = hardware or probe()
     ckpt = open_checkpoint(model_dir)
-    name = default_dtype(set(hw.cpu.flags) or None, takes_int8_blocks(ckpt, None)) if dtype == "auto" else dtype
+    name = auto_dtype(Machine.here(frozenset(hw.cpu.flags)), ckpt, None) if dtype == "auto" else dtype
     shape = ModelShape.from_checkpoint(ckpt, torch.empty((), dtype=DTYPES[name]).element_size())
-    meas = microbench(shape, hw, DTYPES[name], quick=quick, progress=progress)
-    recorded, measured_ms, threads = record_trace(model_dir, name, tokens=16 if quick else 32, loaded=loaded,
+    # the CPU experts run in the CPU's dtype where the GPU's is fp16; the GPU's slots are what the runtime leaves
+    cpu_name = default_dtype(set(hw.cpu.flags) or None, takes_int8_blocks(ckpt, None)) if name == "fp16" else name
+    fixed = accelerator_bytes(ckpt, DTYPES[name], resolve_context(ckpt.config, None)) if hw.gpus else None
+    meas = microbench(shape, hw, DTYPES[cpu_name], quick=quick, progress=progress, device_dtype=DTYPES[name],
+                      accelerator_fixed=fixed)
+    recorded, measured_ms, threads = record_trace(model_dir, cpu_name, tokens=16 if quick else 32, loaded=loaded,
                                                   checkpoint=ckpt)
     if trace is None or len(trace) == 0:
         trace = recorded

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tandem.autotune.routing import popularity
 from tandem.runtime.dispatch import Strategy
 from tandem.runtime.expert_cache import CachePolicy, ExpertCache, Key
 
@@ -32,6 +33,7 @@ class SimCosts:
     ship: float = 0.0  # activations to the CPU and back, once per layer that has CPU experts
     token: float = 0.0  # per-token work outside the layers (embedding, lm_head, sampling, interpreter)
     shared: bool = False  # accelerator and copies run on the CPU itself (emulated): one resource, not three
+    copy_cpu: float = 0.0  # CPU expert time one copy takes away: both stream from DRAM (plan.dram_contention_ms)
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ def simulate(trace: np.ndarray, costs: SimCosts, policy: Candidate, expert_bytes
                 continue
             for e in experts:
                 cache.observe(layer, e, 1)
-            gpu_end, cpu_end, missed = t, t, []
+            gpu_end, cpu_end, missed, demanded = t, t, [], 0
             for e in experts:
                 key = (layer, e)
                 resident = key in static or (cache.covers(layer) and cache.lookup(layer, e) is not None)
@@ -116,6 +118,7 @@ def simulate(trace: np.ndarray, costs: SimCosts, policy: Candidate, expert_bytes
                     start = max(t, copy_free)
                     copy_free = start + costs.copy_expert
                     copies += 1
+                    demanded += 1
                     gpu_end = max(gpu_end, copy_free) + costs.gpu_expert
                     slot = cache.begin_fill(layer, e) if cache.covers(layer) else None
                     if slot is not None:
@@ -124,7 +127,7 @@ def simulate(trace: np.ndarray, costs: SimCosts, policy: Candidate, expert_bytes
                     cpu_end += costs.cpu_a + costs.cpu_b
                     missed.append(e)
             if missed:
-                cpu_end += costs.ship
+                cpu_end += costs.ship + (0.0 if costs.shared else demanded * costs.copy_cpu)
             # three resources in parallel, or one (the emulated device shares the CPU's cores and memory)
             clock[0] = (gpu_end - t) + (cpu_end - t) + t if costs.shared else max(gpu_end, cpu_end)
             for e in missed:  # post-fetch in the background for later tokens
@@ -135,8 +138,9 @@ def simulate(trace: np.ndarray, costs: SimCosts, policy: Candidate, expert_bytes
                     start = max(clock[0], copy_free)
                     copy_free = start + costs.copy_expert
                     copies += 1
-                    if costs.shared:  # the copy takes the same cores and memory bandwidth as the CPU experts
-                        clock[0] += costs.copy_expert
+                    # the copy takes the same cores and memory bandwidth as the CPU experts (emulated), or a share
+                    # of the memory bandwidth they stream at
+                    clock[0] += costs.copy_expert if costs.shared else costs.copy_cpu
                     cache.start(slot, _Copy(clock, copy_free))  # type: ignore[arg-type]
         clock[0] += costs.token
         timeline.append(clock[0])
@@ -146,15 +150,16 @@ def simulate(trace: np.ndarray, costs: SimCosts, policy: Candidate, expert_bytes
 
 
 def synthetic_trace(steps: int, layers: int, experts: int, top_k: int, reuse: float = 0.4,
-                    skew: float = 1.0, seed: int = 0, sparse: tuple[bool, ...] | None = None) -> np.ndarray:
+                    skew: float = 1.0, seed: int = 0, sparse: tuple[bool, ...] | None = None,
+                    table: np.ndarray | None = None) -> np.ndarray:
     """A routing trace with temporal locality: each token keeps each of the previous token's experts of a
-    layer with probability `reuse`, and draws the rest from a Zipf-like popularity (`skew` 0 = uniform)."""
+    layer with probability `reuse`, and draws the rest from a Zipf-like popularity (`skew` 0 = uniform), or from
+    `table` [layers, experts] (routing.popularity) when given."""
     if not 0 < top_k <= experts:  # top_k distinct experts out of fewer could never be drawn: the loop would not end
         raise ValueError(f"a synthetic trace needs 1 <= top_k <= experts (got top_k {top_k}, {experts} experts)")
-    rng = np.random.default_rng(seed)
-    weights = 1.0 / np.arange(1, experts + 1) ** skew
-    popularity = np.stack([rng.permutation(weights) for _ in range(layers)])  # [layers, experts]
-    popularity /= popularity.sum(1, keepdims=True)
+    rng = np.random.default_rng([seed, 1])  # (a stream apart from the popularity's)
+    if table is None:
+        table = popularity(layers, experts, skew, seed)
     trace = np.full((steps, layers, top_k), -1, dtype=np.int32)
     for layer in range(layers):
         if sparse is not None and not sparse[layer]:
@@ -163,7 +168,7 @@ def synthetic_trace(steps: int, layers: int, experts: int, top_k: int, reuse: fl
         for step in range(steps):
             chosen = [e for e in prev if rng.random() < reuse][:top_k]
             while len(chosen) < top_k:
-                e = int(rng.choice(experts, p=popularity[layer]))
+                e = int(rng.choice(experts, p=table[layer]))
                 if e not in chosen:
                     chosen.append(e)
             trace[step, layer] = chosen

@@ -112,6 +112,12 @@ def budget_for_slots(fixed: int, slots: int, expert_bytes: int) -> float:
     return (fixed + slots * expert_bytes + expert_bytes // 2) * RESERVE / (RESERVE - 1)
 
 
+def slot_budget(budget: int, used: int) -> int:
+    """The bytes the expert slots get of an accelerator `budget` once `used` bytes are placed (the model's own and
+    the scratch expert): all but the reserve."""
+    return max(0, budget - used - budget // RESERVE)
+
+
 def default_ways(slots: int, layers: int, experts: int, top_k: int) -> int:
     """Ways per index when none is asked for: at least top-k (a token's experts must fit together), enough
     to spread the slots over every layer when they can, and as few slots left unused as possible."""
@@ -200,8 +206,7 @@ class Dispatcher:
         if self.cost is None:
             self.cost = LatencyModel.from_bandwidths(expert_bytes, 6 * cfg.hidden_size * cfg.moe_intermediate_size)
         self.scratch = self._new_buffer(accel, "the expert scratch buffer")
-        reserve = accel.budget // RESERVE
-        slots = max(0, (accel.free - reserve) // expert_bytes)
+        slots = slot_budget(accel.budget, accel.used) // expert_bytes
         moe_layers = [i for i in range(cfg.num_layers) if cfg.sparse_layers[i]]
         slots = min(slots, len(moe_layers) * cfg.num_experts)
         n_static = min(len(policy.static), slots if policy.cache_ways is None else slots // 2)

@@ -16,7 +16,8 @@ import torch
 from tandem.kernels.cpu import CpuOptions, library
 from tandem.kernels.errors import ResourceError
 from tandem.runtime.checkpoint import Checkpoint
-from tandem.runtime.model import cache_class, kept_dtypes
+from tandem.runtime.model import PREFILL_CHUNK, activation_bytes, cache_class, kept_dtypes
+from tandem.runtime.rope import long_after, rotary_dims
 from tandem.runtime.weights import dense_tensors, expert_names, layer_expert_names
 
 GIB = 1024**3
@@ -66,6 +67,17 @@ def estimate_memory(
                 in_ram = max(in_ram, 3 * h * i * stored)
         weights += in_ram * cfg.num_moe_layers * cfg.num_experts
     return MemoryEstimate(weights, kv, rope + logits)
+
+
+def accelerator_bytes(ckpt: Checkpoint, dtype: torch.dtype, context: int, batch: int = 1) -> int:
+    """What a model keeps on an accelerator beside its expert slots, as MoEModel places it: every non-expert weight
+    in the compute dtype, the KV cache, the RoPE tables and the activations of the longest prefill pass."""
+    cfg = ckpt.config
+    weights = sum(math.prod(shape) for shape in dense_tensors(cfg, ckpt.spec).values()) * dtype.itemsize
+    kv = cache_class(cfg).nbytes(cfg, batch, context, dtype)
+    tables = 2 if long_after(cfg) is None else 4  # cos and sin (and LongRoPE's long pair, at most)
+    rope = tables * context * rotary_dims(cfg) * dtype.itemsize
+    return weights + kv + rope + activation_bytes(cfg, min(PREFILL_CHUNK, context), context, batch, dtype)
 
 
 def check_memory(estimate: MemoryEstimate, available: int, force: bool, resident: bool = False) -> None:

@@ -163,6 +163,18 @@ def gpu_dtype(capability: tuple[int, int] | None) -> Dtype:
     return "bf16" if capability >= (8, 0) else "fp16"
 
 
+def auto_dtype(machine: Machine, ckpt: Checkpoint, quant: str | None, accelerator: str | None = None,
+               gpu: int | None = None) -> Dtype:
+    """The dtype a load runs in when none is asked: its GPU's where it runs on one (`accelerator` None or auto: on
+    a GPU when the machine has one), else the CPU's."""
+    if accelerator in (None, "auto"):
+        accelerator = "cuda" if machine.cuda else "none"
+    if accelerator == "cuda":
+        caps = machine.gpu_capabilities
+        return gpu_dtype(caps[gpu or 0] if (gpu or 0) < len(caps) else None)
+    return default_dtype(machine.cpu_flags, takes_int8_blocks(ckpt, quant))
+
+
 def takes_int8_blocks(ckpt: Checkpoint, quant: str | None) -> bool:
     """Whether this model's experts are GGUF blocks of a format the kernels run against int8 activations: a GGUF
     file's, or Tandem's own `--quant q8_0|q4_k`."""
@@ -198,7 +210,7 @@ def resolve(request: Request, profile: Request | None, ckpt: Checkpoint, machine
     if request.model is None:
         raise SettingsError("no model given")
     cfg = ckpt.config
-    accelerator = pick("accelerator", "auto", profiled=False)
+    accelerator = pick("accelerator", "auto")  # (a profile's "none": its plan measured the GPU and chose the CPU)
     if accelerator == "auto":
         accelerator = "cuda" if machine.cuda else "none"
         sources["accelerator"] = "machine"
@@ -207,8 +219,7 @@ def resolve(request: Request, profile: Request | None, ckpt: Checkpoint, machine
         raise SettingsError(f"--gpu {gpu}: this machine has {len(machine.gpu_capabilities)} CUDA GPUs, numbered from 0 "
                             "in PCI bus order (tandem probe lists them)")
     cpu_default = default_dtype(machine.cpu_flags, takes_int8_blocks(ckpt, request.quant))
-    on_gpu = machine.gpu_capabilities[gpu] if accelerator == "cuda" and machine.gpu_capabilities else None
-    dtype = pick("dtype", gpu_dtype(on_gpu) if accelerator == "cuda" else cpu_default, "machine", profiled=False)
+    dtype = pick("dtype", auto_dtype(machine, ckpt, request.quant, accelerator, gpu), "machine", profiled=False)
     if dtype not in DTYPES:
         raise SettingsError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
     if dtype == "fp16" and accelerator == "none":
@@ -237,7 +248,7 @@ def resolve(request: Request, profile: Request | None, ckpt: Checkpoint, machine
         sources["resident"] = "machine"
     offload = OffloadOptions(pick("strategy", Strategy.FIDDLER), pick("cache_ways"),
                              pick("cache_policy", CachePolicy.LRU), pick("static", ()),
-                             pick("max_inflight", DEFAULT_INFLIGHT, profiled=False), pick("cost", profiled=False))
+                             pick("max_inflight", DEFAULT_INFLIGHT, profiled=False), pick("cost"))
     for name in ("batch", "force", "use_kernel"):
         sources[name] = "given" if getattr(request, name) != getattr(Request, name) else "default"
     pick("vram_gb", profiled=False)

@@ -115,7 +115,7 @@ def test_trace_is_written_to_exactly_the_path_given(model: str, tmp_path: Path, 
     assert main(["generate", "--model", model, "--max-new-tokens", "2", "--record-trace", str(trace), "hi"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t_noext"]  # not t_noext.npz
     assert main(["generate", "--model", model, "--max-new-tokens", "1", "--placement", str(trace),
-                 "--accelerator", "emulated", "--vram-gb", "0.001", "hi"]) == 0
+                 "--accelerator", "emulated", "--vram-gb", "0.008", "hi"]) == 0  # 8 MiB: a prompt's activations
 
 
 def test_a_trace_can_be_thrown_away(model: str, capsys) -> None:

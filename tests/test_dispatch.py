@@ -414,3 +414,41 @@ def test_an_fp16_device_with_its_cpu_experts_in_the_cpus_dtype(checkpoints) -> N
         model.close()
     assert logits.dtype == torch.float32 and (logits - ref_logits).abs().max().item() < 0.05
     assert gpu > 0 and cpu > 0
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v2", "gpt_oss"])
+def test_what_the_planner_counts_beside_the_slots_is_what_a_model_takes(checkpoints, family: str) -> None:
+    """memory.accelerator_bytes, from which autotune gives the planner its slot budget, against what a load places:
+    every non-expert weight, KV cache, RoPE tables and the activation reserve (within a few small float32 tensors:
+    the correction biases; the long RoPE tables)."""
+    from tandem.runtime.memory import accelerator_bytes
+
+    folder = checkpoints[family]
+    accel = EmulatedAccelerator(1 << 30)
+    engine = build(folder, accel, OffloadOptions(cache_ways=0))  # no slots: only the scratch expert beside
+    scratch = sum(t.numel() * t.element_size() for t in engine.model.dispatcher.scratch.tensors())
+    engine.model.close()
+    estimate = accelerator_bytes(open_checkpoint(folder), torch.float32, 128)
+    assert abs(accel.used - scratch - estimate) <= 0.01 * estimate
+
+
+def test_the_slot_budget_autotune_measures_is_the_one_a_load_gets(checkpoints) -> None:
+    """autotune's accelerator measurements, through the runtime's own copy and stream paths on the emulated
+    device, give the planner the slot bytes a load of the same model on the same budget makes its slots of."""
+    from tandem.autotune.microbench import accelerator_measurements
+    from tandem.autotune.plan import ModelShape
+    from tandem.runtime.memory import accelerator_bytes
+
+    folder = checkpoints["mixtral"]
+    ckpt = open_checkpoint(folder)
+    budget = budget_for(folder, 7)
+    accel = EmulatedAccelerator(budget)
+    measured = accelerator_measurements(accel, ModelShape.from_config(ckpt.config, 4), torch.float32,
+                                        accelerator_bytes(ckpt, torch.float32, 128), min_time=0.01)
+    accel.close()
+    assert measured["gpu_expert_ms"] > 0 and measured["copy_expert_ms"] > 0 and measured["h2d_gbps"] > 0
+    every = tuple((layer, e) for layer in range(3) for e in range(8))
+    engine = build(folder, EmulatedAccelerator(budget), OffloadOptions(static=every))  # static takes every slot
+    slots = len(engine.model.dispatcher.slot_buffers)
+    engine.model.close()
+    assert slots == 7 and measured["vram_for_experts"] // expert_bytes(folder) == slots

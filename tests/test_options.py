@@ -177,3 +177,19 @@ def test_a_gpu_that_is_not_there_and_fp16_on_the_cpu_are_refused(mixtral_dir: Pa
         resolve(Request(model=mixtral_dir, gpu=1), None, ckpt, one_gpu)
     with pytest.raises(SettingsError, match="fp16 is a GPU's compute dtype"):
         resolve(Request(model=mixtral_dir, dtype="fp16"), None, ckpt, MACHINE)
+
+
+def test_a_profile_made_on_a_gpu_brings_its_measured_costs_and_its_choice_of_the_cpu() -> None:
+    from tandem.autotune.measurements import CpuFit, Measurements
+    from tandem.runtime.latency import LatencyModel
+
+    meas = Measurements(cores=8, expert_bytes=1 << 20, cpu={2: CpuFit(3.0, 0.5), 8: CpuFit(1.0, 0.25)},
+                        gpu_expert_ms=0.2, copy_expert_ms=4.0, vram_for_experts=1 << 30).to_dict()
+    plan = {"threads": 8, "accelerator": True, "strategy": "fiddler", "kernel": {"isa": "avx2", "crossover": 0},
+            "cache": {"ways": 4, "policy": "lru"}}
+    tuned = profile_request(plan, meas)
+    assert tuned.cost == LatencyModel(0.75, 0.25, 0.2, 4.0)  # a + b(s - 1) as a' + b s, at the plan's threads
+    assert tuned.accelerator is None  # the machine's: the GPU
+    cpu_only = profile_request(plan | {"accelerator": False}, meas)
+    assert cpu_only.accelerator == "none" and cpu_only.cost is None  # measured the GPU, chose the CPU alone
+    assert profile_request(plan | {"accelerator": False}).accelerator is None  # nothing measured: not decided
