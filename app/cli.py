@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     add(probe, "--record", "--from")
     probe.set_defaults(func=_probe)
 
+    check = sub.add_parser("selftest", help="check the accelerator tier end to end on this machine (a tiny random "
+                                            "model; the emulated device, or a CUDA GPU with --gpu)")
+    add(check, "--gpu", nargs="?", const=0,
+        help="on CUDA GPU N (default 0, numbered as nvidia-smi does); without it: the emulated device")
+    check.set_defaults(func=_selftest)
+
     chat = sub.add_parser("chat", help="the chat app (terminal UI)")
     chat.add_argument("model", nargs="?", type=flags.path, default=None,
                       help="model folder (default: the built-in model)")
@@ -404,6 +410,24 @@ def _generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _selftest(args: argparse.Namespace) -> int:
+    """Every check of runtime/selftest.py, one line each; status 1 when one fails."""
+    import tempfile
+
+    from tandem.runtime.accelerator import cuda_devices
+    from tandem.runtime.selftest import selftest
+
+    kind = "emulated" if args.gpu is None else "cuda"
+    if kind == "cuda" and args.gpu >= len(cuda_devices()):
+        raise TandemError(f"--gpu {args.gpu}: this machine has {len(cuda_devices())} usable CUDA GPUs")
+    print(f"selftest on {'the emulated device' if kind == 'emulated' else f'CUDA GPU {args.gpu}'}:", flush=True)
+    with tempfile.TemporaryDirectory(prefix="tandem-selftest-") as folder:
+        checks = selftest(kind, Path(folder), args.gpu or 0)
+    for c in checks:
+        print(f"  {'ok  ' if c.ok else 'FAIL'}  {c.name}: {c.detail}")
+    return 0 if all(c.ok for c in checks) else 1
 
 
 def _probe(args: argparse.Namespace) -> int:

@@ -162,7 +162,7 @@ def paper_inputs(name: str) -> tuple[ModelShape, Measurements]:
 
     cfg = parse_config(bench_config(name), name)[1]
     shape = ModelShape.from_config(cfg, 2)
-    hw = json.loads((FIXTURES / PAPER[name][0]).read_text())
+    hw = json.loads((Path(__file__).parent / "fixtures" / "plan_hardware" / PAPER[name][0]).read_text())
     return shape, from_hardware_file(hw, shape.expert_bytes, 6 * cfg.hidden_size * cfg.moe_intermediate_size)
 
 
