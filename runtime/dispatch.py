@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.cpu import CpuExpert, CpuOptions, Epilogue
+from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.accelerator import Accelerator, Copy
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.expert_cache import CachePolicy, ExpertCache, Key
@@ -180,6 +181,16 @@ class Dispatcher:
             return self.executor.prepare_quantized(*w.matrices())
         return self.executor.prepare(w.gate, w.up, w.down, reference=None if w.kernel_ready else w)
 
+    def _source(self, layer: int, e: int) -> ExpertWeights:
+        """What an accelerator copy of expert `e` of `layer` is made from: the expert as stored, or, where the CPU
+        runs it quantized by `--quant` (int8, int4: the kernels' own formats), its quantized weights dequantized,
+        so that it computes the same function on either side whatever the copies' timing decides."""
+        stored = self.blocks[layer].experts[e]
+        cpu = self.cpu_experts[layer][e]
+        if type(stored) is ExpertWeights and isinstance(cpu.gate, QuantizedMatrix):
+            return ExpertWeights(*cpu.dense(self.dtype))
+        return stored
+
     def _slot_dtype(self, t: torch.Tensor) -> torch.dtype:
         """An accelerator copy of an expert tensor: floats in the compute dtype, packed codes and scales as they are."""
         return self.dtype if t.is_floating_point() else t.dtype
@@ -221,7 +232,7 @@ class Dispatcher:
         for n in range(n_static + self.cache.slots):
             self.slot_buffers.append(self._new_buffer(accel, f"expert slot {n}"))
         for n, (layer, e) in enumerate(policy.static[:n_static]):
-            accel.copy_now(self._tensors(self.slot_buffers[n]), self._tensors(self.blocks[layer].experts[e]))
+            accel.copy_now(self._tensors(self.slot_buffers[n]), self._tensors(self._source(layer, e)))
             self.static[(layer, e)] = self.slot_buffers[n]
 
     @staticmethod
@@ -328,7 +339,7 @@ class Dispatcher:
         resident = {e: w for (lay, e), w in self.static.items() if lay == layer}
         for e in chosen:
             tok, slot = (ids == e).nonzero(as_tuple=True)  # [n], [n]
-            source = block.experts[e]
+            source = self._source(layer, e)
             weights = resident.get(e)
             if weights is None and self.cache.covers(layer):
                 hit = self.cache.lookup(layer, e)

@@ -452,3 +452,30 @@ def test_the_slot_budget_autotune_measures_is_the_one_a_load_gets(checkpoints) -
     slots = len(engine.model.dispatcher.slot_buffers)
     engine.model.close()
     assert slots == 7 and measured["vram_for_experts"] // expert_bytes(folder) == slots
+
+
+def test_slots_hold_the_weights_the_cpu_computes_with_under_quant(checkpoints) -> None:
+    """--quant int8: an expert copied to the accelerator holds the CPU's quantized weights (dequantized), so where
+    it runs does not change the answer beyond rounding."""
+    from tandem.kernels.cpu import CpuOptions
+
+    folder = checkpoints["qwen3_moe"]
+    prompt = prompt_of(5)
+    cpu_only = MoEModel.from_checkpoint(open_checkpoint(folder), torch.float32, 128, 1, cpu=CpuOptions(quant="int8"))
+    ref = cpu_only.forward(torch.tensor([prompt]), 0)
+    cpu_only.close()
+    accel = EmulatedAccelerator(budget_for(folder, 6))
+    model = MoEModel.from_checkpoint(open_checkpoint(folder), torch.float32, 128, 1, accel,
+                                     OffloadOptions(Strategy.FETCH, cache_ways=2), CpuOptions(quant="int8"))
+    try:
+        logits = model.forward(torch.tensor([prompt]), 0)
+        dispatcher = model.dispatcher
+        (layer, e), slot = next((s.key, dispatcher.slot_buffers[s.id]) for ways in dispatcher.cache.sets
+                                for s in ways if s.key is not None)
+        dispatcher.cache.wait_all()
+        expected = dispatcher.cpu_experts[layer][e].dense(torch.float32)
+        assert all(torch.equal(a, b) for a, b in zip(slot.tensors(), expected, strict=True))
+        assert not torch.equal(slot.gate, model.dispatcher.blocks[layer].experts[e].gate.float())
+    finally:
+        model.close()
+    assert (logits - ref).abs().max().item() < 1e-2
