@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from tandem.kernels.attend import attend_one, attend_serves
 from tandem.kernels.blocks import block_matrix
 from tandem.kernels.cpu import BLOCK_QUANTS, CpuOptions, DenseLinear, library, lookup_rows, rms_norm_bf16
-from tandem.kernels.errors import CheckpointError
+from tandem.kernels.errors import CheckpointError, ResourceError
 from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.accelerator import Accelerator
 from tandem.runtime.checkpoint import Checkpoint, one_buffer
@@ -477,7 +477,17 @@ class MoEModel:
         """Token ids [B, T] at positions start..start+T-1 -> float32 host logits [B, T, V] (or [B, 1, V]).
 
         `phase` ("prefill" or "decode") labels the step in the expert activation trace. `long`: LongRoPE's long
-        tables or not (None: as this pass's length decides; a prompt in several passes decides once)."""
+        tables or not (None: as this pass's length decides; a prompt in several passes decides once). The device
+        running out of memory on the way is a ResourceError (another program took what the budget counted on)."""
+        try:
+            return self._forward(ids, start, last_only, phase, long)
+        except torch.OutOfMemoryError as e:
+            raise ResourceError(f"the accelerator ran out of memory during a {ids.shape[1]}-token pass: another "
+                                "program may have taken some; lower --vram-gb or --context, or use --accelerator "
+                                "none") from e
+
+    def _forward(self, ids: torch.Tensor, start: int, last_only: bool, phase: str, long: bool | None
+                 ) -> torch.Tensor:
         B, T = ids.shape
         self.dispatcher.begin_step(phase)
         # The residual stream in float32, whatever the compute dtype (as llama.cpp keeps it): each layer adds to it

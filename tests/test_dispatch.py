@@ -479,3 +479,19 @@ def test_slots_hold_the_weights_the_cpu_computes_with_under_quant(checkpoints) -
     finally:
         model.close()
     assert (logits - ref).abs().max().item() < 1e-2
+
+
+def test_the_device_running_out_of_memory_mid_answer_is_a_resource_error(checkpoints, monkeypatch) -> None:
+    from tandem.kernels.errors import ResourceError
+    from tandem.runtime.dispatch import Dispatcher
+
+    folder = checkpoints["mixtral"]
+    engine = build(folder, EmulatedAccelerator(budget_for(folder, 6)), OffloadOptions(Strategy.CPU, cache_ways=2))
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    monkeypatch.setattr(Dispatcher, "_launch_device", no_memory)
+    with pytest.raises(ResourceError, match="ran out of memory during a 5-token pass"):
+        list(engine.generate(prompt_of(5), SamplingParams(max_new_tokens=2)))
+    engine.model.close()
