@@ -346,6 +346,7 @@ def describe(hw: HardwareInfo) -> list[str]:
             f"GPU {g.index}: {show(g.name)}, {gib(g.memory_total)} ({gib(g.memory_free)} free), "
             f"PCIe gen {show(g.pcie_gen)}/{show(g.pcie_gen_max)} x{show(g.pcie_width)}/{show(g.pcie_width_max)} "
             f"(max link {link}), driver {show(g.driver)}, compute capability "
-            f"{'unknown' if g.capability is None else '.'.join(map(str, g.capability))}"
+            f"{'unknown' if g.capability is None else '.'.join(map(str, g.capability))}, PCI bus {show(g.pci_bus_id)}"
+            " (--gpu " + str(g.index) + ")"
         )
     return lines
