@@ -8,7 +8,6 @@ its measured speed against the best measured, the regret, and the simulator's pr
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +16,15 @@ import torch
 
 from tandem.autotune.configure import load_model
 from tandem.autotune.measurements import Measurements
-from tandem.autotune.microbench import microbench
+from tandem.autotune.microbench import accelerator_measurements, microbench
 from tandem.autotune.plan import ModelShape, Plan, evaluate, make_plan
 from tandem.autotune.probe import probe
 from tandem.autotune.run import record_trace
+from tandem.runtime.accelerator import EmulatedAccelerator
 from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.dispatch import Strategy, budget_for_slots
 from tandem.runtime.engine import Engine, GenerationStats
 from tandem.runtime.expert_cache import CachePolicy
-from tandem.runtime.moe import ExpertWeights
 from tandem.runtime.options import DTYPES, default_dtype, takes_int8_blocks
 from tandem.runtime.sampling import SamplingParams
 
@@ -48,27 +47,14 @@ def measure(model_dir: str | Path, dtype: str, tokens: int, **kwargs: Any) -> fl
 
 
 def emulated_device(shape: ModelShape, dtype: torch.dtype) -> tuple[float, float]:
-    """The emulated accelerator's expert latency (one thread, torch) and one expert's copy time, in ms."""
-    h, i = shape.hidden, shape.inter
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the emulated device's compute thread runs
+    """The emulated accelerator's expert latency and one expert's copy time, in ms, measured as autotune measures a
+    GPU: through the accelerator's own stream and copy paths."""
+    accel = EmulatedAccelerator(2 * 3 * shape.hidden * shape.inter * dtype.itemsize)
     try:
-        w = ExpertWeights(*(torch.ones(s, dtype=dtype) * 0.01 for s in ((i, h), (i, h), (h, i))))
-        dst = [torch.empty_like(t) for t in (w.gate, w.up, w.down)]
-        x = torch.ones(1, h, dtype=dtype)
-        w(x)
-        start = time.perf_counter()
-        for _ in range(10):
-            w(x)
-        run_ms = (time.perf_counter() - start) * 100
-        start = time.perf_counter()
-        for _ in range(10):
-            for d, s in zip(dst, (w.gate, w.up, w.down), strict=True):
-                d.copy_(s)
-        copy_ms = (time.perf_counter() - start) * 100
+        measured = accelerator_measurements(accel, shape, dtype, fixed=0)
     finally:
-        torch.set_num_threads(previous)
-    return run_ms, copy_ms
+        accel.close()
+    return float(measured["gpu_expert_ms"]), float(measured["copy_expert_ms"])  # type: ignore[arg-type]
 
 
 def _summary(rows: list[dict[str, Any]], chosen: dict[str, Any]) -> dict[str, Any]:
