@@ -362,7 +362,7 @@ class CudaAccelerator(Accelerator):  # pragma: no cover - no GPU on test machine
                   ring: StagingRing, demand: bool) -> torch.cuda.Event:
         side = self._sides[demand]
         side.wait_event(fence)  # never overwrite a slot that queued kernels still read
-        with torch.cuda.stream(side):
+        with torch.cuda.device(self.device), torch.cuda.stream(side):  # (this thread's own device may be another)
             for d, s in zip(dst, src, strict=True):
                 if s.is_pinned() and s.dtype == d.dtype:
                     d.copy_(s, non_blocking=True)  # straight from pinned RAM

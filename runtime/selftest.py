@@ -64,13 +64,15 @@ class _Device:
         fixed = accelerator_bytes(ckpt, torch.float32, CONTEXT, 2) + expert  # beside the slots: the scratch expert
         self.vram_gb = budget_for_slots(fixed, SLOTS, expert) / GIB
 
-    def accelerator(self, vram_gb: float | None = None) -> Accelerator:
-        accel = make_accelerator(self.kind, vram_gb or self.vram_gb, self.gpu)
+    def accelerator(self, vram_gb: float | None) -> Accelerator:
+        """An accelerator of `vram_gb` GB (None: all a GPU has free)."""
+        accel = make_accelerator(self.kind, vram_gb, self.gpu)
         assert accel is not None
         return accel
 
     def model(self, policy: OffloadOptions, batch: int = 1) -> MoEModel:
-        return MoEModel.from_checkpoint(self.ckpt, torch.float32, CONTEXT, batch, self.accelerator(), policy)
+        return MoEModel.from_checkpoint(self.ckpt, torch.float32, CONTEXT, batch, self.accelerator(self.vram_gb),
+                                        policy)
 
 
 def _run(model: MoEModel, beams: int = 1) -> _Run:
@@ -206,14 +208,18 @@ def _memory(device: _Device) -> Check:
 
 
 def _reload(device: _Device) -> Check:
+    """On a GPU the budget is all its free memory, as without --vram-gb: the second load must find what the first
+    held given back (within what the CUDA context itself may take meanwhile)."""
+    cuda = device.kind == "cuda"
     budgets = []
     for _ in range(2):
-        model = device.model(OffloadOptions(Strategy.FIDDLER, 2))
-        accel = model.accel
-        assert accel is not None
+        accel = device.accelerator(None if cuda else device.vram_gb)
+        model = MoEModel.from_checkpoint(device.ckpt, torch.float32, CONTEXT, 1, accel, OffloadOptions())
         budgets.append(accel.budget)
+        list(Engine(model, ()).generate(PROMPT, SamplingParams(max_new_tokens=2)))
         model.close()
         del model, accel
         release_device_memory()
-    return Check("load, close, load again: the same budget", budgets[0] == budgets[1],
+    slack = 64 * 2**20 if cuda else 0
+    return Check("load, close, load again: the same budget", abs(budgets[0] - budgets[1]) <= slack,
                  f"{budgets[0] / 2**20:.1f} then {budgets[1] / 2**20:.1f} MiB")
