@@ -133,8 +133,8 @@ class _Job:
     expert: int
     tok: torch.Tensor  # [n] token rows
     slot: torch.Tensor  # [n] which of the token's K choices
-    weights: ExpertWeights | None  # device weights, or None = copy `source` into scratch first
-    source: ExpertWeights  # host weights (what gets copied)
+    weights: ExpertWeights | None  # device weights, or None = copy the expert (Dispatcher._source) into scratch first
+    layer: int
     cpu: CpuExpert  # how it runs on the CPU
     after: tuple[Copy, ...] = ()  # copies the device waits for before it runs this expert
 
@@ -296,7 +296,7 @@ class Dispatcher:
                 jobs = []
                 for e in np.flatnonzero(counts).tolist():  # the experts this pass uses, in id order
                     tok, slot = (ids == e).nonzero(as_tuple=True)  # [n], [n]
-                    jobs.append(_Job(e, tok, slot, None, block.experts[e], self.cpu_experts[layer][e]))
+                    jobs.append(_Job(e, tok, slot, None, layer, self.cpu_experts[layer][e]))
                 out = self._cpu_combine(x, weights, jobs)
             if block.shared is not None:
                 out += block.shared(x)
@@ -309,7 +309,7 @@ class Dispatcher:
         if self.cache.policy is CachePolicy.TRACE:
             for e in chosen:
                 self.cache.observe(layer, e, int(counts[e]))
-        gpu_jobs, cpu_jobs = self._plan(layer, ids_h, chosen, block)
+        gpu_jobs, cpu_jobs = self._plan(layer, ids_h, chosen)
         out = self._launch_device(x, weights, gpu_jobs, block)  # queued: the host goes on
         if cpu_jobs:  # computed while the device runs its experts, then added behind them
             x_h = x_h.to(self.executor.dtype)  # an fp16 device's activations in the CPU's dtype
@@ -332,14 +332,12 @@ class Dispatcher:
         counts = self.recorder.record_token(ids.numpy())  # [L, E]
         self.stats.misses += self.stats.count_layers(counts > 0, CPU)
 
-    def _plan(self, layer: int, ids: torch.Tensor, chosen: list[int], block: MoEBlockWeights
-              ) -> tuple[list[_Job], list[_Job]]:
+    def _plan(self, layer: int, ids: torch.Tensor, chosen: list[int]) -> tuple[list[_Job], list[_Job]]:
         gpu: list[_Job] = []
         cpu: list[_Job] = []
         resident = {e: w for (lay, e), w in self.static.items() if lay == layer}
         for e in chosen:
             tok, slot = (ids == e).nonzero(as_tuple=True)  # [n], [n]
-            source = self._source(layer, e)
             weights = resident.get(e)
             if weights is None and self.cache.covers(layer):
                 hit = self.cache.lookup(layer, e)
@@ -347,17 +345,17 @@ class Dispatcher:
             if weights is not None:
                 self.stats.hits += 1
                 self.stats.count(layer, e, GPU)
-                gpu.append(_Job(e, tok, slot, weights, source, self.cpu_experts[layer][e]))
+                gpu.append(_Job(e, tok, slot, weights, layer, self.cpu_experts[layer][e]))
                 continue
             self.stats.misses += 1
             if self._should_fetch(tok.numel()):
                 self.stats.count(layer, e, FETCHED)
                 in_use = frozenset((layer, j.expert) for j in gpu)
-                fetched, after = self._fetch_into_cache(layer, e, source, in_use)
-                gpu.append(_Job(e, tok, slot, fetched, source, self.cpu_experts[layer][e], after))
+                fetched, after = self._fetch_into_cache(layer, e, in_use)
+                gpu.append(_Job(e, tok, slot, fetched, layer, self.cpu_experts[layer][e], after))
             else:
                 self.stats.count(layer, e, CPU)
-                cpu.append(_Job(e, tok, slot, None, source, self.cpu_experts[layer][e]))
+                cpu.append(_Job(e, tok, slot, None, layer, self.cpu_experts[layer][e]))
         return gpu, cpu
 
     def _should_fetch(self, tokens: int) -> bool:
@@ -367,7 +365,7 @@ class Dispatcher:
         return strategy is Strategy.FIDDLER and self.cost is not None and self.cost.prefer_fetch(tokens)
 
     def _fetch_into_cache(
-        self, layer: int, e: int, source: ExpertWeights, in_use: frozenset[Key]
+        self, layer: int, e: int, in_use: frozenset[Key]
     ) -> tuple[ExpertWeights | None, tuple[Copy, ...]]:
         """Copy into a cache slot of this layer (it stays resident), on the demand copier; returns the slot's
         buffers and the copy the device waits for. (None, ()): use the scratch buffer."""
@@ -375,7 +373,8 @@ class Dispatcher:
         slot = self.cache.begin_fill(layer, e, keep=in_use) if self.cache.covers(layer) else None
         if slot is None:
             return None, ()
-        copy = self.accel.copy_async(self._tensors(self.slot_buffers[slot.id]), self._tensors(source), demand=True)
+        copy = self.accel.copy_async(self._tensors(self.slot_buffers[slot.id]), self._tensors(self._source(layer, e)),
+                                     demand=True)
         self.cache.start(slot, copy)
         return self.slot_buffers[slot.id], (copy,)
 
@@ -398,7 +397,8 @@ class Dispatcher:
             at += n
             expert, after = job.weights, job.after
             if expert is None:  # not cached: through the scratch buffer, after the kernels that read it last
-                after = (accel.copy_async(self._tensors(self.scratch), self._tensors(job.source), demand=True),)
+                source = self._tensors(self._source(job.layer, job.expert))
+                after = (accel.copy_async(self._tensors(self.scratch), source, demand=True),)
                 expert = self.scratch
             out = accel.submit(partial(self._device_expert, first, expert, x, weights, tok, slot), after)
         return out
@@ -434,5 +434,6 @@ class Dispatcher:
                 continue
             slot = self.cache.begin_fill(layer, job.expert, keep)
             if slot is not None:
-                copy = self.accel.copy_async(self._tensors(self.slot_buffers[slot.id]), self._tensors(job.source))
+                copy = self.accel.copy_async(self._tensors(self.slot_buffers[slot.id]),
+                                             self._tensors(self._source(layer, job.expert)))
                 self.cache.start(slot, copy)
