@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     e2e = bench_sub.add_parser("e2e", help="Fiddler's scenarios end to end, optionally beside transformers")
     add(e2e, "--model", "--scenario")
     add(e2e, "--quick", help="a few points per scenario (minutes, not hours)")
-    add(e2e, "--peer", "--peer-process")
+    add(e2e, "--peer", "--peer-process", "--llama-bench")
     add(e2e, "--json", action="store", metavar="FILE", help="write the results as JSON")
     add(e2e, "--plot")
     add_load_args(e2e)
@@ -517,10 +517,14 @@ def _bench_kernels(args: argparse.Namespace) -> int:
         print(json.dumps(rows))
     else:
         width = max([8, *(len(name) for name in shapes)])  # the shape column: 8 wide, or the longest name
-        print(f"{'shape':{width}} {'dtype':5} {'tokens':>6} {'impl':>6} {'ms':>9} {'GB/s':>7} {'of DRAM':>7}")
+        if rows:
+            print(f"DRAM {rows[0]['bw_gbps']:.1f} GB/s; compute peak by dtype (GFLOP/s): " + ", ".join(
+                sorted({f"{r['dtype']} {r['peak_gflops']:.0f}" for r in rows})))
+        print(f"{'shape':{width}} {'dtype':5} {'tokens':>6} {'impl':>6} {'ms':>9} {'GB/s':>7} {'of DRAM':>7} "
+              f"{'GFLOP/s':>8} {'of peak':>7}")
         for r in rows:
             print(f"{r['shape']:{width}} {r['dtype']:5} {r['tokens']:>6} {r['impl']:>6} {r['latency_ms']:>9.3f} "
-                  f"{r['gbps']:>7.1f} {r['ratio']:>7.2f}")
+                  f"{r['gbps']:>7.1f} {r['ratio']:>7.2f} {r['gflops']:>8.1f} {r['of_peak']:>7.2f}")
     return 0
 
 
@@ -551,16 +555,18 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     except TandemError:
         args.context = None  # the model's own limit is smaller
         loaded = load_from_args(args, batch)
-    result = bench_e2e(loaded, scenarios, args.quick, args.peer, peer_process=args.peer_process)
+    result = bench_e2e(loaded, scenarios, args.quick, args.peer, peer_process=args.peer_process,
+                       llama_bench=None if args.llama_bench is None else Path(args.llama_bench))
     print(f"plan: {json.dumps(result['plan'])}")
     if result["peer"]:
-        print(f"peer: transformers, {result['peer']}")
+        print(f"peer: {'transformers, ' if args.peer == 'transformers' else ''}{result['peer']}")
     print(f"{'scenario':8} {'in':>5} {'out':>4} {'beams':>5} {'tok/s':>8} {'TTFT s':>7} {'ITL ms':>7} "
-          f"{'peer':>8} {'ratio':>6} {'roofline':>8}")
-    for r in result["rows"]:
+          f"{'peer':>8} {'ratio':>6} {'roofline':>8} {'compute':>7}")
+    for r in result["rows"]:  # roofline: decode's share of DRAM bandwidth; compute: prefill's of the compute peak
         print(f"{r['scenario']:8} {r['input']:>5} {r['output']:>4} {r['beams']:>5} {r['tandem_tok_s']:>8.2f} "
               f"{r['ttft_s']:>7.3f} {r['itl_ms']:>7.2f} {r.get('peer_tok_s', float('nan')):>8.2f} "
-              f"{r.get('ratio') or float('nan'):>6.2f} {r.get('roofline', float('nan')):>8.2f}")
+              f"{r.get('ratio') or float('nan'):>6.2f} {r.get('roofline', float('nan')):>8.2f} "
+              f"{r.get('compute', float('nan')):>7.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
     if args.plot:

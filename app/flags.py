@@ -246,7 +246,11 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
     "--new-tokens": (("--new-tokens",), dict(type=whole(1), default=64)),
     "--tokens": (("--tokens",), dict(type=whole(1))),
     "--repeats": (("--repeats",), dict(type=whole(1), default=3)),
-    "--peer": (("--peer",), dict(choices=["transformers"], default=None)),
+    "--peer": (("--peer",), dict(choices=["transformers", "llama.cpp"], default=None,
+                                 help="transformers on the same checkpoint, or llama.cpp's llama-bench on the same "
+                                      "GGUF file (--llama-bench PATH)")),
+    "--llama-bench": (("--llama-bench",), dict(type=path, default=None, metavar="PATH",
+                                               help="llama.cpp's llama-bench binary, for --peer llama.cpp")),
     "--peer-process": (("--peer-process",), dict(choices=["auto", "same", "child"], default="auto",
                                                  help="where the peer runs: beside Tandem, alternating (when both "
                                                       "copies fit in RAM), or in a child process after Tandem's rows "

@@ -71,6 +71,28 @@ def dram_bandwidth(threads: int, size: int = 2 * 2**30) -> float:
     return best
 
 
+PEAK_PRODUCT = (512, 2048, 2048)  # tokens x inputs x outputs of the product timed for the compute peak: weights
+# of 4-16 MB stay in the caches, and 512 tokens fill every unit
+PEAK_OF = {"bf16": "bf16", "fp16": "fp32", "fp32": "fp32", "int8": "int8", "int4": "int8", "mxfp4": "int8"}
+
+
+def compute_peak(min_time: float = 0.2) -> dict[str, float]:
+    """The compute peak torch's matrix products (oneDNN) reach at the current thread count, in billions of
+    multiply-adds x 2 a second: "fp32", "bf16", and "int8" (int8 x int8 -> int32). What a prefill or a long beam
+    search is bound by once the weights are read; `PEAK_OF` says which one a weight dtype's compute counts against."""
+    m, k, n = PEAK_PRODUCT
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    xi, wi = (t.clamp(-1, 1).mul(127).to(torch.int8) for t in (x, w))
+    products: dict[str, Callable[[int], object]] = {
+        "fp32": lambda _k: torch.mm(x, w),
+        "bf16": lambda _k: torch.mm(xb, wb),
+        "int8": lambda _k: torch._int_mm(xi, wi),
+    }
+    return {name: 2 * m * k * n / time_per_call(f, 1, min_time) / 1e6 for name, f in products.items()}
+
+
 def choose_variant(variants: dict[str, dict[int, float]]) -> str:
     """"auto", or the variant faster than it at one token and at eight (the fastest at one token of those)."""
     auto = variants["auto"]

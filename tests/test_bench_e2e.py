@@ -28,6 +28,26 @@ def test_rows_for_every_scenario_with_the_peer(mixtral_dir: Path) -> None:
         assert r["tandem_tok_s"] > 0 and r["peer_tok_s"] > 0 and r["ratio"] > 0
     assert 0 < rows["decode"]["roofline"] and rows["decode"]["bytes_per_token"] > 0
     assert rows["beam"]["beams"] == 3 and "ttft_ratio" in rows["prefill"]
+    # the prompt's products against the fp32 peak: prompt tokens/s x flops a token / peak
+    from tandem.autotune.bench.e2e import flops_per_token
+
+    cfg = loaded.model.cfg
+    assert result["peak_gflops"] > 0 and "compute" not in rows["decode"]
+    assert rows["prefill"]["compute"] == pytest.approx(
+        rows["prefill"]["tandem_tok_s"] * flops_per_token(cfg) / 1e9 / result["peak_gflops"], rel=0.01)
+
+
+def test_flops_per_token_count_the_routed_experts_not_all_of_them() -> None:
+    from tandem.autotune.bench.e2e import flops_per_token
+    from tandem.autotune.bench.models import bench_config
+    from tandem.runtime.families import parse_config
+
+    cfg = parse_config(bench_config("mixtral"), "mixtral")[1]
+    # Mixtral 8x7B: 32 layers of attention (4096 x (4096 + 2 x 1024) + 4096 x 4096), router 8 x 4096, and two
+    # experts of 3 x 4096 x 14336: about 12.9 G multiply-adds, 25.8 GFLOP a token (its "12.9B active" less lm_head
+    # and the embedding)
+    per_layer = 4096 * 6144 + 4096 * 4096 + 8 * 4096 + 2 * 3 * 4096 * 14336
+    assert flops_per_token(cfg) == 2.0 * 32 * per_layer
 
 
 def test_bytes_per_token_count_the_experts_as_stored(mixtral_dir: Path) -> None:
@@ -74,3 +94,40 @@ def test_plot_without_matplotlib_is_explained(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(TandemError, match="matplotlib"):
         plot({"rows": []}, "x.png")
+
+
+FAKE_LLAMA_BENCH = """#!{python}
+import json, sys
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+assert args["-o"] == "json" and args["-m"].endswith(".gguf")
+rows = [{{"n_prompt": int(p), "n_gen": 0, "avg_ts": 1000.0 + int(p)}} for p in args["-p"].split(",") if p != "0"]
+rows += [{{"n_prompt": 0, "n_gen": int(n), "avg_ts": 50.0}} for n in args["-n"].split(",") if n != "0"]
+print(json.dumps(rows))
+"""
+
+
+def test_llama_cpp_is_the_peer_given_its_llama_bench_and_a_gguf_file(mixtral_dir: Path, tmp_path: Path,
+                                                                     capsys) -> None:
+    """llama-bench's pp rows beside the prefill rows and its tg rows beside the decode rows (a stand-in binary that
+    answers as llama-bench does); beams have none. Without the binary, or for a folder, skipped with the reason."""
+    import sys
+
+    from tests.ggufs import write_gguf
+
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable))
+    fake.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    write_gguf(mixtral_dir, gguf, "F32")
+    loaded = load_model(gguf, dtype="fp32", context=128)
+    result = bench_e2e(loaded, ["decode", "prefill", "beam"], peer="llama.cpp", grid=GRID, llama_bench=fake)
+    rows = {r["scenario"]: r for r in result["rows"]}
+    assert rows["prefill"]["peer_tok_s"] == 1064.0 and rows["decode"]["peer_tok_s"] == 50.0
+    assert rows["decode"]["ratio"] == pytest.approx(rows["decode"]["tandem_tok_s"] / 50.0, rel=1e-3)
+    assert "peer_tok_s" not in rows["beam"] and result["peer"].startswith("llama.cpp (llama-bench")
+    assert "skipped" in bench_e2e(loaded, ["decode"], peer="llama.cpp", grid=GRID)["peer"]
+    folder = load_model(mixtral_dir, dtype="fp32", context=128)
+    assert "GGUF" in bench_e2e(folder, ["decode"], peer="llama.cpp", grid=GRID, llama_bench=fake)["peer"]
+    fake.write_text("#!/bin/sh\necho 'error: failed to load model' >&2\nexit 1\n")
+    with pytest.raises(TandemError, match="llama-bench failed .*failed to load model"):
+        bench_e2e(loaded, ["decode"], peer="llama.cpp", grid=GRID, llama_bench=fake)

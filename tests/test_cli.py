@@ -60,8 +60,14 @@ def test_bench_kernels_rows_have_the_documented_keys() -> None:
     most = CpuExecutor(2048, 768, torch.bfloat16).crossover  # the most tokens a layer call takes on this CPU
     rows = bench_kernels(["qwen3"], threads=2, dtypes=("bf16", "int8", "int4"), tokens=(1, most), min_time=0.0,
                          working_set=32 * 1024**2)
-    keys = {"shape", "dtype", "tokens", "threads", "impl", "latency_ms", "gbps", "bw_gbps", "ratio"}
+    keys = {"shape", "dtype", "tokens", "threads", "impl", "latency_ms", "gbps", "bw_gbps", "ratio", "gflops",
+            "peak_gflops", "of_peak"}
     assert rows and all(set(r) == keys for r in rows)
+    for r in rows:  # the products of a token: 3 x 2·h·i multiply-adds, against the peak its dtype computes at
+        assert r["gflops"] == pytest.approx(6 * 2048 * 768 * r["tokens"] / r["latency_ms"] / 1e6, rel=0.01)
+        assert r["of_peak"] == pytest.approx(r["gflops"] / r["peak_gflops"], rel=0.01, abs=1e-3)
+    peaks = {r["dtype"]: r["peak_gflops"] for r in rows}
+    assert peaks["int8"] == peaks["int4"] and peaks["int8"] != peaks["bf16"]
     assert {(r["dtype"], r["impl"]) for r in rows} >= {("bf16", "tandem"), ("bf16", "torch"), ("int8", "torch"),
                                                       ("int4", "tandem")}
     from tandem.kernels.cpu import library

@@ -24,18 +24,23 @@ import psutil
 import torch
 
 from tandem.autotune.bench.inputs import bench_prompt_ids
-from tandem.autotune.microbench import dram_bandwidth
+from tandem.autotune.bench.llama import llama_rows
+from tandem.autotune.microbench import PEAK_OF, compute_peak, dram_bandwidth
 from tandem.autotune.probe import probe
+from tandem.runtime.config import ModelConfig
 from tandem.runtime.engine import Engine, GenerationStats
+from tandem.runtime.gguf import is_gguf
 from tandem.runtime.loader import LoadedModel
 from tandem.runtime.model import matrix_bytes
 from tandem.runtime.sampling import SamplingParams
+from tandem.runtime.weights import attention_tensors
 
 FULL = {
     "decode": [(i, o) for i in (32, 64, 128, 256) for o in (64, 128, 256, 512)],
     "prefill": [(n, 1) for n in (512, 1024, 2048, 4096)],
     "beam": [(32, 64, w) for w in (4, 8, 12, 16)],
 }
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 QUICK = {"decode": [(32, 64), (128, 64)], "prefill": [(512, 1), (2048, 1)], "beam": [(32, 32, 4), (32, 32, 8)]}
 
 
@@ -95,6 +100,21 @@ def grid_of(quick: bool) -> dict[str, list[tuple[int, ...]]]:
     return QUICK if quick else FULL
 
 
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Multiply-adds x 2 of one prompt token through the model's matrices: attention's projections, the router, the
+    top-k routed experts, shared experts and dense layers' MLPs. Attention over the context and lm_head (once a
+    prompt) are left out: the figure is what a prefill must compute at the least."""
+    h, total = cfg.hidden_size, 0
+    for i in range(cfg.num_layers):
+        total += sum(rows * cols for rows, cols in (s for s in attention_tensors(cfg, i).values() if len(s) == 2))
+        if cfg.sparse_layers[i]:
+            total += h * (cfg.num_experts + 3 * (cfg.top_k * cfg.moe_intermediate_size
+                                                 + cfg.shared_expert_intermediate_size))
+        else:
+            total += 3 * h * cfg.dense_intermediate_size
+    return 2.0 * total
+
+
 def peer_fits_beside(tandem_bytes: int, peer_bytes: int, total_ram: int | None = None) -> bool:
     """Whether transformers' copy of the weights fits in RAM beside Tandem's memory-mapped pages (20% spare)."""
     total = total_ram if total_ram is not None else psutil.virtual_memory().total
@@ -102,7 +122,10 @@ def peer_fits_beside(tandem_bytes: int, peer_bytes: int, total_ram: int | None =
 
 
 def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, peer: str | None = None,
-              grid: dict[str, list[tuple[int, ...]]] | None = None, peer_process: str = "auto") -> dict[str, Any]:
+              grid: dict[str, list[tuple[int, ...]]] | None = None, peer_process: str = "auto",
+              llama_bench: Path | None = None) -> dict[str, Any]:
+    """Tandem's rows for every point of `grid` (default: QUICK or FULL), beside a peer's: transformers (in this
+    process or a child), or llama.cpp's `llama_bench` binary on the same GGUF file, after Tandem's rows."""
     grid = grid or grid_of(quick)
     model, cfg = loaded.model, loaded.model.cfg
     engines: dict[int, Engine] = {}
@@ -138,6 +161,8 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
     # shared machine the probe alone moves by a quarter from one minute to the next, and just after a load while the
     # OS reclaims memory: docs/bench/README.md)
     probes = [dram_bandwidth(torch.get_num_threads(), 2**30)] if model.accel is None else []
+    # the compute peak a CPU prefill is bound by, for the model's dtype (none on an accelerator)
+    peak = compute_peak()[PEAK_OF[DTYPE_NAMES.get(model.dtype, "fp32")]] if model.accel is None else None
     for scenario in scenarios:
         for point in grid[scenario]:
             n_in, n_out = point[0], point[1]
@@ -155,6 +180,8 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
                                    "itl_ms": round(ours["itl_ms"], 3)}
             if scenario == "decode" and probes:
                 row["bytes_per_token"] = per_token
+            if scenario == "prefill" and peak:  # the prompt's products as a fraction of the machine's peak
+                row["compute"] = float(f"{ours['tok_s'] * flops_per_token(cfg) / 1e9 / peak:.3g}")
             if ref is not None:
                 _add_peer(row, _peer(ref, prompt, n_out, beams))
             elif in_child:
@@ -172,12 +199,25 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
         model.close()
         for row, theirs in zip(rows, _peer_in_child(loaded.checkpoint.path, model.dtype, later), strict=True):
             _add_peer(row, theirs)
-    peer_mode = None if peer is None else ("child process, after Tandem" if in_child else "same process, alternating")
+    if peer == "llama.cpp":
+        peer_mode: str | None = _llama_peer(loaded, rows, llama_bench)
+    else:
+        peer_mode = None if peer is None else (
+            "child process, after Tandem" if in_child else "same process, alternating")
     about = {"path": str(loaded.checkpoint.path), "family": cfg.model_type, "layers": cfg.num_layers,
              "experts": cfg.num_experts, "top_k": cfg.top_k, "dtype": str(model.dtype).removeprefix("torch."),
              "gib": round(loaded.checkpoint.file_bytes / 2**30, 1)}
-    return {"machine": probe().to_dict(), "model": about, "plan": plan, "dram_gbps": bw,
+    return {"machine": probe().to_dict(), "model": about, "plan": plan, "dram_gbps": bw, "peak_gflops": peak,
             "peer": peer_mode, "rows": rows}
+
+
+def _llama_peer(loaded: LoadedModel, rows: list[dict[str, Any]], binary: Path | None) -> str:
+    """llama.cpp's rows where it can run them (a binary given, a GGUF file loaded); else why it is skipped."""
+    if binary is None:
+        return "llama.cpp: skipped (give --llama-bench PATH: a llama-bench built from llama.cpp's source)"
+    if not is_gguf(loaded.checkpoint.path):
+        return "llama.cpp: skipped (llama-bench reads GGUF files; give the model as one)"
+    return llama_rows(rows, binary, loaded.checkpoint.path, loaded.model.dispatcher.executor.threads)
 
 
 def _touch_every_expert(loaded: LoadedModel) -> None:

@@ -2,7 +2,9 @@
 
 For each expert shape, weight dtype and token count: the latency of one expert with the weights cycling
 through more experts than the caches hold, the effective GB/s of weight bytes read, and that divided by
-the streaming read bandwidth measured at the start of the same run. gpt-oss's shapes run with its biases and
+the streaming read bandwidth measured at the start of the same run; the GFLOP/s of its products, and that divided
+by the compute peak (microbench.compute_peak: oneDNN's fp32, bf16 or int8 products, as the dtype computes) measured
+in the same run. gpt-oss's shapes run with its biases and
 clamped SwiGLU (the kernels' epilogue); "mxfp4" experts are random codes and scales, as a published gpt-oss
 checkpoint stores them (kernels/quant.py). Implementations: "tandem" (one expert per
 call), "layer" (the family's top-k experts per call, as a MoE layer runs them in decode; latency per expert)
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.autotune.bench.shapes import find_shape
-from tandem.autotune.microbench import dram_bandwidth, time_per_call
+from tandem.autotune.microbench import PEAK_OF, compute_peak, dram_bandwidth, time_per_call
 from tandem.kernels.cpu import NO_EPILOGUE, CpuExecutor, CpuExpert, Epilogue
 from tandem.kernels.quant import QuantizedMatrix
 
@@ -37,6 +39,7 @@ def bench_kernels(
 ) -> list[dict[str, Any]]:
     torch.set_num_threads(threads)
     bw = dram_bandwidth(threads, working_set)
+    peak = compute_peak()
     rows: list[dict[str, Any]] = []
     for shape in shapes:
         expert = find_shape(shape).expert
@@ -65,9 +68,13 @@ def bench_kernels(
                         best[impl] = min(best[impl], time_per_call(fn, calls, min_time / rounds) / 1000 / per_call)
                 for impl, latency in best.items():
                     gbps = ours[0].nbytes / latency / 1e9
+                    gflops = 6 * h * i * t / latency / 1e9  # three products of 2·h·i per token
+                    top = peak[PEAK_OF[dtype]]
                     rows.append({"shape": shape, "dtype": dtype, "tokens": t, "threads": threads, "impl": impl,
                                  "latency_ms": round(latency * 1e3, 4), "gbps": round(gbps, 2),
-                                 "bw_gbps": round(bw, 2), "ratio": round(gbps / bw, 3)})
+                                 "bw_gbps": round(bw, 2), "ratio": round(gbps / bw, 3),
+                                 "gflops": float(f"{gflops:.4g}"), "peak_gflops": round(top, 1),
+                                 "of_peak": float(f"{gflops / top:.3g}")})
                     if progress:
                         progress(f"{shape} {dtype} {t:>3} tokens {impl:>6}: {latency * 1e3:8.3f} ms  {gbps / bw:5.2f}")
     return rows

@@ -1,0 +1,60 @@
+"""llama.cpp as `bench e2e`'s peer: its own `llama-bench` on the same GGUF file, at the same thread count.
+
+llama-bench measures prompt processing ("pp N": N prompt tokens, tokens/s) and text generation ("tg N": N tokens
+after an empty prompt, tokens/s) apart; a prefill row compares with pp of its prompt length, a decode row with tg of
+its output length. Beams have no counterpart. Build llama-bench outside the project (README, Benchmarks).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from tandem.kernels.errors import TandemError
+
+TIMEOUT_S = 3600  # one llama-bench run, every size: generous, but never a hang
+
+
+def run_llama_bench(binary: Path, model: Path, threads: int, prompts: list[int], gens: list[int],
+                    repeats: int = 2) -> dict[tuple[str, int], float]:
+    """{("pp", n) or ("tg", n): tokens/s} from one `llama-bench -o json` run over every size asked."""
+    if not binary.is_file():
+        raise TandemError(f"--llama-bench {binary}: no such file (build llama-bench from llama.cpp's source)")
+    cmd = [str(binary), "-m", str(model), "-t", str(threads), "-r", str(repeats), "-o", "json",
+           "-p", ",".join(map(str, prompts)) or "0", "-n", ",".join(map(str, gens)) or "0"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    except OSError as e:
+        raise TandemError(f"--llama-bench {binary} could not run: {e}") from None
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise TandemError(f"llama-bench failed (status {done.returncode}): {tail}")
+    try:
+        entries: list[dict[str, Any]] = json.loads(done.stdout)
+    except json.JSONDecodeError:
+        raise TandemError("llama-bench printed no JSON; is it llama.cpp's llama-bench?") from None
+    results: dict[tuple[str, int], float] = {}
+    for e in entries:
+        prompt, gen = int(e.get("n_prompt", 0)), int(e.get("n_gen", 0))
+        if prompt and not gen:
+            results[("pp", prompt)] = float(e["avg_ts"])
+        elif gen and not prompt:
+            results[("tg", gen)] = float(e["avg_ts"])
+    return results
+
+
+def llama_rows(rows: list[dict[str, Any]], binary: Path, model: Path, threads: int) -> str:
+    """Adds llama.cpp's tokens/s (and Tandem's ratio to it) to the decode and prefill rows; returns the peer's
+    description for the result."""
+    prompts = sorted({r["input"] for r in rows if r["scenario"] == "prefill"})
+    gens = sorted({r["output"] for r in rows if r["scenario"] == "decode"})
+    measured = run_llama_bench(binary, model, threads, prompts, gens)
+    for row in rows:
+        key = ("pp", row["input"]) if row["scenario"] == "prefill" else ("tg", row["output"]) \
+            if row["scenario"] == "decode" else None
+        theirs = measured.get(key) if key is not None else None
+        if theirs:
+            row |= {"peer_tok_s": round(theirs, 3), "ratio": round(row["tandem_tok_s"] / theirs, 3)}
+    return f"llama.cpp ({binary.name}, {threads} threads, pp = prefill rows, tg = decode rows)"
