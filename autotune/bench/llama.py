@@ -52,9 +52,14 @@ def llama_rows(rows: list[dict[str, Any]], binary: Path, model: Path, threads: i
     gens = sorted({r["output"] for r in rows if r["scenario"] == "decode"})
     measured = run_llama_bench(binary, model, threads, prompts, gens)
     for row in rows:
-        key = ("pp", row["input"]) if row["scenario"] == "prefill" else ("tg", row["output"]) \
-            if row["scenario"] == "decode" else None
-        theirs = measured.get(key) if key is not None else None
+        if row["scenario"] == "prefill":  # prompt tokens/s, as pp counts them
+            theirs, ours = measured.get(("pp", row["input"])), row["tandem_tok_s"]
+        elif row["scenario"] == "decode" and row["itl_ms"]:  # tg times generation alone: so does 1 / ITL
+            theirs, ours = measured.get(("tg", row["output"])), 1000.0 / row["itl_ms"]
+            row["decode_tok_s"] = round(ours, 3)
+        else:
+            continue
         if theirs:
-            row |= {"peer_tok_s": round(theirs, 3), "ratio": round(row["tandem_tok_s"] / theirs, 3)}
-    return f"llama.cpp ({binary.name}, {threads} threads, pp = prefill rows, tg = decode rows)"
+            row |= {"peer_tok_s": round(theirs, 3), "ratio": round(ours / theirs, 3)}
+    return (f"llama.cpp ({binary.name}, {threads} threads; prefill rows against pp, decode rows' 1/ITL against "
+            "tg)")
