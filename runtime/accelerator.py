@@ -386,7 +386,7 @@ class CudaAccelerator(Accelerator):  # pragma: no cover - no GPU on test machine
 
     def close(self) -> None:
         super().close()
-        torch.cuda.empty_cache()  # what the model held goes back to the device (see loader.release)
+        torch.cuda.empty_cache()  # what was freed goes back (release_device_memory: once a model is gone)
 
 
 def release_device_memory() -> None:
