@@ -17,7 +17,7 @@ from tandem.autotune.measurements import Measurements, fit_cpu
 from tandem.autotune.plan import ModelShape
 from tandem.autotune.probe import HardwareInfo
 from tandem.kernels.blocks import FORMATS, block_matrix
-from tandem.kernels.cpu import CpuExecutor, CpuExpert, read_bandwidth_probe
+from tandem.kernels.cpu import PROBE_STREAMS, CpuExecutor, CpuExpert, read_bandwidth_probe
 from tandem.kernels.quant import QuantizedMatrix, quantize_mxfp4
 from tandem.runtime.accelerator import Accelerator, make_accelerator
 from tandem.runtime.dispatch import slot_budget
@@ -60,14 +60,17 @@ def time_per_call(fn: Callable[[int], object], count: int, min_time: float) -> f
 
 
 def dram_bandwidth(threads: int, size: int = 2 * 2**30) -> float:
-    """Streaming read bandwidth in GB/s (best of three passes over `size` bytes)."""
+    """Streaming read bandwidth in GB/s: the best pass over `size` bytes of three for each stream count a thread
+    reads (PROBE_STREAMS). The count the memory serves best differs between machines (docs/bench/kernels.md), and a
+    roofline must divide by what the memory can deliver, not by what one way of reading it got."""
     buf = torch.ones(size // 4)
     read_bandwidth_probe(buf, threads)
     best = 0.0
-    for _ in range(3):
-        start = time.perf_counter()
-        read_bandwidth_probe(buf, threads)
-        best = max(best, size / (time.perf_counter() - start) / 1e9)
+    for streams in PROBE_STREAMS:
+        for _ in range(3):
+            start = time.perf_counter()
+            read_bandwidth_probe(buf, threads, streams)
+            best = max(best, size / (time.perf_counter() - start) / 1e9)
     return best
 
 

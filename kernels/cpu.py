@@ -199,7 +199,7 @@ def library() -> ctypes.CDLL | None:
     lib.tk_decode_layers.argtypes = [ctypes.POINTER(_LayerArgs), ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                      ctypes.c_void_p, ctypes.c_void_p]
     lib.tk_decode_layers.restype = ctypes.c_int
-    lib.tk_read_sum.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    lib.tk_read_sum.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
     lib.tk_read_sum.restype = ctypes.c_double
     lib.tk_struct_size.argtypes = [ctypes.c_int]
     lib.tk_struct_size.restype = ctypes.c_size_t
@@ -254,15 +254,22 @@ def best_isa(kind: object, compute_dtype: torch.dtype, isas: list[str], tokens: 
     return None
 
 
-def read_bandwidth_probe(buffer: torch.Tensor, threads: int) -> float:
-    """Sum a float32 buffer with the kernel library's streaming loop (for DRAM bandwidth measurement)."""
+PROBE_STREAMS = (1, 2, 4, 8)  # streams per thread the probe's loop reads side by side (csrc/api.c tk_read_sum)
+
+
+def read_bandwidth_probe(buffer: torch.Tensor, threads: int, streams: int = 8) -> float:
+    """Sum a float32 buffer with the kernel library's streaming loop (for DRAM bandwidth measurement), each thread
+    reading its share as `streams` streams side by side (one of PROBE_STREAMS)."""
     check_threads(threads)
+    if streams not in PROBE_STREAMS:
+        raise ValueError(f"the bandwidth probe reads {', '.join(map(str, PROBE_STREAMS))} streams a thread, not "
+                         f"{streams}")
     if buffer.dtype != torch.float32 or not buffer.is_contiguous() or buffer.device.type != "cpu":
         raise ValueError("the bandwidth probe sums a contiguous float32 CPU buffer")
     lib = library()
     if lib is None:
         return float(buffer.sum())
-    return lib.tk_read_sum(buffer.data_ptr(), buffer.numel(), threads)
+    return lib.tk_read_sum(buffer.data_ptr(), buffer.numel(), threads, streams)
 
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # expert weights the kernels read as stored

@@ -194,6 +194,7 @@ BAD_DENSE: dict[str, Callable[[], object]] = {
     "probe threads 0": lambda: read_bandwidth_probe(torch.zeros(1024), 0),
     "probe of bf16": lambda: read_bandwidth_probe(torch.zeros(1024, dtype=torch.bfloat16), 2),
     "probe of a strided buffer": lambda: read_bandwidth_probe(torch.zeros(2048)[::2], 2),
+    "probe of 3 streams": lambda: read_bandwidth_probe(torch.zeros(1024), 2, 3),
 }
 
 

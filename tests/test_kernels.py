@@ -446,9 +446,10 @@ def test_dense_linear_takes_float32_x_against_bf16_weights(tokens: int, isa: str
 @needs_kernels
 @pytest.mark.parametrize("n", [0, 5, 1000003])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_bandwidth_probe_reads_every_value(n: int, threads: int) -> None:
+@pytest.mark.parametrize("streams", [1, 2, 4, 8])
+def test_bandwidth_probe_reads_every_value(n: int, threads: int, streams: int) -> None:
     buf = torch.arange(n, dtype=torch.float32) % 7  # small integers: the float sum is exact
-    assert read_bandwidth_probe(buf, threads) == float(buf.double().sum())
+    assert read_bandwidth_probe(buf, threads, streams) == float(buf.double().sum())
 
 
 @needs_kernels

@@ -273,12 +273,13 @@ size_t tk_struct_size(int which) {
     }
 }
 
-/* Streaming read bandwidth probe: sums n floats with `threads` threads (the result defeats dead-code removal).
- * Each thread reads its share as PROBE_STREAMS streams side by side, as the expert kernels keep many rows in
- * flight: one stream per thread measures well below what the memory delivers to them (docs/bench/kernels.md). */
-double tk_read_sum(const float *p, size_t n, int threads) {
+/* Streaming read bandwidth probe: sums n floats with `threads` threads (the result defeats dead-code removal), each
+ * reading its share as `streams` streams side by side (1, 2, 4 or PROBE_STREAMS). Which count the memory serves best
+ * differs between machines: one stream per thread reached 0.75 of what the expert kernels got on one, eight streams
+ * 0.8 of what two did on another (docs/bench/kernels.md), so the probe's caller tries each. */
+double tk_read_sum(const float *p, size_t n, int threads, int streams) {
     if (threads < 1) threads = 1;
-    return (tk_isa_mask() & (1 << ISA_AVX2)) ? sum_avx2(p, n, threads) : sum_base(p, n, threads);
+    return (tk_isa_mask() & (1 << ISA_AVX2)) ? sum_avx2(p, n, threads, streams) : sum_base(p, n, threads, streams);
 }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu", "Tandem CPU expert kernels (called via ctypes).", -1, NULL};

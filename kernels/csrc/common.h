@@ -253,25 +253,35 @@ ATTR void dot_int4_##SUFFIX(const void *wrow, float scale, const void *gscale, i
         const float *x, int ldx, int nt, int n, float *res, int ldr) { (void)scale; INT4_BODY }
 
 /* The bandwidth probe's loop (tk_read_sum): sums n floats with `threads` threads, each reading its share as
- * PROBE_STREAMS streams side by side. Plain C that the compiler vectorises for the target (8 lanes: one AVX2
- * vector, two SSE2 ones), so that without AVX2 the probe still measures the memory, not a chain of dependent
- * scalar adds. */
+ * `streams` streams side by side (1 to PROBE_STREAMS). Plain C that the compiler vectorises for the target (8 lanes:
+ * one AVX2 vector, two SSE2 ones), so that without AVX2 the probe still measures the memory, not a chain of
+ * dependent scalar adds. The stream count is a constant in each copy of the loop (SUM_LOOP), so each keeps its
+ * sums in registers. */
 #define PROBE_STREAMS 8
+#define SUM_LOOP(S)                                                                                         \
+    {                                                                                                       \
+        const size_t seg = (hi - lo) / (S) / 8 * 8;  /* floats per stream, whole groups of 8 */             \
+        float acc[S][8] = {{0}};                                                                            \
+        for (size_t i = 0; i < seg; i += 8)                                                                 \
+            for (int s = 0; s < (S); s++)                                                                   \
+                for (int j = 0; j < 8; j++) acc[s][j] += p[lo + s * seg + i + j];                           \
+        for (int s = 0; s < (S); s++)                                                                       \
+            for (int j = 0; j < 8; j++) total += acc[s][j];                                                 \
+        for (size_t i = lo + (S) * seg; i < hi; i++) total += p[i];  /* the tail */                         \
+    }
 #define DEFINE_SUM(NAME, ATTR)                                                                              \
-ATTR double NAME(const float *p, size_t n, int threads) {                                                   \
+ATTR double NAME(const float *p, size_t n, int threads, int streams) {                                      \
     double total = 0;                                                                                       \
     _Pragma("omp parallel num_threads(threads) reduction(+:total)")                                         \
     {                                                                                                       \
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();                                     \
         const size_t lo = n / nt * t, hi = t == nt - 1 ? n : n / nt * (t + 1);                              \
-        const size_t seg = (hi - lo) / PROBE_STREAMS / 8 * 8;  /* floats per stream, whole groups of 8 */   \
-        float acc[PROBE_STREAMS][8] = {{0}};                                                                \
-        for (size_t i = 0; i < seg; i += 8)                                                                 \
-            for (int s = 0; s < PROBE_STREAMS; s++)                                                         \
-                for (int j = 0; j < 8; j++) acc[s][j] += p[lo + s * seg + i + j];                           \
-        for (int s = 0; s < PROBE_STREAMS; s++)                                                             \
-            for (int j = 0; j < 8; j++) total += acc[s][j];                                                 \
-        for (size_t i = lo + PROBE_STREAMS * seg; i < hi; i++) total += p[i];  /* the tail */               \
+        switch (streams) {                                                                                  \
+            case 1: SUM_LOOP(1) break;                                                                      \
+            case 2: SUM_LOOP(2) break;                                                                      \
+            case 4: SUM_LOOP(4) break;                                                                      \
+            default: SUM_LOOP(PROBE_STREAMS) break;                                                         \
+        }                                                                                                   \
     }                                                                                                       \
     return total;                                                                                           \
 }
@@ -298,7 +308,7 @@ int tk_dequantize_rows(int kind, const uint8_t *data, int64_t rows, const int64_
 int tk_attend_one(const tk_attend_args *a);
 int tk_decode_layers(tk_layer_args *layers, int n, float *x, int start, const void *cos, const void *sin);
 size_t tk_struct_size(int which);
-double tk_read_sum(const float *p, size_t n, int threads);
+double tk_read_sum(const float *p, size_t n, int threads, int streams);
 
 /* ---- what each file gives the others --------------------------------------------------------------- */
 /* base.c */
@@ -306,10 +316,10 @@ TK_INTERNAL dot_kernel dot_fp32_base, dot_bf16_base, dot_fp16_base, dot_int8_bas
 TK_INTERNAL void expert_generic(const tk_args *a);
 TK_INTERNAL void linear_round(const tk_linear_args *a, int lo, int hi);
 TK_INTERNAL void linear_rows(const tk_linear_args *a, int isa);
-TK_INTERNAL double sum_base(const float *p, size_t n, int threads);
+TK_INTERNAL double sum_base(const float *p, size_t n, int threads, int streams);
 /* avx2.c */
 TK_INTERNAL dot_kernel dot_fp32_avx2, dot_bf16_avx2, dot_fp16_avx2, dot_int8_avx2, dot_int4_avx2, dot_mxfp4_avx2;
-TK_INTERNAL double sum_avx2(const float *p, size_t n, int threads);
+TK_INTERNAL double sum_avx2(const float *p, size_t n, int threads, int streams);
 /* avx512.c */
 TK_INTERNAL dot_kernel fma_fp32, fma_bf16, fma_fp16, fma_int8, fma_int4, fma_mxfp4;
 TK_INTERNAL AVX512_TARGET void swiglu512(float *g, int I, int lo, int hi);
