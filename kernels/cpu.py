@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -757,6 +758,11 @@ class _Slot:
         expert.epilogue.fill(a)
 
 
+PAD_MOST = 2**20  # bytes: bf16 matrices up to this size whose rows are not whole groups of 32 (routers of 8 or 60
+# experts) go through the kernel as a copy padded with zero rows, kept beside the matrix: a 30-layer model's routers
+# then run in the decode step (runtime/decode_step.py) instead of F.linear between kernel calls
+
+
 class DenseLinear:
     """`F.linear` for the decoder's dense matrices (attention projections, routers, lm_head). bf16 matrices go
     through the kernel for up to 16 tokens on any CPU: one token on the AVX-512 rows (four long runs per thread),
@@ -785,6 +791,22 @@ class DenseLinear:
         self.threads = check_threads(torch.get_num_threads() if threads is None else threads)
         self._args = _LinearArgs()
         self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._pads: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}  # by id(matrix)
+
+    def padded(self, w: torch.Tensor) -> torch.Tensor:
+        """w itself where its rows are whole groups of 32 or it is over PAD_MOST; else a copy with zero rows up to
+        the next multiple of 32, made once per matrix (the kernel's rows are independent: the first rows of its
+        result are w's, bit for bit)."""
+        rows = w.shape[0] if w.dim() == 2 else 0
+        if w.dim() != 2 or rows % 32 == 0 or w.dtype != torch.bfloat16 or w.numel() * 2 > PAD_MOST:
+            return w
+        kept = self._pads.get(id(w))
+        if kept is not None and kept[0]() is w:
+            return kept[1]
+        pad = torch.zeros(-(-rows // 32) * 32, w.shape[1], dtype=w.dtype)  # [O rounded up to 32, I]
+        pad[:rows] = w
+        self._pads[id(w)] = (weakref.ref(w), pad)
+        return pad
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor | QuantizedMatrix | Sequence[QuantizedMatrix],
                  bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -805,6 +827,9 @@ class DenseLinear:
         if bias is not None and tuple(bias.shape) != (w.shape[0],):
             raise ValueError(f"bias has shape {list(bias.shape)}; expected [{w.shape[0]}]")
         n, width = (x.numel() // x.shape[-1] if x.shape[-1] else 0), x.shape[-1]
+        if self.lib is not None and self.padded(w) is not w:  # the kernel on whole groups of rows, then w's rows
+            y = self(x, self.padded(w), None, out_dtype)[..., : w.shape[0]]  # [..., O]
+            return y if bias is None else y.add(bias.to(y.dtype))
         if not (self.lib is not None and n > 0 and x.dtype in (torch.bfloat16, torch.float32)
                 and out_dtype != torch.float16 and w.dtype == torch.bfloat16 and x.device.type == "cpu"
                 and w.shape[0] % 32 == 0 and width % 32 == 0 and w.shape[0] > 0 and w.is_contiguous()):
@@ -855,7 +880,7 @@ class DenseLinear:
     def one_token_call(self, w: object) -> tuple[int, int, int, int, int] | None:
         """How one bf16 token meets this matrix in one tk_linear call, as __call__ would make it: (address, rows,
         width, kind, variant); None where __call__ would not make one such call (no kernel, F.linear, or several
-        matrices side by side)."""
+        matrices side by side). Rows may be more than the matrix has: a padded copy's (`padded`)."""
         if self.lib is None:
             return None
         if isinstance(w, QuantizedMatrix):
@@ -863,6 +888,8 @@ class DenseLinear:
             if w.kind not in BLOCK_KINDS or rows % 32 or width % 32 or not w.data.is_contiguous():
                 return None
             return w.data.data_ptr(), rows, width, KINDS[w.kind], self._block_isa(w.kind, torch.bfloat16)
+        if isinstance(w, torch.Tensor):
+            w = self.padded(w)  # (its result's first rows are the matrix's)
         if (not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype != torch.bfloat16 or not w.is_contiguous()
                 or w.shape[0] == 0 or w.shape[0] % 32 or w.shape[1] % 32):
             return None

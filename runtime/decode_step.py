@@ -70,7 +70,8 @@ class DecodeStep:
         E, K = cfg.num_experts, cfg.top_k
         self.model, self.cache = model, model.cache
         widths = [H, Hq * D]
-        rows = [H, E, (Hq + 2 * Hkv) * D]
+        router_rows = -(-E // 32) * 32  # the router's rows as the kernel reads them (DenseLinear.padded)
+        rows = [H, router_rows, (Hq + 2 * Hkv) * D]
         self.h = torch.empty(H, dtype=torch.bfloat16)
         self.hf = torch.empty(H)
         self.qkv_out = torch.empty((Hq + 2 * Hkv) * D, dtype=torch.bfloat16)
@@ -78,7 +79,7 @@ class DecodeStep:
         self.o_x, self.o_y = torch.empty(Hq * D), torch.empty(H)
         self.y = torch.empty(max(rows))  # the projections' float32 results, before rounding to bf16
         self.xb = torch.empty(32, max(widths) + XB_EXTRA, dtype=torch.int16)  # as DenseLinear's (csrc/common.h xb)
-        self.logits = torch.empty(E, dtype=torch.bfloat16)
+        self.logits = torch.empty(router_rows, dtype=torch.bfloat16)  # the first E: the router's logits
         self.ids = torch.zeros(cfg.num_layers, K, dtype=torch.int64)  # [L, K] each layer's choice, this token
         self.weights = torch.zeros(cfg.num_layers, K)  # [L, K]
         self.moe_out = torch.empty(H)

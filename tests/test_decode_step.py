@@ -24,10 +24,11 @@ from tests.ggufs import write_gguf
 
 pytestmark = [pytest.mark.isa, pytest.mark.skipif(attend_isa() is None, reason="the kernels are not built")]
 
-# Tiny models whose every matrix the kernels multiply (widths and routers in multiples of 32 rows): q/k norms over
-# all heads (OLMoE), per head (Qwen3-MoE), a sliding window shorter than the test's sequence, softmax weights left
-# unnormalised
+# Tiny models whose every matrix the kernels multiply (widths in multiples of 32; routers too, or small enough to be
+# padded to them: Mixtral's 8 experts): q/k norms over all heads (OLMoE), per head (Qwen3-MoE), a sliding window
+# shorter than the test's sequence, softmax weights left unnormalised
 SERVED = {
+    "mixtral": ("mixtral", {}),
     "olmoe": ("olmoe", {"num_experts": 32, "num_experts_per_tok": 4}),
     "qwen3_moe": ("qwen3_moe", {"num_experts": 32, "num_experts_per_tok": 3, "moe_intermediate_size": 64,
                                 "norm_topk_prob": True}),
@@ -138,11 +139,12 @@ def test_gpt_oss_decodes_through_the_step(tmp_path: Path) -> None:
     assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
 
 
-def test_what_the_step_does_not_do_runs_the_torch_path(served: dict[str, Path], mixtral_dir: Path) -> None:
+def test_what_the_step_does_not_do_runs_the_torch_path(served: dict[str, Path], tmp_path: Path) -> None:
     """Each reason names itself, and such a model decodes without the step."""
     fp32 = load_model(served["olmoe"], dtype="fp32").model
     assert "bf16" in (why_not(fp32) or "")
-    mixtral = load_model(mixtral_dir, dtype="bf16").model  # 8 experts: a router the kernels do not multiply
-    assert "matrix" in (why_not(mixtral) or "")
-    decode(mixtral, use_step=True, steps=2)
-    assert mixtral._step is None
+    narrow = build_hf_checkpoint(tmp_path / "narrow", "olmoe", {"hidden_size": 48, "num_experts": 32})
+    odd = load_model(narrow, dtype="bf16").model  # 48 wide: matrices the kernels do not multiply
+    assert "matrix" in (why_not(odd) or "")
+    decode(odd, use_step=True, steps=2)
+    assert odd._step is None

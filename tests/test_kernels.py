@@ -444,6 +444,32 @@ def test_dense_linear_takes_float32_x_against_bf16_weights(tokens: int, isa: str
     assert got.dtype == torch.float32 and got.shape == (1, tokens, 96)
     assert rel_err(got, torch.nn.functional.linear(x, w.float(), bias)) < 1e-5
 @needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_a_router_of_eight_rows_runs_as_its_copy_padded_to_32(isa: str, tokens: int) -> None:
+    """Rows not in whole groups of 32 (a router of 8 experts): the kernel on a copy with zero rows added, made once,
+    whose first rows are the result bit for bit; bias added after; a large such matrix stays with F.linear."""
+    from tandem.kernels.cpu import PAD_MOST
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(8, 64, generator=g) * 0.1).bfloat16()
+    bias = torch.randn(8, generator=g).bfloat16()
+    x = torch.randn(1, tokens, 64, generator=g).bfloat16()
+    linear = DenseLinear(threads=2, isa=isa)
+    padded = linear.padded(w)
+    assert padded.shape == (32, 64) and torch.equal(padded[:8], w) and not padded[8:].any()
+    assert linear.padded(w) is padded  # made once
+    got = linear(x, w, bias)
+    assert got.shape == (1, tokens, 8)
+    assert torch.equal(got, linear(x, padded)[..., :8] + bias)
+    assert rel_err(got.float(), torch.nn.functional.linear(x.float(), w.float(), bias.float())) < 1e-2
+    call = linear.one_token_call(w)
+    assert call is not None and call[:3] == (padded.data_ptr(), 32, 64)
+    big = torch.zeros(PAD_MOST // 2 // 64 + 8, 64, dtype=torch.bfloat16)  # over PAD_MOST, rows not whole groups
+    assert linear.padded(big) is big and linear.one_token_call(big) is None
+
+
+@needs_kernels
 @pytest.mark.parametrize("n", [0, 5, 1000003])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("streams", [1, 2, 4, 8])
