@@ -107,9 +107,10 @@ print(json.dumps(rows))
 
 
 def test_llama_cpp_is_the_peer_given_its_llama_bench_and_a_gguf_file(mixtral_dir: Path, tmp_path: Path,
-                                                                     capsys) -> None:
+                                                                     capsys, monkeypatch) -> None:
     """llama-bench's pp rows beside the prefill rows and its tg rows beside the decode rows (a stand-in binary that
-    answers as llama-bench does); beams have none. Without the binary, or for a folder, skipped with the reason."""
+    answers as llama-bench does); beams have none. Without the binary, or for a folder, skipped with the reason.
+    Where the file would not fit in RAM beside Tandem's copies, Tandem lets its experts go first."""
     import sys
 
     from tests.ggufs import write_gguf
@@ -130,6 +131,14 @@ def test_llama_cpp_is_the_peer_given_its_llama_bench_and_a_gguf_file(mixtral_dir
     assert "skipped" in bench_e2e(loaded, ["decode"], peer="llama.cpp", grid=GRID)["peer"]
     folder = load_model(mixtral_dir, dtype="fp32", context=128)
     assert "GGUF" in bench_e2e(folder, ["decode"], peer="llama.cpp", grid=GRID, llama_bench=fake)["peer"]
+    assert loaded.model.dispatcher.cpu_experts  # both fit: Tandem's experts stay
+    from tandem.autotune.bench import e2e
+
+    monkeypatch.setattr(e2e, "peer_fits_beside", lambda *_: False)  # they do not
+    again = load_model(gguf, dtype="fp32", context=128)
+    assert bench_e2e(again, ["decode"], peer="llama.cpp", grid=GRID, llama_bench=fake)["rows"][0]["peer_tok_s"] == 50.0
+    assert not again.model.dispatcher.cpu_experts
+    monkeypatch.undo()
     fake.write_text("#!/bin/sh\necho 'error: failed to load model' >&2\nexit 1\n")
     with pytest.raises(TandemError, match="llama-bench failed .*failed to load model"):
         bench_e2e(loaded, ["decode"], peer="llama.cpp", grid=GRID, llama_bench=fake)

@@ -116,7 +116,8 @@ def flops_per_token(cfg: ModelConfig) -> float:
 
 
 def peer_fits_beside(tandem_bytes: int, peer_bytes: int, total_ram: int | None = None) -> bool:
-    """Whether transformers' copy of the weights fits in RAM beside Tandem's memory-mapped pages (20% spare)."""
+    """Whether a peer's copy of the weights (transformers' own, or llama.cpp's mapped file) fits in RAM beside
+    Tandem's (20% spare)."""
     total = total_ram if total_ram is not None else psutil.virtual_memory().total
     return tandem_bytes + peer_bytes <= 0.8 * total
 
@@ -200,7 +201,10 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
         for row, theirs in zip(rows, _peer_in_child(loaded.checkpoint.path, model.dtype, later), strict=True):
             _add_peer(row, theirs)
     if peer == "llama.cpp":
-        peer_mode: str | None = _llama_peer(loaded, rows, llama_bench)
+        threads, file_bytes = model.dispatcher.executor.threads, loaded.checkpoint.file_bytes
+        if llama_bench is not None and not peer_fits_beside(file_bytes, file_bytes):
+            model.close()  # Tandem's RAM copies go back before llama.cpp maps its own (it would page otherwise)
+        peer_mode: str | None = _llama_peer(loaded, rows, llama_bench, threads)
     else:
         peer_mode = None if peer is None else (
             "child process, after Tandem" if in_child else "same process, alternating")
@@ -211,13 +215,13 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
             "peer": peer_mode, "rows": rows}
 
 
-def _llama_peer(loaded: LoadedModel, rows: list[dict[str, Any]], binary: Path | None) -> str:
+def _llama_peer(loaded: LoadedModel, rows: list[dict[str, Any]], binary: Path | None, threads: int) -> str:
     """llama.cpp's rows where it can run them (a binary given, a GGUF file loaded); else why it is skipped."""
     if binary is None:
         return "llama.cpp: skipped (give --llama-bench PATH: a llama-bench built from llama.cpp's source)"
     if not is_gguf(loaded.checkpoint.path):
         return "llama.cpp: skipped (llama-bench reads GGUF files; give the model as one)"
-    return llama_rows(rows, binary, loaded.checkpoint.path, loaded.model.dispatcher.executor.threads)
+    return llama_rows(rows, binary, loaded.checkpoint.path, threads)
 
 
 def _touch_every_expert(loaded: LoadedModel) -> None:
