@@ -17,7 +17,7 @@ from tandem.autotune.measurements import Measurements, fit_cpu
 from tandem.autotune.plan import ModelShape
 from tandem.autotune.probe import HardwareInfo
 from tandem.kernels.blocks import FORMATS, block_matrix
-from tandem.kernels.cpu import PROBE_STREAMS, CpuExecutor, CpuExpert, read_bandwidth_probe
+from tandem.kernels.cpu import PROBE_STREAMS, CpuExecutor, CpuExpert, available_isas, library, read_bandwidth_probe
 from tandem.kernels.quant import QuantizedMatrix, quantize_mxfp4
 from tandem.runtime.accelerator import Accelerator, make_accelerator
 from tandem.runtime.dispatch import slot_budget
@@ -82,7 +82,10 @@ PEAK_OF = {"bf16": "bf16", "fp16": "fp32", "fp32": "fp32", "int8": "int8", "int4
 def compute_peak(min_time: float = 0.2) -> dict[str, float]:
     """The compute peak torch's matrix products (oneDNN) reach at the current thread count, in billions of
     multiply-adds x 2 a second: "fp32", "bf16", and "int8" (int8 x int8 -> int32). What a prefill or a long beam
-    search is bound by once the weights are read; `PEAK_OF` says which one a weight dtype's compute counts against."""
+    search is bound by once the weights are read; `PEAK_OF` says which one a weight dtype's compute counts against.
+    Where the kernels have no bf16 arithmetic (no AVX512_BF16: AVX2 alone, or masked) they compute bf16 weights in
+    float32, so "bf16" is the float32 peak there, not measured: oneDNN's bf16 product then runs a reference loop
+    (0.3 GFLOP/s, 14 s a call on the development machine masked to AVX2)."""
     m, k, n = PEAK_PRODUCT
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
@@ -93,7 +96,11 @@ def compute_peak(min_time: float = 0.2) -> dict[str, float]:
         "bf16": lambda _k: torch.mm(xb, wb),
         "int8": lambda _k: torch._int_mm(xi, wi),
     }
-    return {name: 2 * m * k * n / time_per_call(f, 1, min_time) / 1e6 for name, f in products.items()}
+    bf16_in_float32 = library() is not None and "avx512bf16" not in available_isas()
+    if bf16_in_float32:
+        del products["bf16"]
+    peak = {name: 2 * m * k * n / time_per_call(f, 1, min_time) / 1e6 for name, f in products.items()}
+    return peak | {"bf16": peak["fp32"]} if bf16_in_float32 else peak
 
 
 def choose_variant(variants: dict[str, dict[int, float]]) -> str:

@@ -53,6 +53,23 @@ def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert "generate" in capsys.readouterr().out
 
 
+def test_the_bf16_peak_is_float32s_where_the_kernels_have_no_bf16_arithmetic(monkeypatch) -> None:
+    """Without AVX512_BF16 the kernels compute bf16 weights in float32: the bf16 peak is float32's, and oneDNN's bf16
+    product (a reference loop there, seconds a call) is not timed; with it, all three products are."""
+    from tandem.autotune import microbench
+
+    timed: list[object] = []
+    monkeypatch.setattr(microbench, "time_per_call", lambda f, count, min_time: timed.append(f) or 2.0 + len(timed))
+    monkeypatch.setattr(microbench, "library", lambda: object())  # (built or not: the choice is the rule's)
+    monkeypatch.setattr(microbench, "available_isas", lambda: ["base", "avx2", "avx512"])
+    peak = microbench.compute_peak()
+    assert len(timed) == 2 and peak["bf16"] == peak["fp32"] and peak["int8"] != peak["fp32"]
+    timed.clear()
+    monkeypatch.setattr(microbench, "available_isas", lambda: ["base", "avx2", "avx512", "avx512bf16"])
+    peak = microbench.compute_peak()
+    assert len(timed) == 3 and len(set(peak.values())) == 3
+
+
 def test_bench_kernels_rows_have_the_documented_keys() -> None:
     from tandem.autotune.bench.kernels import bench_kernels
     from tandem.kernels.cpu import CpuExecutor

@@ -73,7 +73,7 @@ def bench_kernels(
                     rows.append({"shape": shape, "dtype": dtype, "tokens": t, "threads": threads, "impl": impl,
                                  "latency_ms": round(latency * 1e3, 4), "gbps": round(gbps, 2),
                                  "bw_gbps": round(bw, 2), "ratio": round(gbps / bw, 3),
-                                 "gflops": float(f"{gflops:.4g}"), "peak_gflops": round(top, 1),
+                                 "gflops": float(f"{gflops:.4g}"), "peak_gflops": float(f"{top:.4g}"),
                                  "of_peak": float(f"{gflops / top:.3g}")})
                     if progress:
                         progress(f"{shape} {dtype} {t:>3} tokens {impl:>6}: {latency * 1e3:8.3f} ms  {gbps / bw:5.2f}")
