@@ -798,7 +798,8 @@ class DenseLinear:
         the next multiple of 32, made once per matrix (the kernel's rows are independent: the first rows of its
         result are w's, bit for bit)."""
         rows = w.shape[0] if w.dim() == 2 else 0
-        if w.dim() != 2 or rows % 32 == 0 or w.dtype != torch.bfloat16 or w.numel() * 2 > PAD_MOST:
+        if (w.dim() != 2 or rows % 32 == 0 or w.dtype != torch.bfloat16 or w.numel() * 2 > PAD_MOST
+                or w.device.type != "cpu"):
             return w
         kept = self._pads.get(id(w))
         if kept is not None and kept[0]() is w:
@@ -829,7 +830,7 @@ class DenseLinear:
         n, width = (x.numel() // x.shape[-1] if x.shape[-1] else 0), x.shape[-1]
         if self.lib is not None and self.padded(w) is not w:  # the kernel on whole groups of rows, then w's rows
             y = self(x, self.padded(w), None, out_dtype)[..., : w.shape[0]]  # [..., O]
-            return y if bias is None else y.add(bias.to(y.dtype))
+            return y.contiguous() if bias is None else y.add(bias.to(y.dtype))
         if not (self.lib is not None and n > 0 and x.dtype in (torch.bfloat16, torch.float32)
                 and out_dtype != torch.float16 and w.dtype == torch.bfloat16 and x.device.type == "cpu"
                 and w.shape[0] % 32 == 0 and width % 32 == 0 and w.shape[0] > 0 and w.is_contiguous()):

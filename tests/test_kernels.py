@@ -462,6 +462,9 @@ def test_a_router_of_eight_rows_runs_as_its_copy_padded_to_32(isa: str, tokens: 
     got = linear(x, w, bias)
     assert got.shape == (1, tokens, 8)
     assert torch.equal(got, linear(x, padded)[..., :8] + bias)
+    assert linear(x, w).is_contiguous()
+    elsewhere = torch.empty(8, 64, dtype=torch.bfloat16, device="meta")  # a matrix on another device: as it is
+    assert linear.padded(elsewhere) is elsewhere
     assert rel_err(got.float(), torch.nn.functional.linear(x.float(), w.float(), bias.float())) < 1e-2
     call = linear.one_token_call(w)
     assert call is not None and call[:3] == (padded.data_ptr(), 32, 64)
