@@ -828,8 +828,9 @@ class DenseLinear:
         if bias is not None and tuple(bias.shape) != (w.shape[0],):
             raise ValueError(f"bias has shape {list(bias.shape)}; expected [{w.shape[0]}]")
         n, width = (x.numel() // x.shape[-1] if x.shape[-1] else 0), x.shape[-1]
-        if self.lib is not None and self.padded(w) is not w:  # the kernel on whole groups of rows, then w's rows
-            y = self(x, self.padded(w), None, out_dtype)[..., : w.shape[0]]  # [..., O]
+        whole = self.padded(w) if self.lib is not None else w
+        if whole is not w:  # the kernel on whole groups of rows, then w's rows
+            y = self(x, whole, None, out_dtype)[..., : w.shape[0]]  # [..., O]
             return y.contiguous() if bias is None else y.add(bias.to(y.dtype))
         if not (self.lib is not None and n > 0 and x.dtype in (torch.bfloat16, torch.float32)
                 and out_dtype != torch.float16 and w.dtype == torch.bfloat16 and x.device.type == "cpu"
