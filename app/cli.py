@@ -51,6 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     add(gen, "--beams", "--record-trace")
     gen.set_defaults(func=_generate)
 
+    bat = sub.add_parser("batch", help="answer a file of OpenAI batch requests (JSONL) many at a time; run it again "
+                                       "to resume")
+    bat.add_argument("input", type=flags.path, metavar="IN.jsonl", help="one request a line (OpenAI batch format)")
+    add(bat, "--out", type=flags.path, metavar="OUT.jsonl", help="results, one a line, appended as they finish")
+    add(bat, "--model", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--repetition-penalty", "--seed",
+        "--batch-size", "--step-tokens")
+    add_load_args(bat)
+    bat.set_defaults(func=_batch)
+
     probe = sub.add_parser("probe", help="show what hardware was found (CPU ISA and cores, RAM, GPUs, PCIe)")
     add(probe, "--json", help="print the findings as JSON")
     add(probe, "--record", "--from")
@@ -410,6 +419,14 @@ def _generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _batch(args: argparse.Namespace) -> int:
+    from tandem.app.batch_cmd import run_batch
+    from tandem.runtime.loader import load
+
+    args.model = resolve_model(args.model)
+    return run_batch(args, lambda a: configure_from_args(a, 1), lambda o, c: load(o, c, _progress, _note), _note)
 
 
 def _selftest(args: argparse.Namespace) -> int:

@@ -170,6 +170,11 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
                                                              help="1 = off")),
     "--seed": (("--seed",), dict(type=seed, default=None)),
     "--beams": (("--beams",), dict(type=whole(1), default=1, help="beam search width (1 = off)")),
+    "--batch-size": (("--batch-size",), dict(type=whole(1, 4096), default=None, metavar="N",
+                                             help="sequences in flight at once (default: the batch policy's choice)")),
+    "--step-tokens": (("--step-tokens",), dict(type=whole(1, 1 << 16), default=None, metavar="N",
+                                               help="tokens a step takes at most, decode tokens and prompt chunks "
+                                                    "together (default: the batch policy's choice)")),
     # the load
     "--dtype": (("--dtype",), dict(choices=DTYPE_CHOICES, default="auto",
                                    help="compute dtype (auto: on a GPU, bf16 from Ampere on and fp16 before; on the "

@@ -41,6 +41,7 @@ class Measurements:
     token_overhead_ms: float = 0.0  # measured decode time per token not explained by the layer model
     ship_ms: float | None = None  # measured cost of sending a layer's activations to the CPU and back
     shared_device: bool = False  # the "accelerator" is the CPU itself (emulated): no real concurrency
+    gflops: float | None = None  # dense products over many tokens at the planned threads (the compute peak reached)
 
     @property
     def has_gpu(self) -> bool:
@@ -54,7 +55,7 @@ class Measurements:
             "kernel": self.kernel, "gpu_expert_ms": self.gpu_expert_ms, "copy_expert_ms": self.copy_expert_ms,
             "h2d_gbps": self.h2d_gbps, "d2h_gbps": self.d2h_gbps, "vram_for_experts": self.vram_for_experts,
             "token_overhead_ms": self.token_overhead_ms, "ship_ms": self.ship_ms,
-            "shared_device": self.shared_device,
+            "shared_device": self.shared_device, "gflops": self.gflops,
         }
 
     @classmethod
@@ -69,7 +70,7 @@ class Measurements:
             copy_expert_ms=d.get("copy_expert_ms"), h2d_gbps=d.get("h2d_gbps"), d2h_gbps=d.get("d2h_gbps"),
             vram_for_experts=int(d.get("vram_for_experts") or 0),
             token_overhead_ms=float(d.get("token_overhead_ms") or 0.0), ship_ms=d.get("ship_ms"),
-            shared_device=bool(d.get("shared_device")),
+            shared_device=bool(d.get("shared_device")), gflops=d.get("gflops"),
         )
 
 
@@ -158,6 +159,7 @@ def from_hardware_file(d: dict[str, Any], expert_bytes: int, flops_per_token: fl
         raise f.fail("the file", d, "a JSON object")
     cores = f.count(d.get("cores"), "cores")
     dram = f.optional(d, "cpu_bandwidth_gbps", GBPS)
+    gflops = f.optional(d, "cpu_gflops", GFLOPS)
     cpu: dict[int, CpuFit] = {}
     for t, spec in f.section(d.get("cpu_threads"), "cpu_threads").items():
         where = f"cpu_threads.{t}."
@@ -187,4 +189,5 @@ def from_hardware_file(d: dict[str, Any], expert_bytes: int, flops_per_token: fl
         cores=cores, expert_bytes=expert_bytes, cpu=cpu, dram_gbps=dram, gpu_expert_ms=expert_ms,
         copy_expert_ms=copy_ms, h2d_gbps=h2d, vram_for_experts=vram, ship_ms=ship_ms,
         token_overhead_ms=0.0 if overhead is None else f.number(d, "token_overhead_ms", MS, zero=True),
+        gflops=gflops,
     )

@@ -13,11 +13,19 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.autotune.measurements import Measurements, fit_cpu
+from tandem.autotune.measurements import Measurements, fit_cpu, roofline_cpu
 from tandem.autotune.plan import ModelShape
 from tandem.autotune.probe import HardwareInfo
 from tandem.kernels.blocks import FORMATS, block_matrix
-from tandem.kernels.cpu import PROBE_STREAMS, CpuExecutor, CpuExpert, available_isas, library, read_bandwidth_probe
+from tandem.kernels.cpu import (
+    PROBE_STREAMS,
+    CpuExecutor,
+    CpuExpert,
+    DenseLinear,
+    available_isas,
+    library,
+    read_bandwidth_probe,
+)
 from tandem.kernels.quant import QuantizedMatrix, quantize_mxfp4
 from tandem.runtime.accelerator import Accelerator, make_accelerator
 from tandem.runtime.dispatch import slot_budget
@@ -101,6 +109,33 @@ def compute_peak(min_time: float = 0.2) -> dict[str, float]:
         del products["bf16"]
     peak = {name: 2 * m * k * n / time_per_call(f, 1, min_time) / 1e6 for name, f in products.items()}
     return peak | {"bf16": peak["fp32"]} if bf16_in_float32 else peak
+
+
+DENSE_TOKENS = 64  # tokens of the dense product timed for a batch step's rate: a decode step of 64 sequences
+
+
+def dense_gflops(hidden: int, dtype: torch.dtype, threads: int, min_time: float = 0.1) -> float:
+    """The rate the model's dense path (DenseLinear: attention projections, lm_head) multiplies DENSE_TOKENS tokens by
+    a hidden x 2·hidden matrix in `dtype`, float32 out as the residual stream takes it, in GFLOP/s."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(2 * hidden, hidden, generator=gen).to(dtype)
+    x = torch.randn(DENSE_TOKENS, hidden, generator=gen).to(dtype)
+    linear = DenseLinear(threads)
+    return 2 * w.numel() * DENSE_TOKENS / time_per_call(lambda _k: linear(x, w, out_dtype=torch.float32), 1,
+                                                        min_time) / 1e6
+
+
+QUICK_PROBE_BYTES = 256 * 2**20  # the batch policy's probe: a quarter second of reads, past any cache
+
+
+def quick_measurements(shape: ModelShape, dtype: torch.dtype, threads: int) -> Measurements:
+    """What the batch policy needs where this machine has no profile for the model, in about a second: the DRAM
+    bandwidth, the dense product rate, and the experts' times as their roofline of the two."""
+    bw = dram_bandwidth(threads, QUICK_PROBE_BYTES)
+    gflops = dense_gflops(shape.hidden, dtype, threads, min_time=0.05)
+    fit = roofline_cpu(shape.expert_bytes, 6 * shape.hidden * shape.inter, bw, gflops)
+    return Measurements(cores=threads, expert_bytes=shape.expert_bytes, cpu={threads: fit}, dram_gbps=bw,
+                        gflops=gflops)
 
 
 def choose_variant(variants: dict[str, dict[int, float]]) -> str:

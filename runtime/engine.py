@@ -49,7 +49,7 @@ class GenerationStats:
         }
 
 
-def _check_scores(logits: torch.Tensor, step: int) -> None:
+def check_scores(logits: torch.Tensor, step: int) -> None:
     """Scores with NaN or infinities come from damaged weights (or an overflow in them): sampling would fail
     inside torch and greedy or beam search would print nonsense, so they end the generation with an error.
     One pass over a row of V scores per step: negligible beside the forward pass."""
@@ -109,7 +109,7 @@ class Engine:
         budget = min(params.max_new_tokens, self.context - n_prompt)
         pos = n_prompt
         for step in range(budget):
-            _check_scores(logits, step)
+            check_scores(logits, step)
             token = next_token(logits, params, history[:pos], generator)
             elapsed = time.perf_counter() - start
             if step == 0:
@@ -166,7 +166,7 @@ class Engine:
         budget = min(params.max_new_tokens, self.context - n_prompt)
         logits = self._prefill(torch.tensor([prompt_ids]))[0]  # [V]
         if budget:
-            _check_scores(logits, 0)
+            check_scores(logits, 0)
         scores = torch.log_softmax(logits, -1)[None]  # [1, V]: one row until the beams diverge
         rows: list[list[int]] = [[]]  # the tokens of the beam held in each KV cache row
         row_scores = torch.zeros(1)
@@ -180,7 +180,7 @@ class Engine:
                 last = torch.tensor([[r[-1]] for r in rows])  # [R, 1]
                 logits = self.model.forward(last, pos - 1, last_only=True, phase="decode")[:, -1]  # [R, V]
             if step:
-                _check_scores(logits, step)
+                check_scores(logits, step)
                 scores = row_scores[:, None] + torch.log_softmax(logits, -1)  # [R, V]
             top, flat = scores.flatten().topk(min(2 * k, scores.numel()))  # [2K]
             vocab = scores.shape[-1]

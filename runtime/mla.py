@@ -22,6 +22,7 @@ Dr qk_rope_head_dim, Dv v_head_dim.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -103,6 +104,12 @@ class LatentCache:
             raise ValueError("copy_rows: a row cannot be both a source and a destination")
         for d, s in pairs:
             self.latent[:, d, :length].copy_(self.latent[:, s, :length])
+
+    def row(self, r: int) -> LatentCache:
+        """Batch row r alone, as a cache of one row (views, as KVCache.row)."""
+        view = copy.copy(self)
+        view.latent, view.batch = self.latent[:, r : r + 1], 1
+        return view
 
     @staticmethod
     def nbytes(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype) -> int:

@@ -255,6 +255,12 @@ class KVCache:
             self.k[:, d, :, :length].copy_(self.k[:, s, :, :length])
             self.v[:, d, :, :length].copy_(self.v[:, s, :, :length])
 
+    def row(self, r: int) -> KVCache:
+        """Batch row r alone, as a cache of one row: views, so what a pass writes into it lands in this cache."""
+        view = copy.copy(self)
+        view.k, view.v, view.batch = self.k[:, r : r + 1], self.v[:, r : r + 1], 1
+        return view
+
     @staticmethod
     def nbytes(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype) -> int:
         item = torch.empty((), dtype=dtype).element_size()
@@ -279,6 +285,17 @@ def activation_bytes(cfg: ModelConfig, tokens: int, context: int, batch: int, dt
         + batch * cfg.num_heads * tokens * context * 4
     ffn = T * (cfg.num_experts * 4 + 2 * h * 4 + 3 * width * item)
     return residual + max(attention, ffn) + batch * cfg.vocab_size * 4
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's share of a ragged pass (`MoEModel.forward_rows`): `length` new tokens at positions start..,
+    in KV cache row `row`, rotated with LongRoPE's long tables or not."""
+
+    row: int
+    start: int
+    length: int
+    long: bool = False
 
 
 def cache_class(cfg: ModelConfig) -> type[KVCache] | type[LatentCache]:
@@ -541,8 +558,17 @@ class MoEModel:
     def _attention(
         self, i: int, a: Attention | MLAWeights, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
+        """Layer i's attention for B sequences in cache rows 0..B-1, all at positions start..: x [B, T, H] -> its
+        output [B, T, H] float32 (into the residual stream, unrounded)."""
         if isinstance(a, MLAWeights):
             return attend(self.cfg, a, self.cache, i, x, start, cos, sin, self.linear, self.rms_norm)  # type: ignore[arg-type]
+        q, k, v = self._qkv(a, x)
+        out = self._attend(i, a, q, k, v, self.cache, start, cos, sin)  # type: ignore[arg-type]
+        return self.linear(out, a.o, a.o_bias, out_dtype=torch.float32)
+
+    def _qkv(self, a: Attention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, H] -> q [B, T, Hq, D], k and v [B, T, Hkv, D]: one product for the three, then q/k norms and
+        clipping as the family asks."""
         cfg = self.cfg
         B, T, _ = x.shape
         qkv = self.linear(x, a.qkv, a.qkv_bias)  # [B, T, (Hq + 2 Hkv) * D]
@@ -557,12 +583,72 @@ class MoEModel:
         v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, D]
         if cfg.qk_norm == "head":
             q, k = self.rms_norm(q, a.q_norm, cfg.rms_norm_eps), self.rms_norm(k, a.k_norm, cfg.rms_norm_eps)
-        window = cfg.window(i)
+        return q, k, v
+
+    def _attend(self, i: int, a: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE, the KV cache write and attention of q [B, T, Hq, D], k and v [B, T, Hkv, D] at positions start..,
+        in `cache`'s rows 0..B-1 -> [B, T, Hq*D] in the compute dtype."""
+        B, T = q.shape[:2]
+        window = self.cfg.window(i)
         # a sliding window: no key before the first one the earliest query sees is read at all
         first = max(0, start + 1 - window) if window else 0
         if T == 1 and self.attend_kernel:  # decode: one kernel call from RoPE to the values' sum
-            out = attend_one(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), cos[0], sin[0], self.cache.k[i],
-                             self.cache.v[i], start, first, a.sinks, self.threads).view(B, 1, -1)  # [B, T, Hq*D]
-        else:
-            out = attend_cached(q, k, v, cos, sin, self.cache.k[i], self.cache.v[i], start, first, window, a.sinks)
+            return attend_one(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), cos[0], sin[0], cache.k[i],
+                              cache.v[i], start, first, a.sinks, self.threads).view(B, 1, -1)  # [B, T, Hq*D]
+        return attend_cached(q, k, v, cos, sin, cache.k[i], cache.v[i], start, first, window, a.sinks)
+
+    @torch.inference_mode()
+    def forward_rows(self, ids: torch.Tensor, segments: list[Segment], phase: str = "decode") -> torch.Tensor:
+        """A ragged pass, as continuous batching runs: token ids [N], the concatenation of `segments`, each one
+        sequence's new tokens in its own KV cache row at its own positions -> float32 host logits of each segment's
+        last token [len(segments), V]. Every matrix, the experts' above all, is read once for all N tokens; only
+        RoPE, the KV cache write and attention run segment by segment (under Multi-head Latent Attention, which
+        projects from the cache's latents, the whole attention does)."""
+        if ids.dim() != 1 or ids.numel() != sum(s.length for s in segments) or not segments:
+            raise ValueError("forward_rows: ids must be the segments' tokens, one after another")
+        try:
+            return self._forward_rows(ids, segments, phase)
+        except torch.OutOfMemoryError as e:
+            raise ResourceError(f"the accelerator ran out of memory during a {ids.numel()}-token pass of "
+                                f"{len(segments)} sequences: lower the batch size or --vram-gb, or use --accelerator "
+                                "none") from e
+
+    def _forward_rows(self, ids: torch.Tensor, segments: list[Segment], phase: str) -> torch.Tensor:
+        N = ids.numel()
+        self.dispatcher.begin_step(phase)
+        x = self._embed(ids[None])  # [1, N, H] float32
+        tables = []  # each segment's RoPE tables [T, D] x 2 and its span of the N tokens
+        at = 0
+        for seg in segments:
+            cos, sin = (self.cos_long, self.sin_long) if seg.long else (self.cos, self.sin)
+            end = seg.start + seg.length
+            tables.append((cos[seg.start : end], sin[seg.start : end], at, at + seg.length))
+            at += seg.length
+        rows = [self.cache.row(seg.row) for seg in segments]
+        for i, layer in enumerate(self.layers):
+            h = self._norm(x, layer.input_norm, layer.input_norm_bias)  # [1, N, H]
+            x = x + self._attention_rows(i, layer.attn, h, segments, tables, rows)
+            h = self._norm(x, layer.post_norm, layer.post_norm_bias).view(N, -1)  # [N, H]
+            y = self.dispatcher(i, h) if isinstance(layer.ffn, MoEBlockWeights) else layer.ffn(h)  # [N, H]
+            x = x + y.view(1, N, -1)  # [1, N, H]
+        last = torch.tensor([end - 1 for *_, end in tables], device=x.device)  # [S]: each segment's last token
+        x = x[:, last]  # [1, S, H]
+        logits = self.linear(self._norm(x, self.norm, self.norm_bias), self.lm_head, self.lm_head_bias,
+                             out_dtype=torch.float32)[0]  # [S, V]
+        return logits if self.accel is None else self.accel.to_host(logits)
+
+    def _attention_rows(self, i: int, a: Attention | MLAWeights, x: torch.Tensor, segments: list[Segment],
+                        tables: list[tuple[torch.Tensor, torch.Tensor, int, int]], rows: list[KVCache | LatentCache]
+                        ) -> torch.Tensor:
+        """Layer i's attention over a ragged pass: x [1, N, H] -> [1, N, H] float32. q, k, v and o are one product
+        each over all N tokens."""
+        if isinstance(a, MLAWeights):
+            return torch.cat([attend(self.cfg, a, row, i, x[:, lo:hi], seg.start, cos, sin, self.linear,  # type: ignore[arg-type]
+                                     self.rms_norm)
+                              for seg, row, (cos, sin, lo, hi) in zip(segments, rows, tables, strict=True)], dim=1)
+        q, k, v = self._qkv(a, x)  # [1, N, Hq, D], [1, N, Hkv, D] x 2
+        out = torch.cat([self._attend(i, a, q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], row, seg.start, cos, sin)  # type: ignore[arg-type]
+                         for seg, row, (cos, sin, lo, hi) in zip(segments, rows, tables, strict=True)],
+                        dim=1)  # [1, N, Hq*D]
         return self.linear(out, a.o, a.o_bias, out_dtype=torch.float32)  # into the residual stream, unrounded

@@ -1,0 +1,180 @@
+"""`tandem batch IN.jsonl --out OUT.jsonl`: every request of the file through continuous batching on one model, with
+a progress line, results appended as they finish, and a second run picking up where an interrupted one stopped."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import TextIO
+
+from tandem.app.batch_file import Answer, Line, ResultsFile, error_record, read_requests, result_record
+from tandem.autotune.batch_plan import BatchMachine, BatchPolicy, BatchShape, Workload, plan_batch
+from tandem.autotune.configure import Configured
+from tandem.autotune.measurements import Measurements
+from tandem.autotune.plan import ModelShape
+from tandem.runtime.batch import BatchEngine, BatchRequest, DoneEvent
+from tandem.runtime.checkpoint import Checkpoint
+from tandem.runtime.loader import LoadedModel
+from tandem.runtime.options import Options
+from tandem.runtime.sampling import SamplingParams
+from tandem.runtime.tokenizer import StreamDecoder, Tokenizer
+
+Note = Callable[[str], None]
+Configure = Callable[[argparse.Namespace], Configured]
+Load = Callable[[Options, Checkpoint], LoadedModel]
+
+
+class BatchProgress:
+    """Requests done, generated tokens/s and the time left, on one line of stderr: rewritten in place on a terminal
+    (at most every half second), a line at each tenth of the work in a log."""
+
+    def __init__(self, total: int, stream: TextIO | None = None) -> None:
+        self.total, self.done, self.tokens = total, 0, 0
+        self.stream = stream or sys.stderr
+        self.start = self.shown = time.perf_counter()
+        self.tenth = 0
+
+    def token(self) -> None:
+        self.tokens += 1
+        self._show()
+
+    def finished(self) -> None:
+        self.done += 1
+        self._show(force=self.done == self.total)
+
+    def line(self) -> str:
+        elapsed = time.perf_counter() - self.start
+        rate = self.tokens / elapsed if elapsed > 0 else 0.0
+        left = "?"
+        if self.done:
+            seconds = elapsed / self.done * (self.total - self.done)
+            left = f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+        width = 24
+        bar = "#" * (width * self.done // max(1, self.total))
+        return f"[{bar:<{width}}] {self.done}/{self.total} requests, {rate:.1f} tok/s, ETA {left}"
+
+    def _show(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if self.stream.isatty():
+            if force or now - self.shown >= 0.5:
+                self.shown = now
+                print(f"\r{self.line()}", end="\n" if self.done == self.total else "", file=self.stream, flush=True)
+        elif force or self.done * 10 // max(1, self.total) > self.tenth:
+            self.tenth = self.done * 10 // max(1, self.total)
+            print(self.line(), file=self.stream, flush=True)
+
+
+def sampling_defaults(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+
+def batch_context(lines: list[Line], limit: int) -> int:
+    """The context a run needs: its longest prompt plus its answer, within the model's limit."""
+    longest = max(len(x.request.prompt) + x.request.params.max_new_tokens for x in lines if x.request)
+    return max(2, min(limit, longest))
+
+
+def workload(lines: list[Line]) -> Workload:
+    reqs = [x.request for x in lines if x.request]
+    return Workload(len(reqs), round(sum(len(r.prompt) for r in reqs) / len(reqs)),
+                    round(sum(r.params.max_new_tokens for r in reqs) / len(reqs)))
+
+
+def batch_measurements(configured: Configured, notify: Note) -> Measurements:
+    """This machine's profile for the model if it has one, else a second's probe (said so)."""
+    from tandem.autotune.microbench import quick_measurements
+    from tandem.autotune.probe import probe
+    from tandem.autotune.profile import find_profile, model_fingerprint
+
+    options, ckpt = configured.options, configured.checkpoint
+    found = find_profile(probe().fingerprint(), model_fingerprint(ckpt.raw_config, options.dtype))
+    if found.profile is not None:
+        return Measurements.from_dict(found.profile.measurements)
+    notify("no profile of this model on this machine: the batch policy uses a one-second probe "
+               "(`tandem autotune` measures it properly)")
+    shape = ModelShape.from_checkpoint(ckpt, options.torch_dtype.itemsize)
+    return quick_measurements(shape, options.cpu_torch_dtype, options.cpu.threads or 1)
+
+
+def choose_policy(configured: Configured, lines: list[Line], meas: Measurements) -> BatchPolicy:
+    """The batch policy for these requests: the KV cache may take KV_SHARE of the RAM the model leaves free."""
+    from tandem.autotune.batch_plan import KV_SHARE
+    from tandem.runtime.memory import available_ram, estimate_memory
+
+    options, ckpt = configured.options, configured.checkpoint
+    model_bytes = estimate_memory(ckpt, options.torch_dtype, options.context, 1, options.cpu).total
+    budget = int(KV_SHARE * max(0, available_ram() - model_bytes))
+    shape = ModelShape.from_checkpoint(ckpt, options.torch_dtype.itemsize)
+    bs = BatchShape.from_config(ckpt.config, shape, options.torch_dtype.itemsize)
+    machine = BatchMachine.from_measurements(meas, options.cpu.threads)
+    return plan_batch(bs, machine, workload(lines), budget, options.context)
+
+
+def run_batch(args: argparse.Namespace, configure: Configure, load: Load, say: Note) -> int:
+    """The command. `configure`, `load` and `note`: the CLI's own (flags over profile over defaults, progress)."""
+    tokenizer = Tokenizer.from_model(args.model)
+    lines = read_requests(Path(args.input), tokenizer, sampling_defaults(args))
+    results = ResultsFile(Path(args.out))
+    todo = [x for x in lines if x.key not in results.done]
+    if len(todo) < len(lines):
+        say(f"{len(lines) - len(todo)} of {len(lines)} requests already answered in {args.out}: going on with the rest")
+    try:
+        for x in todo:
+            if x.error:
+                results.write(error_record(x, x.error))
+        runnable = [x for x in todo if x.request]
+        if not runnable:
+            return 0
+        return _answer(args, runnable, results, tokenizer, configure, load, say)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: answers so far are in {args.out}; run the same command again to go on",
+              file=sys.stderr)
+        raise
+    finally:
+        results.close()
+
+
+def _answer(args: argparse.Namespace, runnable: list[Line], results: ResultsFile, tokenizer: Tokenizer,
+            configure: Configure, load: Load, say: Note) -> int:
+    from tandem.runtime.checkpoint import open_checkpoint
+
+    if args.context is None:
+        args.context = batch_context(runnable, open_checkpoint(args.model).config.max_position_embeddings)
+    configured = configure(args)
+    policy = choose_policy(configured, runnable, batch_measurements(configured, say))
+    size = args.batch_size or policy.batch
+    step = args.step_tokens or (policy.step_tokens if args.batch_size is None else size + policy.step_tokens
+                                - policy.batch)
+    say(f"batch of {size} sequences, steps of up to {step} tokens ({'chosen' if args.batch_size is None else 'asked'}"
+            f"; predicted {policy.predicted.tok_s:.1f} tok/s for batch {policy.batch})")
+    loaded = load(replace(configured.options, batch=size), configured.checkpoint)
+    engine = BatchEngine(loaded.model, loaded.engine.eos_ids, size, step)
+    by_key = {x.key: x for x in runnable}
+    answers = {x.key: Answer(x.stops) for x in runnable}
+    decoders = {x.key: StreamDecoder(tokenizer) for x in runnable}
+    progress = BatchProgress(len(runnable))
+    name = Path(args.model).name
+    try:
+        for event in engine.run(_requests(runnable)):
+            if isinstance(event, DoneEvent):
+                r = event.result
+                answers[r.key].add(decoders[r.key].flush(), token=False)
+                results.write(result_record(by_key[r.key], r, answers[r.key], name))
+                del decoders[r.key]
+                progress.finished()
+            else:
+                if answers[event.key].add(decoders[event.key].push(event.token)):
+                    engine.finish(event.key)
+                progress.token()
+    finally:
+        loaded.model.dispatcher.close()
+    return 0
+
+
+def _requests(lines: list[Line]) -> list[BatchRequest]:
+    return [x.request for x in lines if x.request is not None]

@@ -1,0 +1,233 @@
+"""Continuous batching: many requests in flight on one model, each in its own KV cache row at its own position.
+
+Each step is one ragged pass (`MoEModel.forward_rows`): the next token of every sequence that is decoding, then the
+prompts of requests that have joined, in chunks, up to the step's token budget. A sequence that finishes frees its
+row, and the next request waiting takes it at the next step. Every expert a step's tokens chose is read once for all
+of them, so the more sequences in flight, the more tokens each read of the weights serves (MoE-Lightning's point).
+
+A request's answer is the one `Engine.generate` gives it alone: the same sampling, on its own generator and seed,
+over its own history; only the rounding of products over more rows can differ.
+
+Letters: N tokens in a step, S sequences in it, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.kernels.errors import GenerationError
+from tandem.runtime.engine import FinishReason, check_scores
+from tandem.runtime.model import MoEModel, Segment
+from tandem.runtime.sampling import SamplingParams, next_token
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    key: str  # the caller's name for it (an OpenAI batch line's custom_id)
+    prompt: list[int]
+    params: SamplingParams = SamplingParams()
+
+
+@dataclass
+class BatchResult:
+    key: str
+    tokens: list[int]
+    prompt_tokens: int
+    finish_reason: FinishReason | str  # "eos", "length", "context", "stop" (BatchEngine.finish) or "error"
+    error: str = ""  # why the request was refused or stopped ("" when it ran)
+    seconds: float = 0.0  # from joining the batch to finishing
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    key: str
+    token: int
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    result: BatchResult
+
+
+@dataclass
+class BatchStats:
+    steps: int = 0
+    prompt_tokens: int = 0  # fed through prefill (a LongRoPE re-run counts again)
+    new_tokens: int = 0
+    busiest: int = 0  # most sequences in one step
+    seconds: float = 0.0  # inside the engine's passes and sampling
+
+    @property
+    def tok_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Sequence:
+    request: BatchRequest
+    row: int
+    history: torch.Tensor  # [context] prompt + generated ids
+    pos: int  # ids in history
+    budget: int  # new tokens it may still take
+    generator: torch.Generator
+    long: bool  # LongRoPE's long tables for its next pass
+    joined: float
+    fed: int = 0  # ids of history already in its KV cache row
+    tokens: list[int] = field(default_factory=list)
+
+
+class BatchEngine:
+    """Runs requests `max_batch` at a time, each step at most `step_tokens` tokens (a step's decode tokens always run;
+    prompts fill what the budget leaves, at least one chunk when nothing is decoding)."""
+
+    def __init__(self, model: MoEModel, eos_ids: Iterable[int], max_batch: int, step_tokens: int = 256) -> None:
+        if max_batch < 1 or step_tokens < 1:
+            raise ValueError("BatchEngine needs max_batch and step_tokens of at least 1")
+        self.model = model.with_batch(max_batch)
+        self.eos_ids = frozenset(eos_ids)
+        self.max_batch, self.step_tokens = max_batch, step_tokens
+        self.stats = BatchStats()
+        self._stopping: set[str] = set()
+
+    def finish(self, key: str) -> None:
+        """End request `key` before its next step (its consumer found a stop sequence in the text, or went away):
+        it leaves with finish reason "stop" and the tokens it has."""
+        self._stopping.add(key)
+
+    def run(self, requests: Iterable[BatchRequest]) -> Iterator[TokenEvent | DoneEvent]:
+        """Every request's tokens as they come, and one DoneEvent each when it ends (refused ones at once, with the
+        reason): in the order the steps produce them. Requests are taken from `requests` as rows free up."""
+        pending = iter(requests)
+        free = list(range(self.max_batch))
+        active: list[_Sequence] = []
+        more = True
+        self.model.dispatcher.begin_request()
+        while True:
+            while more and free:
+                request = next(pending, None)
+                if request is None:
+                    more = False
+                    break
+                problem = self._refusal(request)
+                if problem:
+                    yield DoneEvent(BatchResult(request.key, [], len(request.prompt), "error", problem))
+                    continue
+                seq = self._join(request, free.pop(0))
+                if seq.budget == 0:  # nothing asked for: done without a pass
+                    free.insert(0, seq.row)
+                    yield DoneEvent(BatchResult(request.key, [], seq.pos, "length"))
+                    continue
+                active.append(seq)
+            for seq in [s for s in active if s.request.key in self._stopping]:
+                self._stopping.discard(seq.request.key)
+                active.remove(seq)
+                free.append(seq.row)
+                yield self._done(seq, "stop")
+            if not active:
+                if more and free:
+                    continue
+                return
+            start = time.perf_counter()
+            fed, logits = self._step(active)
+            for seq, event in self._advance(fed, logits):
+                if isinstance(event, DoneEvent):
+                    active.remove(seq)
+                    free.append(seq.row)
+                yield event
+            self.stats.seconds += time.perf_counter() - start
+
+    def _refusal(self, request: BatchRequest) -> str:
+        """Why a request cannot run ("" when it can), as Engine.generate would refuse it."""
+        try:
+            request.params.check()
+        except GenerationError as e:
+            return str(e)
+        context, vocab = self.model.context, self.model.cfg.vocab_size
+        if request.params.beams > 1:
+            return "beam search is not available in batch mode; leave beams at 1"
+        if not request.prompt:
+            return "the prompt is empty; give at least one token"
+        if len(request.prompt) >= context:
+            return (f"the prompt has {len(request.prompt)} tokens but the context holds {context}; shorten the prompt "
+                    "or raise --context")
+        if min(request.prompt) < 0 or max(request.prompt) >= vocab:
+            return f"prompt token ids must be in [0, {vocab}); the tokenizer does not match the model"
+        return ""
+
+    def _join(self, request: BatchRequest, row: int) -> _Sequence:
+        generator = torch.Generator()
+        if request.params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(request.params.seed)
+        n, context = len(request.prompt), self.model.context
+        history = torch.empty(context, dtype=torch.long)
+        history[:n] = torch.tensor(request.prompt)
+        switch = self.model.rope_switch
+        return _Sequence(request, row, history, n, min(request.params.max_new_tokens, context - n), generator,
+                         long=switch is not None and n > switch, joined=time.perf_counter())
+
+    def _step(self, active: list[_Sequence]) -> tuple[list[_Sequence], torch.Tensor]:
+        """One ragged pass over what the active sequences have not fed yet: decode tokens first (one each), then
+        prompt chunks within the budget. Returns the sequences in the pass, in its order, and their last token's
+        logits [S, V]."""
+        decoding = [s for s in active if s.pos - s.fed == 1]
+        prefilling = [s for s in active if s.pos - s.fed > 1]
+        room = max(self.step_tokens - len(decoding), 0 if decoding else 1)
+        chosen: list[tuple[_Sequence, int]] = [(s, 1) for s in decoding]
+        for s in prefilling:
+            if room == 0:
+                break
+            take = min(s.pos - s.fed, room)
+            chosen.append((s, take))
+            room -= take
+        segments = [Segment(s.row, s.fed, take, s.long) for s, take in chosen]
+        ids = torch.cat([s.history[s.fed : s.fed + take] for s, take in chosen])  # [N]
+        phase = "prefill" if len(chosen) > len(decoding) else "decode"
+        logits = self.model.forward_rows(ids, segments, phase)  # [S, V]
+        for s, take in chosen:
+            if s.pos - s.fed > 1:
+                self.stats.prompt_tokens += take
+            s.fed += take
+        self.stats.steps += 1
+        self.stats.busiest = max(self.stats.busiest, len(chosen))
+        return [s for s, _ in chosen], logits
+
+    def _advance(self, fed: list[_Sequence], logits: torch.Tensor
+                 ) -> Iterator[tuple[_Sequence, TokenEvent | DoneEvent]]:
+        """Sample the next token of each sequence whose history is now all in its cache, as Engine._run does; each
+        event with its sequence."""
+        for seq, row_logits in zip(fed, logits, strict=True):
+            if seq.fed < seq.pos:  # a prompt chunk: its logits are not the last position's
+                continue
+            params = seq.request.params
+            try:
+                check_scores(row_logits, len(seq.tokens))
+                token = next_token(row_logits, params, seq.history[: seq.pos], seq.generator)
+            except GenerationError as e:
+                yield seq, self._done(seq, "error", str(e))
+                continue
+            if token in self.eos_ids:
+                yield seq, self._done(seq, "eos")
+                continue
+            seq.history[seq.pos] = token
+            seq.pos += 1
+            seq.budget -= 1
+            seq.tokens.append(token)
+            self.stats.new_tokens += 1
+            yield seq, TokenEvent(seq.request.key, token)
+            if seq.budget == 0:
+                yield seq, self._done(seq, "length" if len(seq.tokens) == params.max_new_tokens else "context")
+            elif self.model.rope_switch is not None and seq.pos - 1 == self.model.rope_switch:
+                # the cached keys were rotated with the short tables: the whole sequence again with the long ones,
+                # once, as Engine._rope_switches does
+                seq.fed, seq.long = 0, True
+
+    @staticmethod
+    def _done(seq: _Sequence, reason: str, error: str = "") -> DoneEvent:
+        return DoneEvent(BatchResult(seq.request.key, seq.tokens, len(seq.request.prompt), reason, error,
+                                     time.perf_counter() - seq.joined))
