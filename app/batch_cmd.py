@@ -104,7 +104,8 @@ def batch_measurements(configured: Configured, notify: Note) -> Measurements:
 def choose_policy(configured: Configured, lines: list[Line], meas: Measurements) -> BatchPolicy:
     """The batch policy for these requests: the KV cache may take KV_SHARE of the RAM the model leaves free."""
     from tandem.autotune.batch_plan import KV_SHARE
-    from tandem.runtime.memory import available_ram, estimate_memory
+    from tandem.runtime.accelerator import accelerator_budget
+    from tandem.runtime.memory import accelerator_bytes, available_ram, estimate_memory
 
     options, ckpt = configured.options, configured.checkpoint
     model_bytes = estimate_memory(ckpt, options.torch_dtype, options.context, 1, options.cpu).total
@@ -112,7 +113,11 @@ def choose_policy(configured: Configured, lines: list[Line], meas: Measurements)
     shape = ModelShape.from_checkpoint(ckpt, options.torch_dtype.itemsize)
     bs = BatchShape.from_config(ckpt.config, shape, options.torch_dtype.itemsize)
     machine = BatchMachine.from_measurements(meas, options.cpu.threads)
-    return plan_batch(bs, machine, workload(lines), budget, options.context)
+    vram = accelerator_budget(options.accelerator, options.vram_gb, options.gpu)
+    vram_free = None if vram is None else max(0, vram - accelerator_bytes(ckpt, options.torch_dtype,
+                                                                         options.context, 1))
+    return plan_batch(bs, machine, workload(lines), budget, options.context, vram_free,
+                      host_attention=not ckpt.config.kv_lora_rank)
 
 
 def run_batch(args: argparse.Namespace, configure: Configure, load: Load, say: Note) -> int:
@@ -150,10 +155,17 @@ def _answer(args: argparse.Namespace, runnable: list[Line], results: ResultsFile
     size = args.batch_size or policy.batch
     step = args.step_tokens or (policy.step_tokens if args.batch_size is None else size + policy.step_tokens
                                 - policy.batch)
-    say(f"batch of {size} sequences, steps of up to {step} tokens ({'chosen' if args.batch_size is None else 'asked'}"
-            f"; predicted {policy.predicted.tok_s:.1f} tok/s for batch {policy.batch})")
-    loaded = load(replace(configured.options, batch=size), configured.checkpoint)
-    engine = BatchEngine(loaded.model, loaded.engine.eos_ids, size, step)
+    on_host = policy.attention == "cpu" and configured.options.accelerator != "none"
+    where = ""
+    if configured.options.accelerator != "none":
+        where = f", {policy.micro_batches} micro-batches, attention on the {'CPU' if on_host else 'accelerator'}"
+    say(f"batch of {size} sequences, steps of up to {step} tokens{where} "
+        f"({'chosen' if args.batch_size is None else 'asked'}; predicted {policy.predicted.tok_s:.1f} tok/s for batch "
+        f"{policy.batch})")
+    # the accelerator keeps room for the batch's KV cache when attention runs there (loaded with it, before the
+    # expert slots take the rest); in RAM, the engine makes it
+    loaded = load(replace(configured.options, batch=1 if on_host else size), configured.checkpoint)
+    engine = BatchEngine(loaded.model, loaded.engine.eos_ids, size, step, policy.micro_batches, on_host)
     by_key = {x.key: x for x in runnable}
     answers = {x.key: Answer(x.stops) for x in runnable}
     decoders = {x.key: StreamDecoder(tokenizer) for x in runnable}

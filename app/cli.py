@@ -30,6 +30,8 @@ from tandem.runtime.paths import read_bounded
 
 if TYPE_CHECKING:
     from tandem.autotune.configure import Configured
+    from tandem.autotune.plan import ModelShape
+    from tandem.runtime.config import ModelConfig
     from tandem.runtime.loader import LoadedModel
     from tandem.runtime.options import Request
 
@@ -90,10 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     tune.set_defaults(func=_autotune)
 
     plan = sub.add_parser("plan", help="plan for hardware described in a JSON file, without running anything")
-    add(plan, "--hardware")
+    add(plan, "--hardware", required=False, help="the machine, described (see the README); with --batch and "
+                                                 "without it, this machine, probed for a second")
     add(plan, "--model", required=True, help="model folder or its config.json")
     add(plan, "--trace", "--json")
     add(plan, "--dtype", choices=["bf16", "fp32"], default="bf16")
+    plan.add_argument("--batch", action="store_true", help="the batch policy for a workload (batch size, step "
+                                                           "tokens, where attention runs) instead of the decode plan")
+    add_workload_args(plan)
     plan.set_defaults(func=_plan)
 
     bench = sub.add_parser("bench", help="benchmarks (print JSON)")
@@ -116,6 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
     add(e2e, "--plot")
     add_load_args(e2e)
     e2e.set_defaults(func=_bench_e2e)
+
+    bb = bench_sub.add_parser("batch", help="batch throughput against the policy's prediction, single-request "
+                                            "decode, and optionally transformers or llama.cpp")
+    add(bb, "--model")
+    add_workload_args(bb)
+    bb.add_argument("--batch-sizes", type=flags.whole_list(1, 4096), default=None, metavar="LIST",
+                    help="batch sizes to run beside the policy's (a comma list; default: a quarter and half of it)")
+    add(bb, "--peer")
+    bb.add_argument("--llama-batched-bench", type=flags.path, default=None, metavar="PATH",
+                    help="llama.cpp's llama-batched-bench binary (with --peer llama.cpp and a GGUF --model)")
+    add(bb, "--json", action="store", metavar="FILE", help="write the results as JSON")
+    add_load_args(bb)
+    bb.set_defaults(func=_bench_batch)
 
     val = bench_sub.add_parser("plan", help="the planner and simulator against real runs (regret, prediction error)")
     add(val, "--model", required=True)
@@ -164,6 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
     add(synth, "--seed", default=0)
     synth.set_defaults(func=_make_test_model)
     return parser
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """A batch workload: R requests of N prompt and M new tokens each."""
+    p.add_argument("--requests", type=flags.whole(1, 1 << 16), default=64, help="requests in the workload")
+    p.add_argument("--in", dest="prompt_len", type=flags.whole(1), default=128, metavar="N",
+                   help="prompt tokens of each request")
+    p.add_argument("--out", dest="new_len", type=flags.whole(1), default=64, metavar="M",
+                   help="new tokens of each request")
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
@@ -329,7 +357,8 @@ def _plan(args: argparse.Namespace) -> int:
     from tandem.runtime.gguf import is_gguf
     from tandem.runtime.trace import load_sequence
 
-    hw = _read_json(args.hardware, "hardware file")
+    if args.hardware is None and not args.batch:
+        raise UsageError("plan needs --hardware HW.json (only --batch can plan for this machine without one)")
     model = Path(args.model)
     item = 4 if args.dtype == "fp32" else 2
     if model.exists() and not model.is_dir() and not is_gguf(model):  # a config.json (or a FIFO refused as one)
@@ -339,6 +368,9 @@ def _plan(args: argparse.Namespace) -> int:
         ckpt = open_checkpoint(model)
         cfg = ckpt.config
         shape = ModelShape.from_checkpoint(ckpt, item)
+    if args.batch:
+        return _plan_batch(args, cfg, shape)
+    hw = _read_json(args.hardware, "hardware file")
     meas = from_hardware_file(hw, shape.expert_bytes, 6 * cfg.hidden_size * cfg.moe_intermediate_size,
                               source=args.hardware)
     trace = load_sequence(args.trace, shape.num_layers, shape.num_experts, shape.top_k) if args.trace else None
@@ -351,6 +383,43 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"threads {p.threads}, {'accelerator, strategy ' + p.strategy if p.accelerator else 'CPU only'}, "
               f"cache {p.cache_indexes} x {p.cache_ways} ({p.cache_policy}), {p.static_experts} static experts: "
               f"{result.predicted_tok_s:.1f} tok/s predicted, hit rate {result.hit_rate:.0%}")
+    return 0
+
+
+def _plan_batch(args: argparse.Namespace, cfg: ModelConfig, shape: ModelShape) -> int:
+    """plan --batch: the batch policy for the workload, on the machine the hardware file describes (its
+    `ram_free_gb` bounds the KV cache; none: no bound) or, without one, on this one."""
+    from tandem.autotune.batch_plan import KV_SHARE, BatchMachine, BatchShape, Workload, plan_batch
+    from tandem.autotune.measurements import free_ram_from_hardware_file, from_hardware_file
+    from tandem.autotune.microbench import quick_measurements
+    from tandem.runtime.memory import available_ram
+
+    context = args.prompt_len + args.new_len
+    if args.hardware is not None:
+        hw = _read_json(args.hardware, "hardware file")
+        meas = from_hardware_file(hw, shape.expert_bytes, 6 * cfg.hidden_size * cfg.moe_intermediate_size,
+                                  source=args.hardware)
+        free = free_ram_from_hardware_file(hw, args.hardware)
+    else:
+        import torch
+
+        _note("no --hardware: this machine, probed for a second")
+        threads = flags.cpu_threads_available()
+        meas = quick_measurements(shape, torch.bfloat16 if args.dtype == "bf16" else torch.float32, threads)
+        free = available_ram()
+    bs = BatchShape.from_config(cfg, shape, 4 if args.dtype == "fp32" else 2)
+    budget = 1 << 62 if free is None else int(KV_SHARE * free)
+    policy = plan_batch(bs, BatchMachine.from_measurements(meas), Workload(args.requests, args.prompt_len,
+                                                                           args.new_len), budget, context)
+    if args.json:
+        print(json.dumps(policy.to_dict() | {"workload": {"requests": args.requests, "in": args.prompt_len,
+                                                          "out": args.new_len}}, indent=1, allow_nan=False))
+    else:
+        p = policy.predicted
+        print(f"batch {policy.batch} sequences, steps of up to {policy.step_tokens} tokens, attention on the "
+              f"{'accelerator' if policy.attention == 'accelerator' else 'CPU'}: {p.tok_s:.1f} tok/s predicted "
+              f"({args.requests} requests of {args.prompt_len} + {args.new_len} tokens in {p.seconds:.1f} s, "
+              f"{p.prefill_s:.1f} s of it prompts; batch limited by {policy.limit})")
     return 0
 
 
@@ -588,6 +657,25 @@ def _bench_e2e(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
     if args.plot:
         plot(result, args.plot)
+    return 0
+
+
+def _bench_batch(args: argparse.Namespace) -> int:
+    from tandem.autotune.batch_plan import Workload
+    from tandem.autotune.bench.batch import bench_batch
+
+    if args.json:
+        check_output_file(args.json, "--json")
+    sizes = list(args.batch_sizes) if args.batch_sizes else None
+    w = Workload(args.requests, args.prompt_len, args.new_len)
+    if args.context is None:
+        args.context = args.prompt_len + args.new_len
+    loaded = load_from_args(args, batch=max([args.requests, *(sizes or [])]))
+    binary = Path(args.llama_batched_bench) if args.llama_batched_bench else None
+    result = bench_batch(loaded, w, sizes, args.peer, binary)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
     return 0
 
 

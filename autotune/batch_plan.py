@@ -219,7 +219,8 @@ def predict(bs: BatchShape, m: BatchMachine, w: Workload, batch: int, step_token
 @dataclass
 class BatchPolicy:
     batch: int  # sequences in flight
-    step_tokens: int  # tokens a step at most (the micro-batch of the CPU path)
+    step_tokens: int  # tokens a step at most
+    micro_batches: int  # parts of a step pipelined on the accelerator tier (1: none)
     attention: str  # where attention runs: "cpu", or "accelerator"
     accelerator_weights: str  # what the accelerator keeps: "none", or the dense weights (and experts: see plan)
     predicted: Prediction
@@ -228,7 +229,8 @@ class BatchPolicy:
     alternatives: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"batch": self.batch, "step_tokens": self.step_tokens, "attention": self.attention,
+        return {"batch": self.batch, "step_tokens": self.step_tokens, "micro_batches": self.micro_batches,
+                "attention": self.attention,
                 "accelerator_weights": self.accelerator_weights, "kv_cache_bytes": self.kv_bytes,
                 "limited_by": self.limit, "predicted": self.predicted.to_dict(), "alternatives": self.alternatives}
 
@@ -238,11 +240,14 @@ GAIN = 0.02  # a larger batch must predict at least this much more throughput to
 
 
 def plan_batch(bs: BatchShape, m: BatchMachine, w: Workload, kv_budget: int, context: int,
-               vram_free: int = 0) -> BatchPolicy:
+               vram_free: int | None = None, host_attention: bool = True) -> BatchPolicy:
     """The policy with the highest predicted throughput: batch sizes (powers of two up to the requests, the memory
     for their KV cache rows of `context` tokens, and MAX_BATCH) by step budgets (STEP_CHUNKS beyond the decode
-    tokens); the smallest batch within GAIN of the best. With an accelerator (`vram_free` bytes beside the model's
-    weights), attention runs there while the batch's KV cache fits in it, else on the CPU."""
+    tokens); the smallest batch within GAIN of the best. On an accelerator (`vram_free`: the bytes its memory has
+    beside the model's weights; None: no accelerator), each step runs as two micro-batches, pipelined, and attention
+    runs there while the batch's KV cache takes at most KV_SHARE of that memory (the rest is the experts'), else on
+    the CPU with the cache in RAM (where `host_attention` allows: not under Multi-head Latent Attention). The
+    prediction models the CPU's experts: on the accelerator tier it is the CPU-only bound."""
     row = bs.kv_bytes_per_token * context
     most = min(w.requests, MAX_BATCH, max(1, kv_budget // max(1, row)))
     sizes = sorted({min(most, 1 << i) for i in range(MAX_BATCH.bit_length())})
@@ -259,7 +264,9 @@ def plan_batch(bs: BatchShape, m: BatchMachine, w: Workload, kv_budget: int, con
     else:
         limit = "gain"
     kv = row * b
-    on_device = vram_free > 0 and kv <= vram_free
+    tier = vram_free is not None
+    on_device = tier and (kv <= KV_SHARE * vram_free or not host_attention)  # type: ignore[operator]
     others = sorted(scored, key=lambda x: -x[2].tok_s)[:5]
-    return BatchPolicy(b, step, "accelerator" if on_device else "cpu", "dense" if vram_free > 0 else "none", pred, kv,
-                       limit, [{"batch": x, "step_tokens": s, "tok_s": round(p.tok_s, 2)} for x, s, p in others])
+    return BatchPolicy(b, step, 2 if tier and b > 1 else 1, "accelerator" if on_device else "cpu",
+                       "dense" if tier else "none", pred, kv, limit,
+                       [{"batch": x, "step_tokens": s, "tok_s": round(p.tok_s, 2)} for x, s, p in others])

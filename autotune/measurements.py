@@ -191,3 +191,13 @@ def from_hardware_file(d: dict[str, Any], expert_bytes: int, flops_per_token: fl
         token_overhead_ms=0.0 if overhead is None else f.number(d, "token_overhead_ms", MS, zero=True),
         gflops=gflops,
     )
+
+
+def free_ram_from_hardware_file(d: dict[str, Any], source: str = "hardware file") -> int | None:
+    """The RAM a hardware description says is free for a model's KV cache (`ram_free_gb`), in bytes; None when it
+    does not say."""
+    f = _HardwareFile(source)
+    if not isinstance(d, dict):
+        raise f.fail("the file", d, "a JSON object")
+    gb = f.optional(d, "ram_free_gb", (1e-3, 1e7))
+    return None if gb is None else int(gb * 2**30)

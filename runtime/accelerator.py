@@ -437,6 +437,19 @@ def cuda_usable() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
+def accelerator_budget(kind: str, vram_gb: float | None, gpu: int = 0) -> int | None:
+    """The bytes an accelerator `make_accelerator` would make has, without making it; None without one."""
+    if kind == "emulated":
+        return None if vram_gb is None else int(vram_gb * GIB)
+    if kind != "cuda":
+        return None
+    devices = cuda_devices()  # pragma: no cover - no GPU on test machines
+    if not 0 <= gpu < len(devices):  # pragma: no cover
+        return None
+    free, _total = torch.cuda.mem_get_info(devices[gpu].index)  # pragma: no cover
+    return free if vram_gb is None else min(free, int(vram_gb * GIB))  # pragma: no cover
+
+
 def make_accelerator(kind: str, vram_gb: float | None, gpu: int = 0) -> Accelerator | None:
     """`auto` picks CUDA when usable, else none (CPU only). `--vram-gb` sets or caps the budget; `gpu`: which
     CUDA GPU in PCI bus order."""

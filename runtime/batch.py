@@ -84,10 +84,14 @@ class BatchEngine:
     """Runs requests `max_batch` at a time, each step at most `step_tokens` tokens (a step's decode tokens always run;
     prompts fill what the budget leaves, at least one chunk when nothing is decoding)."""
 
-    def __init__(self, model: MoEModel, eos_ids: Iterable[int], max_batch: int, step_tokens: int = 256) -> None:
-        if max_batch < 1 or step_tokens < 1:
-            raise ValueError("BatchEngine needs max_batch and step_tokens of at least 1")
-        self.model = model.with_batch(max_batch)
+    def __init__(self, model: MoEModel, eos_ids: Iterable[int], max_batch: int, step_tokens: int = 256,
+                 micro_batches: int = 1, host_cache: bool = False) -> None:
+        """On an accelerator: `micro_batches` > 1 pipelines each step (one micro-batch's attention while the
+        accelerator runs another's experts); `host_cache` keeps the batch's KV cache in RAM, attention on the CPU."""
+        if max_batch < 1 or step_tokens < 1 or micro_batches < 1:
+            raise ValueError("BatchEngine needs max_batch, step_tokens and micro_batches of at least 1")
+        self.model = model.with_batch(max_batch, host_cache)
+        self.model.micro_batches = micro_batches
         self.eos_ids = frozenset(eos_ids)
         self.max_batch, self.step_tokens = max_batch, step_tokens
         self.stats = BatchStats()

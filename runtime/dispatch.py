@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from tandem.kernels.cpu import CpuExpert, CpuOptions, Epilogue
 from tandem.kernels.quant import QuantizedMatrix
-from tandem.runtime.accelerator import Accelerator, Copy
+from tandem.runtime.accelerator import Accelerator, Copy, done
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.expert_cache import CachePolicy, ExpertCache, Key
 from tandem.runtime.latency import LatencyModel
@@ -128,6 +128,19 @@ def default_ways(slots: int, layers: int, experts: int, top_k: int) -> int:
     return max(range(low, min(experts, slots) + 1), key=lambda w: (min(layers, slots // w) * w, -w))
 
 
+@dataclass
+class Pending:
+    """A MoE layer between `Dispatcher.start` and `finish`: the accelerator's share queued (`out`, the future of its
+    output), the CPU's still to run."""
+
+    layer: int
+    out: Future[torch.Tensor]
+    x_h: torch.Tensor | None = None  # host activations [T, H] and routing weights [T, K] for the CPU experts
+    weights_h: torch.Tensor | None = None
+    cpu_jobs: list[_Job] = field(default_factory=list)
+    in_use: frozenset[Key] = frozenset()  # the layer's experts on the accelerator: no post-fetch evicts them
+
+
 @dataclass(frozen=True)
 class _Job:
     expert: int
@@ -168,6 +181,7 @@ class Dispatcher:
         self.cache = ExpertCache([], 0, self.policy.cache_policy, self.policy.max_inflight)
         self.cost = self.policy.cost
         self._bytes_base = (0, 0)
+        self.last_chosen: dict[int, list[int]] = {}  # each layer's experts at its last pass (for prefetch)
         if accel is not None:
             self._allocate(accel)
             self._bytes_base = (accel.bytes_h2d, accel.bytes_d2h)
@@ -284,6 +298,12 @@ class Dispatcher:
     # -- the MoE layer ------------------------------------------------------------------------
     def __call__(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (on the accelerator if there is one) -> the layer's MoE output [T, H], same device."""
+        return self.finish(self.start(layer, x))
+
+    def start(self, layer: int, x: torch.Tensor) -> Pending:
+        """The layer's first half: routing, the plan, and the accelerator's experts queued (not waited for). The host
+        is free until `finish`: a pipelined pass runs another micro-batch's attention meanwhile. CPU only: the whole
+        layer, now."""
         block = self.blocks[layer]
         logits = self.linear(x, block.router, block.router_bias)  # [T, E]
         weights, ids = route(logits, block.rule, block.correction)  # [T, K], [T, K]
@@ -300,24 +320,51 @@ class Dispatcher:
                 out = self._cpu_combine(x, weights, jobs)
             if block.shared is not None:
                 out += block.shared(x)
-            return out
+            return Pending(layer, done(out))
         weights = weights.to(x.dtype)
         # the layer's one host read: the routing for the plan, the activations for the CPU experts
         ids_h, weights_h, x_h = self.accel.download(lambda: (ids, weights, x)).wait()  # [T, K], [T, K], [T, H]
         counts = self.recorder.record(layer, ids_h)  # [E] routings per expert
         chosen = np.flatnonzero(counts).tolist()  # the experts this pass uses, in id order
+        self.last_chosen[layer] = sorted(chosen, key=lambda e: -counts[e])  # the busiest first
         if self.cache.policy is CachePolicy.TRACE:
             for e in chosen:
                 self.cache.observe(layer, e, int(counts[e]))
         gpu_jobs, cpu_jobs = self._plan(layer, ids_h, chosen)
         out = self._launch_device(x, weights, gpu_jobs, block)  # queued: the host goes on
-        if cpu_jobs:  # computed while the device runs its experts, then added behind them
-            x_h = x_h.to(self.executor.dtype)  # an fp16 device's activations in the CPU's dtype
-            cpu_out = self.accel.to_device(self._cpu_combine(x_h, weights_h, cpu_jobs))  # [T, H] float32
+        return Pending(layer, out, x_h, weights_h, cpu_jobs, frozenset((layer, j.expert) for j in gpu_jobs))
+
+    def finish(self, pending: Pending) -> torch.Tensor:
+        """The layer's second half: its CPU experts, computed while the accelerator runs its own, added behind them
+        on the device; then the post-fetches. Returns the output [T, H] for the caller's device work."""
+        if self.accel is None:
+            return pending.out.result()
+        out = pending.out
+        if pending.cpu_jobs:
+            x_h = pending.x_h.to(self.executor.dtype)  # type: ignore[union-attr]  # an fp16 device's in the CPU's
+            cpu_out = self.accel.to_device(self._cpu_combine(x_h, pending.weights_h, pending.cpu_jobs))  # [T, H]
             gpu_out = out
             out = self.accel.submit(lambda: gpu_out.result() + cpu_out)
-        self._post_fetch(layer, cpu_jobs, keep=frozenset((layer, j.expert) for j in gpu_jobs))
+        self._post_fetch(pending.layer, pending.cpu_jobs, keep=pending.in_use)
         return self.accel.join(out)  # [T, H]
+
+    def prefetch(self, layer: int) -> None:
+        """Bring `layer`'s experts its last pass chose into its cache slots on the background copier (a pipelined
+        pass calls this for the next layer while the current one computes): batch steps choose much the same
+        experts from one step to the next. The busiest first, no more than the layer has ways (more would evict each
+        other), up to the in-flight cap; nothing without a cache over the layer."""
+        if self.accel is None or not self.cache.covers(layer):
+            return
+        for e in self.last_chosen.get(layer, [])[: self.cache.ways]:
+            if (layer, e) in self.static:
+                continue
+            if self.cache.inflight >= self.cache.max_inflight:
+                break
+            slot = self.cache.begin_fill(layer, e, frozenset())
+            if slot is not None:
+                copy = self.accel.copy_async(self._tensors(self.slot_buffers[slot.id]),
+                                             self._tensors(self._source(layer, e)))
+                self.cache.start(slot, copy)
 
     def record_cpu(self, layer: int, ids: torch.Tensor) -> np.ndarray:
         """A CPU-only pass at `layer` whose tokens chose `ids` [T, K] into the trace and the statistics (each expert

@@ -25,7 +25,7 @@ from tandem.runtime.accelerator import Accelerator
 from tandem.runtime.checkpoint import Checkpoint, one_buffer
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.decode_step import DecodeStep, why_not
-from tandem.runtime.dispatch import Dispatcher, OffloadOptions
+from tandem.runtime.dispatch import Dispatcher, OffloadOptions, Pending
 from tandem.runtime.mla import LatentCache, MLAWeights, attend, load_mla
 from tandem.runtime.moe import (
     BlockExpert,
@@ -365,6 +365,11 @@ class MoEModel:
         # One decode token through every layer in one kernel call, where the step serves the model (off: the
         # torch path for every token, as the step's tests compare)
         self.use_step = True
+        # Ragged passes on an accelerator: the KV cache in RAM and attention on the CPU (with_batch), and the
+        # sequences in this many micro-batches, one's attention running while the accelerator runs another's experts
+        self.host_cache = False
+        self.micro_batches = 1
+        self._host_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._step: DecodeStep | None = None
         self._step_key: tuple[object, bool] | None = None
 
@@ -474,12 +479,20 @@ class MoEModel:
                    w("model.norm.bias") if cfg.norm_type == "layer" else None,
                    w("lm_head.bias") if cfg.lm_head_bias else None, linear, cpu_dtype)
 
-    def with_batch(self, batch: int) -> MoEModel:
+    def with_batch(self, batch: int, host_cache: bool = False) -> MoEModel:
         """The same model (weights, experts, dispatcher shared) for `batch` sequences: its KV cache's first rows
         when it holds that many (the two must then not generate at the same time), else a cache of its own (on an
-        accelerator, within what its budget has left: load with the batch to keep room for it)."""
+        accelerator, within what its budget has left: load with the batch to keep room for it). `host_cache`: on
+        an accelerator, the cache in RAM and attention on the CPU (MoE-Lightning's: the batch's KV cache would not
+        fit beside the weights), which `forward_rows` runs; not under Multi-head Latent Attention."""
         wide = copy.copy(self)
-        if batch > self.cache.batch:
+        if host_cache and self.accel is not None:
+            if self.cfg.kv_lora_rank:
+                raise ValueError("attention on the CPU beside an accelerator is not available under Multi-head "
+                                 "Latent Attention")
+            wide.cache = cache_class(self.cfg)(self.cfg, batch, self.context, self.dtype)
+            wide.host_cache = True
+        elif batch > self.cache.batch:
             wide.cache = cache_class(self.cfg)(self.cfg, batch, self.context, self.dtype, self.accel)
         wide._step, wide._step_key = None, None
         return wide
@@ -615,40 +628,85 @@ class MoEModel:
                                 "none") from e
 
     def _forward_rows(self, ids: torch.Tensor, segments: list[Segment], phase: str) -> torch.Tensor:
-        N = ids.numel()
         self.dispatcher.begin_step(phase)
         x = self._embed(ids[None])  # [1, N, H] float32
-        tables = []  # each segment's RoPE tables [T, D] x 2 and its span of the N tokens
-        at = 0
-        for seg in segments:
-            cos, sin = (self.cos_long, self.sin_long) if seg.long else (self.cos, self.sin)
-            end = seg.start + seg.length
-            tables.append((cos[seg.start : end], sin[seg.start : end], at, at + seg.length))
-            at += seg.length
-        rows = [self.cache.row(seg.row) for seg in segments]
+        ends = torch.tensor([s.length for s in segments]).cumsum(0).tolist()  # each segment's end among the N
+        groups = self._micro_batches(segments)  # [(first segment, end segment)]
+        bounds = [(ends[a - 1] if a else 0, ends[b - 1]) for a, b in groups]  # their tokens: [lo, hi) of the N
+        xs = [x[:, lo:hi] for lo, hi in bounds]  # [1, n, H] each
+        moe = [i for i, layer in enumerate(self.layers) if isinstance(layer.ffn, MoEBlockWeights)]
         for i, layer in enumerate(self.layers):
-            h = self._norm(x, layer.input_norm, layer.input_norm_bias)  # [1, N, H]
-            x = x + self._attention_rows(i, layer.attn, h, segments, tables, rows)
-            h = self._norm(x, layer.post_norm, layer.post_norm_bias).view(N, -1)  # [N, H]
-            y = self.dispatcher(i, h) if isinstance(layer.ffn, MoEBlockWeights) else layer.ffn(h)  # [N, H]
-            x = x + y.view(1, N, -1)  # [1, N, H]
-        last = torch.tensor([end - 1 for *_, end in tables], device=x.device)  # [S]: each segment's last token
+            pending: list[tuple[int, Pending]] = []
+            for g, (a, b) in enumerate(groups):
+                n = xs[g].shape[1]
+                h = self._norm(xs[g], layer.input_norm, layer.input_norm_bias)  # [1, n, H]
+                xs[g] = xs[g] + self._attention_rows(i, layer.attn, h, segments[a:b])
+                h = self._norm(xs[g], layer.post_norm, layer.post_norm_bias).view(n, -1)  # [n, H]
+                if isinstance(layer.ffn, MoEBlockWeights):  # the accelerator's experts queued; the host goes on
+                    pending.append((g, self.dispatcher.start(i, h)))
+                else:
+                    xs[g] = xs[g] + layer.ffn(h).view(1, n, -1)  # [1, n, H]
+            if len(groups) > 1 and i in moe and moe[-1] != i:  # the copy engine brings the next MoE layer's experts
+                self.dispatcher.prefetch(moe[moe.index(i) + 1])
+            for g, p in pending:
+                xs[g] = xs[g] + self.dispatcher.finish(p).view(1, xs[g].shape[1], -1)  # [1, n, H]
+        x = torch.cat(xs, dim=1) if len(xs) > 1 else xs[0]  # [1, N, H]
+        last = torch.tensor([e - 1 for e in ends], device=x.device)  # [S]: each segment's last token
         x = x[:, last]  # [1, S, H]
         logits = self.linear(self._norm(x, self.norm, self.norm_bias), self.lm_head, self.lm_head_bias,
                              out_dtype=torch.float32)[0]  # [S, V]
         return logits if self.accel is None else self.accel.to_host(logits)
 
-    def _attention_rows(self, i: int, a: Attention | MLAWeights, x: torch.Tensor, segments: list[Segment],
-                        tables: list[tuple[torch.Tensor, torch.Tensor, int, int]], rows: list[KVCache | LatentCache]
+    def _micro_batches(self, segments: list[Segment]) -> list[tuple[int, int]]:
+        """The segments in `micro_batches` runs of about equal tokens (one run without an accelerator: nothing
+        would overlap), as [first, end) segment indexes."""
+        parts = min(len(segments), self.micro_batches if self.accel is not None else 1)
+        total = sum(s.length for s in segments)
+        groups, start, acc = [], 0, 0
+        for k, seg in enumerate(segments):
+            acc += seg.length
+            if len(groups) < parts - 1 and acc >= total * (len(groups) + 1) / parts and k + 1 < len(segments):
+                groups.append((start, k + 1))
+                start = k + 1
+        groups.append((start, len(segments)))
+        return groups
+
+    def _attention_rows(self, i: int, a: Attention | MLAWeights, x: torch.Tensor, segments: list[Segment]
                         ) -> torch.Tensor:
-        """Layer i's attention over a ragged pass: x [1, N, H] -> [1, N, H] float32. q, k, v and o are one product
-        each over all N tokens."""
+        """Layer i's attention over a ragged pass's segments: x [1, N, H] -> [1, N, H] float32. q, k, v and o are one
+        product each over all N tokens; RoPE, the cache write and attention run segment by segment, in its cache row
+        (on the CPU where the cache is in RAM beside an accelerator: one host read of q, k and v for all of them)."""
+        rows = [self.cache.row(seg.row) for seg in segments]
+        spans = torch.tensor([0] + [s.length for s in segments]).cumsum(0).tolist()
         if isinstance(a, MLAWeights):
-            return torch.cat([attend(self.cfg, a, row, i, x[:, lo:hi], seg.start, cos, sin, self.linear,  # type: ignore[arg-type]
+            return torch.cat([attend(self.cfg, a, row, i, x[:, lo:hi], seg.start, *self._tables(seg), self.linear,  # type: ignore[arg-type]
                                      self.rms_norm)
-                              for seg, row, (cos, sin, lo, hi) in zip(segments, rows, tables, strict=True)], dim=1)
+                              for seg, row, lo, hi in zip(segments, rows, spans, spans[1:], strict=False)], dim=1)
         q, k, v = self._qkv(a, x)  # [1, N, Hq, D], [1, N, Hkv, D] x 2
-        out = torch.cat([self._attend(i, a, q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], row, seg.start, cos, sin)  # type: ignore[arg-type]
-                         for seg, row, (cos, sin, lo, hi) in zip(segments, rows, tables, strict=True)],
+        host = self.host_cache and self.accel is not None
+        sinks = a.sinks
+        if host:  # the accelerator's q, k and v (and the sinks) to the CPU, which holds the cache
+            q, k, v, *rest = self.accel.download(lambda: (q, k, v, *([a.sinks] if a.sinks is not None else []))  # type: ignore[union-attr]
+                                                 ).wait()
+            sinks = rest[0] if rest else None
+        head = replace(a, sinks=sinks)
+        out = torch.cat([self._attend(i, head, q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], row, seg.start,  # type: ignore[arg-type]
+                                      *self._tables(seg, host))
+                         for seg, row, lo, hi in zip(segments, rows, spans, spans[1:], strict=False)],
                         dim=1)  # [1, N, Hq*D]
+        if host:
+            out = self.accel.to_device(out)  # type: ignore[union-attr]
         return self.linear(out, a.o, a.o_bias, out_dtype=torch.float32)  # into the residual stream, unrounded
+
+    def _tables(self, seg: Segment, host: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """A segment's RoPE tables [T, R]: its positions of the short or the long ones; host copies for attention on
+        the CPU beside an accelerator (made once)."""
+        cos, sin = (self.cos_long, self.sin_long) if seg.long else (self.cos, self.sin)
+        if host:
+            key = "long" if seg.long else "short"
+            kept = self._host_tables.get(key)
+            if kept is None:
+                kept = self._host_tables[key] = (self.accel.to_host(cos), self.accel.to_host(sin))  # type: ignore[union-attr]
+            cos, sin = kept
+        end = seg.start + seg.length
+        return cos[seg.start : end], sin[seg.start : end]

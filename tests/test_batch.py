@@ -162,3 +162,79 @@ def test_a_bf16_ragged_pass_is_close_to_each_sequence_alone(mixtral_dir: Path) -
     for k, s in enumerate((a, b)):
         want = loaded.model.forward(torch.tensor([s]), 0)[0, -1]
         torch.testing.assert_close(got[k], want, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("host_cache", [False, True])
+def test_pipelined_micro_batches_on_the_accelerator_give_the_lone_answers(mixtral_dir: Path, host_cache: bool
+                                                                         ) -> None:
+    """Two micro-batches a step (one's attention while the accelerator runs the other's experts; the next layer's
+    experts prefetched), with the KV cache on the device or in RAM (attention on the CPU)."""
+    loaded = load_model(mixtral_dir, dtype="fp32", context=40, accelerator="emulated", vram_gb=0.004, batch=4)
+    requests = [BatchRequest(str(i), p, SamplingParams(max_new_tokens=7))
+                for i, p in enumerate(prompts(7, loaded.model.cfg.vocab_size, seed=3))]
+    batch = BatchEngine(loaded.model, loaded.engine.eos_ids, 4, 20, micro_batches=2, host_cache=host_cache)
+    assert batch.model.cache.k.device.type == "cpu" and batch.model.host_cache == host_cache
+    results: dict[str, list[int]] = {}
+    for event in batch.run(requests):
+        if isinstance(event, DoneEvent):
+            results[event.result.key] = event.result.tokens
+    for r in requests:
+        assert results[r.key] == alone(loaded.engine, r)[0], r.key
+
+
+def test_micro_batches_split_a_step_by_tokens(mixtral_dir: Path) -> None:
+    loaded = load_model(mixtral_dir, dtype="fp32", context=40, accelerator="emulated", vram_gb=0.004)
+    model = loaded.model.with_batch(1)
+    model.micro_batches = 2
+    segs = [Segment(r, 0, n) for r, n in enumerate([5, 1, 1, 1, 6])]
+    assert model._micro_batches(segs) == [(0, 3), (3, 5)]
+    assert model._micro_batches(segs[:1]) == [(0, 1)]
+    model.micro_batches = 3
+    assert model._micro_batches([Segment(r, 0, 1) for r in range(6)]) == [(0, 2), (2, 4), (4, 6)]
+    cpu = load_model(mixtral_dir, dtype="fp32", context=40).model
+    cpu.micro_batches = 2
+    assert cpu._micro_batches(segs) == [(0, 5)]  # nothing to overlap without an accelerator
+
+
+def test_one_micro_batch_s_attention_runs_while_the_accelerator_runs_another_s_experts(mixtral_dir: Path,
+                                                                                        monkeypatch) -> None:
+    """Sleeps stand in for the accelerator's expert work (on its stream) and the CPU's attention (on the host): in a
+    pipelined step, the second micro-batch's attention overlaps the first's experts, and a layer takes about the
+    longer of the two, not their sum."""
+    import threading
+    import time
+
+    from tandem.runtime.dispatch import Dispatcher, Strategy
+    from tandem.runtime.model import MoEModel
+
+    loaded = load_model(mixtral_dir, dtype="fp32", context=40, accelerator="emulated", vram_gb=0.05, batch=2,
+                        strategy=Strategy.FETCH)  # every expert on the device
+    delay = 0.1
+    spans: list[tuple[str, float, float]] = []
+
+    def timed(name: str, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            threading.Event().wait(delay)
+            out = fn(*args, **kwargs)
+            spans.append((name, start, time.perf_counter()))
+            return out
+        return run
+
+    device = Dispatcher._device_expert
+    monkeypatch.setattr(Dispatcher, "_device_expert", staticmethod(timed("device", device)))
+    monkeypatch.setattr(MoEModel, "_attend", timed("attention", MoEModel._attend))
+    model = loaded.model.with_batch(2)
+    model.micro_batches = 2
+    model.forward_rows(torch.tensor([4, 5]), [Segment(0, 0, 1), Segment(1, 0, 1)])  # warm
+    spans.clear()
+    start = time.perf_counter()
+    model.forward_rows(torch.tensor([6, 7]), [Segment(0, 1, 1), Segment(1, 1, 1)])
+    took = time.perf_counter() - start
+    attention = [s for s in spans if s[0] == "attention"]
+    experts = [s for s in spans if s[0] == "device"]
+    assert len(attention) == 2 * len(model.layers)  # one segment in each micro-batch, each layer
+    overlapping = sum(1 for _, a0, a1 in attention for _, d0, d1 in experts if a0 < d1 and d0 < a1)
+    assert overlapping >= len(model.layers)  # in every layer: B's attention beside A's experts
+    busy = sum(end - begin for _, begin, end in spans)  # what the step would take with nothing side by side
+    assert took < 0.85 * busy

@@ -173,3 +173,15 @@ def test_an_output_file_that_is_not_batch_results_is_refused(mixtral_dir: Path, 
     assert main(["batch", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o.jsonl"), "--model",
                  str(mixtral_dir), *FLAGS]) == 2
     assert "missing" in capsys.readouterr().err
+
+
+def test_on_the_emulated_accelerator_the_steps_are_pipelined_and_the_answers_unchanged(
+        mixtral_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = write_lines(tmp_path / "in.jsonl", REQUESTS)
+    cpu, accel = tmp_path / "cpu.jsonl", tmp_path / "accel.jsonl"
+    assert main(["batch", str(src), "--out", str(cpu), "--model", str(mixtral_dir), *FLAGS]) == 0
+    assert main(["batch", str(src), "--out", str(accel), "--model", str(mixtral_dir), "--accelerator", "emulated",
+                 "--vram-gb", "0.004", *FLAGS]) == 0
+    assert "2 micro-batches, attention on the" in capsys.readouterr().err
+    want, got = read_out(cpu), read_out(accel)
+    assert {k: text_of(v) for k, v in got.items()} == {k: text_of(v) for k, v in want.items()}
