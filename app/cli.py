@@ -358,7 +358,8 @@ def _plan(args: argparse.Namespace) -> int:
     from tandem.runtime.trace import load_sequence
 
     if args.hardware is None and not args.batch:
-        raise UsageError("plan needs --hardware HW.json (only --batch can plan for this machine without one)")
+        raise UsageError("the following arguments are required: --hardware (only --batch can plan for this machine "
+                         "without one; see tandem plan --help)")
     model = Path(args.model)
     item = 4 if args.dtype == "fp32" else 2
     if model.exists() and not model.is_dir() and not is_gguf(model):  # a config.json (or a FIFO refused as one)

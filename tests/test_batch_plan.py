@@ -121,7 +121,7 @@ def test_plan_batch_prints_the_policy_for_a_described_machine(mixtral_dir: Path,
     assert main(["plan", "--batch", "--model", config]) == 0  # this machine, probed
     assert "this machine" in capsys.readouterr().err
     assert main(["plan", "--model", config]) == 2
-    assert "needs --hardware" in capsys.readouterr().err
+    assert "required: --hardware" in capsys.readouterr().err
     hw.write_text(json.dumps(HARDWARE | {"ram_free_gb": -1}))
     assert main(["plan", "--batch", "--model", config, "--hardware", str(hw)]) == 2
     assert "ram_free_gb" in capsys.readouterr().err
