@@ -101,7 +101,8 @@ def batch_measurements(configured: Configured, notify: Note) -> Measurements:
     return quick_measurements(shape, options.cpu_torch_dtype, options.cpu.threads or 1)
 
 
-def choose_policy(configured: Configured, lines: list[Line], meas: Measurements) -> BatchPolicy:
+def choose_policy(configured: Configured, lines: list[Line], meas: Measurements, batch: int | None = None
+                  ) -> BatchPolicy:
     """The batch policy for these requests: the KV cache may take KV_SHARE of the RAM the model leaves free."""
     from tandem.autotune.batch_plan import KV_SHARE
     from tandem.runtime.accelerator import accelerator_budget
@@ -117,7 +118,7 @@ def choose_policy(configured: Configured, lines: list[Line], meas: Measurements)
     vram_free = None if vram is None else max(0, vram - accelerator_bytes(ckpt, options.torch_dtype,
                                                                          options.context, 1))
     return plan_batch(bs, machine, workload(lines), budget, options.context, vram_free,
-                      host_attention=not ckpt.config.kv_lora_rank)
+                      host_attention=not ckpt.config.kv_lora_rank, batch=batch)
 
 
 def run_batch(args: argparse.Namespace, configure: Configure, load: Load, say: Note) -> int:
@@ -151,20 +152,19 @@ def _answer(args: argparse.Namespace, runnable: list[Line], results: ResultsFile
     if args.context is None:
         args.context = batch_context(runnable, open_checkpoint(args.model).config.max_position_embeddings)
     configured = configure(args)
-    policy = choose_policy(configured, runnable, batch_measurements(configured, say))
-    size = args.batch_size or policy.batch
-    step = args.step_tokens or (policy.step_tokens if args.batch_size is None else size + policy.step_tokens
-                                - policy.batch)
+    policy = choose_policy(configured, runnable, batch_measurements(configured, say), args.batch_size)
+    size = policy.batch
+    step = args.step_tokens or policy.step_tokens
     on_host = policy.attention == "cpu" and configured.options.accelerator != "none"
     where = ""
     if configured.options.accelerator != "none":
-        where = f", {policy.micro_batches} micro-batches, attention on the {'CPU' if on_host else 'accelerator'}"
+        where = f", attention on the {'CPU' if on_host else 'accelerator'}"
+        where += f" in {policy.micro_batches} pipelined micro-batches" if policy.micro_batches > 1 else ""
     say(f"batch of {size} sequences, steps of up to {step} tokens{where} "
-        f"({'chosen' if args.batch_size is None else 'asked'}; predicted {policy.predicted.tok_s:.1f} tok/s for batch "
-        f"{policy.batch})")
+        f"({'chosen' if args.batch_size is None else 'asked'}; predicted {policy.predicted.tok_s:.1f} tok/s)")
     # the accelerator keeps room for the batch's KV cache when attention runs there (loaded with it, before the
     # expert slots take the rest); in RAM, the engine makes it
-    loaded = load(replace(configured.options, batch=1 if on_host else size), configured.checkpoint)
+    loaded = load(replace(configured.options, batch=1 if on_host else size, ragged=True), configured.checkpoint)
     engine = BatchEngine(loaded.model, loaded.engine.eos_ids, size, step, policy.micro_batches, on_host)
     by_key = {x.key: x for x in runnable}
     answers = {x.key: Answer(x.stops) for x in runnable}

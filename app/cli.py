@@ -662,8 +662,11 @@ def _bench_e2e(args: argparse.Namespace) -> int:
 
 
 def _bench_batch(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from tandem.autotune.batch_plan import Workload
     from tandem.autotune.bench.batch import bench_batch
+    from tandem.runtime.loader import load
 
     if args.json:
         check_output_file(args.json, "--json")
@@ -671,7 +674,8 @@ def _bench_batch(args: argparse.Namespace) -> int:
     w = Workload(args.requests, args.prompt_len, args.new_len)
     if args.context is None:
         args.context = args.prompt_len + args.new_len
-    loaded = load_from_args(args, batch=max([args.requests, *(sizes or [])]))
+    configured = configure_from_args(args, batch=max([args.requests, *(sizes or [])]))
+    loaded = load(replace(configured.options, ragged=True), configured.checkpoint, _progress, _note)
     binary = Path(args.llama_batched_bench) if args.llama_batched_bench else None
     result = bench_batch(loaded, w, sizes, args.peer, binary)
     print(json.dumps(result, indent=1))

@@ -240,24 +240,27 @@ GAIN = 0.02  # a larger batch must predict at least this much more throughput to
 
 
 def plan_batch(bs: BatchShape, m: BatchMachine, w: Workload, kv_budget: int, context: int,
-               vram_free: int | None = None, host_attention: bool = True) -> BatchPolicy:
+               vram_free: int | None = None, host_attention: bool = True, batch: int | None = None) -> BatchPolicy:
     """The policy with the highest predicted throughput: batch sizes (powers of two up to the requests, the memory
     for their KV cache rows of `context` tokens, and MAX_BATCH) by step budgets (STEP_CHUNKS beyond the decode
     tokens); the smallest batch within GAIN of the best. On an accelerator (`vram_free`: the bytes its memory has
-    beside the model's weights; None: no accelerator), each step runs as two micro-batches, pipelined, and attention
-    runs there while the batch's KV cache takes at most KV_SHARE of that memory (the rest is the experts'), else on
-    the CPU with the cache in RAM (where `host_attention` allows: not under Multi-head Latent Attention). The
-    prediction models the CPU's experts: on the accelerator tier it is the CPU-only bound."""
+    beside the model's weights; None: no accelerator), attention runs there while the batch's KV cache takes at most
+    KV_SHARE of that memory (the rest is the experts'), else on the CPU with the cache in RAM (where `host_attention`
+    allows: not under Multi-head Latent Attention), each step then in two micro-batches, pipelined. The prediction
+    models the CPU running everything: on the accelerator tier it is not the device's figure. `batch`: that batch
+    size, whatever the memory (the rest is chosen for it)."""
     row = bs.kv_bytes_per_token * context
     most = min(w.requests, MAX_BATCH, max(1, kv_budget // max(1, row)))
-    sizes = sorted({min(most, 1 << i) for i in range(MAX_BATCH.bit_length())})
+    sizes = [batch] if batch else sorted({min(most, 1 << i) for i in range(MAX_BATCH.bit_length())})
     scored: list[tuple[int, int, Prediction]] = []
     for b in sizes:
         for chunk in STEP_CHUNKS:
             scored.append((b, b + chunk, predict(bs, m, w, b, b + chunk)))
     best_tok_s = max(p.tok_s for _, _, p in scored)
     b, step, pred = min((x for x in scored if x[2].tok_s >= (1 - GAIN) * best_tok_s), key=lambda x: (x[0], -x[2].tok_s))
-    if b == w.requests or b == MAX_BATCH and most == MAX_BATCH:
+    if batch:
+        limit = "asked"
+    elif b == w.requests or b == MAX_BATCH and most == MAX_BATCH:
         limit = "requests"
     elif b == most:
         limit = "memory"
@@ -267,6 +270,8 @@ def plan_batch(bs: BatchShape, m: BatchMachine, w: Workload, kv_budget: int, con
     tier = vram_free is not None
     on_device = tier and (kv <= KV_SHARE * vram_free or not host_attention)  # type: ignore[operator]
     others = sorted(scored, key=lambda x: -x[2].tok_s)[:5]
-    return BatchPolicy(b, step, 2 if tier and b > 1 else 1, "accelerator" if on_device else "cpu",
+    # two micro-batches where the CPU runs attention: one's attention while the accelerator runs the other's experts
+    # (with attention on the accelerator there is nothing to overlap, and each micro-batch reads its experts again)
+    return BatchPolicy(b, step, 2 if tier and not on_device and b > 1 else 1, "accelerator" if on_device else "cpu",
                        "dense" if tier else "none", pred, kv, limit,
                        [{"batch": x, "step_tokens": s, "tok_s": round(p.tok_s, 2)} for x, s, p in others])

@@ -92,6 +92,8 @@ class BatchEngine:
             raise ValueError("BatchEngine needs max_batch, step_tokens and micro_batches of at least 1")
         self.model = model.with_batch(max_batch, host_cache)
         self.model.micro_batches = micro_batches
+        if model.prefill_chunk:  # on an accelerator: no pass beyond the activations it keeps back
+            step_tokens = min(step_tokens, max(model.prefill_chunk, max_batch))
         self.eos_ids = frozenset(eos_ids)
         self.max_batch, self.step_tokens = max_batch, step_tokens
         self.stats = BatchStats()

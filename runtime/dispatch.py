@@ -32,6 +32,7 @@ from tandem.runtime.config import ModelConfig
 from tandem.runtime.expert_cache import CachePolicy, ExpertCache, Key
 from tandem.runtime.latency import LatencyModel
 from tandem.runtime.moe import BlockExpert, ExpertWeights, MoEBlockWeights, MXFP4Expert, route
+from tandem.runtime.timeline import Timeline
 from tandem.runtime.trace import TraceRecorder
 
 GPU, CPU, FETCHED = 0, 1, 2  # columns of the per-layer statistics
@@ -182,6 +183,7 @@ class Dispatcher:
         self.cost = self.policy.cost
         self._bytes_base = (0, 0)
         self.last_chosen: dict[int, list[int]] = {}  # each layer's experts at its last pass (for prefetch)
+        self.timeline: Timeline | None = None  # set by a benchmark: the device's expert runs recorded as spans
         if accel is not None:
             self._allocate(accel)
             self._bytes_base = (accel.bytes_h2d, accel.bytes_d2h)
@@ -447,7 +449,8 @@ class Dispatcher:
                 source = self._tensors(self._source(job.layer, job.expert))
                 after = (accel.copy_async(self._tensors(self.scratch), source, demand=True),)
                 expert = self.scratch
-            out = accel.submit(partial(self._device_expert, first, expert, x, weights, tok, slot), after)
+            run = partial(self._device_expert, first, expert, x, weights, tok, slot)
+            out = accel.submit(run if self.timeline is None else self.timeline.wrap("experts", run), after)
         return out
 
     @staticmethod

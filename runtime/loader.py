@@ -56,7 +56,7 @@ def load(options: Options, checkpoint: Checkpoint | None = None,
     accel = make_accelerator(options.accelerator, options.vram_gb, options.gpu)
     try:
         model = MoEModel.from_checkpoint(ckpt, dtype, options.context, options.batch, accel, options.offload, cpu,
-                                         progress, cpu_dtype)
+                                         progress, cpu_dtype, options.ragged)
     except ResourceError as e:
         if accel is None:
             raise

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -324,7 +325,10 @@ class MoEModel:
         lm_head_bias: torch.Tensor | None = None,
         linear: DenseLinear | None = None,
         cpu_dtype: torch.dtype | None = None,
+        ragged: bool = False,
     ) -> None:
+        """`ragged`: the `batch` sequences run as `forward_rows`' ragged passes (batch mode), so the accelerator keeps
+        back the activations of one row of a pass's tokens, not of `batch` rows."""
         self.cfg, self.embed, self.layers, self.norm, self.lm_head = cfg, embed, layers, norm, lm_head
         self.norm_bias, self.lm_head_bias = norm_bias, lm_head_bias
         self.dtype, self.context, self.accel = dtype, context, accel
@@ -359,7 +363,8 @@ class MoEModel:
         self.prefill_chunk: int | None = None
         if accel is not None:
             self.prefill_chunk = min(PREFILL_CHUNK, context)
-            accel.reserve(activation_bytes(cfg, self.prefill_chunk, context, batch, dtype), "activations")
+            rows = 1 if ragged else batch
+            accel.reserve(activation_bytes(cfg, self.prefill_chunk, context, rows, dtype), "activations")
         blocks = {i: layer.ffn for i, layer in enumerate(layers) if isinstance(layer.ffn, MoEBlockWeights)}
         self.dispatcher = Dispatcher(cfg, blocks, dtype, accel, policy, cpu, self.linear, cpu_dtype)
         # One decode token through every layer in one kernel call, where the step serves the model (off: the
@@ -378,8 +383,10 @@ class MoEModel:
         cls, ckpt: Checkpoint, dtype: torch.dtype, context: int, batch: int = 1,
         accel: Accelerator | None = None, policy: OffloadOptions | None = None, cpu: CpuOptions | None = None,
         progress: Callable[[str, float], None] | None = None, cpu_dtype: torch.dtype | None = None,
+        ragged: bool = False,
     ) -> MoEModel:
-        """`cpu_dtype`: the CPU experts' compute dtype where it is not `dtype` (an fp16 GPU's)."""
+        """`cpu_dtype`: the CPU experts' compute dtype where it is not `dtype` (an fp16 GPU's); `ragged`: see
+        `MoEModel`."""
         cfg, spec = ckpt.config, ckpt.spec
         kept = kept_dtypes(ckpt, dtype, cpu) if accel is None else lambda name: dtype
 
@@ -477,7 +484,7 @@ class MoEModel:
             layers[i].ffn.experts.extend(experts)  # type: ignore[union-attr]
         return cls(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, context, batch, accel, policy, cpu,
                    w("model.norm.bias") if cfg.norm_type == "layer" else None,
-                   w("lm_head.bias") if cfg.lm_head_bias else None, linear, cpu_dtype)
+                   w("lm_head.bias") if cfg.lm_head_bias else None, linear, cpu_dtype, ragged)
 
     def with_batch(self, batch: int, host_cache: bool = False) -> MoEModel:
         """The same model (weights, experts, dispatcher shared) for `batch` sequences: its KV cache's first rows
@@ -682,6 +689,12 @@ class MoEModel:
             return torch.cat([attend(self.cfg, a, row, i, x[:, lo:hi], seg.start, *self._tables(seg), self.linear,  # type: ignore[arg-type]
                                      self.rms_norm)
                               for seg, row, lo, hi in zip(segments, rows, spans, spans[1:], strict=False)], dim=1)
+        timeline = self.dispatcher.timeline
+        with nullcontext() if timeline is None else timeline.span("attention"):
+            return self._attention_segments(i, a, x, segments, rows, spans)
+
+    def _attention_segments(self, i: int, a: Attention, x: torch.Tensor, segments: list[Segment],
+                            rows: list[KVCache], spans: list[int]) -> torch.Tensor:
         q, k, v = self._qkv(a, x)  # [1, N, Hq, D], [1, N, Hkv, D] x 2
         host = self.host_cache and self.accel is not None
         sinks = a.sinks

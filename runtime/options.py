@@ -106,6 +106,7 @@ class Options:
     sources: tuple[tuple[str, Source], ...] = field(default=(), compare=False)
     gpu: int = 0
     cpu_dtype: Dtype | None = None  # the CPU experts' compute dtype where it is not `dtype` (an fp16 GPU's)
+    ragged: bool = False  # batch mode: the `batch` sequences run as ragged passes, each prompt's tokens in one row
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -95,9 +95,10 @@ def test_the_policy_takes_the_largest_batch_worth_it_within_the_memory() -> None
     assert free.micro_batches == 1 and free.accelerator_weights == "none"  # no accelerator: nothing to pipeline
     on_device = plan_batch(bs, MACHINE, w, kv_budget=1 << 50, context=192, vram_free=2 * GIB)
     assert on_device.attention == "accelerator" and on_device.accelerator_weights == "dense"
-    assert on_device.micro_batches == 2
+    assert on_device.micro_batches == 1  # attention on the device: nothing for the CPU to overlap
     full = plan_batch(bs, MACHINE, w, kv_budget=1 << 50, context=192, vram_free=64 * row)
     assert full.attention == "cpu"  # the batch's KV cache would take more than its share beside the weights
+    assert full.micro_batches == 2  # the CPU's attention beside the device's experts
     mla = plan_batch(bs, MACHINE, w, kv_budget=1 << 50, context=192, vram_free=64 * row, host_attention=False)
     assert mla.attention == "accelerator"
 
@@ -166,3 +167,25 @@ def test_bench_batch_measures_predicts_and_compares(mixtral_dir: Path, tmp_path:
     assert main(["bench", "batch", "--model", str(mixtral_dir), "--requests", "2", "--in", "4", "--out", "2",
                  "--dtype", "fp32", "--peer", "llama.cpp", "--llama-batched-bench", str(fake)]) == 0
     assert "GGUF" in json.loads(capsys.readouterr().out)["peer"]["skipped"]
+
+
+def test_bench_batch_on_the_accelerator_measures_the_pipeline_s_overlap(mixtral_dir: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "batch", "--model", str(mixtral_dir), "--requests", "4", "--in", "6", "--out", "4",
+                 "--dtype", "fp32", "--accelerator", "emulated", "--vram-gb", "0.004"]) == 0
+    rows = json.loads(capsys.readouterr().out)["pipeline"]
+    assert [r["micro_batches"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["tok_s"] > 0 and r["device_experts_s"] > 0 and r["attention_s"] > 0
+        assert 0 <= r["overlap_s"] <= min(r["device_experts_s"], r["attention_s"])
+    assert rows[0]["overlap_s"] == 0  # one micro-batch: attention and the device's experts take turns
+
+
+def test_the_timeline_sums_and_overlaps_spans() -> None:
+    from tandem.runtime.timeline import Timeline
+
+    t = Timeline()
+    t.spans = {"a": [(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)], "b": [(1.5, 3.5)]}
+    assert t.total("a") == 3.0 and t.total("b") == 2.0 and t.total("c") == 0.0
+    assert t.overlap("a", "b") == pytest.approx(1.0) == t.overlap("b", "a")
+    assert t.wrap("c", lambda: 7)() == 7 and len(t.spans["c"]) == 1

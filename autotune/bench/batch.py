@@ -29,6 +29,7 @@ from tandem.runtime.engine import Engine, GenerationStats
 from tandem.runtime.gguf import is_gguf
 from tandem.runtime.loader import LoadedModel
 from tandem.runtime.sampling import SamplingParams
+from tandem.runtime.timeline import Timeline
 
 TIMEOUT_S = 3600  # one llama-batched-bench run
 
@@ -41,8 +42,9 @@ def workload_requests(w: Workload, vocab: int, seed: int = 0) -> list[BatchReque
                          SamplingParams(max_new_tokens=w.new_tokens)) for i in range(w.requests)]
 
 
-def run_workload(loaded: LoadedModel, w: Workload, batch: int, step_tokens: int) -> dict[str, Any]:
-    engine = BatchEngine(loaded.model, (), batch, step_tokens)
+def run_workload(loaded: LoadedModel, w: Workload, batch: int, step_tokens: int, micro_batches: int = 1
+                 ) -> dict[str, Any]:
+    engine = BatchEngine(loaded.model, (), batch, step_tokens, micro_batches)
     start = time.perf_counter()
     events = engine.run(workload_requests(w, loaded.model.cfg.vocab_size))
     tokens = sum(1 for e in events if not isinstance(e, DoneEvent))
@@ -108,6 +110,26 @@ def llama_batched(binary: Path, model: Path, threads: int, w: Workload) -> dict[
     raise TandemError("llama-batched-bench printed no row for the workload; is it llama.cpp's llama-batched-bench?")
 
 
+def pipeline_overlap(loaded: LoadedModel, w: Workload, batch: int, step_tokens: int) -> list[dict[str, Any]]:
+    """On the accelerator tier: the workload with each step whole and in two micro-batches, with the seconds the
+    accelerator's expert runs and the host's attention took, and how many of those ran side by side."""
+    rows = []
+    dispatcher = loaded.model.dispatcher
+    for micro in (1, 2):
+        dispatcher.timeline = timeline = Timeline()
+        try:
+            measured = run_workload(loaded, w, batch, step_tokens, micro)
+        finally:
+            dispatcher.timeline = None
+        experts, attention = timeline.total("experts"), timeline.total("attention")
+        both = timeline.overlap("experts", "attention")
+        rows.append({"micro_batches": micro, "tok_s": round(measured["tok_s"], 3),
+                     "device_experts_s": round(experts, 3), "attention_s": round(attention, 3),
+                     "overlap_s": round(both, 3),
+                     "overlap_of_attention": round(both / attention, 3) if attention else 0.0})
+    return rows
+
+
 def bench_batch(loaded: LoadedModel, w: Workload, sizes: list[int] | None = None, peer: str | None = None,
                 binary: Path | None = None) -> dict[str, Any]:
     """Measure the machine, plan, then run the workload at the policy's batch size and the `sizes` given (default:
@@ -123,6 +145,8 @@ def bench_batch(loaded: LoadedModel, w: Workload, sizes: list[int] | None = None
     context = w.prompt_tokens + w.new_tokens
     policy = plan_batch(bs, machine, w, kv_budget=1 << 62, context=context)
     chosen = sorted({policy.batch, *(sizes or {max(1, policy.batch // 4), max(1, policy.batch // 2)})})
+    run_workload(loaded, Workload(min(w.requests, policy.batch), w.prompt_tokens, 2), policy.batch,
+                 policy.step_tokens)  # warm: every expert's pages and the kernels' buffers, before any timing
     rows = []
     for b in chosen:
         step = policy.step_tokens if b == policy.batch else best_step(bs, machine, w, b)
@@ -144,6 +168,8 @@ def bench_batch(loaded: LoadedModel, w: Workload, sizes: list[int] | None = None
         "speedup_vs_single": round(best / single, 3) if single else None,
         "ceiling_vs_single": round(ceiling / single, 3) if single else None, "peer": None,
     }
+    if model.accel is not None:
+        result["pipeline"] = pipeline_overlap(loaded, w, policy.batch, policy.step_tokens)
     if peer == "transformers":
         theirs = transformers_batched(ckpt.path, model.dtype, w, chosen, model.cfg.vocab_size)
         top = max(theirs, key=lambda r: r["tok_s"])

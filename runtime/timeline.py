@@ -1,0 +1,62 @@
+"""Spans of work by kind, recorded when a benchmark asks (`Dispatcher.timeline`): the accelerator's expert runs and
+the host's attention, to measure how much of one a pipelined step hides behind the other."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class Timeline:
+    def __init__(self) -> None:
+        self.spans: dict[str, list[tuple[float, float]]] = {}
+        self._lock = threading.Lock()  # the accelerator's stream thread and the host record side by side
+
+    @contextmanager
+    def span(self, kind: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            with self._lock:
+                self.spans.setdefault(kind, []).append((start, end))
+
+    def wrap(self, kind: str, fn: Callable[[], T]) -> Callable[[], T]:
+        """`fn`, recorded as a span of `kind` wherever it runs."""
+        def run() -> T:
+            with self.span(kind):
+                return fn()
+        return run
+
+    def total(self, kind: str) -> float:
+        return sum(end - start for start, end in _merged(self.spans.get(kind, [])))
+
+    def overlap(self, a: str, b: str) -> float:
+        """Seconds during which work of both kinds ran."""
+        x, y = _merged(self.spans.get(a, [])), _merged(self.spans.get(b, []))
+        i = j = 0
+        both = 0.0
+        while i < len(x) and j < len(y):
+            both += max(0.0, min(x[i][1], y[j][1]) - max(x[i][0], y[j][0]))
+            if x[i][1] < y[j][1]:
+                i += 1
+            else:
+                j += 1
+        return both
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Spans sorted, overlapping ones joined."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
