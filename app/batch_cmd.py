@@ -113,7 +113,7 @@ def choose_policy(configured: Configured, lines: list[Line], meas: Measurements,
     budget = int(KV_SHARE * max(0, available_ram() - model_bytes))
     shape = ModelShape.from_checkpoint(ckpt, options.torch_dtype.itemsize)
     bs = BatchShape.from_config(ckpt.config, shape, options.torch_dtype.itemsize)
-    machine = BatchMachine.from_measurements(meas, options.cpu.threads)
+    machine = BatchMachine.from_measurements(meas, options.cpu.threads, crossover=options.cpu.crossover)
     vram = accelerator_budget(options.accelerator, options.vram_gb, options.gpu)
     vram_free = None if vram is None else max(0, vram - accelerator_bytes(ckpt, options.torch_dtype,
                                                                          options.context, 1))

@@ -25,11 +25,14 @@ from tandem.autotune.measurements import CpuFit, Measurements
 from tandem.autotune.plan import ModelShape
 from tandem.runtime.config import ModelConfig
 
-# A sequence's fixed cost in each layer of a step (its attention kernel call and the Python around it), and a step's
-# own (routing bookkeeping, sampling, the scheduler): measured on the development machine from decode steps of 1-64
-# sequences (docs/bench/README.md, batch mode)
+# Fixed costs, from a profile of decode steps of 64 sequences on the development machine (cProfile; docs/bench,
+# batch mode): a sequence's in each layer (its attention kernel call and the Python around it), an expert's in each
+# step that runs experts one by one (more tokens than one kernel call of the whole layer takes: its token rows
+# gathered, its output added), and a step's own (sampling, the scheduler)
 SEGMENT_MS = 0.08
+JOB_MS = 0.06
 STEP_MS = 1.0
+LAYER_CALL_TOKENS = 8  # up to this many tokens a MoE layer's experts run in one kernel call (no per-expert cost)
 MAX_BATCH = 256  # sequences in flight at most: beyond, every expert already sees many tokens a step
 KV_SHARE = 0.5  # of the RAM left free after loading, what the KV cache of a batch may take
 
@@ -92,12 +95,15 @@ class ExpertCurve:
         return pts[-1][1] + self.fit.b_ms * (m - pts[-1][0])
 
     @classmethod
-    def from_measurements(cls, meas: Measurements, threads: int) -> ExpertCurve:
+    def from_measurements(cls, meas: Measurements, threads: int, crossover: int | None = None) -> ExpertCurve:
+        """The kernel's times up to `crossover` tokens and torch's beyond, as the executor runs them (None: the
+        faster of the two at each count). torch was timed at the best thread count only."""
         samples = dict(meas.cpu_samples.get(threads, {}))
         torch_ms = (meas.kernel or {}).get("torch_ms") or {}
-        for n, ms in torch_ms.items():  # measured at the best thread count: the executor runs torch past crossover
-            if int(n) in samples and threads == min(meas.cpu, key=lambda t: meas.cpu[t].lat(1)):
-                samples[int(n)] = min(samples[int(n)], float(ms))
+        if threads == min(meas.cpu, key=lambda t: meas.cpu[t].lat(1)):
+            for n, ms in ((int(n), float(ms)) for n, ms in torch_ms.items()):
+                if n in samples and (crossover is None and ms < samples[n] or crossover is not None and n > crossover):
+                    samples[n] = ms
         return cls(meas.cpu[threads], tuple(sorted(samples.items())))
 
 
@@ -114,7 +120,7 @@ class BatchMachine:
 
     @classmethod
     def from_measurements(cls, meas: Measurements, threads: int | None = None,
-                          dense_gflops: float | None = None) -> BatchMachine:
+                          dense_gflops: float | None = None, crossover: int | None = None) -> BatchMachine:
         """The machine at `threads` (default: the thread count with the fastest expert at many tokens). The dense
         rate: `dense_gflops`, else the measurements' `gflops`, else the experts' own marginal rate (their products
         are the same arithmetic)."""
@@ -123,7 +129,7 @@ class BatchMachine:
         marginal = 3 * meas.expert_bytes / (fit.b_ms * 1e6) if fit.b_ms > 0 else 100.0  # 2 flops a 2-byte weight
         rate = dense_gflops or meas.gflops or marginal
         bw = meas.dram_gbps or meas.expert_bytes / fit.a_ms / 1e6
-        return cls(bw, ExpertCurve.from_measurements(meas, t), rate, t,
+        return cls(bw, ExpertCurve.from_measurements(meas, t, crossover), rate, t,
                    meas.gpu_expert_ms if meas.has_gpu else None, meas.vram_for_experts)
 
 
@@ -155,7 +161,7 @@ def step_cost(bs: BatchShape, m: BatchMachine, tokens: int, seqs: int, keys: flo
     used = s.num_experts * (1 - (1 - s.top_k / s.num_experts) ** tokens)  # distinct experts a layer reads
     per = tokens * s.top_k / used if used else 0.0  # tokens each of them computes
     moe = len(s.moe_layers)
-    experts = moe * used * m.expert.ms(per)
+    experts = moe * used * (m.expert.ms(per) + (JOB_MS if tokens > LAYER_CALL_TOKENS else 0.0))
     dense = s.num_layers * max(bs.dense_bytes / bw, 2 * bs.dense_params * tokens / flops)
     attention = s.num_layers * (seqs * SEGMENT_MS + seqs * keys * bs.kv_bytes / bw
                                 + tokens * keys * bs.attn_flops / flops)

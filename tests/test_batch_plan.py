@@ -48,11 +48,13 @@ def test_the_expert_curve_follows_its_points_and_the_slope_beyond() -> None:
     assert ExpertCurve(CpuFit(0.3, 0.1)).ms(5) == pytest.approx(0.7)  # no points: the fit
 
 
-def test_the_curve_from_measurements_takes_the_faster_of_kernel_and_torch() -> None:
+def test_the_curve_from_measurements_follows_the_executor_s_crossover() -> None:
     meas = Measurements(2, 12 << 20, {1: CpuFit(0.4, 0.06), 2: CpuFit(0.2, 0.02)},
                         cpu_samples={2: {1: 0.2, 16: 0.9}, 1: {1: 0.4, 16: 1.6}},
                         kernel={"torch_ms": {"1": 0.6, "16": 0.7}})
     assert ExpertCurve.from_measurements(meas, 2).points == ((1, 0.2), (16, 0.7))
+    assert ExpertCurve.from_measurements(meas, 2, crossover=0).points == ((1, 0.6), (16, 0.7))  # torch only
+    assert ExpertCurve.from_measurements(meas, 2, crossover=16).points == ((1, 0.2), (16, 0.9))  # the kernel only
     assert ExpertCurve.from_measurements(meas, 1).points == ((1, 0.4), (16, 1.6))  # torch was timed at 2 threads
 
 

@@ -11,7 +11,6 @@ token of the workload, prompt and answer, costs its multiply-adds, and only the 
 from __future__ import annotations
 
 import re
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 
 from tandem.autotune.batch_plan import STEP_CHUNKS, BatchMachine, BatchShape, Workload, plan_batch, predict
 from tandem.autotune.bench.e2e import peer_fits_beside
+from tandem.autotune.bench.llama import run_tool
 from tandem.autotune.microbench import dense_gflops, microbench
 from tandem.autotune.plan import ModelShape
 from tandem.autotune.probe import probe
@@ -30,8 +30,6 @@ from tandem.runtime.gguf import is_gguf
 from tandem.runtime.loader import LoadedModel
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.timeline import Timeline
-
-TIMEOUT_S = 3600  # one llama-batched-bench run
 
 
 def workload_requests(w: Workload, vocab: int, seed: int = 0) -> list[BatchRequest]:
@@ -89,19 +87,11 @@ def transformers_batched(path: Path, dtype: torch.dtype, w: Workload, sizes: lis
 def llama_batched(binary: Path, model: Path, threads: int, w: Workload) -> dict[str, Any]:
     """`llama-batched-bench` with R parallel sequences of P prompt and M generated tokens: the same total tokens as
     the workload. Its table's last columns are the whole run's time T and speed; the answers' tokens/s is R·M/T."""
-    if not binary.is_file():
-        raise TandemError(f"--llama-batched-bench {binary}: no such file (build it from llama.cpp's source)")
     ctx = w.requests * (w.prompt_tokens + w.new_tokens) + 16
-    cmd = [str(binary), "-m", str(model), "-t", str(threads), "-c", str(ctx), "-b", "2048", "-ub", "512",
-           "-npp", str(w.prompt_tokens), "-ntg", str(w.new_tokens), "-npl", str(w.requests)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
-    except OSError as e:
-        raise TandemError(f"--llama-batched-bench {binary} could not run: {e}") from None
-    if done.returncode != 0:
-        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise TandemError(f"llama-batched-bench failed (status {done.returncode}): {tail}")
-    for line in done.stdout.splitlines():
+    out = run_tool(binary, "llama-batched-bench", ["-m", str(model), "-t", str(threads), "-c", str(ctx), "-b", "2048",
+                                                   "-ub", "512", "-npp", str(w.prompt_tokens),
+                                                   "-ntg", str(w.new_tokens), "-npl", str(w.requests)])
+    for line in out.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 10 and re.fullmatch(r"\d+", cells[0]) and int(cells[2]) == w.requests:
             total_s = float(cells[8])
@@ -141,7 +131,8 @@ def bench_batch(loaded: LoadedModel, w: Workload, sizes: list[int] | None = None
     meas = microbench(shape, probe(), cpu_dtype, quick=True)
     meas.cpu = {threads: meas.cpu[threads]} if threads in meas.cpu else meas.cpu
     bs = BatchShape.from_config(ckpt.config, shape, model.dtype.itemsize)
-    machine = BatchMachine.from_measurements(meas, threads, dense_gflops(shape.hidden, model.dtype, threads))
+    machine = BatchMachine.from_measurements(meas, threads, dense_gflops(shape.hidden, model.dtype, threads),
+                                             model.dispatcher.executor.crossover)
     context = w.prompt_tokens + w.new_tokens
     policy = plan_batch(bs, machine, w, kv_budget=1 << 62, context=context)
     chosen = sorted({policy.batch, *(sizes or {max(1, policy.batch // 4), max(1, policy.batch // 2)})})

@@ -17,22 +17,29 @@ from tandem.kernels.errors import TandemError
 TIMEOUT_S = 3600  # one llama-bench run, every size: generous, but never a hang
 
 
+def run_tool(binary: Path, tool: str, args: list[str]) -> str:
+    """One run of llama.cpp's `tool` (its binary given as --TOOL PATH): its standard output, or a TandemError with
+    the last line it printed on failure."""
+    if not binary.is_file():
+        raise TandemError(f"--{tool} {binary}: no such file (build {tool} from llama.cpp's source)")
+    try:
+        done = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    except OSError as e:
+        raise TandemError(f"--{tool} {binary} could not run: {e}") from None
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise TandemError(f"{tool} failed (status {done.returncode}): {tail}")
+    return done.stdout
+
+
 def run_llama_bench(binary: Path, model: Path, threads: int, prompts: list[int], gens: list[int],
                     repeats: int = 2) -> dict[tuple[str, int], float]:
     """{("pp", n) or ("tg", n): tokens/s} from one `llama-bench -o json` run over every size asked."""
-    if not binary.is_file():
-        raise TandemError(f"--llama-bench {binary}: no such file (build llama-bench from llama.cpp's source)")
-    cmd = [str(binary), "-m", str(model), "-t", str(threads), "-r", str(repeats), "-o", "json",
-           "-p", ",".join(map(str, prompts)) or "0", "-n", ",".join(map(str, gens)) or "0"]
+    out = run_tool(binary, "llama-bench", ["-m", str(model), "-t", str(threads), "-r", str(repeats), "-o", "json",
+                                           "-p", ",".join(map(str, prompts)) or "0",
+                                           "-n", ",".join(map(str, gens)) or "0"])
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
-    except OSError as e:
-        raise TandemError(f"--llama-bench {binary} could not run: {e}") from None
-    if done.returncode != 0:
-        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise TandemError(f"llama-bench failed (status {done.returncode}): {tail}")
-    try:
-        entries: list[dict[str, Any]] = json.loads(done.stdout)
+        entries: list[dict[str, Any]] = json.loads(out)
     except json.JSONDecodeError:
         raise TandemError("llama-bench printed no JSON; is it llama.cpp's llama-bench?") from None
     results: dict[tuple[str, int], float] = {}
