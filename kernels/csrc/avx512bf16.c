@@ -85,7 +85,12 @@ BF16_TARGET static void to_bf16_split(const float *src, uint16_t *hi, uint16_t *
 }
 
 /* Two weight rows x m tokens: each loaded activation vector feeds two rows, halving activation loads. With
- * `split`, each token's activations are hi + lo pairs (lo at xlo, same layout) and both go into its sums. */
+ * `split`, each token's activations are hi + lo pairs (lo at xlo, same layout) and both go into its sums. Each line
+ * of the two rows is asked for DP2_PREFETCH bytes ahead: 2 KB, the best of 1, 2 and 4 KB and 13-18 % faster than
+ * none at 4-8 tokens (docs/bench/kernels.md). */
+#ifndef DP2_PREFETCH
+#define DP2_PREFETCH 2048
+#endif
 #define DP2_X(P, J) ((__m512bh)_mm512_loadu_si512((const void *)((P) + (size_t)(J) * ldx + k)))
 #define DP2_STEP(J) do { __m512bh xv = DP2_X(xb, J);                                                             \
     b##J = _mm512_dpbf16_ps(b##J, w0, xv); c##J = _mm512_dpbf16_ps(c##J, w1, xv);                              \
@@ -97,6 +102,10 @@ BF16_TARGET static inline __attribute__((always_inline)) void dp2_tokens(const u
     __m512 c0 = b0, c1 = b0, c2 = b0, c3 = b0, c4 = b0, c5 = b0, c6 = b0, c7 = b0;
     int k = 0;
     for (; k + 32 <= n; k += 32) {
+        if (DP2_PREFETCH) {
+            _mm_prefetch((const char *)(r0 + k) + DP2_PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)(r1 + k) + DP2_PREFETCH, _MM_HINT_T0);
+        }
         __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(r0 + k));
         __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(r1 + k));
         DP2_STEP(0);
