@@ -139,12 +139,14 @@ class BatchEngine:
                 return
             start = time.perf_counter()
             fed, logits = self._step(active)
-            for seq, event in self._advance(fed, logits):
+            events = list(self._advance(fed, logits))
+            self.stats.seconds += time.perf_counter() - start  # (not the consumer's time between events)
+            for seq, event in events:
                 if isinstance(event, DoneEvent):
                     active.remove(seq)
                     free.append(seq.row)
+                    self._stopping.discard(seq.request.key)
                 yield event
-            self.stats.seconds += time.perf_counter() - start
 
     def _refusal(self, request: BatchRequest) -> str:
         """Why a request cannot run ("" when it can), as Engine.generate would refuse it."""
