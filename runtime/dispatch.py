@@ -362,11 +362,7 @@ class Dispatcher:
                 continue
             if self.cache.inflight >= self.cache.max_inflight:
                 break
-            slot = self.cache.begin_fill(layer, e, frozenset())
-            if slot is not None:
-                copy = self.accel.copy_async(self._tensors(self.slot_buffers[slot.id]),
-                                             self._tensors(self._source(layer, e)))
-                self.cache.start(slot, copy)
+            self._fill_in_background(layer, e, frozenset())
 
     def record_cpu(self, layer: int, ids: torch.Tensor) -> np.ndarray:
         """A CPU-only pass at `layer` whose tokens chose `ids` [T, K] into the trace and the statistics (each expert
@@ -482,8 +478,14 @@ class Dispatcher:
             if self.cache.inflight >= self.cache.max_inflight:
                 self.cache.stats.skipped_fills += 1
                 continue
-            slot = self.cache.begin_fill(layer, job.expert, keep)
-            if slot is not None:
-                copy = self.accel.copy_async(self._tensors(self.slot_buffers[slot.id]),
-                                             self._tensors(self._source(layer, job.expert)))
-                self.cache.start(slot, copy)
+            self._fill_in_background(layer, job.expert, keep)
+
+    def _fill_in_background(self, layer: int, e: int, keep: frozenset[Key]) -> None:
+        """Claim a cache slot of `layer` for expert e (none: it is there or on its way, or every slot is kept) and
+        copy it there on the background copier."""
+        assert self.accel is not None
+        slot = self.cache.begin_fill(layer, e, keep)
+        if slot is not None:
+            copy = self.accel.copy_async(self._tensors(self.slot_buffers[slot.id]),
+                                         self._tensors(self._source(layer, e)))
+            self.cache.start(slot, copy)

@@ -238,3 +238,23 @@ def test_one_micro_batch_s_attention_runs_while_the_accelerator_runs_another_s_e
     assert overlapping >= len(model.layers)  # in every layer: B's attention beside A's experts
     busy = sum(end - begin for _, begin, end in spans)  # what the step would take with nothing side by side
     assert took < 0.85 * busy
+
+
+def test_prefetch_brings_a_layer_s_busiest_experts_of_its_last_pass_into_its_slots(mixtral_dir: Path) -> None:
+    from tandem.runtime.dispatch import OffloadOptions, Strategy
+
+    loaded = load_model(mixtral_dir, dtype="fp32", context=40, accelerator="emulated", vram_gb=0.004,
+                        strategy=Strategy.CPU)  # misses stay on the CPU: only post-fetches and prefetches copy
+    dispatcher = loaded.model.dispatcher
+    assert isinstance(dispatcher.policy, OffloadOptions) and dispatcher.cache.covers(1)
+    model = loaded.model.with_batch(1)
+    model.forward_rows(torch.tensor([3, 4, 5, 6, 7, 8]), [Segment(0, 0, 6)])
+    dispatcher.cache.wait_all()
+    for slot in dispatcher.cache.sets[dispatcher.cache.index_of[1]]:  # layer 1's slots emptied
+        slot.key = None
+    dispatcher.prefetch(1)
+    dispatcher.cache.wait_all()
+    wanted = dispatcher.last_chosen[1][: dispatcher.cache.ways]
+    assert wanted and set(wanted) <= {e for layer, e in dispatcher.cache.resident() if layer == 1}
+    assert not dispatcher.cache.covers(99)
+    dispatcher.prefetch(99)  # a layer no cache covers: nothing to do, and no error
