@@ -641,20 +641,24 @@ class MoEModel:
         groups = self._micro_batches(segments)  # [(first segment, end segment)]
         bounds = [(ends[a - 1] if a else 0, ends[b - 1]) for a, b in groups]  # their tokens: [lo, hi) of the N
         xs = [x[:, lo:hi] for lo, hi in bounds]  # [1, n, H] each
+        # per micro-batch, once a pass: each segment's cache row (a view) and its span of the micro-batch's tokens
+        rows = [[self.cache.row(seg.row) for seg in segments[a:b]] for a, b in groups]
+        spans = [torch.tensor([0] + [s.length for s in segments[a:b]]).cumsum(0).tolist() for a, b in groups]
         moe = [i for i, layer in enumerate(self.layers) if isinstance(layer.ffn, MoEBlockWeights)]
+        after = dict(zip(moe, moe[1:], strict=False))  # each MoE layer's next one
         for i, layer in enumerate(self.layers):
             pending: list[tuple[int, Pending]] = []
             for g, (a, b) in enumerate(groups):
                 n = xs[g].shape[1]
                 h = self._norm(xs[g], layer.input_norm, layer.input_norm_bias)  # [1, n, H]
-                xs[g] = xs[g] + self._attention_rows(i, layer.attn, h, segments[a:b])
+                xs[g] = xs[g] + self._attention_rows(i, layer.attn, h, segments[a:b], rows[g], spans[g])
                 h = self._norm(xs[g], layer.post_norm, layer.post_norm_bias).view(n, -1)  # [n, H]
                 if isinstance(layer.ffn, MoEBlockWeights):  # the accelerator's experts queued; the host goes on
                     pending.append((g, self.dispatcher.start(i, h)))
                 else:
                     xs[g] = xs[g] + layer.ffn(h).view(1, n, -1)  # [1, n, H]
-            if len(groups) > 1 and i in moe and moe[-1] != i:  # the copy engine brings the next MoE layer's experts
-                self.dispatcher.prefetch(moe[moe.index(i) + 1])
+            if len(groups) > 1 and i in after:  # the copy engine brings the next MoE layer's experts meanwhile
+                self.dispatcher.prefetch(after[i])
             for g, p in pending:
                 xs[g] = xs[g] + self.dispatcher.finish(p).view(1, xs[g].shape[1], -1)  # [1, n, H]
         x = torch.cat(xs, dim=1) if len(xs) > 1 else xs[0]  # [1, N, H]
@@ -678,13 +682,12 @@ class MoEModel:
         groups.append((start, len(segments)))
         return groups
 
-    def _attention_rows(self, i: int, a: Attention | MLAWeights, x: torch.Tensor, segments: list[Segment]
-                        ) -> torch.Tensor:
-        """Layer i's attention over a ragged pass's segments: x [1, N, H] -> [1, N, H] float32. q, k, v and o are one
-        product each over all N tokens; RoPE, the cache write and attention run segment by segment, in its cache row
-        (on the CPU where the cache is in RAM beside an accelerator: one host read of q, k and v for all of them)."""
-        rows = [self.cache.row(seg.row) for seg in segments]
-        spans = torch.tensor([0] + [s.length for s in segments]).cumsum(0).tolist()
+    def _attention_rows(self, i: int, a: Attention | MLAWeights, x: torch.Tensor, segments: list[Segment],
+                        rows: list[KVCache | LatentCache], spans: list[int]) -> torch.Tensor:
+        """Layer i's attention over a ragged pass's segments (in their cache `rows`, over `spans` of the tokens): x
+        [1, N, H] -> [1, N, H] float32. q, k, v and o are one product each over all N tokens; RoPE, the cache write
+        and attention run segment by segment (on the CPU where the cache is in RAM beside an accelerator: one host
+        read of q, k and v for all of them)."""
         if isinstance(a, MLAWeights):
             return torch.cat([attend(self.cfg, a, row, i, x[:, lo:hi], seg.start, *self._tables(seg), self.linear,  # type: ignore[arg-type]
                                      self.rms_norm)
@@ -694,15 +697,14 @@ class MoEModel:
             return self._attention_segments(i, a, x, segments, rows, spans)
 
     def _attention_segments(self, i: int, a: Attention, x: torch.Tensor, segments: list[Segment],
-                            rows: list[KVCache], spans: list[int]) -> torch.Tensor:
+                            rows: list[KVCache | LatentCache], spans: list[int]) -> torch.Tensor:
         q, k, v = self._qkv(a, x)  # [1, N, Hq, D], [1, N, Hkv, D] x 2
         host = self.host_cache and self.accel is not None
-        sinks = a.sinks
+        head = a
         if host:  # the accelerator's q, k and v (and the sinks) to the CPU, which holds the cache
             q, k, v, *rest = self.accel.download(lambda: (q, k, v, *([a.sinks] if a.sinks is not None else []))  # type: ignore[union-attr]
                                                  ).wait()
-            sinks = rest[0] if rest else None
-        head = replace(a, sinks=sinks)
+            head = replace(a, sinks=rest[0] if rest else None)
         out = torch.cat([self._attend(i, head, q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], row, seg.start,  # type: ignore[arg-type]
                                       *self._tables(seg, host))
                          for seg, row, lo, hi in zip(segments, rows, spans, spans[1:], strict=False)],
