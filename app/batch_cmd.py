@@ -11,6 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
+import torch
+
 from tandem.app.batch_file import Answer, Line, ResultsFile, error_record, read_requests, result_record
 from tandem.autotune.batch_plan import BatchMachine, BatchPolicy, BatchShape, Workload, plan_batch
 from tandem.autotune.configure import Configured
@@ -96,9 +98,10 @@ def batch_measurements(configured: Configured, notify: Note) -> Measurements:
     if found.profile is not None:
         return Measurements.from_dict(found.profile.measurements)
     notify("no profile of this model on this machine: the batch policy uses a one-second probe "
-               "(`tandem autotune` measures it properly)")
+           "(`tandem autotune` measures it properly)")
     shape = ModelShape.from_checkpoint(ckpt, options.torch_dtype.itemsize)
-    return quick_measurements(shape, options.cpu_torch_dtype, options.cpu.threads or 1)
+    # at the thread count the experts will run at (none given: torch's, as CpuExecutor takes it)
+    return quick_measurements(shape, options.cpu_torch_dtype, options.cpu.threads or torch.get_num_threads())
 
 
 def choose_policy(configured: Configured, lines: list[Line], meas: Measurements, batch: int | None = None
