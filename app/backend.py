@@ -46,11 +46,12 @@ class ChatBackend(Protocol):
     name: str
     family: str
     placement: str  # where work runs, in words
+    remote: str | None  # the server it runs on (app/remote.py); None: this machine's runtime
 
     def stream(self, messages: list[dict[str, str]], params: SamplingParams) -> Iterator[str]: ...
     def prompt_tokens(self, messages: list[dict[str, str]]) -> int: ...  # the chat prompt's length in tokens
     @property
-    def context(self) -> int: ...  # the most tokens a prompt and its answer may take together
+    def context(self) -> int: ...  # the most tokens a prompt and its answer may take together (0: not known)
     def usage(self) -> Usage: ...
     def activity(self) -> list[list[int]]: ...  # [layers][experts] activation counts of the last answer
     def close(self) -> None: ...  # release its memory; it is not used afterwards
@@ -69,6 +70,7 @@ class RuntimeBackend:
         ckpt, model = loaded.checkpoint, loaded.model
         self.name = ckpt.path.name
         self.family = ckpt.spec.display_name
+        self.remote: str | None = None
         plan = model.dispatcher.describe()
         cpu = plan["cpu"]
         dtype = str(model.dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float32", "fp32")

@@ -13,7 +13,8 @@ from typing import TextIO
 
 import torch
 
-from tandem.app.batch_file import Answer, Line, ResultsFile, error_record, read_requests, result_record
+from tandem.app.batch_file import Line, ResultsFile, error_record, read_requests, result_record
+from tandem.app.openai_api import Answer
 from tandem.autotune.batch_plan import BatchMachine, BatchPolicy, BatchShape, Workload, plan_batch
 from tandem.autotune.configure import Configured
 from tandem.autotune.measurements import Measurements

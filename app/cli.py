@@ -78,7 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="model folder (default: the built-in model)")
     add_load_args(chat)
     add(chat, "--models-dir")
+    r = chat.add_argument_group("a model on a server instead")
+    add(r, "--remote", "--api-key", "--remote-model")
     chat.set_defaults(func=_chat)
+
+    srv = sub.add_parser("serve", help="answer OpenAI-compatible requests over HTTP (/v1/chat/completions, "
+                                       "/v1/completions, /v1/models, /health, /metrics)")
+    add(srv, "--model", "--host", "--port", "--api-key", "--batch-size", "--step-tokens")
+    add(srv, "--max-new-tokens", help="new tokens of a request that gives no max_tokens (default: 256)")
+    add(srv, "--temperature", "--top-k", "--top-p", "--repetition-penalty", "--seed")
+    add_load_args(srv)
+    srv.set_defaults(func=_serve)
 
     models = sub.add_parser("models", help="list the models found: --models-dir folders, the Hugging Face cache, "
                                            "LM Studio and Ollama")
@@ -135,6 +145,17 @@ def build_parser() -> argparse.ArgumentParser:
     add(bb, "--json", action="store", metavar="FILE", help="write the results as JSON")
     add_load_args(bb)
     bb.set_defaults(func=_bench_batch)
+
+    bs = bench_sub.add_parser("serve", help="the local server under concurrent streamed requests: requests/s, "
+                                            "tokens/s, TTFT and ITL percentiles, beside generate's decode")
+    add(bs, "--model")
+    add_workload_args(bs)
+    bs.add_argument("--concurrency", type=flags.whole(1, 1024), default=1, metavar="C",
+                    help="requests in flight at once (default: 1)")
+    add(bs, "--batch-size", "--step-tokens")
+    add(bs, "--json", action="store", metavar="FILE", help="write the results as JSON")
+    add_load_args(bs)
+    bs.set_defaults(func=_bench_serve)
 
     val = bench_sub.add_parser("plan", help="the planner and simulator against real runs (regret, prediction error)")
     add(val, "--model", required=True)
@@ -276,6 +297,10 @@ def _chat(args: argparse.Namespace) -> int:
     from tandem.app.backend import RuntimeBackend
     from tandem.app.tui import TandemApp
 
+    if args.remote is not None:
+        return _chat_remote(args)
+    if args.remote_model is not None:
+        raise UsageError("--remote-model names a model on a server: give the server with --remote URL")
     if args.model is None:
         resolve_model(None)  # a first-time build of the built-in model shows its progress here, before the UI
     notices: list[str] = []
@@ -289,6 +314,35 @@ def _chat(args: argparse.Namespace) -> int:
     for text in notices:
         print(f"note: {text}", file=sys.stderr)
     return 0
+
+
+def _chat_remote(args: argparse.Namespace) -> int:
+    """The chat app on a server's model: checked before the UI opens (a wrong URL or key is an error here)."""
+    from tandem.app.remote import RemoteBackend, RemoteServer
+    from tandem.app.tui import TandemApp
+
+    if args.model is not None:
+        raise UsageError("give either a model folder or --remote URL, not both")
+    server = RemoteServer(args.remote, args.api_key or os.environ.get("TANDEM_API_KEY"))
+    RemoteBackend(server, args.remote_model)  # the server answers, and serves that model
+
+    def load_backend(name: str | None) -> RemoteBackend:
+        return RemoteBackend(server, name)
+
+    app = TandemApp(load_backend, args.remote_model, remote=server)
+    try:
+        app.run()
+    finally:
+        server.close()
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tandem.app.serve_cmd import run_serve
+    from tandem.runtime.loader import load
+
+    args.model = resolve_model(args.model)
+    return run_serve(args, lambda a: configure_from_args(a, 1), lambda o, c: load(o, c, _progress, _note), _note)
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -678,6 +732,27 @@ def _bench_batch(args: argparse.Namespace) -> int:
     loaded = load(replace(configured.options, ragged=True), configured.checkpoint, _progress, _note)
     binary = Path(args.llama_batched_bench) if args.llama_batched_bench else None
     result = bench_batch(loaded, w, sizes, args.peer, binary)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from tandem.app.bench_serve import bench_serve
+    from tandem.runtime.loader import load
+
+    if args.json:
+        check_output_file(args.json, "--json")
+    if args.context is None:
+        args.context = args.prompt_len + args.new_len
+    batch = args.batch_size or min(args.concurrency, 8)
+    configured = configure_from_args(args, batch=batch)
+    loaded = load(replace(configured.options, ragged=True), configured.checkpoint, _progress, _note)
+    result = bench_serve(loaded, Path(args.model).name, args.requests, args.concurrency, args.prompt_len,
+                         args.new_len, batch, args.step_tokens or 256)
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")

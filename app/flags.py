@@ -230,6 +230,18 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
                                              default=None,
                                              help="force a kernel variant (auto, the default: the best this CPU "
                                                   "supports)")),
+    # serving, and the chat on a server
+    "--host": (("--host",), dict(default="127.0.0.1",
+                                 help="address to listen on (default: loopback only; any other needs --api-key)")),
+    "--port": (("--port",), dict(type=whole(0, 65535), default=8080, help="port to listen on (default: 8080)")),
+    "--api-key": (("--api-key",), dict(default=None, metavar="KEY",
+                                       help="the key clients send as 'Authorization: Bearer KEY' (default: the "
+                                            "TANDEM_API_KEY environment variable)")),
+    "--remote": (("--remote",), dict(default=None, metavar="URL",
+                                     help="chat with a model on an OpenAI-compatible server (vLLM, SGLang, "
+                                          "llama-server, Ollama, tandem serve), e.g. http://host:8080/v1")),
+    "--remote-model": (("--remote-model",), dict(default=None, metavar="NAME",
+                                                 help="the server's model to chat with (default: its first)")),
     # outputs and inputs
     "--json": (("--json",), dict(action="store_true", help="print JSON")),
     "--record-trace": (("--record-trace",), dict(type=path, metavar="FILE",

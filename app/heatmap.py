@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from rich.markup import escape
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.timer import Timer
@@ -98,7 +99,17 @@ class ExpertHeatmap(VerticalScroll):
             self._later.stop()
             self._later = None
         self._shown_at = now
+        if backend.remote is not None:
+            self.say(f"expert activity is shown for models run here; this chat runs on {backend.remote}")
+            return
         self.show(backend.activity(), width=self.cells(), where=backend.where())
+
+    def say(self, text: str) -> None:
+        """A line instead of the rows (why there are none)."""
+        self._shown = None
+        self.text = escape(text)
+        for rows in self.query("#heatmap-rows").results(Static):
+            rows.update(self.text)
 
     def cells(self) -> int:
         """How many cells a row has room for (at least 8)."""

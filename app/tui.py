@@ -23,6 +23,7 @@ from textual.theme import Theme
 
 from tandem.app.backend import ChatBackend
 from tandem.app.lifecycle import Failed, ModelLifecycle, Ready, Unloaded, load_in_turn
+from tandem.app.remote import RemoteServer
 from tandem.app.screens.chat import ChatOpened, ChatScreen
 from tandem.app.screens.help import (
     HelpContent,
@@ -82,11 +83,13 @@ class TandemApp(App[None]):
                  store: ConversationStore | None = None, params: SamplingParams | None = None,
                  models_folders: list[Path] | None = None,
                  tune: Callable[[str, str, Callable[[Step], None]], Tuned] | None = None,
-                 stores: Stores | None = None) -> None:
+                 stores: Stores | None = None, remote: RemoteServer | None = None) -> None:
         """`load_backend(path)` loads a model folder (None: the built-in model) in a worker thread. The picker lists
-        `models_folders` and other apps' `stores` (None: where they keep models on this machine)."""
+        `models_folders` and other apps' `stores` (None: where they keep models on this machine); with `remote`, the
+        models that server serves instead (`load_backend` then takes their names)."""
         super().__init__()
         self.load_backend = load_backend
+        self.remote = remote
         self.model_path = model
         self.models_folders = models_folders or []
         self.stores = stores
@@ -214,6 +217,9 @@ class TandemApp(App[None]):
         def find() -> tuple[list[ModelEntry], int | None]:  # (in the picker's worker thread)
             from tandem.autotune.probe import probe
 
+            if self.remote is not None:
+                return self.remote.entries(), None
+
             gpus = probe().gpus
             return discover(self.models_folders, builtin_dir(), self.stores), gpus[0].memory_total if gpus else None
 
@@ -249,12 +255,24 @@ class TandemApp(App[None]):
             return
         self.action_tune()
 
+    def can_load(self, path: str | None) -> bool:
+        """Whether a chat's model can be brought back here: on a server, only a model it serves (a chat answered by
+        a local model keeps the server's current one)."""
+        if self.remote is None:
+            return True
+        try:
+            return path is not None and path in {e.path for e in self.remote.entries()}
+        except TandemError:
+            return False
+
     def action_tune(self) -> None:
         """The auto-tune wizard for the loaded model (offered after a load, or any time with Ctrl+T). Skip
         remembers the model as skipped on this machine; Save applies the plan by loading the model again."""
         backend = self.lifecycle.backend
         target = backend.tuning_target() if backend is not None else None
         if target is None:
+            if backend is not None and backend.remote is not None:
+                self.notify(f"tuning measures this machine for a model run here; this chat runs on {backend.remote}")
             return
         if self.screen is not self.chat:  # a priority key reaches here from a dialog too: no wizard over it
             self.notify("close this dialog first (Esc); then Ctrl+T tunes the model")

@@ -95,7 +95,7 @@ class StatusBar(Static):
             if usage.hit_rate is not None:
                 parts.append(f"hits {usage.hit_rate:.0%}")
         if context is not None:
-            parts.append(f"ctx {context[0]}/{context[1]}")
+            parts.append(f"ctx {context[0]}/{context[1] or '?'}")
         if memory:
             parts.append(memory)
         self.update(Text(" · ".join(parts)))

@@ -13,7 +13,9 @@ Letters: N tokens in a step, S sequences in it, V vocabulary.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -80,6 +82,58 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
 
 
+class RequestQueue:
+    """Requests that arrive while the batch runs (a server's): `put` from any thread. The engine takes what is waiting
+    without blocking while it has sequences to step, and waits on the queue when it has none. After `close`, the run
+    ends once everything queued has been answered."""
+
+    def __init__(self) -> None:
+        self._waiting: deque[BatchRequest] = deque()
+        self._ready = threading.Condition()
+        self._closed = False
+
+    def put(self, request: BatchRequest) -> None:
+        with self._ready:
+            if self._closed:
+                raise GenerationError("the engine has stopped taking requests")
+            self._waiting.append(request)
+            self._ready.notify()
+
+    def close(self) -> None:
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
+
+    def __len__(self) -> int:
+        """Requests waiting for a row."""
+        return len(self._waiting)
+
+    def take(self, wait: bool) -> BatchRequest | None:
+        """The next request; None when none is waiting (`wait`: after waiting for one until the queue is closed)."""
+        with self._ready:
+            while wait and not self._waiting and not self._closed:
+                self._ready.wait()
+            return self._waiting.popleft() if self._waiting else None
+
+    @property
+    def ended(self) -> bool:
+        with self._ready:
+            return self._closed and not self._waiting
+
+
+class _Listed:
+    """A fixed list of requests as RequestQueue's reader sees one: closed from the start."""
+
+    def __init__(self, requests: Iterable[BatchRequest]) -> None:
+        self._it = iter(requests)
+        self.ended = False
+
+    def take(self, wait: bool) -> BatchRequest | None:
+        request = next(self._it, None)
+        self.ended = request is None
+        return request
+
+
 class BatchEngine:
     """Runs requests `max_batch` at a time, each step at most `step_tokens` tokens (a step's decode tokens always run;
     prompts fill what the budget leaves, at least one chunk when nothing is decoding)."""
@@ -101,24 +155,28 @@ class BatchEngine:
 
     def finish(self, key: str) -> None:
         """End request `key` before its next step (its consumer found a stop sequence in the text, or went away):
-        it leaves with finish reason "stop" and the tokens it has."""
+        it leaves with finish reason "stop" and the tokens it has. Safe from another thread; a request still
+        waiting in a RequestQueue leaves when it is taken."""
         self._stopping.add(key)
 
-    def run(self, requests: Iterable[BatchRequest]) -> Iterator[TokenEvent | DoneEvent]:
+    def run(self, requests: Iterable[BatchRequest] | RequestQueue) -> Iterator[TokenEvent | DoneEvent]:
         """Every request's tokens as they come, and one DoneEvent each when it ends (refused ones at once, with the
-        reason): in the order the steps produce them. Requests are taken from `requests` as rows free up."""
-        pending = iter(requests)
+        reason): in the order the steps produce them. Requests are taken from `requests` as rows free up; from a
+        RequestQueue, also as they arrive, until it is closed."""
+        source = requests if isinstance(requests, RequestQueue) else _Listed(requests)
         free = list(range(self.max_batch))
         active: list[_Sequence] = []
-        more = True
         self.model.dispatcher.begin_request()
         while True:
-            while more and free:
-                request = next(pending, None)
+            while free:
+                request = source.take(wait=not active)
                 if request is None:
-                    more = False
                     break
-                problem = self._refusal(request)
+                if request.key in self._stopping:  # stopped before it joined
+                    self._stopping.discard(request.key)
+                    yield DoneEvent(BatchResult(request.key, [], len(request.prompt), "stop"))
+                    continue
+                problem = self.refusal(request)
                 if problem:
                     yield DoneEvent(BatchResult(request.key, [], len(request.prompt), "error", problem))
                     continue
@@ -134,9 +192,9 @@ class BatchEngine:
                 free.append(seq.row)
                 yield self._done(seq, "stop")
             if not active:
-                if more and free:
-                    continue
-                return
+                if source.ended:
+                    return
+                continue
             start = time.perf_counter()
             fed, logits = self._step(active)
             events = list(self._advance(fed, logits))
@@ -148,7 +206,7 @@ class BatchEngine:
                     self._stopping.discard(seq.request.key)
                 yield event
 
-    def _refusal(self, request: BatchRequest) -> str:
+    def refusal(self, request: BatchRequest) -> str:
         """Why a request cannot run ("" when it can), as Engine.generate would refuse it."""
         try:
             request.params.check()

@@ -377,6 +377,7 @@ class MoEModel:
         self._host_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._step: DecodeStep | None = None
         self._step_key: tuple[object, bool] | None = None
+        self._row_views: dict[int, MoEModel] = {}  # forward_rows' one-token passes: the model over one cache row
 
     @classmethod
     def from_checkpoint(
@@ -501,7 +502,7 @@ class MoEModel:
             wide.host_cache = True
         elif batch > self.cache.batch:
             wide.cache = cache_class(self.cfg)(self.cfg, batch, self.context, self.dtype, self.accel)
-        wide._step, wide._step_key = None, None
+        wide._step, wide._step_key, wide._row_views = None, None, {}
         return wide
 
     def close(self) -> None:
@@ -627,12 +628,27 @@ class MoEModel:
         projects from the cache's latents, the whole attention does)."""
         if ids.dim() != 1 or ids.numel() != sum(s.length for s in segments) or not segments:
             raise ValueError("forward_rows: ids must be the segments' tokens, one after another")
+        if len(segments) == 1 and segments[0].length == 1 and not self.host_cache:
+            # one sequence decoding alone (a server's one client): the path Engine.generate takes, the decode step's
+            # one kernel call included, over that sequence's cache row
+            seg = segments[0]
+            return self._row_view(seg.row).forward(ids.view(1, 1), seg.start, True, phase, seg.long)[0]  # [1, V]
         try:
             return self._forward_rows(ids, segments, phase)
         except torch.OutOfMemoryError as e:
             raise ResourceError(f"the accelerator ran out of memory during a {ids.numel()}-token pass of "
                                 f"{len(segments)} sequences: lower the batch size or --vram-gb, or use --accelerator "
                                 "none") from e
+
+    def _row_view(self, row: int) -> MoEModel:
+        """This model over KV cache row `row` alone (made once a row: its decode step is planned once)."""
+        view = self._row_views.get(row)
+        if view is None:
+            view = copy.copy(self)
+            view.cache = self.cache.row(row)
+            view._step, view._step_key, view._row_views = None, None, {}
+            self._row_views[row] = view
+        return view
 
     def _forward_rows(self, ids: torch.Tensor, segments: list[Segment], phase: str) -> torch.Tensor:
         self.dispatcher.begin_step(phase)

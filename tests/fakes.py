@@ -16,6 +16,7 @@ class FakeBackend:
 
     name, family, placement = "fake-moe", "Mixtral", "CPU only · 2 threads · bf16"
     context = 4096
+    remote: str | None = None
 
     def __init__(self, words: int = 12, delay: float = 0.0, path: str | None = None) -> None:
         self.words, self.delay, self.path = words, delay, path

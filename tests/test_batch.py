@@ -258,3 +258,28 @@ def test_prefetch_brings_a_layer_s_busiest_experts_of_its_last_pass_into_its_slo
     assert wanted and set(wanted) <= {e for layer, e in dispatcher.cache.resident() if layer == 1}
     assert not dispatcher.cache.covers(99)
     dispatcher.prefetch(99)  # a layer no cache covers: nothing to do, and no error
+
+
+def test_a_sequence_decoding_alone_takes_the_single_request_path(mixtral_dir: Path) -> None:
+    """A sequence alone in the batch (a server's one client), here in cache row 1, decodes as Engine.generate does,
+    the bf16 decode step over its own cache row included: the same tokens, exactly."""
+    from tandem.runtime.batch import RequestQueue
+    from tandem.runtime.decode_step import why_not
+
+    loaded = load_model(mixtral_dir, dtype="bf16", context=64, threads=1)
+    assert why_not(loaded.model) is None, "the tiny model should take the decode step"
+    first = BatchRequest("first", [5, 6, 7, 8], SamplingParams(max_new_tokens=2))
+    second = BatchRequest("second", [9, 10, 11], SamplingParams(max_new_tokens=12))
+    wanted = alone(loaded.engine, second)[0]
+    engine = BatchEngine(loaded.model, loaded.engine.eos_ids, 2)
+    queue = RequestQueue()
+    queue.put(first)
+    got: dict[str, list[int]] = {}
+    for event in engine.run(queue):
+        if isinstance(event, DoneEvent):
+            got[event.result.key] = event.result.tokens
+            if event.result.key == "first":  # row 0 is free again, row 1 first in line: the second goes there
+                queue.put(second)
+                queue.close()
+    assert got["second"] == wanted
+    assert engine.model._row_views[1]._step is not None  # row 1 decoded through the decode step

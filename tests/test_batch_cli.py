@@ -108,7 +108,7 @@ def test_bad_lines_get_error_records_and_the_batch_goes_on(mixtral_dir: Path, tm
     assert "custom_id" in errors["#line 3"] and "body" in errors["nobody"]
     assert "used by an earlier line" in errors["#line 6"]
     assert "temperature" in errors["temp"] and "more than one choice" in errors["n"]
-    assert "/v1/embeddings" in errors["url"] and "one prompt a line" in errors["prompts"]
+    assert "/v1/embeddings" in errors["url"] and "one prompt a request" in errors["prompts"]
     assert "content must be text" in errors["parts"] and "up to 4" in errors["stop"]
     assert "context holds 64" in errors["too-long"] and got["too-long"]["error"]["code"] == "generation_failed"
     assert len(got) == 13  # the blank line is no request

@@ -234,7 +234,8 @@ class ChatScreen(Screen[None]):
         self.refresh_sidebar()
         self.show_conversation()  # (its status counts this chat's context)
         wanted = conv.model
-        if wanted is not None and wanted.path != self.lifecycle.path and self.lifecycle.busy_reason() is None:
+        if wanted is not None and wanted.path != self.lifecycle.path and self.lifecycle.busy_reason() is None \
+                and self.shell.can_load(wanted.path):
             self.notify(f"this chat used {wanted.name}: loading it (Ctrl+O picks another)")
             self.shell.load_model(wanted.path)
 
@@ -444,10 +445,11 @@ class ChatScreen(Screen[None]):
         pending, last = [], time.monotonic()
         stopped = False
         try:
-            limit = backend.context - answer_room(backend.context, params.max_new_tokens)
-            messages, dropped = fit_messages(messages, backend.prompt_tokens, limit)
-            if dropped:
-                self.post_message(ContextTrimmed(dropped))
+            if backend.context:  # (a server that does not say its context says when a prompt is too long)
+                limit = backend.context - answer_room(backend.context, params.max_new_tokens)
+                messages, dropped = fit_messages(messages, backend.prompt_tokens, limit)
+                if dropped:
+                    self.post_message(ContextTrimmed(dropped))
             for piece in backend.stream(messages, params):
                 pending.append(piece)
                 if worker.is_cancelled:

@@ -76,6 +76,9 @@ class PickerScreen(ModalScreen[ModelEntry | None]):
         table = self.query_one(DataTable)
         ram = psutil.virtual_memory().total
         for e in self.entries:
+            if e.source.startswith("server"):  # a model on a server: its size and shape are the server's business
+                table.add_row(e.name, e.family, "", "–", "–", "–", "–", "–", e.source)
+                continue
             unbuilt = e.source == "built-in" and e.size_bytes == 0
             table.add_row(e.name, e.family if e.runs else f"{e.family} (not run)", e.quant,
                           "135 M ×8" if unbuilt else _human(e.params, ""), str(e.experts),

@@ -1,0 +1,374 @@
+"""`tandem serve`: an OpenAI-compatible HTTP server (Starlette on uvicorn) over `EngineService`.
+
+Endpoints: `POST /v1/chat/completions` and `/v1/completions` (whole answers, or server-sent events with `stream`),
+`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text). Errors are OpenAI's JSON shape
+(`{"error": {"message", "type", "param", "code"}}`) with the HTTP status OpenAI uses. With an API key, every
+endpoint but `/health` wants `Authorization: Bearer KEY`. A client that goes away stops its request's generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tandem.app.openai_api import (
+    CHAT,
+    COMPLETION,
+    Answer,
+    chunk_body,
+    completion_body,
+    finish_reason,
+    parse_body,
+    usage_of,
+)
+from tandem.app.serving import TTFT_BUCKETS, Busy, EngineService, Subscription, TextStream, new_key
+from tandem.kernels.errors import GenerationError, TandemError
+from tandem.runtime.batch import BatchRequest, DoneEvent
+from tandem.runtime.sampling import SamplingParams
+
+MAX_BODY = 16 * 2**20  # bytes of one request: a long document fits many times over
+ENDPOINT_NAMES = {CHAT: "chat", COMPLETION: "completions"}
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+@dataclass
+class Reply:
+    """One request's answer as its events arrive: the text (cut at a stop sequence), when it started, how it
+    ended."""
+
+    service: EngineService
+    endpoint: str
+    request: BatchRequest
+    answer: Answer
+    text: TextStream
+    submitted: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+    reason: str = ""
+    error: str = ""
+    completion_tokens: int = 0
+
+    def token(self, token: int) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+            self.service.metrics.first_token(self.first - self.submitted)
+        if self.answer.add(self.text.push(token)):
+            self.service.cancel(self.request.key)  # the rest would be cut anyway
+
+    def done(self, event: DoneEvent) -> None:
+        r = event.result
+        self.answer.add(self.text.flush(), token=False)
+        if r.finish_reason == "error":
+            self.error = r.error or "the generation failed"
+            return
+        self.reason = finish_reason(self.answer, str(r.finish_reason))
+        self.completion_tokens = self.answer.tokens if self.answer.stopped else len(r.tokens)
+
+    def usage(self) -> dict[str, int]:
+        return usage_of(len(self.request.prompt), self.completion_tokens)
+
+    def record(self, outcome: str) -> None:
+        m = self.service.metrics
+        m.finished(ENDPOINT_NAMES[self.endpoint], outcome)
+        m.prompt_tokens += len(self.request.prompt)
+        m.completion_tokens += self.completion_tokens
+
+
+def make_app(service: EngineService, defaults: SamplingParams, api_key: str | None = None) -> Starlette:
+    """The ASGI app over a started `service`; requests sample with `defaults` where they give no setting."""
+
+    def guarded(handler: Callable[[Request], Awaitable[Response]], open_: bool = False
+                ) -> Callable[[Request], Awaitable[Response]]:
+        async def run(request: Request) -> Response:
+            try:
+                if api_key and not open_:
+                    _check_key(request, api_key)
+                return await handler(request)
+            except ApiError as e:
+                return e.response()
+        return run
+
+    async def health(request: Request) -> Response:
+        if not service.alive():
+            raise ApiError(503, "the engine has stopped", "server_error", "engine_stopped")
+        return JSONResponse({"status": "ok", "model": service.name, "running": service.running,
+                             "queued": len(service.queue)})
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [model_card(service)]})
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(metrics_text(service), media_type="text/plain; version=0.0.4")
+
+    async def chat(request: Request) -> Response:
+        return await complete(request, CHAT)
+
+    async def completions(request: Request) -> Response:
+        return await complete(request, COMPLETION)
+
+    async def complete(request: Request, endpoint: str) -> Response:
+        body = await _json_body(request)
+        if body.get("model") not in (None, service.name):
+            raise ApiError(404, f"the model {str(body.get('model'))[:80]!r} is not served here; this server serves "
+                                f"{service.name!r} (GET /v1/models)", code="model_not_found", param="model")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError(400, "stream must be true or false", param="stream")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise ApiError(400, "stream_options must be an object", param="stream_options")
+        try:
+            parsed = parse_body(endpoint, body, service.tokenizer, defaults)
+        except (ValueError, TandemError) as e:
+            service.metrics.finished(ENDPOINT_NAMES[endpoint], "refused")
+            raise ApiError(400, str(e)) from None
+        key = new_key("chatcmpl" if endpoint == CHAT else "cmpl")
+        req = BatchRequest(key, parsed.ids, parsed.params)
+        problem = service.refusal(req)
+        if problem:
+            service.metrics.finished(ENDPOINT_NAMES[endpoint], "refused")
+            code = "context_length_exceeded" if "context" in problem else None
+            raise ApiError(400, problem, code=code, param="messages" if endpoint == CHAT else "prompt")
+        try:
+            sub = service.submit(req)
+        except Busy as e:
+            raise ApiError(503, str(e), "server_error", "overloaded") from None
+        except GenerationError as e:  # stopping: the queue is closed
+            raise ApiError(503, str(e), "server_error", "shutting_down") from None
+        chat_harmony = service.harmony and endpoint == CHAT
+        reply = Reply(service, endpoint, req, Answer(parsed.stops), TextStream(service.tokenizer, chat_harmony))
+        created = int(time.time())
+        if stream:
+            return StreamingResponse(_events(reply, sub, created, bool(options.get("include_usage"))),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _whole(request, reply, sub, created)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind).response()
+
+    routes = [
+        Route("/health", guarded(health, open_=True)),
+        Route("/v1/models", guarded(models)),
+        Route("/metrics", guarded(metrics)),
+        Route(CHAT, guarded(chat), methods=["POST"]),
+        Route(COMPLETION, guarded(completions), methods=["POST"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+
+
+def model_card(service: EngineService) -> dict[str, Any]:
+    return {"id": service.name, "object": "model", "created": int(service.started), "owned_by": "tandem",
+            "context_length": service.context}
+
+
+def _check_key(request: Request, key: str) -> None:
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise ApiError(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY' with the key "
+                            "the server was started with (--api-key)", code="invalid_api_key")
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY:
+        raise ApiError(413, f"the request body is over {MAX_BODY >> 20} MiB")
+    data = await request.body()
+    if len(data) > MAX_BODY:
+        raise ApiError(413, f"the request body is over {MAX_BODY >> 20} MiB")
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"the request body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+async def _events(reply: Reply, sub: Subscription, created: int, include_usage: bool) -> AsyncIterator[str]:
+    """The answer as server-sent events: a first chunk (the role), one a token's text, the last with the finish
+    reason and the usage, then (asked with stream_options.include_usage) the usage alone, then [DONE]. Ended by
+    the client going away (the task is cancelled): the request stops."""
+    def sse(payload: dict[str, Any]) -> str:
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    endpoint, key, name = reply.endpoint, reply.request.key, reply.service.name
+    finished = False
+    try:
+        if endpoint == CHAT:
+            yield sse(chunk_body(endpoint, key, created, name, "", first=True))
+        while True:
+            event = await sub.events.get()
+            if isinstance(event, DoneEvent):
+                break
+            reply.token(event.token)
+            delta = reply.answer.unsent()
+            if delta:
+                yield sse(chunk_body(endpoint, key, created, name, delta))
+        finished = True
+        reply.done(event)
+        if reply.error:
+            reply.record("error")
+            yield sse(ApiError(500, reply.error, "server_error", "generation_failed").body())
+        else:
+            reply.record("ok")
+            yield sse(chunk_body(endpoint, key, created, name, reply.answer.unsent(final=True), reply.reason,
+                                 reply.usage()))
+            if include_usage:
+                yield sse(chunk_body(endpoint, key, created, name, None, usage=reply.usage()))
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:  # the client went away (or the server is stopping)
+            reply.service.cancel(key)
+            reply.record("cancelled")
+
+
+async def _whole(request: Request, reply: Reply, sub: Subscription, created: int) -> Response:
+    """The whole answer as one response; the client going away meanwhile stops the request."""
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        while True:
+            get = asyncio.ensure_future(sub.events.get())
+            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
+                get.cancel()
+                reply.service.cancel(reply.request.key)
+                reply.record("cancelled")
+                return Response(status_code=499)  # (nobody reads it)
+            event = get.result()
+            if isinstance(event, DoneEvent):
+                break
+            reply.token(event.token)
+    finally:
+        gone.cancel()
+    reply.done(event)
+    if reply.error:
+        reply.record("error")
+        raise ApiError(500, reply.error, "server_error", "generation_failed")
+    reply.record("ok")
+    return JSONResponse(completion_body(reply.endpoint, reply.request.key, created, reply.service.name,
+                                        reply.answer.text, reply.reason, reply.usage()))
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read: the next message is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def metrics_text(service: EngineService) -> str:
+    """Prometheus' text format: requests, tokens, throughput, time to first token, the queue, and where experts
+    ran."""
+    m, stats = service.metrics, service.engine.stats
+    out: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} {kind}")
+        out.extend(f"{name}{labels} {_num(v)}" for labels, v in samples)
+
+    metric("tandem_requests_total", "counter", "Requests by endpoint and outcome (ok, error, refused, cancelled).",
+           [(f'{{endpoint="{e}",outcome="{o}"}}', n) for (e, o), n in sorted(m.requests.items())])
+    metric("tandem_prompt_tokens_total", "counter", "Prompt tokens of answered requests.", [("", m.prompt_tokens)])
+    metric("tandem_generation_tokens_total", "counter", "Tokens generated for answered requests.",
+           [("", m.completion_tokens)])
+    metric("tandem_generation_tokens_per_second", "gauge", "Tokens generated per second of the engine's work "
+           "since the server started.", [("", stats.tok_s)])
+    cumulative, samples = 0, []
+    for bound, count in zip([*TTFT_BUCKETS, float("inf")], m.ttft_counts, strict=True):
+        cumulative += count
+        samples.append((f'_bucket{{le="{"+Inf" if bound == float("inf") else bound}"}}', cumulative))
+    samples += [("_sum", m.ttft_sum), ("_count", cumulative)]
+    metric("tandem_time_to_first_token_seconds", "histogram", "From a request's arrival to its first token.",
+           samples)
+    metric("tandem_queue_depth", "gauge", "Requests waiting for a place in the batch.", [("", len(service.queue))])
+    metric("tandem_requests_running", "gauge", "Requests in the batch.", [("", service.running)])
+    metric("tandem_batch_size_max", "gauge", "Requests the batch holds at most.", [("", service.max_batch)])
+    experts = service.loaded.model.dispatcher.request_stats()
+    tiers = experts.as_dict()["experts"]
+    assert isinstance(tiers, dict)
+    metric("tandem_experts_run_total", "counter", "Expert executions by tier: gpu (resident on the accelerator), "
+           "cpu, fetched (copied to the accelerator to run).", [(f'{{tier="{t}"}}', n) for t, n in tiers.items()])
+    if service.loaded.model.accel is not None:
+        metric("tandem_expert_cache_hit_rate", "gauge", "Share of expert lookups found in the accelerator's cache.",
+               [("", experts.hit_rate)])
+    return "\n".join(out) + "\n"
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now: a port in use is an error that says so, before the model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise TandemError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host"
+                          ) from None
+    return sock
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else f"{v:.6g}"
+
+
+class BackgroundServer:
+    """uvicorn serving `app` in a thread, on a socket bound now (port 0: any free port): `tandem serve` (whose engine
+    keeps the main thread), tests and benchmarks. Leaving the `with` block shuts it down."""
+
+    def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0, sock: socket.socket | None = None
+                 ) -> None:
+        """`sock`: bound already (by `bind`), instead of `host` and `port`."""
+        import uvicorn
+
+        self.sock = sock or bind(host, port)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://{'[' + host + ']' if ':' in host else host}:{self.port}/v1"
+        # connections still open at shutdown get this long (a stream whose request was ended says so and closes)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()

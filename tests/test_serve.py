@@ -1,0 +1,317 @@
+"""`tandem serve` on loopback: the official `openai` client against it (whole answers and streams, errors,
+concurrent requests, a client that goes away), its metrics, and the chat app on it as a remote engine. Every wait
+has a deadline."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tandem.app.cli import main
+from tandem.app.heatmap import ExpertHeatmap
+from tandem.app.remote import RemoteBackend, RemoteServer, base_url, context_of
+from tandem.app.server import BackgroundServer, make_app
+from tandem.app.serving import EngineService
+from tandem.app.tui import TandemApp
+from tandem.app.widgets import ChatMessage, StatusBar
+from tandem.autotune.configure import load_model
+from tandem.runtime.sampling import SamplingParams
+from tandem.runtime.tokenizer import Tokenizer
+from tests.test_tui import ask_and_wait, press, wait_for_screen, wait_until
+
+CONTEXT = 96
+DEFAULTS = SamplingParams(max_new_tokens=16)
+
+
+@contextmanager
+def serving(model: Path, api_key: str | None = None, batch: int = 4, step_delay: float = 0.0
+            ) -> Iterator[tuple[EngineService, BackgroundServer]]:
+    """The tiny model served on a free loopback port; `step_delay`: seconds each engine step takes at least (a
+    slow model, so that a client can leave mid-answer)."""
+    loaded = load_model(model, dtype="fp32", context=CONTEXT, threads=1, batch=batch)
+    service = EngineService(loaded, "tiny", batch, 32)
+    if step_delay:
+        model_ = service.engine.model
+        step = model_.forward_rows
+
+        def slow(*a: Any, **k: Any) -> Any:
+            time.sleep(step_delay)
+            return step(*a, **k)
+
+        model_.forward_rows = slow  # type: ignore[method-assign]
+    service.start()
+    try:
+        with BackgroundServer(make_app(service, DEFAULTS, api_key)) as server:
+            yield service, server
+    finally:
+        service.stop()
+
+
+def client(server: BackgroundServer, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url, api_key=key, max_retries=0, timeout=60)
+
+
+def alone(model: Path, messages: list[dict[str, str]] | None = None, prompt: str | None = None,
+          max_new_tokens: int = 16) -> tuple[str, int, int]:
+    """The request run alone through Engine.generate, greedy: its text, prompt tokens and new tokens."""
+    loaded = load_model(model, dtype="fp32", context=CONTEXT, threads=1)
+    tok = Tokenizer.from_model(model)
+    ids = tok.encode_chat(messages) if messages is not None else tok.encode(prompt or "")
+    tokens = list(loaded.engine.generate(ids, SamplingParams(max_new_tokens=max_new_tokens)))
+    return tok.decode(tokens), len(ids), len(tokens)
+
+
+def wait_for(condition: Any, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+
+
+def metric(text: str, name: str) -> float:
+    """One sample's value from Prometheus text (0 when it is absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+HELLO = [{"role": "user", "content": "Hello there"}]
+
+
+def test_openai_client_whole_and_streamed_answers_are_the_request_run_alone(mixtral_dir: Path) -> None:
+    text, n_prompt, n_new = alone(mixtral_dir, HELLO, max_new_tokens=10)
+    story, story_prompt, story_new = alone(mixtral_dir, prompt="Once upon", max_new_tokens=12)
+    with serving(mixtral_dir) as (_, server):
+        c = client(server)
+        whole = c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=10)  # type: ignore[arg-type]
+        assert whole.choices[0].message.content == text
+        assert whole.choices[0].finish_reason in ("stop", "length") and whole.object == "chat.completion"
+        assert whole.usage is not None and (whole.usage.prompt_tokens, whole.usage.completion_tokens) == \
+            (n_prompt, n_new)
+        chunks = list(c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=10, stream=True,  # type: ignore[arg-type]
+                                                stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+        assert chunks[-1].choices == [] and chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == n_new
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[0].finish_reason
+        done = c.completions.create(model="tiny", prompt="Once upon", max_tokens=12)
+        assert done.choices[0].text == story and done.usage is not None
+        assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (story_prompt, story_new)
+        streamed = list(c.completions.create(model="tiny", prompt="Once upon", max_tokens=12, stream=True))
+        assert "".join(ch.choices[0].text for ch in streamed) == story
+        assert streamed[-1].usage is not None  # on the last chunk, asked for or not
+        cut = story[len(story) // 2 :].strip()[:2]
+        assert cut, f"the random model's answer is too short to cut: {story!r}"
+        stopped = c.completions.create(model="tiny", prompt="Once upon", max_tokens=12, stop=[cut])
+        assert stopped.choices[0].text == story[: story.index(cut)] and stopped.choices[0].finish_reason == "stop"
+        pieces = list(c.completions.create(model="tiny", prompt="Once upon", max_tokens=12, stop=[cut], stream=True))
+        assert "".join(ch.choices[0].text for ch in pieces) == story[: story.index(cut)]  # nothing past it streamed
+        models = c.models.list().data
+        assert [m.id for m in models] == ["tiny"] and models[0].model_extra["context_length"] == CONTEXT  # type: ignore[index]
+        health = httpx.get(server.url.removesuffix("/v1") + "/health").json()
+        assert health["status"] == "ok" and health["model"] == "tiny"
+
+
+def test_errors_come_in_openais_shape_with_the_right_status(mixtral_dir: Path) -> None:
+    with serving(mixtral_dir, api_key="sesame") as (_, server):
+        c = client(server, "sesame")
+        with pytest.raises(openai.BadRequestError) as bad:
+            c.chat.completions.create(model="tiny", messages=HELLO, temperature=-1)  # type: ignore[arg-type]
+        assert "temperature" in bad.value.message
+        with pytest.raises(openai.BadRequestError) as many:
+            c.chat.completions.create(model="tiny", messages=HELLO, n=2)  # type: ignore[arg-type]
+        assert "more than one choice" in many.value.message
+        with pytest.raises(openai.BadRequestError) as long:
+            c.completions.create(model="tiny", prompt="word " * 200)
+        assert long.value.code == "context_length_exceeded" and f"holds {CONTEXT}" in long.value.message
+        with pytest.raises(openai.NotFoundError) as missing:
+            c.chat.completions.create(model="gpt-4o", messages=HELLO)  # type: ignore[arg-type]
+        assert missing.value.code == "model_not_found" and "tiny" in missing.value.message
+        with pytest.raises(openai.AuthenticationError) as key:
+            client(server, "wrong").models.list()
+        assert key.value.code == "invalid_api_key"
+        root = server.url.removesuffix("/v1")
+        assert httpx.get(root + "/metrics").status_code == 401
+        assert httpx.get(root + "/health").status_code == 200  # (open: a load balancer's probe has no key)
+        auth = {"Authorization": "Bearer sesame"}
+        for response in (httpx.post(server.url + "/chat/completions", content=b"{oops", headers=auth),
+                         httpx.get(server.url + "/nowhere", headers=auth),
+                         httpx.get(server.url + "/chat/completions", headers=auth)):
+            assert response.status_code in (400, 404, 405)
+            error = response.json()["error"]
+            assert error["message"] and error["type"]
+        assert c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2).usage is not None  # type: ignore[arg-type]
+
+
+def test_concurrent_requests_queue_batch_and_each_gets_its_own_answer(mixtral_dir: Path) -> None:
+    asks = [[{"role": "user", "content": f"Question number {i}"}] for i in range(5)]
+    wanted = [alone(mixtral_dir, m, max_new_tokens=8)[0] for m in asks]
+    with serving(mixtral_dir, batch=2) as (service, server):
+        c = client(server)
+        with ThreadPoolExecutor(5) as pool:
+            got = list(pool.map(lambda m: c.chat.completions.create(model="tiny", messages=m, max_tokens=8)  # type: ignore[arg-type]
+                                .choices[0].message.content, asks))
+        assert got == wanted
+        assert service.engine.stats.busiest == 2  # two at a time, the rest waited
+        text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
+        assert metric(text, 'tandem_requests_total{endpoint="chat",outcome="ok"}') == 5
+        assert metric(text, "tandem_time_to_first_token_seconds_count") == 5
+        assert metric(text, "tandem_generation_tokens_total") == service.engine.stats.new_tokens
+        assert metric(text, 'tandem_experts_run_total{tier="cpu"}') > 0
+        assert metric(text, "tandem_queue_depth") == 0 and metric(text, "tandem_generation_tokens_per_second") > 0
+
+
+def test_a_client_that_goes_away_stops_its_generation(mixtral_dir: Path) -> None:
+    with serving(mixtral_dir, step_delay=0.05) as (service, server):
+        stats = service.engine.stats
+        with httpx.Client(timeout=30) as h, h.stream("POST", server.url + "/completions", json={
+                "model": "tiny", "prompt": "Once upon", "max_tokens": 80, "stream": True}) as response:
+            seen = 0
+            for line in response.iter_lines():
+                seen += line.startswith("data:")
+                if seen == 3:
+                    break  # leaves mid-answer: the connection closes
+        wait_for(lambda: service.running == 0)
+        assert stats.new_tokens < 20, "the answer went on after its client left"
+        before = stats.new_tokens
+        with pytest.raises(httpx.ReadTimeout):  # a whole answer that the client stops waiting for
+            httpx.post(server.url + "/completions", json={"model": "tiny", "prompt": "Once", "max_tokens": 80},
+                       timeout=0.4)
+        wait_for(lambda: service.running == 0)
+        assert stats.new_tokens - before < 30
+        text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
+        assert metric(text, 'tandem_requests_total{endpoint="completions",outcome="cancelled"}') == 2
+        # and the server goes on answering
+        assert client(server).completions.create(model="tiny", prompt="Once", max_tokens=3).usage is not None
+
+
+def test_serve_refuses_an_outside_address_without_a_key_and_a_port_in_use(
+        mixtral_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    assert main(["serve", "--model", str(mixtral_dir), "--host", "0.0.0.0"]) == 2
+    assert "--api-key" in capsys.readouterr().err
+    with serving(mixtral_dir) as (_, server):
+        assert main(["serve", "--model", str(mixtral_dir), "--port", str(server.port)]) == 2
+        assert "choose another --port" in capsys.readouterr().err
+
+
+def test_remote_urls_and_context_lengths_are_read_as_servers_give_them() -> None:
+    assert base_url("http://127.0.0.1:8080") == "http://127.0.0.1:8080/v1"
+    assert base_url("http://gpu-box:11434/v1/") == "http://gpu-box:11434/v1"
+    assert base_url("https://h/api/openai/v1") == "https://h/api/openai/v1"
+    with pytest.raises(Exception, match="not an http"):
+        base_url("gpu-box:8000")
+    assert context_of({"id": "a", "context_length": 4096}) == 4096
+    assert context_of({"id": "a", "max_model_len": 32768}) == 32768  # vLLM
+    assert context_of({"id": "a", "meta": {"n_ctx_train": 8192}}) == 8192  # llama-server
+    assert context_of({"id": "a"}) == 0  # Ollama: not said
+
+
+def test_remote_chat_errors_say_what_to_do(mixtral_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["chat", "--remote", "http://127.0.0.1:9/v1"]) == 2
+    assert "is the server running" in capsys.readouterr().err
+    with serving(mixtral_dir, api_key="sesame") as (_, server):
+        assert main(["chat", "--remote", server.url, "--api-key", "wrong"]) == 2
+        assert "--api-key" in capsys.readouterr().err
+        assert main(["chat", "--remote", server.url, "--api-key", "sesame", "--remote-model", "other"]) == 2
+        assert "serves tiny" in capsys.readouterr().err
+
+
+async def test_the_chat_app_on_a_tandem_server(mixtral_dir: Path) -> None:
+    with serving(mixtral_dir) as (_, server):
+        remote = RemoteServer(server.url)
+        app = TandemApp(lambda name: RemoteBackend(remote, name), remote=remote,
+                        params=SamplingParams(max_new_tokens=8))
+        async with app.run_test(size=(120, 30)) as pilot:
+            await ask_and_wait(pilot, app, "Hello there")
+            sent = app.chat.current.messages(app.chat.chat_settings(app.chat.current).system_prompt)[:-1]
+            direct = client(server).chat.completions.create(model="tiny", messages=sent, max_tokens=8)  # type: ignore[arg-type]
+            answers = [m for m in app.query(ChatMessage) if m.role == "assistant"]
+            assert answers[-1].text == direct.choices[0].message.content
+            status = str(app.query_one(StatusBar).render())
+            assert f"remote: 127.0.0.1:{server.port}" in status and "tiny" in status and "tok/s" in status
+            assert app.chat.current.turns[-1].content == direct.choices[0].message.content  # saved like any chat
+            await press(pilot, "f5")  # the heatmap says why it has nothing
+            assert "runs on" in app.query_one(ExpertHeatmap).text
+            await press(pilot, "ctrl+t")
+            assert any("runs on" in n.message for n in app._notifications)
+            await press(pilot, "ctrl+o")  # the picker lists the server's models
+            from tandem.app.screens.picker import PickerScreen
+
+            picker = await wait_for_screen(pilot, app, PickerScreen)
+            await wait_until(pilot, lambda: picker.entries is not None)
+            assert [e.name for e in picker.entries] == ["tiny"]
+            await press(pilot, "escape")
+        remote.close()
+
+
+def test_request_queue_feeds_a_running_batch(mixtral_dir: Path) -> None:
+    """Requests put while the engine runs join it; a request stopped before it joined leaves at once; closing the
+    queue ends the run."""
+    from tandem.runtime.batch import BatchEngine, BatchRequest, DoneEvent, RequestQueue
+
+    loaded = load_model(mixtral_dir, dtype="fp32", context=CONTEXT, threads=1)
+    engine = BatchEngine(loaded.model, loaded.engine.eos_ids, 2)
+    queue = RequestQueue()
+    done: dict[str, str] = {}
+
+    def run() -> None:
+        for event in engine.run(queue):
+            if isinstance(event, DoneEvent):
+                done[event.result.key] = str(event.result.finish_reason)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    queue.put(BatchRequest("a", [5, 6, 7], SamplingParams(max_new_tokens=4)))
+    wait_for(lambda: "a" in done)
+    engine.finish("b")
+    queue.put(BatchRequest("b", [5, 6], SamplingParams(max_new_tokens=4)))
+    queue.put(BatchRequest("c", [8], SamplingParams(max_new_tokens=3)))
+    wait_for(lambda: "c" in done)
+    assert done["b"] == "stop" and done["a"] in ("length", "eos")
+    assert thread.is_alive()  # waiting for more
+    queue.close()
+    thread.join(10)
+    assert not thread.is_alive()
+    with pytest.raises(Exception, match="stopped taking"):
+        queue.put(BatchRequest("d", [1]))
+    assert json.dumps(done)  # (plain data)
+
+
+def test_tandem_serve_runs_until_ctrl_c(mixtral_dir: Path, tmp_path: Path) -> None:
+    """The command itself: it says where it listens, answers, and stops cleanly on Ctrl+C (SIGINT)."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    log = tmp_path / "serve.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "tandem.app.cli", "serve", "--model", str(mixtral_dir),
+                                 "--port", "0", "--dtype", "fp32", "--threads", "1", "--context", "64",
+                                 "--no-profile"], stderr=err, env=os.environ | {"TANDEM_API_KEY": ""})
+    try:
+        wait_for(lambda: "serving" in log.read_text() or proc.poll() is not None, timeout=120)
+        found = re.search(r"at (http://127\.0\.0\.1:\d+/v1)", log.read_text())
+        assert found, log.read_text()
+        answer = openai.OpenAI(base_url=found.group(1), api_key="x", max_retries=0, timeout=60).completions.create(
+            model=mixtral_dir.name, prompt="Once upon", max_tokens=5)
+        assert answer.usage is not None and answer.usage.completion_tokens == 5
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    assert code == 0, log.read_text()
+    assert "stopping" in log.read_text() and "Traceback" not in log.read_text()
