@@ -1,19 +1,22 @@
 """`tandem bench serve`: the local server under load, beside `generate` on the same model in the same run.
 
-First `Engine.generate` decodes three requests of the workload's shape (the reference: no HTTP, no batching). Then the
-model is served on a free loopback port and `requests` streamed completions go to it, `concurrency` at a time, from
-client threads of this process. Reported: requests/s and generated tokens/s over the whole run, time to first token
-and inter-token latency percentiles, each request's decode rate as its client saw it, and `serve_vs_generate` (that
-rate's median over generate's decode tokens/s: the serving overhead, meaningful at concurrency 1).
+The model is served on a free loopback port and `requests` streamed completions go to it, `concurrency` at a time,
+from a client process; `Engine.generate` decodes requests of the same shape as the reference (no HTTP, no batching):
+at concurrency 1, one before each served request; above, three before and three after. Reported: requests/s and
+generated tokens/s, time to first token and inter-token latency percentiles, each request's decode rate as its
+client saw it, and `serve_vs_generate` (that rate's median over generate's decode tokens/s: the serving overhead,
+meaningful at concurrency 1).
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
 from typing import Any
 
 import httpx
@@ -21,6 +24,8 @@ import torch
 
 from tandem.app.server import BackgroundServer, make_app
 from tandem.app.serving import EngineService
+from tandem.kernels.errors import TandemError
+from tandem.runtime.batch import RequestQueue
 from tandem.runtime.engine import GenerationStats
 from tandem.runtime.loader import LoadedModel
 from tandem.runtime.sampling import SamplingParams
@@ -43,24 +48,29 @@ def prompt_ids(vocab: int, n: int, seed: int) -> list[int]:
     return torch.randint(min(100, vocab - 1), vocab, (n,), generator=gen).tolist()
 
 
-def generate_reference(loaded: LoadedModel, prompt_len: int, new_len: int, runs: int = 3) -> dict[str, float]:
-    """Requests of the workload's shape through Engine.generate, one after another, after a short warm-up: the
-    median run's figures."""
+def generate_runs(loaded: LoadedModel, prompt_len: int, new_len: int, runs: int = 3, seed: int = 10
+                  ) -> list[GenerationStats]:
+    """Requests of the workload's shape through Engine.generate, one after another, after a short warm-up."""
     vocab = loaded.model.cfg.vocab_size
     list(loaded.engine.generate(prompt_ids(vocab, prompt_len, 1), SamplingParams(max_new_tokens=4)))
-    runs_ = []
+    out = []
     for i in range(runs):
         stats = GenerationStats()
-        list(loaded.engine.generate(prompt_ids(vocab, prompt_len, 10 + i), SamplingParams(max_new_tokens=new_len),
-                                    stats))
-        runs_.append(stats)
-    stats = sorted(runs_, key=lambda s: s.decode_tok_s)[len(runs_) // 2]
+        list(loaded.engine.generate(prompt_ids(vocab, prompt_len, seed + i),
+                                    SamplingParams(max_new_tokens=new_len), stats))
+        out.append(stats)
+    return out
+
+
+def reference(runs: list[GenerationStats]) -> dict[str, float]:
+    """The median run's figures."""
+    stats = sorted(runs, key=lambda s: s.decode_tok_s)[len(runs) // 2]
     return {"decode_tok_s": round(stats.decode_tok_s, 3), "ttft_s": round(stats.ttft_s, 4),
-            "new_tokens": stats.new_tokens}
+            "new_tokens": stats.new_tokens, "runs": len(runs)}
 
 
 def one_request(client: httpx.Client, url: str, model: str, ids: list[int], new_len: int) -> dict[str, Any]:
-    """A streamed completion, timed from here: when it was sent, each text chunk's arrival, the usage."""
+    """A streamed completion, timed from here: when it was sent, each token's chunk's arrival, the usage."""
     sent = time.perf_counter()
     arrivals: list[float] = []
     usage: dict[str, int] = {}
@@ -70,59 +80,101 @@ def one_request(client: httpx.Client, url: str, model: str, ids: list[int], new_
         for line in response.iter_lines():
             if not line.startswith("data:") or line.endswith("[DONE]"):
                 continue
-            chunk = json.loads(line[5:])
-            if any(c.get("text") for c in chunk.get("choices", [])):
+            if '"usage"' not in line:  # a token's chunk (read no further: the client's own work is not measured)
                 arrivals.append(time.perf_counter())
-            usage = chunk.get("usage") or usage
+                continue
+            usage = json.loads(line[5:])["usage"]
     tokens = usage.get("completion_tokens", len(arrivals))
     decode = (tokens - 1) / (arrivals[-1] - arrivals[0]) if tokens > 1 and len(arrivals) > 1 and \
         arrivals[-1] > arrivals[0] else 0.0
     return {"ttft": arrivals[0] - sent if arrivals else 0.0,
             "itl": [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)],
-            "tokens": tokens, "decode_tok_s": decode, "end": time.perf_counter()}
+            "tokens": tokens, "decode_tok_s": decode, "sent": sent, "end": time.perf_counter()}
+
+
+def clients(url: str, name: str, prompts: list[list[int]], new_len: int, concurrency: int, conn: Connection,
+            lockstep: bool) -> None:
+    """The load, in a process of its own (as real clients are: their Python does not share the server's): a
+    warm-up request, then every prompt, `concurrency` at a time, and (results, wall seconds) sent back, once the
+    parent says go. `lockstep` (one at a time): each request when the parent says so, its result sent back at
+    once."""
+    with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0),
+                      limits=httpx.Limits(max_connections=concurrency)) as client:
+        if lockstep:
+            for ids in [prompts[0][:8], *prompts]:
+                conn.recv()
+                conn.send(one_request(client, url, name, ids, new_len))
+            return
+        conn.recv()
+        one_request(client, url, name, prompts[0][:8], 4)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            results = list(pool.map(lambda ids: one_request(client, url, name, ids, new_len), prompts))
+        conn.send((results, time.perf_counter() - start))
 
 
 def bench_serve(loaded: LoadedModel, name: str, requests: int, concurrency: int, prompt_len: int, new_len: int,
                 batch: int, step_tokens: int) -> dict[str, Any]:
-    """The engine runs on this thread (the one that loaded the model, as `tandem serve` runs it); the server and its
-    clients on others."""
-    reference = generate_reference(loaded, prompt_len, new_len)
+    """The engine runs on this thread (the one that loaded the model, as `tandem serve` runs it), the server on
+    another, the clients in a child process. At concurrency 1, served requests and generate's alternate (the
+    machine's speed drifts over minutes: the overhead is compared request by request); above, generate's runs come
+    before and after."""
     service = EngineService(loaded, name, batch, step_tokens)
     vocab = loaded.model.cfg.vocab_size
-    results: list[dict[str, Any]] = []
-    timing: dict[str, float] = {}
-    failed: list[BaseException] = []
+    prompts = [prompt_ids(vocab, prompt_len, 10 + i) for i in range(requests)]
+    lockstep = concurrency == 1
+    rounds = requests + 1 if lockstep else 1  # (lockstep: the first round warms up)
+    turn = threading.Semaphore(0)  # the engine's thread is free for the next round
+    ready = threading.Semaphore(0)  # the next round's queue is in place
+    got: list[Any] = []
+    failed: list[str] = []
 
-    def load_it() -> None:
+    def serve_them() -> None:
+        spawn = multiprocessing.get_context("spawn")  # (no copy of the model's memory)
+        mine, theirs = spawn.Pipe()
         try:
-            with BackgroundServer(make_app(service, SamplingParams())) as server, \
-                    httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0),
-                                 limits=httpx.Limits(max_connections=concurrency)) as client:
-                one_request(client, server.url, name, prompt_ids(vocab, prompt_len, 1), 4)  # warm-up
-                lock = threading.Lock()
-
-                def run(i: int) -> None:
-                    r = one_request(client, server.url, name, prompt_ids(vocab, prompt_len, 10 + i), new_len)
-                    with lock:
-                        results.append(r)
-
-                timing["start"] = time.perf_counter()
-                with ThreadPoolExecutor(concurrency) as pool:
-                    list(pool.map(run, range(requests)))
-                timing["wall"] = time.perf_counter() - timing["start"]
-        except BaseException as e:  # (re-raised on the engine's thread)
-            failed.append(e)
+            with BackgroundServer(make_app(service, SamplingParams())) as server:
+                child = spawn.Process(target=clients, args=(server.url, name, prompts, new_len, concurrency, theirs,
+                                                            lockstep))
+                child.start()
+                theirs.close()
+                for _ in range(rounds):
+                    turn.acquire()
+                    service.queue = RequestQueue()
+                    ready.release()
+                    mine.send("go")
+                    got.append(mine.recv())
+                    service.queue.close()  # this round's run of the engine ends
+                child.join()
+        except (EOFError, OSError):
+            failed.append("the client process failed (its error is above)")
         finally:
             service.queue.close()
+            for _ in range(rounds):
+                ready.release()  # (after a failure the engine's thread must not wait for rounds that will not come)
 
-    clients = threading.Thread(target=load_it, name="bench-clients")
-    clients.start()
-    service.run()
-    clients.join()
+    thread = threading.Thread(target=serve_them, name="bench-server")
+    thread.start()
+    alone = generate_runs(loaded, prompt_len, new_len, runs=0 if lockstep else 3)
+    for i in range(rounds):
+        if lockstep:  # (the first round warms up: its figures are not kept)
+            alone += generate_runs(loaded, prompt_len, new_len, runs=1, seed=10 + i - 1)[:1 if i else 0]
+        turn.release()
+        ready.acquire()
+        if failed:
+            break
+        service.run()
+    thread.join()
+    if failed or len(got) != rounds:
+        raise TandemError(failed[0] if failed else "the benchmark's server failed")
+    if lockstep:
+        results = got[1:]
+        wall = sum(r["end"] - r["sent"] for r in results)
+    else:
+        results, wall = got[0]
+        alone += generate_runs(loaded, prompt_len, new_len)
+    ref = reference(alone)
     service.stop()
-    if failed:
-        raise failed[0]
-    wall = timing["wall"]
     tokens = sum(r["tokens"] for r in results)
     decode = statistics.median(r["decode_tok_s"] for r in results)
     return {
@@ -131,7 +183,7 @@ def bench_serve(loaded: LoadedModel, name: str, requests: int, concurrency: int,
         "requests_per_s": round(requests / wall, 3), "tokens_per_s": round(tokens / wall, 3),
         "ttft_ms": percentiles([r["ttft"] for r in results], 1000),
         "itl_ms": percentiles([x for r in results for x in r["itl"]], 1000),
-        "request_decode_tok_s": round(decode, 3), "generate": reference,
-        "serve_vs_generate": round(decode / reference["decode_tok_s"], 3) if reference["decode_tok_s"] else None,
+        "request_decode_tok_s": round(decode, 3), "generate": ref,
+        "serve_vs_generate": round(decode / ref["decode_tok_s"], 3) if ref["decode_tok_s"] else None,
         "seconds": round(wall, 3),
     }

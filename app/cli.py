@@ -84,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="answer OpenAI-compatible requests over HTTP (/v1/chat/completions, "
                                        "/v1/completions, /v1/models, /health, /metrics)")
-    add(srv, "--model", "--host", "--port", "--api-key", "--batch-size", "--step-tokens")
+    add(srv, "--model", "--host", "--port", "--api-key")
+    add(srv, "--batch-size", help="requests answered at once (default: 8, fewer when their KV cache would take over "
+                                  "half the free RAM); more wait in a queue")
+    add(srv, "--step-tokens", help="tokens a step takes at most, decode tokens and prompt chunks together "
+                                   "(default: 256)")
     add(srv, "--max-new-tokens", help="new tokens of a request that gives no max_tokens (default: 256)")
     add(srv, "--temperature", "--top-k", "--top-p", "--repetition-penalty", "--seed")
     add_load_args(srv)

@@ -215,7 +215,7 @@ async def _json_body(request: Request) -> dict[str, Any]:
 
 
 async def _events(reply: Reply, sub: Subscription, created: int, include_usage: bool) -> AsyncIterator[str]:
-    """The answer as server-sent events: a first chunk (the role), one a token's text, the last with the finish
+    """The answer as server-sent events: a first chunk (the role, in a chat), one a token, the last with the finish
     reason and the usage, then (asked with stream_options.include_usage) the usage alone, then [DONE]. Ended by
     the client going away (the task is cancelled): the request stops."""
     def sse(payload: dict[str, Any]) -> str:
@@ -231,9 +231,9 @@ async def _events(reply: Reply, sub: Subscription, created: int, include_usage: 
             if isinstance(event, DoneEvent):
                 break
             reply.token(event.token)
-            delta = reply.answer.unsent()
-            if delta:
-                yield sse(chunk_body(endpoint, key, created, name, delta))
+            # a chunk a token, its text empty while it is held back (an unfinished character, a possible stop
+            # sequence's start): the client sees the answer's pace
+            yield sse(chunk_body(endpoint, key, created, name, reply.answer.unsent()))
         finished = True
         reply.done(event)
         if reply.error:

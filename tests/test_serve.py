@@ -34,11 +34,12 @@ DEFAULTS = SamplingParams(max_new_tokens=16)
 
 
 @contextmanager
-def serving(model: Path, api_key: str | None = None, batch: int = 4, step_delay: float = 0.0
+def serving(model: Path, api_key: str | None = None, batch: int = 4, step_delay: float = 0.0, **load: Any
             ) -> Iterator[tuple[EngineService, BackgroundServer]]:
     """The tiny model served on a free loopback port; `step_delay`: seconds each engine step takes at least (a
-    slow model, so that a client can leave mid-answer)."""
-    loaded = load_model(model, dtype="fp32", context=CONTEXT, threads=1, batch=batch)
+    slow model, so that a client can leave mid-answer); `load`: more settings of the load."""
+    load.setdefault("context", CONTEXT)
+    loaded = load_model(model, dtype="fp32", threads=1, batch=batch, **load)
     service = EngineService(loaded, "tiny", batch, 32)
     if step_delay:
         model_ = service.engine.model
@@ -171,6 +172,20 @@ def test_concurrent_requests_queue_batch_and_each_gets_its_own_answer(mixtral_di
         assert metric(text, "tandem_generation_tokens_total") == service.engine.stats.new_tokens
         assert metric(text, 'tandem_experts_run_total{tier="cpu"}') > 0
         assert metric(text, "tandem_queue_depth") == 0 and metric(text, "tandem_generation_tokens_per_second") > 0
+
+
+def test_metrics_on_the_accelerator_tier_report_the_expert_cache(mixtral_dir: Path) -> None:
+    with serving(mixtral_dir, context=40, accelerator="emulated", vram_gb=0.004) as (service, server):
+        assert service.loaded.model.dispatcher.cache.slots > 0
+        c = client(server)
+        for prompt in ("Once upon", "A long time ago", "Once upon"):
+            c.completions.create(model="tiny", prompt=prompt, max_tokens=6)
+        text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
+        gpu, cpu = (metric(text, f'tandem_experts_run_total{{tier="{t}"}}') for t in ("gpu", "cpu"))
+        assert gpu > 0 and cpu > 0
+        stats = service.loaded.model.dispatcher.request_stats()
+        assert "tandem_expert_cache_hit_rate" in text
+        assert metric(text, "tandem_expert_cache_hit_rate") == pytest.approx(stats.hit_rate, abs=1e-6)
 
 
 def test_a_client_that_goes_away_stops_its_generation(mixtral_dir: Path) -> None:
@@ -315,3 +330,16 @@ def test_tandem_serve_runs_until_ctrl_c(mixtral_dir: Path, tmp_path: Path) -> No
         code = proc.wait(timeout=60)
     assert code == 0, log.read_text()
     assert "stopping" in log.read_text() and "Traceback" not in log.read_text()
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_bench_serve_reports_its_figures(mixtral_dir: Path, tmp_path: Path, concurrency: int) -> None:
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--model", str(mixtral_dir), "--requests", "3", "--concurrency",
+                 str(concurrency), "--in", "6", "--out", "5", "--dtype", "fp32", "--threads", "1", "--no-profile",
+                 "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["requests"] == 3 and r["concurrency"] == concurrency and r["batch"] == concurrency
+    assert r["tokens_per_s"] > 0 and r["requests_per_s"] > 0 and r["ttft_ms"]["p50"] > 0
+    assert r["generate"]["decode_tok_s"] > 0 and r["serve_vs_generate"] > 0
+    assert r["generate"]["runs"] == (3 if concurrency == 1 else 6)
