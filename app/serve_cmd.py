@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import signal
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -44,6 +45,10 @@ def serve_batch(cfg: ModelConfig, context: int, dtype: torch.dtype, free_ram: in
     return max(1, min(MOST_BATCH, free_ram // 2 // max(1, row)))
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_serve(args: argparse.Namespace, configure: Callable[[argparse.Namespace], Configured],
               load: Callable[[Options, Checkpoint], LoadedModel], say: Note) -> int:
     from tandem.app.server import BackgroundServer, bind, make_app
@@ -64,6 +69,7 @@ def run_serve(args: argparse.Namespace, configure: Callable[[argparse.Namespace]
         service = EngineService(loaded, Path(args.model).name, batch, args.step_tokens or STEP_TOKENS)
         app = make_app(service, sampling_defaults(args), key)
         host = f"[{args.host}]" if ":" in args.host else args.host
+        previous = signal.signal(signal.SIGTERM, _interrupt)  # (a service manager's stop: as Ctrl+C)
         with BackgroundServer(app, args.host, sock=sock):
             say(f"serving {service.name} at http://{host}:{sock.getsockname()[1]}/v1 ({batch} requests at a time, "
                 f"context {service.context}{', API key required' if key else ''}); Ctrl+C stops")
@@ -72,6 +78,8 @@ def run_serve(args: argparse.Namespace, configure: Callable[[argparse.Namespace]
             except KeyboardInterrupt:
                 service.abandon("the server was stopped")
                 say("stopping")
+            finally:
+                signal.signal(signal.SIGTERM, previous)
         service.stop()
     finally:
         sock.close()

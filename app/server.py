@@ -74,6 +74,7 @@ class Reply:
     reason: str = ""
     error: str = ""
     completion_tokens: int = 0
+    recorded: bool = False  # (record: it ended)
 
     def token(self, token: int) -> None:
         if self.first is None:
@@ -95,6 +96,8 @@ class Reply:
         return usage_of(len(self.request.prompt), self.completion_tokens)
 
     def record(self, outcome: str) -> None:
+        """Counted in the metrics, once the request has ended."""
+        self.recorded = True
         m = self.service.metrics
         m.finished(ENDPOINT_NAMES[self.endpoint], outcome)
         m.prompt_tokens += len(self.request.prompt)
@@ -166,8 +169,7 @@ def make_app(service: EngineService, defaults: SamplingParams, api_key: str | No
         reply = Reply(service, endpoint, req, Answer(parsed.stops), TextStream(service.tokenizer, chat_harmony))
         created = int(time.time())
         if stream:
-            return StreamingResponse(_events(reply, sub, created, bool(options.get("include_usage"))),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return _Stream(reply, _events(reply, sub, created, bool(options.get("include_usage"))))
         return await _whole(request, reply, sub, created)
 
     async def http_error(request: Request, exc: Exception) -> Response:
@@ -216,40 +218,49 @@ async def _json_body(request: Request) -> dict[str, Any]:
 
 async def _events(reply: Reply, sub: Subscription, created: int, include_usage: bool) -> AsyncIterator[str]:
     """The answer as server-sent events: a first chunk (the role, in a chat), one a token, the last with the finish
-    reason and the usage, then (asked with stream_options.include_usage) the usage alone, then [DONE]. Ended by
-    the client going away (the task is cancelled): the request stops."""
+    reason and the usage, then (asked with stream_options.include_usage) the usage alone, then [DONE]."""
     def sse(payload: dict[str, Any]) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
     endpoint, key, name = reply.endpoint, reply.request.key, reply.service.name
-    finished = False
-    try:
-        if endpoint == CHAT:
-            yield sse(chunk_body(endpoint, key, created, name, "", first=True))
-        while True:
-            event = await sub.events.get()
-            if isinstance(event, DoneEvent):
-                break
-            reply.token(event.token)
-            # a chunk a token, its text empty while it is held back (an unfinished character, a possible stop
-            # sequence's start): the client sees the answer's pace
-            yield sse(chunk_body(endpoint, key, created, name, reply.answer.unsent()))
-        finished = True
-        reply.done(event)
-        if reply.error:
-            reply.record("error")
-            yield sse(ApiError(500, reply.error, "server_error", "generation_failed").body())
-        else:
-            reply.record("ok")
-            yield sse(chunk_body(endpoint, key, created, name, reply.answer.unsent(final=True), reply.reason,
-                                 reply.usage()))
-            if include_usage:
-                yield sse(chunk_body(endpoint, key, created, name, None, usage=reply.usage()))
-        yield "data: [DONE]\n\n"
-    finally:
-        if not finished:  # the client went away (or the server is stopping)
-            reply.service.cancel(key)
-            reply.record("cancelled")
+    if endpoint == CHAT:
+        yield sse(chunk_body(endpoint, key, created, name, "", first=True))
+    while True:
+        event = await sub.events.get()
+        if isinstance(event, DoneEvent):
+            break
+        reply.token(event.token)
+        # a chunk a token, its text empty while it is held back (an unfinished character, a possible stop
+        # sequence's start): the client sees the answer's pace
+        yield sse(chunk_body(endpoint, key, created, name, reply.answer.unsent()))
+    reply.done(event)
+    if reply.error:
+        reply.record("error")
+        yield sse(ApiError(500, reply.error, "server_error", "generation_failed").body())
+    else:
+        reply.record("ok")
+        yield sse(chunk_body(endpoint, key, created, name, reply.answer.unsent(final=True), reply.reason,
+                             reply.usage()))
+        if include_usage:
+            yield sse(chunk_body(endpoint, key, created, name, None, usage=reply.usage()))
+    yield "data: [DONE]\n\n"
+
+
+class _Stream(StreamingResponse):
+    """A streamed answer whose request stops when the response ends before the answer did: the client went away
+    (whether the stream had started or not), or the server is stopping."""
+
+    def __init__(self, reply: Reply, body: AsyncIterator[str]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.reply = reply
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.reply.recorded:
+                self.reply.service.cancel(self.reply.request.key)
+                self.reply.record("cancelled")
 
 
 async def _whole(request: Request, reply: Reply, sub: Subscription, created: int) -> Response:

@@ -82,6 +82,9 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
 
 
+WAIT_SLICE_S = 0.25
+
+
 class RequestQueue:
     """Requests that arrive while the batch runs (a server's): `put` from any thread. The engine takes what is waiting
     without blocking while it has sequences to step, and waits on the queue when it has none. After `close`, the run
@@ -112,7 +115,9 @@ class RequestQueue:
         """The next request; None when none is waiting (`wait`: after waiting for one until the queue is closed)."""
         with self._ready:
             while wait and not self._waiting and not self._closed:
-                self._ready.wait()
+                # in slices: Ctrl+C may be delivered to another thread, and Python runs its handler (on the main
+                # thread) only when that thread returns to the interpreter
+                self._ready.wait(WAIT_SLICE_S)
             return self._waiting.popleft() if self._waiting else None
 
     @property

@@ -260,6 +260,7 @@ def test_prefetch_brings_a_layer_s_busiest_experts_of_its_last_pass_into_its_slo
     dispatcher.prefetch(99)  # a layer no cache covers: nothing to do, and no error
 
 
+@pytest.mark.isa
 def test_a_sequence_decoding_alone_takes_the_single_request_path(mixtral_dir: Path) -> None:
     """A sequence alone in the batch (a server's one client), here in cache row 1, decodes as Engine.generate does,
     the bf16 decode step over its own cache row included: the same tokens, exactly."""

@@ -305,8 +305,10 @@ def test_request_queue_feeds_a_running_batch(mixtral_dir: Path) -> None:
     assert json.dumps(done)  # (plain data)
 
 
-def test_tandem_serve_runs_until_ctrl_c(mixtral_dir: Path, tmp_path: Path) -> None:
-    """The command itself: it says where it listens, answers, and stops cleanly on Ctrl+C (SIGINT)."""
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_tandem_serve_runs_until_stopped(mixtral_dir: Path, tmp_path: Path, stop: str) -> None:
+    """The command itself: it says where it listens, answers, and stops cleanly on Ctrl+C (SIGINT) or a service
+    manager's SIGTERM."""
     import os
     import re
     import signal
@@ -326,7 +328,7 @@ def test_tandem_serve_runs_until_ctrl_c(mixtral_dir: Path, tmp_path: Path) -> No
             model=mixtral_dir.name, prompt="Once upon", max_tokens=5)
         assert answer.usage is not None and answer.usage.completion_tokens == 5
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, stop))
         code = proc.wait(timeout=60)
     assert code == 0, log.read_text()
     assert "stopping" in log.read_text() and "Traceback" not in log.read_text()
