@@ -27,7 +27,7 @@ def signature(function: object) -> tuple[list[tuple[str, object, object]], objec
 
 
 def test_the_protocol_lists_what_the_app_uses() -> None:
-    assert ATTRIBUTES == ["family", "name", "placement"] and PROPERTIES == ["context"]
+    assert ATTRIBUTES == ["family", "name", "placement", "remote"] and PROPERTIES == ["context"]
     assert {"stream", "prompt_tokens", "usage", "activity", "close", "where", "vram", "tuning_target",
             "loaded_model"} == set(METHODS)
 
@@ -46,15 +46,26 @@ def runtime_backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runtim
 def test_every_backend_has_every_member_with_the_protocols_signature(kind: type, runtime_backend) -> None:
     backend = runtime_backend if kind is RuntimeBackend else kind(False) if kind is Silent else kind()
     for name in ATTRIBUTES:
-        assert isinstance(getattr(backend, name), str), name
+        value = getattr(backend, name)
+        assert isinstance(value, str) or (name == "remote" and value is None), name  # remote: None, run here
     for name in PROPERTIES:
         assert isinstance(getattr(backend, name), int), name
     for name in METHODS:
         assert signature(getattr(kind, name)) == signature(getattr(ChatBackend, name)), f"{kind.__name__}.{name}"
 
 
+def test_the_remote_backend_has_every_method_with_the_protocols_signature() -> None:
+    """(Its attributes, read off a server: tests/test_serve.py.)"""
+    from tandem.app.remote import RemoteBackend
+
+    for name in METHODS:
+        assert signature(getattr(RemoteBackend, name)) == signature(getattr(ChatBackend, name)), name
+    assert isinstance(vars(RemoteBackend)["context"], property)
+
+
 def test_the_runtime_backend_answers_every_optional_member(runtime_backend: RuntimeBackend) -> None:
     assert runtime_backend.vram() is None  # CPU only: no accelerator memory
+    assert runtime_backend.remote is None
     target = runtime_backend.tuning_target()
     assert isinstance(target, TuningTarget) and target.dtype == "fp32" and target.path.endswith("tiny")
     assert target.raw_config["model_type"] == "mixtral"

@@ -255,6 +255,11 @@ async def test_the_chat_app_on_a_tandem_server(mixtral_dir: Path) -> None:
             direct = client(server).chat.completions.create(model="tiny", messages=sent, max_tokens=8)  # type: ignore[arg-type]
             answers = [m for m in app.query(ChatMessage) if m.role == "assistant"]
             assert answers[-1].text == direct.choices[0].message.content
+            backend = app.lifecycle.backend
+            assert backend is not None and backend.remote == server.url and backend.context == CONTEXT
+            for name in ("name", "family", "placement"):
+                assert isinstance(getattr(backend, name), str)
+            assert backend.where() is None and backend.vram() is None and backend.loaded_model() is None
             status = str(app.query_one(StatusBar).render())
             assert f"remote: 127.0.0.1:{server.port}" in status and "tiny" in status and "tok/s" in status
             assert app.chat.current.turns[-1].content == direct.choices[0].message.content  # saved like any chat
