@@ -322,9 +322,13 @@ def test_tandem_serve_runs_until_stopped(mixtral_dir: Path, tmp_path: Path, stop
 
     log = tmp_path / "serve.log"
     with log.open("w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "tandem.app.cli", "serve", "--model", str(mixtral_dir),
-                                 "--port", "0", "--dtype", "fp32", "--threads", "1", "--context", "64",
-                                 "--no-profile"], stderr=err, env=os.environ | {"TANDEM_API_KEY": ""})
+        # Ctrl+C as from a terminal: a run started in the background (a CI job's, say) inherits SIGINT ignored,
+        # and Python then leaves it ignored
+        start = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                 "sys.argv[0] = 'tandem'; runpy.run_module('tandem.app.cli', run_name='__main__')")
+        proc = subprocess.Popen([sys.executable, "-c", start, "serve", "--model", str(mixtral_dir), "--port", "0",
+                                 "--dtype", "fp32", "--threads", "1", "--context", "64", "--no-profile"],
+                                stderr=err, env=os.environ | {"TANDEM_API_KEY": ""})
     try:
         wait_for(lambda: "serving" in log.read_text() or proc.poll() is not None, timeout=120)
         found = re.search(r"at (http://127\.0\.0\.1:\d+/v1)", log.read_text())
