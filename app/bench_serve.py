@@ -4,19 +4,22 @@ The model is served on a free loopback port and `requests` streamed completions 
 from a client process; `Engine.generate` decodes requests of the same shape as the reference (no HTTP, no batching):
 at concurrency 1, one before each served request; above, three before and three after. Reported: requests/s and
 generated tokens/s, time to first token and inter-token latency percentiles, each request's decode rate as its
-client saw it, and `serve_vs_generate` (that rate's median over generate's decode tokens/s: the serving overhead,
-meaningful at concurrency 1).
+client saw it, and `serve_vs_generate`, the serving overhead, meaningful at concurrency 1: there the median of each
+served request's rate over the generate run just before it (above, the medians' ratio).
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import socket
 import statistics
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,6 +32,8 @@ from tandem.runtime.batch import RequestQueue
 from tandem.runtime.engine import GenerationStats
 from tandem.runtime.loader import LoadedModel
 from tandem.runtime.sampling import SamplingParams
+
+PEER_START_S = 300  # llama-server loading a model: generous, but never a hang
 
 
 def percentiles(values: list[float], scale: float = 1.0) -> dict[str, float]:
@@ -69,21 +74,23 @@ def reference(runs: list[GenerationStats]) -> dict[str, float]:
             "new_tokens": stats.new_tokens, "runs": len(runs)}
 
 
-def one_request(client: httpx.Client, url: str, model: str, ids: list[int], new_len: int) -> dict[str, Any]:
-    """A streamed completion, timed from here: when it was sent, each token's chunk's arrival, the usage."""
+def one_request(client: httpx.Client, url: str, model: str | None, ids: list[int], new_len: int,
+                **extra: Any) -> dict[str, Any]:
+    """A streamed completion, timed from here: when it was sent, each token's chunk's arrival (a chunk with a choice
+    not yet finished), the usage. `extra`: more of the body."""
     sent = time.perf_counter()
     arrivals: list[float] = []
     usage: dict[str, int] = {}
-    body = {"model": model, "prompt": ids, "max_tokens": new_len, "stream": True}
+    body = {"prompt": ids, "max_tokens": new_len, "stream": True, **extra} | ({"model": model} if model else {})
     with client.stream("POST", url + "/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data:") or line.endswith("[DONE]"):
                 continue
-            if '"usage"' not in line:  # a token's chunk (read no further: the client's own work is not measured)
+            chunk = json.loads(line[5:])
+            if any(c.get("finish_reason") is None for c in chunk.get("choices") or []):
                 arrivals.append(time.perf_counter())
-                continue
-            usage = json.loads(line[5:])["usage"]
+            usage = chunk.get("usage") or usage
     tokens = usage.get("completion_tokens", len(arrivals))
     decode = (tokens - 1) / (arrivals[-1] - arrivals[0]) if tokens > 1 and len(arrivals) > 1 and \
         arrivals[-1] > arrivals[0] else 0.0
@@ -177,6 +184,11 @@ def bench_serve(loaded: LoadedModel, name: str, requests: int, concurrency: int,
     service.stop()
     tokens = sum(r["tokens"] for r in results)
     decode = statistics.median(r["decode_tok_s"] for r in results)
+    if lockstep:  # each served request over the generate run just before it: the drift between pairs cancels
+        ratio = statistics.median(r["decode_tok_s"] / g.decode_tok_s for r, g in zip(results, alone, strict=True)
+                                  if g.decode_tok_s)
+    else:
+        ratio = decode / ref["decode_tok_s"] if ref["decode_tok_s"] else 0.0
     return {
         "model": name, "requests": requests, "concurrency": concurrency, "prompt_tokens": prompt_len,
         "max_tokens": new_len, "batch": batch, "threads": torch.get_num_threads(),
@@ -184,6 +196,63 @@ def bench_serve(loaded: LoadedModel, name: str, requests: int, concurrency: int,
         "ttft_ms": percentiles([r["ttft"] for r in results], 1000),
         "itl_ms": percentiles([x for r in results for x in r["itl"]], 1000),
         "request_decode_tok_s": round(decode, 3), "generate": ref,
-        "serve_vs_generate": round(decode / ref["decode_tok_s"], 3) if ref["decode_tok_s"] else None,
+        "serve_vs_generate": round(ratio, 3) if ratio else None,
         "seconds": round(wall, 3),
     }
+
+
+def llama_server_peer(server: Path, bench: Path, gguf: Path, threads: int, prompts: list[list[int]], new_len: int
+                      ) -> dict[str, Any]:
+    """llama.cpp's serving overhead measured the same way: its `llama-server` (one slot) streaming each prompt to
+    this process, alternating with its `llama-bench` decoding `new_len` tokens after as many as the prompt holds
+    (`-d`); the medians and their ratio."""
+    from tandem.autotune.bench.llama import run_tool
+
+    if not server.is_file():
+        raise TandemError(f"--llama-server {server}: no such file (build llama-server from llama.cpp's source)")
+    port = free_port()
+    context = max(len(p) for p in prompts) + new_len + 64
+    proc = subprocess.Popen([str(server), "-m", str(gguf), "-t", str(threads), "-c", str(context), "--port", str(port),
+                             "-np", "1", "--no-webui"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
+            deadline = time.monotonic() + PEER_START_S
+            while not _healthy(client, url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    proc.kill()
+                    tail = (proc.communicate()[1].strip().splitlines() or ["(no output)"])[-1]
+                    raise TandemError(f"llama-server did not start: {tail}")
+                time.sleep(0.2)
+            one_request(client, url + "/v1", None, prompts[0][:8], 4, temperature=0, ignore_eos=True)  # warm-up
+            served, tg = [], []
+            for ids in prompts:
+                out = run_tool(bench, "llama-bench", ["-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json",
+                                                      "-p", "0", "-n", str(new_len), "-d", str(len(ids))])
+                try:
+                    tg.append(float(json.loads(out)[0]["avg_ts"]))
+                except (ValueError, LookupError, TypeError):
+                    raise TandemError("llama-bench printed no tg row as JSON; is it llama.cpp's llama-bench?") from None
+                served.append(one_request(client, url + "/v1", None, ids, new_len, temperature=0,
+                                          ignore_eos=True)["decode_tok_s"])
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)
+    ratio = statistics.median(s / t for s, t in zip(served, tg, strict=True) if t)  # pairs, as Tandem's
+    return {"name": "llama.cpp", "server_decode_tok_s": round(statistics.median(served), 3),
+            "bench_tg_tok_s": round(statistics.median(tg), 3), "serve_vs_generate": round(ratio, 3),
+            "rounds": len(prompts)}
+
+
+def _healthy(client: httpx.Client, url: str) -> bool:
+    try:
+        return client.get(url + "/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -157,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--concurrency", type=flags.whole(1, 1024), default=1, metavar="C",
                     help="requests in flight at once (default: 1)")
     add(bs, "--batch-size", "--step-tokens")
+    add(bs, "--peer", choices=["llama.cpp"], help="llama.cpp's llama-server against its llama-bench, the same way "
+                                                  "(concurrency 1, a GGUF --model)")
+    bs.add_argument("--llama-server", type=flags.path, default=None, metavar="PATH",
+                    help="llama.cpp's llama-server binary, for --peer llama.cpp")
+    add(bs, "--llama-bench")
     add(bs, "--json", action="store", metavar="FILE", help="write the results as JSON")
     add_load_args(bs)
     bs.set_defaults(func=_bench_serve)
@@ -750,6 +755,10 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
     if args.json:
         check_output_file(args.json, "--json")
+    if args.peer and (args.concurrency != 1 or not args.llama_server or not args.llama_bench
+                      or not str(args.model or "").endswith(".gguf")):
+        raise UsageError("--peer llama.cpp compares one request at a time: give --concurrency 1, a GGUF file as "
+                         "--model (llama.cpp serves the same file), --llama-server PATH and --llama-bench PATH")
     if args.context is None:
         args.context = args.prompt_len + args.new_len
     batch = args.batch_size or min(args.concurrency, 8)
@@ -757,10 +766,23 @@ def _bench_serve(args: argparse.Namespace) -> int:
     loaded = load(replace(configured.options, ragged=True), configured.checkpoint, _progress, _note)
     result = bench_serve(loaded, Path(args.model).name, args.requests, args.concurrency, args.prompt_len,
                          args.new_len, batch, args.step_tokens or 256)
+    if args.peer:
+        from tandem.app.bench_serve import llama_server_peer, prompt_ids
+
+        prompts = [prompt_ids(loaded.model.cfg.vocab_size, args.prompt_len, 10 + i) for i in range(args.requests)]
+        loaded.model.close()  # (its memory, before llama.cpp loads the same model)
+        result["peer"] = llama_server_peer(Path(args.llama_server), Path(args.llama_bench), Path(args.model),
+                                           configured.options.cpu.threads or torch_threads(), prompts, args.new_len)
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
     return 0
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _bench_plan(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ has a deadline."""
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -354,3 +355,92 @@ def test_bench_serve_reports_its_figures(mixtral_dir: Path, tmp_path: Path, conc
     assert r["tokens_per_s"] > 0 and r["requests_per_s"] > 0 and r["ttft_ms"]["p50"] > 0
     assert r["generate"]["decode_tok_s"] > 0 and r["serve_vs_generate"] > 0
     assert r["generate"]["runs"] == (3 if concurrency == 1 else 6)
+
+
+async def test_tokens_reach_the_event_loop_in_order_with_few_wakes() -> None:
+    """The engine's thread wakes the loop for the first token and the end at once, and for the tokens between at most
+    every STREAM_INTERVAL_S: every event arrives, in order, with fewer wakes than tokens."""
+    import asyncio
+
+    from tandem.app import serving
+    from tandem.runtime.batch import BatchResult, DoneEvent, TokenEvent
+
+    sub = serving.Subscription("k", asyncio.get_running_loop())
+    wakes: list[int] = []
+    receive = sub._receive
+    sub._receive = lambda events: (wakes.append(len(events)), receive(events))  # type: ignore[method-assign]
+
+    def engine() -> None:
+        for i in range(40):
+            sub.deliver(TokenEvent("k", i))
+            time.sleep(0.002)
+        sub.deliver(DoneEvent(BatchResult("k", list(range(40)), 3, "length")))
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    got = []
+    while not got or not isinstance(got[-1], DoneEvent):
+        got.append(await asyncio.wait_for(sub.events.get(), 10))
+    thread.join()
+    assert [e.token for e in got[:-1]] == list(range(40))
+    assert wakes[0] == 1 and sum(wakes) == 41  # the first token alone, then batches, the end with what was held
+    assert len(wakes) < 20  # 40 tokens 2 ms apart: about one wake in 20 ms, not one a token
+
+
+FAKE_LLAMA_SERVER = '''#!{python}
+"""Stands in for llama-server: /health, and /v1/completions streaming one chunk a token 5 ms apart."""
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"
+    def log_message(self, *a): pass
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{{}}")
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert body["ignore_eos"] and body["stream"]
+        self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
+        for i in range(body["max_tokens"]):
+            self.wfile.write(b'data: {{"choices": [{{"text": "x", "finish_reason": null}}]}}\\n\\n'); self.wfile.flush()
+            time.sleep(0.005)
+        self.wfile.write(b'data: {{"choices": [{{"text": "", "finish_reason": "length"}}]}}\\n\\ndata: [DONE]\\n\\n')
+
+ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+FAKE_LLAMA_BENCH = '''#!{python}
+import json, sys
+assert "-d" in sys.argv
+print(json.dumps([{{"n_prompt": 0, "n_gen": int(sys.argv[sys.argv.index("-n") + 1]), "avg_ts": 250.0}}]))
+'''
+
+
+def test_bench_serve_measures_llama_server_the_same_way(mixtral_dir: Path, tmp_path: Path) -> None:
+    """--peer llama.cpp: a stand-in llama-server streaming a token every 5 ms (200 tok/s) against a stand-in
+    llama-bench saying 250 tok/s: the ratio is about 0.8. Without a GGUF model or the binaries: an error that says
+    what to give."""
+    from tests.ggufs import write_gguf
+
+    fakes = []
+    for name, text in (("llama-server", FAKE_LLAMA_SERVER), ("llama-bench", FAKE_LLAMA_BENCH)):
+        fake = tmp_path / name
+        fake.write_text(text.format(python=sys.executable))
+        fake.chmod(0o755)
+        fakes.append(fake)
+    gguf = tmp_path / "m.gguf"
+    write_gguf(mixtral_dir, gguf, "F32")
+    out = tmp_path / "serve.json"
+    args = ["bench", "serve", "--model", str(gguf), "--requests", "3", "--in", "6", "--out", "12", "--dtype", "fp32",
+            "--threads", "1", "--no-profile", "--peer", "llama.cpp", "--llama-server", str(fakes[0]),
+            "--llama-bench", str(fakes[1])]
+    assert main([*args, "--json", str(out)]) == 0
+    peer = json.loads(out.read_text())["peer"]
+    assert peer["name"] == "llama.cpp" and peer["rounds"] == 3 and peer["bench_tg_tok_s"] == 250.0
+    assert 100 < peer["server_decode_tok_s"] <= 200 and peer["serve_vs_generate"] == pytest.approx(
+        peer["server_decode_tok_s"] / 250.0, rel=0.2)
+    assert main(args[:-2]) == 2  # no llama-bench
+    assert main(["bench", "serve", "--model", str(mixtral_dir), "--peer", "llama.cpp", "--llama-server",
+                 str(fakes[0]), "--llama-bench", str(fakes[1])]) == 2  # a folder: llama.cpp cannot serve it
