@@ -43,12 +43,24 @@ def final_text(answer: str) -> str:
     return "".join(shown)
 
 
+class FinalChannel:
+    """The deltas of `final_text` as the answer streams, a chunk (StreamDecoder's, special tokens kept) at a time."""
+
+    def __init__(self) -> None:
+        self.answer, self.sent = "", 0
+
+    def push(self, chunk: str) -> str:
+        self.answer += chunk
+        view = final_text(self.answer)
+        delta = view[self.sent :]
+        self.sent += len(delta)
+        return delta
+
+
 def fold(chunks: Iterable[str]) -> Iterator[str]:
-    """The deltas of `final_text` as the answer streams in `chunks` (StreamDecoder's, special tokens kept)."""
-    answer, sent = "", 0
+    """FinalChannel over a stream of chunks: its deltas, the empty ones left out."""
+    final = FinalChannel()
     for chunk in chunks:
-        answer += chunk
-        view = final_text(answer)
-        if len(view) > sent:
-            yield view[sent:]
-            sent = len(view)
+        delta = final.push(chunk)
+        if delta:
+            yield delta

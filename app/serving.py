@@ -16,7 +16,7 @@ import traceback
 import uuid
 from dataclasses import dataclass, field
 
-from tandem.app.harmony import final_text, is_harmony
+from tandem.app.harmony import FinalChannel, is_harmony
 from tandem.kernels.errors import GenerationError, TandemError
 from tandem.runtime.batch import BatchEngine, BatchRequest, BatchResult, DoneEvent, RequestQueue, TokenEvent
 from tandem.runtime.loader import LoadedModel
@@ -35,8 +35,7 @@ class TextStream:
 
     def __init__(self, tokenizer: Tokenizer, harmony: bool) -> None:
         self.decoder = StreamDecoder(tokenizer, keep_special=harmony)
-        self.harmony = harmony
-        self.raw, self.sent = "", 0
+        self.final = FinalChannel() if harmony else None
 
     def push(self, token: int) -> str:
         return self._view(self.decoder.push(token))
@@ -45,12 +44,7 @@ class TextStream:
         return self._view(self.decoder.flush())
 
     def _view(self, piece: str) -> str:
-        if not self.harmony:
-            return piece
-        self.raw += piece
-        view = final_text(self.raw)
-        delta, self.sent = view[self.sent :], max(self.sent, len(view))
-        return delta
+        return piece if self.final is None else self.final.push(piece)
 
 
 @dataclass

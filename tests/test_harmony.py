@@ -151,3 +151,17 @@ def test_the_chat_backend_streams_the_final_channel_of_a_harmony_model() -> None
         got = "".join(backend.stream([{"role": "user", "content": "hi"}], SamplingParams()))
         assert got == (want or "".join(text([], SamplingParams()))) and asked[0] is keep
         asked.clear()
+
+
+def test_the_server_streams_the_final_channel_of_a_harmony_answer() -> None:
+    """`tandem serve`'s per-request text: the final channel's deltas for a harmony chat, everything otherwise."""
+    from tandem.app.serving import TextStream
+
+    backend = train_tokenizer(512)
+    backend.add_special_tokens(sorted(set(re.findall(r"<\|[a-z]+\|>", ANSWER))))  # whole tokens, as gpt-oss's
+    tok = Tokenizer(backend, {}, None, None)
+    ids = tok.encode(ANSWER, add_special_tokens=False)
+    plain = re.sub(r"<\|[a-z]+\|>", "", ANSWER)  # not harmony: special tokens are not shown
+    for harmony, want in ((True, "It is 4."), (False, plain)):
+        stream = TextStream(tok, harmony)
+        assert "".join(stream.push(i) for i in ids) + stream.flush() == want
