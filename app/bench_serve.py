@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import socket
 import statistics
 import subprocess
 import threading
@@ -25,7 +24,8 @@ from typing import Any
 import httpx
 import torch
 
-from tandem.app.server import BackgroundServer, make_app
+from tandem.app.openai_api import sse_payloads
+from tandem.app.server import BackgroundServer, bind, make_app
 from tandem.app.serving import EngineService
 from tandem.kernels.errors import TandemError
 from tandem.runtime.batch import RequestQueue
@@ -84,10 +84,8 @@ def one_request(client: httpx.Client, url: str, model: str | None, ids: list[int
     body = {"prompt": ids, "max_tokens": new_len, "stream": True, **extra} | ({"model": model} if model else {})
     with client.stream("POST", url + "/completions", json=body) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data:") or line.endswith("[DONE]"):
-                continue
-            chunk = json.loads(line[5:])
+        for data in sse_payloads(response.iter_lines()):
+            chunk = json.loads(data)
             if any(c.get("finish_reason") is None for c in chunk.get("choices") or []):
                 arrivals.append(time.perf_counter())
             usage = chunk.get("usage") or usage
@@ -253,6 +251,5 @@ def _healthy(client: httpx.Client, url: str) -> bool:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+    with bind("127.0.0.1", 0) as sock:
         return int(sock.getsockname()[1])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,3 +179,14 @@ def chunk_body(endpoint: str, rid: str, created: int, model: str, text: str | No
     if usage is not None:
         out["usage"] = usage
     return out
+
+
+def sse_payloads(lines: Iterable[str]) -> Iterator[str]:
+    """The data of a stream's server-sent events (a streamed answer's lines), up to `[DONE]`."""
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield data

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from tandem.app.backend import TuningTarget, Usage
+from tandem.app.openai_api import sse_payloads
 from tandem.kernels.errors import TandemError
 from tandem.runtime.discover import ModelEntry
 from tandem.runtime.loader import LoadedModel
@@ -144,12 +145,7 @@ class RemoteBackend:
         try:
             with self.server.client.stream("POST", "/chat/completions", json=body) as response:
                 self.server.check(response)
-                for line in response.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
+                for data in sse_payloads(response.iter_lines()):
                     chunk = self._chunk(data)
                     usage = chunk.get("usage") or usage
                     for choice in chunk.get("choices") or []:

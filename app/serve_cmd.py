@@ -68,11 +68,10 @@ def run_serve(args: argparse.Namespace, configure: Callable[[argparse.Namespace]
         loaded = load(replace(options, batch=batch, ragged=True), ckpt)
         service = EngineService(loaded, Path(args.model).name, batch, args.step_tokens or STEP_TOKENS)
         app = make_app(service, sampling_defaults(args), key)
-        host = f"[{args.host}]" if ":" in args.host else args.host
         previous = signal.signal(signal.SIGTERM, _interrupt)  # (a service manager's stop: as Ctrl+C)
-        with BackgroundServer(app, args.host, sock=sock):
-            say(f"serving {service.name} at http://{host}:{sock.getsockname()[1]}/v1 ({batch} requests at a time, "
-                f"context {service.context}{', API key required' if key else ''}); Ctrl+C stops")
+        with BackgroundServer(app, args.host, sock=sock) as server:
+            say(f"serving {service.name} at {server.url} ({batch} requests at a time, context {service.context}"
+                f"{', API key required' if key else ''}); Ctrl+C stops")
             try:
                 service.run()  # on this thread, which loaded the model (EngineService.run says why)
             except KeyboardInterrupt:
