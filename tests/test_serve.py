@@ -339,7 +339,11 @@ def test_tandem_serve_runs_until_stopped(mixtral_dir: Path, tmp_path: Path, stop
         assert answer.usage is not None and answer.usage.completion_tokens == 5
     finally:
         proc.send_signal(getattr(signal, stop))
-        code = proc.wait(timeout=60)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # (never left behind: the test fails on the timeout)
+            raise
     assert code == 0, log.read_text()
     assert "stopping" in log.read_text() and "Traceback" not in log.read_text()
 
