@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.kernels.quant import E2M1X2, QuantizedMatrix, e8m0_half
+from tandem.kernels.quant import E2M1X2, QuantizedMatrix, constant, e8m0_half
 
 Dequantizer = Callable[[torch.Tensor], torch.Tensor]  # blocks [n, nbytes] uint8 -> values [n, V] float32
 
@@ -120,7 +120,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     ql = _nibbles(b[:, :128].reshape(n, 2, 64)).view(n, 2, 4, 32)  # [n, half, 4, 32]
     qh = b[:, 128:192].reshape(n, 2, 1, 32)  # [n, half, 1, 32]
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+    shifts = constant((0, 2, 4, 6), torch.uint8, b.device).view(1, 1, 4, 1)
     high = (qh >> shifts) & 3  # [n, half, 4, 32]
     q = ((ql | (high << 4)).to(torch.int8) - 32).view(n, 16, 16).float()  # [n, 16 groups of 16]
     d = (_f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()).view(n, 16, 1)  # [n, 16, 1]
@@ -128,7 +128,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 
 
 def _mxfp4(b: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(E2M1X2, dtype=torch.float32, device=b.device)
+    table = constant(E2M1X2, torch.float32, b.device)
     return e8m0_half(b[:, :1]) * table[_nibbles(b[:, 1:]).long()]
 
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from tandem.kernels.errors import KernelError
 from tandem.kernels.isa import masked_features
+from tandem.kernels.matmul import linear as torch_linear
 from tandem.kernels.quant import GROUPS, MX_BLOCK, QuantizedMatrix, quantize_int4, quantize_int8, quantize_mxfp4
 
 Isa = Literal["base", "avx2", "avx512", "avx512bf16", "amx"]  # a kernel variant
@@ -769,7 +770,8 @@ class DenseLinear:
     more on AMX tiles, else rows through the variant's dot products. It streams a matrix closer to the probe's
     bandwidth than torch's matrix-vector path does (docs/bench/kernels.md), and its float32 sums can
     be had as they are (`out_dtype`): logits that bf16 would round to steps of 1/8 around 16-32, where near ties
-    become exact ties. Anything else is `F.linear` itself. `isa` forces a kernel variant (as `CpuOptions.isa`).
+    become exact ties. Anything else (an accelerator's tensors among it) is torch's product with the same float32
+    sums (`kernels.matmul.linear`). `isa` forces a kernel variant (as `CpuOptions.isa`).
 
     Letters: n tokens (all leading dimensions together), I input width, O output width."""
 
@@ -835,8 +837,7 @@ class DenseLinear:
         if not (self.lib is not None and n > 0 and x.dtype in (torch.bfloat16, torch.float32)
                 and out_dtype != torch.float16 and w.dtype == torch.bfloat16 and x.device.type == "cpu"
                 and w.shape[0] % 32 == 0 and width % 32 == 0 and w.shape[0] > 0 and w.is_contiguous()):
-            b = None if bias is None else bias.to(x.dtype)
-            return F.linear(x, w.to(x.dtype), b).to(out_dtype)  # (weights kept in another dtype: per call)
+            return torch_linear(x, w, bias, out_dtype)  # (weights kept in another dtype: converted per call)
         if out_dtype == torch.bfloat16 and n > self.bf16_most:
             return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype)).to(out_dtype)
         if n > FLOAT_CHUNKS * AMX_CROSSOVER and x.dtype == torch.float32:  # a long prefill against bf16 weights:
@@ -862,7 +863,7 @@ class DenseLinear:
         if not (self.lib is not None and 0 < n <= QUANT_CHUNKS * BLOCK_STEP and x.device.type == "cpu"
                 and x.dtype in (torch.bfloat16, torch.float32) and rows % 32 == 0 and width % 32 == 0
                 and w.data.is_contiguous()):
-            return F.linear(x, w.dequantize(x.dtype), None if bias is None else bias.to(x.dtype)).to(out_dtype)
+            return torch_linear(x, w.dequantize(x.dtype), bias, out_dtype)
         if n > BLOCK_STEP:
             flat = x.reshape(n, width)  # [n, I]
             return torch.cat([self._blocks(flat[i : i + BLOCK_STEP], w, bias, out_dtype)

@@ -28,6 +28,7 @@ Letters: B blocks, C 64-value chunks per row, n BLOCK_ROWS, G groups per row, L 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -36,6 +37,13 @@ BLOCK_ROWS = 16  # rows per block of the layout the AMX machines use (BLOCK_ROWS
 MX_BLOCK = 32  # values per MXFP4 block
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of codes 0-7; codes 8-15 are their negatives
 E2M1X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # twice each code's value, as GGUF (code 8: +0)
+
+
+@cache
+def constant(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A constant table (a dequantizer's) on `device`, made once per device and dtype: made from a list at each call,
+    it is a copy from host memory that the host waits for, a synchronisation per matrix on an accelerator."""
+    return torch.tensor(values, dtype=dtype).to(device)
 
 
 @dataclass(frozen=True)
@@ -106,7 +114,7 @@ class QuantizedMatrix:
             return (self.data.float() * self.scales[:, None]).to(dtype)
         rows = self.data.shape[0]
         if self.kind == "mxfp4":
-            table = torch.tensor(E2M1X2, dtype=torch.float32, device=self.data.device)
+            table = constant(E2M1X2, torch.float32, self.data.device)
             codes = table[self._nibbles().long()]  # [rows, cols]
             values = codes.view(rows, -1, MX_BLOCK) * e8m0_half(self.scales)[:, :, None]  # [rows, G, 32]
             return values.reshape(rows, self.cols).to(dtype)

@@ -15,6 +15,7 @@ Letters: T tokens in this pass, H hidden size, E experts, K experts per token, n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from tandem.kernels.cpu import CpuExpert, CpuOptions, Epilogue
 from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.accelerator import Accelerator, Copy, done
 from tandem.runtime.config import ModelConfig
-from tandem.runtime.expert_cache import CachePolicy, ExpertCache, Key
+from tandem.runtime.expert_cache import CachePolicy, ExpertCache, Key, Slot
 from tandem.runtime.latency import LatencyModel
 from tandem.runtime.moe import BlockExpert, ExpertWeights, MoEBlockWeights, MXFP4Expert, route
 from tandem.runtime.timeline import Timeline
@@ -37,6 +38,8 @@ from tandem.runtime.trace import TraceRecorder
 
 GPU, CPU, FETCHED = 0, 1, 2  # columns of the per-layer statistics
 RESERVE = 50  # 1/RESERVE of the accelerator's budget is kept back from the expert slots: activations, allocator slack
+SLAB_BYTES = 1 << 30  # expert slots are cut from allocations of at most this size (the allocator rounds each by 2 MiB)
+SLOT_ALIGN = 64  # bytes: where each tensor of a slot starts (any dtype's view, the device's vector loads)
 
 
 class Strategy(StrEnum):
@@ -131,8 +134,8 @@ def default_ways(slots: int, layers: int, experts: int, top_k: int) -> int:
 
 @dataclass
 class Pending:
-    """A MoE layer between `Dispatcher.start` and `finish`: the accelerator's share queued (`out`, the future of its
-    output), the CPU's still to run."""
+    """A MoE layer between `Dispatcher.start` and `finish`: the accelerator's resident experts queued (`out`, the
+    future of their output), the CPU's experts and the accelerator's copied ones (`later`) still to run."""
 
     layer: int
     out: Future[torch.Tensor]
@@ -140,6 +143,20 @@ class Pending:
     weights_h: torch.Tensor | None = None
     cpu_jobs: list[_Job] = field(default_factory=list)
     in_use: frozenset[Key] = frozenset()  # the layer's experts on the accelerator: no post-fetch evicts them
+    later: _Launch | None = None
+
+
+@dataclass
+class _Launch:
+    """The accelerator's experts of a layer that wait for a copy of their weights (into a cache slot, or through the
+    scratch buffer), queued only once the CPU's experts have run: queuing work behind a copy holds the host until the
+    copy itself is queued (CUDA's stream can only wait for an event already recorded), which can take as long as the
+    copies before it, and the CPU's experts would wait that long to start."""
+
+    x: torch.Tensor  # [T, H] and the float32 routing weights [T, K], on the device
+    weights: torch.Tensor
+    jobs: list[tuple[_Job, torch.Tensor, torch.Tensor]]  # each with its token rows and choice columns on the device
+    held: frozenset[Key] = frozenset()  # their cache slots: no copy may replace them before their kernels are queued
 
 
 @dataclass(frozen=True)
@@ -183,7 +200,9 @@ class Dispatcher:
         self.cost = self.policy.cost
         self._bytes_base = (0, 0)
         self.last_chosen: dict[int, list[int]] = {}  # each layer's experts at its last pass (for prefetch)
+        self._held: frozenset[Key] = frozenset()  # cache slots a started layer's queued-later experts will read
         self.timeline: Timeline | None = None  # set by a benchmark: the device's expert runs recorded as spans
+        self.pinned_bytes = 0  # host memory of the experts pinned for the accelerator's copies
         if accel is not None:
             self._allocate(accel)
             self._bytes_base = (accel.bytes_h2d, accel.bytes_d2h)
@@ -214,12 +233,40 @@ class Dispatcher:
         h, i = self.cfg.hidden_size, self.cfg.moe_intermediate_size
         return (i, h), (i, h), (h, i)
 
-    def _new_buffer(self, accel: Accelerator, what: str) -> ExpertWeights:
-        """An empty expert on the accelerator, of the model's kind of expert (its biases too, for gpt-oss)."""
-        template = next((b.experts[0] for b in self.blocks.values() if b.experts), None)
-        if template is None or type(template) is ExpertWeights:
-            return ExpertWeights(*(accel.empty(s, self.dtype, what) for s in self._expert_shapes()))
-        return template.like([accel.empty(t.shape, self._slot_dtype(t), what) for t in template.tensors()])
+    def _slot_layout(self) -> tuple[list[tuple[tuple[int, ...], torch.dtype, int]], int]:
+        """How an accelerator copy of one expert, every tensor of the model's kind of expert (gpt-oss's biases too;
+        MXFP4's codes and scales as stored), lies in memory: each tensor's (shape, dtype, offset in bytes), each on a
+        SLOT_ALIGN boundary, and the bytes from one slot to the next."""
+        template = self._template()
+        specs = [(s, self.dtype) for s in self._expert_shapes()] if template is None or type(template) is \
+            ExpertWeights else [(tuple(t.shape), self._slot_dtype(t)) for t in template.tensors()]
+        layout, at = [], 0
+        for shape, dtype in specs:
+            layout.append((tuple(shape), dtype, at))
+            at += -(-math.prod(shape) * dtype.itemsize // SLOT_ALIGN) * SLOT_ALIGN
+        return layout, at
+
+    def _template(self) -> ExpertWeights | None:
+        return next((b.experts[0] for b in self.blocks.values() if b.experts), None)
+
+    def _new_buffers(self, accel: Accelerator, count: int, what: str) -> list[ExpertWeights]:
+        """`count` empty experts on the accelerator, of the model's kind of expert, cut from slabs of at most
+        SLAB_BYTES (one allocation for many slots: the device's allocator would round each expert's tensors on
+        their own, up to a fifth more than they take, where the budget counts their bytes)."""
+        layout, stride = self._slot_layout()
+        template = self._template()
+        per_slab = max(1, SLAB_BYTES // stride)
+        out: list[ExpertWeights] = []
+        for first in range(0, count, per_slab):
+            n = min(per_slab, count - first)
+            name = what if count == 1 else f"{what} {first}" + (f"-{first + n - 1}" if n > 1 else "")
+            slab = accel.slab(n * stride, name)
+            for k in range(n):
+                tensors = [slab[k * stride + at : k * stride + at + math.prod(shape) * dtype.itemsize]
+                           .view(dtype).view(shape) for shape, dtype, at in layout]
+                out.append(ExpertWeights(*tensors) if template is None or type(template) is ExpertWeights
+                           else template.like(tensors))
+        return out
 
     def _allocate(self, accel: Accelerator) -> None:
         """Scratch buffer, then as many expert slots as the remaining budget (minus a reserve) holds."""
@@ -227,27 +274,33 @@ class Dispatcher:
         item = torch.empty((), dtype=self.dtype).element_size()
         # an accelerator copy of one expert: every tensor of the model's kind of expert (gpt-oss's biases included;
         # MXFP4's codes and scales as stored, 4.25 bits a weight)
-        template = next((b.experts[0] for b in self.blocks.values() if b.experts), None)
+        template = self._template()
         expert_bytes = sum(t.numel() * self._slot_dtype(t).itemsize for t in template.tensors()) \
             if template is not None else 3 * cfg.hidden_size * cfg.moe_intermediate_size * item
         if self.cost is None:
             self.cost = LatencyModel.from_bandwidths(expert_bytes, 6 * cfg.hidden_size * cfg.moe_intermediate_size)
-        self.scratch = self._new_buffer(accel, "the expert scratch buffer")
-        slots = slot_budget(accel.budget, accel.used) // expert_bytes
+        self.scratch = self._new_buffers(accel, 1, "the expert scratch buffer")[0]
+        slots = slot_budget(accel.budget, accel.used) // self._slot_layout()[1]
         moe_layers = [i for i in range(cfg.num_layers) if cfg.sparse_layers[i]]
-        slots = min(slots, len(moe_layers) * cfg.num_experts)
-        n_static = min(len(policy.static), slots if policy.cache_ways is None else slots // 2)
+        every = tuple((layer, e) for layer in moe_layers for e in range(cfg.num_experts))
+        slots = min(slots, len(every))
+        static = policy.static
+        if not static and policy.cache_ways is None and slots == len(every):
+            static = every  # every expert fits: each placed once at load, never a miss, a copy or a host wait for one
+        n_static = min(len(static), slots if policy.cache_ways is None else slots // 2)
         cache_slots = slots - n_static
         ways = policy.cache_ways
         if ways is None:
-            ways = 0 if policy.static else default_ways(cache_slots, len(moe_layers), cfg.num_experts, cfg.top_k)
+            ways = 0 if static else default_ways(cache_slots, len(moe_layers), cfg.num_experts, cfg.top_k)
         ways = min(ways, cfg.num_experts, cache_slots)
         indexes = min(len(moe_layers), cache_slots // ways) if ways else 0
         self.cache = ExpertCache(moe_layers[:indexes], ways if indexes else 0, policy.cache_policy,
                                  policy.max_inflight, first_slot=n_static)
-        for n in range(n_static + self.cache.slots):
-            self.slot_buffers.append(self._new_buffer(accel, f"expert slot {n}"))
-        for n, (layer, e) in enumerate(policy.static[:n_static]):
+        self.slot_buffers = self._new_buffers(accel, n_static + self.cache.slots, "expert slots")
+        # Experts in RAM pinned: copies go straight from them, not through a copier's memcpy into a staging buffer
+        if self.resident:
+            self.pinned_bytes = accel.pin([t for b in self.blocks.values() for w in b.experts for t in w.tensors()])
+        for n, (layer, e) in enumerate(static[:n_static]):
             accel.copy_now(self._tensors(self.slot_buffers[n]), self._tensors(self._source(layer, e)))
             self.static[(layer, e)] = self.slot_buffers[n]
 
@@ -264,6 +317,7 @@ class Dispatcher:
             "cpu": {"threads": self.executor.threads, "crossover": self.executor.crossover,
                     "quant": self.executor.quant or "none", "best_kernel": (self.executor.isas or ["torch"])[-1],
                     "resident": self.resident},
+            "pinned_bytes": self.pinned_bytes,
             "budget_bytes": self.accel.budget if self.accel else 0,
             "used_bytes": self.accel.used if self.accel else 0,
         }
@@ -323,7 +377,6 @@ class Dispatcher:
             if block.shared is not None:
                 out += block.shared(x)
             return Pending(layer, done(out))
-        weights = weights.to(x.dtype)
         # the layer's one host read: the routing for the plan, the activations for the CPU experts
         ids_h, weights_h, x_h = self.accel.download(lambda: (ids, weights, x)).wait()  # [T, K], [T, K], [T, H]
         counts = self.recorder.record(layer, ids_h)  # [E] routings per expert
@@ -333,8 +386,8 @@ class Dispatcher:
             for e in chosen:
                 self.cache.observe(layer, e, int(counts[e]))
         gpu_jobs, cpu_jobs = self._plan(layer, ids_h, chosen)
-        out = self._launch_device(x, weights, gpu_jobs, block)  # queued: the host goes on
-        return Pending(layer, out, x_h, weights_h, cpu_jobs, frozenset((layer, j.expert) for j in gpu_jobs))
+        out, later = self._launch_device(x, weights, gpu_jobs, block)  # queued: the host goes on
+        return Pending(layer, out, x_h, weights_h, cpu_jobs, frozenset((layer, j.expert) for j in gpu_jobs), later)
 
     def finish(self, pending: Pending) -> torch.Tensor:
         """The layer's second half: its CPU experts, computed while the accelerator runs its own, added behind them
@@ -342,9 +395,13 @@ class Dispatcher:
         if self.accel is None:
             return pending.out.result()
         out = pending.out
+        cpu_out = None
         if pending.cpu_jobs:
             x_h = pending.x_h.to(self.executor.dtype)  # type: ignore[union-attr]  # an fp16 device's in the CPU's
             cpu_out = self.accel.to_device(self._cpu_combine(x_h, pending.weights_h, pending.cpu_jobs))  # [T, H]
+        if pending.later is not None:  # the copied experts, their copies made while the CPU computed
+            out = self._launch_copied(out, pending.later)
+        if cpu_out is not None:
             gpu_out = out
             out = self.accel.submit(lambda: gpu_out.result() + cpu_out)
         self._post_fetch(pending.layer, pending.cpu_jobs, keep=pending.in_use)
@@ -378,8 +435,11 @@ class Dispatcher:
         self.stats.misses += self.stats.count_layers(counts > 0, CPU)
 
     def _plan(self, layer: int, ids: torch.Tensor, chosen: list[int]) -> tuple[list[_Job], list[_Job]]:
+        """The layer's experts on the accelerator (resident ones first) and on the CPU. Every hit is known before
+        any miss claims a slot: a miss must not evict an expert this same pass reads."""
         gpu: list[_Job] = []
         cpu: list[_Job] = []
+        misses = []
         resident = {e: w for (lay, e), w in self.static.items() if lay == layer}
         for e in chosen:
             tok, slot = (ids == e).nonzero(as_tuple=True)  # [n], [n]
@@ -387,11 +447,13 @@ class Dispatcher:
             if weights is None and self.cache.covers(layer):
                 hit = self.cache.lookup(layer, e)
                 weights = self.slot_buffers[hit.id] if hit is not None else None
-            if weights is not None:
-                self.stats.hits += 1
-                self.stats.count(layer, e, GPU)
-                gpu.append(_Job(e, tok, slot, weights, layer, self.cpu_experts[layer][e]))
+            if weights is None:
+                misses.append((e, tok, slot))
                 continue
+            self.stats.hits += 1
+            self.stats.count(layer, e, GPU)
+            gpu.append(_Job(e, tok, slot, weights, layer, self.cpu_experts[layer][e]))
+        for e, tok, slot in misses:
             self.stats.misses += 1
             if self._should_fetch(tok.numel()):
                 self.stats.count(layer, e, FETCHED)
@@ -415,47 +477,85 @@ class Dispatcher:
         """Copy into a cache slot of this layer (it stays resident), on the demand copier; returns the slot's
         buffers and the copy the device waits for. (None, ()): use the scratch buffer."""
         assert self.accel is not None
-        slot = self.cache.begin_fill(layer, e, keep=in_use) if self.cache.covers(layer) else None
+        slot = self.cache.begin_fill(layer, e, keep=in_use | self._held) if self.cache.covers(layer) else None
         if slot is None:
             return None, ()
-        copy = self.accel.copy_async(self._tensors(self.slot_buffers[slot.id]), self._tensors(self._source(layer, e)),
-                                     demand=True)
-        self.cache.start(slot, copy)
+        copy = self._fill(slot, layer, e, demand=True)
         return self.slot_buffers[slot.id], (copy,)
 
+    def _fill(self, slot: Slot, layer: int, e: int, demand: bool) -> Copy:
+        """Start the copy of expert e of `layer` into a slot claimed for it. Anything failing before the copy is
+        under way (the weights' source, the copy's start: a dequantization out of memory, Ctrl+C) gives the slot
+        back empty: it must never be taken for the expert it was claimed for, holding another's weights."""
+        assert self.accel is not None
+        try:
+            copy = self.accel.copy_async(self._tensors(self.slot_buffers[slot.id]),
+                                         self._tensors(self._source(layer, e)), demand=demand)
+        except BaseException:
+            self.cache.cancel(slot)
+            raise
+        self.cache.start(slot, copy)
+        return copy
+
     def _launch_device(self, x: torch.Tensor, weights: torch.Tensor, jobs: Sequence[_Job], block: MoEBlockWeights
-                       ) -> Future[torch.Tensor]:
-        """Queue the accelerator's share of the layer: x [T, H] and routing weights [T, K] on the device -> the
-        future of its output [T, H] (the shared expert's, plus every job's weighted expert output), which
-        completes with the last of that work."""
+                       ) -> tuple[Future[torch.Tensor], _Launch | None]:
+        """Queue the accelerator's resident experts of the layer: x [T, H] and float32 routing weights [T, K] on the
+        device -> the future of their output [T, H] float32 (the shared expert's, plus each job's weighted expert
+        output), which completes with the last of that work; and the jobs that wait for a copy (`_Launch`: queued by
+        `finish`), the first scratch copy started. The sum is float32, as the CPU's (`_cpu_combine`): it goes into
+        the float32 residual stream, and a bf16 one would round it once per expert."""
         accel = self.accel
         assert accel is not None
         # every job's token rows and choice columns in one host->device copy, no synchronisation
         rows = torch.cat([torch.stack((j.tok, j.slot)) for j in jobs], dim=1) if jobs else None  # [2, sum n]
         index = accel.to_device(rows) if rows is not None else None
-        first = accel.submit(lambda: block.shared(x) if block.shared is not None else torch.zeros_like(x))  # [T, H]
+        first = accel.submit(lambda: block.shared(x).float() if block.shared is not None
+                             else torch.zeros(x.shape, dtype=torch.float32, device=x.device))  # [T, H]
         out = first
+        later = _Launch(x, weights, [])
         at = 0
         for job in jobs:
             n = job.tok.numel()
             tok, slot = index[0, at : at + n], index[1, at : at + n]  # type: ignore[index]  # [n], [n]
             at += n
+            if job.weights is None or job.after:
+                later.jobs.append((job, tok, slot))
+            else:
+                out = self._queue_expert(out, job.weights, x, weights, tok, slot, ())
+        if not later.jobs:
+            return out, None
+        later.held = frozenset((j.layer, j.expert) for j, _, _ in later.jobs if j.weights is not None)
+        self._held |= later.held
+        return out, later
+
+    def _launch_copied(self, out: Future[torch.Tensor], later: _Launch) -> Future[torch.Tensor]:
+        """Queue a layer's experts that wait for copies behind `out`: into cache slots (copies in flight since the
+        plan), or one after another through the scratch buffer, each copy into it after the kernels that read it
+        last (so none starts before `finish`: another micro-batch's layer may still have one to queue)."""
+        assert self.accel is not None
+        for job, tok, slot in later.jobs:
             expert, after = job.weights, job.after
-            if expert is None:  # not cached: through the scratch buffer, after the kernels that read it last
+            if expert is None:
                 source = self._tensors(self._source(job.layer, job.expert))
-                after = (accel.copy_async(self._tensors(self.scratch), source, demand=True),)
+                after = (self.accel.copy_async(self._tensors(self.scratch), source, demand=True),)
                 expert = self.scratch
-            run = partial(self._device_expert, first, expert, x, weights, tok, slot)
-            out = accel.submit(run if self.timeline is None else self.timeline.wrap("experts", run), after)
+            out = self._queue_expert(out, expert, later.x, later.weights, tok, slot, after)
+        self._held -= later.held
         return out
+
+    def _queue_expert(self, out: Future[torch.Tensor], expert: ExpertWeights, x: torch.Tensor, weights: torch.Tensor,
+                      tok: torch.Tensor, slot: torch.Tensor, after: tuple[Copy, ...]) -> Future[torch.Tensor]:
+        assert self.accel is not None
+        run = partial(self._device_expert, out, expert, x, weights, tok, slot)
+        return self.accel.submit(run if self.timeline is None else self.timeline.wrap("experts", run), after)
 
     @staticmethod
     def _device_expert(out: Future[torch.Tensor], expert: ExpertWeights, x: torch.Tensor, weights: torch.Tensor,
                        tok: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-        """Device work: one expert over its n tokens `tok` [n] (their choice columns `slot` [n]), weighted, added
-        into the output [T, H] (`out`, finished: earlier work on the same stream); returns that output."""
+        """Device work: one expert over its n tokens `tok` [n] (their choice columns `slot` [n]), weighted in float32,
+        added into the float32 output [T, H] (`out`, finished: earlier work on the same stream); returns that output."""
         y = expert(x[tok])  # [n, H]
-        return out.result().index_add_(0, tok, y * weights[tok, slot].unsqueeze(-1))
+        return out.result().index_add_(0, tok, y.float() * weights[tok, slot].unsqueeze(-1))
 
     def _cpu_combine(self, x: torch.Tensor, weights: torch.Tensor, jobs: Sequence[_Job]) -> torch.Tensor:
         """Host x [T, H], routing weights [T, K] -> the weighted sum of these CPU experts' outputs [T, H], summed
@@ -484,8 +584,6 @@ class Dispatcher:
         """Claim a cache slot of `layer` for expert e (none: it is there or on its way, or every slot is kept) and
         copy it there on the background copier."""
         assert self.accel is not None
-        slot = self.cache.begin_fill(layer, e, keep)
+        slot = self.cache.begin_fill(layer, e, keep | self._held)
         if slot is not None:
-            copy = self.accel.copy_async(self._tensors(self.slot_buffers[slot.id]),
-                                         self._tensors(self._source(layer, e)))
-            self.cache.start(slot, copy)
+            self._fill(slot, layer, e, demand=False)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 Key = tuple[int, int]  # (layer, expert)
+CLAIMED: Future[None] = Future()  # a slot's copy between `begin_fill` and `start`: never done
 
 
 class CachePolicy(StrEnum):
@@ -135,7 +136,9 @@ class ExpertCache:
         return min(candidates, key=lambda s: s.last_used)
 
     def begin_fill(self, layer: int, expert: int, keep: frozenset[Key] = frozenset()) -> Slot | None:
-        """Claim a slot for (layer, expert); the caller starts the copy and hands its future to `start`."""
+        """Claim a slot for (layer, expert); the caller starts the copy and hands its future to `start`, or gives the
+        slot back with `cancel`. Until then the slot is neither ready (it still holds the evicted expert's weights)
+        nor a victim."""
         if self.find(layer, expert) is not None:
             return None
         slot = self.victim(layer, keep)
@@ -143,7 +146,7 @@ class ExpertCache:
             return None
         if slot.key is not None:
             self.stats.evictions += 1
-        slot.key = (layer, expert)
+        slot.key, slot.copy = (layer, expert), CLAIMED
         slot.inserted = slot.last_used = self._tick()
         slot.uses = 0
         self.stats.fills += 1
@@ -152,6 +155,11 @@ class ExpertCache:
     def start(self, slot: Slot, copy: Future[None]) -> None:
         slot.copy = copy
         self._filling.append(slot)
+
+    def cancel(self, slot: Slot) -> None:
+        """A claimed slot whose copy never started: empty again (its old weights are no expert's now)."""
+        if slot.copy is CLAIMED:
+            slot.key, slot.copy = None, None
 
     def resident(self) -> list[Key]:
         self.poll()

@@ -349,15 +349,20 @@ class MoEModel:
                                                                                               "RoPE tables")
             self.cos_long, self.sin_long = cos_long, sin_long
         # Dense matrices (attention, routers, lm_head): bf16 ones through the kernel for the token counts it
-        # serves (DenseLinear), anything else through F.linear.
+        # serves (DenseLinear), anything else through torch. Every choice between a kernel and torch below is made
+        # by where the model runs, not by where its tensors are: on an accelerator, the emulated one included, the
+        # dense layers run as CUDA runs them (torch), so that the emulated device is a faithful stand-in.
         cpu = cpu or CpuOptions()
-        self.linear = linear or DenseLinear(cpu.threads, cpu.use_kernel, cpu.isa)
+        kernels = cpu.use_kernel and accel is None
+        self.linear = linear or DenseLinear(cpu.threads, kernels, cpu.isa)
         # RMSNorm: one kernel call for bf16 on the CPU (rounded like the reference), else the reference itself.
-        fast_norm = cpu.use_kernel and library() is not None and dtype == torch.bfloat16
-        self.rms_norm = rms_norm_bf16 if fast_norm and self.device.type == "cpu" else rms_norm
+        fast_norm = kernels and library() is not None and dtype == torch.bfloat16
+        self.rms_norm = rms_norm_bf16 if fast_norm else rms_norm
         # Decode attention: one kernel call per layer on the CPU (kernels/attend.py), else `attend_cached`.
         self.threads = self.linear.threads
-        self.attend_kernel = cpu.use_kernel and self.device.type == "cpu" and attend_serves(dtype, cfg.head_dim)
+        # (`attend_kernel`: the kernel serves this model's attention where it runs on the CPU; beside an accelerator
+        # that is only a batch's attention over a KV cache in RAM, `host_cache`)
+        self.attend_kernel = cpu.use_kernel and attend_serves(dtype, cfg.head_dim)
         # On an accelerator a prompt runs in passes of at most PREFILL_CHUNK tokens, and the memory their
         # activations take at the peak is kept back from the expert slots: a long prompt cannot run out of it.
         self.prefill_chunk: int | None = None
@@ -434,7 +439,8 @@ class MoEModel:
             t = ckpt.tensor(name).float()
             return accel.place(t, torch.float32, name) if accel is not None else t
 
-        linear = DenseLinear(*(cpu.threads, cpu.use_kernel, cpu.isa) if cpu else ())
+        linear = DenseLinear(cpu.threads if cpu else None, (cpu is None or cpu.use_kernel) and accel is None,
+                             cpu.isa if cpu else None)  # (kernels on the CPU only: see __init__)
 
         def mlp(prefix: str) -> ExpertWeights:
             names = [f"{prefix}.{p}_proj.weight" for p in ("gate", "up", "down")]
@@ -584,7 +590,7 @@ class MoEModel:
         if isinstance(a, MLAWeights):
             return attend(self.cfg, a, self.cache, i, x, start, cos, sin, self.linear, self.rms_norm)  # type: ignore[arg-type]
         q, k, v = self._qkv(a, x)
-        out = self._attend(i, a, q, k, v, self.cache, start, cos, sin)  # type: ignore[arg-type]
+        out = self._attend(i, a, q, k, v, self.cache, start, cos, sin, self.accel is None)  # type: ignore[arg-type]
         return self.linear(out, a.o, a.o_bias, out_dtype=torch.float32)
 
     def _qkv(self, a: Attention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -607,14 +613,15 @@ class MoEModel:
         return q, k, v
 
     def _attend(self, i: int, a: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                start: int, cos: torch.Tensor, sin: torch.Tensor, on_host: bool) -> torch.Tensor:
         """RoPE, the KV cache write and attention of q [B, T, Hq, D], k and v [B, T, Hkv, D] at positions start..,
-        in `cache`'s rows 0..B-1 -> [B, T, Hq*D] in the compute dtype."""
+        in `cache`'s rows 0..B-1 -> [B, T, Hq*D] in the compute dtype. `on_host`: the CPU computes it (the kernel,
+        where it serves), else the accelerator (torch)."""
         B, T = q.shape[:2]
         window = self.cfg.window(i)
         # a sliding window: no key before the first one the earliest query sees is read at all
         first = max(0, start + 1 - window) if window else 0
-        if T == 1 and self.attend_kernel:  # decode: one kernel call from RoPE to the values' sum
+        if T == 1 and on_host and self.attend_kernel:  # decode: one kernel call from RoPE to the values' sum
             return attend_one(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), cos[0], sin[0], cache.k[i],
                               cache.v[i], start, first, a.sinks, self.threads).view(B, 1, -1)  # [B, T, Hq*D]
         return attend_cached(q, k, v, cos, sin, cache.k[i], cache.v[i], start, first, window, a.sinks)
@@ -678,7 +685,8 @@ class MoEModel:
             for g, p in pending:
                 xs[g] = xs[g] + self.dispatcher.finish(p).view(1, xs[g].shape[1], -1)  # [1, n, H]
         x = torch.cat(xs, dim=1) if len(xs) > 1 else xs[0]  # [1, N, H]
-        last = torch.tensor([e - 1 for e in ends], device=x.device)  # [S]: each segment's last token
+        last = torch.tensor([e - 1 for e in ends])  # [S]: each segment's last token
+        last = last if self.accel is None else self.accel.to_device(last)  # (not built there: a host wait)
         x = x[:, last]  # [1, S, H]
         logits = self.linear(self._norm(x, self.norm, self.norm_bias), self.lm_head, self.lm_head_bias,
                              out_dtype=torch.float32)[0]  # [S, V]
@@ -722,7 +730,7 @@ class MoEModel:
                                                  ).wait()
             head = replace(a, sinks=rest[0] if rest else None)
         out = torch.cat([self._attend(i, head, q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], row, seg.start,  # type: ignore[arg-type]
-                                      *self._tables(seg, host))
+                                      *self._tables(seg, host), host or self.accel is None)
                          for seg, row, lo, hi in zip(segments, rows, spans, spans[1:], strict=False)],
                         dim=1)  # [1, N, Hq*D]
         if host:

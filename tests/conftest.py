@@ -18,6 +18,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # A run under TANDEM_CPU_FEATURES caps torch's kernels too, as the command line does (before torch's first op).
     for name, value in torch_isa_environment(masked_features()).items():
         os.environ.setdefault(name, value)
+    # The suite is the CPU's: on a machine with a GPU, `--accelerator auto` (every command's default) would take it
+    # and every expectation of a CPU-only run would be off. Only a run that selects the `cuda` tests (`pytest -m
+    # cuda`) sees the GPU; hidden before torch first looks for one.
+    if "cuda" not in (config.getoption("markexpr", "") or ""):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 # Each case: (id, family, overrides). Together they cover shared expert on/off, norm_topk_prob both
 # ways, dense layers (decoder_sparse_step / mlp_only_layers), tied embeddings, biases and q/k clipping.

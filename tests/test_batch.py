@@ -141,7 +141,8 @@ def test_forward_rows_refuses_ids_that_do_not_match_the_segments(mixtral_dir: Pa
 def test_batched_answers_on_the_emulated_accelerator_with_an_expert_cache(mixtral_dir: Path) -> None:
     """On the accelerator tier (some experts in cache slots, the rest on the CPU), batched answers are the lone ones
     too, and a step's CPU experts were run for several tokens at once."""
-    loaded = load_model(mixtral_dir, dtype="fp32", context=40, accelerator="emulated", vram_gb=0.004, batch=4)
+    loaded = load_model(mixtral_dir, dtype="fp32", context=40, accelerator="emulated", vram_gb=0.002,
+                        batch=4)  # 8 slots for 16 experts
     assert loaded.model.dispatcher.cache.slots > 0
     requests = [BatchRequest(str(i), p, SamplingParams(max_new_tokens=8))
                 for i, p in enumerate(prompts(6, loaded.model.cfg.vocab_size, seed=2))]
@@ -169,7 +170,8 @@ def test_pipelined_micro_batches_on_the_accelerator_give_the_lone_answers(mixtra
                                                                          ) -> None:
     """Two micro-batches a step (one's attention while the accelerator runs the other's experts; the next layer's
     experts prefetched), with the KV cache on the device or in RAM (attention on the CPU)."""
-    loaded = load_model(mixtral_dir, dtype="fp32", context=40, accelerator="emulated", vram_gb=0.004, batch=4)
+    loaded = load_model(mixtral_dir, dtype="fp32", context=40, accelerator="emulated", vram_gb=0.002,
+                        batch=4)  # 8 slots for 16 experts
     requests = [BatchRequest(str(i), p, SamplingParams(max_new_tokens=7))
                 for i, p in enumerate(prompts(7, loaded.model.cfg.vocab_size, seed=3))]
     batch = BatchEngine(loaded.model, loaded.engine.eos_ids, 4, 20, micro_batches=2, host_cache=host_cache)
@@ -243,7 +245,7 @@ def test_one_micro_batch_s_attention_runs_while_the_accelerator_runs_another_s_e
 def test_prefetch_brings_a_layer_s_busiest_experts_of_its_last_pass_into_its_slots(mixtral_dir: Path) -> None:
     from tandem.runtime.dispatch import OffloadOptions, Strategy
 
-    loaded = load_model(mixtral_dir, dtype="fp32", context=40, accelerator="emulated", vram_gb=0.004,
+    loaded = load_model(mixtral_dir, dtype="fp32", context=40, accelerator="emulated", vram_gb=0.0013,  # 2x5 slots
                         strategy=Strategy.CPU)  # misses stay on the CPU: only post-fetches and prefetches copy
     dispatcher = loaded.model.dispatcher
     assert isinstance(dispatcher.policy, OffloadOptions) and dispatcher.cache.covers(1)
