@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("selftest", help="check the accelerator tier end to end on this machine (a tiny random "
                                             "model; the emulated device, or a CUDA GPU with --gpu)")
     add(check, "--gpu", nargs="?", const=0,
-        help="on CUDA GPU N (default 0, numbered as nvidia-smi does); without it: the emulated device")
+        help="on CUDA GPU N (default 0, numbered as tandem probe does); without it: the emulated device")
+    add(check, "--json", help="print every check, with its figures, as JSON")
     check.set_defaults(func=_selftest)
 
     chat = sub.add_parser("chat", help="the chat app (terminal UI)")
@@ -361,8 +362,8 @@ def _models(args: argparse.Namespace) -> int:
     from tandem.runtime.discover import discover
 
     entries = discover(_models_folders(args))
-    gpus = probe().gpus
-    vram = gpus[0].memory_total if gpus else None
+    gpu = probe().gpu(0)  # (the GPU `--gpu 0` runs on)
+    vram = gpu.memory_total if gpu else None
     ram = psutil.virtual_memory().total
     rows = [{"name": e.name, "family": e.family, "runs": e.runs, "quant": e.quant, "params": e.params,
              "experts": e.experts, "size_bytes": e.size_bytes, "fits_ram": e.fits(ram), "on_gpu": e.fits_vram(vram),
@@ -572,12 +573,17 @@ def _selftest(args: argparse.Namespace) -> int:
     kind = "emulated" if args.gpu is None else "cuda"
     if kind == "cuda" and args.gpu >= len(cuda_devices()):
         raise TandemError(f"--gpu {args.gpu}: this machine has {len(cuda_devices())} usable CUDA GPUs")
-    print(f"selftest on {'the emulated device' if kind == 'emulated' else f'CUDA GPU {args.gpu}'}:", flush=True)
+    where = "the emulated device" if kind == "emulated" else f"CUDA GPU {args.gpu}"
+    if not args.json:
+        print(f"selftest on {where}:", flush=True)
     with tempfile.TemporaryDirectory(prefix="tandem-selftest-") as folder:
         checks = selftest(kind, Path(folder), args.gpu or 0)
-    for c in checks:
+    ok = all(c.ok for c in checks)
+    if args.json:
+        print(json.dumps({"device": where, "ok": ok, "checks": [c.as_dict() for c in checks]}, indent=1))
+    for c in checks if not args.json else ():
         print(f"  {'ok  ' if c.ok else 'FAIL'}  {c.name}: {c.detail}")
-    return 0 if all(c.ok for c in checks) else 1
+    return 0 if ok else 1
 
 
 def _probe(args: argparse.Namespace) -> int:

@@ -220,8 +220,8 @@ class TandemApp(App[None]):
             if self.remote is not None:
                 return self.remote.entries(), None
 
-            gpus = probe().gpus
-            return discover(self.models_folders, builtin_dir(), self.stores), gpus[0].memory_total if gpus else None
+            gpu = probe().gpu(0)  # (the GPU `--gpu 0` runs on)
+            return discover(self.models_folders, builtin_dir(), self.stores), gpu.memory_total if gpu else None
 
         self.push_screen(PickerScreen(find, error), chosen)
 

@@ -281,10 +281,11 @@ def accelerator_measurements(accel: Accelerator, shape: ModelShape, dtype: torch
 
 def _gpu_measurements(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype, fixed: int | None
                       ) -> dict[str, object]:
-    """The accelerator's measurements on the first CUDA GPU (none without one, or without `fixed`)."""
-    if not hw.gpus or not torch.cuda.is_available() or fixed is None:
+    """The accelerator's measurements on `--gpu 0`, the GPU a plan without --gpu runs on (none without one, or without
+    `fixed`)."""
+    if hw.gpu(0) is None or not torch.cuda.is_available() or fixed is None:
         return {}
-    accel = make_accelerator("cuda", None)  # pragma: no cover - no GPU on test machines
+    accel = make_accelerator("cuda", None, 0)  # pragma: no cover - no GPU on test machines
     assert accel is not None  # pragma: no cover
     try:  # pragma: no cover
         return accelerator_measurements(accel, shape, dtype, fixed)

@@ -61,6 +61,9 @@ class GpuInfo:
     driver: str | None
     capability: tuple[int, int] | None  # CUDA compute capability
     pci_bus_id: str | None = None  # "DDDDDDDD:BB:DD.F", as NVML gives it (matches the GPU to torch's numbering)
+    # `--gpu`'s number for it: its place by PCI bus among the GPUs this PyTorch can use (CUDA_VISIBLE_DEVICES and MIG
+    # hide some from it, which NVML lists all the same); None when this PyTorch cannot use it
+    torch_index: int | None = None
 
     @property
     def pcie_gbps(self) -> float | None:
@@ -79,9 +82,18 @@ class HardwareInfo:
     numa_nodes: int | None
     gpus: tuple[GpuInfo, ...] = ()
     gpu_status: str = "no GPU"  # "ok", or why there is none
+    torch_problem: str | None = None  # why this PyTorch can use none of the GPUs (torch_cuda_problem), if so
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def gpu(self, number: int = 0) -> GpuInfo | None:
+        """The GPU `--gpu number` runs on (matched by PCI bus, as `make_accelerator` numbers them): NVML lists GPUs
+        that PyTorch does not see (CUDA_VISIBLE_DEVICES, MIG). A reading without PyTorch's numbers (recorded
+        before they were kept) counts NVML's order; None where there is no such GPU."""
+        if any(g.torch_index is not None for g in self.gpus):
+            return next((g for g in self.gpus if g.torch_index == number), None)
+        return self.gpus[number] if 0 <= number < len(self.gpus) else None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HardwareInfo:
@@ -89,7 +101,7 @@ class HardwareInfo:
         gpus = tuple(GpuInfo(**{**g, "capability": tuple(g["capability"]) if g.get("capability") else None})
                      for g in d.get("gpus", ()))
         return cls(cpu, d.get("ram_total"), d.get("ram_available"), d.get("numa_nodes"), gpus,
-                   d.get("gpu_status", "no GPU" if not gpus else "ok"))
+                   d.get("gpu_status", "no GPU" if not gpus else "ok"), d.get("torch_problem"))
 
     def fingerprint(self) -> dict[str, Any]:
         """What identifies the machine for saved profiles (not what varies from minute to minute)."""
@@ -109,6 +121,7 @@ class ProbeSources(Protocol):
     def memory(self) -> tuple[int | None, int | None]: ...
     def numa_nodes(self) -> int | None: ...
     def gpus(self) -> list[dict[str, Any]]: ...
+    def torch_problem(self) -> str | None: ...
 
 
 class GpuUnavailable(Exception):
@@ -170,10 +183,15 @@ class LiveSources:
                     "pcie_width": _nvml(pynvml.nvmlDeviceGetCurrPcieLinkWidth, h),
                     "pcie_width_max": _nvml(pynvml.nvmlDeviceGetMaxPcieLinkWidth, h),
                     "driver": driver, "capability": _torch_capability(bus), "pci_bus_id": bus,
+                    "torch_index": _torch_index(bus),
                 })
             return found
         finally:
             pynvml.nvmlShutdown()
+
+
+    def torch_problem(self) -> str | None:
+        return torch_cuda_problem()
 
 
 def _nvml(fn: Any, *args: Any) -> Any:
@@ -200,6 +218,36 @@ def _torch_capability(bus_id: str | None) -> list[int] | None:
     except (RuntimeError, AssertionError):
         return None
     return list(device.capability) if device is not None and device.capability is not None else None
+
+
+def _torch_index(bus_id: str | None) -> int | None:
+    """`--gpu`'s number for the GPU at `bus_id`: its place in PCI bus order among the GPUs torch can use (as
+    `make_accelerator` counts); None when torch cannot use it."""
+    from tandem.runtime.accelerator import cuda_devices, parse_bus_id
+
+    at = parse_bus_id(bus_id) if bus_id else None
+    try:
+        return next((n for n, d in enumerate(cuda_devices()) if d.pci == at), None)
+    except (RuntimeError, AssertionError):
+        return None
+
+
+def torch_cuda_problem() -> str | None:
+    """Why this PyTorch cannot use an NVIDIA GPU the driver reports (None: it can, or nothing to say): a CPU build, or
+    a CUDA build the driver is too old for, or every GPU hidden by CUDA_VISIBLE_DEVICES."""
+    import os
+
+    import torch
+
+    if torch.version.cuda is None:
+        return (f"this PyTorch ({torch.__version__}) is a CPU build; install a CUDA build to use the GPU (README: "
+                "Installing for an NVIDIA GPU)")
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None and not torch.cuda.is_available():
+        return f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} hides every GPU from PyTorch"
+    if not torch.cuda.is_available():
+        return (f"this PyTorch (CUDA {torch.version.cuda}) cannot use the GPU: the driver may be older than that "
+                "CUDA (update the driver, or install a PyTorch built for an older CUDA)")
+    return None
 
 
 @dataclass
@@ -231,6 +279,12 @@ class RecordedSources:
             raise GpuUnavailable(self.data.get("gpu_error", "no GPU"))
         return self.data["gpus"]
 
+    def torch_problem(self) -> str | None:
+        problem = self.data.get("torch_problem")
+        if problem is not None and not isinstance(problem, str):
+            raise TypeError(f"torch_problem is {problem!r}, not text")
+        return problem
+
 
 def record(sources: ProbeSources) -> dict[str, Any]:
     """The raw readings of `sources` in the form `RecordedSources` reads back (with the features this machine
@@ -241,6 +295,7 @@ def record(sources: ProbeSources) -> dict[str, Any]:
         out["gpus"] = sources.gpus()
     except GpuUnavailable as e:
         out["gpus"], out["gpu_error"] = None, str(e)
+    out["torch_problem"] = sources.torch_problem()
     return out
 
 
@@ -253,6 +308,15 @@ def _removed_by(sources: ProbeSources) -> frozenset[str]:
 
 MAX_COUNT = 1 << 20  # cores, threads, NUMA nodes, PCIe generations and lanes: beyond any machine
 MAX_BYTES = 1 << 60  # memory sizes: an exabyte
+
+
+def _index(value: Any, what: str) -> int | None:
+    """A device number as read: a whole number from 0 (a negative one is unknown), or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} is {value!r}, not a whole number")
+    return value if 0 <= value < MAX_COUNT else None
 
 
 def _amount(value: Any, what: str, high: int = MAX_COUNT) -> int | None:
@@ -300,7 +364,8 @@ def parse_gpu(index: int, raw: dict[str, Any]) -> GpuInfo:
                    *(_amount(raw.get(k), f"{where} {k}") for k in ("pcie_gen", "pcie_gen_max", "pcie_width",
                                                                    "pcie_width_max")),
                    _name(raw.get("driver"), f"{where} driver"), (cap[0], cap[1]) if cap else None,
-                   _name(raw.get("pci_bus_id"), f"{where} pci_bus_id"))
+                   _name(raw.get("pci_bus_id"), f"{where} pci_bus_id"),
+                   _index(raw.get("torch_index"), f"{where} torch_index"))
 
 
 def probe(sources: ProbeSources | None = None, removed: frozenset[str] | None = None) -> HardwareInfo:
@@ -319,7 +384,9 @@ def probe(sources: ProbeSources | None = None, removed: frozenset[str] | None = 
         status = "ok" if gpus else "no GPU (the driver reports no device)"
     except GpuUnavailable as e:
         gpus, status = (), f"no GPU: {e}"
-    return HardwareInfo(cpu, total, available, _amount(src.numa_nodes(), "the NUMA node count"), gpus, status)
+    problem = src.torch_problem() if gpus and all(g.torch_index is None for g in gpus) else None
+    return HardwareInfo(cpu, total, available, _amount(src.numa_nodes(), "the NUMA node count"), gpus, status,
+                        problem)
 
 
 def describe(hw: HardwareInfo) -> list[str]:
@@ -340,6 +407,8 @@ def describe(hw: HardwareInfo) -> list[str]:
     ]
     if not hw.gpus:
         lines.append(f"GPU: {hw.gpu_status}")
+    elif all(g.torch_index is None for g in hw.gpus) and hw.torch_problem:
+        lines.append(f"PyTorch: {hw.torch_problem}")
     for g in hw.gpus:
         link = "unknown" if g.pcie_gbps is None else f"{g.pcie_gbps:.1f} GB/s"
         lines.append(
@@ -347,6 +416,7 @@ def describe(hw: HardwareInfo) -> list[str]:
             f"PCIe gen {show(g.pcie_gen)}/{show(g.pcie_gen_max)} x{show(g.pcie_width)}/{show(g.pcie_width_max)} "
             f"(max link {link}), driver {show(g.driver)}, compute capability "
             f"{'unknown' if g.capability is None else '.'.join(map(str, g.capability))}, PCI bus {show(g.pci_bus_id)}"
-            " (--gpu " + str(g.index) + ")"
+            + (f" (--gpu {g.torch_index})" if g.torch_index is not None
+               else " (PyTorch here cannot use it)" if hw.torch_problem else " (--gpu unknown)")
         )
     return lines

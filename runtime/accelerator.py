@@ -115,6 +115,10 @@ class HostRead:
 
     def wait(self) -> tuple[torch.Tensor, ...]:
         self.accel._synced()
+        return self.collect()
+
+    def collect(self) -> tuple[torch.Tensor, ...]:
+        """The host copies, once a host read after them has waited already (no synchronisation of its own)."""
         out = self.future.result()
         self.accel._host_wait(self.event)
         return out
@@ -155,6 +159,7 @@ class Accelerator(ABC):
         self.bytes_h2d = 0
         self.bytes_d2h = 0
         self.syncs = 0  # times the host waited for the device (host reads, joins, copies waited on)
+        self.allocations = 0  # device allocations made (each one the device's allocator rounds up on its own)
         self._lock = threading.Lock()  # byte counters are touched by the copy threads too
         # post-fetches on one copier; a copy a kernel waits for on the other, never behind them
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-copy",
@@ -202,6 +207,7 @@ class Accelerator(ABC):
         """Checked against the budget before the device is asked; the device running out anyway (another
         program took its memory) is the same error."""
         self.reserve(size, what)
+        self.allocations += 1
         try:
             return make()
         except torch.OutOfMemoryError as e:

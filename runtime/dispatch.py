@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from tandem.kernels.cpu import CpuExpert, CpuOptions, Epilogue
 from tandem.kernels.quant import QuantizedMatrix
-from tandem.runtime.accelerator import Accelerator, Copy, done
+from tandem.runtime.accelerator import Accelerator, Copy, HostRead, done
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.expert_cache import CachePolicy, ExpertCache, Key, Slot
 from tandem.runtime.latency import LatencyModel
@@ -40,6 +40,11 @@ GPU, CPU, FETCHED = 0, 1, 2  # columns of the per-layer statistics
 RESERVE = 50  # 1/RESERVE of the accelerator's budget is kept back from the expert slots: activations, allocator slack
 SLAB_BYTES = 1 << 30  # expert slots are cut from allocations of at most this size (the allocator rounds each by 2 MiB)
 SLOT_ALIGN = 64  # bytes: where each tensor of a slot starts (any dtype's view, the device's vector loads)
+# A pass of at most this many tokens runs a layer's resident SwiGLU experts on the accelerator as one batched product
+# over all its tokens (each expert's weights stacked: a copy), not expert by expert: a decode token's layer is then
+# about a dozen kernels instead of ten an expert, and a GPU decoding a MoE model is bound by how many kernels the host
+# launches (11-14 us each on an H200 machine: docs/bench/gpu). The stacked copy costs the experts' bytes again.
+GROUPED_TOKENS = 8
 
 
 class Strategy(StrEnum):
@@ -203,6 +208,10 @@ class Dispatcher:
         self._held: frozenset[Key] = frozenset()  # cache slots a started layer's queued-later experts will read
         self.timeline: Timeline | None = None  # set by a benchmark: the device's expert runs recorded as spans
         self.pinned_bytes = 0  # host memory of the experts pinned for the accelerator's copies
+        # layers whose experts all sit in static slots of one slab, in id order: views [E, ...] of each of their
+        # tensors over those slots, so that a pass can pick a token's experts on the device, without a host read
+        self._stacked: dict[int, list[torch.Tensor]] = {}
+        self._unread: list[tuple[int, HostRead]] = []  # such layers' routings, read once the step's logits are
         if accel is not None:
             self._allocate(accel)
             self._bytes_base = (accel.bytes_h2d, accel.bytes_d2h)
@@ -249,13 +258,15 @@ class Dispatcher:
     def _template(self) -> ExpertWeights | None:
         return next((b.experts[0] for b in self.blocks.values() if b.experts), None)
 
-    def _new_buffers(self, accel: Accelerator, count: int, what: str) -> list[ExpertWeights]:
+    def _new_buffers(self, accel: Accelerator, count: int, what: str, group: int = 1) -> list[ExpertWeights]:
         """`count` empty experts on the accelerator, of the model's kind of expert, cut from slabs of at most
         SLAB_BYTES (one allocation for many slots: the device's allocator would round each expert's tensors on
-        their own, up to a fifth more than they take, where the budget counts their bytes)."""
+        their own, up to a fifth more than they take, where the budget counts their bytes), each slab a whole number
+        of `group`s of slots where it holds one (a layer's experts in one slab)."""
         layout, stride = self._slot_layout()
         template = self._template()
         per_slab = max(1, SLAB_BYTES // stride)
+        per_slab = per_slab // group * group or per_slab
         out: list[ExpertWeights] = []
         for first in range(0, count, per_slab):
             n = min(per_slab, count - first)
@@ -267,6 +278,25 @@ class Dispatcher:
                 out.append(ExpertWeights(*tensors) if template is None or type(template) is ExpertWeights
                            else template.like(tensors))
         return out
+
+    def _stack_layers(self, static: tuple[Key, ...], stride: int) -> None:
+        """For each layer whose experts are all static, in id order in consecutive slots of one slab: views over
+        those slots, [E, ...] per tensor of a slot (no copy)."""
+        if type(self._template()) is not ExpertWeights:
+            return
+        E = self.cfg.num_experts
+        where = {key: n for n, key in enumerate(static)}
+        for layer in self.blocks:
+            slots = [where.get((layer, e)) for e in range(E)]
+            if any(n is None for n in slots) or slots != list(range(slots[0], slots[0] + E)):  # type: ignore[operator]
+                continue
+            first = self.slot_buffers[slots[0]].tensors()  # type: ignore[index]
+            last = self.slot_buffers[slots[-1]].tensors()  # type: ignore[index]
+            if any(a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() for a, b in zip(first, last,
+                                                                                                   strict=True)):
+                continue  # (across two slabs)
+            self._stacked[layer] = [t.as_strided((E, *t.shape), (stride // t.element_size(), *t.stride()))
+                                    for t in first]
 
     def _allocate(self, accel: Accelerator) -> None:
         """Scratch buffer, then as many expert slots as the remaining budget (minus a reserve) holds."""
@@ -296,13 +326,15 @@ class Dispatcher:
         indexes = min(len(moe_layers), cache_slots // ways) if ways else 0
         self.cache = ExpertCache(moe_layers[:indexes], ways if indexes else 0, policy.cache_policy,
                                  policy.max_inflight, first_slot=n_static)
-        self.slot_buffers = self._new_buffers(accel, n_static + self.cache.slots, "expert slots")
+        self.slot_buffers = self._new_buffers(accel, n_static + self.cache.slots, "expert slots",
+                                              cfg.num_experts if static is every else 1)
         # Experts in RAM pinned: copies go straight from them, not through a copier's memcpy into a staging buffer
         if self.resident:
             self.pinned_bytes = accel.pin([t for b in self.blocks.values() for w in b.experts for t in w.tensors()])
         for n, (layer, e) in enumerate(static[:n_static]):
             accel.copy_now(self._tensors(self.slot_buffers[n]), self._tensors(self._source(layer, e)))
             self.static[(layer, e)] = self.slot_buffers[n]
+        self._stack_layers(static[:n_static], self._slot_layout()[1])
 
     @staticmethod
     def _tensors(w: ExpertWeights) -> list[torch.Tensor]:
@@ -377,6 +409,10 @@ class Dispatcher:
             if block.shared is not None:
                 out += block.shared(x)
             return Pending(layer, done(out))
+        stacked = self._stacked.get(layer)
+        if stacked is not None and ids.numel() <= GROUPED_TOKENS:  # every expert here: chosen on the device
+            self._unread.append((layer, self.accel.download(lambda: (ids,))))  # for the trace, read later
+            return Pending(layer, self.accel.submit(partial(self._device_chosen, block, stacked, x, ids, weights)))
         # the layer's one host read: the routing for the plan, the activations for the CPU experts
         ids_h, weights_h, x_h = self.accel.download(lambda: (ids, weights, x)).wait()  # [T, K], [T, K], [T, H]
         counts = self.recorder.record(layer, ids_h)  # [E] routings per expert
@@ -385,9 +421,20 @@ class Dispatcher:
         if self.cache.policy is CachePolicy.TRACE:
             for e in chosen:
                 self.cache.observe(layer, e, int(counts[e]))
-        gpu_jobs, cpu_jobs = self._plan(layer, ids_h, chosen)
-        out, later = self._launch_device(x, weights, gpu_jobs, block)  # queued: the host goes on
+        gpu_jobs, cpu_jobs = self._plan(layer, ids_h.numpy(), chosen)
+        out, later = self._launch_device(x, weights, weights_h, gpu_jobs, block)  # queued: the host goes on
         return Pending(layer, out, x_h, weights_h, cpu_jobs, frozenset((layer, j.expert) for j in gpu_jobs), later)
+
+    def end_step(self) -> None:
+        """After a step's logits are read: the routings of the layers that chose their experts on the device into
+        the trace and the statistics (their copies have landed by now: no wait)."""
+        for layer, read in self._unread:
+            ids_h = read.collect()[0]  # [T, K]
+            counts = self.recorder.record(layer, ids_h)
+            n = self.stats.count_all(layer, counts > 0, GPU)
+            self.stats.hits += n
+            self.last_chosen[layer] = sorted(np.flatnonzero(counts).tolist(), key=lambda e: -counts[e])
+        self._unread.clear()
 
     def finish(self, pending: Pending) -> torch.Tensor:
         """The layer's second half: its CPU experts, computed while the accelerator runs its own, added behind them
@@ -434,15 +481,16 @@ class Dispatcher:
         counts = self.recorder.record_token(ids.numpy())  # [L, E]
         self.stats.misses += self.stats.count_layers(counts > 0, CPU)
 
-    def _plan(self, layer: int, ids: torch.Tensor, chosen: list[int]) -> tuple[list[_Job], list[_Job]]:
-        """The layer's experts on the accelerator (resident ones first) and on the CPU. Every hit is known before
-        any miss claims a slot: a miss must not evict an expert this same pass reads."""
+    def _plan(self, layer: int, ids: np.ndarray, chosen: list[int]) -> tuple[list[_Job], list[_Job]]:
+        """The layer's experts on the accelerator (resident ones first) and on the CPU, from the host's routing ids
+        [T, K] (numpy: a decode token plans several experts a layer, and a torch op costs ten times a numpy one).
+        Every hit is known before any miss claims a slot: a miss must not evict an expert this same pass reads."""
         gpu: list[_Job] = []
         cpu: list[_Job] = []
         misses = []
         resident = {e: w for (lay, e), w in self.static.items() if lay == layer}
         for e in chosen:
-            tok, slot = (ids == e).nonzero(as_tuple=True)  # [n], [n]
+            tok, slot = (torch.from_numpy(a) for a in np.nonzero(ids == e))  # [n], [n]
             weights = resident.get(e)
             if weights is None and self.cache.covers(layer):
                 hit = self.cache.lookup(layer, e)
@@ -497,8 +545,8 @@ class Dispatcher:
         self.cache.start(slot, copy)
         return copy
 
-    def _launch_device(self, x: torch.Tensor, weights: torch.Tensor, jobs: Sequence[_Job], block: MoEBlockWeights
-                       ) -> tuple[Future[torch.Tensor], _Launch | None]:
+    def _launch_device(self, x: torch.Tensor, weights: torch.Tensor, weights_h: torch.Tensor, jobs: Sequence[_Job],
+                       block: MoEBlockWeights) -> tuple[Future[torch.Tensor], _Launch | None]:
         """Queue the accelerator's resident experts of the layer: x [T, H] and float32 routing weights [T, K] on the
         device -> the future of their output [T, H] float32 (the shared expert's, plus each job's weighted expert
         output), which completes with the last of that work; and the jobs that wait for a copy (`_Launch`: queued by
@@ -506,12 +554,23 @@ class Dispatcher:
         the float32 residual stream, and a bf16 one would round it once per expert."""
         accel = self.accel
         assert accel is not None
-        # every job's token rows and choice columns in one host->device copy, no synchronisation
-        rows = torch.cat([torch.stack((j.tok, j.slot)) for j in jobs], dim=1) if jobs else None  # [2, sum n]
-        index = accel.to_device(rows) if rows is not None else None
         first = accel.submit(lambda: block.shared(x).float() if block.shared is not None
                              else torch.zeros(x.shape, dtype=torch.float32, device=x.device))  # [T, H]
         out = first
+        T = x.shape[0]
+        group = [j for j in jobs if type(j.weights) is ExpertWeights and not j.after] if T <= GROUPED_TOKENS else []
+        if len(group) > 1:  # the resident SwiGLU experts in one batched product
+            share = np.zeros((len(group), T), dtype=np.float32)  # [k, T] each token's weight for each expert
+            w_h = weights_h.numpy()
+            for i, j in enumerate(group):
+                share[i, j.tok.numpy()] = w_h[j.tok.numpy(), j.slot.numpy()]
+            grouped = accel.to_device(torch.from_numpy(share))
+            run = partial(self._device_group, out, [j.weights for j in group], x, grouped)
+            out = accel.submit(run if self.timeline is None else self.timeline.wrap("experts", run))
+            jobs = [j for j in jobs if not (type(j.weights) is ExpertWeights and not j.after)]
+        # every other job's token rows and choice columns in one host->device copy, no synchronisation
+        rows = np.concatenate([np.stack((j.tok.numpy(), j.slot.numpy())) for j in jobs], axis=1) if jobs else None
+        index = accel.to_device(torch.from_numpy(rows)) if rows is not None else None  # [2, sum n]
         later = _Launch(x, weights, [])
         at = 0
         for job in jobs:
@@ -548,6 +607,39 @@ class Dispatcher:
         assert self.accel is not None
         run = partial(self._device_expert, out, expert, x, weights, tok, slot)
         return self.accel.submit(run if self.timeline is None else self.timeline.wrap("experts", run), after)
+
+    @staticmethod
+    def _device_group(out: Future[torch.Tensor], experts: list[ExpertWeights], x: torch.Tensor, share: torch.Tensor
+                      ) -> torch.Tensor:
+        """Device work: k SwiGLU experts over every token of the pass x [T, H] at once, each token's output weighted
+        by `share` [k, T] (float32; 0 where the token did not choose the expert), added into the float32 output
+        [T, H] (`out`, finished); returns that output. A product for a token that did not choose an expert counts
+        nothing, even if it is not finite (fp16 can overflow where the expert never runs otherwise)."""
+        k = len(experts)
+        gate_up = torch.stack([w.gate for w in experts] + [w.up for w in experts])  # [2k, I, H]
+        h = torch.matmul(x, gate_up.transpose(1, 2))  # [2k, T, I]
+        y = torch.bmm(F.silu(h[:k]) * h[k:], torch.stack([w.down for w in experts]).transpose(1, 2))  # [k, T, H]
+        if x.shape[0] == 1:  # (one token: it chose them all)
+            part = torch.matmul(share.t(), y[:, 0].float())  # [1, H]
+        else:
+            part = torch.where(share[:, :, None] != 0, y.float() * share[:, :, None], 0.0).sum(0)  # [T, H]
+        return out.result().add_(part)
+
+    @staticmethod
+    def _device_chosen(block: MoEBlockWeights, stacked: list[torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
+                       weights: torch.Tensor) -> torch.Tensor:
+        """Device work of a layer whose experts are all on the device, chosen there: each token's K experts picked
+        from `stacked` (the layer's static slots as [E, I, H], [E, I, H], [E, H, I]) by its ids [T, K] (a copy of
+        T*K experts), run as one batched product over x [T, H] and weighted by the float32 `weights` [T, K];
+        the shared expert's added -> [T, H] float32."""
+        T, K = ids.shape
+        flat = ids.reshape(-1)  # [T*K]
+        gate, up, down = (s.index_select(0, flat) for s in stacked)  # [T*K, I, H] x 2, [T*K, H, I]
+        rows = (x.expand(K, -1) if T == 1 else x.repeat_interleave(K, dim=0)).unsqueeze(1)  # [T*K, 1, H]
+        h = F.silu(torch.bmm(rows, gate.transpose(1, 2))) * torch.bmm(rows, up.transpose(1, 2))  # [T*K, 1, I]
+        y = torch.bmm(h, down.transpose(1, 2)).view(T, K, -1)  # [T, K, H]
+        out = torch.matmul(weights.unsqueeze(1), y.float()).squeeze(1)  # [T, H]
+        return out + block.shared(x).float() if block.shared is not None else out
 
     @staticmethod
     def _device_expert(out: Future[torch.Tensor], expert: ExpertWeights, x: torch.Tensor, weights: torch.Tensor,

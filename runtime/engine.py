@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from tandem.kernels.errors import GenerationError
@@ -52,8 +53,9 @@ class GenerationStats:
 def check_scores(logits: torch.Tensor, step: int) -> None:
     """Scores with NaN or infinities come from damaged weights (or an overflow in them): sampling would fail
     inside torch and greedy or beam search would print nonsense, so they end the generation with an error.
-    One pass over a row of V scores per step: negligible beside the forward pass."""
-    if not bool(torch.isfinite(logits).all()):
+    One pass over a row of V scores per step, in numpy: one thread, where torch's elementwise ops on a row this long
+    wake every OpenMP thread (milliseconds a token on a 16-core machine whose threads slept while a GPU worked)."""
+    if not bool(np.isfinite(logits.numpy()).all()):
         raise GenerationError(f"the model produced NaN or infinite scores at token {step + 1}; its weights may be "
                               "damaged (download or convert the model again)")
 

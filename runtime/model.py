@@ -55,11 +55,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in float32 like the reference implementations, into the weight's dtype.
     x in the weight's dtype rounds where transformers rounds; a float32 residual stream under bf16 weights rounds
     once, at the end."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)  # x * rsqrt(mean(x^2) + eps) in float32
     if x.dtype == torch.float32 and weight.dtype != torch.float32:
-        return (xf * weight.float()).to(weight.dtype)
-    return weight * xf.to(x.dtype)
+        return normed.mul_(weight).to(weight.dtype)  # (the float32 product with the weight, as weight.float())
+    return weight * normed.to(x.dtype)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
@@ -559,7 +558,16 @@ class MoEModel:
         # exact ties, which argmax then breaks by token id
         logits = self.linear(self._norm(x, self.norm, self.norm_bias), self.lm_head, self.lm_head_bias,
                              out_dtype=torch.float32)
-        return logits if self.accel is None else self.accel.to_host(logits)
+        return self._read_logits(logits)
+
+    def _read_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The step's logits on the host (on an accelerator, its one host read), then what the dispatcher left to
+        read behind them."""
+        if self.accel is None:
+            return logits
+        logits = self.accel.to_host(logits)
+        self.dispatcher.end_step()
+        return logits
 
     def _decode_step(self) -> DecodeStep | None:
         """The decode step of this model and its KV cache, planned on first use; None where it does not serve the
@@ -690,7 +698,7 @@ class MoEModel:
         x = x[:, last]  # [1, S, H]
         logits = self.linear(self._norm(x, self.norm, self.norm_bias), self.lm_head, self.lm_head_bias,
                              out_dtype=torch.float32)[0]  # [S, V]
-        return logits if self.accel is None else self.accel.to_host(logits)
+        return self._read_logits(logits)
 
     def _micro_batches(self, segments: list[Segment]) -> list[tuple[int, int]]:
         """The segments in `micro_batches` runs of about equal tokens (one run without an accelerator: nothing

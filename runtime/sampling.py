@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem.kernels.errors import GenerationError
@@ -85,6 +86,6 @@ def next_token(
 ) -> int:
     """logits [V] float32, history [N] int64 (prompt + generated) -> the next token id."""
     logits = process_logits(logits, params, history)
-    if params.temperature == 0:
-        return int(torch.argmax(logits))
+    if params.temperature == 0:  # (numpy: one thread, as check_scores; the first of equal scores, as torch's)
+        return int(np.argmax(logits.numpy()))
     return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))

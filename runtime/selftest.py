@@ -1,36 +1,46 @@
-"""`tandem selftest`: the accelerator tier checked end to end on this machine, with a tiny random model written to a
+"""`tandem selftest`: the accelerator tier checked end to end on this machine, with random models written to a
 temporary folder (nothing is downloaded). On a GPU (`--gpu`) it is the smoke test of what no CI machine has; on the
-emulated device it runs in the test suite, so every check is itself checked.
+emulated device it runs in the test suite, so every check is itself checked, and each check is shown to fail on
+code broken the way it guards against (tests/test_selftest.py).
 
-The checks:
+The checks, each with its figures:
 - every strategy, cache policy and static placement, and two beams, at a budget of a few expert slots, give the
-  CPU-only tokens and logits (fp32);
-- the fence: a copy into a slot waits for the kernel that still reads it;
-- host synchronisations per decode step (under `torch.cuda.set_sync_debug_mode` on a GPU, whose warnings count
-  them; the accelerator's own count on the emulated device): at most two per MoE layer and one for the logits;
-- the memory the device reserves at a full-context prefill stays within the budget;
+  CPU-only tokens and logits (a tiny model, fp32);
+- bf16, and fp16 with the CPU's experts in float32, on a model with real experts' shapes (Qwen3-30B-A3B's on a GPU,
+  smaller on the emulated device): the device's logits against the CPU's, teacher-forced; its logits not rounded to
+  the compute dtype (float32 sums, as the CPU keeps them);
+- the fence: a copy into a slot waits for a kernel still reading it, a kernel made slow on purpose;
+- the memory the device takes for the expert slots and a full-context prefill, against the budget (on CUDA what the
+  allocator reserves; the slots come from a few slabs, not one allocation a tensor);
+- host synchronisations per decode step for each kind of expert weights (bf16, GGUF blocks, MXFP4) and per batched
+  pass: one host read per MoE layer and one for the logits (the emulated device joins its expert stream once more a
+  layer, where CUDA orders two streams; on CUDA the sync debug mode's implicit ones count too);
 - load, close, load again: the same budget (what the first load held was given back);
+- `--gpu N` is the GPU `tandem probe` numbers N (by PCI bus);
 - the process's thread count is what it was.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from tandem.kernels.cpu import CpuOptions
 from tandem.kernels.errors import ResourceError
-from tandem.runtime.accelerator import GIB, Accelerator, make_accelerator, release_device_memory
+from tandem.runtime.accelerator import GIB, Accelerator, cuda_devices, make_accelerator, release_device_memory
 from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
-from tandem.runtime.dispatch import OffloadOptions, Strategy, budget_for_slots
+from tandem.runtime.dispatch import SLAB_BYTES, OffloadOptions, Strategy, budget_for_slots
 from tandem.runtime.engine import Engine
 from tandem.runtime.expert_cache import CachePolicy
 from tandem.runtime.memory import accelerator_bytes
-from tandem.runtime.model import MoEModel
+from tandem.runtime.model import MoEModel, Segment
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.synth import tiny_config, write_test_model
 
@@ -39,6 +49,11 @@ SLOTS = 6  # expert slots the budget leaves: fewer than the model's 24 experts, 
 TOKENS = 8
 PROMPT = [11, 42, 7, 99, 23]
 TOLERANCE = 1e-3  # fp32 logits, device against CPU (different summation orders)
+FENCE_S = 0.2  # how long the slowed kernel reads its slot
+BF16_EXACT_MOST = 0.5  # a larger share of logits exactly representable in bf16: they were rounded to it
+AGREE_LEAST = 0.85  # teacher-forced top-1 agreement with the CPU in the same dtype, at the least
+CLOSER = 0.25  # the device's largest logit difference from the CPU, at most this share of bf16's own (on the emulated
+# device: 0.04 of it; with the experts summed in bf16, or the logits rounded to bf16, 0.7-0.8)
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,10 @@ class Check:
     name: str
     ok: bool
     detail: str
+    figures: dict[str, float | int | str | None] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -55,7 +74,7 @@ class _Run:
 
 
 class _Device:
-    """The device under test: `kind` ("cuda" or "emulated") and a budget of SLOTS expert slots for this model."""
+    """The device under test: `kind` ("cuda" or "emulated") and a budget of SLOTS expert slots for the tiny model."""
 
     def __init__(self, kind: str, gpu: int, ckpt: Checkpoint) -> None:
         cfg = ckpt.config
@@ -63,6 +82,15 @@ class _Device:
         expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
         fixed = accelerator_bytes(ckpt, torch.float32, CONTEXT, 2) + expert  # beside the slots: the scratch expert
         self.vram_gb = budget_for_slots(fixed, SLOTS, expert) / GIB
+
+    @property
+    def cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    @property
+    def gpu_index(self) -> int | None:
+        """PyTorch's number for the GPU under test (`--gpu` counts by PCI bus); None on the emulated device."""
+        return cuda_devices()[self.gpu].index if self.cuda else None
 
     def accelerator(self, vram_gb: float | None) -> Accelerator:
         """An accelerator of `vram_gb` GB (None: all a GPU has free)."""
@@ -75,6 +103,31 @@ class _Device:
                                         policy)
 
 
+class _Shaped:
+    """A model with real experts' shapes (a GPU's allocator and kernels behave by size), bf16, and the budget for
+    a quarter of its experts: Qwen3-30B-A3B's expert (2048 x 768, 3 MiB a matrix) on a GPU; a smaller one on the
+    emulated device, which the tests run on two cores."""
+
+    def __init__(self, kind: str, workdir: Path) -> None:
+        cuda = kind == "cuda"
+        cfg = tiny_config("qwen3_moe", num_hidden_layers=2, hidden_size=2048 if cuda else 256,
+                          moe_intermediate_size=768 if cuda else 256, num_experts=16, num_experts_per_tok=4,
+                          num_attention_heads=16 if cuda else 4, num_key_value_heads=4 if cuda else 2,
+                          head_dim=128 if cuda else 64, vocab_size=2048, max_position_embeddings=CONTEXT)
+        folder = write_test_model(workdir / "shaped", cfg, seed=4, dtype=torch.bfloat16, std=0.02)
+        self.ckpt = open_checkpoint(folder)
+        c = self.ckpt.config
+        self.expert = 3 * c.hidden_size * c.moe_intermediate_size * 2
+        self.slots = c.num_moe_layers * c.num_experts // 4
+
+    def vram_gb(self, batch: int = 1) -> float:
+        fixed = accelerator_bytes(self.ckpt, torch.bfloat16, CONTEXT, batch) + self.expert
+        return budget_for_slots(fixed, self.slots, self.expert) / GIB
+
+    def prompt(self, n: int, seed: int = 0) -> torch.Tensor:
+        return torch.randint(3, self.ckpt.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+
+
 def _run(model: MoEModel, beams: int = 1) -> _Run:
     logits = model.forward(torch.tensor([PROMPT]), 0)[0, -1]
     tokens = list(Engine(model, ()).generate(PROMPT, SamplingParams(max_new_tokens=TOKENS, beams=beams)))
@@ -82,7 +135,7 @@ def _run(model: MoEModel, beams: int = 1) -> _Run:
 
 
 def selftest(kind: str, workdir: Path, gpu: int = 0) -> list[Check]:
-    """Every check on `kind` ("cuda": GPU `gpu`; "emulated"), with a model written under `workdir`."""
+    """Every check on `kind` ("cuda": GPU `gpu`; "emulated"), with models written under `workdir`."""
     threads = torch.get_num_threads()
     folder = write_test_model(workdir / "mixtral", tiny_config("mixtral", num_hidden_layers=3), seed=3)
     ckpt = open_checkpoint(folder)
@@ -90,10 +143,14 @@ def selftest(kind: str, workdir: Path, gpu: int = 0) -> list[Check]:
     cpu = MoEModel.from_checkpoint(ckpt, torch.float32, CONTEXT, 2)
     reference, beams = _run(cpu), _run(cpu, beams=2)
     cpu.close()
-    checks = [_matches(device, reference), _beams(device, beams), _fence(device), _synchronisations(device),
-              _memory(device), _reload(device)]
+    shaped = _Shaped(kind, workdir)
+    checks = [_matches(device, reference), _beams(device, beams), _numerics(device, shaped, torch.bfloat16),
+              _numerics(device, shaped, torch.float16), _fence(device), _slot_memory(device, shaped),
+              _synchronisations(device), _synchronisations_by_kind(device, shaped, workdir),
+              _batched_synchronisations(device, shaped), _memory(device), _reload(device), _numbering(device)]
     now = torch.get_num_threads()
-    checks.append(Check("thread count", now == threads, f"{threads} before, {now} after"))
+    checks.append(Check("thread count", now == threads, f"{threads} before, {now} after",
+                        {"before": threads, "after": now}))
     return checks
 
 
@@ -113,7 +170,8 @@ def _matches(device: _Device, reference: _Run) -> Check:
                     wrong.append(f"{strategy}/{policy}/{'static' if static else 'cache'}")
     detail = f"{3 * len(CachePolicy) * 2} configurations, largest logit difference {worst:.1e}"
     return Check("every strategy, cache policy and placement matches the CPU", not wrong,
-                 detail + (f"; differ: {', '.join(wrong)}" if wrong else ""))
+                 detail + (f"; differ: {', '.join(wrong)}" if wrong else ""),
+                 {"configurations": 3 * len(CachePolicy) * 2, "largest_logit_difference": worst})
 
 
 def _beams(device: _Device, reference: _Run) -> Check:
@@ -122,37 +180,139 @@ def _beams(device: _Device, reference: _Run) -> Check:
         run = _run(model, beams=2)
     finally:
         model.close()
-    return Check("two beams match the CPU", run.tokens == reference.tokens, f"{len(run.tokens)} tokens")
+    return Check("two beams match the CPU", run.tokens == reference.tokens, f"{len(run.tokens)} tokens",
+                 {"tokens": len(run.tokens)})
 
 
-def _fence(device: _Device, size: int = 1024, reads: int = 1000) -> Check:
-    """A kernel reads a slot `reads` times while a copy of other values into it is queued: it must see the old
-    values throughout (the copy waits for it)."""
+def _numerics(device: _Device, shaped: _Shaped, dtype: torch.dtype) -> Check:
+    """Teacher-forced logits of a real-shaped model on the device (a quarter of its experts there, the rest on the
+    CPU) against the CPU alone: the same dtype for bf16; for fp16 (a GPU before Ampere) the CPU's experts in
+    float32, against the CPU in float32. The device may differ from it by a quarter of what bf16 itself moves the
+    CPU's logits from float32 at most (a bf16 sum of the experts, or logits rounded to bf16, move them about as
+    much as bf16 does), and its logits must keep their float32 sums (not rounded to bf16)."""
+    name = str(dtype).removeprefix("torch.")
+    cpu_dtype = torch.float32 if dtype == torch.float16 else None
+    ids = shaped.prompt(48, seed=1)[None]
+    accel = device.accelerator(shaped.vram_gb())
+    model = MoEModel.from_checkpoint(shaped.ckpt, dtype, CONTEXT, 1, accel, OffloadOptions(),
+                                     CpuOptions(resident=True), None, cpu_dtype)
+    try:
+        ours = model.forward(ids, 0)[0].float()  # [T, V]
+        placed = model.dispatcher.cache.slots + len(model.dispatcher.static)
+    finally:
+        model.close()
+    on_cpu = {}
+    for kind in {torch.float32, cpu_dtype or dtype}:
+        cpu = MoEModel.from_checkpoint(shaped.ckpt, kind, CONTEXT, 1, None, None, CpuOptions(resident=True))
+        try:
+            on_cpu[kind] = cpu.forward(ids, 0)[0].float()
+        finally:
+            cpu.close()
+    theirs = on_cpu[cpu_dtype or dtype]
+    bf16_moves = 0.0
+    if torch.bfloat16 in on_cpu:
+        bf16_moves = (on_cpu[torch.bfloat16] - on_cpu[torch.float32]).abs().max().item()
+    else:  # (fp16: against float32; bf16's own distance measured all the same)
+        cpu = MoEModel.from_checkpoint(shaped.ckpt, torch.bfloat16, CONTEXT, 1, None, None, CpuOptions(resident=True))
+        try:
+            bf16_moves = (cpu.forward(ids, 0)[0].float() - theirs).abs().max().item()
+        finally:
+            cpu.close()
+    agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    exact = (ours == ours.to(torch.bfloat16).float()).float().mean().item()
+    diff = (ours - theirs).abs().max().item()
+    finite = bool(torch.isfinite(ours).all())
+    ok = finite and agree >= AGREE_LEAST and exact <= BF16_EXACT_MOST and diff <= CLOSER * bf16_moves
+    return Check(f"{name} on real expert shapes agrees with the CPU", ok,
+                 f"top-1 agreement {agree:.3f} over {ids.shape[1]} positions, largest logit difference {diff:.4f} "
+                 f"(bf16 moves the CPU's {bf16_moves:.4f}), {exact:.3f} of the logits exactly bf16 ({placed} expert "
+                 "slots)",
+                 {"top1_agreement": round(agree, 4), "largest_logit_difference": round(diff, 5),
+                  "bf16_moves_the_cpu": round(bf16_moves, 5), "logits_exactly_bf16": round(exact, 4),
+                  "finite": finite, "slots": placed})
+
+
+def _stall(accel: Accelerator, seconds: float) -> None:
+    """Device work that occupies the stream for `seconds` (call it from submitted work): CUDA's spin kernel, the
+    emulated stream's thread asleep."""
+    if accel.device.type != "cuda":
+        threading.Event().wait(seconds)
+        return
+    cycles = _cycles_per_second(accel.device)  # pragma: no cover - no GPU on test machines
+    torch.cuda._sleep(int(cycles * seconds))  # pragma: no cover
+
+
+_CYCLES: dict[torch.device, float] = {}
+
+
+def _cycles_per_second(device: torch.device) -> float:  # pragma: no cover - no GPU on test machines
+    """torch.cuda._sleep's cycles a second on this GPU, measured once (its clock rises under load: measured warm)."""
+    if device not in _CYCLES:
+        with torch.cuda.device(device):
+            torch.cuda._sleep(10_000_000)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(50_000_000)
+            end.record()
+            end.synchronize()
+            _CYCLES[device] = 50_000_000 / (start.elapsed_time(end) / 1e3)
+    return _CYCLES[device]
+
+
+def _fence(device: _Device, size: int = 1024) -> Check:
+    """A kernel that reads a slot only after FENCE_S of device time, with a copy of other values into the slot
+    queued meanwhile: it must see the old values (the copy waits for it), where a copy that did not wait would have
+    long landed."""
     accel = device.accelerator(vram_gb=2 * size * size * 4 / GIB)  # a budget of its own: the slot, twice
     try:
         slot = accel.empty((size, size), torch.float32, "the fenced slot")
-        accel.copy_async([slot], [torch.full((size, size), 1.0 / size)]).result()  # (the copier, warmed up)
-        x = accel.to_device(torch.ones(size))
+        accel.copy_async([slot], [torch.full((size, size), 1.0)]).result()  # (the copier, warmed up)
 
         def kernel() -> torch.Tensor:
-            y = x
-            for _ in range(reads):
-                y = slot @ y  # stays ones while the slot holds 1/size
-            return y
+            _stall(accel, FENCE_S)
+            return slot.mean()
 
         read = accel.submit(kernel)
-        accel.copy_async([slot], [torch.full((size, size), 2.0 / size)])
-        seen = accel.download(lambda: (read.result(),)).wait()[0]  # (read: earlier work on the stream)
+        accel.copy_async([slot], [torch.full((size, size), 2.0)])
+        seen = accel.download(lambda: (read.result(),)).wait()[0].item()
     finally:
         accel.close()
-    error = (seen - 1).abs().max().item()
-    return Check("a slot is not overwritten while a kernel reads it", error < 1e-3, f"largest change {error:.1e}")
+    return Check("a slot is not overwritten while a kernel reads it", abs(seen - 1.0) < 1e-6,
+                 f"the kernel read {seen:.3f} (1: the old weights; 2: the copy did not wait)", {"read": seen})
+
+
+def _slot_memory(device: _Device, shaped: _Shaped) -> Check:
+    """The real-shaped model with a quarter of its experts in slots: the device memory the load takes against the
+    budget (CUDA: what the allocator reserves), and how many allocations the slots took."""
+    cuda = device.cuda
+    if cuda:  # pragma: no cover - no GPU on test machines
+        release_device_memory()
+        base = torch.cuda.memory_reserved(device.gpu_index)
+    accel = device.accelerator(shaped.vram_gb())
+    before = accel.allocations
+    model = MoEModel.from_checkpoint(shaped.ckpt, torch.bfloat16, CONTEXT, 1, accel, OffloadOptions())
+    try:
+        dispatcher = model.dispatcher
+        slots = len(dispatcher.slot_buffers)
+        slab_most = 1 + math.ceil(slots * shaped.expert / SLAB_BYTES)  # (the scratch expert's slab, then the slots')
+        taken = torch.cuda.memory_reserved(device.gpu_index) - base if cuda else accel.used
+        allocations = accel.allocations - before
+        expert_allocations = len({t.untyped_storage().data_ptr() for w in [dispatcher.scratch,
+                                  *dispatcher.slot_buffers] for t in w.tensors()})
+    finally:
+        model.close()
+    ok = taken <= accel.budget and expert_allocations <= slab_most
+    return Check("the expert slots' memory fits the budget", ok,
+                 f"{taken / 2**20:.1f} MiB of a {accel.budget / 2**20:.1f} MiB budget for {slots} slots of "
+                 f"{shaped.expert / 2**20:.2f} MiB, in {expert_allocations} allocations ({allocations} in all)",
+                 {"taken": taken, "budget": accel.budget, "slots": slots, "expert_bytes": shaped.expert,
+                  "slot_allocations": expert_allocations, "allocations": allocations})
 
 
 @contextmanager
 def _counted_syncs(accel: Accelerator) -> Iterator[Callable[[], int]]:
-    """Host synchronisations inside: on CUDA the sync debug mode's warnings (implicit ones) plus the accelerator's
-    own host waits, on the emulated device its own count."""
+    """Host synchronisations inside: on CUDA the sync debug mode's warnings of implicit ones plus the accelerator's
+    own host reads, on the emulated device its own count (reads and joins)."""
     before = accel.syncs
     if accel.device.type != "cuda":
         yield lambda: accel.syncs - before
@@ -161,36 +321,103 @@ def _counted_syncs(accel: Accelerator) -> Iterator[Callable[[], int]]:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            yield lambda: accel.syncs - before + len(seen)
+            yield lambda: accel.syncs - before + sum("synchroniz" in str(w.message) for w in seen)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
 
-def _synchronisations(device: _Device) -> Check:
-    model = device.model(OffloadOptions(Strategy.CPU, 2))
+def _sync_bound(accel: Accelerator, moe_layers: int, reads_a_layer: int = 1) -> int:
+    """Host synchronisations a decode step may take: its reads a MoE layer and the logits' (emulated: a join a
+    layer too)."""
+    joins = 0 if accel.device.type == "cuda" else moe_layers
+    return reads_a_layer * moe_layers + joins + 1
+
+
+def _decode_syncs(model: MoEModel, prompt: list[int]) -> tuple[float, int]:
+    """Host synchronisations per decode step over TOKENS steps, and the steps."""
     accel = model.accel
     assert accel is not None
+    steps = Engine(model, ()).generate(prompt, SamplingParams(max_new_tokens=TOKENS + 1))
+    next(steps)  # the prefill
+    with _counted_syncs(accel) as count:
+        decoded = sum(1 for _ in steps)
+        per_step = count() / max(1, decoded)
+    return per_step, decoded
+
+
+def _synchronisations(device: _Device) -> Check:
+    model = device.model(OffloadOptions(Strategy.CPU, 2))
     try:
-        steps = Engine(model, ()).generate(PROMPT, SamplingParams(max_new_tokens=TOKENS + 1))
-        next(steps)  # the prefill
-        with _counted_syncs(accel) as count:
-            decoded = sum(1 for _ in steps)
-            per_step = count() / max(1, decoded)
+        per_step, decoded = _decode_syncs(model, PROMPT)
+        bound = _sync_bound(model.accel, model.cfg.num_moe_layers)  # type: ignore[arg-type]
     finally:
         model.close()
     moe = model.cfg.num_moe_layers
-    return Check("host synchronisations per decode step", per_step <= 2 * moe + 1,
-                 f"{per_step:.1f} a step over {decoded} steps ({moe} MoE layers; at most {2 * moe + 1})")
+    return Check("host synchronisations per decode step", per_step <= bound,
+                 f"{per_step:.1f} a step over {decoded} steps ({moe} MoE layers; at most {bound})",
+                 {"per_step": per_step, "bound": bound, "moe_layers": moe})
+
+
+def _synchronisations_by_kind(device: _Device, shaped: _Shaped, workdir: Path) -> Check:
+    """Decode steps with each kind of expert weights in the device's slots: bf16 tensors, GGUF blocks (`--quant
+    q4_k`, dequantized on the device), MXFP4 (gpt-oss's, dequantized on the device)."""
+    from tandem.runtime.quant_cache import cache_path
+
+    mxfp4 = write_test_model(workdir / "gpt_oss-mxfp4", tiny_config(
+        "gpt_oss", num_hidden_layers=2, intermediate_size=64, quantization_config={"quant_method": "mxfp4"}), seed=3)
+    kinds = {"bf16": (shaped.ckpt, CpuOptions(resident=True), torch.bfloat16),
+             "GGUF blocks": (shaped.ckpt, CpuOptions(resident=True, quant="q4_k"), torch.bfloat16),
+             "MXFP4": (open_checkpoint(mxfp4), CpuOptions(resident=True), torch.bfloat16)}
+    figures: dict[str, float | int | str | None] = {}
+    wrong = []
+    for name, (ckpt, cpu, dtype) in kinds.items():
+        budget = shaped.vram_gb() if ckpt is shaped.ckpt else 1.0
+        model = MoEModel.from_checkpoint(ckpt, dtype, CONTEXT, 1, device.accelerator(budget), OffloadOptions(), cpu)
+        try:
+            prompt = [(7 * i + 3) % ckpt.config.vocab_size for i in range(12)]
+            per_step, _ = _decode_syncs(model, prompt)
+            bound = _sync_bound(model.accel, model.cfg.num_moe_layers)  # type: ignore[arg-type]
+        finally:
+            model.close()
+            if cpu.quant is not None:
+                cache_path(ckpt, cpu.quant).unlink(missing_ok=True)  # (the quantized copy: this check's alone)
+        figures[name] = per_step
+        figures[f"{name} bound"] = bound
+        if per_step > bound:
+            wrong.append(name)
+    detail = ", ".join(f"{k} {figures[k]:.1f} (at most {figures[f'{k} bound']})" for k in kinds)
+    return Check("host synchronisations per decode step for every kind of expert weights", not wrong,
+                 detail + (f"; too many: {', '.join(wrong)}" if wrong else ""), figures)
+
+
+def _batched_synchronisations(device: _Device, shaped: _Shaped) -> Check:
+    """A batched pass (`tandem batch`, `serve`) of two sequences in two micro-batches: one host read per MoE layer
+    and micro-batch, and the logits'."""
+    accel = device.accelerator(shaped.vram_gb(batch=2))
+    model = MoEModel.from_checkpoint(shaped.ckpt, torch.bfloat16, CONTEXT, 2, accel, OffloadOptions(),
+                                     CpuOptions(resident=True), None, None, True)
+    model.micro_batches = 2
+    try:
+        model.forward_rows(shaped.prompt(16, seed=2), [Segment(0, 0, 8), Segment(1, 0, 8)], phase="prefill")
+        with _counted_syncs(accel) as count:
+            model.forward_rows(torch.tensor([7, 9]), [Segment(0, 8, 1), Segment(1, 8, 1)])
+            syncs = count()
+        bound = _sync_bound(accel, model.cfg.num_moe_layers, reads_a_layer=2)
+        bound += 0 if accel.device.type == "cuda" else model.cfg.num_moe_layers  # (the second micro-batch's joins)
+    finally:
+        model.close()
+    return Check("host synchronisations per batched pass", syncs <= bound,
+                 f"{syncs} for two sequences in two micro-batches (at most {bound})", {"syncs": syncs, "bound": bound})
 
 
 def _memory(device: _Device) -> Check:
     """A prompt as long as the context allows (the longest prefill) within the budget: what the device's
     allocator reserves (CUDA), or what the accelerator accounted (emulated)."""
-    cuda = device.kind == "cuda"
+    cuda = device.cuda
     if cuda:  # pragma: no cover - no GPU on test machines
         release_device_memory()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_reserved()
+        torch.cuda.reset_peak_memory_stats(device.gpu_index)
+        base = torch.cuda.memory_reserved(device.gpu_index)
     model = device.model(OffloadOptions(Strategy.FIDDLER, 2))
     accel = model.accel
     assert accel is not None
@@ -198,19 +425,19 @@ def _memory(device: _Device) -> Check:
     try:
         prompt = [(7 * i) % model.cfg.vocab_size for i in range(CONTEXT - 1)]
         list(Engine(model, ()).generate(prompt, SamplingParams(max_new_tokens=1)))
-        peak = torch.cuda.max_memory_reserved() - base if cuda else accel.used
+        peak = torch.cuda.max_memory_reserved(device.gpu_index) - base if cuda else accel.used
     except ResourceError as e:
         return Check("memory at a full-context prefill", False, str(e))
     finally:
         model.close()
     return Check("memory at a full-context prefill", peak <= budget,
-                 f"{peak / 2**20:.1f} MiB of a {budget / 2**20:.1f} MiB budget")
+                 f"{peak / 2**20:.1f} MiB of a {budget / 2**20:.1f} MiB budget", {"peak": peak, "budget": budget})
 
 
 def _reload(device: _Device) -> Check:
     """On a GPU the budget is all its free memory, as without --vram-gb: the second load must find what the first
     held given back (within what the CUDA context itself may take meanwhile)."""
-    cuda = device.kind == "cuda"
+    cuda = device.cuda
     budgets = []
     for _ in range(2):
         accel = device.accelerator(None if cuda else device.vram_gb)
@@ -222,4 +449,24 @@ def _reload(device: _Device) -> Check:
         release_device_memory()
     slack = 64 * 2**20 if cuda else 0
     return Check("load, close, load again: the same budget", abs(budgets[0] - budgets[1]) <= slack,
-                 f"{budgets[0] / 2**20:.1f} then {budgets[1] / 2**20:.1f} MiB")
+                 f"{budgets[0] / 2**20:.1f} then {budgets[1] / 2**20:.1f} MiB", {"first": budgets[0],
+                                                                                 "second": budgets[1]})
+
+
+def _numbering(device: _Device) -> Check:
+    """`--gpu N` and `tandem probe`'s GPU N are one GPU (both count by PCI bus, among the GPUs PyTorch sees)."""
+    if not device.cuda:
+        return Check("--gpu numbers the GPUs as tandem probe does", True, "no GPU here: nothing to number")
+    from tandem.autotune.probe import probe  # pragma: no cover - no GPU on test machines
+
+    ours = cuda_devices()[device.gpu]  # pragma: no cover
+    listed = next((g for g in probe().gpus if g.torch_index == device.gpu), None)  # pragma: no cover
+    bus = None if listed is None else listed.pci_bus_id  # pragma: no cover
+    from tandem.runtime.accelerator import parse_bus_id  # pragma: no cover
+
+    ok = listed is not None and parse_bus_id(bus or "") == ours.pci  # pragma: no cover
+    return Check("--gpu numbers the GPUs as tandem probe does", ok,  # pragma: no cover
+                 f"--gpu {device.gpu}: PyTorch's device {ours.index} on bus {ours.pci}; tandem probe: "
+                 f"{'none' if listed is None else f'GPU {listed.index} on bus {bus}'}",
+                 {"gpu": device.gpu, "torch_index": ours.index, "probe_bus": bus})
+

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tandem.app.cli import main
 from tandem.autotune.probe import GpuUnavailable, HardwareInfo, LiveSources, RecordedSources, describe, probe, record
@@ -175,3 +176,40 @@ def test_a_gpus_capability_is_matched_to_torch_by_bus_not_by_index(monkeypatch) 
     assert probe_module._torch_capability("00000000:01:00.0") == [7, 5]  # NVML's GPU 0 is torch's device 1
     assert probe_module._torch_capability("00000000:41:00.0") == [8, 9]
     assert probe_module._torch_capability("00000000:02:00.0") is None and probe_module._torch_capability(None) is None
+
+
+def test_gpu_numbers_are_the_ones_pytorch_can_use_by_pci_bus(monkeypatch) -> None:
+    """NVML lists every GPU; `--gpu N` counts those this PyTorch sees, by PCI bus (CUDA_VISIBLE_DEVICES hid the
+    first here): the probe says which `--gpu` each is, and the planner's GPU is `--gpu 0`'s, not NVML's first."""
+    from tandem.autotune import probe as probe_module
+    from tandem.runtime import accelerator
+    from tandem.runtime.accelerator import CudaDevice
+
+    monkeypatch.setattr(accelerator, "cuda_devices", lambda: [CudaDevice(0, (0, 0x41, 0), (8, 9))])
+    assert probe_module._torch_index("00000000:01:00.0") is None  # hidden from PyTorch
+    assert probe_module._torch_index("00000000:41:00.0") == 0
+    gpus = [GPU | {"name": "hidden", "pci_bus_id": "00000000:01:00.0", "torch_index": None},
+            GPU | {"name": "visible", "pci_bus_id": "00000000:41:00.0", "torch_index": 0}]
+    hw = probe(RecordedSources(BASE | {"gpus": gpus}))
+    assert hw.gpu(0) is not None and hw.gpu(0).name == "visible" and hw.gpu(1) is None
+    text = "\n".join(describe(hw))
+    assert "GPU 0: hidden" in text and "(--gpu unknown)" in text and "GPU 1: visible" in text and "(--gpu 0)" in text
+    old = probe(RecordedSources(BASE | {"gpus": [GPU]}))  # recorded before PyTorch's numbers were kept
+    assert old.gpu(0) is old.gpus[0] and "(--gpu unknown)" in "\n".join(describe(old))
+
+
+def test_a_pytorch_that_cannot_use_the_gpu_is_said_so(monkeypatch) -> None:
+    from tandem.autotune import probe as probe_module
+
+    hw = probe(RecordedSources(BASE | {"gpus": [GPU], "torch_problem": "this PyTorch (2.13.0+cpu) is a CPU build"}))
+    assert hw.gpu(0) is hw.gpus[0] and hw.torch_problem
+    text = "\n".join(describe(hw))
+    assert "PyTorch: this PyTorch (2.13.0+cpu) is a CPU build" in text and "(PyTorch here cannot use it)" in text
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert "CPU build" in (probe_module.torch_cuda_problem() or "") and "README" in probe_module.torch_cuda_problem()
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert "hides every GPU" in (probe_module.torch_cuda_problem() or "")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert "driver" in (probe_module.torch_cuda_problem() or "")

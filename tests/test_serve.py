@@ -176,7 +176,7 @@ def test_concurrent_requests_queue_batch_and_each_gets_its_own_answer(mixtral_di
 
 
 def test_metrics_on_the_accelerator_tier_report_the_expert_cache(mixtral_dir: Path) -> None:
-    with serving(mixtral_dir, context=40, accelerator="emulated", vram_gb=0.004) as (service, server):
+    with serving(mixtral_dir, context=40, accelerator="emulated", vram_gb=0.002) as (service, server):  # 8 slots
         assert service.loaded.model.dispatcher.cache.slots > 0
         c = client(server)
         for prompt in ("Once upon", "A long time ago", "Once upon"):
