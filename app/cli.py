@@ -576,8 +576,13 @@ def _selftest(args: argparse.Namespace) -> int:
     where = "the emulated device" if kind == "emulated" else f"CUDA GPU {args.gpu}"
     if not args.json:
         print(f"selftest on {where}:", flush=True)
+    listed = None
+    if kind == "cuda":  # the probe's numbering, which `--gpu` must match
+        from tandem.autotune.probe import probe
+
+        listed = [(g.torch_index, g.pci_bus_id) for g in probe().gpus]
     with tempfile.TemporaryDirectory(prefix="tandem-selftest-") as folder:
-        checks = selftest(kind, Path(folder), args.gpu or 0)
+        checks = selftest(kind, Path(folder), args.gpu or 0, listed)
     ok = all(c.ok for c in checks)
     if args.json:
         print(json.dumps({"device": where, "ok": ok, "checks": [c.as_dict() for c in checks]}, indent=1))
