@@ -138,6 +138,7 @@ def _join(eval_ctx: EvalContext, value: Any, d: str = "", attribute: str | int |
     items = list(value)
     if attribute is not None:
         items = list(map(make_attrgetter(eval_ctx.environment, attribute), items))
+    _check_chars(len(str(d)) * max(0, len(items) - 1))  # the separators alone, before writing out every item
     sizes = (len(i) if isinstance(i, str) else len(str(_check_written(i))) for i in items)
     _check_chars(sum(sizes) + len(str(d)) * max(0, len(items) - 1))
     return _PLAIN_FILTERS["join"](eval_ctx, items, d)

@@ -79,7 +79,11 @@ _TINY_TOKENIZER = {"version": "1.0", "model": {"type": "WordLevel", "vocab": {"[
 @pytest.mark.parametrize("case, template, needle", RUNAWAY, ids=[r[0] for r in RUNAWAY])
 def test_runaway_templates_end_soon_and_small(monkeypatch: pytest.MonkeyPatch, case: str, template: str,
                                               needle: str | None) -> None:
-    monkeypatch.setattr(chat_template, "TEMPLATE_MAX_SECONDS", 1.0)
+    """Each runaway stops at the bound it is meant to meet, on any CPU at any load: the time limit only for the one
+    that makes nothing (1 s), and a limit no machine reaches first for the others, whose size checks must stop them
+    (they take 0.01-0.7 s here; the bound on the whole allows a CPU 25 times slower)."""
+    timed = needle == "ran for more than"
+    monkeypatch.setattr(chat_template, "TEMPLATE_MAX_SECONDS", 1.0 if timed else 600.0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     start = time.monotonic()
     try:
@@ -89,7 +93,7 @@ def test_runaway_templates_end_soon_and_small(monkeypatch: pytest.MonkeyPatch, c
         assert needle is None or needle in str(e), e
     else:
         assert needle is None, "rendered"
-    assert time.monotonic() - start < 3.0
+    assert time.monotonic() - start < 20.0
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 1_500_000  # KiB
 
 
