@@ -367,18 +367,22 @@ def test_a_whole_layer_in_one_call_matches_the_reference_moe(dtype, quant, isa, 
                                                      (torch.bfloat16, "", None), (torch.bfloat16, "", "amx"),
                                                      (torch.bfloat16, "int4", None), (torch.bfloat16, "int8", None),
                                                      (torch.bfloat16, "int4", "avx512"),
-                                                     (torch.bfloat16, "int8", "avx512")])
+                                                     (torch.bfloat16, "int8", "avx512"),
+                                                     (torch.float32, "", "avx2"), (torch.bfloat16, "", "avx2"),
+                                                     (torch.float16, "", "avx2"), (torch.bfloat16, "int4", "avx2"),
+                                                     (torch.bfloat16, "int8", "avx2")])
 def test_one_token_experts_of_a_layer_each_read_their_own_token(dtype, quant: str, isa) -> None:
     # Every expert gets exactly one token and the tokens differ (with one token for all, a mix-up of inputs would
-    # go unseen). All experts run in one kernel call: AMX tiles, int4 on VNNI, or AVX-512 rows, where each thread
-    # streams four quarters of its run side by side, across the experts' boundaries; one-token int8 on AMX takes
-    # 8 experts per activation tile, so 10 make two rounds.
+    # go unseen). All experts run in one kernel call: AMX tiles, int4 on VNNI, or AVX-512 or AVX2 rows, where each
+    # thread streams four quarters of its run side by side, across the experts' boundaries; one-token int8 on AMX
+    # takes 8 experts per activation tile, so 10 make two rounds.
     path = isa or ("amx" if quant else "avx512")  # the path under test
     if path not in ISAS:
         pytest.skip(f"{path} is not available here")
-    # AVX-512 rows: 10 x 2 x 131 gate/up rows and 10 x 250 down rows split in two leave quarters of unequal length
-    # (rows for the one-row kernel); 131 and 250 values leave values after the last 32-value step of each row.
-    h, i = (250, 131) if path == "avx512" and quant != "int4" else (256, 128)  # int4: whole groups
+    # AVX-512 and AVX2 rows: 10 x 2 x 131 gate/up rows and 10 x 250 down rows split in two leave quarters of unequal
+    # length (rows for the one-row kernel); 131 and 250 values leave values after the last 32-value (AVX2: 16-value)
+    # step of each row.
+    h, i = (250, 131) if path in ("avx512", "avx2") and quant != "int4" else (256, 128)  # int4: whole groups
     executor = CpuExecutor(h, i, dtype, threads=2, quant=quant or None, isa=isa)
     stored = torch.float32 if quant else dtype  # weights in the compute dtype, or quantized from float32
     experts = [executor.prepare(*weights(h, i, stored, seed=s)) for s in range(10)]

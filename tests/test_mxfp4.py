@@ -153,14 +153,14 @@ def test_a_layer_of_mxfp4_experts_in_one_call_matches_the_reference(isa: str, co
 
 
 @needs_kernels
-@pytest.mark.parametrize("isa", [isa for isa in ("avx512", "avx512bf16") if isa in ISAS] or ["avx512"])
+@pytest.mark.parametrize("isa", [isa for isa in ("avx2", "avx512", "avx512bf16") if isa in ISAS] or ["avx512"])
 @pytest.mark.parametrize(("h", "i", "threads"), [(320, 96, 2), (4096, 64, 3), (96, 4096, 2), (64, 32, 1),
                                                  (2880, 2880, 2)])
 def test_one_token_streams_every_row_whatever_the_split(isa: str, h: int, i: int, threads: int) -> None:
-    """Rows four at a time from quarters of each thread's run, the rest one at a time (AVX-512, and AVX512_BF16 in
-    chunks of 4 blocks, the last one partial); 2880: gpt-oss-20b's shape."""
+    """Rows four at a time from quarters of each thread's run, the rest one at a time (AVX2, AVX-512, and AVX512_BF16
+    in chunks of 4 blocks, the last one partial); 2880: gpt-oss-20b's shape."""
     if isa not in ISAS:
-        pytest.skip("one token streams rows four at a time on AVX-512 only")
+        pytest.skip("one token streams rows four at a time on AVX2 and AVX-512")
     compute = torch.bfloat16 if isa == "avx512bf16" else torch.float32
     ref, w = fused_expert(h, i, 1, limit=1.0)
     expert = kernel_expert(CpuExecutor(h, i, compute, threads=threads, isa=isa), w)

@@ -68,12 +68,22 @@ def make_bench_model(shape: str, out: str | Path, layers: int | None = None, dty
     """Write a random-weight checkpoint of the real shape, one shard (≤ 2 GiB) at a time. `mxfp4`: the experts as
     gpt-oss publishes them (random MXFP4 codes and scales), the rest in `dtype`."""
     config = bench_config(shape, layers, experts, heads) | overrides
+    config.setdefault("architectures", [causal_lm_class(config["model_type"])])  # as save_pretrained writes it:
+    # what other tools read first (llama.cpp's convert_hf_to_gguf.py finds the model's kind by it alone)
     if mxfp4:
         if config["model_type"] != "gpt_oss":
             raise UnsupportedModelError(f"--dtype mxfp4: {shape} is not published with MXFP4 experts (gpt-oss is)")
         config["quantization_config"] = MXFP4_CONFIG
     return write_test_model(out, config, seed=seed, dtype=dtype, std=0.02, routing_skew=routing_skew,
                             router_scale=router_scale)
+
+
+def causal_lm_class(model_type: str) -> str:
+    """transformers' causal language model class for a model type (its auto mapping; "<Type>ForCausalLM" for one
+    it does not map)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or f"{model_type.title().replace('_', '')}ForCausalLM"
 
 
 def reuse(sequence: np.ndarray) -> float:

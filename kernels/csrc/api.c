@@ -93,8 +93,9 @@ static int expert_checks(const tk_args *a) {
 /* The shared parallel region an expert call can join (tk_experts): 0 none (it runs alone), else one of these. */
 enum { REGION_NONE, REGION_ROWS, REGION_VNNI_ONE, REGION_AMX, REGIONS };
 static int region_of(const tk_args *b) {
-    if ((b->isa == ISA_AVX512 || mxfp4_dp(b) || (b->isa == ISA_AVX512BF16 && IS_BLOCK_KIND(b->kind))) &&
-        b->tokens == 1) return REGION_ROWS;  /* experts_one_token */
+    if ((b->isa == ISA_AVX2 || b->isa == ISA_AVX512 || mxfp4_dp(b) ||
+         (b->isa == ISA_AVX512BF16 && IS_BLOCK_KIND(b->kind))) && b->tokens == 1)
+        return REGION_ROWS;  /* experts_one_token */
     if (b->isa != ISA_AMX) return REGION_NONE;
     if (b->tokens == 1 && b->kind != K_BF16) return REGION_VNNI_ONE;  /* int8, int4 */
     return REGION_AMX;
@@ -253,7 +254,8 @@ int tk_linear(const tk_linear_args *a) {
     }
     if (isa < ISA_BASE || isa > ISA_AMX || !(mask & (1 << isa)) || (blocks && isa > ISA_AVX512BF16)) return -2;
     if (isa == ISA_AMX) linear_amx(a);
-    else if ((isa == ISA_AVX512 || (blocks && isa == ISA_AVX512BF16)) && a->tokens == 1) linear_one_token(a);
+    else if ((isa == ISA_AVX2 || isa == ISA_AVX512 || (blocks && isa == ISA_AVX512BF16)) && a->tokens == 1)
+        linear_one_token(a, isa);
     else linear_rows(a, isa);
     return 0;
 }

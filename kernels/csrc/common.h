@@ -18,9 +18,11 @@
  * chosen at run time from what the CPU supports (or forced by the caller), one file each:
  *   base.c        plain C for any x86-64 CPU, and the drivers every variant's dot products share
  *                 (expert_generic, linear_rows); RMSNorm; the bandwidth probe's loop
- *   avx2.c        the same C loops compiled for AVX2+FMA+F16C, and MXFP4 with pshufb lookups
- *   avx512.c      AVX-512: rows against up to 8 tokens; one token as four long runs per thread (stream_rows)
- *                 for every weight kind, experts and dense matrices
+ *   avx2.c        the same C loops compiled for AVX2+FMA+F16C, MXFP4 with pshufb lookups, and one token as
+ *                 four rows at a time (every weight kind's float path) with the SwiGLU activation 8 lanes at a time
+ *   avx512.c      AVX-512: rows against up to 8 tokens; one token four rows at a time for every weight kind
+ *   rows.c        one token's rows as four long runs per thread (stream_rows) through a variant's four-row kernels,
+ *                 experts (experts_one_token) and dense matrices (linear_one_token), AVX2 and AVX-512 alike
  *   avx512bf16.c  bf16 weights against bf16 activations with vdpbf16ps; one token of MXFP4 likewise (vpermw
  *                 lookups of the codes' bf16 values)
  *   amx.c         AMX tiles for 2-16 tokens: bf16 weights, and int8/int4 in the block layout of
@@ -29,7 +31,8 @@
  *   blocks.h      GGUF's block formats: each block unpacked into L1, the dot products every variant compiles
  *   q8.c          GGUF blocks (and several tokens of MXFP4 experts) against int8 activations, one token or many
  *                 (AVX-512 BW and VNNI; the AVX512_BF16 variant)
- *   q8avx2.c      the same sums for every GGUF format but MXFP4 in 256-bit vectors (the AVX2 variant)
+ *   q8avx2.c      the same sums for every GGUF format but MXFP4 in 256-bit vectors (the AVX2 variant), one token
+ *                 four rows at a time too
  *   attend.c      one new token per sequence through attention (RoPE, the KV cache write, an online softmax),
  *                 its loops compiled for base, AVX2 and AVX-512
  *   step.c        one decode token through a run of planned layers (norms, projections, attention, routing,
@@ -320,14 +323,18 @@ TK_INTERNAL double sum_base(const float *p, size_t n, int threads, int streams);
 /* avx2.c */
 TK_INTERNAL dot_kernel dot_fp32_avx2, dot_bf16_avx2, dot_fp16_avx2, dot_int8_avx2, dot_int4_avx2, dot_mxfp4_avx2;
 TK_INTERNAL double sum_avx2(const float *p, size_t n, int threads, int streams);
+TK_INTERNAL rows4_fn rows4_avx2(int kind);
+TK_INTERNAL __attribute__((target("avx2,fma,f16c"))) void swiglu256(float *g, int I, int lo, int hi);
 /* avx512.c */
 TK_INTERNAL dot_kernel fma_fp32, fma_bf16, fma_fp16, fma_int8, fma_int4, fma_mxfp4;
 TK_INTERNAL AVX512_TARGET void swiglu512(float *g, int I, int lo, int hi);
 TK_INTERNAL AVX512_TARGET void clamped512(float *g, const float *gate_bias, const float *up_bias, float alpha, float limit,
                                            int I, int lo, int hi);
-TK_INTERNAL void experts_one_token(const tk_args *a, int n);
 TK_INTERNAL AVX512_TARGET void e8m0_halves(const uint8_t *e, int n, float *out);
-TK_INTERNAL void linear_one_token(const tk_linear_args *a);
+TK_INTERNAL rows4_fn rows4_avx512(int kind);
+/* rows.c */
+TK_INTERNAL void experts_one_token(const tk_args *a, int n);
+TK_INTERNAL void linear_one_token(const tk_linear_args *a, int isa);
 /* avx512bf16.c */
 TK_INTERNAL BF16_TARGET void to_bf16(const float *src, uint16_t *dst, int n);
 TK_INTERNAL BF16_TARGET void dot2_bf16_dp(const uint16_t *r0, const uint16_t *r1, const uint16_t *xb,
@@ -355,6 +362,7 @@ TK_INTERNAL void q8_rows(int kind, int isa, const float *x, size_t ldx, int T, i
 TK_INTERNAL int q8_avx2_serves(int kind);
 TK_INTERNAL void q8_inputs_avx2(int kind, const float *x, int n, void *buf);
 TK_INTERNAL dot_fn q8_avx2_dot(int kind);
+TK_INTERNAL rows4_fn q8_avx2_rows4(int kind);
 /* 16-bit values a row of xb holds beyond the widest input (kernels/cpu.py XB_EXTRA): room for q8_stride. */
 #define XB_EXTRA 192
 /* Bytes between the quantized inputs of n values in a buffer of several (q8.c's layout: codes, block scales, sums
@@ -382,6 +390,7 @@ static inline void activate(const tk_args *e, float *g, int lo, int hi, int isa)
     const int I = e->inter;
     if (e->act_kind == ACT_SILU && !e->gate_bias && !e->up_bias) {
         if (isa >= ISA_AVX512) swiglu512(g, I, lo, hi);
+        else if (isa == ISA_AVX2) swiglu256(g, I, lo, hi);
         else for (int i = lo; i < hi; i++) g[i] = silu(g[i]) * g[I + i];
         return;
     }
@@ -494,14 +503,14 @@ static inline thread_run this_threads_run(int total, int parts) {
 }
 
 /* Inside a parallel region, the activation phase of n experts: each one's act [tokens, 2I] (gate then up per token)
- * in place, split across threads in blocks of 512 values (AVX-512). */
+ * in place, split across threads in blocks of 512 values (in the experts' variant's vectors). */
 static inline void experts_swiglu(const tk_args *a, int n) {
     const int I = a->inter, blocks = (I + 511) / 512;
     #pragma omp for schedule(static)
     for (int j = 0; j < n * 16 * blocks; j++) {
         const tk_args *e = a + j / (16 * blocks);
         const int t = j % (16 * blocks) / blocks, lo = j % blocks * 512, hi = lo + 512 < I ? lo + 512 : I;
-        if (t < e->tokens) activate(e, e->act + (size_t)t * 2 * I, lo, hi, ISA_AVX512);
+        if (t < e->tokens) activate(e, e->act + (size_t)t * 2 * I, lo, hi, e->isa);
     }
 }
 

@@ -236,6 +236,48 @@ DEFINE_AVX2_DOT(q4_1, K_Q4_1)
 DEFINE_AVX2_DOT(q5_0, K_Q5_0)
 DEFINE_AVX2_DOT(q5_1, K_Q5_1)
 
+/* rows4_fn: one token, four rows against their inputs side by side, step by step (each row's lines asked for
+ * ROWS4_PREFETCH bytes ahead), the same steps in the same order as the dot products (the same bits). */
+#define DEFINE_AVX2_ROWS4(NAME, KIND)                                                                           \
+Q8A_TARGET static void rows4_##NAME##_q8avx2(const char *const *rows, const void *const *scales, int group,      \
+                                             const float *const *x, int n, float *const *res) {                 \
+    (void)scales, (void)group;                                                                                  \
+    const int block = avx2_block(KIND), step_bytes = block_bytes(KIND), per = n / 32 > 0 ? n / 32 : 1;          \
+    q8_view xv[4];                                                                                              \
+    __m256 acc[4];                                                                                              \
+    float mf[4 * per];  /* each row's offsets */                                                                \
+    for (int j = 0; j < 4; j++) xv[j] = q8_at(x[j], n, block), acc[j] = _mm256_setzero_ps();                   \
+    for (int s = 0; s < n / block; s++)                                                                         \
+        _Pragma("GCC unroll 4")  /* the accumulators in registers */                                            \
+        for (int j = 0; j < 4; j++) {                                                                           \
+            const uint8_t *w = (const uint8_t *)rows[j] + (size_t)s * step_bytes;                               \
+            for (int o = 0; o < step_bytes; o += 64) PREFETCH_AHEAD(w + o);                                     \
+            step_avx2(KIND, w, s, 1, &xv[j], &acc[j], mf + (size_t)j * per);                                   \
+        }                                                                                                       \
+    for (int j = 0; j < 4; j++) *res[j] = row_end(KIND, &xv[j], n, acc[j], mf + (size_t)j * per);               \
+}
+DEFINE_AVX2_ROWS4(q4_k, K_Q4_K)
+DEFINE_AVX2_ROWS4(q5_k, K_Q5_K)
+DEFINE_AVX2_ROWS4(q6_k, K_Q6_K)
+DEFINE_AVX2_ROWS4(q8_0, K_Q8_0)
+DEFINE_AVX2_ROWS4(q4_0, K_Q4_0)
+DEFINE_AVX2_ROWS4(q4_1, K_Q4_1)
+DEFINE_AVX2_ROWS4(q5_0, K_Q5_0)
+DEFINE_AVX2_ROWS4(q5_1, K_Q5_1)
+
+rows4_fn q8_avx2_rows4(int kind) {
+    switch (kind) {
+        case K_Q4_K: return rows4_q4_k_q8avx2;
+        case K_Q5_K: return rows4_q5_k_q8avx2;
+        case K_Q6_K: return rows4_q6_k_q8avx2;
+        case K_Q4_0: return rows4_q4_0_q8avx2;
+        case K_Q4_1: return rows4_q4_1_q8avx2;
+        case K_Q5_0: return rows4_q5_0_q8avx2;
+        case K_Q5_1: return rows4_q5_1_q8avx2;
+        default: return rows4_q8_0_q8avx2;
+    }
+}
+
 dot_fn q8_avx2_dot(int kind) {
     switch (kind) {
         case K_Q4_K: return dot_q4_k_q8avx2;
