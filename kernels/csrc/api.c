@@ -59,8 +59,7 @@ dot_fn pick_dot(int kind, int isa) {
     static const dot_fn table[3][KINDS] = {
         {dot_fp32_base, dot_bf16_base, dot_fp16_base, dot_int8_base, dot_int4_base, dot_mxfp4_base,
          BLOCK_DOT_ROW(base)},
-        {dot_fp32_avx2, dot_bf16_avx2, dot_fp16_avx2, dot_int8_avx2, dot_int4_avx2, dot_mxfp4_avx2,
-         BLOCK_DOT_ROW(avx2)},
+        {fma8_fp32, fma8_bf16, fma8_fp16, fma8_int8, dot_int4_avx2, dot_mxfp4_avx2, BLOCK_DOT_ROW(avx2)},
         {fma_fp32, fma_bf16, fma_fp16, fma_int8, fma_int4, fma_mxfp4, BLOCK_DOT_ROW(avx512)},
     };
     int row = isa >= ISA_AVX512 ? 2 : isa;
@@ -125,6 +124,7 @@ int tk_expert(const tk_args *a) {
     const int region = region_of(a);
     if (region != REGION_NONE) run_region(region, a, 1);
     else if (a->isa == ISA_AVX512BF16 && a->kind == K_BF16) expert_bf16dp(a);
+    else if (a->isa == ISA_AVX2) expert_streamed(a);
     else expert_generic(a);
     add_down_bias(a, 1);
     return 0;

@@ -232,3 +232,75 @@ AVX2_ROWS void swiglu256(float *g, int I, int lo, int hi) {
     }
     for (; i < hi; i++) g[i] = silu(g[i]) * g[I + i];
 }
+
+/* ---- Several tokens (AVX2): 8 weights converted once, FMA'd into up to 8 token accumulators ---------------------
+ * (avx512.c's DEFINE_FMA_TOKENS in 256-bit vectors). Each row is read once for all the tokens of a call, from L1
+ * after the first: beams and a prompt's tokens reuse it. One token keeps four chains (not bound by FMA latency). */
+#define FMA8_STEP(J) a##J = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (size_t)(J) * ldx + k), a##J)
+#define DEFINE_FMA8_TOKENS(NAME, WT, LOAD, CONV)                                                           \
+AVX2_ROWS static inline __attribute__((always_inline)) void NAME##_m(const WT *w, float scale,             \
+        const float *x, int ldx, int m, int n, float *res, int ldr) {                                      \
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;        \
+    int k = 0;                                                                                             \
+    if (m == 1) {                                                                                          \
+        for (; k + 32 <= n; k += 32) {                                                                     \
+            a0 = _mm256_fmadd_ps(LOAD(w + k), _mm256_loadu_ps(x + k), a0);                                \
+            a1 = _mm256_fmadd_ps(LOAD(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);                         \
+            a2 = _mm256_fmadd_ps(LOAD(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);                       \
+            a3 = _mm256_fmadd_ps(LOAD(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);                       \
+        }                                                                                                  \
+        a0 = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));                                  \
+    } else if (m <= 4) {  /* two chains a token (a4..a7 the second): FMA latency, not throughput, bounds one */ \
+        for (; k + 16 <= n; k += 16) {                                                                     \
+            const __m256 wv = LOAD(w + k), wh = LOAD(w + k + 8);                                           \
+            FMA8_STEP(0);                                                                                  \
+            a4 = _mm256_fmadd_ps(wh, _mm256_loadu_ps(x + k + 8), a4);                                      \
+            if (m > 1) { FMA8_STEP(1); a5 = _mm256_fmadd_ps(wh, _mm256_loadu_ps(x + (size_t)ldx + k + 8), a5); } \
+            if (m > 2) { FMA8_STEP(2); a6 = _mm256_fmadd_ps(wh, _mm256_loadu_ps(x + 2 * (size_t)ldx + k + 8), a6); } \
+            if (m > 3) { FMA8_STEP(3); a7 = _mm256_fmadd_ps(wh, _mm256_loadu_ps(x + 3 * (size_t)ldx + k + 8), a7); } \
+        }                                                                                                  \
+        a0 = _mm256_add_ps(a0, a4), a1 = _mm256_add_ps(a1, a5), a2 = _mm256_add_ps(a2, a6);                 \
+        a3 = _mm256_add_ps(a3, a7);                                                                        \
+    }                                                                                                      \
+    for (; k + 8 <= n; k += 8) {                                                                           \
+        const __m256 wv = LOAD(w + k);                                                                     \
+        FMA8_STEP(0);                                                                                      \
+        if (m > 1) FMA8_STEP(1);                                                                           \
+        if (m > 2) FMA8_STEP(2);                                                                           \
+        if (m > 3) FMA8_STEP(3);                                                                           \
+        if (m > 4) FMA8_STEP(4);                                                                           \
+        if (m > 5) FMA8_STEP(5);                                                                           \
+        if (m > 6) FMA8_STEP(6);                                                                           \
+        if (m > 7) FMA8_STEP(7);                                                                           \
+    }                                                                                                      \
+    const __m256 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};                                                \
+    for (int j = 0; j < m; j++) {                                                                          \
+        float sum = hsum8(acc[j]);                                                                         \
+        for (int kk = k; kk < n; kk++) sum += CONV(w[kk]) * x[(size_t)j * ldx + kk];                       \
+        res[(size_t)j * ldr] = sum * scale;                                                                \
+    }                                                                                                      \
+}                                                                                                          \
+AVX2_ROWS void NAME(const void *wrow, float scale, const void *gscale, int group, const float *x, int ldx,  \
+                    int nt, int n, float *res, int ldr) {                                                  \
+    (void)gscale; (void)group;                                                                             \
+    const WT *w = (const WT *)wrow;                                                                        \
+    for (int t = 0; t < nt; t += 8) {                                                                      \
+        const int m = nt - t < 8 ? nt - t : 8;                                                             \
+        const float *xs = x + (size_t)t * ldx;                                                             \
+        float *r = res + (size_t)t * ldr;                                                                  \
+        switch (m) {  /* a constant count per case: the accumulators stay in registers */                \
+            case 1: NAME##_m(w, scale, xs, ldx, 1, n, r, ldr); break;                                      \
+            case 2: NAME##_m(w, scale, xs, ldx, 2, n, r, ldr); break;                                      \
+            case 3: NAME##_m(w, scale, xs, ldx, 3, n, r, ldr); break;                                      \
+            case 4: NAME##_m(w, scale, xs, ldx, 4, n, r, ldr); break;                                      \
+            case 5: NAME##_m(w, scale, xs, ldx, 5, n, r, ldr); break;                                      \
+            case 6: NAME##_m(w, scale, xs, ldx, 6, n, r, ldr); break;                                      \
+            case 7: NAME##_m(w, scale, xs, ldx, 7, n, r, ldr); break;                                      \
+            default: NAME##_m(w, scale, xs, ldx, 8, n, r, ldr); break;                                     \
+        }                                                                                                  \
+    }                                                                                                      \
+}
+DEFINE_FMA8_TOKENS(fma8_fp32, float, LOAD8_FP32, IDENT)
+DEFINE_FMA8_TOKENS(fma8_bf16, uint16_t, LOAD8_BF16, bf16f)
+DEFINE_FMA8_TOKENS(fma8_fp16, _Float16, LOAD8_FP16, F16)
+DEFINE_FMA8_TOKENS(fma8_int8, int8_t, LOAD8_INT8, I8)

@@ -324,6 +324,7 @@ TK_INTERNAL double sum_base(const float *p, size_t n, int threads, int streams);
 TK_INTERNAL dot_kernel dot_fp32_avx2, dot_bf16_avx2, dot_fp16_avx2, dot_int8_avx2, dot_int4_avx2, dot_mxfp4_avx2;
 TK_INTERNAL double sum_avx2(const float *p, size_t n, int threads, int streams);
 TK_INTERNAL rows4_fn rows4_avx2(int kind);
+TK_INTERNAL dot_kernel fma8_fp32, fma8_bf16, fma8_fp16, fma8_int8;
 TK_INTERNAL __attribute__((target("avx2,fma,f16c"))) void swiglu256(float *g, int I, int lo, int hi);
 /* avx512.c */
 TK_INTERNAL dot_kernel fma_fp32, fma_bf16, fma_fp16, fma_int8, fma_int4, fma_mxfp4;
@@ -335,6 +336,7 @@ TK_INTERNAL rows4_fn rows4_avx512(int kind);
 /* rows.c */
 TK_INTERNAL void experts_one_token(const tk_args *a, int n);
 TK_INTERNAL void linear_one_token(const tk_linear_args *a, int isa);
+TK_INTERNAL void expert_streamed(const tk_args *a);
 /* avx512bf16.c */
 TK_INTERNAL BF16_TARGET void to_bf16(const float *src, uint16_t *dst, int n);
 TK_INTERNAL BF16_TARGET void dot2_bf16_dp(const uint16_t *r0, const uint16_t *r1, const uint16_t *xb,

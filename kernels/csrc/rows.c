@@ -22,7 +22,7 @@ typedef row_ref (*row_lookup)(const void *src, int q);
  * each quarter), as the bandwidth probe does: four quarters were the best of four neighbouring rows at a time (four
  * streams one row long), four quarters and eight quarters on 2048x768 bf16 experts (docs/bench/kernels.md). */
 static void stream_rows(row_lookup find, const void *src, int total, int per, int K, int kind, int group,
-                        rows4_fn r4, dot_fn dot) {
+                        rows4_fn r4, dot_fn dot, int T, int ldx, int ldr) {
     const thread_run run = this_threads_run(total, 4);
     const int lo = run.lo, hi = run.hi, len = run.len;
     const size_t rb = row_bytes(kind, K, group);
@@ -36,16 +36,19 @@ static void stream_rows(row_lookup find, const void *src, int total, int per, in
                 r[j] = find(src, lo + j * len + i);
                 left[j] = per - (lo + j * len + i) % per;
             }
-        if (m == 4) {
+        if (m == 4 && T == 1) {
             const char *w[4] = {r[0].w, r[1].w, r[2].w, r[3].w};
             const void *s[4] = {r[0].s, r[1].s, r[2].s, r[3].s};
             const float *x[4] = {r[0].x, r[1].x, r[2].x, r[3].x};
             float *res[4] = {r[0].res, r[1].res, r[2].res, r[3].res};
             r4(w, s, group, x, K, res);
         } else {
-            for (int j = 0; j < m; j++)
-                dot(r[j].w, row_scale(r[j].s, kind, 0), kind == K_INT8 ? NULL : r[j].s, group, r[j].x, K, 1, K,
-                    r[j].res, 1);
+            for (int j = 0; j < m; j++) {
+                if (T > 1 && left[j] > 1)  /* the quarter's next row on its way while this one is multiplied */
+                    for (size_t o = 0; o < rb; o += 64) _mm_prefetch(r[j].w + rb + o, _MM_HINT_T0);
+                dot(r[j].w, row_scale(r[j].s, kind, 0), kind == K_INT8 ? NULL : r[j].s, group, r[j].x, ldx, T, K,
+                    r[j].res, ldr);
+            }
         }
         for (int j = 0; j < m; j++) {  /* each quarter's next row */
             r[j].w += rb, r[j].res++, left[j]--;
@@ -65,8 +68,9 @@ static row_ref phase_row(const void *src, int q) {
 static void one_token_phase(const tk_args *a, int n, int down, rows4_fn r4, dot_fn dot) {
     const int per = down ? a->hidden : a->inter;  /* rows per matrix */
     const phase_rows src = {a, down};
-    stream_rows(phase_row, &src, n * (down ? per : 2 * per), per, down ? a->inter : a->hidden,
-                down ? a->down_kind : a->kind, a->group, r4, dot);
+    const int K = down ? a->inter : a->hidden;
+    stream_rows(phase_row, &src, n * (down ? per : 2 * per), per, K, down ? a->down_kind : a->kind, a->group, r4, dot,
+                1, K, 1);
     #pragma omp barrier
 }
 
@@ -122,8 +126,31 @@ void linear_one_token(const tk_linear_args *a, int isa) {
     #pragma omp parallel num_threads(a->threads)
     {
         const linear_src src = {a, isa};
-        stream_rows(linear_row, &src, a->out, a->out, a->in, a->kind, 0, r4, dot);
+        stream_rows(linear_row, &src, a->out, a->out, a->in, a->kind, 0, r4, dot, 1, a->in, 1);
         const thread_run run = this_threads_run(a->out, 4);  /* this thread's rows, as stream_rows shared them */
         linear_round(a, run.lo, run.hi);
+    }
+}
+
+/* One expert over its T tokens (more than one), on AVX2: each row read once for all of them (the variant's dot
+ * products, up to 8 tokens a pass, against int8 inputs in xb where q8_path), as the one-token rows do: each thread's
+ * share as four long runs side by side, each quarter's next row prefetched while one is multiplied. One run per thread
+ * reached 0.34 of the DRAM probe for two tokens of OLMoE's bf16 experts on a Xeon core, which keeps too few misses in
+ * flight for one stream. */
+void expert_streamed(const tk_args *a) {
+    const int T = a->tokens, H = a->hidden, I = a->inter, kind = a->kind, dk = a->down_kind, isa = a->isa;
+    const int q8_in = q8_path(kind, isa), q8_down = q8_path(dk, isa);
+    const dot_fn dot = q8_in ? q8_dot_for(kind, isa) : pick_dot(kind, isa);
+    const dot_fn down_dot = q8_down ? q8_dot_for(dk, isa) : pick_dot(dk, isa);
+    const int ldx = q8_in ? (int)(q8_stride(H) / 4) : H, ld_act = q8_down ? (int)(q8_stride(I) / 4) : 2 * I;
+    const phase_rows gate_up = {a, 0}, down = {a, 1};
+    #pragma omp parallel num_threads(a->threads)
+    {
+        if (q8_in) q8_rows(kind, isa, a->x, H, T, H, a->xb);
+        stream_rows(phase_row, &gate_up, 2 * I, I, H, kind, a->group, NULL, dot, T, ldx, 2 * I);
+        #pragma omp barrier
+        swiglu_rows(a);
+        if (q8_down) q8_rows(dk, isa, a->act, 2 * (size_t)I, T, I, a->xb);  /* (xb's inputs all read: barrier above) */
+        stream_rows(phase_row, &down, H, H, I, dk, a->group, NULL, down_dot, T, ld_act, H);
     }
 }
