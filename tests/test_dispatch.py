@@ -149,8 +149,10 @@ def test_matches_cpu_only(checkpoints, tmp_path_factory, family, strategy, polic
         assert fetched == 0
     if strategy is Strategy.FETCH or cost is ALWAYS_FETCH and strategy is Strategy.FIDDLER:
         assert cpu == 0
-    if engine.model.dispatcher.cache.slots == 0 and not static:
+    if engine.model.dispatcher.cache.slots == 0 and not engine.model.dispatcher.static:
         assert gpu == 0  # nothing is ever resident
+    if not static and engine.model.dispatcher.static:
+        assert cpu == fetched == 0  # every expert fitted, so each was placed at load and none ever missed
     if strategy is Strategy.FIDDLER and not model_cost.prefer_fetch(prompt_len):
         assert fetched == 0  # no expert saw enough tokens for a copy to pay off
 
