@@ -1,0 +1,92 @@
+"""`tandem bench chat`: what the chat app costs the engine. The app runs headless (Textual's Pilot, rendering as it
+would into a terminal) on a loaded model; the same question is answered through it and without it (the answer's
+stream consumed as `generate` consumes it), alternating, on the same model, greedy, so both decode the same tokens.
+The figure is the decode tokens/s the status bar shows over that of the bare stream, medians of the rounds: the chat
+may cost at most a tenth of it (a ratio of at least 0.9).
+
+The question asks for a long answer, and `--new-tokens` bounds it; both runs stop at the same token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+from typing import Any
+
+from tandem.app.backend import RuntimeBackend
+from tandem.runtime.loader import LoadedModel
+from tandem.runtime.sampling import SamplingParams
+
+QUESTION = ("Write a long story about a lighthouse keeper who finds a map in a bottle, with many places, names "
+            "and events, and tell it slowly, in many paragraphs.")
+SIZE = (120, 40)  # the headless terminal's columns and rows
+
+
+class _Chatting(RuntimeBackend):
+    """The runtime's backend as the app has it once a user chats (the wizard that a first load of a model offers
+    would take the keys: not offered)."""
+
+    def tuning_target(self) -> None:  # type: ignore[override]
+        return None
+
+
+def bare(backend: RuntimeBackend, params: SamplingParams) -> dict[str, float]:
+    """The answer's stream consumed with nothing else running: its decode tokens/s and tokens."""
+    for _ in backend.stream([{"role": "user", "content": QUESTION}], params):
+        pass
+    return {"decode_tok_s": backend.stats.decode_tok_s, "tokens": backend.stats.new_tokens}
+
+
+async def _in_the_app(backend: RuntimeBackend, params: SamplingParams) -> dict[str, float]:
+    from tandem.app.tui import TandemApp
+
+    app = TandemApp(lambda _: backend, params=params)
+    async with app.run_test(size=SIZE) as pilot:
+        while app.lifecycle.backend is None:
+            await pilot.pause(0.02)
+        composer = app.query_one("#composer")
+        composer.focus()
+        composer.insert(QUESTION)
+        await pilot.press("enter")
+        while app.lifecycle.generating or len(app.chat.current.turns) < 2:  # (the question, then the answer)
+            await pilot.pause(0.05)
+        usage = backend.usage()
+    return {"decode_tok_s": usage.tok_s or 0.0, "tokens": backend.stats.new_tokens}
+
+
+def in_the_app(backend: RuntimeBackend, params: SamplingParams) -> dict[str, float]:
+    """The same answer through the chat app, headless: the status bar's decode tokens/s, and tokens."""
+    return asyncio.run(_in_the_app(backend, params))
+
+
+def bench_chat(loaded: LoadedModel, new_tokens: int = 128, repeats: int = 3) -> dict[str, Any]:
+    """Alternating rounds of the bare stream and of the chat app on `loaded` (its conversations and settings kept in
+    a temporary folder: the user's are never touched)."""
+    backend = _Chatting(loaded)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+    home = os.environ.get("TANDEM_HOME")
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-chat-") as folder:
+        os.environ["TANDEM_HOME"] = folder
+        try:
+            bare(backend, SamplingParams(max_new_tokens=4, temperature=0.0))  # warm-up
+            rows: list[dict[str, Any]] = []
+            for _ in range(repeats):
+                rows.append({"generate": bare(backend, params), "chat": in_the_app(backend, params)})
+        finally:
+            if home is None:
+                os.environ.pop("TANDEM_HOME", None)
+            else:
+                os.environ["TANDEM_HOME"] = home
+    gen = statistics.median(r["generate"]["decode_tok_s"] for r in rows)
+    chat = statistics.median(r["chat"]["decode_tok_s"] for r in rows)
+    return {
+        "model": str(loaded.checkpoint.path),
+        "placement": backend.placement,
+        "new_tokens": new_tokens,
+        "generate_decode_tok_s": round(gen, 2),
+        "chat_decode_tok_s": round(chat, 2),
+        "chat_over_generate": round(chat / gen, 3) if gen else None,
+        "rounds": rows,
+    }
