@@ -167,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_load_args(bs)
     bs.set_defaults(func=_bench_serve)
 
+    bc = bench_sub.add_parser("chat", help="what the chat app costs the engine: its decode tokens/s (the status "
+                                           "bar's) over generate's, the app driven headless, alternating")
+    add(bc, "--model", "--new-tokens", "--repeats")
+    add(bc, "--json", action="store", metavar="FILE", help="write the results as JSON")
+    add_load_args(bc)
+    bc.set_defaults(func=_bench_chat, new_tokens=128)
+
     val = bench_sub.add_parser("plan", help="the planner and simulator against real runs (regret, prediction error)")
     add(val, "--model", required=True)
     add(val, "--expert-fraction", "--dtype")
@@ -784,6 +791,22 @@ def _bench_serve(args: argparse.Namespace) -> int:
         loaded.model.close()  # (its memory, before llama.cpp loads the same model)
         result["peer"] = llama_server_peer(Path(args.llama_server), Path(args.llama_bench), Path(args.model),
                                            configured.options.cpu.threads or torch_threads(), prompts, args.new_len)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
+    return 0
+
+
+def _bench_chat(args: argparse.Namespace) -> int:
+    from tandem.app.bench_chat import bench_chat
+
+    if args.json:
+        check_output_file(args.json, "--json")
+    loaded = load_from_args(args)
+    try:
+        result = bench_chat(loaded, args.new_tokens, args.repeats)
+    finally:
+        loaded.model.close()
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")

@@ -158,7 +158,7 @@ class _LayerArgs(ctypes.Structure):
         ("k_norm", ctypes.c_void_p), ("h", ctypes.c_void_p), ("hf", ctypes.c_void_p), ("qkv_out", ctypes.c_void_p),
         ("attend_out", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p), ("router_bias", ctypes.c_void_p),
         ("o_bias", ctypes.c_void_p), ("qkv", _LinearArgs * 3), ("o", _LinearArgs), ("router", _LinearArgs),
-        ("attend", _AttendArgs), ("moe", _MoeArgs),
+        ("attend", _AttendArgs), ("moe", _MoeArgs), ("f32", ctypes.c_int),
     ]
 
 
@@ -759,6 +759,7 @@ class _Slot:
         expert.epilogue.fill(a)
 
 
+KERNEL_FLOATS = (torch.bfloat16, torch.float16, torch.float32)  # dense matrices the kernel multiplies as they are
 PAD_MOST = 2**20  # bytes: bf16 matrices up to this size whose rows are not whole groups of 32 (routers of 8 or 60
 # experts) go through the kernel as a copy padded with zero rows, kept beside the matrix: a 30-layer model's routers
 # then run in the decode step (runtime/decode_step.py) instead of F.linear between kernel calls
@@ -800,7 +801,7 @@ class DenseLinear:
         the next multiple of 32, made once per matrix (the kernel's rows are independent: the first rows of its
         result are w's, bit for bit)."""
         rows = w.shape[0] if w.dim() == 2 else 0
-        if (w.dim() != 2 or rows % 32 == 0 or w.dtype != torch.bfloat16 or w.numel() * 2 > PAD_MOST
+        if (w.dim() != 2 or rows % 32 == 0 or w.dtype not in KERNEL_FLOATS or w.numel() * w.element_size() > PAD_MOST
                 or w.device.type != "cpu"):
             return w
         kept = self._pads.get(id(w))
@@ -834,10 +835,14 @@ class DenseLinear:
         if whole is not w:  # the kernel on whole groups of rows, then w's rows
             y = self(x, whole, None, out_dtype)[..., : w.shape[0]]  # [..., O]
             return y.contiguous() if bias is None else y.add(bias.to(y.dtype))
+        floats = w.dtype in (torch.float32, torch.float16)  # (float32 compute: the file's own float matrices)
         if not (self.lib is not None and n > 0 and x.dtype in (torch.bfloat16, torch.float32)
-                and out_dtype != torch.float16 and w.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and out_dtype != torch.float16 and w.dtype in KERNEL_FLOATS and x.device.type == "cpu"
+                and (not floats or x.dtype == torch.float32)
                 and w.shape[0] % 32 == 0 and width % 32 == 0 and w.shape[0] > 0 and w.is_contiguous()):
             return torch_linear(x, w, bias, out_dtype)  # (weights kept in another dtype: converted per call)
+        if floats and n > AMX_CROSSOVER:  # a prompt against float matrices: torch's product (one read for all)
+            return torch_linear(x, w, bias, out_dtype)
         if out_dtype == torch.bfloat16 and n > self.bf16_most:
             return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype)).to(out_dtype)
         if n > FLOAT_CHUNKS * AMX_CROSSOVER and x.dtype == torch.float32:  # a long prefill against bf16 weights:
@@ -847,7 +852,7 @@ class DenseLinear:
             return torch.cat([self(rows[i : i + AMX_CROSSOVER], w, bias, out_dtype)
                               for i in range(0, n, AMX_CROSSOVER)]).view(*x.shape[:-1], w.shape[0])
         isa = self.float_isa if x.dtype == torch.float32 else self.isa
-        return self._kernel(x, n, w.data_ptr(), w.shape[0], KINDS[torch.bfloat16], isa, bias, out_dtype)
+        return self._kernel(x, n, w.data_ptr(), w.shape[0], KINDS[w.dtype], isa, bias, out_dtype)
 
     def _blocks(self, x: torch.Tensor, w: QuantizedMatrix, bias: torch.Tensor | None,
                 out_dtype: torch.dtype) -> torch.Tensor:
@@ -880,23 +885,27 @@ class DenseLinear:
             return self.q8_isa  # against int8 activations (csrc/q8.c, csrc/q8avx2.c)
         return min(self.isa, ISAS.index("avx512bf16"))  # (-1: the best, which the kernel bounds likewise)
 
-    def one_token_call(self, w: object) -> tuple[int, int, int, int, int] | None:
-        """How one bf16 token meets this matrix in one tk_linear call, as __call__ would make it: (address, rows,
-        width, kind, variant); None where __call__ would not make one such call (no kernel, F.linear, or several
-        matrices side by side). Rows may be more than the matrix has: a padded copy's (`padded`)."""
+    def one_token_call(self, w: object, x_dtype: torch.dtype = torch.bfloat16
+                       ) -> tuple[int, int, int, int, int] | None:
+        """How one token of `x_dtype` (bf16, or float32) meets this matrix in one tk_linear call, as __call__ would
+        make it: (address, rows, width, kind, variant); None where __call__ would not make one such call (no kernel,
+        F.linear, or several matrices side by side). Rows may be more than the matrix has: a padded copy's
+        (`padded`)."""
         if self.lib is None:
             return None
         if isinstance(w, QuantizedMatrix):
             rows, width = w.data.shape[0], w.cols
             if w.kind not in BLOCK_KINDS or rows % 32 or width % 32 or not w.data.is_contiguous():
                 return None
-            return w.data.data_ptr(), rows, width, KINDS[w.kind], self._block_isa(w.kind, torch.bfloat16)
+            return w.data.data_ptr(), rows, width, KINDS[w.kind], self._block_isa(w.kind, x_dtype)
         if isinstance(w, torch.Tensor):
             w = self.padded(w)  # (its result's first rows are the matrix's)
-        if (not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype != torch.bfloat16 or not w.is_contiguous()
-                or w.shape[0] == 0 or w.shape[0] % 32 or w.shape[1] % 32):
+        if (not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype not in KERNEL_FLOATS or not w.is_contiguous()
+                or w.shape[0] == 0 or w.shape[0] % 32 or w.shape[1] % 32
+                or (w.dtype != torch.bfloat16 and x_dtype != torch.float32)):
             return None
-        return w.data_ptr(), w.shape[0], w.shape[1], KINDS[torch.bfloat16], self.isa
+        isa = self.float_isa if x_dtype == torch.float32 else self.isa
+        return w.data_ptr(), w.shape[0], w.shape[1], KINDS[w.dtype], isa
 
     def _kernel(self, x: torch.Tensor, n: int, w: int, rows: int, kind: int, isa: int, bias: torch.Tensor | None,
                 out_dtype: torch.dtype) -> torch.Tensor:

@@ -4,10 +4,12 @@ returning to Python between the pieces. `MoEModel.forward` uses it for one token
 finds nothing against the model; anything else (other variants, several tokens, an accelerator) runs the layer
 loop, which stays the reference the step is tested against.
 
-What the step does: RMSNorm (bf16 weights), q/k/v as one matrix or three, q/k norms over all heads or per head,
-attention (kernels/attend.py: RoPE, sinks, sliding windows), the output projection, a router whose matrix the kernel
+What the step does: RMSNorm, q/k/v as one matrix or three, q/k norms over all heads or per head, attention
+(kernels/attend.py: RoPE, sinks, sliding windows), the output projection, a router whose matrix the kernel
 multiplies, softmax or softmax-over-the-top-k routing, and routed experts the kernels run (no shared expert, no
-correction bias); bf16 compute on the CPU.
+correction bias); on the CPU, in bf16 (rounding where the layer loop rounds) or in float32 compute (the default on a
+CPU without native bf16: its matrices as the kernels keep them, bf16, fp16, float32 or GGUF blocks, against float32
+activations, a float32 KV cache).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ if TYPE_CHECKING:
     from tandem.runtime.model import MoEModel
 
 
+STEP_DTYPES = (torch.bfloat16, torch.float32)  # the compute dtypes the step runs (csrc/step.c's f32)
+
+
 def why_not(model: MoEModel) -> str | None:
     """What keeps this model off the decode step (None: nothing)."""
     from tandem.runtime.model import Attention, KVCache
@@ -32,8 +37,10 @@ def why_not(model: MoEModel) -> str | None:
     cfg = model.cfg
     if not model.attend_kernel:  # (set only where the kernels are built and used)
         return "the kernels are not built, or not used"
-    if model.accel is not None or model.dtype != torch.bfloat16 or model.rms_norm is not rms_norm_bf16:
-        return "it runs on an accelerator, or not in bf16 with the kernels' RMSNorm"
+    if model.accel is not None or model.dtype not in STEP_DTYPES:
+        return "it runs on an accelerator, or in fp16"
+    if model.dtype == torch.bfloat16 and model.rms_norm is not rms_norm_bf16:
+        return "it runs in bf16 without the kernels' RMSNorm"
     if cfg.norm_type != "rms" or cfg.clip_qkv is not None or not isinstance(model.cache, KVCache) \
             or cfg.qk_norm not in QK_NORMS:
         return "its attention has a variant the step does not do (clipping, LayerNorm, latents)"
@@ -52,12 +59,12 @@ def why_not(model: MoEModel) -> str | None:
             return f"layer {i}'s experts do not run on the kernels"
         matrices = [ffn.router, layer.attn.o] + (layer.attn.qkv if isinstance(layer.attn.qkv, list)
                                                  else [layer.attn.qkv])
-        if any(model.linear.one_token_call(m) is None for m in matrices):
+        if any(model.linear.one_token_call(m, model.dtype) is None for m in matrices):
             return f"layer {i} has a matrix the kernels do not multiply"
         norms = [layer.input_norm, layer.post_norm] + ([layer.attn.q_norm, layer.attn.k_norm]
                                                        if cfg.qk_norm != "none" else [])
-        if any(n is None or n.dtype != torch.bfloat16 or not n.is_contiguous() for n in norms):
-            return f"layer {i} has norms that are not bf16"
+        if any(n is None or n.dtype != model.dtype or not n.is_contiguous() for n in norms):
+            return f"layer {i} has norms that are not in the compute dtype"
     return None
 
 
@@ -69,28 +76,29 @@ class DecodeStep:
         H, Hq, Hkv, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         E, K = cfg.num_experts, cfg.top_k
         self.model, self.cache = model, model.cache
+        self.f32 = f32 = model.dtype == torch.float32  # float32 compute: nothing rounded, the results where they go
+        act = model.dtype  # q, k, v and attention's output in the compute dtype (the KV cache's)
         widths = [H, Hq * D]
         router_rows = -(-E // 32) * 32  # the router's rows as the kernel reads them (DenseLinear.padded)
         rows = [H, router_rows, (Hq + 2 * Hkv) * D]
         self.h = torch.empty(H, dtype=torch.bfloat16)
         self.hf = torch.empty(H)
-        self.qkv_out = torch.empty((Hq + 2 * Hkv) * D, dtype=torch.bfloat16)
-        self.attend_out = torch.empty(Hq * D, dtype=torch.bfloat16)
-        self.o_x, self.o_y = torch.empty(Hq * D), torch.empty(H)
+        self.qkv_out = torch.empty((Hq + 2 * Hkv) * D, dtype=act)
+        self.attend_out = torch.empty(Hq * D, dtype=act)
+        self.o_x, self.o_y = (self.attend_out if f32 else torch.empty(Hq * D)), torch.empty(H)
         self.y = torch.empty(max(rows))  # the projections' float32 results, before rounding to bf16
         self.xb = torch.empty(32, max(widths) + XB_EXTRA, dtype=torch.int16)  # as DenseLinear's (csrc/common.h xb)
-        self.logits = torch.empty(router_rows, dtype=torch.bfloat16)  # the first E: the router's logits
+        self.logits = torch.empty(router_rows, dtype=torch.bfloat16)  # the first E: the router's logits (bf16)
         self.ids = torch.zeros(cfg.num_layers, K, dtype=torch.int64)  # [L, K] each layer's choice, this token
         self.weights = torch.zeros(cfg.num_layers, K)  # [L, K]
         self.moe_out = torch.empty(H)
-        # the biases in the dtypes the torch path adds them in (DenseLinear: bias.to(y.dtype)): bf16 for q/k/v and
-        # the router, whose outputs are rounded first; float32 for o, added to its unrounded sums
-        self.biases: list[torch.Tensor] = []
+        self.biases: list[torch.Tensor] = []  # the biases as the layers add them (below), kept with the plan
         self.layers = (_LayerArgs * cfg.num_layers)()
         executor = model.dispatcher.executor
         for i, layer in enumerate(model.layers):
             a, attn, ffn = self.layers[i], layer.attn, layer.ffn
             assert isinstance(ffn, MoEBlockWeights)
+            a.f32 = f32
             a.hidden, a.qk_norm, a.eps = H, QK_NORMS[cfg.qk_norm], cfg.rms_norm_eps
             a.scoring, a.normalize, a.scaling = SCORINGS[ffn.rule.scoring], ffn.rule.normalize, ffn.rule.scaling
             a.window = cfg.window(i) or 0
@@ -103,20 +111,29 @@ class DecodeStep:
             a.n_qkv, at = len(parts), 0
             for j, m in enumerate(parts):
                 rows_j = self._linear(a.qkv[j], linear, m, self.hf)
-                a.qkv[j].yb = self.qkv_out.data_ptr() + 2 * at
+                if f32:  # the float32 sums where q, k and v go
+                    a.qkv[j].y, a.qkv[j].yb = self.qkv_out.data_ptr() + 4 * at, None
+                else:
+                    a.qkv[j].yb = self.qkv_out.data_ptr() + 2 * at
                 at += rows_j
             self._linear(a.o, linear, attn.o, self.o_x)  # type: ignore[union-attr]
             a.o.y, a.o.yb = self.o_y.data_ptr(), None
             self._linear(a.router, linear, ffn.router, self.hf)
-            a.router.yb = self.logits.data_ptr()
-            a.qkv_bias = self._bias(attn.qkv_bias, torch.bfloat16)  # type: ignore[union-attr]
+            a.router.yb = None if f32 else self.logits.data_ptr()  # (float32: its sums, in y)
+            # the biases in the dtypes the layer loop adds them in: bf16 for q/k/v and the router, whose outputs are
+            # rounded first; float32 for o, added to its sums, and for all of them under float32 compute
+            a.qkv_bias = self._bias(attn.qkv_bias, act)  # type: ignore[union-attr]
             a.o_bias = self._bias(attn.o_bias, torch.float32)  # type: ignore[union-attr]
-            a.router_bias = self._bias(ffn.router_bias, torch.bfloat16)
+            a.router_bias = self._bias(ffn.router_bias, act)
             self._attend(a.attend, model, i)
             executor.moe_args(model.dispatcher.cpu_layers[i], 1, into=a.moe)
             a.moe.tokens, a.moe.top_k = 1, K
             a.moe.ids, a.moe.weights = self.ids[i].data_ptr(), self.weights[i].data_ptr()
-            a.moe.x_bf16, a.moe.out = self.h.data_ptr(), self.moe_out.data_ptr()
+            a.moe.out = self.moe_out.data_ptr()
+            if f32:
+                a.moe.x, a.moe.x_bf16 = self.hf.data_ptr(), None
+            else:
+                a.moe.x_bf16 = self.h.data_ptr()
 
     def _bias(self, bias: torch.Tensor | None, dtype: torch.dtype) -> int | None:
         """The address of `bias` in `dtype` (a copy kept with the plan), or None."""
@@ -127,7 +144,7 @@ class DecodeStep:
 
     def _linear(self, a: _LinearArgs, linear: DenseLinear, m: object, x: torch.Tensor) -> int:
         """One token against matrix m as DenseLinear would call the kernel, reading x (float32); returns its rows."""
-        call = linear.one_token_call(m)
+        call = linear.one_token_call(m, self.model.dtype)
         assert call is not None  # (why_not checked)
         w, rows, width, kind, isa = call
         a.tokens, a.inp, a.out, a.threads, a.isa, a.kind = 1, width, rows, linear.threads, isa, kind
@@ -139,11 +156,11 @@ class DecodeStep:
         nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         sinks = model.layers[i].attn.sinks  # type: ignore[union-attr]
         a.batch, a.heads, a.kv_heads, a.dim = 1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        a.rot, a.bf16, a.threads = model.cos.shape[-1], 1, model.threads
+        a.rot, a.bf16, a.threads = model.cos.shape[-1], int(not self.f32), model.threads
         a.isa = ATTEND_ISAS.index(attend_isa())  # type: ignore[arg-type]
         a.ld_q, a.ld_k, a.ld_v, a.context = nq, nkv, nkv, model.context
-        q = self.qkv_out.data_ptr()
-        a.q, a.k, a.v = q, q + 2 * nq, q + 2 * (nq + nkv)
+        q, item = self.qkv_out.data_ptr(), self.qkv_out.element_size()
+        a.q, a.k, a.v = q, q + item * nq, q + item * (nq + nkv)
         a.kcache, a.vcache = model.cache.k[i].data_ptr(), model.cache.v[i].data_ptr()  # type: ignore[union-attr]
         a.sinks = sinks.data_ptr() if sinks is not None else None
         a.scale, a.out = cfg.head_dim ** -0.5, self.attend_out.data_ptr()

@@ -69,14 +69,15 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 
 def kept_dtypes(ckpt: Checkpoint, compute: torch.dtype, cpu: CpuOptions | None) -> Callable[[str], torch.dtype]:
     """The dtype each non-expert weight is kept in on the CPU: the compute dtype, but a dense matrix
-    (weights.dense_matrices) of a bf16 file stays bf16 under float32 compute when the kernels multiply by it (they
-    read bf16 rows against float32 activations exactly as a float32 copy would compute, streaming half its bytes,
-    and streaming bytes is what decode waits on)."""
+    (weights.dense_matrices) of a bf16 or fp16 file stays so under float32 compute when the kernels multiply by it
+    (they read its rows against float32 activations exactly as a float32 copy would compute, streaming half its
+    bytes, and streaming bytes is what decode waits on)."""
     matrices = dense_matrices(ckpt.config, ckpt.spec)
     keep = compute == torch.float32 and library() is not None and (cpu is None or cpu.use_kernel)
 
     def kept(name: str) -> torch.dtype:
-        return torch.bfloat16 if keep and name in matrices and ckpt.dtype(name) == torch.bfloat16 else compute
+        stored = ckpt.dtype(name) if keep and name in matrices else compute
+        return stored if stored in (torch.bfloat16, torch.float16) else compute
     return kept
 
 

@@ -35,7 +35,7 @@ def test_copy_engine_runs_in_the_background_and_counts_bytes() -> None:
     src = torch.arange(256, dtype=torch.float32)
     fut = accel.copy_async([dst], [src])
     assert not fut.done()  # the caller is not blocked by the copy
-    fut.result(timeout=5)
+    fut.result(timeout=60)
     assert torch.equal(dst, src) and accel.bytes_h2d == nbytes(dst)
     accel.close()
 
@@ -59,7 +59,7 @@ def test_the_side_threads_use_one_core_and_leave_every_other_thread_alone() -> N
     cores = torch.get_num_threads()
     assert cores > 1 or (os.cpu_count() or 1) == 1  # more than one, or the test could not tell the counts apart
     accel = EmulatedAccelerator(budget=10**6)
-    accel.copy_async([accel.empty((4,), torch.float32, "slot")], [torch.ones(4)]).result(timeout=5)  # copier up
+    accel.copy_async([accel.empty((4,), torch.float32, "slot")], [torch.ones(4)]).result(timeout=60)  # copier up
     assert accel.submit(torch.get_num_threads).result() == 1  # the emulated device's stream: one core
     assert accel._copier.submit(torch.get_num_threads).result() == 1  # the copy engine: one core
     assert count_on_a_new_thread() == cores and torch.get_num_threads() == cores  # (the chat app's workers)
@@ -91,7 +91,7 @@ def test_device_work_runs_apart_from_the_host_in_stream_order() -> None:
     accel = EmulatedAccelerator(budget=10**6)
     gate = threading.Event()
     order: list[int] = []
-    first = accel.submit(lambda: (gate.wait(5), order.append(1)))
+    first = accel.submit(lambda: (gate.wait(60), order.append(1)))
     second = accel.submit(lambda: order.append(2))
     assert not first.done() and not second.done()  # the host was not held up by either
     gate.set()
@@ -133,17 +133,17 @@ def test_a_slot_is_not_overwritten_while_queued_work_reads_it() -> None:
 
     def kernel() -> torch.Tensor:  # reads the slot slowly
         reading.set()
-        release.wait(5)
+        release.wait(60)
         return slot.clone()
 
     read = accel.submit(kernel)
-    assert reading.wait(5)
+    assert reading.wait(60)
     copy = accel.copy_async([slot], [torch.full((64,), 2.0)])
     threading.Event().wait(0.2)
     assert not copy.done() and torch.equal(slot, torch.ones(64))  # held back by the kernel still reading
     release.set()
     assert torch.equal(accel.join(read), torch.ones(64))
-    copy.result(timeout=5)
+    copy.result(timeout=60)
     assert torch.equal(slot, torch.full((64,), 2.0))
     accel.close()
 
@@ -153,10 +153,10 @@ def test_a_demand_copy_is_not_queued_behind_post_fetches() -> None:
     slots = [accel.empty((64,), torch.float32, f"slot {i}") for i in range(4)]
     background = [accel.copy_async([s], [torch.ones(64)]) for s in slots[:3]]  # 0.9 s of copies in a row
     demand = accel.copy_async([slots[3]], [torch.ones(64)], demand=True)
-    demand.result(timeout=5)
+    demand.result(timeout=60)
     assert not background[-1].done()  # the demand copy finished first
     for copy in background:
-        copy.result(timeout=5)
+        copy.result(timeout=60)
     accel.close()
 
 

@@ -60,9 +60,12 @@ def decode(model: MoEModel, use_step: bool, steps: int = 12) -> tuple[torch.Tens
                                       stats.per_layer.copy(), stats.misses)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("name", list(SERVED))
-def test_the_step_decodes_as_the_torch_path(served: dict[str, Path], name: str) -> None:
-    model = load_model(served[name], dtype="bf16").model
+def test_the_step_decodes_as_the_torch_path(served: dict[str, Path], name: str, dtype: str) -> None:
+    """bf16 compute, and float32 (the default on a CPU without native bf16; these float32 files' matrices as they
+    are)."""
+    model = load_model(served[name], dtype=dtype).model
     assert why_not(model) is None
     want, want_tokens, want_trace = decode(model, use_step=False)
     assert model._step is None
@@ -73,6 +76,24 @@ def test_the_step_decodes_as_the_torch_path(served: dict[str, Path], name: str) 
         assert np.array_equal(got_part, want_part)
     # the same kernels in the same order: equal here, bit for bit; only the routing weights' exp differs (expf
     # there, torch's softmax here), by a float32 step at most
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
+def test_a_bf16_file_in_float32_compute_decodes_through_the_step(tmp_path: Path) -> None:
+    """A bf16 checkpoint under float32 compute (an AVX2 CPU's default): its dense matrices stay bf16 (the kernels
+    read them against float32 activations), its norms and KV cache are float32, and the step gives the torch path's
+    tokens."""
+    from tandem.runtime.synth import tiny_config, write_test_model
+
+    cfg = tiny_config("qwen3_moe", num_experts=32, moe_intermediate_size=64, num_hidden_layers=2)
+    model = load_model(write_test_model(tmp_path / "m", cfg, seed=2, dtype=torch.bfloat16), dtype="fp32").model
+    assert model.layers[0].attn.o.dtype == torch.bfloat16 and model.layers[0].input_norm.dtype == torch.float32
+    assert model.cache.k.dtype == torch.float32 and why_not(model) is None
+    want, want_tokens, want_trace = decode(model, use_step=False)
+    got, tokens, trace = decode(model, use_step=True)
+    assert model._step is not None and model._step.f32 and tokens == want_tokens
+    for got_part, want_part in zip(trace, want_trace, strict=True):
+        assert np.array_equal(got_part, want_part)
     assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
 
 
@@ -108,13 +129,14 @@ def test_one_layer_matches_the_torch_path_piece_by_piece(served: dict[str, Path]
     assert (y - (x1 + moe).view(-1)).abs().max().item() <= 1e-6 * x1.abs().max().item()
 
 
-def test_gguf_blocks_decode_through_the_step(served: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_gguf_blocks_decode_through_the_step(served: dict[str, Path], tmp_path: Path, dtype: str) -> None:
     """A GGUF file's blocks as stored (Q8_0, and Q4_K with Q6_K down projections and values: Q4_K_M's mix) decode
-    through the step as through the torch path."""
+    through the step as through the torch path, in bf16 and in float32 compute."""
     for qtype, mix in (("Q8_0", None), ("Q4_K", {"ffn_down": "Q6_K", "attn_v": "Q6_K"})):
         out = tmp_path / f"olmoe-{qtype}.gguf"
         write_gguf(served["olmoe"], out, qtype, mix=mix)
-        model = load_model(out, dtype="bf16").model
+        model = load_model(out, dtype=dtype).model
         assert why_not(model) is None
         want, want_tokens, _ = decode(model, use_step=False)
         got, tokens, _ = decode(model, use_step=True)
@@ -141,8 +163,8 @@ def test_gpt_oss_decodes_through_the_step(tmp_path: Path) -> None:
 
 def test_what_the_step_does_not_do_runs_the_torch_path(served: dict[str, Path], tmp_path: Path) -> None:
     """Each reason names itself, and such a model decodes without the step."""
-    fp32 = load_model(served["olmoe"], dtype="fp32").model
-    assert "bf16" in (why_not(fp32) or "")
+    shared = load_model(build_hf_checkpoint(tmp_path / "shared", "qwen2_moe", {}), dtype="fp32").model
+    assert "shared expert" in (why_not(shared) or "")
     narrow = build_hf_checkpoint(tmp_path / "narrow", "olmoe", {"hidden_size": 48, "num_experts": 32})
     odd = load_model(narrow, dtype="bf16").model  # 48 wide: matrices the kernels do not multiply
     assert "matrix" in (why_not(odd) or "")

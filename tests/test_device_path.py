@@ -176,16 +176,16 @@ def test_the_host_is_held_by_a_copy_it_queues_work_behind_until_the_copy_is_queu
     accel = EmulatedAccelerator(budget=10**6)
     gate = threading.Event()
     slot = accel.empty((3, 64), torch.float32, "slot")
-    accel.submit(lambda: gate.wait(5))  # a kernel that runs until the gate opens
+    accel.submit(lambda: gate.wait(60))  # a kernel that runs until the gate opens
     copy = accel.copy_async(list(slot), [torch.full((64,), float(i)) for i in range(3)], demand=True)
     held = threading.Event()
     thread = threading.Thread(target=lambda: (accel.submit(lambda: None, after=(copy,)), held.set()))
     thread.start()
     assert not held.wait(0.3)  # the third tensor waits for a staging buffer, whose copy waits for the kernel
     gate.set()
-    assert held.wait(5)
+    assert held.wait(60)
     thread.join()
-    copy.result(timeout=5)
+    copy.result(timeout=60)
     assert torch.equal(slot, torch.arange(3, dtype=torch.float32)[:, None].expand(3, 64))
     accel.close()
 

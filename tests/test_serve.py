@@ -73,7 +73,7 @@ def alone(model: Path, messages: list[dict[str, str]] | None = None, prompt: str
     return tok.decode(tokens), len(ids), len(tokens)
 
 
-def wait_for(condition: Any, timeout: float = 20.0) -> None:
+def wait_for(condition: Any, timeout: float = 60.0) -> None:
     end = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < end, "timed out"

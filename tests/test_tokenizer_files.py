@@ -81,7 +81,7 @@ def test_odd_tokenizer_files_are_refused(folder: Path, name: str, kind: str) -> 
     start = time.monotonic()
     with pytest.raises(CheckpointError, match=name):
         Tokenizer.from_folder(folder)
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 20  # refused, not read: a FIFO or /dev/zero read would never end
 
 
 @pytest.mark.parametrize("kind", ODD)

@@ -223,9 +223,8 @@ async def test_the_view_follows_the_answer_while_at_the_bottom() -> None:
     app = TandemApp(lambda _: backend)
     async with app.run_test(size=(80, 24)) as pilot:
         await ask_and_wait(pilot, app, "a long answer please")
-        await pilot.pause(0.2)
-        box = app.query_one("#messages")
-        assert box.max_scroll_y > 5 and box.scroll_y == box.max_scroll_y
+        box = app.query_one("#messages")  # (laid out once the last batch is painted: waited for, not slept)
+        await wait_until(pilot, lambda: box.max_scroll_y > 5 and box.scroll_y == box.max_scroll_y)
 
 
 # -- 7. quitting mid-answer keeps the turn -------------------------------------------------------------------

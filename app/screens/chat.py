@@ -466,7 +466,7 @@ class ChatScreen(Screen[None]):
 
     def on_tokens_arrived(self, message: TokensArrived) -> None:
         if self.answer is not None:  # the view follows by its anchor, only while the user is at the bottom
-            self.answer.set_text(self.answer.text + message.text)
+            self.answer.append_text(message.text)
             self.update_experts(live=True)
 
     def on_context_trimmed(self, message: ContextTrimmed) -> None:

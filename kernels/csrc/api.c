@@ -243,8 +243,8 @@ int tk_linear(const tk_linear_args *a) {
     if (a->tokens <= 0) return 0;
     if (a->tokens > (IS_BLOCK_KIND(a->kind) ? BLOCK_TOKENS : 16) || a->in % 32 || a->out % 32) return -5;
     if (a->threads < 1 || a->in < 1 || a->out < 1) return -7;
-    const int blocks = IS_BLOCK_KIND(a->kind);
-    if ((a->kind != K_BF16 && !blocks) || (blocks && a->in % block_values(a->kind))) return -5;
+    const int blocks = IS_BLOCK_KIND(a->kind), floats = a->kind == K_FP32 || a->kind == K_FP16;
+    if ((a->kind != K_BF16 && !blocks && !floats) || (blocks && a->in % block_values(a->kind))) return -5;
     const int mask = tk_isa_mask();
     int isa = a->isa;
     if (isa < 0) {
@@ -252,6 +252,7 @@ int tk_linear(const tk_linear_args *a) {
         while (isa < ISA_AMX && (mask & (1 << (isa + 1)))) isa++;
         if ((a->tokens == 1 || blocks) && isa >= ISA_AVX512) isa = ISA_AVX512;
     }
+    if (floats && isa > ISA_AVX512) isa = ISA_AVX512;  /* fp32 and fp16 matrices: the float rows (no bf16 units) */
     if (isa < ISA_BASE || isa > ISA_AMX || !(mask & (1 << isa)) || (blocks && isa > ISA_AVX512BF16)) return -2;
     if (isa == ISA_AMX) linear_amx(a);
     else if ((isa == ISA_AVX2 || isa == ISA_AVX512 || (blocks && isa == ISA_AVX512BF16)) && a->tokens == 1)

@@ -125,6 +125,24 @@ void tk_rms_norm_f32(const float *x, size_t ldx, const uint16_t *w, uint16_t *y,
     rms_norm_rows(x, 1, ldx, w, y, rows, n, eps);
 }
 
+/* RMSNorm in float32 throughout (float32 compute: runtime/model.py rms_norm with float32 x and weight):
+ * y = w * (x * 1/sqrt(mean(x^2) + eps)), each product rounded as the reference rounds it. y may be x. */
+void tk_rms_norm_float(const float *x, size_t ldx, const float *w, float *y, int rows, int n, float eps) {
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (size_t)r * ldx;
+        float part[16] = {0};
+        int i = 0;
+        for (; i + 16 <= n; i += 16)
+            for (int j = 0; j < 16; j++) part[j] += xr[i + j] * xr[i + j];
+        float ss = 0;
+        for (; i < n; i++) ss += xr[i] * xr[i];
+        for (int j = 0; j < 16; j++) ss += part[j];
+        const float inv = 1.f / sqrtf(ss / (float)n + eps);
+        float *yr = y + (size_t)r * n;
+        for (i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * inv);
+    }
+}
+
 DEFINE_SUM(sum_base, )
 
 /* Rows `ids` [n] of a matrix of GGUF blocks ([rows, cols]) as float32 [n, cols], each block unpacked as the dot

@@ -142,23 +142,26 @@ typedef struct {
     int kind;                            /* K_BF16 or a block kind */
 } tk_linear_args;
 
-/* One decoder layer of one decode token (tk_decode_layers, step.c), planned once: weights, buffers, variants. */
+/* One decoder layer of one decode token (tk_decode_layers, step.c), planned once: weights, buffers, variants. The
+ * compute dtype is bf16 (f32 = 0: activations rounded to bf16 where the torch path rounds them, as the types below
+ * say) or float32 (f32 = 1: every one of them float32, norms' weights and the KV cache too; h unused). */
 typedef struct {
     int hidden, n_qkv;                   /* H; q, k and v as 1 stacked matrix or 3 (formats that differ) */
     int qk_norm;                         /* QK_NORM_NONE, _FULL (over all heads: OLMoE) or _HEAD (per head: Qwen3) */
     int scoring, normalize, window;      /* SCORE_SOFTMAX or _SOFTMAX_TOPK; weights scaled to sum to 1; 0 or a
                                           * sliding window's length */
     float eps, scaling;                  /* the norms' epsilon; the routing weights' factor */
-    const uint16_t *input_norm, *post_norm, *q_norm, *k_norm;  /* bf16: [H], [H], the q/k norms' ([Hq*D] or [D]) */
+    const void *input_norm, *post_norm, *q_norm, *k_norm;  /* bf16: [H], [H], the q/k norms' ([Hq*D] or [D]) */
     uint16_t *h;                         /* [H] bf16: the normed residual stream */
     float *hf;                           /* [H] the same as float32: the projections' and the router's input */
-    uint16_t *qkv_out;                   /* [(Hq + 2 Hkv) * D] bf16: q, k, v (attend.q, .k, .v point into it) */
-    uint16_t *attend_out;                /* [Hq * D] bf16: attend.out */
-    const uint16_t *qkv_bias, *router_bias;  /* NULL, or bf16 [(Hq + 2 Hkv) * D], [E]: added to the rounded outputs */
+    void *qkv_out;                       /* [(Hq + 2 Hkv) * D] bf16: q, k, v (attend.q, .k, .v point into it) */
+    void *attend_out;                    /* [Hq * D] bf16: attend.out */
+    const void *qkv_bias, *router_bias;  /* NULL, or bf16 [(Hq + 2 Hkv) * D], [E]: added to the rounded outputs */
     const float *o_bias;                 /* NULL, or [H]: added to o's float32 sums */
     tk_linear_args qkv[3], o, router;    /* o.x: attend_out as float32; o.y: [H] float32; router.yb: [E] bf16 */
     tk_attend_args attend;               /* start and first are set per token */
     tk_moe_args moe;                     /* x_bf16: h; ids, weights: [K] chosen here; out: [H] float32 */
+    int f32;                             /* 1: float32 compute */
 } tk_layer_args;
 
 /* ---- values: bf16, weight kinds to float32 -------------------------------------------------------------- */
@@ -306,6 +309,7 @@ int tk_moe(const tk_moe_args *m);
 int tk_linear(const tk_linear_args *a);
 void tk_rms_norm_bf16(const uint16_t *x, size_t ldx, const uint16_t *w, uint16_t *y, int rows, int n, float eps);
 void tk_rms_norm_f32(const float *x, size_t ldx, const uint16_t *w, uint16_t *y, int rows, int n, float eps);
+void tk_rms_norm_float(const float *x, size_t ldx, const float *w, float *y, int rows, int n, float eps);
 int tk_dequantize_rows(int kind, const uint8_t *data, int64_t rows, const int64_t *ids, int n, int cols,
                        float *out);
 int tk_attend_one(const tk_attend_args *a);

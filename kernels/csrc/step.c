@@ -17,10 +17,25 @@ static void bf16_to_float(const uint16_t *src, float *dst, int n) {
     for (int i = 0; i < n; i++) dst[i] = bf16f(src[i]);
 }
 
-/* y += bias, both bf16, rounded to bf16 as torch adds them (in float32, then to the nearest even). */
-static void add_bias_bf16(uint16_t *y, const uint16_t *bias, int n) {
-    if (bias)
-        for (int i = 0; i < n; i++) y[i] = bf16_of(bf16f(y[i]) + bf16f(bias[i]));
+/* y += bias, both bf16, rounded to bf16 as torch adds them (in float32, then to the nearest even); or both float32
+ * (float32 compute). */
+static void add_bias(void *y, const void *bias, int n, int f32) {
+    if (!bias) return;
+    if (f32) {
+        for (int i = 0; i < n; i++) ((float *)y)[i] += ((const float *)bias)[i];
+        return;
+    }
+    uint16_t *yb = (uint16_t *)y;
+    const uint16_t *b = (const uint16_t *)bias;
+    for (int i = 0; i < n; i++) yb[i] = bf16_of(bf16f(yb[i]) + bf16f(b[i]));
+}
+
+/* RMSNorm of `rows` rows of n values, ldx apart, into y: bf16 (a bf16 weight; x bf16, or float32 where `x_f32`)
+ * or float32 throughout (f32). */
+static void norm(const void *x, int x_f32, size_t ldx, const void *w, void *y, int rows, int n, float eps, int f32) {
+    if (f32) tk_rms_norm_float((const float *)x, ldx, (const float *)w, (float *)y, rows, n, eps);
+    else if (x_f32) tk_rms_norm_f32((const float *)x, ldx, (const uint16_t *)w, (uint16_t *)y, rows, n, eps);
+    else tk_rms_norm_bf16((const uint16_t *)x, ldx, (const uint16_t *)w, (uint16_t *)y, rows, n, eps);
 }
 
 /* The router's logits [E] (bf16 values) -> K expert ids and weights, as runtime/moe.py's route: "softmax" scores
@@ -58,38 +73,48 @@ static void choose_experts(const float *logits, int E, int K, int scoring, int n
     for (int k = 0; k < K; k++) weights[k] *= scaling;
 }
 
-/* x [H] float32, the residual stream, through one layer (positions as `a->attend` says). 0, or a negative code. */
+/* x [H] float32, the residual stream, through one layer (positions as `a->attend` says). 0, or a negative code.
+ * bf16 compute rounds where the torch path rounds: the norms' outputs (h), the projections' (qkv_out, attend_out, the
+ * router's logits); float32 compute rounds nothing, and the normed stream goes to the projections as it is (hf). */
 static int layer_step(tk_layer_args *a, float *x) {
-    const int H = a->hidden, D = a->attend.dim, Hq = a->attend.heads, Hkv = a->attend.kv_heads;
+    const int H = a->hidden, D = a->attend.dim, Hq = a->attend.heads, Hkv = a->attend.kv_heads, f32 = a->f32;
     const int nq = Hq * D, nkv = Hkv * D;
+    const size_t item = f32 ? 4 : 2;
+    char *qkv = (char *)a->qkv_out;
     int code;
     /* attention */
-    tk_rms_norm_f32(x, H, a->input_norm, a->h, 1, H, a->eps);
-    bf16_to_float(a->h, a->hf, H);
+    norm(x, 1, H, a->input_norm, f32 ? (void *)a->hf : (void *)a->h, 1, H, a->eps, f32);
+    if (!f32) bf16_to_float(a->h, a->hf, H);
     for (int i = 0; i < a->n_qkv; i++)
         if ((code = tk_linear(&a->qkv[i]))) return code;
-    add_bias_bf16(a->qkv_out, a->qkv_bias, nq + 2 * nkv);
+    add_bias(qkv, a->qkv_bias, nq + 2 * nkv, f32);
     if (a->qk_norm == QK_NORM_FULL) {
-        tk_rms_norm_bf16(a->qkv_out, nq, a->q_norm, a->qkv_out, 1, nq, a->eps);
-        tk_rms_norm_bf16(a->qkv_out + nq, nkv, a->k_norm, a->qkv_out + nq, 1, nkv, a->eps);
+        norm(qkv, f32, nq, a->q_norm, qkv, 1, nq, a->eps, f32);
+        norm(qkv + item * nq, f32, nkv, a->k_norm, qkv + item * nq, 1, nkv, a->eps, f32);
     } else if (a->qk_norm == QK_NORM_HEAD) {
-        tk_rms_norm_bf16(a->qkv_out, D, a->q_norm, a->qkv_out, Hq, D, a->eps);
-        tk_rms_norm_bf16(a->qkv_out + nq, D, a->k_norm, a->qkv_out + nq, Hkv, D, a->eps);
+        norm(qkv, f32, D, a->q_norm, qkv, Hq, D, a->eps, f32);
+        norm(qkv + item * nq, f32, D, a->k_norm, qkv + item * nq, Hkv, D, a->eps, f32);
     }
     if ((code = tk_attend_one(&a->attend))) return code;
-    bf16_to_float(a->attend_out, (float *)a->o.x, nq);
+    if (!f32) bf16_to_float((const uint16_t *)a->attend_out, (float *)a->o.x, nq);  /* (float32: o.x is attend_out) */
     if ((code = tk_linear(&a->o))) return code;
     if (a->o_bias)
         for (int i = 0; i < H; i++) x[i] += a->o.y[i] + a->o_bias[i];  /* o's sums plus its bias, then the residual */
     else
         for (int i = 0; i < H; i++) x[i] += a->o.y[i];
     /* experts */
-    tk_rms_norm_f32(x, H, a->post_norm, a->h, 1, H, a->eps);
-    bf16_to_float(a->h, a->hf, H);
+    norm(x, 1, H, a->post_norm, f32 ? (void *)a->hf : (void *)a->h, 1, H, a->eps, f32);
+    if (!f32) bf16_to_float(a->h, a->hf, H);
     if ((code = tk_linear(&a->router))) return code;
-    add_bias_bf16(a->router.yb, a->router_bias, a->moe.experts);
     float logits[MAX_EXPERTS];
-    bf16_to_float(a->router.yb, logits, a->moe.experts);  /* the router's logits as the torch path rounds them */
+    if (f32) {  /* the router's float32 sums, its bias added */
+        memcpy(logits, a->router.y, sizeof(float) * (size_t)a->moe.experts);
+        if (a->router_bias)
+            for (int e = 0; e < a->moe.experts; e++) logits[e] += ((const float *)a->router_bias)[e];
+    } else {
+        add_bias(a->router.yb, a->router_bias, a->moe.experts, 0);
+        bf16_to_float(a->router.yb, logits, a->moe.experts);  /* the router's logits as the torch path rounds them */
+    }
     choose_experts(logits, a->moe.experts, a->moe.top_k, a->scoring, a->normalize, a->scaling, (int64_t *)a->moe.ids,
                    (float *)a->moe.weights);
     if ((code = tk_moe(&a->moe))) return code;
