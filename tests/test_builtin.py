@@ -80,6 +80,7 @@ def test_chat_answer_mentions_paris(built: Path, monkeypatch, capsys) -> None:
     assert "Paris" in json.loads(capsys.readouterr().out)["text"]
 
 
+@pytest.mark.timeout(1800)  # the longest test: about 4 minutes on 2 quiet cores, a dozen runs of 1024 tokens
 def test_every_bf16_path_agrees_with_fp32_nearly_as_often_as_the_best(built: Path) -> None:
     # Teacher-forced over the bundled texts, through decode steps and every token count a layer call takes: the
     # kernels' own choice on this CPU and on each CPU with fewer features it can play (torch capped too), and every
