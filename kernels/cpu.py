@@ -15,6 +15,7 @@ Letters: n tokens, H hidden size, I expert width.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import weakref
 from collections.abc import Callable, Sequence
@@ -63,7 +64,7 @@ FLOAT_CHUNKS = 4
 # L1: more tokens a call stream each matrix from memory fewer times in a prompt (docs/bench/README.md).
 BLOCK_STEP = 32
 QUANT_CHUNKS = 32  # quantized experts stay on the kernel up to this many chunks of tokens (measured: beyond
-# that, dequantizing once and using torch's matmul wins)
+# that, dequantizing once and using torch's matmul wins) where torch multiplies bf16 natively (quant_chunks)
 MAX_THREADS = 4096  # a sanity bound: libgomp takes any positive count and allocates per thread
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what experts take and return (they sum in float32)
 
@@ -224,6 +225,19 @@ def available_isas() -> list[str]:
         return []
     mask = lib.tk_isa_mask()
     return [name for i, name in enumerate(ISAS) if mask & (1 << i)]
+
+
+def quant_chunks(dtype: torch.dtype) -> int:
+    """Chunks of tokens of `dtype` that quantized weights stay on the kernel for: QUANT_CHUNKS where torch's product
+    in that dtype is native (float32; bf16 with AVX512_BF16 or AMX: past that, dequantizing once for torch wins);
+    for bf16 without it, every chunk (torch's bf16 product emulated: a 2048-token prompt of a Q4_K_M file ran at 0.4
+    of llama.cpp's speed on the AVX2 mask, against 1.1 for 512 tokens)."""
+    return QUANT_CHUNKS if dtype != torch.bfloat16 or _native_bf16() else 1 << 30
+
+
+@functools.cache
+def _native_bf16() -> bool:
+    return "avx512bf16" in available_isas()
 
 
 def int8_only(isa: str, kind: object) -> bool:
@@ -583,7 +597,7 @@ class CpuExecutor:
         isa = self.isa_for(expert, min(n, step))
         if isa is not None and n <= step:
             return self._run_kernel(expert, x, isa).to(x.dtype)
-        if isa is not None and expert.kind in QUANTIZED and n <= QUANT_CHUNKS * step:
+        if isa is not None and expert.kind in QUANTIZED and n <= quant_chunks(x.dtype) * step:
             # torch has no fast int4 path and its int8 one slows down with tokens: re-stream the weights once
             # per chunk of tokens instead.
             # (each chunk copied out of the reused buffer before the next overwrites it, float32 included)
@@ -649,10 +663,10 @@ class CpuExecutor:
 
     def serves_layer(self, layer: LayerExperts, tokens: int) -> bool:
         """Whether `run_layer` can take this many tokens: every expert then gets at most that many, which run_layer
-        runs `_chunk` at a time; quantized experts up to QUANT_CHUNKS calls each (as `run`), others in one."""
+        runs `_chunk` at a time; quantized experts up to quant_chunks calls each (as `run`), others in one."""
         expert = layer.experts[0]
         chunk = self._chunk(expert)
-        most = QUANT_CHUNKS * chunk if expert.kind in QUANTIZED else chunk
+        most = quant_chunks(self.dtype) * chunk if expert.kind in QUANTIZED else chunk
         return self.lib is not None and 0 < tokens <= most and self.isa_for(expert, min(tokens, chunk)) is not None
 
     def _chunk(self, expert: CpuExpert) -> int:
@@ -857,7 +871,7 @@ class DenseLinear:
     def _blocks(self, x: torch.Tensor, w: QuantizedMatrix, bias: torch.Tensor | None,
                 out_dtype: torch.dtype) -> torch.Tensor:
         """x [..., I] against GGUF blocks: the kernel (AVX-512 rows at most) BLOCK_STEP tokens a call for up to
-        QUANT_CHUNKS calls, as the GGUF experts; beyond, or without the kernel, torch over the matrix dequantized for
+        quant_chunks calls, as the GGUF experts; beyond, or without the kernel, torch over the matrix dequantized for
         this call."""
         rows, width = w.data.shape[0], w.cols
         if x.dim() == 0 or x.shape[-1] != width or w.kind not in BLOCK_KINDS:
@@ -865,7 +879,7 @@ class DenseLinear:
         if bias is not None and tuple(bias.shape) != (rows,):
             raise ValueError(f"bias has shape {list(bias.shape)}; expected [{rows}]")
         n = x.numel() // width
-        if not (self.lib is not None and 0 < n <= QUANT_CHUNKS * BLOCK_STEP and x.device.type == "cpu"
+        if not (self.lib is not None and 0 < n <= quant_chunks(x.dtype) * BLOCK_STEP and x.device.type == "cpu"
                 and x.dtype in (torch.bfloat16, torch.float32) and rows % 32 == 0 and width % 32 == 0
                 and w.data.is_contiguous()):
             return torch_linear(x, w.dequantize(x.dtype), bias, out_dtype)

@@ -45,7 +45,9 @@ if TYPE_CHECKING:
     from tandem.app.backend import Usage
     from tandem.app.tui import TandemApp
 
-REPAINT_S = 0.05
+# Streamed text is painted at most ten times a second: on two cores the app's painting (13 % of a core at 0.1 s,
+# 17 % at 0.05 s, with 30 saved chats) takes the engine's core; slower looks jerky (docs/bench/chat.md).
+REPAINT_S = 0.1
 COUNT_AFTER_S = 0.25  # the draft's tokens are counted once typing pauses this long, not on every key
 NARROW = 100  # below this many columns the sidebar folds away by itself (Ctrl+B brings it back)
 SIDEBAR_TEXT = 22  # characters of a title the sidebar shows (its width, less padding and border)
