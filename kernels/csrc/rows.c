@@ -17,12 +17,14 @@ static void q8_input_for(int kind, int isa, const float *x, int n, void *buf) {
 /* Where row q of a one-token pass lies (see one_token_row); `src` is the caller's description of the rows. */
 typedef row_ref (*row_lookup)(const void *src, int q);
 
-/* Rows [lo, hi) of a pass streamed by the calling thread as four long sequences side by side (row i of each quarter),
- * as the bandwidth probe reads memory: four quarters were the best of four neighbouring rows at a time (four streams
- * one row long), four quarters and eight quarters on 2048x768 bf16 experts (docs/bench/kernels.md). */
-static void run_rows(row_lookup find, const void *src, int lo, int hi, int per, int K, int kind, int group,
-                     rows4_fn r4, dot_fn dot, int T, int ldx, int ldr) {
-    const int len = (hi - lo + 3) / 4;
+/* Inside a parallel region: `total` one-token rows of K values, found through `find` (`per` rows a matrix), shared
+ * out in one contiguous run per thread; each thread streams its run as four long sequences side by side (row i of
+ * each quarter), as the bandwidth probe does: four quarters were the best of four neighbouring rows at a time (four
+ * streams one row long), four quarters and eight quarters on 2048x768 bf16 experts (docs/bench/kernels.md). */
+static void stream_rows(row_lookup find, const void *src, int total, int per, int K, int kind, int group,
+                        rows4_fn r4, dot_fn dot, int T, int ldx, int ldr) {
+    const thread_run run = this_threads_run(total, 4);
+    const int lo = run.lo, hi = run.hi, len = run.len;
     const size_t rb = row_bytes(kind, K, group);
     const size_t s_step = kind == K_INT8 ? sizeof(float) : row_scale_bytes(kind, K, group);  /* scale bytes per row */
     row_ref r[4];
@@ -55,21 +57,6 @@ static void run_rows(row_lookup find, const void *src, int lo, int hi, int per, 
     }
 }
 
-/* Inside a parallel region: `total` rows of K values, found through `find` (`per` rows a matrix), in CHUNKS_A_THREAD
- * chunks a thread taken as they come (run_rows each), ending with a barrier. Not one run a thread fixed in advance:
- * a thread that loses its core for a while (the chat app painting, another program) then holds up the others only
- * for the chunk it is in, where a fixed share would keep them waiting at the barrier for all of its own (on two
- * cores the app's 15 % of one core made decode 30 % slower). */
-#define CHUNKS_A_THREAD 8
-static void stream_rows(row_lookup find, const void *src, int total, int per, int K, int kind, int group,
-                        rows4_fn r4, dot_fn dot, int T, int ldx, int ldr) {
-    const int nt = omp_get_num_threads(), chunks = nt == 1 ? 1 : nt * CHUNKS_A_THREAD;
-    #pragma omp for schedule(dynamic, 1)
-    for (int c = 0; c < chunks; c++)
-        run_rows(find, src, (int)((long)total * c / chunks), (int)((long)total * (c + 1) / chunks), per, K, kind,
-                 group, r4, dot, T, ldx, ldr);
-}
-
 typedef struct { const tk_args *a; int down; } phase_rows;
 static row_ref phase_row(const void *src, int q) {
     const phase_rows *p = (const phase_rows *)src;
@@ -77,13 +64,14 @@ static row_ref phase_row(const void *src, int q) {
 }
 
 /* Inside a parallel region: one phase of n one-token experts (gate and up, or down), the rows of all of them in
- * order through stream_rows (which ends with a barrier). */
+ * order through stream_rows. Ends with a barrier. */
 static void one_token_phase(const tk_args *a, int n, int down, rows4_fn r4, dot_fn dot) {
     const int per = down ? a->hidden : a->inter;  /* rows per matrix */
     const phase_rows src = {a, down};
     const int K = down ? a->inter : a->hidden;
     stream_rows(phase_row, &src, n * (down ? per : 2 * per), per, K, down ? a->down_kind : a->kind, a->group, r4, dot,
                 1, K, 1);
+    #pragma omp barrier
 }
 
 /* n one-token experts of one layer (one alone: n = 1) in one parallel region, rows four at a time (the AVX2 or
@@ -139,7 +127,7 @@ void linear_one_token(const tk_linear_args *a, int isa) {
     {
         const linear_src src = {a, isa};
         stream_rows(linear_row, &src, a->out, a->out, a->in, a->kind, 0, r4, dot, 1, a->in, 1);
-        const thread_run run = this_threads_run(a->out, 1);  /* (every row's sum is in: stream_rows' barrier) */
+        const thread_run run = this_threads_run(a->out, 4);  /* this thread's rows, as stream_rows shared them */
         linear_round(a, run.lo, run.hi);
     }
 }
@@ -160,6 +148,7 @@ void expert_streamed(const tk_args *a) {
     {
         if (q8_in) q8_rows(kind, isa, a->x, H, T, H, a->xb);
         stream_rows(phase_row, &gate_up, 2 * I, I, H, kind, a->group, NULL, dot, T, ldx, 2 * I);
+        #pragma omp barrier
         swiglu_rows(a);
         if (q8_down) q8_rows(dk, isa, a->act, 2 * (size_t)I, T, I, a->xb);  /* (xb's inputs all read: barrier above) */
         stream_rows(phase_row, &down, H, H, I, dk, a->group, NULL, down_dot, T, ld_act, H);
