@@ -81,3 +81,16 @@ def test_a_fake_says_not_available() -> None:
     assert fake.where() is None and fake.tuning_target() is None and fake.loaded_model() is None
     assert TunableFake().tuning_target() == TuningTarget("/models/fake", "bf16",
                                                          {"model_type": "mixtral", "hidden_size": 64})
+
+
+def test_an_engine_error_reaches_the_thread_that_asked(runtime_backend: RuntimeBackend,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem.kernels.errors import GenerationError
+
+    def failing(*args, **kwargs):
+        yield 5
+        raise GenerationError("the engine failed")
+
+    monkeypatch.setattr(runtime_backend.loaded.engine, "generate", failing)
+    with pytest.raises(GenerationError, match="the engine failed"):
+        "".join(runtime_backend.stream([{"role": "user", "content": "hello"}], SamplingParams(max_new_tokens=4)))

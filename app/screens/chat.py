@@ -444,7 +444,7 @@ class ChatScreen(Screen[None]):
         worker = get_current_worker()
         backend = self.lifecycle.backend
         assert backend is not None
-        pending, last = [], time.monotonic()
+        pending, last = [], 0.0  # (the first piece is shown at once: it says the answer has begun)
         stopped = False
         try:
             if backend.context:  # (a server that does not say its context says when a prompt is too long)
