@@ -7,11 +7,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-import pytest
-import torch
+# OpenMP threads that wait at a barrier sleep instead of spinning, here and in every command a test starts: on a
+# machine whose cores other jobs share, a spinning waiter burns the time slice its partner needs (the suite ran
+# several times slower with a second run beside it). Read once, when torch loads OpenMP (the kernels share it):
+# set before torch is imported. No test measures speed.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from tandem.kernels.isa import masked_features, torch_isa_environment
-from tandem.runtime.synth import tiny_config, write_tokenizer
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tandem.kernels.isa import masked_features, torch_isa_environment  # noqa: E402
+from tandem.runtime.synth import tiny_config, write_tokenizer  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
