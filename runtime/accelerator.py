@@ -395,6 +395,10 @@ class CudaAccelerator(Accelerator):  # pragma: no cover - no GPU on test machine
     def __init__(self, budget: int, index: int = 0) -> None:
         self.device = torch.device("cuda", index)
         super().__init__(budget)
+        # cuBLAS may reduce a bf16/fp16 product's split-K partial sums in that dtype (PyTorch allows it by default);
+        # the CPU's products sum in float32 throughout, and the device must give the CPU's numbers
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
         self._sides = (torch.cuda.Stream(device=self.device), torch.cuda.Stream(device=self.device))
         self._rings = (StagingRing(True, self._host_wait), StagingRing(True, self._host_wait))
         self._pinned: list[torch.UntypedStorage] = []  # registered with CUDA; kept alive until `close` unregisters
