@@ -25,7 +25,8 @@ Two implementations:
   stage and queue onto them, with threading events for CUDA's. Its caller's own thread plays the default
   stream of the dense layers, so it joins the expert stream with a wait where CUDA would only order two
   streams.
-Both count host synchronisations (`syncs`) and bytes moved host->device (h2d) and device->host (d2h).
+Both count host synchronisations (`syncs`; of them the emulated device's joins, `joins`, which CUDA does not
+have) and bytes moved host->device (h2d) and device->host (d2h).
 """
 
 from __future__ import annotations
@@ -159,6 +160,9 @@ class Accelerator(ABC):
         self.bytes_h2d = 0
         self.bytes_d2h = 0
         self.syncs = 0  # times the host waited for the device (host reads, joins, copies waited on)
+        # of them, the emulated device's joins: its host runs the dense layers and waits for its expert stream, where
+        # CUDA orders the two streams on the device and the host waits for nothing
+        self.joins = 0
         self.allocations = 0  # device allocations made (each one the device's allocator rounds up on its own)
         self._lock = threading.Lock()  # byte counters are touched by the copy threads too
         # post-fetches on one copier; a copy a kernel waits for on the other, never behind them
@@ -321,6 +325,7 @@ class EmulatedAccelerator(Accelerator):
 
     def join(self, fut: Future[T]) -> T:
         self._synced()
+        self.joins += 1
         return fut.result()
 
     def close(self) -> None:

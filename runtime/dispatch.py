@@ -206,7 +206,8 @@ class Dispatcher:
         self._bytes_base = (0, 0)
         self.last_chosen: dict[int, list[int]] = {}  # each layer's experts at its last pass (for prefetch)
         self._held: frozenset[Key] = frozenset()  # cache slots a started layer's queued-later experts will read
-        self.timeline: Timeline | None = None  # set by a benchmark: the device's expert runs recorded as spans
+        self.timeline: Timeline | None = None  # set by a benchmark: the device's and the CPU's expert runs and each
+        # layer's whole call recorded as spans
         self.pinned_bytes = 0  # host memory of the experts pinned for the accelerator's copies
         # layers whose experts all sit in static slots of one slab, in id order: views [E, ...] of each of their
         # tensors over those slots, so that a pass can pick a token's experts on the device, without a host read
@@ -386,7 +387,10 @@ class Dispatcher:
     # -- the MoE layer ------------------------------------------------------------------------
     def __call__(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (on the accelerator if there is one) -> the layer's MoE output [T, H], same device."""
-        return self.finish(self.start(layer, x))
+        if self.timeline is None:
+            return self.finish(self.start(layer, x))
+        with self.timeline.span("moe"):  # the whole layer, as the caller waits for it
+            return self.finish(self.start(layer, x))
 
     def start(self, layer: int, x: torch.Tensor) -> Pending:
         """The layer's first half: routing, the plan, and the accelerator's experts queued (not waited for). The host
@@ -445,7 +449,10 @@ class Dispatcher:
         cpu_out = None
         if pending.cpu_jobs:
             x_h = pending.x_h.to(self.executor.dtype)  # type: ignore[union-attr]  # an fp16 device's in the CPU's
-            cpu_out = self.accel.to_device(self._cpu_combine(x_h, pending.weights_h, pending.cpu_jobs))  # [T, H]
+            combine = partial(self._cpu_combine, x_h, pending.weights_h, pending.cpu_jobs)
+            if self.timeline is not None:
+                combine = self.timeline.wrap("cpu_experts", combine)
+            cpu_out = self.accel.to_device(combine())  # [T, H]
         if pending.later is not None:  # the copied experts, their copies made while the CPU computed
             out = self._launch_copied(out, pending.later)
         if cpu_out is not None:

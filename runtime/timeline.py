@@ -1,5 +1,6 @@
-"""Spans of work by kind, recorded when a benchmark asks (`Dispatcher.timeline`): the accelerator's expert runs and
-the host's attention, to measure how much of one a pipelined step hides behind the other."""
+"""Spans of work by kind, recorded when a benchmark asks (`Dispatcher.timeline`): the accelerator's expert runs, the
+CPU's, each MoE layer's whole call and the host's attention, to measure how much of one work hides behind another
+(a pipelined step's attention behind the experts; a layer's CPU experts beside its device experts)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,29 @@ class Timeline:
             else:
                 j += 1
         return both
+
+
+def layer_overlap(timeline: Timeline) -> dict[str, float | int]:
+    """How well each MoE layer ran its device and CPU experts side by side, over the layers that ran both: the
+    layers' seconds (each "moe" span, routing and host read included) against the longer of their device ("experts")
+    and CPU ("cpu_experts") seconds, and what running them one after the other would have taken."""
+    device, cpu = _merged(timeline.spans.get("experts", [])), _merged(timeline.spans.get("cpu_experts", []))
+    layers = wall = longer = serial = 0.0
+    for start, end in timeline.spans.get("moe", []):
+        d, c = _within(device, start, end), _within(cpu, start, end)
+        if d > 0 and c > 0:
+            layers += 1
+            wall += end - start
+            longer += max(d, c)
+            serial += d + c
+    return {"layers": int(layers), "layer_s": round(wall, 6), "longer_s": round(longer, 6),
+            "one_after_the_other_s": round(serial, 6),
+            "layer_over_longer": round(wall / longer, 3) if longer else 0.0}
+
+
+def _within(spans: list[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of `spans` (merged) inside [start, end]."""
+    return sum(max(0.0, min(e, end) - max(s, start)) for s, e in spans if s < end and e > start)
 
 
 def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -193,3 +193,30 @@ def test_the_timeline_sums_and_overlaps_spans() -> None:
     assert t.total("a") == 3.0 and t.total("b") == 2.0 and t.total("c") == 0.0
     assert t.overlap("a", "b") == pytest.approx(1.0) == t.overlap("b", "a")
     assert t.wrap("c", lambda: 7)() == 7 and len(t.spans["c"]) == 1
+
+
+def test_a_layers_overlap_counts_only_the_layers_that_ran_both_tiers() -> None:
+    from tandem.runtime.timeline import Timeline, layer_overlap
+
+    t = Timeline()
+    # layer 1: device 1 s and CPU 2 s side by side in 2.5 s; layer 2: one after the other, 1 + 1 in 2 s; layer 3:
+    # the device alone (not counted)
+    t.spans = {"moe": [(0.0, 2.5), (3.0, 5.0), (6.0, 7.0)],
+               "experts": [(0.1, 1.1), (3.0, 4.0), (6.0, 7.0)],
+               "cpu_experts": [(0.2, 2.2), (4.0, 5.0)]}
+    got = layer_overlap(t)
+    assert got["layers"] == 2
+    assert got["layer_s"] == pytest.approx(4.5) and got["longer_s"] == pytest.approx(3.0)
+    assert got["one_after_the_other_s"] == pytest.approx(5.0) and got["layer_over_longer"] == pytest.approx(1.5)
+    assert layer_overlap(Timeline())["layer_over_longer"] == 0.0
+
+
+def test_bench_offload_reports_how_a_layer_runs_its_two_tiers_side_by_side(mixtral_dir: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "offload", "--model", str(mixtral_dir), "--prompt-tokens", "8", "--new-tokens", "6",
+                 "--dtype", "fp32"]) == 0
+    overlap = json.loads(capsys.readouterr().out)["overlap"]
+    assert overlap["layers"] > 0 and overlap["cpu_threads"] >= 1
+    assert overlap["layer_s"] >= overlap["longer_s"] > 0
+    assert overlap["one_after_the_other_s"] >= overlap["longer_s"]
+    assert overlap["layer_over_longer"] == pytest.approx(overlap["layer_s"] / overlap["longer_s"], rel=1e-2)

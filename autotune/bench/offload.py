@@ -1,8 +1,10 @@
 """`tandem bench offload`: every cache policy and static popularity placement on the emulated accelerator holding a
-share of the experts, in one run: hit rate and decode speed of each against CPU only."""
+share of the experts, in one run: hit rate and decode speed of each against CPU only; and how well a layer runs its
+device and CPU experts side by side (`overlap`)."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 from typing import Any
@@ -15,6 +17,7 @@ from tandem.runtime.engine import Engine, GenerationStats
 from tandem.runtime.expert_cache import CachePolicy
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.synth import ASSETS
+from tandem.runtime.timeline import Timeline, layer_overlap
 
 
 def bench_offload(
@@ -69,6 +72,7 @@ def bench_offload(
             rows.append({"setup": name, "hit_rate": round(stats.hit_rate, 4), "decode_tok_s": round(rate, 2),
                          "cache": plan["cache"], "static_experts": plan["static_experts"],
                          "bytes_h2d": stats.bytes_h2d, "bytes_d2h": stats.bytes_d2h})
+        overlap = layer_overlap_run(model_dir, dtype, base.model.context, budget(slots), prompt, new_tokens)
     cpu_rate = statistics.median(cpu_rates)
     for row in rows:
         row["speed_vs_cpu_only"] = round(row["decode_tok_s"] / cpu_rate, 3)
@@ -76,5 +80,28 @@ def bench_offload(
         "model": str(model_dir), "family": cfg.model_type, "dtype": str(base.model.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(), "expert_slots": slots,
         "experts_total": cfg.num_moe_layers * cfg.num_experts, "prompt_tokens": len(prompt),
-        "new_tokens": new_tokens, "cpu_only_decode_tok_s": round(cpu_rate, 2), "rows": rows,
+        "new_tokens": new_tokens, "cpu_only_decode_tok_s": round(cpu_rate, 2), "rows": rows, "overlap": overlap,
     }
+
+
+def layer_overlap_run(model_dir: str, dtype: str, context: int, vram_gb: float, prompt: list[int],
+                      new_tokens: int) -> dict[str, Any]:
+    """Decode with the device's share of the experts in LRU slots and misses on the CPU, each MoE layer's device and
+    CPU expert runs recorded: a layer's seconds against the longer of the two (1.0: fully side by side; their sum
+    over the longer: one after the other). The emulated device's stream is a host thread: the CPU experts get the
+    other cores (one fewer thread), as a GPU would leave them all."""
+    threads = max(1, (os.cpu_count() or 2) - 1)
+    loaded = load_model(model_dir, dtype=dtype, context=context, accelerator="emulated", vram_gb=vram_gb,
+                        strategy=Strategy.CPU, cache_policy=CachePolicy.LRU, threads=threads)
+    dispatcher = loaded.model.dispatcher
+    engine = Engine(loaded.model, ())
+    try:
+        for _ in engine.generate(prompt, SamplingParams(max_new_tokens=4)):  # warm up: kernels, first fills
+            pass
+        dispatcher.timeline = timeline = Timeline()
+        for _ in engine.generate(prompt, SamplingParams(max_new_tokens=new_tokens)):
+            pass
+    finally:
+        dispatcher.timeline = None
+        loaded.model.close()
+    return {"cpu_threads": threads, **layer_overlap(timeline)}
