@@ -31,18 +31,17 @@ have) and bytes moved host->device (h2d) and device->host (d2h).
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cache
 from typing import Any, TypeVar
 
 import torch
 
 from tandem.kernels.errors import ResourceError
+from tandem.kernels.openmp import openmp
 
 T = TypeVar("T")
 GIB = 1024**3
@@ -53,22 +52,13 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-@cache
-def _openmp() -> ctypes.CDLL | None:
-    """The OpenMP runtime torch runs on (already loaded: the same library by name), or None without one."""
-    try:
-        return ctypes.CDLL("libgomp.so.1")
-    except OSError:
-        return None
-
-
 def _single_threaded() -> None:
     """Torch work on this thread (copies, the emulated device's compute) uses one core. Not
     `torch.set_num_threads(1)`: that also sets the default every thread started later takes (the chat app loads
     and answers on new threads). OpenMP's setting is per thread: torch first sets this thread up from the
     default, then its own count is lowered. Without OpenMP the thread keeps the default (slower, not wrong)."""
     torch.get_num_threads()
-    omp = _openmp()
+    omp = openmp()
     if omp is not None:
         omp.omp_set_num_threads(1)
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tandem.kernels.errors import GenerationError
+from tandem.kernels.openmp import release_thread_pool
 from tandem.runtime.model import MoEModel
 from tandem.runtime.sampling import SamplingParams, next_token
 
@@ -93,8 +94,8 @@ class Engine:
             )
         stats = stats if stats is not None else GenerationStats()
         if params.beams > 1:
-            return self._beam_search(prompt_ids, params, stats)
-        return self._run(prompt_ids, params, stats)
+            return _then_release(self._beam_search(prompt_ids, params, stats))
+        return _then_release(self._run(prompt_ids, params, stats))
 
     def _run(self, prompt_ids: list[int], params: SamplingParams, stats: GenerationStats) -> Iterator[int]:
         generator = torch.Generator()
@@ -231,3 +232,12 @@ class Engine:
             new_rows[target[j]] = rows[src] + [tok]
             scores[target[j]] = s
         return new_rows, scores
+
+
+def _then_release(steps: Iterator[int]) -> Iterator[int]:
+    """`steps`, then the consuming thread's OpenMP workers given back, however the answer ends (kernels/openmp.py:
+    a thread that answered and stays must not slow down the next answer's thread)."""
+    try:
+        yield from steps
+    finally:
+        release_thread_pool()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from tandem.kernels.cpu import check_support
 from tandem.kernels.errors import KernelError, ResourceError
+from tandem.kernels.openmp import release_thread_pool
 from tandem.runtime import memory
 from tandem.runtime.accelerator import make_accelerator
 from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
@@ -75,4 +76,5 @@ def load(options: Options, checkpoint: Checkpoint | None = None,
     eos = list(ckpt.eos_token_ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
+    release_thread_pool()  # the loading thread may stay (a chat app's, a server's): kernels/openmp.py
     return LoadedModel(ckpt, model, tokenizer, Engine(model, eos), options)

@@ -1,0 +1,40 @@
+"""The OpenMP runtime that torch and the kernels share (torch's libgomp, loaded once by name), and the rule for a
+thread done with its share of the work: give its OpenMP workers back.
+
+libgomp lets a worker that waits for the next parallel region spin only while it manages no more threads than the
+process has CPUs; past that it sleeps almost at once, and each region then pays a wake-up. Every thread that has run
+a parallel region keeps its workers until it exits. So a thread that loaded a model and stayed (a chat app's, a
+server's main thread) held a worker beside the one the answering thread's kernels use: on 2 cores that is one too
+many, and the decode step (about 180 regions a token on the built-in model) ran 15 % slower on any thread but the
+one that loaded. A thread done with a load or an answer calls `release_thread_pool`; its next region starts them
+again (a thread's creation, once)."""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: the runtime may release this thread's resources; state is kept
+
+
+@cache
+def openmp() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch runs on (already loaded: the same library by name), or None without one."""
+    import torch  # noqa: F401  (torch loads its libgomp first: the name then finds that copy)
+
+    try:
+        return ctypes.CDLL("libgomp.so.1")
+    except OSError:
+        return None
+
+
+def release_thread_pool() -> bool:
+    """The calling thread's OpenMP workers given back (OpenMP 5.0's omp_pause_resource_all, soft); False where the
+    runtime has none to give or cannot (no OpenMP, an older one, inside a parallel region)."""
+    omp = openmp()
+    pause = getattr(omp, "omp_pause_resource_all", None) if omp is not None else None
+    if pause is None:
+        return False
+    pause.argtypes = [ctypes.c_int]
+    pause.restype = ctypes.c_int
+    return pause(OMP_PAUSE_SOFT) == 0
