@@ -162,9 +162,10 @@ class EngineService:
 
     def run(self) -> None:
         """The engine, until the queue is closed and empty: one run of the batch engine, and another after a
-        failure, which ends every request in flight with the error. Best on the thread that loaded the model:
-        OpenMP keeps a pool of workers per thread that runs parallel work, and two pools on few cores throttle
-        each other's barriers (a token of the built-in model took 18 ms on a new thread against 10 ms)."""
+        failure, which ends every request in flight with the error. On the thread that loaded the model: OpenMP
+        keeps a pool of workers per thread that runs parallel work, and two pools on few cores throttle each other's
+        barriers (a token of the built-in model took 18 ms on a new thread against 10 ms); the loader now gives its
+        workers back (kernels/openmp.py), and the one thread stays the simplest rule."""
         self._running = True
         try:
             while not self.queue.ended:
