@@ -13,24 +13,37 @@ from __future__ import annotations
 
 import ctypes
 from functools import cache
+from pathlib import Path
 
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: the runtime may release this thread's resources; state is kept
 
 
 @cache
 def openmp() -> ctypes.CDLL | None:
-    """The OpenMP runtime torch runs on (already loaded: the same library by name), or None without one."""
-    import torch  # noqa: F401  (torch loads its libgomp first: the name then finds that copy)
+    """The GNU OpenMP runtime torch runs on, as this process has it loaded (found in /proc/self/maps, so that no
+    second copy is loaded beside it), or None: none loaded, another runtime (LLVM's or Intel's, whose calls would
+    act differently), or no /proc."""
+    import torch  # noqa: F401  (torch loads its runtime first)
 
     try:
-        return ctypes.CDLL("libgomp.so.1")
+        maps = Path("/proc/self/maps").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    paths = {line.split(None, 5)[5] for line in maps.splitlines() if len(line.split(None, 5)) == 6}
+    gomp = sorted(p for p in paths if Path(p).name.startswith("libgomp"))
+    if not gomp:
+        return None
+    try:
+        return ctypes.CDLL(gomp[0])
     except OSError:
         return None
 
 
 def release_thread_pool() -> bool:
-    """The calling thread's OpenMP workers given back (OpenMP 5.0's omp_pause_resource_all, soft); False where the
-    runtime has none to give or cannot (no OpenMP, an older one, inside a parallel region)."""
+    """The calling thread's OpenMP workers given back (OpenMP 5.0's omp_pause_resource_all, soft: libgomp joins and
+    frees the calling thread's pool and keeps its settings); False where the runtime has none to give or cannot (no
+    libgomp, an older one, inside a parallel region). Called from the thread that did the work: a generator closed
+    on another thread releases that thread's workers instead (harmless, and the work's thread keeps its own)."""
     omp = openmp()
     pause = getattr(omp, "omp_pause_resource_all", None) if omp is not None else None
     if pause is None:

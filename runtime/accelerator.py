@@ -391,7 +391,8 @@ class CudaAccelerator(Accelerator):  # pragma: no cover - no GPU on test machine
         self.device = torch.device("cuda", index)
         super().__init__(budget)
         # cuBLAS may reduce a bf16/fp16 product's split-K partial sums in that dtype (PyTorch allows it by default);
-        # the CPU's products sum in float32 throughout, and the device must give the CPU's numbers
+        # the CPU's products sum in float32 throughout, and the device must give the CPU's numbers. Process-wide
+        # and left so after close: every product Tandem runs on the device is one of the model's.
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
         self._sides = (torch.cuda.Stream(device=self.device), torch.cuda.Stream(device=self.device))

@@ -266,13 +266,18 @@ class _Recorded:
         return y
 
     def roundoffs(self, other: Dispatcher, dtype: torch.dtype) -> float:
-        """The worst layer's mean difference from `other`'s output on the same input, over the output's mean size,
-        in units of `dtype`'s roundoff."""
+        """The worst layer's difference from `other`'s output on the same input, in units of `dtype`'s roundoff:
+        each token's mean difference over its output's mean size, the median of the tokens. (The median: a token
+        whose router logits sit on a near tie may pick another expert on other kernels, and differ by far more
+        than any rounding; a sum rounded to the dtype moves every token.)"""
+        if not self.seen:
+            raise RuntimeError("no MoE layer passed through the recorded dispatcher")
         other.begin_step("prefill")
         worst = 0.0
         for layer, x, y in self.seen:
-            theirs = other(layer, x).float()
-            worst = max(worst, ((y - theirs).abs().mean() / theirs.abs().mean()).item())
+            theirs = other(layer, x).float()  # [T, H]
+            per_token = (y - theirs).abs().mean(-1) / theirs.abs().mean(-1).clamp_min(1e-30)  # [T]
+            worst = max(worst, per_token.median().item())
         return worst / torch.finfo(dtype).eps * 2  # eps is twice the roundoff
 
 

@@ -55,7 +55,9 @@ class Timeline:
 def layer_overlap(timeline: Timeline) -> dict[str, float | int]:
     """How well each MoE layer ran its device and CPU experts side by side, over the layers that ran both: the
     layers' seconds (each "moe" span, routing and host read included) against the longer of their device ("experts")
-    and CPU ("cpu_experts") seconds, and what running them one after the other would have taken."""
+    and CPU ("cpu_experts") seconds, and what running them one after the other would have taken. The device's spans
+    are its stream's work as the emulated device runs it (on CUDA they would time the launches); layers run as
+    micro-batches (`start`/`finish` apart) record no "moe" span and are not counted."""
     device, cpu = _merged(timeline.spans.get("experts", [])), _merged(timeline.spans.get("cpu_experts", []))
     layers = wall = longer = serial = 0.0
     for start, end in timeline.spans.get("moe", []):

@@ -356,6 +356,7 @@ def test_the_timeline_records_each_layers_device_and_cpu_experts(checkpoints, mo
     assert got["longer_s"] >= delay * got["layers"]
     assert got["one_after_the_other_s"] >= 2 * delay * got["layers"]
     assert got["layer_s"] >= got["longer_s"] and got["layer_over_longer"] >= 1.0
+    assert timeline.overlap("experts", "cpu_experts") > 0  # side by side (one after the other would share nothing)
 
 
 def _options(folder: Path, vram_gb: float, accelerator_from: str, batch: int = 1):

@@ -1,6 +1,9 @@
 """A thread done with a load or an answer gives its OpenMP workers back (kernels/openmp.py): libgomp lets waiting
 workers spin only while it manages no more threads than there are CPUs, and a thread that loaded a model and stayed
-(the chat app's, a server's) would otherwise keep one that slows every other thread's kernels."""
+(the chat app's, a server's) would otherwise keep one that slows every other thread's kernels.
+
+Workers are seen as the process's threads (their ids in /proc/self/task): a parallel region that finds none starts
+new ones, one that finds them kept starts none."""
 
 from __future__ import annotations
 
@@ -15,9 +18,11 @@ from tandem.autotune.configure import load_model
 from tandem.kernels.openmp import release_thread_pool
 from tandem.runtime.sampling import SamplingParams
 
+PROMPT = [1, 2, 3, 4]
 
-def _tasks() -> int:
-    return len(os.listdir("/proc/self/task"))
+
+def _threads() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
 
 
 def _in_a_thread(fn) -> dict:
@@ -37,50 +42,54 @@ def _in_a_thread(fn) -> dict:
     return out
 
 
-def _parallel_region() -> None:
-    """Torch work that runs a parallel region on this thread (its workers start if it has none)."""
-    a = torch.randn(512, 512)
-    for _ in range(3):
-        a = torch.tanh(a @ a / 512)
+def _started_by(region) -> set[str]:
+    """The threads that appeared while `region` ran on this thread (its workers, when it had none)."""
+    before = _threads()
+    region()
+    return _threads() - before
 
 
-needs = pytest.mark.skipif(not Path("/proc/self/task").is_dir() or (os.cpu_count() or 1) < 2,
-                           reason="needs Linux's /proc and two CPUs")
+needs = pytest.mark.skipif(not Path("/proc/self/task").is_dir() or (os.cpu_count() or 1) < 2
+                           or torch.get_num_threads() < 2, reason="needs Linux's /proc and two threads")
 
 
 @needs
 def test_release_gives_a_threads_workers_back() -> None:
     def run() -> dict:
-        _parallel_region()
-        with_workers = _tasks()
+        def region() -> None:
+            a = torch.randn(512, 512)
+            for _ in range(3):
+                a = torch.tanh(a @ a / 512)
+
+        started = _started_by(region)
         released = release_thread_pool()
-        return {"released": released, "with": with_workers, "without": _tasks()}
+        return {"released": released, "started": started, "left": started & _threads()}
 
     got = _in_a_thread(run)
     if not got["released"]:
         pytest.skip("this OpenMP runtime cannot give its workers back")
-    assert got["without"] < got["with"]
+    assert got["started"] and not got["left"]
 
 
 @needs
 def test_a_thread_that_loaded_or_answered_keeps_no_workers(mixtral_dir: Path) -> None:
-    """After a load and after an answer the thread holds no worker: a parallel region run next starts them again
-    (more tasks), and giving them back returns to the count the answer left."""
+    """After a load, and after an answer, the thread's next pass through the model (the same kernels and torch ops,
+    2 threads) has to start workers again: none were kept."""
     if not _in_a_thread(lambda: {"ok": release_thread_pool()})["ok"]:
         pytest.skip("this OpenMP runtime cannot give its workers back")
 
     def run() -> dict:
         loaded = load_model(mixtral_dir, dtype="fp32", threads=2)
-        after_load = _tasks()
-        _parallel_region()
-        load_kept_none = _tasks() > after_load
-        release_thread_pool()
-        list(loaded.engine.generate([1, 2, 3, 4], SamplingParams(max_new_tokens=4)))
-        after_answer = _tasks()
-        _parallel_region()
-        answer_kept_none = _tasks() > after_answer
-        release_thread_pool()
-        loaded.model.close()
-        return {"load": load_kept_none, "answer": answer_kept_none}
+        ids = torch.tensor([PROMPT])
+        try:
+            after_load = _started_by(lambda: loaded.model.forward(ids, 0))
+            release_thread_pool()
+            list(loaded.engine.generate(PROMPT, SamplingParams(max_new_tokens=4)))
+            after_answer = _started_by(lambda: loaded.model.forward(ids, 0))
+            kept = _started_by(lambda: loaded.model.forward(ids, 0))  # (the control: workers kept, none started)
+            release_thread_pool()
+        finally:
+            loaded.model.close()
+        return {"load": bool(after_load), "answer": bool(after_answer), "control": bool(kept)}
 
-    assert _in_a_thread(run) == {"load": True, "answer": True}
+    assert _in_a_thread(run) == {"load": True, "answer": True, "control": False}

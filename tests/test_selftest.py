@@ -85,6 +85,8 @@ def test_device_numbers_that_drift_from_the_cpus_are_caught(device: module._Devi
         monkeypatch.setattr(Dispatcher, "_device_expert", staticmethod(_bf16_one))
     check = module._numerics(device, shaped, torch.bfloat16)
     assert not check.ok, check.detail
+    if broken == "experts summed in bf16":  # caught at the layer, whatever the logits show on this CPU
+        assert check.figures["moe_layer_roundoffs"] > module.LAYER_ROUNDOFFS, check.detail
 
 
 def test_slots_allocated_one_tensor_at_a_time_are_caught(device: module._Device, shaped: module._Shaped,

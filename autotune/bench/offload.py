@@ -86,11 +86,11 @@ def bench_offload(
 
 def layer_overlap_run(model_dir: str, dtype: str, context: int, vram_gb: float, prompt: list[int],
                       new_tokens: int) -> dict[str, Any]:
-    """Decode with the device's share of the experts in LRU slots and misses on the CPU, each MoE layer's device and
-    CPU expert runs recorded: a layer's seconds against the longer of the two (1.0: fully side by side; their sum
-    over the longer: one after the other). The emulated device's stream is a host thread: the CPU experts get the
-    other cores (one fewer thread), as a GPU would leave them all."""
-    threads = max(1, (os.cpu_count() or 2) - 1)
+    """A prompt and its answer with the device's share of the experts in LRU slots and misses on the CPU, each MoE
+    layer's device and CPU expert runs recorded: a layer's seconds against the longer of the two (1.0: fully side by
+    side; their sum over the longer: one after the other). The emulated device's stream is a host thread: the CPU
+    experts get the other cores (one fewer thread), as a GPU would leave them all."""
+    threads = max(1, len(os.sched_getaffinity(0)) - 1)
     loaded = load_model(model_dir, dtype=dtype, context=context, accelerator="emulated", vram_gb=vram_gb,
                         strategy=Strategy.CPU, cache_policy=CachePolicy.LRU, threads=threads)
     dispatcher = loaded.model.dispatcher
