@@ -443,7 +443,8 @@ def test_bench_serve_measures_llama_server_the_same_way(mixtral_dir: Path, tmp_p
     assert main([*args, "--json", str(out)]) == 0
     peer = json.loads(out.read_text())["peer"]
     assert peer["name"] == "llama.cpp" and peer["rounds"] == 3 and peer["bench_tg_tok_s"] == 250.0
-    assert 100 < peer["server_decode_tok_s"] <= 200 and peer["serve_vs_generate"] == pytest.approx(
+    # (about 200: tokens that arrive together after a delay make the measured rate a little higher, 201.8 once)
+    assert 100 < peer["server_decode_tok_s"] < 220 and peer["serve_vs_generate"] == pytest.approx(
         peer["server_decode_tok_s"] / 250.0, rel=0.2)
     assert main(args[:-2]) == 2  # no llama-bench
     assert main(["bench", "serve", "--model", str(mixtral_dir), "--peer", "llama.cpp", "--llama-server",
