@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.attend import attend_one, attend_serves
+from tandem.kernels.attend import attend_one, attend_rows, attend_serves
 from tandem.kernels.blocks import block_matrix
 from tandem.kernels.cpu import BLOCK_QUANTS, CpuOptions, DenseLinear, library, lookup_rows, rms_norm_bf16
 from tandem.kernels.errors import CheckpointError, ResourceError
@@ -738,23 +738,53 @@ class MoEModel:
             q, k, v, *rest = self.accel.download(lambda: (q, k, v, *([a.sinks] if a.sinks is not None else []))  # type: ignore[union-attr]
                                                  ).wait()
             head = replace(a, sinks=rest[0] if rest else None)
-        out = torch.cat([self._attend(i, head, q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], row, seg.start,  # type: ignore[arg-type]
-                                      *self._tables(seg, host), host or self.accel is None)
-                         for seg, row, lo, hi in zip(segments, rows, spans, spans[1:], strict=False)],
+        on_host = host or self.accel is None
+        parts: list[torch.Tensor | None] = [None] * len(segments)  # each segment's [1, n, Hq*D]
+        if on_host and self.attend_kernel:
+            self._attend_decoding(i, head, q, k, v, segments, spans, host, parts)
+        out = torch.cat([part if part is not None else
+                         self._attend(i, head, q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], row, seg.start,  # type: ignore[arg-type]
+                                      *self._tables(seg, host), on_host)
+                         for part, seg, row, lo, hi in zip(parts, segments, rows, spans, spans[1:], strict=False)],
                         dim=1)  # [1, N, Hq*D]
         if host:
             out = self.accel.to_device(out)  # type: ignore[union-attr]
         return self.linear(out, a.o, a.o_bias, out_dtype=torch.float32)  # into the residual stream, unrounded
 
-    def _tables(self, seg: Segment, host: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """A segment's RoPE tables [T, R]: its positions of the short or the long ones; host copies for attention on
-        the CPU beside an accelerator (made once)."""
-        cos, sin = (self.cos_long, self.sin_long) if seg.long else (self.cos, self.sin)
+    def _attend_decoding(self, i: int, a: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         segments: list[Segment], spans: list[int], host: bool, parts: list[torch.Tensor | None]
+                         ) -> None:
+        """The segments of one token (the sequences decoding) through layer i's attention kernel in one call for
+        all that share RoPE tables, each at its own cache row and position, into `parts`: a call per sequence cost
+        its parallel region's start and end, which in a decode step of 64 sequences took most of attention's time.
+        q [1, N, Hq, D], k and v [1, N, Hkv, D] on the host."""
+        for long in (False, True):
+            ones = [j for j, seg in enumerate(segments) if seg.length == 1 and seg.long == long]
+            if len(ones) < 2:
+                continue
+            at = torch.tensor([spans[j] for j in ones])  # [S]: their tokens among the N
+            cos, sin = self._rope_tables(long, host)
+            out = attend_rows(q[0, at].flatten(1), k[0, at].flatten(1), v[0, at].flatten(1), cos, sin,
+                              self.cache.k[i], self.cache.v[i], [segments[j].row for j in ones],
+                              [segments[j].start for j in ones], self.cfg.window(i) or 0, a.sinks,
+                              self.threads)  # [S, Hq*D]
+            for n, j in enumerate(ones):
+                parts[j] = out[n].view(1, 1, -1)
+
+    def _rope_tables(self, long: bool, host: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The short or the long RoPE tables [positions, R]; host copies for attention on the CPU beside an
+        accelerator (made once)."""
+        cos, sin = (self.cos_long, self.sin_long) if long else (self.cos, self.sin)
         if host:
-            key = "long" if seg.long else "short"
+            key = "long" if long else "short"
             kept = self._host_tables.get(key)
             if kept is None:
                 kept = self._host_tables[key] = (self.accel.to_host(cos), self.accel.to_host(sin))  # type: ignore[union-attr]
             cos, sin = kept
+        return cos, sin
+
+    def _tables(self, seg: Segment, host: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """A segment's RoPE tables [T, R]: its positions of the short or the long ones (`_rope_tables`)."""
+        cos, sin = self._rope_tables(seg.long, host)
         end = seg.start + seg.length
         return cos[seg.start : end], sin[seg.start : end]

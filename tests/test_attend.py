@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kernels.attend import ATTEND_ISAS, attend_isa, attend_one
+from tandem.kernels.attend import ATTEND_ISAS, attend_isa, attend_one, attend_rows
 from tandem.kernels.cpu import available_isas
 from tandem.runtime.model import attend_cached
 
@@ -64,6 +64,53 @@ def test_one_token_matches_the_torch_attention(isa: str, dtype: torch.dtype, bat
     assert got.dtype == dtype and got.shape == want.shape
     err = (got.float() - want.float()).abs().max().item()
     assert err <= TOL[dtype] * want.float().abs().max().item(), err
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "sinks"), [(None, False), (16, True)])
+def test_sequences_at_their_own_rows_and_positions_match_one_call_each(isa: str, dtype: torch.dtype,
+                                                                       window: int | None, sinks: bool) -> None:
+    """attend_rows (continuous batching's decode step: one call for every sequence) gives each sequence what
+    attend_one gives it alone at its row and position, bit for bit, and writes the same cache cells, nothing else;
+    within rounding of the torch reference too. Rows out of order with one skipped, positions on either side of a
+    window's edge and of a step of the online softmax."""
+    heads, kv_heads, dim, rot = 8, 2, 64, 32
+    rows, starts = [3, 0, 2], [70, 5, 17]
+    g = torch.Generator().manual_seed(11)
+    q = (torch.randn(len(rows), heads * dim, generator=g) * 2).to(dtype)
+    k, v = ((torch.randn(len(rows), kv_heads * dim, generator=g) * 2).to(dtype) for _ in range(2))
+    cache = [torch.randn(4, kv_heads, C, dim, generator=g).to(dtype) for _ in range(2)]
+    alone, ref = [c.clone() for c in cache], [c.clone() for c in cache]
+    cos, sin = rope_rows(rot, dtype)
+    sink = (torch.randn(heads, generator=g) * 3).to(dtype) if sinks else None
+    got = attend_rows(q, k, v, cos, sin, *cache, rows, starts, window or 0, sink, threads=2, isa=isa)  # [S, Hq*D]
+    for b, (r, p) in enumerate(zip(rows, starts, strict=True)):
+        first = max(0, p + 1 - window) if window else 0
+        one = attend_one(q[b : b + 1], k[b : b + 1], v[b : b + 1], cos[p], sin[p], alone[0][r : r + 1],
+                         alone[1][r : r + 1], p, first, sink, threads=2, isa=isa)  # [1, Hq*D]
+        assert torch.equal(got[b], one[0])
+        want = attend_cached(q[b].view(1, 1, heads, dim), k[b].view(1, 1, kv_heads, dim),
+                             v[b].view(1, 1, kv_heads, dim), cos[p : p + 1], sin[p : p + 1], ref[0][r : r + 1],
+                             ref[1][r : r + 1], p, first, window, sink)  # [1, 1, Hq*D]
+        err = (got[b].float() - want.view(-1).float()).abs().max().item()
+        assert err <= TOL[dtype] * want.float().abs().max().item(), err
+    assert torch.equal(cache[0], alone[0]) and torch.equal(cache[1], alone[1])
+    assert torch.equal(cache[0], ref[0]) and torch.equal(cache[1], ref[1])
+
+
+@pytest.mark.parametrize(("rows", "starts", "says"), [
+    ([0, 0], [3, 4], "distinct"),  # two sequences would write one row
+    ([0, 4], [3, 4], "rows must lie"),
+    ([0, 1], [3, C], "positions"),
+    ([0], [3, 4], "one distinct"),
+])
+def test_bad_rows_and_positions_are_refused(rows: list[int], starts: list[int], says: str) -> None:
+    q, kv = torch.randn(len(rows), 128), torch.randn(len(rows), 128)
+    caches = [torch.randn(4, 1, C, 128) for _ in range(2)]
+    cos, sin = torch.ones(C, 128), torch.zeros(C, 128)
+    with pytest.raises(ValueError, match=says):
+        attend_rows(q, kv, kv, cos, sin, *caches, rows, starts)
 
 
 def test_a_large_sink_takes_the_mass_and_the_output_shrinks() -> None:

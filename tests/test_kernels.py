@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.kernels import cpu
 from tandem.kernels.cpu import (
     CpuExecutor,
     CpuOptions,
@@ -285,9 +286,34 @@ def test_token_counts_zero_one_many_and_the_torch_path(use_kernel: bool) -> None
     executor = CpuOptions(threads=1, crossover=4, use_kernel=use_kernel).executor(h, i, torch.float32)
     expert = executor.prepare(gate, up, down)
     assert expert(torch.empty(0, h)).shape == (0, h)
-    for n in (1, 4, 5, 40):  # 5 and 40 exceed the crossover: torch's matmul
+    for n in (1, 4, 5, 40):  # past the crossover: the kernel in chunks up to CONVERT_TOKENS (bf16 weights), then torch
         x = torch.randn(n, h, generator=torch.Generator().manual_seed(n))
         assert rel_err(expert(x), reference(x, gate, up, down)) < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize(("wdtype", "compute", "kernel_up_to"), [
+    (torch.bfloat16, torch.float32, cpu.CONVERT_TOKENS),  # torch would convert the expert each call: chunks instead
+    (torch.float16, torch.float32, cpu.CONVERT_TOKENS),
+    (torch.float32, torch.float32, 4),  # torch reads them as they are: past one call, torch
+])
+def test_weights_torch_would_convert_stay_on_the_kernel_in_chunks(wdtype: torch.dtype, compute: torch.dtype,
+                                                                  kernel_up_to: int,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    h, i = 96, 64
+    gate, up, down = weights(h, i, wdtype)
+    executor = CpuExecutor(h, i, compute, threads=2, crossover=4)
+    expert = executor.prepare(gate, up, down)
+    paths: list[str] = []
+    for name in ("_run_kernel", "_run_torch"):
+        real = getattr(executor, name)
+        monkeypatch.setattr(executor, name, lambda *a, real=real, name=name: paths.append(name) or real(*a))
+    for n in (kernel_up_to - 1, kernel_up_to, kernel_up_to + 1):
+        paths.clear()
+        x = torch.randn(n, h, generator=torch.Generator().manual_seed(n))
+        assert rel_err(expert(x), reference(x, gate, up, down)) < 1e-5, n
+        want = ["_run_kernel"] * -(-n // 4) if n <= kernel_up_to else ["_run_torch"]
+        assert paths == want, n
 
 
 def test_unquantized_weights_are_used_in_place() -> None:

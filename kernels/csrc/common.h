@@ -82,11 +82,16 @@ typedef struct {
     long long ld_q, ld_k, ld_v;            /* values from one sequence's q (k, v) to the next's; heads are D apart */
     long long context;                     /* positions in a cache row */
     const void *q, *k, *v;                 /* [B, Hq * D], [B, Hkv * D], [B, Hkv * D] */
-    const void *cos, *sin;                 /* [R] at `start` */
+    const void *cos, *sin;                 /* [R] at `start`; with `starts`, the tables [positions, R] */
     void *kcache, *vcache;                 /* this layer's [B, Hkv, context, D], contiguous */
     const void *sinks;                     /* NULL, or [Hq] */
     float scale;                           /* multiplies q . k (1/sqrt(D)) */
     void *out;                             /* [B, Hq * D] */
+    /* Sequences at positions of their own (continuous batching), or NULL: sequence b is cache row b at `start`,
+     * reading from `first`. Else sequence b is cache row rows[b] (distinct rows) at position starts[b], its RoPE
+     * row starts[b] of the tables, and reads from starts[b] + 1 - window (0 without a window). */
+    const int *rows, *starts;
+    int window;
 } tk_attend_args;
 
 /* One expert call (tk_expert; tk_experts takes an array of them). */
