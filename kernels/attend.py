@@ -53,11 +53,11 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     B, C = q.shape[0], kcache.shape[2]
     if len(rows) != B or len(starts) != B or len(set(rows)) != B:
         raise ValueError("attend_rows needs one distinct cache row and one position per sequence")
+    if cos.dim() != 2 or window < 0:
+        raise ValueError("cos and sin must be the tables [positions, R], and the window at least 0")
     if any(not 0 <= r < kcache.shape[0] for r in rows) or any(not 0 <= s < min(C, cos.shape[0]) for s in starts):
         raise ValueError(f"rows must lie in the caches' {kcache.shape[0]} and positions in [0, {C}) and in the "
                          f"tables' {cos.shape[0]}")
-    if cos.dim() != 2 or window < 0:
-        raise ValueError("cos and sin must be the tables [positions, R], and the window at least 0")
     placed = torch.tensor([rows, starts], dtype=torch.int32)  # [2, B]
     return _attend(q, k, v, cos, sin, kcache, vcache, sinks, threads, isa, placed=placed, window=window)
 

@@ -613,11 +613,11 @@ class CpuExecutor:
     def _kernel_tokens(expert: CpuExpert, dtype: torch.dtype, step: int) -> int:
         """Tokens the kernel keeps taking, `step` a call, re-streaming the weights for each chunk: quantized weights
         for quant_chunks(dtype) chunks (torch has no fast int4 path and its int8 one slows down with tokens);
-        weights torch would first convert to `dtype` (bf16 or fp16 ones under float32 compute) up to
-        CONVERT_TOKENS, as that conversion reads and writes the whole expert each call; others not past one call."""
+        bf16 or fp16 weights under float32 compute (torch would first convert them, reading and writing the whole
+        expert each call) up to CONVERT_TOKENS, the case measured; others not past one call."""
         if expert.kind in QUANTIZED:
             return quant_chunks(dtype) * step
-        if expert.kind != dtype:
+        if expert.kind in (torch.bfloat16, torch.float16) and dtype == torch.float32:
             return max(step, CONVERT_TOKENS)
         return step
 

@@ -664,11 +664,16 @@ class Dispatcher:
 
         def add(i: int, y: torch.Tensor) -> None:  # y [n, H]
             # Gathered, added and written back, not `index_add_`: on the CPU that sorts the index to split its rows
-            # among threads, a quarter of a batch step's time. A job's tokens are distinct (a token's K choices are
-            # distinct experts), so writing the rows back loses nothing.
+            # among threads (with both cores busy, a quarter of a batch step's time). Writing rows back loses
+            # nothing while a job's tokens are distinct; a token that chose the expert twice (a router left only
+            # -inf logits to pick from) takes index_add_, which sums both. Its tokens come sorted.
             job = jobs[i]
+            part = y.float() * weights[job.tok, job.slot].unsqueeze(-1)  # [n, H]
+            if job.tok.numel() > 1 and bool((job.tok[1:] == job.tok[:-1]).any()):
+                out.index_add_(0, job.tok, part)
+                return
             rows = out.index_select(0, job.tok)  # [n, H]
-            rows += y.float() * weights[job.tok, job.slot].unsqueeze(-1)
+            rows += part
             out.index_copy_(0, job.tok, rows)
 
         self.executor.run_many([(job.cpu, x[job.tok]) for job in jobs], add)

@@ -56,6 +56,8 @@ def run_both(dtype: torch.dtype, batch: int, heads: int, kv_heads: int, dim: int
     (1, 8, 4, 64, 64, 79, 16, False),  # a sliding window, at the last position
     (2, 4, 2, 64, 64, 66, None, True),  # sink logits (gpt-oss), more keys than one step of the online softmax
     (1, 4, 1, 128, 128, 5, 4, True),
+    (1, 4, 2, 40, 32, 70, None, False),  # a head dim of 16s and one 8: the vector dots' 8-wide step
+    (2, 4, 2, 36, 32, 20, None, True),  # a head dim of no whole 8s at its end: their scalar tails
 ])
 def test_one_token_matches_the_torch_attention(isa: str, dtype: torch.dtype, batch: int, heads: int, kv_heads: int,
                                                dim: int, rot: int, start: int, window: int | None,

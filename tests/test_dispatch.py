@@ -535,3 +535,33 @@ def test_the_device_running_out_of_memory_mid_answer_is_a_resource_error(checkpo
     with pytest.raises(ResourceError, match="ran out of memory during a 5-token pass"):
         list(engine.generate(prompt_of(5), SamplingParams(max_new_tokens=2)))
     engine.model.close()
+
+
+def test_cpu_experts_outputs_are_summed_into_their_tokens_even_a_token_that_chose_one_twice() -> None:
+    """`_cpu_combine` adds each CPU expert's weighted rows into its tokens' rows: several experts into one token,
+    and, where a router left only -inf logits and a token took the same expert in both its slots, both shares."""
+    from types import SimpleNamespace
+
+    from tandem.runtime.dispatch import Dispatcher, _Job
+
+    T, H = 4, 8
+    x = torch.randn(T, H)
+    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5], [0.9, 0.1]])  # [T, K]
+    ids = torch.tensor([[0, 1], [1, 0], [2, 2], [0, 1]])  # token 2 chose expert 2 in both slots
+    scale = {0: 1.0, 1: 2.0, 2: -3.0}  # expert e's output: scale[e] * x
+
+    def run_many(jobs, sink):  # noqa: ANN001, ANN202
+        for k, (e, xs) in enumerate(jobs):
+            sink(k, scale[e] * xs)
+
+    fake = SimpleNamespace(executor=SimpleNamespace(run_many=run_many))
+    jobs = []
+    for e in (0, 1, 2):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        jobs.append(_Job(e, tok, slot, None, 0, e))  # the "CPU expert" is its id, which run_many scales by
+    got = Dispatcher._cpu_combine(fake, x, weights, jobs)  # type: ignore[arg-type]
+    want = torch.zeros(T, H)
+    for t in range(T):
+        for k in range(2):
+            want[t] += weights[t, k] * scale[int(ids[t, k])] * x[t]
+    assert torch.allclose(got, want, atol=1e-6)
