@@ -65,11 +65,12 @@ FLOAT_CHUNKS = 4
 BLOCK_STEP = 32
 QUANT_CHUNKS = 32  # quantized experts stay on the kernel up to this many chunks of tokens (measured: beyond
 # that, dequantizing once and using torch's matmul wins) where torch multiplies bf16 natively (quant_chunks)
-# Unquantized weights in another dtype than the compute one stay on the kernel, a call of `crossover` tokens at a
-# time, up to this many tokens: torch would convert the whole expert on each call first. Measured (bf16 weights,
-# float32 compute, 2 threads, per expert): at 32 tokens the chunked kernel ran 1.6-3.8x torch's speed on both the
-# AVX2 and AVX-512 variants and both shapes tried; at 64 it ran 0.47x on one (torch over AVX-512 MKL there).
-CONVERT_TOKENS = 32
+# bf16 or fp16 weights under float32 compute stay on the kernel past one call, TILED_CALL tokens a call through
+# its tiled product (csrc/tiles.c, from TILED_TOKENS a call), up to this many tokens on each variant: torch would
+# convert the whole expert to float32 on each call first. Measured: docs/bench/kernels.md.
+TILED_TOKENS = 16  # csrc/common.h TILED_TOKENS
+TILED_CALL = 64
+TILED_UP_TO = {"avx2": 64, "avx512": 32}
 MAX_THREADS = 4096  # a sanity bound: libgomp takes any positive count and allocates per thread
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what experts take and return (they sum in float32)
 
@@ -493,6 +494,7 @@ class CpuExecutor:
         self.forced_isa = isa
         self._isa_cache: dict[tuple[object, int, bool], str | None] = {}  # (kind, tokens, amx_layout) -> variant
         self._slots: list[_Slot] = []  # per expert of one call: buffers and arguments, grown on demand
+        self._tiled: _Slot | None = None  # a call of TILED_CALL tokens' buffers (_tiled_slot)
         self._batch = (_Args * 0)()
         self._moe: _MoeArgs | None = None  # run_layer's arguments
         # run_layer's scratch, the newest last; one outgrown stays alive: arguments planned with it point there
@@ -603,23 +605,34 @@ class CpuExecutor:
         isa = self.isa_for(expert, min(n, step))
         if isa is not None and n <= step:
             return self._run_kernel(expert, x, isa).to(x.dtype)
-        if isa is not None and step and n <= self._kernel_tokens(expert, x.dtype, step):
+        call = self._kernel_call(expert, x.dtype, isa, step, n)
+        if call:
+            slot = self._tiled_slot() if call > step else None
             # (each chunk copied out of the reused buffer before the next overwrites it, float32 included)
-            return torch.cat([self._run_kernel(expert, x[i : i + step], isa).to(x.dtype, copy=True)
-                              for i in range(0, n, step)])
+            return torch.cat([self._run_kernel(expert, x[i : i + call], isa, slot).to(x.dtype, copy=True)
+                              for i in range(0, n, call)])
         return self._run_torch(expert, x)
 
     @staticmethod
-    def _kernel_tokens(expert: CpuExpert, dtype: torch.dtype, step: int) -> int:
-        """Tokens the kernel keeps taking, `step` a call, re-streaming the weights for each chunk: quantized weights
-        for quant_chunks(dtype) chunks (torch has no fast int4 path and its int8 one slows down with tokens);
-        bf16 or fp16 weights under float32 compute (torch would first convert them, reading and writing the whole
-        expert each call) up to CONVERT_TOKENS, the case measured; others not past one call."""
+    def _kernel_call(expert: CpuExpert, dtype: torch.dtype, isa: str | None, step: int, n: int) -> int:
+        """Tokens a kernel call takes where `n` tokens are more than one call's `step`, re-streaming the weights for
+        each call, or 0 where torch takes them all: quantized weights `step` a call up to quant_chunks(dtype) calls
+        (torch has no fast int4 path and its int8 one slows down with tokens); bf16 or fp16 weights under float32
+        compute on AVX2 and AVX-512 TILED_CALL a call up to TILED_UP_TO (torch would convert the whole expert each
+        call)."""
+        if isa is None or not step:
+            return 0
         if expert.kind in QUANTIZED:
-            return quant_chunks(dtype) * step
-        if expert.kind in (torch.bfloat16, torch.float16) and dtype == torch.float32:
-            return max(step, CONVERT_TOKENS)
-        return step
+            return step if n <= quant_chunks(dtype) * step else 0
+        if expert.kind in (torch.bfloat16, torch.float16) and dtype == torch.float32 and n <= TILED_UP_TO.get(isa, 0):
+            return TILED_CALL
+        return 0
+
+    def _tiled_slot(self) -> _Slot:
+        """The buffers of a call of TILED_CALL tokens (made on first use)."""
+        if self._tiled is None:
+            self._tiled = _Slot(self.hidden, self.inter, TILED_CALL)
+        return self._tiled
 
     def _run_torch(self, expert: CpuExpert, x: torch.Tensor) -> torch.Tensor:
         if expert.reference is not None:
@@ -755,10 +768,11 @@ class CpuExecutor:
             raise RuntimeError(f"CPU expert kernel rejected its arguments (code {code})")
         return out
 
-    def _run_kernel(self, expert: CpuExpert, x: torch.Tensor, isa: str) -> torch.Tensor:
-        if not self._slots:
-            self._slots.append(_Slot(self.hidden, self.inter, max(self.crossover, BLOCK_STEP)))
-        slot = self._slots[0]
+    def _run_kernel(self, expert: CpuExpert, x: torch.Tensor, isa: str, slot: _Slot | None = None) -> torch.Tensor:
+        if slot is None:
+            if not self._slots:
+                self._slots.append(_Slot(self.hidden, self.inter, max(self.crossover, BLOCK_STEP)))
+            slot = self._slots[0]
         slot.fill(slot.args, self, expert, x, isa)
         code = self.lib.tk_expert(ctypes.byref(slot.args))  # type: ignore[union-attr]
         if code != 0:

@@ -286,34 +286,59 @@ def test_token_counts_zero_one_many_and_the_torch_path(use_kernel: bool) -> None
     executor = CpuOptions(threads=1, crossover=4, use_kernel=use_kernel).executor(h, i, torch.float32)
     expert = executor.prepare(gate, up, down)
     assert expert(torch.empty(0, h)).shape == (0, h)
-    for n in (1, 4, 5, 40):  # past the crossover: the kernel in chunks up to CONVERT_TOKENS (bf16 weights), then torch
+    for n in (1, 4, 5, 40):  # past the crossover: the tiled kernel (bf16 weights, AVX2 or AVX-512) or torch
         x = torch.randn(n, h, generator=torch.Generator().manual_seed(n))
         assert rel_err(expert(x), reference(x, gate, up, down)) < 1e-5
 
 
 @needs_kernels
-@pytest.mark.parametrize(("wdtype", "compute", "kernel_up_to"), [
-    (torch.bfloat16, torch.float32, cpu.CONVERT_TOKENS),  # torch would convert the expert each call: chunks instead
-    (torch.float16, torch.float32, cpu.CONVERT_TOKENS),
-    (torch.float32, torch.float32, 4),  # torch reads them as they are: past one call, torch
+@pytest.mark.parametrize(("wdtype", "tiled"), [
+    (torch.bfloat16, True),  # torch would convert the expert each call: the kernel's tiled product instead
+    (torch.float16, True),
+    (torch.float32, False),  # torch reads them as they are: past one call, torch
 ])
-def test_weights_torch_would_convert_stay_on_the_kernel_in_chunks(wdtype: torch.dtype, compute: torch.dtype,
-                                                                  kernel_up_to: int,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_weights_torch_would_convert_stay_on_the_kernel_in_tiled_calls(wdtype: torch.dtype, tiled: bool,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Float32 compute, past one call of `crossover` tokens: which path runs, and how many calls, just under, at and
+    just past the variant's TILED_UP_TO, and between; every result within float32 rounding of the reference."""
     h, i = 96, 64
     gate, up, down = weights(h, i, wdtype)
-    executor = CpuExecutor(h, i, compute, threads=2, crossover=4)
+    executor = CpuExecutor(h, i, torch.float32, threads=2, crossover=4)
     expert = executor.prepare(gate, up, down)
+    isa = executor.isa_for(expert, 4)
+    up_to = cpu.TILED_UP_TO.get(isa, 0) if tiled else 0  # type: ignore[arg-type]
     paths: list[str] = []
     for name in ("_run_kernel", "_run_torch"):
         real = getattr(executor, name)
         monkeypatch.setattr(executor, name, lambda *a, real=real, name=name: paths.append(name) or real(*a))
-    for n in (kernel_up_to - 1, kernel_up_to, kernel_up_to + 1):
+    for n in sorted({5, cpu.TILED_TOKENS, cpu.TILED_CALL + 3, up_to - 1, up_to, up_to + 1} - {-1, 0, 1}):
         paths.clear()
         x = torch.randn(n, h, generator=torch.Generator().manual_seed(n))
         assert rel_err(expert(x), reference(x, gate, up, down)) < 1e-5, n
-        want = ["_run_kernel"] * -(-n // 4) if n <= kernel_up_to else ["_run_torch"]
+        want = ["_run_kernel"] * -(-n // cpu.TILED_CALL) if n <= up_to else ["_run_torch"]
         assert paths == want, n
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", [v for v in ("avx2", "avx512") if v in ISAS])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(576, 1536), (130, 66), (40, 24)])  # whole panels of six rows, and not
+def test_the_tiled_product_matches_the_reference(isa: str, wdtype: torch.dtype, shape: tuple[int, int]) -> None:
+    """One kernel call of at least TILED_TOKENS tokens (csrc/tiles.c), up to a whole TILED_CALL and a token count
+    that leaves 16-token tiles part empty, with biases and gpt-oss's clamped SwiGLU too."""
+    h, i = shape
+    gate, up, down = weights(h, i, wdtype)
+    executor = CpuExecutor(h, i, torch.float32, threads=2, crossover=cpu.TILED_CALL, isa=isa)
+    expert = executor.prepare(gate, up, down)
+    for n in (cpu.TILED_TOKENS, 21, cpu.TILED_CALL):
+        x = torch.randn(n, h, generator=torch.Generator().manual_seed(n))
+        assert rel_err(expert(x), reference(x, gate, up, down)) < 1e-5, n
+    g = torch.Generator().manual_seed(3)
+    epilogue = cpu.Epilogue(*(torch.randn(d, generator=g) * 0.1 for d in (i, i, h)), clamped=(1.702, 7.0))
+    clamped = executor.prepare(gate, up, down, epilogue=epilogue)
+    x = torch.randn(37, h, generator=g)
+    want = epilogue.run(x, *(w.float() for w in (gate, up, down)))
+    assert rel_err(clamped(x), want) < 1e-5
 
 
 def test_unquantized_weights_are_used_in_place() -> None:

@@ -123,7 +123,10 @@ int tk_expert(const tk_args *a) {
     if (code) return code;
     const int region = region_of(a);
     if (region != REGION_NONE) run_region(region, a, 1);
-    else if (a->isa == ISA_AVX512BF16 && a->kind == K_BF16) expert_bf16dp(a);
+    else if (tiled_serves(a)) {
+        const int tiled = expert_tiled(a);
+        if (tiled) return tiled;
+    } else if (a->isa == ISA_AVX512BF16 && a->kind == K_BF16) expert_bf16dp(a);
     else if (a->isa == ISA_AVX2) expert_streamed(a);
     else expert_generic(a);
     add_down_bias(a, 1);

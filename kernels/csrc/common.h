@@ -346,6 +346,11 @@ TK_INTERNAL rows4_fn rows4_avx512(int kind);
 TK_INTERNAL void experts_one_token(const tk_args *a, int n);
 TK_INTERNAL void linear_one_token(const tk_linear_args *a, int isa);
 TK_INTERNAL void expert_streamed(const tk_args *a);
+/* tiles.c: from this many tokens, float weights on AVX2 and AVX-512 take the tiled product (kernels/cpu.py
+ * TILED_TOKENS) */
+#define TILED_TOKENS 16
+TK_INTERNAL int tiled_serves(const tk_args *a);
+TK_INTERNAL int expert_tiled(const tk_args *a);
 /* avx512bf16.c */
 TK_INTERNAL BF16_TARGET void to_bf16(const float *src, uint16_t *dst, int n);
 TK_INTERNAL BF16_TARGET void dot2_bf16_dp(const uint16_t *r0, const uint16_t *r1, const uint16_t *xb,
