@@ -68,7 +68,7 @@ QUANT_CHUNKS = 32  # quantized experts stay on the kernel up to this many chunks
 # bf16 or fp16 weights under float32 compute stay on the kernel past one call, TILED_CALL tokens a call through
 # its tiled product (csrc/tiles.c, from TILED_TOKENS a call), up to this many tokens on each variant: torch would
 # convert the whole expert to float32 on each call first. Measured: docs/bench/kernels.md.
-TILED_TOKENS = 16  # csrc/common.h TILED_TOKENS
+TILED_TOKENS = 16  # csrc/common.h TILED_TOKENS (AVX-512: twice that)
 TILED_CALL = 64
 TILED_UP_TO = {"avx2": 64, "avx512": 32}
 MAX_THREADS = 4096  # a sanity bound: libgomp takes any positive count and allocates per thread
@@ -674,8 +674,7 @@ class CpuExecutor:
             expert, x = jobs[i]
             self._slots[k].fill(self._batch[k], self, expert, x, isas[i])  # type: ignore[arg-type]
         code = self.lib.tk_experts(self._batch, len(together))  # type: ignore[union-attr]
-        if code != 0:
-            raise RuntimeError(f"CPU expert kernel rejected its arguments (code {code})")
+        _check_expert_code(code)
         for k, i in enumerate(together):
             sink(i, self._slots[k].out[: jobs[i][1].shape[0]])  # float32, as the kernel summed it
 
@@ -764,8 +763,7 @@ class CpuExecutor:
         if code == -6:
             raise ValueError(f"expert ids must be from 0 to {len(layer.experts) - 1}, at least one per token (top_k "
                              f"{K}), none twice for one token")
-        if code != 0:
-            raise RuntimeError(f"CPU expert kernel rejected its arguments (code {code})")
+        _check_expert_code(code)
         return out
 
     def _run_kernel(self, expert: CpuExpert, x: torch.Tensor, isa: str, slot: _Slot | None = None) -> torch.Tensor:
@@ -775,9 +773,18 @@ class CpuExecutor:
             slot = self._slots[0]
         slot.fill(slot.args, self, expert, x, isa)
         code = self.lib.tk_expert(ctypes.byref(slot.args))  # type: ignore[union-attr]
-        if code != 0:
-            raise RuntimeError(f"CPU expert kernel rejected its arguments (code {code})")
+        _check_expert_code(code)
         return slot.out[: x.shape[0]]
+
+
+OUT_OF_MEMORY = -9  # a kernel's scratch could not be allocated (csrc/tiles.c)
+
+
+def _check_expert_code(code: int) -> None:
+    if code == OUT_OF_MEMORY:
+        raise MemoryError("the CPU expert kernel could not allocate its scratch: free some RAM, or use fewer threads")
+    if code != 0:
+        raise RuntimeError(f"CPU expert kernel rejected its arguments (code {code})")
 
 
 class _Slot:

@@ -322,17 +322,25 @@ def test_weights_torch_would_convert_stay_on_the_kernel_in_tiled_calls(wdtype: t
 @needs_kernels
 @pytest.mark.parametrize("isa", [v for v in ("avx2", "avx512") if v in ISAS])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(576, 1536), (130, 66), (40, 24)])  # whole panels of six rows, and not
+@pytest.mark.parametrize("shape", [(576, 1536), (130, 66), (40, 26)])  # whole panels of six rows, and not
 def test_the_tiled_product_matches_the_reference(isa: str, wdtype: torch.dtype, shape: tuple[int, int]) -> None:
-    """One kernel call of at least TILED_TOKENS tokens (csrc/tiles.c), up to a whole TILED_CALL and a token count
-    that leaves 16-token tiles part empty, with biases and gpt-oss's clamped SwiGLU too."""
+    """Kernel calls of at least TILED_TOKENS tokens (csrc/tiles.c; AVX-512 from twice that), up to a whole
+    TILED_CALL and token counts that leave 16-token tiles part empty: alone, as experts of one call (tk_experts),
+    with biases and gpt-oss's clamped SwiGLU too."""
     h, i = shape
     gate, up, down = weights(h, i, wdtype)
     executor = CpuExecutor(h, i, torch.float32, threads=2, crossover=cpu.TILED_CALL, isa=isa)
     expert = executor.prepare(gate, up, down)
-    for n in (cpu.TILED_TOKENS, 21, cpu.TILED_CALL):
-        x = torch.randn(n, h, generator=torch.Generator().manual_seed(n))
-        assert rel_err(expert(x), reference(x, gate, up, down)) < 1e-5, n
+    xs = [torch.randn(n, h, generator=torch.Generator().manual_seed(n))
+          for n in (cpu.TILED_TOKENS, 21, 2 * cpu.TILED_TOKENS, 45, cpu.TILED_CALL)]
+    for x in xs:
+        assert rel_err(expert(x), reference(x, gate, up, down)) < 1e-5, x.shape[0]
+    other = executor.prepare(*weights(h, i, wdtype, seed=1))
+    jobs = [(expert if k % 2 else other, x) for k, x in enumerate(xs)]
+    got: dict[int, torch.Tensor] = {}
+    executor.run_many(jobs, lambda k, y: got.__setitem__(k, y.clone()))
+    for k, (e, x) in enumerate(jobs):
+        assert rel_err(got[k], reference(x, *e.dense(torch.float32))) < 1e-5, x.shape[0]
     g = torch.Generator().manual_seed(3)
     epilogue = cpu.Epilogue(*(torch.randn(d, generator=g) * 0.1 for d in (i, i, h)), clamped=(1.702, 7.0))
     clamped = executor.prepare(gate, up, down, epilogue=epilogue)

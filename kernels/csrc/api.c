@@ -153,7 +153,8 @@ int tk_experts(const tk_args *a, int n) {
         for (int e = 0; e < n; e++) {
             if (a[e].tokens <= 0 || (alike ? region_of(a + e) : REGION_NONE) != region) continue;
             if (region == REGION_NONE) {
-                tk_expert(a + e);
+                const int code = tk_expert(a + e);  /* checked above: only a failed allocation (-9, tiles.c) is left */
+                if (code) return code;
                 continue;
             }
             group[m++] = a[e];

@@ -90,22 +90,25 @@ TILE_ATTR static void tiled_rows(const void *w, int kind, int rows, int K, const
     }
 }
 
+/* From TILED_TOKENS tokens on AVX2; from twice that on AVX-512, whose own row kernels hold their own up to there
+ * (docs/bench/kernels.md: the tiled product is AVX2 code on both). */
 int tiled_serves(const tk_args *a) {
     return (a->kind == K_FP32 || a->kind == K_BF16 || a->kind == K_FP16) && a->down_kind == a->kind &&
-           (a->isa == ISA_AVX2 || a->isa == ISA_AVX512) && a->tokens >= TILED_TOKENS;
+           ((a->isa == ISA_AVX2 && a->tokens >= TILED_TOKENS) || (a->isa == ISA_AVX512 && a->tokens >= 2 * TILED_TOKENS));
 }
 
-/* Returns 0, or -6 where its scratch could not be allocated. */
+/* Returns 0, or -9 where its scratch could not be allocated. */
 int expert_tiled(const tk_args *a) {
     const int T = a->tokens, H = a->hidden, I = a->inter, Tp = (T + TILE_TOKENS - 1) / TILE_TOKENS * TILE_TOKENS;
-    const int K = H > I ? H : I;
+    const int K = H > I ? H : I, most = (K + TILE_ROWS - 1) / TILE_ROWS;  /* panels in the widest phase */
+    const int threads = a->threads < most ? a->threads : most;  /* more would have no panel to take */
     float *xt = aligned_alloc(64, ((size_t)K * Tp * sizeof(float) + 63) / 64 * 64);
-    float *panels = aligned_alloc(64, ((size_t)a->threads * TILE_ROWS * K * sizeof(float) + 63) / 64 * 64);
+    float *panels = aligned_alloc(64, ((size_t)threads * TILE_ROWS * K * sizeof(float) + 63) / 64 * 64);
     if (!xt || !panels) {
         free(xt), free(panels);
-        return -6;
+        return -9;
     }
-    #pragma omp parallel num_threads(a->threads)
+    #pragma omp parallel num_threads(threads)
     {
         float *wp = panels + (size_t)omp_get_thread_num() * TILE_ROWS * K;
         transpose_in(a->x, H, T, Tp, H, xt);  /* (its loop's barrier: every column laid out before the rows run) */
