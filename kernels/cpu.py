@@ -71,6 +71,10 @@ QUANT_CHUNKS = 32  # quantized experts stay on the kernel up to this many chunks
 TILED_TOKENS = 16  # csrc/common.h TILED_TOKENS (AVX-512: twice that)
 TILED_CALL = 64
 TILED_UP_TO = {"avx2": 64, "avx512": 32}
+# GGUF blocks take the tiled product in whole calls of BLOCK_STEP tokens, on these variants (csrc/tiles.c
+# tiled_blocks): AVX-512 every format; AVX2 those its int8 path was measured behind (Q8_0, Q5_0, Q5_1) or lacks
+# (MXFP4).
+TILED_BLOCKS = {"avx512": BLOCK_KINDS, "avx2": ("Q8_0", "Q5_0", "Q5_1", "MXFP4")}
 MAX_THREADS = 4096  # a sanity bound: libgomp takes any positive count and allocates per thread
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what experts take and return (they sum in float32)
 

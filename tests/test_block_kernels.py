@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.blocks import FORMATS, block_matrix
-from tandem.kernels.cpu import BLOCK_KINDS, BLOCK_STEP, Q8_KINDS, CpuExecutor, DenseLinear, available_isas, library
+from tandem.kernels.cpu import (BLOCK_KINDS, BLOCK_STEP, Q8_KINDS, TILED_BLOCKS, CpuExecutor, DenseLinear,
+                                available_isas, library)
 from tandem.kernels.quant import QuantizedMatrix
 
 pytestmark = [pytest.mark.isa, pytest.mark.skipif(library() is None, reason="the kernels are not built")]
@@ -91,6 +92,12 @@ def test_dense_matrices_of_every_format_match_the_dequantized_product(fmt: str, 
     close(linear(x, [w, w], bias, out_dtype=torch.float32), torch.cat([x.double() @ ref.T] * 2, -1) + bias.double())
 
 
+def tiled(formats: tuple[str, str], isa: str | None, tokens: int) -> bool:
+    """Whether a kernel call of `tokens` tokens takes the tiled product (csrc/tiles.c): a whole BLOCK_STEP call, on a
+    variant that takes both formats (TILED_BLOCKS)."""
+    return tokens >= BLOCK_STEP and all(f in TILED_BLOCKS.get(isa or "", ()) for f in formats)
+
+
 def reference(x: torch.Tensor, mats: list[QuantizedMatrix], int8: bool = False) -> torch.Tensor:
     """The expert over the dequantized matrices in float64; with `int8`, the inputs of each matrix whose format has
     the int8 path quantized first, as the kernel does."""
@@ -102,12 +109,19 @@ def reference(x: torch.Tensor, mats: list[QuantizedMatrix], int8: bool = False) 
     return F.linear(inputs(F.silu(xq @ g.T) * (xq @ u.T), mats[2].kind), d)
 
 
+def by_calls(x: torch.Tensor, mats: list[QuantizedMatrix], int8: bool, isa: str | None) -> torch.Tensor:
+    """`reference` over the kernel's calls of BLOCK_STEP tokens: a tiled call's inputs are float32, not int8."""
+    formats = (mats[0].kind, mats[2].kind)
+    return torch.cat([reference(c, mats, int8 and not tiled(formats, isa, c.shape[0])) for c in x.split(BLOCK_STEP)])
+
+
 @pytest.mark.parametrize("isa", [None, *ISAS])
 @pytest.mark.parametrize("formats", [(f, f) for f in BLOCK_KINDS] + [("Q4_K", "Q6_K"), ("Q4_0", "Q8_0")])
 def test_experts_of_every_format_match_the_dequantized_reference(formats: tuple[str, str], isa: str | None) -> None:
     """One expert at a time (one token, several in one call, then in calls of BLOCK_STEP tokens), several in one call,
     and a layer's experts through one call from the routing, with gate and up in one format and down in another as
-    Q4_K_M has them."""
+    Q4_K_M has them. A whole call of BLOCK_STEP tokens takes the tiled product where the variant has it for both
+    formats (TILED_BLOCKS), against float32 inputs."""
     fmt, down_fmt = formats
     h, i = width(fmt), width(down_fmt)
     ex = CpuExecutor(h, i, torch.float32, 2, isa=isa)
@@ -121,9 +135,10 @@ def test_experts_of_every_format_match_the_dequantized_reference(formats: tuple[
     int8 = any(int8_path(f, isa, False) for f in formats)
     tolerance = INT8 if int8 else FLOAT
     assert ex._step(experts[0][0]) == BLOCK_STEP
+    chosen = ex.isa_for(experts[0][0], BLOCK_STEP)
     for tokens in (1, 3, 20, BLOCK_STEP + 5):
         x = torch.randn(tokens, h, generator=g)
-        close(experts[0][0](x), reference(x, experts[0][1], int8), tolerance)
+        close(experts[0][0](x), by_calls(x, experts[0][1], int8, chosen), tolerance)
     xs = [torch.randn(n, h, generator=g) for n in (1, 2, 1)]
     got: dict[int, torch.Tensor] = {}
     ex.run_many([(e, x) for (e, _), x in zip(experts, xs, strict=False)], lambda k, y: got.__setitem__(k, y.clone()))
@@ -146,7 +161,7 @@ def test_experts_of_every_format_match_the_dequantized_reference(formats: tuple[
     want = torch.zeros(T, h, dtype=torch.float64)
     for e in range(4):
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        want[tok] += weights[tok, slot, None].double() * reference(x[tok], experts[e][1], int8)
+        want[tok] += weights[tok, slot, None].double() * by_calls(x[tok], experts[e][1], int8, chosen)
     close(ex.run_layer(layer, x, ids, weights), want, tolerance)
 
 

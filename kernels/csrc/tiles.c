@@ -1,27 +1,50 @@
-/* Many tokens through one expert with float weights (fp32, bf16, fp16) on the AVX2 and AVX-512 variants: a
- * register-tiled product, compute-bound where the row kernels (avx2.c's fma8, up to 8 tokens against each weight
- * row, a horizontal sum per row and token) are bound by their loads and sums.
+/* Many tokens through one expert with float weights (fp32, bf16, fp16) or GGUF blocks on the AVX2 and AVX-512
+ * variants: a register-tiled product, compute-bound where the row kernels (avx2.c's fma8, up to 8 tokens against
+ * each weight row, a horizontal sum per row and token) are bound by their loads and sums.
  *
  * Per phase (gate and up, then down) the inputs are laid out once, transposed: xt [K][Tp] (Tp the tokens rounded up
  * to 16, the padding zero). Each thread takes whole panels of TILE_ROWS weight rows, converts a panel to float32
- * once (rows of K values, as they lie: no transpose), and runs it against every 16 tokens: per k, two vectors of 16
- * tokens' inputs, one broadcast weight per row, TILE_ROWS x 2 FMAs into 12 accumulators. The sums are float32, in k
- * order, one per output (the reference sums in another order: equal within float32 rounding).
+ * once (rows of K values, as they lie: no transpose; blocks unpacked to the reference dequantizer's values), and
+ * runs it against every 16 tokens: per k, two vectors of 16 tokens' inputs, one broadcast weight per row,
+ * TILE_ROWS x 2 FMAs into 12 accumulators. The sums are float32, in k order, one per output (the reference sums in
+ * another order: equal within float32 rounding).
  *
  * Letters: T tokens, Tp T rounded up to 16, K a product's inner width (H for gate and up, I for down), H hidden
  * size, I expert width. */
 #include "common.h"
+#include "blocks.h"
 
 #define TILE_ATTR __attribute__((target("avx2,fma,f16c")))
 enum { TILE_ROWS = 6, TILE_TOKENS = 16 };  /* tile's shape: six rows' and two vectors' sums */
+
+/* A row of K values of GGUF blocks (whole blocks) as float32: the reference dequantizer's values (blocks.h). */
+#define UNPACK_ROW(UNPACK, V, B) for (int k = 0; k < K; k += (V)) UNPACK(src + (size_t)(k / (V)) * (B), d + k)
+TILE_ATTR static void unpack_row(int kind, const uint8_t *src, int K, float *d) {
+    switch (kind) {
+        case K_Q8_0: UNPACK_ROW(unpack_q8_0, 32, 34); break;
+        case K_Q4_0: UNPACK_ROW(unpack_q4_0, 32, 18); break;
+        case K_Q4_1: UNPACK_ROW(unpack_q4_1, 32, 20); break;
+        case K_Q5_0: UNPACK_ROW(unpack_q5_0, 32, 22); break;
+        case K_Q5_1: UNPACK_ROW(unpack_q5_1, 32, 24); break;
+        case K_Q4_K: UNPACK_ROW(unpack_q4_k, 256, 144); break;
+        case K_Q5_K: UNPACK_ROW(unpack_q5_k, 256, 176); break;
+        case K_Q6_K: UNPACK_ROW(unpack_q6_k, 256, 210); break;
+        default: UNPACK_ROW(unpack_gmxfp4, 32, 17); break;
+    }
+}
+#undef UNPACK_ROW
 
 /* Rows [r0, r0 + n) of a [rows, K] matrix of `kind` as float32 into dst [TILE_ROWS][K]; rows past n repeat the
  * first (their sums are computed and dropped). */
 TILE_ATTR static void panel_f32(const void *w, int kind, int K, int r0, int n, float *dst) {
     for (int i = 0; i < TILE_ROWS; i++) {
-        const size_t row = (size_t)(r0 + (i < n ? i : 0)) * (size_t)K;
+        const size_t r = (size_t)(r0 + (i < n ? i : 0)), row = r * (size_t)K;
         float *d = dst + (size_t)i * K;
         int k = 0;
+        if (IS_BLOCK_KIND(kind)) {
+            unpack_row(kind, (const uint8_t *)w + r * row_bytes(kind, K, 0), K, d);
+            continue;
+        }
         if (kind == K_FP32) {
             memcpy(d, (const float *)w + row, (size_t)K * sizeof(float));
             continue;
@@ -90,11 +113,22 @@ TILE_ATTR static void tiled_rows(const void *w, int kind, int rows, int K, const
     }
 }
 
-/* From TILED_TOKENS tokens on AVX2; from twice that on AVX-512, whose own row kernels hold their own up to there
- * (docs/bench/kernels.md: the tiled product is AVX2 code on both). */
+/* GGUF blocks whose AVX2 int8 path (q8avx2.c) was measured behind the tiled product at BLOCK_TOKENS tokens (Q8_0,
+ * Q5_0, Q5_1; the K formats and Q4_0/Q4_1 were not), or that have none (MXFP4); on AVX-512, every format (its block
+ * rows unpack each chunk once per 16 tokens): docs/bench/kernels.md. */
+static int tiled_blocks(int kind, int isa) {
+    return IS_BLOCK_KIND(kind) && (isa == ISA_AVX512 || (isa == ISA_AVX2 && (kind == K_Q8_0 || kind == K_Q5_0 ||
+                                                                            kind == K_Q5_1 || kind == K_GMXFP4)));
+}
+
+/* Float weights from TILED_TOKENS tokens on AVX2 and from twice that on AVX-512, whose own row kernels hold their own
+ * up to there (docs/bench/kernels.md: the tiled product is AVX2 code on both); GGUF blocks (tiled_blocks) from
+ * BLOCK_TOKENS, a whole call of the kernel's. */
 int tiled_serves(const tk_args *a) {
-    return (a->kind == K_FP32 || a->kind == K_BF16 || a->kind == K_FP16) && a->down_kind == a->kind &&
-           ((a->isa == ISA_AVX2 && a->tokens >= TILED_TOKENS) || (a->isa == ISA_AVX512 && a->tokens >= 2 * TILED_TOKENS));
+    const int floats = (a->kind == K_FP32 || a->kind == K_BF16 || a->kind == K_FP16) && a->down_kind == a->kind;
+    if (tiled_blocks(a->kind, a->isa) && tiled_blocks(a->down_kind, a->isa)) return a->tokens >= BLOCK_TOKENS;
+    return floats && ((a->isa == ISA_AVX2 && a->tokens >= TILED_TOKENS) ||
+                      (a->isa == ISA_AVX512 && a->tokens >= 2 * TILED_TOKENS));
 }
 
 /* Returns 0, or -9 where its scratch could not be allocated. */
@@ -116,7 +150,7 @@ int expert_tiled(const tk_args *a) {
         tiled_rows(a->up, a->kind, I, H, xt, T, Tp, a->act + I, 2 * I, wp);  /* (barrier: xt read by all) */
         swiglu_rows(a);
         transpose_in(a->act, 2 * I, T, Tp, I, xt);
-        tiled_rows(a->down, a->kind, H, I, xt, T, Tp, a->out, H, wp);
+        tiled_rows(a->down, a->down_kind, H, I, xt, T, Tp, a->out, H, wp);
     }
     free(xt), free(panels);
     return 0;
