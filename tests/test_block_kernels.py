@@ -17,8 +17,16 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.blocks import FORMATS, block_matrix
-from tandem.kernels.cpu import (BLOCK_KINDS, BLOCK_STEP, Q8_KINDS, TILED_BLOCKS, CpuExecutor, DenseLinear,
-                                available_isas, library)
+from tandem.kernels.cpu import (
+    BLOCK_KINDS,
+    BLOCK_STEP,
+    Q8_KINDS,
+    TILED_BLOCKS,
+    CpuExecutor,
+    DenseLinear,
+    available_isas,
+    library,
+)
 from tandem.kernels.quant import QuantizedMatrix
 
 pytestmark = [pytest.mark.isa, pytest.mark.skipif(library() is None, reason="the kernels are not built")]
