@@ -4,6 +4,7 @@ a progress line, results appended as they finish, and a second run picking up wh
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from typing import TextIO
 
 import torch
 
-from tandem.app.batch_file import Line, ResultsFile, error_record, read_requests, result_record
+from tandem.app.batch_file import Line, ResultsFile, check_files, error_record, read_requests, result_record
 from tandem.app.openai_api import Answer
 from tandem.autotune.batch_plan import BatchMachine, BatchPolicy, BatchShape, Workload, plan_batch
 from tandem.autotune.configure import Configured
@@ -82,10 +83,13 @@ def batch_context(lines: list[Line], limit: int) -> int:
     return max(2, min(limit, longest))
 
 
-def workload(lines: list[Line]) -> Workload:
+def workload(lines: list[Line], context: int) -> Workload:
+    """The requests as the policy sees them: a request makes at most what its context leaves after its prompt (a
+    max_tokens of a billion is no billion steps to simulate)."""
     reqs = [x.request for x in lines if x.request]
-    return Workload(len(reqs), round(sum(len(r.prompt) for r in reqs) / len(reqs)),
-                    round(sum(r.params.max_new_tokens for r in reqs) / len(reqs)))
+    prompts = [min(len(r.prompt), context) for r in reqs]
+    news = [max(1, min(r.params.max_new_tokens, context - p)) for r, p in zip(reqs, prompts, strict=True)]
+    return Workload(len(reqs), round(sum(prompts) / len(reqs)), round(sum(news) / len(reqs)))
 
 
 def batch_measurements(configured: Configured, notify: Note) -> Measurements:
@@ -121,15 +125,17 @@ def choose_policy(configured: Configured, lines: list[Line], meas: Measurements,
     vram = accelerator_budget(options.accelerator, options.vram_gb, options.gpu)
     vram_free = None if vram is None else max(0, vram - accelerator_bytes(ckpt, options.torch_dtype,
                                                                          options.context, 1))
-    return plan_batch(bs, machine, workload(lines), budget, options.context, vram_free,
+    return plan_batch(bs, machine, workload(lines, options.context), budget, options.context, vram_free,
                       host_attention=not ckpt.config.kv_lora_rank, batch=batch)
 
 
 def run_batch(args: argparse.Namespace, configure: Configure, load: Load, say: Note) -> int:
     """The command. `configure`, `load` and `note`: the CLI's own (flags over profile over defaults, progress)."""
+    src, out = Path(args.input), Path(args.out)
+    check_files(src, out)  # before any work: an output that is the input, or not a file, is refused
     tokenizer = Tokenizer.from_model(args.model)
-    lines = read_requests(Path(args.input), tokenizer, sampling_defaults(args))
-    results = ResultsFile(Path(args.out))
+    lines = read_requests(src, tokenizer, sampling_defaults(args))
+    results = ResultsFile(out, avoid=_identity(src))
     todo = [x for x in lines if x.key not in results.done]
     if len(todo) < len(lines):
         say(f"{len(lines) - len(todo)} of {len(lines)} requests already answered in {args.out}: going on with the rest")
@@ -190,6 +196,15 @@ def _answer(args: argparse.Namespace, runnable: list[Line], results: ResultsFile
     finally:
         loaded.model.dispatcher.close()
     return 0
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The file's device and inode (what names it however it is spelt or linked), or None when it has none."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
 
 
 def _requests(lines: list[Line]) -> list[BatchRequest]:

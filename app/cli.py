@@ -374,7 +374,7 @@ def _models(args: argparse.Namespace) -> int:
     ram = psutil.virtual_memory().total
     rows = [{"name": e.name, "family": e.family, "runs": e.runs, "quant": e.quant, "params": e.params,
              "experts": e.experts, "size_bytes": e.size_bytes, "fits_ram": e.fits(ram), "on_gpu": e.fits_vram(vram),
-             "source": e.source, "path": e.path} for e in entries]
+             "source": e.source, "path": e.path, "problem": e.problem} for e in entries]
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -388,6 +388,9 @@ def _models(args: argparse.Namespace) -> int:
     widths = [max(len(str(row[k])) for row in table) for k in range(len(head))]
     for row in table:
         print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+    for r in rows:  # a damaged file is listed with why, below the table (its message is long)
+        if r["problem"]:
+            print(f"{r['name']}: {r['problem']}")
     return 0
 
 

@@ -9,21 +9,54 @@ knows of files, HTTP or threads.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from tandem.kernels.errors import GenerationError
 from tandem.runtime.sampling import SamplingParams
-from tandem.runtime.tokenizer import Tokenizer
 
 CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
 MAX_STOPS = 4  # as OpenAI
-# body fields that would change what the answer means: refused rather than ignored
-UNSUPPORTED = {"n": "more than one choice a request", "tools": "tools", "functions": "functions",
-               "response_format": "response formats", "logprobs": "log probabilities", "logit_bias": "logit biases"}
-HARMLESS = (None, False, 1, [], {}, {"type": "text"})  # those fields' values that ask for nothing more
+TEMPERATURE_MOST = 2.0  # as OpenAI
+# body fields that would change what the answer means: refused rather than ignored; each with the values that ask
+# for nothing more than a plain answer
+UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "n": ("more than one choice a request", (1,)),
+    "best_of": ("more than one candidate a request", (1,)),
+    "logprobs": ("log probabilities", (False,)),
+    "top_logprobs": ("log probabilities", (0,)),
+    "echo": ("echoing the prompt", (False,)),
+    "suffix": ("a suffix after the answer", ("",)),
+    "tools": ("tools", ([],)),
+    "functions": ("functions", ([],)),
+    "tool_choice": ("tools", ("none", "auto")),
+    "function_call": ("functions", ("none", "auto")),
+    "logit_bias": ("logit biases", ({},)),
+    "presence_penalty": ("a presence penalty (repetition_penalty is offered)", (0,)),
+    "frequency_penalty": ("a frequency penalty (repetition_penalty is offered)", (0,)),
+}
+RESPONSE_FORMATS = ("text",)  # response_format types answered: plain text, no JSON mode or schema
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}  # engine reason -> OpenAI name
+
+
+class BodyError(ValueError):
+    """A request body that cannot run: `param` names the field at fault (None: the body as a whole), `code` is
+    OpenAI's error code where it has one."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+class PromptEncoder(Protocol):
+    """What turns a prompt into token ids: a Tokenizer, or a stand-in that bounds the work or where it runs."""
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -35,71 +68,156 @@ class Parsed:
     stops: tuple[str, ...]
 
 
-def _number(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
+def shown(value: Any) -> str:
+    """A value for an error message: short, and without walking a container (one can nest a thousand deep)."""
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str) and len(value) > 40:
+        value = value[:40] + "..."
+    return json.dumps(value)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _harmless(value: Any, allowed: tuple[Any, ...]) -> bool:
+    """`value` asks for nothing more: absent, or one of `allowed` of the same kind (true is not 1, 0 not false)."""
+    if value is None:
+        return True
+    return any((_is_number(value) and _is_number(a) or type(value) is type(a)) and value == a for a in allowed)
+
+
+def _number(body: dict[str, Any], name: str, kind: type, default: Any, param: str | None = None) -> Any:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise ValueError(f"body.{name} must be a {'number' if kind is float else 'whole number'}, not "
-                         f"{json.dumps(value)[:40]}")
+    if not _is_number(value) or not isinstance(value, int) and (kind is int or not math.isfinite(value)):
+        raise BodyError(f"body.{param or name} must be a {'number' if kind is float else 'whole number'}, not "
+                        f"{shown(value)}", param or name)
     return kind(value)
+
+
+def text_of(value: str, param: str) -> str:
+    """`value`, which must encode as UTF-8: JSON's escapes can spell a lone surrogate (\\ud800), which no text is."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BodyError(f"body.{param} holds a lone UTF-16 surrogate ({shown(value[e.start:e.end])}) at character "
+                        f"{e.start}: it is not text; send valid Unicode", param) from None
+    return value
 
 
 def messages_of(value: Any) -> list[dict[str, str]]:
     """Chat messages as the chat template takes them; a content given as parts keeps its text parts."""
     if not isinstance(value, list) or not value:
-        raise ValueError("body.messages must be a non-empty list of {role, content}")
+        raise BodyError("body.messages must be a non-empty list of {role, content}", "messages")
     out = []
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ValueError(f"body.messages[{i}] must be an object with a role")
+        at = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BodyError(f"body.{at} must be an object {{role, content}}, not {shown(m)}", at)
+        if not isinstance(m.get("role"), str):
+            raise BodyError(f"body.{at} must be an object with a role (a text)", f"{at}.role")
         content = m.get("content")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
-                raise ValueError(f"body.messages[{i}].content: only text parts can be read")
+                raise BodyError(f"body.{at}.content: only text parts can be read", f"{at}.content")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
-            raise ValueError(f"body.messages[{i}].content must be text")
-        out.append({"role": m["role"], "content": content})
+            raise BodyError(f"body.{at}.content must be text or a list of text parts", f"{at}.content")
+        out.append({"role": text_of(m["role"], f"{at}.role"), "content": text_of(content, f"{at}.content")})
     return out
 
 
-def parse_body(endpoint: str, body: dict[str, Any], tokenizer: Tokenizer, defaults: SamplingParams) -> Parsed:
-    """A request body of `endpoint` (CHAT or COMPLETION) -> its prompt and settings, with `defaults` where it gives
-    none. A body that cannot run raises ValueError (or the GenerationError of a setting out of range, the TandemError
-    of a chat template that fails) with the reason."""
-    for name, what in UNSUPPORTED.items():
-        value = body.get(name)
-        if value not in HARMLESS:
-            raise ValueError(f"body.{name}: Tandem does not offer {what}")
-    if endpoint == CHAT:
-        ids = tokenizer.encode_chat(messages_of(body.get("messages")))
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                       for t in prompt):
-            ids = list(prompt)  # token ids, as the completions API allows
-        elif isinstance(prompt, str):
-            ids = tokenizer.encode(prompt)
-        else:
-            raise ValueError("body.prompt must be text or a list of token ids (one prompt a request)")
-    stop = body.get("stop")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()
-    if stop is not None and (not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS):
-        raise ValueError(f"body.stop must be a text or a list of up to {MAX_STOPS} non-empty texts")
-    most = body.get("max_completion_tokens", body.get("max_tokens"))
+def stops_of(value: Any) -> tuple[str, ...]:
+    """`stop`: absent, a text, or a list of up to MAX_STOPS non-empty texts."""
+    if value is None:
+        return ()
+    stops = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else None
+    if stops is None or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+        raise BodyError(f"body.stop must be a text or a list of up to {MAX_STOPS} non-empty texts, not "
+                        f"{shown(value)}", "stop")
+    return tuple(text_of(s, "stop") for s in stops)
+
+
+def check_options(body: dict[str, Any]) -> None:
+    """Refuse what Tandem does not offer (a BodyError naming the field): more choices, log probabilities, tools,
+    a response format other than text, and the rest of UNSUPPORTED; and a `stream` or `user` of the wrong kind."""
+    for name, (what, allowed) in UNSUPPORTED.items():
+        if not _harmless(body.get(name), allowed):
+            raise BodyError(f"body.{name}: Tandem does not offer {what}; leave {name} out (it is "
+                            f"{shown(body[name])})", name)
+    form = body.get("response_format")
+    if form is not None:
+        kind = form.get("type") if isinstance(form, dict) else None
+        if kind not in RESPONSE_FORMATS:
+            raise BodyError(f"body.response_format: Tandem does not offer response formats other than "
+                            f'{{"type": "text"}} (asked: {shown(kind if isinstance(kind, str) else form)})',
+                            "response_format")
+    for name, kinds, what in (("stream", bool, "true or false"), ("user", str, "a text"),
+                              ("stream_options", dict, "an object")):
+        if body.get(name) is not None and not isinstance(body[name], kinds):
+            raise BodyError(f"body.{name} must be {what}, not {shown(body[name])}", name)
+    usage = (body.get("stream_options") or {}).get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise BodyError(f"body.stream_options.include_usage must be true or false, not {shown(usage)}",
+                        "stream_options.include_usage")
+
+
+def params_of(body: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
+    """The sampling settings a body asks for, `defaults` where it gives none; one out of range is a BodyError."""
+    most = defaults.max_new_tokens
+    for name in ("max_tokens", "max_completion_tokens"):  # (max_completion_tokens wins: OpenAI's newer name)
+        most = _number(body, name, int, most)
+        if body.get(name) is not None and most < 1:
+            raise BodyError(f"body.{name} must be a whole number of at least 1, not {most}", name)
     params = SamplingParams(
-        max_new_tokens=_number({"max_tokens": most}, "max_tokens", int, defaults.max_new_tokens),
+        max_new_tokens=most,
         temperature=_number(body, "temperature", float, defaults.temperature),
         top_k=_number(body, "top_k", int, defaults.top_k),
         top_p=_number(body, "top_p", float, defaults.top_p),
         repetition_penalty=_number(body, "repetition_penalty", float, defaults.repetition_penalty),
         seed=_number(body, "seed", int, defaults.seed),
     )
-    params.check()
-    if params.seed is not None and not 0 <= params.seed < 2**63:
-        raise ValueError("body.seed must be from 0 to 2^63 - 1")
+    for name, bad, rule in (
+            ("temperature", not 0 <= params.temperature <= TEMPERATURE_MOST,
+             f"from 0 to {TEMPERATURE_MOST:g} (0 is greedy)"),
+            ("top_p", not 0 < params.top_p <= 1, "above 0 and at most 1"),
+            ("top_k", params.top_k < 0, "0 (off) or more"),
+            ("repetition_penalty", params.repetition_penalty <= 0, "above 0 (1 is off)"),
+            ("seed", params.seed is not None and not 0 <= params.seed < 2**63, "from 0 to 2^63 - 1")):
+        if bad and body.get(name) is not None:
+            raise BodyError(f"body.{name} must be {rule}, not {shown(body[name])}", name)
+    try:
+        params.check()  # (a default out of range: the command line's, said as it says it)
+    except GenerationError as e:
+        raise BodyError(str(e)) from None
+    return params
+
+
+def parse_body(endpoint: str, body: dict[str, Any], tokenizer: PromptEncoder, defaults: SamplingParams) -> Parsed:
+    """A request body of `endpoint` (CHAT or COMPLETION) -> its prompt and settings, with `defaults` where it gives
+    none. A body that cannot run raises BodyError (a ValueError naming the field; or the TandemError of a chat
+    template that fails) with the reason. Everything is checked before the prompt is tokenized."""
+    check_options(body)
+    stops = stops_of(body.get("stop"))
+    params = params_of(body, defaults)
+    if endpoint == CHAT:
+        messages = messages_of(body.get("messages"))
+        ids = tokenizer.encode(tokenizer.render_chat(messages), add_special_tokens=False)  # (the template has them)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt):
+            ids = list(prompt)  # token ids, as the completions API allows
+        elif isinstance(prompt, str):
+            ids = tokenizer.encode(text_of(prompt, "prompt"))
+        else:
+            raise BodyError("body.prompt must be text or a list of token ids (one prompt a request)", "prompt")
     return Parsed(ids, params, stops)
 
 

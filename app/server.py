@@ -12,15 +12,17 @@ import asyncio
 import hmac
 import json
 import socket
+import sys
 import threading
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -28,13 +30,24 @@ from tandem.app.openai_api import (
     CHAT,
     COMPLETION,
     Answer,
+    BodyError,
     chunk_body,
     completion_body,
     finish_reason,
     parse_body,
+    shown,
     usage_of,
 )
-from tandem.app.serving import TTFT_BUCKETS, Busy, EngineService, Subscription, TextStream, new_key
+from tandem.app.serving import (
+    TTFT_BUCKETS,
+    Busy,
+    EngineService,
+    PromptTokenizer,
+    PromptTooLong,
+    Subscription,
+    TextStream,
+    new_key,
+)
 from tandem.kernels.errors import GenerationError, TandemError
 from tandem.runtime.batch import BatchRequest, DoneEvent
 from tandem.runtime.sampling import SamplingParams
@@ -49,6 +62,8 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
                  param: str | None = None) -> None:
         super().__init__(message)
+        # (a message quoting the request could hold a lone surrogate, which no JSON response can carry)
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
 
     def body(self) -> dict[str, Any]:
@@ -57,6 +72,16 @@ class ApiError(Exception):
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A completion request read and tokenized, ready to queue."""
+
+    request: BatchRequest
+    stops: tuple[str, ...]
+    stream: bool
+    include_usage: bool
 
 
 @dataclass
@@ -116,6 +141,9 @@ def make_app(service: EngineService, defaults: SamplingParams, api_key: str | No
                 return await handler(request)
             except ApiError as e:
                 return e.response()
+            except Exception:  # a fault of the server's: its log has the traceback, the client an error it can read
+                traceback.print_exc(file=sys.stderr)
+                return _failed().response()
         return run
 
     async def health(request: Request) -> Response:
@@ -136,29 +164,44 @@ def make_app(service: EngineService, defaults: SamplingParams, api_key: str | No
     async def completions(request: Request) -> Response:
         return await complete(request, COMPLETION)
 
-    async def complete(request: Request, endpoint: str) -> Response:
-        body = await _json_body(request)
-        if body.get("model") not in (None, service.name):
-            raise ApiError(404, f"the model {str(body.get('model'))[:80]!r} is not served here; this server serves "
-                                f"{service.name!r} (GET /v1/models)", code="model_not_found", param="model")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise ApiError(400, "stream must be true or false", param="stream")
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise ApiError(400, "stream_options must be an object", param="stream_options")
+    prompts = PromptTokenizer(service.tokenizer, service.context)
+
+    def prepare(endpoint: str, data: bytes) -> Prepared:
+        """The body, read, checked and tokenized (on a worker thread: this takes a while for a huge prompt)."""
+        body = _json_of(data)
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ApiError(400, "body.model must be a text: the name GET /v1/models gives", param="model")
+        if model not in (None, service.name):
+            raise ApiError(404, f"the model {model[:80]!r} is not served here; this server serves {service.name!r} "
+                                "(GET /v1/models)", code="model_not_found", param="model")
+        prompt_param = "messages" if endpoint == CHAT else "prompt"
         try:
-            parsed = parse_body(endpoint, body, service.tokenizer, defaults)
-        except (ValueError, TandemError) as e:
-            service.metrics.finished(ENDPOINT_NAMES[endpoint], "refused")
-            raise ApiError(400, str(e)) from None
-        key = new_key("chatcmpl" if endpoint == CHAT else "cmpl")
-        req = BatchRequest(key, parsed.ids, parsed.params)
+            parsed = parse_body(endpoint, body, prompts, defaults)
+        except PromptTooLong as e:
+            raise ApiError(400, str(e), code="context_length_exceeded", param=prompt_param) from None
+        except BodyError as e:
+            raise ApiError(400, str(e), code=e.code, param=e.param) from None
+        except (ValueError, TandemError) as e:  # (a chat template that fails on these messages)
+            raise ApiError(400, str(e), param=prompt_param if endpoint == CHAT else None) from None
+        req = BatchRequest(new_key("chatcmpl" if endpoint == CHAT else "cmpl"), parsed.ids, parsed.params)
         problem = service.refusal(req)
         if problem:
-            service.metrics.finished(ENDPOINT_NAMES[endpoint], "refused")
             code = "context_length_exceeded" if "context" in problem else None
-            raise ApiError(400, problem, code=code, param="messages" if endpoint == CHAT else "prompt")
+            raise ApiError(400, problem, code=code, param=prompt_param)
+        options = body.get("stream_options") or {}
+        return Prepared(req, parsed.stops, bool(body.get("stream")), bool(options.get("include_usage")))
+
+    async def complete(request: Request, endpoint: str) -> Response:
+        data = await _read_body(request)
+        try:
+            # off the event loop: a huge prompt's decoding, templating and tokenizing must not hold up /health and
+            # the other requests' streams
+            ready = await asyncio.to_thread(prepare, endpoint, data)
+        except ApiError:
+            service.metrics.finished(ENDPOINT_NAMES[endpoint], "refused")
+            raise
+        req = ready.request
         try:
             sub = service.submit(req)
         except Busy as e:
@@ -166,10 +209,10 @@ def make_app(service: EngineService, defaults: SamplingParams, api_key: str | No
         except GenerationError as e:  # stopping: the queue is closed
             raise ApiError(503, str(e), "server_error", "shutting_down") from None
         chat_harmony = service.harmony and endpoint == CHAT
-        reply = Reply(service, endpoint, req, Answer(parsed.stops), TextStream(service.tokenizer, chat_harmony))
+        reply = Reply(service, endpoint, req, Answer(ready.stops), TextStream(service.tokenizer, chat_harmony))
         created = int(time.time())
-        if stream:
-            return _Stream(reply, _events(reply, sub, created, bool(options.get("include_usage"))))
+        if ready.stream:
+            return _Stream(reply, _events(reply, sub, created, ready.include_usage))
         return await _whole(request, reply, sub, created)
 
     async def http_error(request: Request, exc: Exception) -> Response:
@@ -200,19 +243,53 @@ def _check_key(request: Request, key: str) -> None:
                             "the server was started with (--api-key)", code="invalid_api_key")
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > MAX_BODY:
-        raise ApiError(413, f"the request body is over {MAX_BODY >> 20} MiB")
-    data = await request.body()
-    if len(data) > MAX_BODY:
-        raise ApiError(413, f"the request body is over {MAX_BODY >> 20} MiB")
+def _failed() -> ApiError:
+    return ApiError(500, "the server failed on this request; its log says why", "server_error", "internal_error")
+
+
+def _too_big() -> ApiError:
+    return ApiError(413, f"the request body is over {MAX_BODY >> 20} MiB; send a shorter prompt",
+                    code="request_too_large")
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, read as it arrives and refused once it passes MAX_BODY (a stated Content-Length above it: before
+    any of it is read), so that a body without a length cannot grow the server's memory past the limit."""
+    size = request.headers.get("content-length", "").strip()
+    if size.isdigit() and int(size) > MAX_BODY:
+        raise _too_big()
+    data = bytearray()
     try:
-        body = json.loads(data)
-    except (ValueError, RecursionError) as e:
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > MAX_BODY:
+                raise _too_big()
+    except ClientDisconnect:
+        raise ApiError(400, "the client closed the connection before the whole body arrived") from None
+    return bytes(data)
+
+
+def _constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _json_of(data: bytes) -> dict[str, Any]:
+    """The body's JSON object: UTF-8 text (as JSON must be between systems), numbers finite, nested within
+    Python's recursion limit."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not UTF-8 text (byte {e.start}: {e.reason}); send JSON in UTF-8"
+                       ) from None
+    try:
+        body = json.loads(text, parse_constant=_constant)
+    except RecursionError:
+        raise ApiError(400, "the request body's JSON is nested too deep to read; a request's JSON nests a few "
+                            "levels") from None
+    except ValueError as e:
         raise ApiError(400, f"the request body is not JSON: {e}") from None
     if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+        raise ApiError(400, f"the request body must be a JSON object, not {shown(body)}")
     return body
 
 
@@ -223,17 +300,22 @@ async def _events(reply: Reply, sub: Subscription, created: int, include_usage: 
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
     endpoint, key, name = reply.endpoint, reply.request.key, reply.service.name
-    if endpoint == CHAT:
-        yield sse(chunk_body(endpoint, key, created, name, "", first=True))
-    while True:
-        event = await sub.events.get()
-        if isinstance(event, DoneEvent):
-            break
-        reply.token(event.token)
-        # a chunk a token, its text empty while it is held back (an unfinished character, a possible stop
-        # sequence's start): the client sees the answer's pace
-        yield sse(chunk_body(endpoint, key, created, name, reply.answer.unsent()))
-    reply.done(event)
+    try:
+        if endpoint == CHAT:
+            yield sse(chunk_body(endpoint, key, created, name, "", first=True))
+        while True:
+            event = await sub.events.get()
+            if isinstance(event, DoneEvent):
+                break
+            reply.token(event.token)
+            # a chunk a token, its text empty while it is held back (an unfinished character, a possible stop
+            # sequence's start): the client sees the answer's pace
+            yield sse(chunk_body(endpoint, key, created, name, reply.answer.unsent()))
+        reply.done(event)
+    except Exception:  # the headers are sent: the fault ends the stream as an error event, not a cut connection
+        traceback.print_exc(file=sys.stderr)
+        reply.service.cancel(key)
+        reply.error = _failed().message
     if reply.error:
         reply.record("error")
         yield sse(ApiError(500, reply.error, "server_error", "generation_failed").body())

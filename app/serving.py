@@ -28,6 +28,10 @@ Event = TokenEvent | DoneEvent
 # a chat repaints 20 times a second
 STREAM_INTERVAL_S = 0.02
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)  # seconds: interactive to a long prompt's prefill
+# A prompt of more characters than this many a token of the context is tokenized in part first: text averages 1 to
+# 5 characters a token, so a part this long that is already the context's tokens refuses the prompt without the
+# rest being tokenized (a huge prompt's whole tokens would cost a core for long, and memory for each token)
+PART_CHARS_A_TOKEN = 8
 
 
 class TextStream:
@@ -198,6 +202,38 @@ class EngineService:
             subs, self._subs = list(self._subs.values()), {}
         for sub in subs:
             sub.deliver(DoneEvent(BatchResult(sub.key, [], 0, "error", message)))
+
+
+class PromptTokenizer:
+    """A tokenizer's chat template and encoding for a worker thread, bounded by the context.
+
+    Encoding goes through the backend's `encode_batch`, which releases the GIL while the Rust tokenizer works
+    (`encode` holds it throughout, so a thread encoding a huge prompt would stall the event loop's thread as well).
+    A text over PART_CHARS_A_TOKEN characters a token of the context is tokenized in part first, and refused
+    (PromptTooLong) when that part alone fills the context."""
+
+    def __init__(self, tokenizer: Tokenizer, context: int) -> None:
+        self.tokenizer, self.context = tokenizer, context
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        return self.tokenizer.render_chat(messages)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        part = self.context * PART_CHARS_A_TOKEN
+        if len(text) > part:
+            n = self._count(text[:part], add_special_tokens)
+            if n >= self.context:
+                raise PromptTooLong(f"the prompt's first {part} of {len(text)} characters are already {n} tokens but "
+                                    f"the context holds {self.context}; shorten the prompt or raise --context")
+        return self.tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def _count(self, text: str, add_special_tokens: bool) -> int:
+        """Tokens of `text`, without making the list of their ids."""
+        return len(self.tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0])
+
+
+class PromptTooLong(GenerationError):
+    """A prompt over the context, found from a part of it."""
 
 
 class Busy(GenerationError):

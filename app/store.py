@@ -9,7 +9,6 @@ unless the caller names a path.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import unicodedata
@@ -26,13 +25,15 @@ from tandem.app.conversation import (
     merge_turns,
     valid_id,
 )
-from tandem.kernels.errors import StoreError
+from tandem.kernels.errors import OutputError, StoreError
 from tandem.runtime.paths import (
     atomic_write_json,
     atomic_write_text,
+    check_output,
     data_dir,
     ensure_folder,
     folder_lock,
+    read_json,
     remove_stale_temporaries,
     set_aside,
 )
@@ -43,13 +44,14 @@ EXPORT_FORMATS = ("md", "json")
 EXPORT_KIND = "tandem-conversation"  # the JSON export's "format": what a reader checks before taking one in
 
 
+# a long chat with many regenerated answers holds a few megabytes; far more is not a conversation of ours
+CONVERSATION_MAX_BYTES = 64 * 2**20
+
+
 def read_conversation(path: Path) -> Conversation:
-    """Raises ValueError (or OSError) saying what is wrong with the file."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except RecursionError:
-        raise ValueError("it is nested too deeply") from None
-    return conversation_from_dict(data, path.stem)
+    """Raises ValueError (or OSError) saying what is wrong with the file. Only a regular file is read, and only up
+    to a bound (`read_json`): a FIFO put in the folder would block the app, a link to /dev/zero fill the RAM."""
+    return conversation_from_dict(read_json(path, CONVERSATION_MAX_BYTES), path.stem)
 
 
 class ConversationStore:
@@ -131,6 +133,10 @@ class ConversationStore:
         if target.suffix == ".json" and target.parent.resolve() == self.folder.resolve():
             raise StoreError(f"{target} is in the conversations folder, where it would be read as a conversation; "
                              "export it to another folder")
+        try:  # a device, FIFO or folder in its place would swallow the export, block or fail at the end
+            check_output(target, "the export")
+        except OutputError as e:
+            raise StoreError(str(e)) from None
         ensure_folder(target.parent)
         now = time.time()
         if fmt == "json":

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,13 +25,16 @@ from typing import Any
 
 from tandem.kernels.errors import CheckpointError, TandemError
 from tandem.runtime.families import family_for, parse_config
-from tandem.runtime.gguf import ARCHITECTURES, FAMILY_OF_ARCH, SPLIT, gguf_files, is_gguf
+from tandem.runtime.gguf import ARCHITECTURES, FAMILY_OF_ARCH, SPLIT, config_of, gguf_files, is_gguf
+from tandem.runtime.gguf_header import GGUFHeader, TensorEntry, header_of
+from tandem.runtime.paths import read_bounded
 from tandem.runtime.safetensors_mmap import read_header
 from tandem.runtime.weights import dense_tensors, expert_tensors
 
 OLLAMA_MODEL = "application/vnd.ollama.image.model"
 OLLAMA_REGISTRY = "registry.ollama.ai"
 MANIFEST_MOST = 1 << 20  # bytes: an Ollama manifest is a few hundred
+OLLAMA_DIGEST = re.compile(r"sha256[:-][0-9a-f]{64}")  # a content address; nothing else names a blob
 OLLAMA_NAME = re.compile(r"^[\w.-]+(/[\w.-]+){0,2}(:[\w.-]+)?$")  # model[:tag], namespace/model[:tag], ...
 SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -46,6 +50,7 @@ class ModelEntry:
     source: str  # "built-in", "folder", "HF cache", "LM Studio", "Ollama"
     quant: str = ""  # "bf16", "Q4_K_M", "MXFP4", ...
     runs: bool = True  # whether Tandem runs this model (a mixture of experts of a family it knows)
+    problem: str | None = None  # why a damaged file cannot run (listed so that one bad file hides no other model)
 
     def fits(self, ram: int) -> bool:
         """Whether the weights fit in RAM (memory-mapped experts stream from disk otherwise)."""
@@ -74,7 +79,7 @@ class Stores:
             Path(env["HF_HOME"]) / "hub" if env.get("HF_HOME") else home / ".cache" / "huggingface" / "hub"
         lms = [home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"]
         settings = _json(home / ".lmstudio" / "settings.json")
-        if isinstance(settings.get("downloadsFolder"), str):
+        if isinstance(settings.get("downloadsFolder"), str) and "\0" not in settings["downloadsFolder"]:
             lms.insert(0, Path(settings["downloadsFolder"]).expanduser())
         ollama = [Path(env["OLLAMA_MODELS"])] if env.get("OLLAMA_MODELS") else \
             [home / ".ollama" / "models", Path("/usr/share/ollama/.ollama/models")]
@@ -82,12 +87,11 @@ class Stores:
 
 
 def _json(path: Path, most: int = MANIFEST_MOST) -> dict[str, Any]:
-    """A small JSON object from a file, or {} when it is missing, too large or not one."""
+    """A small JSON object from a file, or {} when it is missing, not a regular file, too large, nested too deeply
+    or not one (read through `read_bounded`: a FIFO is never waited for)."""
     try:
-        if not path.is_file() or path.stat().st_size > most:
-            return {}
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        value = json.loads(read_bounded(path, most).decode("utf-8"))
+    except (OSError, ValueError, RecursionError):  # ValueError: not UTF-8 or not JSON; RecursionError: nesting
         return {}
     return value if isinstance(value, dict) else {}
 
@@ -102,7 +106,10 @@ def describe_folder(folder: Path, source: str) -> ModelEntry | None:
     except (TandemError, KeyError, TypeError, ValueError):
         return None
     shapes = dense_tensors(cfg, spec) | expert_tensors(cfg, spec)
-    size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    try:
+        size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    except OSError:  # a dangling link or a file gone meanwhile
+        return None
     if size == 0:
         return None
     qc = raw.get("quantization_config")
@@ -127,37 +134,65 @@ def _stored_dtype(folder: Path) -> str:
 
 
 def describe_gguf(path: Path, source: str, name: str | None = None) -> ModelEntry | None:
-    """A GGUF file (a whole model, or the first part of a split one) -> its entry; anything else -> None. Files of
-    an architecture Tandem does not run are listed too (`runs` False), so that the user sees why."""
-    import gguf
-    import numpy as np
-
+    """A GGUF file (a whole model, or the first part of a split one) -> its entry; anything that is not a regular
+    file -> None (a FIFO is never opened for reading). Files of an architecture Tandem does not run are listed too
+    (`runs` False), and so are damaged ones (`problem` says why), so that the user sees why."""
     split = SPLIT.match(path.name)
-    if split and int(split["part"]) != 1:
+    if split and int(split["part"]) != 1 or not _regular(path):
         return None
+    shown = name or _gguf_name(path)
     try:
-        reader = gguf.GGUFReader(str(path), "r")
         files = gguf_files(path)
-    except (OSError, ValueError, CheckpointError):
-        return None
-    fields = reader.fields
+        headers = [header_of(part) for part in files]
+        return _gguf_entry(path, shown, source, files, headers)
+    except TandemError as e:  # CheckpointError: the file is damaged; UnsupportedModelError: it cannot run
+        try:
+            size = path.stat().st_size
+        except OSError:
+            size = 0
+        problem = str(e) if str(path) in str(e) else f"{path}: {e}"
+        return ModelEntry(str(path), shown, "damaged" if isinstance(e, CheckpointError) else "unsupported", 0, 0,
+                          size, source, runs=False, problem=problem)
 
-    def value(key: str) -> Any:
-        f = fields.get(key)
-        return None if f is None else f.contents()
 
-    arch = str(value("general.architecture") or "")
-    experts = int(value(f"{arch}.expert_count") or 0)
-    params = sum(int(np.prod(t.shape)) for t in reader.tensors)
-    if len(files) > 1:  # the other parts' tensors count too
-        params = 0
-        for part in files:
-            params += sum(int(np.prod(t.shape)) for t in gguf.GGUFReader(str(part), "r").tensors)
+def _regular(path: Path) -> bool:
+    """A regular file (links followed; a loop of links, a FIFO or a device is not)."""
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
+
+
+def _gguf_entry(path: Path, name: str, source: str, files: list[Path], headers: list[GGUFHeader]) -> ModelEntry:
+    """A checked GGUF header -> its entry; metadata of the wrong type, or that does not describe a model that
+    runs, raise CheckpointError (so the entry says why)."""
+    meta = headers[0].meta
+    arch = meta.get("general.architecture", "")
+    if not isinstance(arch, str):
+        raise CheckpointError(f"{path}: general.architecture is not a string; the file is damaged: re-download it")
+    experts = meta.get(f"{arch}.expert_count", 0)
+    if isinstance(experts, bool) or not isinstance(experts, int):
+        raise CheckpointError(f"{path}: {arch}.expert_count is not an integer; the file is damaged: re-download it")
+    tensors = [t for h in headers for t in h.tensors]
     runs = arch in ARCHITECTURES and experts > 0
-    family = _family(arch, value(f"{arch}.expert_gating_func")) if runs else arch or "unknown"
-    return ModelEntry(str(path), name or _gguf_name(path), family, params, experts,
-                      sum(p.stat().st_size for p in files), source, _file_type(value("general.file_type"), reader),
-                      runs)
+    if runs:  # what loading would refuse in the metadata, said now
+        embed = next((t for t in tensors if t.name == "token_embd.weight"), None)
+        if embed is None or len(embed.dims) != 2:
+            raise CheckpointError(f"{path} has no 2-D token_embd.weight: it is not a language model's GGUF file")
+        kinds = _type_names()
+        raw = config_of(meta, {t.name: kinds.get(t.type_id, "") for t in tensors}, embed.dims[1])
+        parse_config(raw, f"{path} (its GGUF metadata)")
+    gating = meta.get(f"{arch}.expert_gating_func")
+    family = _family(arch, gating if isinstance(gating, int) else None) if runs else arch or "unknown"
+    return ModelEntry(str(path), name, family, sum(math.prod(t.dims) for t in tensors), experts,
+                      sum(h.size for h in headers), source, _file_type(meta.get("general.file_type"), tensors), runs)
+
+
+def _type_names() -> dict[int, str]:
+    """GGML type id -> its name (Q4_K, F16, ...)."""
+    import gguf
+
+    return {int(k): k.name for k in gguf.GGMLQuantizationType}
 
 
 def _family(arch: str, gating: Any) -> str:
@@ -174,24 +209,28 @@ def _gguf_name(path: Path) -> str:
     return found["stem"] if found else path.stem
 
 
-def _file_type(ftype: object, reader: Any) -> str:
+def _file_type(ftype: object, tensors: list[TensorEntry]) -> str:
     """The file's quantization as llama.cpp names it (Q4_K_M), else its experts' tensor type."""
     import gguf
 
-    if isinstance(ftype, int):
+    if isinstance(ftype, int) and not isinstance(ftype, bool):
         try:
             return gguf.LlamaFileType(ftype).name.removeprefix("MOSTLY_").replace("ALL_", "")
         except ValueError:
             pass
-    kinds = [t.tensor_type.name for t in reader.tensors if "exps" in t.name]
+    kinds = [_type_names().get(t.type_id, "") for t in tensors if "exps" in t.name]
     return kinds[0] if kinds else ""
 
 
 def _folders(root: Path) -> Iterator[Path]:
-    """root and its subfolders, one level down (a folder of model folders)."""
+    """root and its subfolders, one level down (a folder of model folders); an unreadable folder holds none."""
     if root.is_dir():
         yield root
-        for sub in sorted(root.iterdir()):
+        try:
+            subs = sorted(root.iterdir())
+        except OSError:
+            return
+        for sub in subs:
             if sub.is_dir():
                 yield sub
 
@@ -217,13 +256,8 @@ def ollama_models(root: Path) -> list[tuple[str, Path]]:
         if not path.is_file():
             continue
         registry, namespace, model, tag = path.relative_to(manifests).parts
-        layers = _json(path).get("layers")
-        digest = next((layer.get("digest") for layer in layers or [] if isinstance(layer, dict)
-                       and layer.get("mediaType") == OLLAMA_MODEL), None)
-        if not isinstance(digest, str) or not digest.startswith("sha256:"):
-            continue
-        blob = root / "blobs" / digest.replace(":", "-")
-        if not blob.is_file():
+        blob = _ollama_blob(root, _json(path).get("layers"))
+        if blob is None:
             continue
         name = f"{model}:{tag}"
         if namespace != "library" or registry != OLLAMA_REGISTRY:
@@ -232,6 +266,24 @@ def ollama_models(root: Path) -> list[tuple[str, Path]]:
             name = f"{registry}/{name}"
         out.append((name, blob))
     return out
+
+
+def _ollama_blob(root: Path, layers: object) -> Path | None:
+    """The model blob a manifest's layers name, if it is a regular file inside the store's blobs folder: the digest
+    must be `sha256:<64 hex>` (a `../` in it, or a link in blobs/, leads nowhere outside the store)."""
+    if not isinstance(layers, list):
+        return None
+    digest = next((layer.get("digest") for layer in layers if isinstance(layer, dict)
+                   and layer.get("mediaType") == OLLAMA_MODEL), None)
+    if not isinstance(digest, str) or not OLLAMA_DIGEST.fullmatch(digest):
+        return None
+    blobs = root / "blobs"
+    blob = blobs / f"sha256-{digest[7:]}"
+    try:
+        inside = blob.resolve(strict=True).is_relative_to(blobs.resolve(strict=True))
+    except (OSError, RuntimeError):  # missing, or a loop of links
+        return None
+    return blob if inside and _regular(blob) else None
 
 
 def resolve_ollama_name(name: str, stores: Stores | None = None) -> Path | None:

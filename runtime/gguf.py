@@ -25,6 +25,7 @@ Letters: E experts, I expert width, H hidden size.
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,11 +38,16 @@ import torch
 from tandem.kernels.blocks import FORMATS, block_matrix, dequantize
 from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 from tandem.kernels.quant import QuantizedMatrix
+from tandem.runtime.config import WHOLE
+from tandem.runtime.gguf_header import GGUFArray, TensorEntry, open_regular, read_header
 from tandem.runtime.safetensors_mmap import TensorInfo
 
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# the types the gguf package's reader views in their own dtype (the others as uint8 rows of blocks)
+VIEWED = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32,
+          "I64": np.int64}
 Meta = dict[str, Any]  # a file's metadata, with plain Python values
-# the tokenizer's large arrays: left out of `GGUFFile.meta` (the tokenizer reads them itself)
+# the tokenizer's large arrays: in `GGUFFile.meta` as their length only (the tokenizer reads them itself)
 TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                     "tokenizer.ggml.scores")
 GGUF_MAGIC = b"GGUF"  # a GGUF file's first bytes
@@ -63,13 +69,16 @@ class Source:
 
 def is_gguf(path: Path) -> bool:
     """A regular file that starts as GGUF files do, whatever its name (Ollama's blobs have no suffix)."""
-    if not path.is_file():  # (a FIFO would block the read)
+    try:
+        fd = open_regular(path)  # (a FIFO would block the read: refused, never waited for)
+    except CheckpointError:
         return False
     try:
-        with path.open("rb") as f:
-            return f.read(4) == GGUF_MAGIC
+        return os.pread(fd, 4, 0) == GGUF_MAGIC
     except OSError:
         return False
+    finally:
+        os.close(fd)
 
 
 def gguf_files(path: Path) -> list[Path]:
@@ -95,8 +104,14 @@ class GGUFFile:
         self.path = path
         self.files = gguf_files(path)
         self.readers = [_reader(p) for p in self.files]
-        self.tensors = {t.name: t for r in self.readers for t in r.tensors}
-        self.meta: Meta = {k: f.contents() for k, f in self.readers[0].fields.items() if k not in TOKENIZER_ARRAYS}
+        self.tensors: dict[str, GGUFTensor] = {}
+        for reader in self.readers:
+            for t in reader.tensors:
+                if t.name in self.tensors:
+                    raise CheckpointError(f"{path.name}: tensor {t.name} is in more than one part of the split model; "
+                                          "re-download every part")
+                self.tensors[t.name] = t
+        self.meta: Meta = dict(self.readers[0].header.meta)  # arrays as GGUFArray (item type, length) only
         self.sources: dict[str, Source] = {}
         self.infos: dict[str, TensorInfo] = {}
 
@@ -111,6 +126,7 @@ class GGUFFile:
             if src.name.endswith("ffn_norm.weight") and src.name not in self.tensors and post in self.tensors:
                 names[hf] = Source(post)  # gpt-oss's name for the norm before the MLP
         found = {hf: src for hf, src in names.items() if src.name in self.tensors}
+        self._check_shapes(found, shapes)
         # the experts run as one dtype (a layer's in one kernel call): their own when the file keeps them all in one
         # float type, else float32 (a quantized file keeps some in F16, e.g. rows that are not whole blocks)
         expert_kinds = {self.tensors[s.name].tensor_type.name for s in found.values() if s.expert is not None}
@@ -142,6 +158,29 @@ class GGUFFile:
             shape = shapes.get(hf, self._hf_shape(t, src))
             self.sources[hf] = src
             self.infos[hf] = TensorInfo(dtype, shape, 0, math.prod(shape) * dtype.itemsize)
+
+    def _check_shapes(self, found: dict[str, Source], shapes: dict[str, tuple[int, ...]]) -> None:
+        """Each stacked expert tensor holds exactly the experts the metadata counts, and each tensor as many values
+        as the shape the model reads it in (llama.cpp refuses a file whose tensors disagree with its metadata)."""
+        experts: dict[str, int] = {}
+        for src in found.values():
+            if src.expert is not None:
+                experts[src.name] = max(experts.get(src.name, 0), src.expert + 1)
+        for name, count in experts.items():
+            held = self.tensors[name].shape[-1]  # (GGML lists the experts' dimension last)
+            if held != count or len(self.tensors[name].shape) != 3:
+                raise CheckpointError(f"{self.path.name}: the metadata counts {count} experts (expert_count), but "
+                                      f"tensor {name} has shape {list(self.tensors[name].shape)}; the file is "
+                                      "damaged or inconsistent: re-download it")
+        for hf, src in found.items():
+            if src.fused is not None or src.kv_b is not None or hf not in shapes:
+                continue
+            dims = self.tensors[src.name].shape
+            held = math.prod(dims[:-1] if src.expert is not None else dims)
+            if held != math.prod(shapes[hf]):
+                raise CheckpointError(f"{self.path.name}: tensor {src.name} has shape {list(dims)}, but the model's "
+                                      f"metadata makes it {list(reversed(shapes[hf]))}; the file is damaged or "
+                                      "inconsistent: re-download it")
 
     @staticmethod
     def _hf_shape(t: Any, src: Source) -> tuple[int, ...]:
@@ -250,86 +289,164 @@ def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _reader(path: Path) -> Any:
+@dataclass(frozen=True)
+class GGUFTensor:
+    """A tensor of the file, as the gguf package's reader gives it: `shape` innermost first, `data` a numpy view of
+    the map (its own dtype for the float and integer types, else uint8 rows of blocks)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    n_bytes: int
+    data_offset: int
+    data: np.ndarray
+
+
+class MappedGGUF:
+    """One GGUF file, checked (runtime/gguf_header.py) and memory-mapped copy-on-write (writable views, as
+    safetensors_mmap maps): `header`, `data` (the whole map as uint8), `tensors`."""
+
+    def __init__(self, path: Path) -> None:
+        self.header, self._map = read_header(path, copy_on_write=True)
+        self.data = np.frombuffer(self._map, dtype=np.uint8)
+        self.tensors = [_tensor(self.data, t) for t in self.header.tensors]
+
+
+def _tensor(data: np.ndarray, entry: TensorEntry) -> GGUFTensor:
     import gguf
 
-    try:
-        return gguf.GGUFReader(str(path), "c")  # copy-on-write: writable views, as safetensors_mmap maps
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path} as a GGUF file: {e}; re-download it") from None
+    kind = gguf.GGMLQuantizationType(entry.type_id)
+    dims = tuple(reversed(entry.dims))
+    raw = data[entry.offset : entry.offset + entry.nbytes]
+    if kind.name in VIEWED:
+        values = raw.view(VIEWED[kind.name]).reshape(dims)
+    else:  # rows of blocks: [..., bytes a row]
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        values = raw.reshape(*dims[:-1], dims[-1] // block * size)
+    return GGUFTensor(entry.name, kind, entry.dims, entry.nbytes, entry.offset, values)
+
+
+def _reader(path: Path) -> MappedGGUF:
+    return MappedGGUF(path)
 
 
 # ---- metadata -> config.json, per architecture ---------------------------------------------------------------
 
 
-def _get(meta: Meta, arch: str, key: str, default: Any = None) -> Any:
-    value = meta.get(f"{arch}.{key}", default)
-    if value is None:
-        raise CheckpointError(f"the GGUF file has no {arch}.{key}; it is incomplete or not a model file")
+MISSING = object()  # no default: the key is required
+FLOAT_MOST = 1e30  # a real number in a model's metadata (eps, rope base, scales) is far below this
+
+
+def _bad(key: str, value: Any, want: str) -> CheckpointError:
+    shown = f"an array of {value.count} items" if isinstance(value, GGUFArray) else \
+        f"{type(value).__name__} {value!r}"[:120]
+    return CheckpointError(f"the GGUF file's {key} is {shown}, but it must be {want}; the file is damaged or was not "
+                           "written by llama.cpp's converter: re-download or convert it again")
+
+
+def _int(meta: Meta, key: str, default: Any = MISSING, bound: str = "") -> int:
+    """An integer key (not a float or boolean, which `int()` would truncate), within config.py's bound for the
+    config.json field `bound` (else 0 to 2^31) when given."""
+    value = meta.get(key, default)
+    if value is MISSING:
+        raise CheckpointError(f"the GGUF file has no {key}; it is incomplete or not a model file")
+    lo, hi = WHOLE.get(bound, (0, (1 << 31) - 1))
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(key, value, "an integer")
+    if not lo <= value <= hi:
+        raise _bad(key, value, f"a whole number from {lo} to {hi}")
+    return value
+
+
+def _float(meta: Meta, key: str, default: Any = MISSING) -> float:
+    """A real number key (an integer type too), finite and of sane size."""
+    value = meta.get(key, default)
+    if value is MISSING:
+        raise CheckpointError(f"the GGUF file has no {key}; it is incomplete or not a model file")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _bad(key, value, "a number")
+    if not math.isfinite(value) or abs(value) >= FLOAT_MOST:
+        raise _bad(key, value, "a finite number")
+    return float(value)
+
+
+def _flag(meta: Meta, key: str, default: bool) -> bool:
+    value = meta.get(key, default)
+    if not isinstance(value, bool):
+        raise _bad(key, value, "a boolean")
+    return value
+
+
+def _text(meta: Meta, key: str) -> str | None:
+    value = meta.get(key)
+    if value is not None and not isinstance(value, str):
+        raise _bad(key, value, "a string")
     return value
 
 
 def _common(meta: Meta, arch: str, vocab: int) -> dict[str, Any]:
-    heads = int(_get(meta, arch, "attention.head_count"))
-    hidden = int(_get(meta, arch, "embedding_length"))
+    a = arch
+    heads = _int(meta, f"{a}.attention.head_count", bound="num_attention_heads")
+    hidden = _int(meta, f"{a}.embedding_length", bound="hidden_size")
     out = {
-        "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": int(_get(meta, arch, "block_count")),
+        "vocab_size": vocab, "hidden_size": hidden,
+        "num_hidden_layers": _int(meta, f"{a}.block_count", bound="num_hidden_layers"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_get(meta, arch, "attention.head_count_kv", heads)),
-        "max_position_embeddings": int(_get(meta, arch, "context_length")),
-        "rms_norm_eps": float(_get(meta, arch, "attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(_get(meta, arch, "rope.freq_base", 10000.0)),
-        "num_experts_per_tok": int(_get(meta, arch, "expert_used_count")),
+        "num_key_value_heads": _int(meta, f"{a}.attention.head_count_kv", heads, "num_key_value_heads"),
+        "max_position_embeddings": _int(meta, f"{a}.context_length", bound="max_position_embeddings"),
+        "rms_norm_eps": _float(meta, f"{a}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": _float(meta, f"{a}.rope.freq_base", 10000.0),
+        "num_experts_per_tok": _int(meta, f"{a}.expert_used_count", bound="num_experts_per_tok"),
         "hidden_act": "silu", "tie_word_embeddings": False,
     }
-    if f"{arch}.attention.key_length" in meta:
-        out["head_dim"] = int(meta[f"{arch}.attention.key_length"])
+    if f"{a}.attention.key_length" in meta:
+        out["head_dim"] = _int(meta, f"{a}.attention.key_length", bound="head_dim")
     if "tokenizer.ggml.bos_token_id" in meta:
-        out["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
+        out["bos_token_id"] = _int(meta, "tokenizer.ggml.bos_token_id", bound="bos_token_id")
     if "tokenizer.ggml.eos_token_id" in meta:
-        out["eos_token_id"] = int(meta["tokenizer.ggml.eos_token_id"])
+        out["eos_token_id"] = _int(meta, "tokenizer.ggml.eos_token_id", bound="bos_token_id")
     return out
 
 
 def _qwen3moe(meta: Meta, vocab: int) -> dict[str, Any]:
     a = "qwen3moe"
     return _common(meta, a, vocab) | {
-        "model_type": "qwen3_moe", "num_experts": int(_get(meta, a, "expert_count")),
-        "moe_intermediate_size": int(_get(meta, a, "expert_feed_forward_length")),
-        "intermediate_size": int(_get(meta, a, "feed_forward_length", 0)) or 1,
-        "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm", True)), "decoder_sparse_step": 1,
+        "model_type": "qwen3_moe", "num_experts": _int(meta, f"{a}.expert_count", bound="num_local_experts"),
+        "moe_intermediate_size": _int(meta, f"{a}.expert_feed_forward_length"),
+        "intermediate_size": _int(meta, f"{a}.feed_forward_length", 0) or 1,
+        "norm_topk_prob": _flag(meta, f"{a}.expert_weights_norm", True), "decoder_sparse_step": 1,
         "mlp_only_layers": []}
 
 
 def _qwen2moe(meta: Meta, vocab: int) -> dict[str, Any]:
     a = "qwen2moe"
     return _common(meta, a, vocab) | {
-        "model_type": "qwen2_moe", "num_experts": int(_get(meta, a, "expert_count")),
-        "moe_intermediate_size": int(_get(meta, a, "expert_feed_forward_length")),
-        "shared_expert_intermediate_size": int(_get(meta, a, "expert_shared_feed_forward_length", 0)),
-        "intermediate_size": int(_get(meta, a, "feed_forward_length", 0)) or 1,
-        "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm", False)), "decoder_sparse_step": 1,
+        "model_type": "qwen2_moe", "num_experts": _int(meta, f"{a}.expert_count", bound="num_local_experts"),
+        "moe_intermediate_size": _int(meta, f"{a}.expert_feed_forward_length"),
+        "shared_expert_intermediate_size": _int(meta, f"{a}.expert_shared_feed_forward_length", 0),
+        "intermediate_size": _int(meta, f"{a}.feed_forward_length", 0) or 1,
+        "norm_topk_prob": _flag(meta, f"{a}.expert_weights_norm", False), "decoder_sparse_step": 1,
         "mlp_only_layers": []}
 
 
 def _olmoe(meta: Meta, vocab: int) -> dict[str, Any]:
     a = "olmoe"
     return _common(meta, a, vocab) | {
-        "model_type": "olmoe", "num_experts": int(_get(meta, a, "expert_count")),
-        "intermediate_size": int(_get(meta, a, "expert_feed_forward_length",
-                                      meta.get(f"{a}.feed_forward_length"))),
-        "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm", False))}
+        "model_type": "olmoe", "num_experts": _int(meta, f"{a}.expert_count", bound="num_local_experts"),
+        "intermediate_size": _int(meta, f"{a}.expert_feed_forward_length",
+                                  meta.get(f"{a}.feed_forward_length", MISSING)),
+        "norm_topk_prob": _flag(meta, f"{a}.expert_weights_norm", False)}
 
 
 def _llama(meta: Meta, vocab: int) -> dict[str, Any]:
     a = "llama"
-    experts = int(meta.get(f"{a}.expert_count", 0))
+    experts = _int(meta, f"{a}.expert_count", 0, "num_experts")
     if experts == 0:
         raise UnsupportedModelError("this GGUF file is a dense llama model (no experts); Tandem runs mixtures of "
                                     "experts: Mixtral, Qwen-MoE, OLMoE")
     return _common(meta, a, vocab) | {
         "model_type": "mixtral", "num_local_experts": experts,
-        "intermediate_size": int(_get(meta, a, "feed_forward_length"))}
+        "intermediate_size": _int(meta, f"{a}.feed_forward_length")}
 
 
 def _glm4moe(meta: Meta, vocab: int) -> dict[str, Any]:
@@ -337,21 +454,24 @@ def _glm4moe(meta: Meta, vocab: int) -> dict[str, Any]:
     rope.dimension_count the rotated dims of a head (partial rotary)."""
     a = "glm4moe"
     raw = _common(meta, a, vocab)
-    nextn = int(meta.get(f"{a}.nextn_predict_layers", 0))
+    nextn = _int(meta, f"{a}.nextn_predict_layers", 0)
     raw["num_hidden_layers"] -= nextn
     head_dim = int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"])
-    rotary = int(meta.get(f"{a}.rope.dimension_count", head_dim // 2))
+    if head_dim < 1:
+        raise CheckpointError(f"the GGUF file's {a}.embedding_length ({raw['hidden_size']}) is less than its "
+                              f"{raw['num_attention_heads']} attention heads; the file is damaged: re-download it")
+    rotary = _int(meta, f"{a}.rope.dimension_count", head_dim // 2)
     return raw | {
         "model_type": "glm4_moe", "head_dim": head_dim, "partial_rotary_factor": rotary / head_dim,
-        "n_routed_experts": int(_get(meta, a, "expert_count")),
-        "moe_intermediate_size": int(_get(meta, a, "expert_feed_forward_length")),
-        "intermediate_size": int(_get(meta, a, "feed_forward_length")),
-        "n_shared_experts": int(meta.get(f"{a}.expert_shared_count", 1)),
-        "first_k_dense_replace": int(meta.get(f"{a}.leading_dense_block_count", 1)),
-        "routed_scaling_factor": float(meta.get(f"{a}.expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm", True)),
-        "n_group": int(meta.get(f"{a}.expert_group_count", 1)),
-        "topk_group": int(meta.get(f"{a}.expert_group_used_count", 1)),
+        "n_routed_experts": _int(meta, f"{a}.expert_count", bound="num_local_experts"),
+        "moe_intermediate_size": _int(meta, f"{a}.expert_feed_forward_length"),
+        "intermediate_size": _int(meta, f"{a}.feed_forward_length"),
+        "n_shared_experts": _int(meta, f"{a}.expert_shared_count", 1),
+        "first_k_dense_replace": _int(meta, f"{a}.leading_dense_block_count", 1),
+        "routed_scaling_factor": _float(meta, f"{a}.expert_weights_scale", 1.0),
+        "norm_topk_prob": _flag(meta, f"{a}.expert_weights_norm", True),
+        "n_group": _int(meta, f"{a}.expert_group_count", 1),
+        "topk_group": _int(meta, f"{a}.expert_group_used_count", 1),
         "num_nextn_predict_layers": nextn}
 
 
@@ -363,32 +483,32 @@ def _deepseek2(meta: Meta, vocab: int) -> dict[str, Any]:
     raw = _common(meta, a, vocab)
     raw.pop("head_dim", None)
     raw["num_key_value_heads"] = raw["num_attention_heads"]
-    rope = int(_get(meta, a, "rope.dimension_count"))
-    sigmoid = int(meta.get(f"{a}.expert_gating_func", 1)) == 2
-    groups, used = int(meta.get(f"{a}.expert_group_count", 1)), int(meta.get(f"{a}.expert_group_used_count", 1))
+    rope = _int(meta, f"{a}.rope.dimension_count")
+    sigmoid = _int(meta, f"{a}.expert_gating_func", 1) == 2
+    groups, used = _int(meta, f"{a}.expert_group_count", 1), _int(meta, f"{a}.expert_group_used_count", 1)
     out = raw | {
         "model_type": "deepseek_v3" if sigmoid else "deepseek_v2",
-        "kv_lora_rank": int(_get(meta, a, "attention.kv_lora_rank")),
-        "q_lora_rank": int(meta.get(f"{a}.attention.q_lora_rank", 0)) or None,
-        "qk_rope_head_dim": rope, "qk_nope_head_dim": int(_get(meta, a, "attention.key_length_mla")) - rope,
-        "v_head_dim": int(_get(meta, a, "attention.value_length_mla")),
-        "n_routed_experts": int(_get(meta, a, "expert_count")),
-        "n_shared_experts": int(meta.get(f"{a}.expert_shared_count", 0)),
-        "moe_intermediate_size": int(_get(meta, a, "expert_feed_forward_length")),
-        "intermediate_size": int(_get(meta, a, "feed_forward_length")),
-        "first_k_dense_replace": int(meta.get(f"{a}.leading_dense_block_count", 0)),
-        "routed_scaling_factor": float(meta.get(f"{a}.expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm", False)),
+        "kv_lora_rank": _int(meta, f"{a}.attention.kv_lora_rank"),
+        "q_lora_rank": _int(meta, f"{a}.attention.q_lora_rank", 0) or None,
+        "qk_rope_head_dim": rope, "qk_nope_head_dim": _int(meta, f"{a}.attention.key_length_mla") - rope,
+        "v_head_dim": _int(meta, f"{a}.attention.value_length_mla"),
+        "n_routed_experts": _int(meta, f"{a}.expert_count", bound="num_local_experts"),
+        "n_shared_experts": _int(meta, f"{a}.expert_shared_count", 0),
+        "moe_intermediate_size": _int(meta, f"{a}.expert_feed_forward_length"),
+        "intermediate_size": _int(meta, f"{a}.feed_forward_length"),
+        "first_k_dense_replace": _int(meta, f"{a}.leading_dense_block_count", 0),
+        "routed_scaling_factor": _float(meta, f"{a}.expert_weights_scale", 1.0),
+        "norm_topk_prob": _flag(meta, f"{a}.expert_weights_norm", False),
         "n_group": groups, "topk_group": used,
         "scoring_func": "sigmoid" if sigmoid else "softmax",
         "topk_method": "noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy"}
-    if meta.get(f"{a}.rope.scaling.type") == "yarn":
-        log_mul = float(meta.get(f"{a}.rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+    if _text(meta, f"{a}.rope.scaling.type") == "yarn":
+        log_mul = _float(meta, f"{a}.rope.scaling.yarn_log_multiplier", 0.0) / 0.1
         out["rope_scaling"] = {
-            "type": "yarn", "factor": float(_get(meta, a, "rope.scaling.factor")),
-            "original_max_position_embeddings": int(_get(meta, a, "rope.scaling.original_context_length")),
-            "beta_fast": float(meta.get(f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
-            "beta_slow": float(meta.get(f"{a}.rope.scaling.yarn_beta_slow", 1.0)),
+            "type": "yarn", "factor": _float(meta, f"{a}.rope.scaling.factor"),
+            "original_max_position_embeddings": _int(meta, f"{a}.rope.scaling.original_context_length"),
+            "beta_fast": _float(meta, f"{a}.rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": _float(meta, f"{a}.rope.scaling.yarn_beta_slow", 1.0),
             "mscale": log_mul, "mscale_all_dim": log_mul}
     return out
 
@@ -400,16 +520,16 @@ def _gpt_oss(meta: Meta, vocab: int) -> dict[str, Any]:
     a = "gpt-oss"
     raw = _common(meta, a, vocab)
     out = raw | {
-        "model_type": "gpt_oss", "num_local_experts": int(_get(meta, a, "expert_count")),
-        "intermediate_size": int(_get(meta, a, "expert_feed_forward_length")),
-        "sliding_window": int(_get(meta, a, "attention.sliding_window")),
-        "head_dim": int(meta.get(f"{a}.attention.key_length", raw["hidden_size"] // raw["num_attention_heads"]))}
-    if meta.get(f"{a}.rope.scaling.type") == "yarn":
+        "model_type": "gpt_oss", "num_local_experts": _int(meta, f"{a}.expert_count", bound="num_local_experts"),
+        "intermediate_size": _int(meta, f"{a}.expert_feed_forward_length"),
+        "sliding_window": _int(meta, f"{a}.attention.sliding_window"),
+        "head_dim": _int(meta, f"{a}.attention.key_length", raw["hidden_size"] // raw["num_attention_heads"])}
+    if _text(meta, f"{a}.rope.scaling.type") == "yarn":
         out["rope_scaling"] = {
-            "rope_type": "yarn", "factor": float(_get(meta, a, "rope.scaling.factor")),
-            "original_max_position_embeddings": int(_get(meta, a, "rope.scaling.original_context_length")),
-            "beta_fast": float(meta.get(f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
-            "beta_slow": float(meta.get(f"{a}.rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
+            "rope_type": "yarn", "factor": _float(meta, f"{a}.rope.scaling.factor"),
+            "original_max_position_embeddings": _int(meta, f"{a}.rope.scaling.original_context_length"),
+            "beta_fast": _float(meta, f"{a}.rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": _float(meta, f"{a}.rope.scaling.yarn_beta_slow", 1.0), "truncate": False}
     return out
 
 
@@ -424,11 +544,22 @@ def config_of(meta: Meta, types: dict[str, str], vocab: int) -> dict[str, Any]:
     """The config.json a Hugging Face folder of this model would hold. What the metadata does not say, the tensors
     (their names and types) do: which layers are dense (no router), attention biases, a tied lm_head, MXFP4 experts."""
     tensors = set(types)
-    arch = meta.get("general.architecture")
+    arch = _text(meta, "general.architecture")
     if arch not in ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not one Tandem reads yet; it reads {', '.join(ARCHITECTURES)}")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, GGUFArray) and tokens.count != vocab:  # llama.cpp refuses an embedding of other rows
+        raise CheckpointError(f"the GGUF file's token embedding has {vocab} rows but its vocabulary "
+                              f"(tokenizer.ggml.tokens) {tokens.count} tokens; the file is damaged: re-download it")
     raw = ARCHITECTURES[arch](meta, vocab)
+    # every layer needs its own tensors: a layer count past them is refused before anything loops over it
+    present = {name.split(".", 2)[1] for name in tensors if name.startswith("blk.")}
+    missing = [i for i in range(min(raw["num_hidden_layers"], len(present) + 1)) if str(i) not in present]
+    if missing:
+        raise CheckpointError(f"the GGUF file's {arch}.block_count says {raw['num_hidden_layers']} layers, but it "
+                              f"holds no tensors for layer {missing[0]}; the file is damaged or incomplete: "
+                              "re-download it")
     dense = [i for i in range(raw["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
     if "first_k_dense_replace" in raw:  # the dense layers come first (GLM)
         if dense != list(range(raw["first_k_dense_replace"])):
@@ -452,7 +583,7 @@ def config_of(meta: Meta, types: dict[str, str], vocab: int) -> dict[str, Any]:
         raw["quantization_config"] = {"quant_method": "mxfp4"}  # its experts read as the published layout
     raw["tie_word_embeddings"] = "output.weight" not in tensors
     if f"{arch}.attention.clamp_kqv" in meta:
-        raw["clip_qkv"] = float(meta[f"{arch}.attention.clamp_kqv"])
+        raw["clip_qkv"] = _float(meta, f"{arch}.attention.clamp_kqv")
     return raw
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
-from tandem.kernels.errors import StoreError, TandemError
+from tandem.kernels.errors import OutputError, StoreError, TandemError
 
 T = TypeVar("T")
 STALE_TEMP_S = 60.0  # a small file's save takes milliseconds: a temporary file this old was left by a killed one
@@ -62,25 +62,131 @@ def ensure_folder(folder: Path) -> Path:
     return folder
 
 
+MAX_JSON_DEPTH = 64  # Tandem's own files nest a few levels; far deeper is a damaged or hostile file
+SAVED_MAX_BYTES = 16 * 2**20  # a saved settings or choices file holds kilobytes; far more is not one of ours
+
+
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, in words, for a message."""
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a plain file"
+
+
+def _check_regular(info: os.stat_result, most: int | None) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        raise OSError(f"it is not a regular file but {file_kind(info.st_mode)}")
+    if most is not None and info.st_size > most:
+        raise OSError(f"it holds {_size(info.st_size)}, more than the {_size(most)} such a file may hold")
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+def open_regular(path: Path, most: int | None = None) -> BinaryIO:
+    """`path` opened for reading if it is a regular file (of at most `most` bytes), else OSError saying why.
+
+    Every file a user names or a scan finds is opened through this: a FIFO would block forever, a device such
+    as /dev/zero (or a link to it) never end. The file is looked at before it is opened (opening a device can
+    itself do something), opened without waiting (O_NONBLOCK: a FIFO swapped in meanwhile is not waited for) and
+    looked at again through the open file, so what is read is what was checked. A reader that reads to the end
+    still bounds what it reads: the file may grow."""
+    _check_regular(os.stat(path), most)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    try:
+        _check_regular(os.fstat(fd), most)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_bounded(path: Path, most: int) -> bytes:
-    """The bytes of `path` if it is a regular file of at most `most` bytes, else OSError saying why. Files named by
-    a model folder or the command line are read whole, so only those: a FIFO would block forever, a device such as
-    /dev/zero (or a link to it) never end, and a file that grows while read stops at the bound."""
-    # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then refuses it (no race with a swapped file)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    """The bytes of `path` if it is a regular file of at most `most` bytes, else OSError saying why (see
+    `open_regular`); a file that grows while read stops at the bound."""
+    with open_regular(path, most) as f:
+        data = f.read(most + 1)
+    if len(data) > most:
+        raise OSError(f"it holds more than the {_size(most)} such a file may hold")
+    return data
+
+
+def json_depth(value: Any) -> int:
+    """How deep `value` (parsed JSON) nests lists and objects: 0 for a scalar. Walked with a stack, not recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, (list, dict)):
+            deepest = max(deepest, depth)
+            todo.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node)
+                        if isinstance(child, (list, dict)))
+    return deepest
+
+
+def loads_bounded(text: str, depth: int = MAX_JSON_DEPTH) -> Any:
+    """`json.loads` of text nested at most `depth` deep, else ValueError (json's own, or the depth's): a file nested
+    deeper is damaged or hostile, and would exhaust the recursion of the parser or of a later reader."""
+    try:
+        value = json.loads(text)
+    except RecursionError:  # (the parser stops at the interpreter's recursion limit, before the stack ends)
+        raise ValueError(f"it is nested too deeply (more than {depth} levels)") from None
+    # a text with fewer brackets than `depth` cannot nest deeper: counted at C speed, walked only past it
+    if text.count("[") + text.count("{") > depth and json_depth(value) > depth:
+        raise ValueError(f"it is nested too deeply (more than {depth} levels)")
+    return value
+
+
+def read_json(path: Path, most: int, depth: int = MAX_JSON_DEPTH) -> Any:
+    """A saved or named JSON file: a regular file of at most `most` bytes (`read_bounded`), UTF-8, nested at most
+    `depth` deep. OSError for the file, ValueError for its contents, each saying what is wrong."""
+    return loads_bounded(read_bounded(path, most).decode("utf-8"), depth)
+
+
+def check_output(path: Path, what: str) -> os.stat_result | None:
+    """Refuse, before any work starts, an output that exists and is not a regular file: /dev/full or /dev/zero
+    (or a link to one) would swallow or feed data forever, a FIFO block, a folder fail at the end. Returns the
+    file's status, or None when there is none yet (it will be created). Raises OutputError."""
+    try:
+        info = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):  # (no folder to hold it yet: the writer says so)
+        return None
+    except OSError as e:
+        raise OutputError(f"{what} {path}: cannot use it ({e.strerror or e}); give another file name") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise OutputError(f"{what} {path} is {file_kind(info.st_mode)}, not a regular file; give a file name")
+    return info
+
+
+def open_output(path: Path, what: str, append: bool = True) -> BinaryIO:
+    """`path` opened for reading and writing, created if missing: appended to, or emptied (`append` False) only
+    once it is known to be a regular file. Anything else is refused as `check_output` says, checked again on the
+    open file (it may have been swapped). Raises OutputError."""
+    check_output(path, what)
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+    try:
+        fd = os.open(path, flags | (os.O_APPEND if append else 0), 0o666)
+    except OSError as e:
+        raise OutputError(f"cannot write {what} {path}: {e.strerror or e}") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise OSError("it is not a regular file")
-        if info.st_size > most:
-            raise OSError(f"it holds {info.st_size >> 20} MiB, more than the {most >> 20} MiB such a file may hold")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(most + 1)
-    finally:
+            raise OutputError(f"{what} {path} is {file_kind(info.st_mode)}, not a regular file; give a file name")
+        if not append:
+            os.ftruncate(fd, 0)
+        return os.fdopen(fd, "a+b" if append else "r+b")
+    except OSError as e:
         os.close(fd)
-    if len(data) > most:
-        raise OSError(f"it holds more than the {most >> 20} MiB such a file may hold")
-    return data
+        raise OutputError(f"cannot write {what} {path}: {e.strerror or e}") from None
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def temp_prefix(path: Path) -> str:
@@ -152,15 +258,17 @@ def remove_stale_temporaries(folder: Path, older_than_s: float = 0.0) -> list[Pa
     return removed
 
 
-def read_saved(path: Path, parse: Callable[[Any], T], default: T, what: str, fallback: str) -> tuple[T, str | None]:
+def read_saved(path: Path, parse: Callable[[Any], T], default: T, what: str, fallback: str,
+               most: int = SAVED_MAX_BYTES) -> tuple[T, str | None]:
     """A small saved JSON file (settings, choices) read with `parse`, which raises ValueError or a TandemError
-    naming what is wrong; `default` when there is no file. A file that cannot be used is set aside and the notice
-    says so: "the `what` could not be used (why); it was set aside as … and `fallback`". Never raises."""
+    naming what is wrong; `default` when there is no file. A file that cannot be used (not a regular file, over
+    `most` bytes, nested too deeply, not JSON, refused by `parse`) is set aside and the notice says so: "the `what`
+    could not be used (why); it was set aside as … and `fallback`". Never raises, never blocks."""
     remove_stale_temporaries(path.parent, older_than_s=STALE_TEMP_S)
     if not path.exists():
         return default, None
     try:
-        return parse(json.loads(path.read_text(encoding="utf-8"))), None
+        return parse(read_json(path, most)), None
     except (OSError, ValueError, RecursionError, TandemError) as e:  # (json's and UTF-8's errors are ValueErrors)
         why = "it is nested too deeply" if isinstance(e, RecursionError) else str(e)
         try:
@@ -179,12 +287,12 @@ def set_aside(path: Path, suffix: str = ".json.txt") -> Path:
     stamp = time.time_ns()
     for n in range(1000):
         aside = path.with_name(f"{path.stem}.bad-{stamp}{f'-{n}' if n else ''}{suffix}")
-        try:
-            os.link(path, aside)
+        try:  # a link is moved itself, never what it points to (a device, a file elsewhere)
+            os.link(path, aside, follow_symlinks=False)
         except FileExistsError:
             continue
         except OSError:  # no hard links here (some file systems): a checked rename instead
-            if aside.exists():
+            if os.path.lexists(aside):
                 continue
             path.rename(aside)
             return aside
@@ -203,9 +311,30 @@ def folder_lock(folder: Path) -> Iterator[None]:
     if fcntl is None:
         yield
         return
-    with open(folder / ".lock", "a+b") as f:
+    with _open_lock(folder / ".lock") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _open_lock(path: Path) -> BinaryIO:
+    """The lock file. Anything but a regular file there (a FIFO would block the opening forever, a device or a
+    folder is no lock) was never one of ours: it is set aside and a new lock file made."""
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+    for _ in range(2):
+        try:
+            regular = stat.S_ISREG(os.stat(path).st_mode)
+        except FileNotFoundError:
+            regular = True  # none yet: made now
+        if regular:
+            fd = os.open(path, flags, 0o666)
+            if stat.S_ISREG(os.fstat(fd).st_mode):  # (checked again: it may have been swapped)
+                return os.fdopen(fd, "r+b")
+            os.close(fd)
+        try:
+            set_aside(path, ".txt")
+        except OSError as e:
+            raise StoreError(f"{path} is not a regular file and cannot be moved ({e}); delete it") from None
+    raise StoreError(f"{path} is not a regular file; delete it")

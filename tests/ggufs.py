@@ -282,3 +282,92 @@ def fake_stores(home: Path, model: Path) -> dict[str, str]:
     shutil.copy(model, hub / "tiny-moe-q4_k_m.gguf")
     return {"LM Studio": "lmstudio-community/Tiny-MoE-GGUF/Tiny-MoE-Q4_K_M.gguf", "Ollama": "qwen3:30b-a3b",
             "Ollama other": "someone/tiny:latest", "HF cache": "someone/Tiny-MoE-GGUF/tiny-moe-q4_k_m.gguf"}
+
+
+# ---- hostile files: a valid GGUF rewritten, or patched byte by byte ------------------------------------------------
+
+
+def rewrite_gguf(src: Path, out: Path, meta: dict[str, tuple[object, object] | None] | None = None,
+                 tensors: dict[str, np.ndarray | None] | None = None) -> Path:
+    """`src` (a GGUF file of float tensors) written again with metadata keys set to (value, gguf.GGUFValueType) or
+    removed (None), and tensors replaced or removed (None); everything else as it was."""
+    import gguf
+
+    meta, tensors = meta or {}, tensors or {}
+    reader = gguf.GGUFReader(str(src))
+    arch = str(reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(str(out), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in meta or key == "general.architecture":
+            continue
+        sub = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for key, given in meta.items():
+        if given is not None:
+            value, kind = given
+            sub = None
+            if isinstance(value, list):
+                sub = gguf.GGUFValueType.ARRAY if value and isinstance(value[0], list) else \
+                    gguf.GGUFValueType.get_type(value[0]) if value else gguf.GGUFValueType.UINT8
+            writer.add_key_value(key, value, kind, sub_type=sub)  # type: ignore[arg-type]
+    for t in reader.tensors:
+        if t.name in tensors:
+            continue
+        writer.add_tensor(t.name, np.array(t.data))
+    for name, w in tensors.items():
+        if w is not None:
+            writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def gguf_layout(path: Path) -> dict[str, int]:
+    """Where the header's fields lie in a GGUF file (byte offsets), for tests that corrupt them in place:
+    "tensor_count", "kv_count"; per key "key:<k>" (its length), "type:<k>", "value:<k>" (a scalar's value; an array's
+    item type) and "count:<k>" (an array's length); per tensor "name:<t>" (its name's length), "ndims:<t>",
+    "dims:<t>" (the first dimension), "type:<t>", "offset:<t>"; "data" (where tensor data starts)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    base = reader.data.ctypes.data
+
+    def at(part: np.ndarray) -> int:
+        return int(part.ctypes.data - base)
+
+    out = {"tensor_count": 8, "kv_count": 16}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        out[f"key:{key}"] = field.offset
+        out[f"type:{key}"] = at(field.parts[2])
+        out[f"value:{key}"] = at(field.parts[3])
+        if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
+            out[f"count:{key}"] = at(field.parts[4])
+    for t in reader.tensors:
+        name_len, _, n_dims, dims, kind, offset = t.field.parts
+        out |= {f"name:{t.name}": at(name_len), f"ndims:{t.name}": at(n_dims), f"dims:{t.name}": at(dims),
+                f"type:{t.name}": at(kind), f"offset:{t.name}": at(offset)}
+    out["data"] = min(int(t.data_offset) for t in reader.tensors)
+    return out
+
+
+def patched(src: Path, out: Path, edits: list[tuple[int, bytes]], size: int | None = None) -> Path:
+    """A copy of `src` with `edits` (offset, bytes) written over it, then cut to `size` bytes when given."""
+    data = bytearray(src.read_bytes())
+    for offset, raw in edits:
+        data[offset : offset + len(raw)] = raw
+    out.write_bytes(bytes(data[:size] if size is not None else data))
+    return out
+
+
+def tiny_moe_gguf(root: Path) -> Path:
+    """A valid qwen3moe GGUF file of float32 tensors (8 experts a layer, about 1 MB) under `root`, from a tiny
+    Hugging Face checkpoint built there."""
+    from tests.conftest import build_hf_checkpoint
+
+    hf = build_hf_checkpoint(root / "hf", "qwen3_moe", {})
+    write_gguf(hf, root / "tiny.gguf", "F32")
+    return root / "tiny.gguf"

@@ -80,7 +80,8 @@ class PickerScreen(ModalScreen[ModelEntry | None]):
                 table.add_row(e.name, e.family, "", "–", "–", "–", "–", "–", e.source)
                 continue
             unbuilt = e.source == "built-in" and e.size_bytes == 0
-            table.add_row(e.name, e.family if e.runs else f"{e.family} (not run)", e.quant,
+            family = e.family if e.runs else f"{e.family} (not run)" if not e.problem else f"{e.family}: {e.problem}"
+            table.add_row(e.name, family, e.quant,
                           "135 M ×8" if unbuilt else _human(e.params, ""), str(e.experts),
                           "built on first use" if unbuilt else _human(e.size_bytes, "B"),
                           "yes" if e.fits(ram) else "no (streams)", e.fits_vram(self.vram), e.source)
