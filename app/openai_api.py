@@ -97,7 +97,10 @@ def _number(body: dict[str, Any], name: str, kind: type, default: Any, param: st
     if not _is_number(value) or not isinstance(value, int) and (kind is int or not math.isfinite(value)):
         raise BodyError(f"body.{param or name} must be a {'number' if kind is float else 'whole number'}, not "
                         f"{shown(value)}", param or name)
-    return kind(value)
+    try:
+        return kind(value)
+    except OverflowError:  # a whole number of hundreds of digits where a float goes
+        raise BodyError(f"body.{param or name} is far out of range ({shown(value)[:20]}...)", param or name) from None
 
 
 def text_of(value: str, param: str) -> str:

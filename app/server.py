@@ -277,7 +277,7 @@ def _json_of(data: bytes) -> dict[str, Any]:
     """The body's JSON object: UTF-8 text (as JSON must be between systems), numbers finite, nested within
     Python's recursion limit."""
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # (a byte order mark dropped, as editors on Windows save one)
     except UnicodeDecodeError as e:
         raise ApiError(400, f"the request body is not UTF-8 text (byte {e.start}: {e.reason}); send JSON in UTF-8"
                        ) from None

@@ -17,6 +17,7 @@ section, which starts at the next multiple of the alignment after the table). A 
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import stat
@@ -87,7 +88,9 @@ def open_regular(path: Path) -> int:
     """A read-only descriptor of `path`, which must be a regular file: opened without waiting (a FIFO would block
     until a writer came), then checked on the descriptor itself (no race with a file swapped in meanwhile)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        if not stat.S_ISREG(os.stat(path).st_mode):  # (a device is not even opened: opening some has effects)
+            raise CheckpointError(f"{path} is not a regular file (a FIFO, device or folder); pass the GGUF file itself")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
     except OSError as e:
         raise CheckpointError(f"cannot open {path}: {e.strerror or e}; check the path and its permissions") from None
     try:
@@ -261,7 +264,10 @@ class _Parser:
         if not 1 <= n_dims <= MAX_DIMS:
             raise self.fail(f"tensor {name} has {n_dims} dimensions; GGML tensors have 1 to {MAX_DIMS}")
         dims = tuple(self.u64(f"a dimension of {name}") for _ in range(n_dims))
-        if any(d >= 1 << 62 for d in dims):  # (llama.cpp's limit: the element count must fit an int64)
+        # (llama.cpp's limit: the element count fits an int64; and the nonzero dimensions' product, which numpy counts
+        # even for an empty array, far below it: a zero dimension must not let the others describe an array no one
+        # can make)
+        if any(d >= 1 << 62 for d in dims) or math.prod(d for d in dims if d) >= 1 << 59:
             raise self.fail(f"tensor {name} has dimensions {list(dims)}, far past any model's")
         kind = self.u32(f"the type of {name}")
         offset = self.u64(f"the offset of {name}")

@@ -322,17 +322,22 @@ def folder_lock(folder: Path) -> Iterator[None]:
 def _open_lock(path: Path) -> BinaryIO:
     """The lock file. Anything but a regular file there (a FIFO would block the opening forever, a device or a
     folder is no lock) was never one of ours: it is set aside and a new lock file made."""
-    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | \
+        getattr(os, "O_NOFOLLOW", 0)  # (a link, even a dangling one, is not followed out of the folder)
     for _ in range(2):
         try:
-            regular = stat.S_ISREG(os.stat(path).st_mode)
+            regular = stat.S_ISREG(os.lstat(path).st_mode)
         except FileNotFoundError:
             regular = True  # none yet: made now
         if regular:
-            fd = os.open(path, flags, 0o666)
-            if stat.S_ISREG(os.fstat(fd).st_mode):  # (checked again: it may have been swapped)
+            try:
+                fd = os.open(path, flags, 0o666)
+            except OSError:  # (a link swapped in meanwhile: ELOOP; anything else is said when it is set aside)
+                fd = -1
+            if fd >= 0 and stat.S_ISREG(os.fstat(fd).st_mode):  # (checked again: it may have been swapped)
                 return os.fdopen(fd, "r+b")
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         try:
             set_aside(path, ".txt")
         except OSError as e:

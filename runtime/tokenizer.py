@@ -7,6 +7,7 @@ Kept apart from the engine (which speaks only token ids). Uses the `tokenizers` 
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -77,12 +78,15 @@ class Tokenizer:
         from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
 
         from tandem.runtime.gguf import gguf_files
+        from tandem.runtime.gguf_header import header_of
 
         first = gguf_files(path)[0]  # a split model keeps its metadata in the first part
+        header_of(first)  # checked first: transformers' reader trusts the file's counts and lengths
         try:
             architecture, vocabulary, config = get_gguf_tokenizer(str(first))
             backend, _ = convert_gguf_tokenizer(architecture, vocabulary)
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, IndexError, OverflowError, struct.error) as e:
+            # (IndexError: a special token's id past the vocabulary)
             raise CheckpointError(f"cannot read the tokenizer of {path}: {e!r}; the file's tokenizer metadata is "
                                   "missing or of a kind Tandem cannot read") from None
         template = config.get("chat_template")

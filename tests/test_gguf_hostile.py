@@ -302,3 +302,25 @@ def test_damaged_settings_leave_the_default_folders(tmp_path: Path) -> None:
         (tmp_path / ".lmstudio" / "settings.json").write_text(text, errors="surrogateescape")
         stores = Stores.default(tmp_path, {})
         assert stores.lmstudio == [tmp_path / ".lmstudio" / "models", tmp_path / ".cache" / "lm-studio" / "models"]
+
+
+def test_a_zero_dimension_does_not_let_the_others_grow(tiny: Path, tmp_path: Path) -> None:
+    """The last tensor (no neighbour's offset to betray it) made [2^60, 0, ...]: no bytes, and still refused, not a
+    numpy error while it is mapped."""
+    last = gguf.GGUFReader(str(tiny)).tensors[-1]
+    assert len(last.shape) >= 2
+    at = gguf_layout(tiny)[f"dims:{last.name}"]
+    dims = pack(U64, 1 << 60) + pack(U64, 0) * (len(last.shape) - 1)
+    out = patched(tiny, tmp_path / "empty.gguf", [(at, dims)])
+    refused(out, last.name, "dimensions")
+
+
+def test_the_tokenizer_reads_only_a_checked_file(tiny: Path, tmp_path: Path) -> None:
+    """transformers' GGUF reader, which the tokenizer uses, trusts the file's counts: the header is checked first."""
+    from tandem.runtime.tokenizer import Tokenizer
+
+    data = tiny.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: gguf_layout(tiny)["data"] // 2])
+    with pytest.raises(CheckpointError):
+        Tokenizer.from_model(cut)

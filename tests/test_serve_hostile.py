@@ -150,9 +150,14 @@ async def test_every_failure_is_an_openai_json_error(service: EngineService, mon
                            (b'"hello"', "JSON object"), (b"null", "JSON object"), (b"", "not JSON"),
                            (b"[" * 100_000 + b"]" * 100_000, "nested too deep"),
                            (b'{"prompt": "x", "temperature": NaN}', "NaN"),
-                           (b'{"prompt": "x", "temperature": 1e999}', "temperature")):
+                           (b'{"prompt": "x", "temperature": 1e999}', "temperature"),
+                           (b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}", "temperature")):
             error = openai_error(await c.post(COMPLETIONS, content=raw), 400)
             assert words in error["message"], error
+        # a byte order mark before the JSON (as some editors save a file sent with curl --data @file): read
+        response = await c.post(COMPLETIONS, content=b"\xef\xbb\xbf" + json.dumps({"prompt": "Hi", "max_tokens": 2})
+                                .encode())
+        assert response.status_code == 200, response.text
         # lone UTF-16 surrogates: refused, naming the field
         for endpoint, body, param in (
                 (CHAT, {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content"),

@@ -146,6 +146,19 @@ def test_a_fifo_as_the_lock_file_never_blocks(tmp_path: Path) -> None:
     assert any(p.name.startswith(".lock.bad-") for p in store.folder.iterdir())
 
 
+def test_a_link_as_the_lock_file_is_not_followed_out_of_the_folder(tmp_path: Path) -> None:
+    store = ConversationStore(tmp_path / "conversations")
+    conv = saved(store, "linked")
+    outside = tmp_path / "outside" / "made-here"
+    outside.parent.mkdir()
+    (store.folder / ".lock").unlink()
+    (store.folder / ".lock").symlink_to(outside)  # dangling: opening it with O_CREAT would make the file outside
+    convs, _ = store.load_all()
+    store.save(conv)
+    assert [c.id for c in convs] == [conv.id] and not outside.exists()
+    assert (store.folder / ".lock").is_file() and not (store.folder / ".lock").is_symlink()
+
+
 @pytest.mark.parametrize("kind", ["link to /dev/zero", "fifo", "huge", "nested too deeply", "folder"])
 def test_a_hostile_settings_file_is_set_aside_and_the_defaults_apply(tandem_home: Path, kind: str) -> None:
     path = paths.data_dir() / "settings.json"
