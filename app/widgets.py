@@ -67,15 +67,24 @@ class ChatMessage(Vertical):
         else:
             self.body.update(_plain(text))
 
-    def append_text(self, more: str) -> None:
+    async def append_text(self, more: str) -> None:
         """`more` at the end: an answer's Markdown parses and paints from its last block on, not the whole text again
         (a streamed answer grows by a few tokens a repaint; redoing all of it each time cost the engine half its
-        speed on two cores)."""
+        speed on two cores). Returns once the new blocks are mounted: the caller's next message (the answer's end)
+        then finds the whole answer on screen, not part of it still being parsed."""
         self.text += more
         if isinstance(self.body, Markdown):
-            self.body.append(more)
+            await self.body.append(more)
         else:
             self.body.update(_plain(self.text))
+
+    async def finish(self) -> None:
+        """The answer is whole: its Markdown is built once more from the whole text. A block updated in place while
+        the answer streamed can keep the height of its earlier, shorter text (Textual 8 caches a widget's box model
+        by a counter that an update landing while a layout of it is pending does not move: the answer then shows cut
+        off until something else lays it out); blocks built afresh cannot."""
+        if isinstance(self.body, Markdown):
+            await self.body.update(self.text)
 
     def set_note(self, note: str) -> None:
         self.note = note

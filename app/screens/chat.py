@@ -466,9 +466,10 @@ class ChatScreen(Screen[None]):
             self.post_message(TokensArrived("".join(pending)))
         self.post_message(AnswerDone(stopped))
 
-    def on_tokens_arrived(self, message: TokensArrived) -> None:
+    async def on_tokens_arrived(self, message: TokensArrived) -> None:
+        # Awaited, so this screen handles AnswerDone only once every piece before it is on screen.
         if self.answer is not None:  # the view follows by its anchor, only while the user is at the bottom
-            self.answer.append_text(message.text)
+            await self.answer.append_text(message.text)
             self.update_experts(live=True)
 
     def on_context_trimmed(self, message: ContextTrimmed) -> None:
@@ -480,7 +481,9 @@ class ChatScreen(Screen[None]):
     def on_answer_failed(self, message: AnswerFailed) -> None:
         self.notify(message.error, title="The answer failed", severity="error", timeout=30)
 
-    def on_answer_done(self, message: AnswerDone) -> None:
+    async def on_answer_done(self, message: AnswerDone) -> None:
+        if self.answer is not None and self.answer.text:  # (before the answer counts as done: nothing new starts)
+            await self.answer.finish()
         self.lifecycle.answer_finished()
         conv = self.answering
         if self.answer is not None and conv is not None:  # (None: kept already, the app is quitting)
