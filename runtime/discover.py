@@ -23,17 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandem.kernels.errors import CheckpointError, TandemError
+from tandem.kernels.errors import CheckpointError, TandemError, UnsupportedModelError
 from tandem.runtime.families import family_for, parse_config
 from tandem.runtime.gguf import ARCHITECTURES, FAMILY_OF_ARCH, SPLIT, config_of, gguf_files, is_gguf
 from tandem.runtime.gguf_header import GGUFHeader, TensorEntry, header_of
-from tandem.runtime.paths import read_bounded
+from tandem.runtime.paths import read_bounded, read_json
 from tandem.runtime.safetensors_mmap import read_header
 from tandem.runtime.weights import dense_tensors, expert_tensors
 
 OLLAMA_MODEL = "application/vnd.ollama.image.model"
 OLLAMA_REGISTRY = "registry.ollama.ai"
 MANIFEST_MOST = 1 << 20  # bytes: an Ollama manifest is a few hundred
+CONFIG_MOST = 64 << 20  # bytes: a config.json is a few kilobytes
 OLLAMA_DIGEST = re.compile(r"sha256[:-][0-9a-f]{64}")  # a content address; nothing else names a blob
 OLLAMA_NAME = re.compile(r"^[\w.-]+(/[\w.-]+){0,2}(:[\w.-]+)?$")  # model[:tag], namespace/model[:tag], ...
 SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -96,28 +97,54 @@ def _json(path: Path, most: int = MANIFEST_MOST) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def describe_folder(folder: Path, source: str) -> ModelEntry | None:
-    """A Hugging Face model folder of a family Tandem runs -> its entry; anything else -> None."""
-    raw = _json(folder / "config.json", 64 << 20)
-    if not raw:
+def describe_folder(folder: Path, source: str, name: str | None = None) -> ModelEntry | None:
+    """A Hugging Face model folder -> its entry. A folder without config.json, or whose config names a family Tandem
+    does not know, -> None (most folders are not models, and the Hugging Face cache holds models of every kind). One
+    whose config.json is damaged, whose config a known family refuses, or that holds no weights is listed, not run,
+    with why (`problem`): one bad download hides no other model, and the user sees what is wrong with it."""
+    config = folder / "config.json"
+    shown = name or folder.name
+    try:
+        raw = read_json(config, CONFIG_MOST)
+    except FileNotFoundError:  # (a dangling link too: an unfinished download's cache entry)
+        return None
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8, not JSON, or nested too deeply
+        return damaged(folder, shown, source, f"{config} cannot be read as JSON ({e}); re-download the model")
+    if not isinstance(raw, dict):
+        return damaged(folder, shown, source, f"{config} does not hold a JSON object; re-download the model")
+    try:
+        family_for(raw.get("model_type"))
+    except UnsupportedModelError:
         return None
     try:
-        spec, cfg = parse_config(raw, str(folder / "config.json"))
-    except (TandemError, KeyError, TypeError, ValueError):
-        return None
+        spec, cfg = parse_config(raw, str(config))
+    except TandemError as e:  # CheckpointError: a field is wrong; UnsupportedModelError: a variant not run
+        return damaged(folder, shown, source, str(e), family="damaged" if _damage(e) else "unsupported")
     shapes = dense_tensors(cfg, spec) | expert_tensors(cfg, spec)
     try:
         size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    except OSError:  # a dangling link or a file gone meanwhile
-        return None
+    except OSError as e:  # a dangling link or a file gone meanwhile
+        return damaged(folder, shown, source, f"{folder}: a weights file cannot be read ({e}); re-download the model")
     if size == 0:
-        return None
+        return damaged(folder, shown, source, f"{folder} holds no *.safetensors weights (an unfinished download, or "
+                       "another format): download the model's safetensors files")
     qc = raw.get("quantization_config")
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "") or _stored_dtype(folder)
     quant = str(method).upper() if method else SHORT_DTYPES.get(dtype, dtype)
-    return ModelEntry(str(folder), folder.name, spec.display_name, sum(math.prod(s) for s in shapes.values()),
+    return ModelEntry(str(folder), shown, spec.display_name, sum(math.prod(s) for s in shapes.values()),
                       cfg.num_experts, size, source, quant)
+
+
+def damaged(path: Path, name: str, source: str, problem: str, size: int = 0, family: str = "damaged") -> ModelEntry:
+    """The entry of a model that is listed but cannot run: `problem` says why, naming `path` where it does not."""
+    problem = problem if str(path) in problem else f"{path}: {problem}"
+    return ModelEntry(str(path), name, family, 0, 0, size, source, runs=False, problem=problem)
+
+
+def _damage(e: TandemError) -> bool:
+    """Whether `e` says a file is damaged (rather than of a kind Tandem does not run)."""
+    return isinstance(e, CheckpointError) and not isinstance(e, UnsupportedModelError)
 
 
 def _stored_dtype(folder: Path) -> str:
@@ -146,13 +173,14 @@ def describe_gguf(path: Path, source: str, name: str | None = None) -> ModelEntr
         headers = [header_of(part) for part in files]
         return _gguf_entry(path, shown, source, files, headers)
     except TandemError as e:  # CheckpointError: the file is damaged; UnsupportedModelError: it cannot run
-        try:
-            size = path.stat().st_size
-        except OSError:
-            size = 0
-        problem = str(e) if str(path) in str(e) else f"{path}: {e}"
-        return ModelEntry(str(path), shown, "damaged" if isinstance(e, CheckpointError) else "unsupported", 0, 0,
-                          size, source, runs=False, problem=problem)
+        return damaged(path, shown, source, str(e), _size(path), "damaged" if _damage(e) else "unsupported")
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _regular(path: Path) -> bool:
@@ -245,10 +273,22 @@ def _ggufs(root: Path, depth: int) -> list[Path]:
     return found
 
 
-def ollama_models(root: Path) -> list[tuple[str, Path]]:
-    """(Ollama name, GGUF blob) for every manifest of an Ollama store: `model:tag` for the default registry's
-    `library` namespace, `namespace/model:tag` for others there, `registry/namespace/model:tag` elsewhere."""
-    out: list[tuple[str, Path]] = []
+@dataclass(frozen=True)
+class OllamaModel:
+    """One manifest of an Ollama store: its name, and the GGUF blob it names, or (`blob` None) why it names none that
+    can be read."""
+
+    name: str
+    manifest: Path
+    blob: Path | None
+    problem: str | None = None
+
+
+def ollama_models(root: Path) -> list[OllamaModel]:
+    """Every manifest of an Ollama store, named as Ollama does: `model:tag` for the default registry's `library`
+    namespace, `namespace/model:tag` for others there, `registry/namespace/model:tag` elsewhere. A damaged manifest
+    is kept with why (listed, so that the user sees it); a blob is only ever looked for inside the store."""
+    out: list[OllamaModel] = []
     manifests = root / "manifests"
     if not manifests.is_dir():
         return out
@@ -256,44 +296,62 @@ def ollama_models(root: Path) -> list[tuple[str, Path]]:
         if not path.is_file():
             continue
         registry, namespace, model, tag = path.relative_to(manifests).parts
-        blob = _ollama_blob(root, _json(path).get("layers"))
-        if blob is None:
-            continue
         name = f"{model}:{tag}"
         if namespace != "library" or registry != OLLAMA_REGISTRY:
             name = f"{namespace}/{name}"
         if registry != OLLAMA_REGISTRY:
             name = f"{registry}/{name}"
-        out.append((name, blob))
+        blob, problem = _ollama_blob(root, path)
+        out.append(OllamaModel(name, path, blob, None if blob else f"{problem}; `ollama pull {name}` fetches it "
+                                                                      "again"))
     return out
 
 
-def _ollama_blob(root: Path, layers: object) -> Path | None:
+def _ollama_blob(root: Path, manifest: Path) -> tuple[Path | None, str]:
     """The model blob a manifest's layers name, if it is a regular file inside the store's blobs folder: the digest
-    must be `sha256:<64 hex>` (a `../` in it, or a link in blobs/, leads nowhere outside the store)."""
+    must be `sha256:<64 hex>` (a `../` in it, or a link in blobs/, leads nowhere outside the store); else None and
+    what is wrong."""
+    try:
+        raw = read_json(manifest, MANIFEST_MOST)
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8, not JSON, or nested too deeply
+        return None, f"its manifest {manifest} cannot be read as JSON ({e})"
+    layers = raw.get("layers") if isinstance(raw, dict) else None
     if not isinstance(layers, list):
-        return None
+        return None, f"its manifest {manifest} has no list of layers"
     digest = next((layer.get("digest") for layer in layers if isinstance(layer, dict)
                    and layer.get("mediaType") == OLLAMA_MODEL), None)
+    if digest is None:
+        return None, f"its manifest {manifest} names no model layer ({OLLAMA_MODEL})"
     if not isinstance(digest, str) or not OLLAMA_DIGEST.fullmatch(digest):
-        return None
+        return None, f"its manifest {manifest} names the model blob {_short(digest)}, not sha256:<64 hex digits>"
     blobs = root / "blobs"
     blob = blobs / f"sha256-{digest[7:]}"
     try:
         inside = blob.resolve(strict=True).is_relative_to(blobs.resolve(strict=True))
     except (OSError, RuntimeError):  # missing, or a loop of links
-        return None
-    return blob if inside and _regular(blob) else None
+        return None, f"its model blob {blob} is missing (an unfinished pull, or a pruned store)"
+    if not inside:
+        return None, f"its model blob {blob} is a link that leads outside the store (not followed)"
+    return (blob, "") if _regular(blob) else (None, f"its model blob {blob} is not a regular file")
+
+
+def _short(value: object, most: int = 80) -> str:
+    """repr(value), cut to `most` characters (a hostile manifest's string may be a megabyte long)."""
+    text = repr(value)
+    return text if len(text) <= most else text[:most] + "…"
 
 
 def resolve_ollama_name(name: str, stores: Stores | None = None) -> Path | None:
-    """The GGUF blob of an Ollama model name (`qwen3:30b-a3b`, `qwen3` for `:latest`), or None."""
+    """The GGUF blob of an Ollama model name (`qwen3:30b-a3b`, `qwen3` for `:latest`); None when no store has it;
+    CheckpointError saying why when its manifest is damaged."""
     stores = stores or Stores.default()
     wanted = name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
     for root in stores.ollama:
-        for found, blob in ollama_models(root):
-            if found == wanted:
-                return blob
+        for found in ollama_models(root):
+            if found.name == wanted:
+                if found.blob is None:
+                    raise CheckpointError(f"Ollama model {wanted}: {found.problem}")
+                return found.blob
     return None
 
 
@@ -317,9 +375,8 @@ def discover(folders: list[Path], builtin: Path | None = None, stores: Stores | 
     if hub is not None and hub.is_dir():
         for snap in sorted(hub.glob("models--*/snapshots/*")):
             repo = snap.parent.parent.name.removeprefix("models--").replace("--", "/")
-            if e := describe_folder(snap, "HF cache"):
-                entries.append(ModelEntry(e.path, repo, e.family, e.params, e.experts, e.size_bytes, e.source,
-                                          e.quant, e.runs))
+            if e := describe_folder(snap, "HF cache", repo):
+                entries.append(e)
             for path in _ggufs(snap, 1):
                 if e := describe_gguf(path, "HF cache", f"{repo}/{path.name}"):
                     entries.append(e)
@@ -329,8 +386,13 @@ def discover(folders: list[Path], builtin: Path | None = None, stores: Stores | 
             if e := describe_gguf(path, "LM Studio", name):
                 entries.append(e)
     for root in stores.ollama:
-        for name, blob in ollama_models(root):
-            if is_gguf(blob) and (e := describe_gguf(blob, "Ollama", name)):
+        for m in ollama_models(root):
+            if m.blob is None:
+                entries.append(damaged(m.manifest, m.name, "Ollama", m.problem or ""))
+            elif not is_gguf(m.blob):  # (Ollama's own safetensors-based models)
+                entries.append(damaged(m.blob, m.name, "Ollama", f"its model blob {m.blob} is not a GGUF file",
+                                       _size(m.blob), "unsupported"))
+            elif e := describe_gguf(m.blob, "Ollama", m.name):
                 entries.append(e)
     return entries
 

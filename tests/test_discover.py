@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tandem.app.cli import main
+from tandem.kernels.errors import CheckpointError
 from tandem.runtime.discover import Stores, discover, ollama_models, resolve_ollama_name
 from tests.conftest import build_hf_checkpoint, copy_checkpoint
 from tests.ggufs import fake_stores, write_gguf
@@ -48,7 +49,12 @@ def test_models_lists_every_store(moe_gguf: Path, tmp_path: Path, capsys: pytest
     rows = json.loads(capsys.readouterr().out)
     by_name = {r["name"]: r for r in rows}
     assert set(by_name) == {"qwen-folder", "dense", names["LM Studio"], names["Ollama"], names["Ollama other"],
-                            names["HF cache"]}  # not the Ollama manifests whose blob is missing or that are broken
+                            names["HF cache"], "gone:latest", "broken:latest"}
+    # the Ollama manifests whose blob is missing or that are broken: listed, not run, with why and how to mend it
+    gone, broken = by_name["gone:latest"], by_name["broken:latest"]
+    assert not gone["runs"] and "is missing" in gone["problem"] and "ollama pull gone:latest" in gone["problem"]
+    assert not broken["runs"] and "cannot be read as JSON" in broken["problem"] and broken["family"] == "damaged"
+    assert all(by_name[n]["problem"] is None for n in names.values())
     for source in ("LM Studio", "Ollama", "HF cache"):
         row = by_name[names[source]]
         assert row["source"] == source and row["runs"] and row["family"] == "Qwen3-MoE"
@@ -98,12 +104,16 @@ def test_ollama_names_follow_its_registry_and_namespaces(moe_gguf: Path, tmp_pat
     elsewhere = store / "manifests" / "hf.co" / "someone" / "Tiny-GGUF" / "Q4_K_M"
     elsewhere.parent.mkdir(parents=True)
     elsewhere.write_text((store / "manifests" / "registry.ollama.ai" / "library" / "qwen3" / "30b-a3b").read_text())
-    names = [name for name, _ in ollama_models(store)]
+    found = ollama_models(store)
+    names = [m.name for m in found if m.blob is not None]
     assert names == ["hf.co/someone/Tiny-GGUF:Q4_K_M", "qwen3:30b-a3b", "someone/tiny:latest"]
+    assert [m.name for m in found if m.blob is None] == ["broken:latest", "gone:latest"]
     stores = Stores(None, [], [store])
     assert resolve_ollama_name("hf.co/someone/Tiny-GGUF:Q4_K_M", stores) == resolve_ollama_name("qwen3:30b-a3b", stores)
     assert resolve_ollama_name("qwen3", stores) is None  # no qwen3:latest
-    assert [e.name for e in discover([], None, stores)] == names
+    with pytest.raises(CheckpointError, match="Ollama model gone:latest: its model blob .* is missing"):
+        resolve_ollama_name("gone", stores)  # (a damaged manifest says why, not "not found")
+    assert [e.name for e in discover([], None, stores) if e.runs] == names
 
 
 @pytest.mark.parametrize("family, shown", [("deepseek_v2", "DeepSeek-V2"), ("deepseek_v3", "DeepSeek-V3")])
@@ -114,3 +124,34 @@ def test_deepseek_files_are_listed_as_the_family_their_gating_says(tmp_path: Pat
     write_gguf(build_hf_checkpoint(tmp_path / "hf", family, {}), tmp_path / "m.gguf")
     entry = describe_gguf(tmp_path / "m.gguf", "models-dir")
     assert entry is not None and entry.runs and entry.family == shown
+
+
+def test_a_damaged_model_folder_is_listed_with_why(moe_gguf: Path, tmp_path: Path) -> None:
+    """A folder whose config.json is damaged, refused by its family or beside no weights is listed, not run, saying
+    why; a folder of a family Tandem does not know, or without config.json, is not a model to list."""
+    import os
+
+    good = moe_gguf.parent / "hf"
+    models = tmp_path / "models"
+    copy_checkpoint(good, models / "good")
+    config = json.loads((good / "config.json").read_text())
+    for name, text in {"not-json": "{not json", "a-list": "[1, 2]", "bad-field": json.dumps(
+            {**config, "num_experts_per_tok": 1000}), "bert": json.dumps({"model_type": "bert"})
+                       }.items():
+        copy_checkpoint(good, models / name)
+        (models / name / "config.json").write_text(text)
+    (models / "no-weights").mkdir()
+    (models / "no-weights" / "config.json").write_text(json.dumps(config))
+    (models / "fifo").mkdir()
+    os.mkfifo(models / "fifo" / "config.json")
+    (models / "notes").mkdir()
+    entries = {e.name: e for e in discover([models], None, Stores(None, [], []))}
+    assert set(entries) == {"good", "not-json", "a-list", "bad-field", "no-weights", "fifo"}
+    assert entries["good"].runs and entries["good"].problem is None
+    whys = {"not-json": "cannot be read as JSON", "a-list": "does not hold a JSON object",
+            "bad-field": "picks 1000 experts", "no-weights": "holds no *.safetensors weights",
+            "fifo": "not a regular file but a FIFO"}
+    for name, why in whys.items():
+        e = entries[name]
+        assert not e.runs and e.family == "damaged" and why in (e.problem or ""), (name, e.problem)
+        assert str(models / name) in (e.problem or "")

@@ -160,5 +160,7 @@ def test_mutated_manifests_list_only_blobs_inside_the_store(tiny: Path, tmp_path
             entries = discover([], None, Stores(None, [], [store]))
         except Exception as e:  # noqa: BLE001 - the failure names the case
             pytest.fail(f"case {case} (seed {SEED}: manifests {[t[:200] for t in texts]}) raised {e!r}")
-        assert all(blob.resolve().is_relative_to(blobs) for _, blob in found), texts
-        assert len(entries) == len(found) and all(e.runs for e in entries)
+        assert all(m.blob.resolve().is_relative_to(blobs) for m in found if m.blob is not None), texts
+        assert len(entries) == len(found)
+        assert all(e.runs == (m.blob is not None) for e, m in zip(entries, found, strict=True)), texts
+        assert all(e.problem for e in entries if not e.runs), texts

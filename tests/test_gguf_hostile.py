@@ -274,9 +274,19 @@ def test_one_damaged_model_hides_no_other(tiny: Path, tmp_path: Path, capsys: py
     for key in ("LM Studio", "Ollama", "Ollama other", "HF cache"):
         assert rows[names[key]]["runs"] and rows[names[key]]["problem"] is None
     damaged = {n: r for n, r in rows.items() if r["problem"]}
-    assert set(damaged) == {"cut", "someone/Broken-GGUF/broken.gguf", "truncated:latest"}
-    assert all(not r["runs"] and "not a valid GGUF file" in r["problem"] for r in damaged.values())
-    assert not any("fifo" in n or "pipe" in n or "link-out" in n or "digest" in n for n in rows)
+    ggufs = {"cut", "someone/Broken-GGUF/broken.gguf", "truncated:latest"}
+    manifests = {"deep": "cannot be read as JSON", "layers-int": "has no list of layers",
+                 "layers-str": "has no list of layers", "digest-up": "not sha256:<64 hex digits>",
+                 "digest-int": "the model blob 5, not sha256", "link-out": "leads outside the store (not followed)",
+                 "gone": "is missing", "broken": "cannot be read as JSON"}
+    assert set(damaged) == ggufs | {f"{n}:latest" for n in manifests}
+    assert all(not r["runs"] for r in damaged.values())
+    assert all("not a valid GGUF file" in damaged[n]["problem"] for n in ggufs)
+    for name, why in manifests.items():
+        assert why in damaged[f"{name}:latest"]["problem"], name
+    store = (Path.home() / ".ollama" / "models").resolve()
+    assert all(Path(r["path"]).resolve().is_relative_to(store) for r in rows.values() if r["source"] == "Ollama")
+    assert not any("fifo" in n or "pipe" in n for n in rows)  # (not files: nothing to list)
     assert within(60, lambda: main(["models", "--models-dir", str(models)])) == 0
     shown = capsys.readouterr().out
     assert "cut: " in shown and "runs past the end of the file" in shown
@@ -289,10 +299,13 @@ def test_manifests_lead_nowhere_outside_the_store(tiny: Path) -> None:
     store = home / ".ollama" / "models"
     found = within(60, lambda: ollama_models(store))
     blobs = (store / "blobs").resolve()
-    assert found and all(blob.resolve().is_relative_to(blobs) for _, blob in found)
-    assert {n for n, _ in found} == {"qwen3:30b-a3b", "someone/tiny:latest", "truncated:latest"}
+    readable = {m.name: m.blob for m in found if m.blob is not None}
+    assert all(blob.resolve().is_relative_to(blobs) for blob in readable.values())
+    assert set(readable) == {"qwen3:30b-a3b", "someone/tiny:latest", "truncated:latest"}
     entries = within(60, lambda: discover([], None, Stores(None, [], [store])))
-    assert {e.name for e in entries} == {"qwen3:30b-a3b", "someone/tiny:latest", "truncated:latest"}
+    assert {e.name for e in entries if e.runs} == {"qwen3:30b-a3b", "someone/tiny:latest"}
+    assert all(Path(e.path).resolve().is_relative_to(store.resolve()) for e in entries if e.path)
+    assert str(home / "outside.gguf") not in " ".join(e.problem or "" for e in entries)  # (links not followed)
 
 
 def test_damaged_settings_leave_the_default_folders(tmp_path: Path) -> None:

@@ -300,6 +300,8 @@ async def test_picker_lists_lm_studio_ollama_and_gguf_repos_and_loads_the_one_ch
 
 
 async def test_picker_lists_a_models_folder_and_a_broken_model_keeps_the_app_alive(tmp_path: Path) -> None:
+    from textual.widgets import DataTable
+
     from tandem.app.screens.picker import PickerScreen
     from tandem.runtime.synth import tiny_config, write_test_model
 
@@ -308,8 +310,12 @@ async def test_picker_lists_a_models_folder_and_a_broken_model_keeps_the_app_ali
     (folder / "broken").mkdir()
     (folder / "broken" / "config.json").write_text(json.dumps(tiny_config("qwen3_moe")))
     (folder / "broken" / "model.safetensors").write_bytes(b"garbage" * 100)
+    (folder / "damaged").mkdir()  # listed as damaged by the search itself: picking it says why, and loads nothing
+    (folder / "damaged" / "config.json").write_text("{not json")
+    loads: list[str | None] = []
 
     def load_backend(path: str | None) -> FakeBackend:
+        loads.append(path)
         if path and path.endswith("broken"):
             raise CheckpointError(f"{path}/model.safetensors is not a valid safetensors file")
         return FakeBackend()
@@ -326,6 +332,12 @@ async def test_picker_lists_a_models_folder_and_a_broken_model_keeps_the_app_ali
         tiny = next(e for e in entries if e.name == "tiny-olmoe")
         assert tiny.family == "OLMoE" and tiny.experts == 8 and tiny.params > 0
         assert tiny.fits(1 << 40) and not tiny.fits(1)
+        table = picker.query_one(DataTable)
+        table.move_cursor(row=names.index("damaged"))
+        await press(pilot, "enter")
+        assert app.screen is picker and len(loads) == 1  # (the first: the model the app started with)
+        assert any(n.title == "This model cannot be loaded" and "cannot be read as JSON" in n.message
+                   for n in app._notifications)
         picker.dismiss(next(e for e in entries if e.name == "broken"))
         await wait_until(pilot, lambda: isinstance(app.screen, PickerScreen) and app.screen is not picker
                          and app.screen.is_mounted)

@@ -88,5 +88,10 @@ class PickerScreen(ModalScreen[ModelEntry | None]):
         table.focus()
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
-        if self.entries is not None:
-            self.dismiss(self.entries[event.cursor_row])
+        if self.entries is None:
+            return
+        entry = self.entries[event.cursor_row]
+        if entry.problem:  # a damaged model: why, here, rather than a load that fails on some other account
+            self.notify(entry.problem, title="This model cannot be loaded", severity="error", timeout=20)
+            return
+        self.dismiss(entry)
