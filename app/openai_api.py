@@ -38,6 +38,15 @@ UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "presence_penalty": ("a presence penalty (repetition_penalty is offered)", (0,)),
     "frequency_penalty": ("a frequency penalty (repetition_penalty is offered)", (0,)),
 }
+# the fields read (or checked: UNSUPPORTED's, response_format) besides each endpoint's prompt; one of OpenAI's that
+# changes nothing in the answer is taken and ignored; any other field is refused by name, as OpenAI refuses what it
+# does not know: a misspelt `max_token` or a server-specific knob would otherwise pass unnoticed
+READ = {"model", "stream", "stream_options", "stop", "max_tokens", "max_completion_tokens", "temperature", "top_k",
+        "top_p", "repetition_penalty", "seed", "response_format", *UNSUPPORTED}
+IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+           "safety_identifier"}
+PROMPT_FIELD = {CHAT: "messages", COMPLETION: "prompt"}
+ROLES = ("system", "developer", "user", "assistant")  # those a chat template places; tool results need tools
 RESPONSE_FORMATS = ("text",)  # response_format types answered: plain text, no JSON mode or schema
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}  # engine reason -> OpenAI name
 
@@ -122,8 +131,9 @@ def messages_of(value: Any) -> list[dict[str, str]]:
         at = f"messages[{i}]"
         if not isinstance(m, dict):
             raise BodyError(f"body.{at} must be an object {{role, content}}, not {shown(m)}", at)
-        if not isinstance(m.get("role"), str):
-            raise BodyError(f"body.{at} must be an object with a role (a text)", f"{at}.role")
+        role = text_of(m["role"], f"{at}.role") if isinstance(m.get("role"), str) else m.get("role")
+        if role not in ROLES:
+            raise BodyError(f"body.{at}.role must be one of {', '.join(ROLES)}, not {shown(role)}", f"{at}.role")
         content = m.get("content")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -132,7 +142,7 @@ def messages_of(value: Any) -> list[dict[str, str]]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise BodyError(f"body.{at}.content must be text or a list of text parts", f"{at}.content")
-        out.append({"role": text_of(m["role"], f"{at}.role"), "content": text_of(content, f"{at}.content")})
+        out.append({"role": role, "content": text_of(content, f"{at}.content")})
     return out
 
 
@@ -147,9 +157,17 @@ def stops_of(value: Any) -> tuple[str, ...]:
     return tuple(text_of(s, "stop") for s in stops)
 
 
-def check_options(body: dict[str, Any]) -> None:
-    """Refuse what Tandem does not offer (a BodyError naming the field): more choices, log probabilities, tools,
-    a response format other than text, and the rest of UNSUPPORTED; and a `stream` or `user` of the wrong kind."""
+def check_options(endpoint: str, body: dict[str, Any]) -> None:
+    """Refuse what Tandem does not offer (a BodyError naming the field): a field it does not know, more choices, log
+    probabilities, tools, a response format other than text, and the rest of UNSUPPORTED; and a `stream` or `user`
+    of the wrong kind."""
+    known = READ | IGNORED | {PROMPT_FIELD[endpoint]}
+    unknown = next((name for name in body if name not in known), None)
+    if unknown is not None:
+        name = json.dumps(unknown[:40])[1:-1]  # (control characters escaped: a hostile name stays one line)
+        hint = next((f" ({e} takes it)" for e, f in PROMPT_FIELD.items() if f == unknown), "")
+        raise BodyError(f"body.{name}: unrecognized field{hint}; {endpoint} reads "
+                        f"{', '.join(sorted(known - IGNORED))}", name)
     for name, (what, allowed) in UNSUPPORTED.items():
         if not _harmless(body.get(name), allowed):
             raise BodyError(f"body.{name}: Tandem does not offer {what}; leave {name} out (it is "
@@ -206,7 +224,7 @@ def parse_body(endpoint: str, body: dict[str, Any], tokenizer: PromptEncoder, de
     """A request body of `endpoint` (CHAT or COMPLETION) -> its prompt and settings, with `defaults` where it gives
     none. A body that cannot run raises BodyError (a ValueError naming the field; or the TandemError of a chat
     template that fails) with the reason. Everything is checked before the prompt is tokenized."""
-    check_options(body)
+    check_options(endpoint, body)
     stops = stops_of(body.get("stop"))
     params = params_of(body, defaults)
     if endpoint == CHAT:

@@ -50,6 +50,7 @@ from tandem.app.serving import (
 )
 from tandem.kernels.errors import GenerationError, TandemError
 from tandem.runtime.batch import BatchRequest, DoneEvent
+from tandem.runtime.paths import json_items
 from tandem.runtime.sampling import SamplingParams
 
 MAX_BODY = 16 * 2**20  # bytes of one request: a long document fits many times over
@@ -168,6 +169,7 @@ def make_app(service: EngineService, defaults: SamplingParams, api_key: str | No
 
     def prepare(endpoint: str, data: bytes) -> Prepared:
         """The body, read, checked and tokenized (on a worker thread: this takes a while for a huge prompt)."""
+        _check_items(data, service.context)
         body = _json_of(data)
         model = body.get("model")
         if model is not None and not isinstance(model, str):
@@ -267,6 +269,25 @@ async def _read_body(request: Request) -> bytes:
     except ClientDisconnect:
         raise ApiError(400, "the client closed the connection before the whole body arrived") from None
     return bytes(data)
+
+
+MAX_CONTAINERS = 1 << 16  # arrays and objects in one body: a chat of as many messages still fits
+FIELDS_SLACK = 1 << 16  # list items a body holds beyond a prompt of token ids as long as the context
+
+
+def _check_items(data: bytes, context: int) -> None:
+    """Refuse a body that would make millions of Python objects, before parsing it (`json_items`): parsing holds
+    the GIL, so every other client would wait. Its list items can be a prompt of token ids as long as the context,
+    and a few more; so can its escaped quotes (each at least a token of a text prompt)."""
+    most = max(context, 0) + FIELDS_SLACK
+    items = json_items(data, most)
+    if items.containers > MAX_CONTAINERS:
+        raise ApiError(400, f"the request body holds more than {MAX_CONTAINERS:,} JSON arrays and objects; a "
+                            "request holds its messages and a few settings")
+    if items.separators > most or items.escaped_quotes > most:
+        what = "list items and fields" if items.separators > most else "escaped quotes"
+        raise ApiError(400, f"the request body holds more than {most:,} JSON {what}, more than a prompt of the "
+                            f"context's {context:,} tokens could", code="context_length_exceeded")
 
 
 def _constant(name: str) -> Any:

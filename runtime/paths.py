@@ -14,6 +14,7 @@ import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -141,6 +142,64 @@ def loads_bounded(text: str, depth: int = MAX_JSON_DEPTH) -> Any:
     if text.count("[") + text.count("{") > depth and json_depth(value) > depth:
         raise ValueError(f"it is nested too deeply (more than {depth} levels)")
     return value
+
+
+JSON_COUNT_CHUNK = 1 << 20  # bytes counted in one C call: the GIL is free between two (about a millisecond)
+
+
+@dataclass
+class JsonItems:
+    """What `json_items` counted: the `[` and `{`, the `,` outside strings, and the escaped quotes inside them."""
+
+    containers: int = 0
+    separators: int = 0
+    escaped_quotes: int = 0
+
+    def past(self, most: int) -> bool:
+        return max(self.containers, self.separators, self.escaped_quotes) > most
+
+
+def json_items(data: bytes, most: int) -> JsonItems:
+    """A bound on the Python objects parsing JSON text would make, counted without making them: its arrays and
+    objects (`[`, `{`) and separators (`,`) outside strings, and the escaped quotes inside them (each costs this
+    count a step); counting stops once one passes `most`. `json.loads` holds the GIL from start to end (16 MiB of
+    `[],` held it for seconds, the GC walking millions of lists), so a server counts first, on a thread: strings
+    are skipped with `bytes.find` and the text between them counted with `bytes.count`, a megabyte a call, so
+    that no call holds the GIL for long and the event loop runs meanwhile."""
+    items, pos = JsonItems(), 0
+    while True:
+        quote = data.find(b'"', pos)
+        end = len(data) if quote < 0 else quote
+        for start in range(pos, end, JSON_COUNT_CHUNK):
+            stop = min(start + JSON_COUNT_CHUNK, end)
+            items.containers += data.count(b"[", start, stop) + data.count(b"{", start, stop)
+            items.separators += data.count(b",", start, stop)
+            if items.past(most):
+                return items
+        if quote < 0:
+            return items
+        pos = _string_end(data, quote + 1, items, most)
+        if pos < 0:  # a string that never ends (not JSON: the parser says so), or counting passed `most`
+            return items
+
+
+def _string_end(data: bytes, at: int, items: JsonItems, most: int) -> int:
+    """Where the JSON string whose text starts at `at` ends (just past its closing quote: the first quote after an
+    even run of backslashes), each escaped quote counted in `items`; -1 when it never ends or the count passes
+    `most`."""
+    while True:
+        close = data.find(b'"', at)
+        if close < 0:
+            return -1
+        run = 0
+        while close - run - 1 >= at and data[close - run - 1] == 0x5C:
+            run += 1
+        if run % 2 == 0:
+            return close + 1
+        items.escaped_quotes += 1
+        if items.past(most):
+            return -1
+        at = close + 1
 
 
 def read_json(path: Path, most: int, depth: int = MAX_JSON_DEPTH) -> Any:

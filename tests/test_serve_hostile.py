@@ -137,6 +137,50 @@ async def test_a_body_is_refused_as_it_passes_the_limit(service: EngineService) 
         assert response.status_code == 200, response.text
 
 
+async def test_a_body_that_would_make_millions_of_objects_is_refused_unparsed(
+        service: EngineService, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parsing JSON holds the GIL throughout (16 MiB of `[],` held every client for seconds): arrays and objects past
+    MAX_CONTAINERS, or more list items than a prompt of token ids as long as the context, are refused before the
+    body is parsed. Brackets and commas inside strings are text, not counted."""
+    import tandem.app.server as server
+
+    parsed: list[int] = []
+    real = server._json_of
+    monkeypatch.setattr(server, "_json_of", lambda data: parsed.append(len(data)) or real(data))
+    async with client(service) as c:
+        lists = b'{"prompt": [' + b"[]," * (2 * server.MAX_CONTAINERS) + b'[]], "max_tokens": 1}'
+        error = openai_error(await c.post(COMPLETIONS, content=lists), 400)
+        assert "JSON arrays and objects" in error["message"] and parsed == []
+        ids = {"prompt": [5] * (CONTEXT + server.FIELDS_SLACK + 1), "max_tokens": 1}
+        error = openai_error(await c.post(COMPLETIONS, json=ids), 400)
+        assert error["code"] == "context_length_exceeded" and "list items" in error["message"] and parsed == []
+        text = "[{,\\" * (3 * server.MAX_CONTAINERS) + '"' * 10  # (escapes too: \\ and \" in the string)
+        error = openai_error(await c.post(CHAT, json={"messages": [{"role": "user", "content": text}]}), 400)
+        assert error["code"] == "context_length_exceeded" and f"holds {CONTEXT}" in error["message"]
+        assert len(parsed) == 1  # parsed, and refused by its tokens
+        quotes = json.dumps({"prompt": '"' * (CONTEXT + server.FIELDS_SLACK + 1)}).encode()
+        error = openai_error(await c.post(COMPLETIONS, content=quotes), 400)
+        assert error["code"] == "context_length_exceeded" and "escaped quotes" in error["message"]
+        assert len(parsed) == 1
+        response = await c.post(COMPLETIONS, json={"prompt": [5] * 8, "max_tokens": 1})
+        assert response.status_code == 200, response.text
+
+
+def test_json_items_counts_outside_strings_only() -> None:
+    from tandem.runtime.paths import json_items
+
+    def counted(data: bytes, most: int = 100) -> tuple[int, int, int]:
+        items = json_items(data, most)
+        return items.containers, items.separators, items.escaped_quotes
+
+    assert counted(b'{"a": [1, 2, {"b": "x,[{"}], "c": "q\\"[,{"}') == (3, 3, 1)
+    assert counted(b'["\\\\", [], {}]') == (3, 2, 0)  # an escaped backslash ends before the quote
+    assert counted(b'{"p": "\\\\\\"[,"}') == (1, 0, 1)  # \\ then \": the string goes on
+    assert counted(b'"unterminated [,') == (0, 0, 0) and counted(b"") == (0, 0, 0)
+    assert counted(b"[" + b'"",' * 1000 + b'""]', 10)[1] == 11  # stops once past the bound
+    assert counted(b'"' + b'\\"' * 1000 + b'"', 10)[2] == 11
+
+
 async def _chunks(data: bytes, size: int) -> AsyncIterator[bytes]:
     for i in range(0, len(data), size):
         yield data[i : i + size]
@@ -148,7 +192,8 @@ async def test_every_failure_is_an_openai_json_error(service: EngineService, mon
         # invalid UTF-8, bodies that are not JSON objects, JSON nested too deep, numbers JSON has not
         for raw, words in ((b'{"prompt": "caf\xe9"}', "not UTF-8"), (b"[1, 2]", "JSON object"),
                            (b'"hello"', "JSON object"), (b"null", "JSON object"), (b"", "not JSON"),
-                           (b"[" * 100_000 + b"]" * 100_000, "nested too deep"),
+                           (b"[" * 50_000 + b"]" * 50_000, "nested too deep"),
+                           (b"[" * 100_000 + b"]" * 100_000, "JSON arrays and objects"),  # (counted, not parsed)
                            (b'{"prompt": "x", "temperature": NaN}', "NaN"),
                            (b'{"prompt": "x", "temperature": 1e999}', "temperature"),
                            (b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}", "temperature")):
@@ -216,12 +261,22 @@ BAD_FIELDS: list[tuple[str, dict[str, Any], str]] = [
     (CHAT, {"user": 5}, "user"), (CHAT, {"model": 5}, "model"), (CHAT, {"model": ["tiny"]}, "model"),
     (COMPLETIONS, {"prompt": {}}, "prompt"), (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt"),
     (COMPLETIONS, {"prompt": []}, "prompt"),
+    # a field neither read nor one of OpenAI's that change nothing: refused by name (a misspelling, a knob of another
+    # server), as OpenAI refuses what it does not know
+    (CHAT, {"max_token": 5}, "max_token"), (CHAT, {"mirostat": 2}, "mirostat"), (CHAT, {"prompt": "x"}, "prompt"),
+    (COMPLETIONS, {"messages": HELLO}, "messages"), (CHAT, {"a\nb": 1}, "a\\nb"),
+    # roles a chat template places: no tool results (tools are not offered), nothing made up
+    (CHAT, {"messages": [{"role": "tool", "content": "42"}]}, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "banana", "content": "x"}]}, "messages[0].role"),
+    (CHAT, {"messages": [{"content": "x"}]}, "messages[0].role"),
 ]
 GOOD_FIELDS: list[dict[str, Any]] = [
     {"logprobs": False}, {"n": 1}, {"tools": []}, {"tool_choice": "none"}, {"response_format": {"type": "text"}},
     {"stop": "x"}, {"stop": ["a", "b"]}, {"stop": None}, {"presence_penalty": 0}, {"frequency_penalty": 0.0},
     {"seed": 7, "temperature": 0.7, "top_p": 0.9, "top_k": 5}, {"max_completion_tokens": 2, "max_tokens": 50},
     {"stream": False, "user": "u"}, {"model": "tiny"},
+    {"metadata": {"k": "v"}, "store": False, "service_tier": "auto", "parallel_tool_calls": True},
+    {"messages": [{"role": "developer", "content": "Be brief."}, *HELLO]},
     {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]}]},
 ]
 
@@ -269,9 +324,10 @@ def _random_message(rng: random.Random) -> Any:
     return _random_json(rng, 1)
 
 
-FIELDS = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop", "n", "stream",
-          "stream_options", "seed", "logprobs", "top_logprobs", "tools", "tool_choice", "response_format", "user",
-          "repetition_penalty", "presence_penalty", "logit_bias", "echo", "suffix", "best_of"]
+FIELDS = ["model", "metadata", "mirostat", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+          "stop", "n", "stream", "stream_options", "seed", "logprobs", "top_logprobs", "tools", "tool_choice",
+          "response_format", "user", "repetition_penalty", "presence_penalty", "logit_bias", "echo", "suffix",
+          "best_of"]
 FUZZ_CASES = 1000
 
 
