@@ -29,6 +29,7 @@ class Usage:
     hit_rate: float | None  # None without an accelerator tier
     context_used: int
     context_size: int
+    cached: int = 0  # of the last prompt's tokens, held by the KV cache already (prefix reuse)
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,8 @@ class RuntimeBackend:
         s = self.stats
         dispatch = self.loaded.model.dispatcher.request_stats()
         hit = dispatch.hit_rate if self.loaded.model.accel is not None else None
-        return Usage(s.decode_tok_s, s.ttft_s, hit, s.prompt_tokens + s.new_tokens, self.loaded.model.context)
+        return Usage(s.decode_tok_s, s.ttft_s, hit, s.prompt_tokens + s.new_tokens, self.loaded.model.context,
+                     s.cached_tokens)
 
     def activity(self) -> list[list[int]]:
         rec = self.loaded.model.dispatcher.recorder

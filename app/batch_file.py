@@ -263,7 +263,7 @@ def result_record(line: Line, result: BatchResult, answer: Answer, model: str) -
     chat = line.endpoint == CHAT
     body = completion_body(line.endpoint, f"{'chatcmpl' if chat else 'cmpl'}-{line.number}", int(answer.started),
                            model, answer.text, finish_reason(answer, str(result.finish_reason)),
-                           usage_of(result.prompt_tokens, completion))
+                           usage_of(result.prompt_tokens, completion, result.cached))
     return {"id": f"batch_req_{line.number}", "custom_id": line.custom_id, "line": line.number,
             "response": {"status_code": 200, "request_id": f"req_{line.number}", "body": body}, "error": None}
 

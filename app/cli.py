@@ -168,8 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
     bs.set_defaults(func=_bench_serve)
 
     bc = bench_sub.add_parser("chat", help="what the chat app costs the engine: its decode tokens/s (the status "
-                                           "bar's) over generate's, the app driven headless, alternating")
+                                           "bar's) over generate's, the app driven headless, alternating; with "
+                                           "--turns, a conversation through the server API turn after turn (TTFT "
+                                           "and decode per turn, prefix reuse), beside llama-server with --peer")
     add(bc, "--model", "--new-tokens", "--repeats")
+    bc.add_argument("--turns", type=flags.whole(1, 1000), default=None, metavar="N",
+                    help="a conversation of N turns through the server API, each prompt the whole history")
+    bc.add_argument("--words", type=flags.whole(1, 100_000), default=150, metavar="W",
+                    help="new words each turn adds (with --turns; default: 150)")
+    add(bc, "--peer", choices=["llama.cpp"], help="with --turns: the same conversation against llama.cpp's "
+                                                  "llama-server on the same GGUF --model")
+    bc.add_argument("--llama-server", type=flags.path, default=None, metavar="PATH",
+                    help="llama.cpp's llama-server binary, for --peer llama.cpp")
     add(bc, "--json", action="store", metavar="FILE", help="write the results as JSON")
     add_load_args(bc)
     bc.set_defaults(func=_bench_chat, new_tokens=128)
@@ -234,7 +244,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
     """The settings of a model load: the runtime's own, where experts run, and the CPU experts."""
-    flags.declare(p, "--dtype", "--context", "--force", "--show-config", "--no-profile")
+    flags.declare(p, "--dtype", "--context", "--force", "--show-config", "--no-profile", "--no-prefix-reuse")
     g = p.add_argument_group("accelerator and expert placement")
     flags.declare(g, "--accelerator", "--vram-gb", "--gpu", "--strategy", "--cache-ways", "--cache-policy",
                   "--max-inflight", "--placement", "--cost")
@@ -279,6 +289,7 @@ def request_from_args(args: argparse.Namespace, batch: int = 1) -> Request:
         cache_policy=None if args.cache_policy is None else CachePolicy(args.cache_policy),
         max_inflight=args.max_inflight, cost=args.cost, threads=args.threads, crossover=args.kernel_crossover,
         quant=args.quant, quant_group=args.quant_group, kernel_isa=args.kernel_isa, resident=args.resident,
+        prefix_reuse=getattr(args, "prefix_reuse", True),
     )
 
 
@@ -805,11 +816,48 @@ def _bench_chat(args: argparse.Namespace) -> int:
 
     if args.json:
         check_output_file(args.json, "--json")
+    if args.turns:
+        return _bench_turns(args)
+    if args.peer:
+        raise UsageError("--peer compares a conversation through the server API: give --turns N too")
     loaded = load_from_args(args)
     try:
         result = bench_chat(loaded, args.new_tokens, args.repeats)
     finally:
         loaded.model.close()
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
+    return 0
+
+
+def _bench_turns(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from tandem.app.bench_turns import against_new_alone, llama_server_turns, tandem_turns, turn_texts
+    from tandem.runtime.loader import load
+
+    if args.peer and (not args.llama_server or not str(args.model or "").endswith(".gguf")):
+        raise UsageError("--peer llama.cpp serves the same file: give a GGUF file as --model and --llama-server PATH")
+    texts = turn_texts(args.turns, args.words)
+    if args.context is None:  # the whole conversation, at about two tokens a word, with room
+        args.context = args.turns * (2 * args.words + args.new_tokens + 16) + 64
+    configured = configure_from_args(args)
+    loaded = load(replace(configured.options, ragged=True), configured.checkpoint, _progress, _note)
+    name = Path(args.model).name if args.model else "built-in"
+    turns = tandem_turns(loaded, name, texts, args.new_tokens)
+    loaded.model.close()  # (its memory, before llama.cpp loads the same model)
+    result: dict[str, object] = {"model": name, "turns": args.turns, "words": args.words,
+                                 "new_tokens": args.new_tokens, "context": loaded.model.context,
+                                 "prefix_reuse": configured.options.prefix_reuse, "tandem": turns,
+                                 "ttft_vs_new_alone": against_new_alone(turns)}
+    if args.peer:
+        peer = llama_server_turns(Path(args.llama_server), Path(args.model),
+                                  configured.options.cpu.threads or torch_threads(), loaded.model.context, texts,
+                                  args.new_tokens)
+        result["peer"] = {"name": "llama.cpp", "turns": peer}
+        result["ttft_vs_peer"] = [round(a["ttft_s"] / b["ttft_s"], 3) if a["ttft_s"] and b["ttft_s"] else None
+                                  for a, b in zip(turns, peer, strict=True)]
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")

@@ -226,6 +226,11 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
                                          help="read the experts into RAM at load instead of streaming them from the "
                                               "memory-mapped files (faster decode, a longer load; default: when they "
                                               "fit in 70%% of the available RAM)")),
+    "--no-prefix-reuse": (("--no-prefix-reuse",), dict(dest="prefix_reuse", action="store_false",
+                                                       help="prefill every prompt whole, even where a KV cache row "
+                                                            "holds its first tokens already (a chat's earlier "
+                                                            "turns, a shared system prompt): to measure prefill, or "
+                                                            "to rule reuse out")),
     "--kernel-isa": (("--kernel-isa",), dict(choices=["auto", "base", "avx2", "avx512", "avx512bf16", "amx"],
                                              default=None,
                                              help="force a kernel variant (auto, the default: the best this CPU "

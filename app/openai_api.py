@@ -282,9 +282,11 @@ def finish_reason(answer: Answer, reason: str) -> str:
     return "stop" if answer.stopped else FINISH.get(reason, reason)
 
 
-def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens`: the prompt's, held by a KV cache row already (prefix reuse)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_body(endpoint: str, rid: str, created: int, model: str, text: str, reason: str,

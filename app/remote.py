@@ -180,7 +180,10 @@ class RemoteBackend:
         prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         rate = (tokens - 1) / (last - first) if tokens > 1 and last > first else 0.0
         used = (prompt if isinstance(prompt, int) else self.prompt_tokens(messages)) + tokens
-        return Usage(rate, first - start if first else 0.0, None, used, self._context)
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return Usage(rate, first - start if first else 0.0, None, used, self._context,
+                     cached if isinstance(cached, int) and not isinstance(cached, bool) else 0)
 
     def prompt_tokens(self, messages: list[dict[str, str]]) -> int:
         """An estimate: the server's tokenizer is not here."""

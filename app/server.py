@@ -100,6 +100,7 @@ class Reply:
     reason: str = ""
     error: str = ""
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's, held by a KV cache row already
     recorded: bool = False  # (record: it ended)
 
     def token(self, token: int) -> None:
@@ -112,6 +113,7 @@ class Reply:
     def done(self, event: DoneEvent) -> None:
         r = event.result
         self.answer.add(self.text.flush(), token=False)
+        self.cached_tokens = r.cached
         if r.finish_reason == "error":
             self.error = r.error or "the generation failed"
             return
@@ -119,7 +121,7 @@ class Reply:
         self.completion_tokens = self.answer.tokens if self.answer.stopped else len(r.tokens)
 
     def usage(self) -> dict[str, int]:
-        return usage_of(len(self.request.prompt), self.completion_tokens)
+        return usage_of(len(self.request.prompt), self.completion_tokens, self.cached_tokens)
 
     def record(self, outcome: str) -> None:
         """Counted in the metrics, once the request has ended."""
@@ -127,6 +129,7 @@ class Reply:
         m = self.service.metrics
         m.finished(ENDPOINT_NAMES[self.endpoint], outcome)
         m.prompt_tokens += len(self.request.prompt)
+        m.cached_tokens += self.cached_tokens
         m.completion_tokens += self.completion_tokens
 
 
@@ -413,6 +416,8 @@ def metrics_text(service: EngineService) -> str:
     metric("tandem_requests_total", "counter", "Requests by endpoint and outcome (ok, error, refused, cancelled).",
            [(f'{{endpoint="{e}",outcome="{o}"}}', n) for (e, o), n in sorted(m.requests.items())])
     metric("tandem_prompt_tokens_total", "counter", "Prompt tokens of answered requests.", [("", m.prompt_tokens)])
+    metric("tandem_prompt_tokens_cached_total", "counter", "Of those, tokens a KV cache row held already (prefix "
+           "reuse: not prefilled again).", [("", m.cached_tokens)])
     metric("tandem_generation_tokens_total", "counter", "Tokens generated for answered requests.",
            [("", m.completion_tokens)])
     metric("tandem_generation_tokens_per_second", "gauge", "Tokens generated per second of the engine's work "

@@ -57,6 +57,7 @@ class ServerMetrics:
 
     requests: dict[tuple[str, str], int] = field(default_factory=dict)  # (endpoint, outcome) -> count
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, held by a KV cache row already (prefix reuse)
     completion_tokens: int = 0
     ttft_counts: list[int] = field(default_factory=lambda: [0] * (len(TTFT_BUCKETS) + 1))  # by bucket, +Inf last
     ttft_sum: float = 0.0
@@ -101,7 +102,8 @@ class EngineService:
         self.loaded, self.name = loaded, name
         self.tokenizer = loaded.tokenizer
         self.harmony = is_harmony(loaded.tokenizer.chat_template)
-        self.engine = BatchEngine(loaded.model, loaded.engine.eos_ids, max_batch, step_tokens)
+        self.engine = BatchEngine(loaded.model, loaded.engine.eos_ids, max_batch, step_tokens,
+                                  reuse=loaded.options.prefix_reuse)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.queue = RequestQueue()
         self.metrics = ServerMetrics()

@@ -125,6 +125,8 @@ class StatusBar(Static):
                 parts.append(f"hits {usage.hit_rate:.0%}")
         if context is not None:
             parts.append(f"ctx {context[0]}/{context[1] or '?'}")
+        if usage is not None and usage.cached:  # the last prompt's tokens the KV cache held: not read again
+            parts.append(f"{usage.cached} cached")
         if memory:
             parts.append(memory)
         self.update(Text(" · ".join(parts)))

@@ -42,6 +42,7 @@ class BatchResult:
     finish_reason: FinishReason | str  # "eos", "length", "context", "stop" (BatchEngine.finish) or "error"
     error: str = ""  # why the request was refused or stopped ("" when it ran)
     seconds: float = 0.0  # from joining the batch to finishing
+    cached: int = 0  # prompt tokens its KV cache row held already (prefix reuse): not prefilled again
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class _Sequence:
     joined: float
     fed: int = 0  # ids of history already in its KV cache row
     tokens: list[int] = field(default_factory=list)
+    cached: int = 0  # of those, held by the row when it joined (prefix reuse)
 
 
 WAIT_SLICE_S = 0.25
@@ -144,9 +146,11 @@ class BatchEngine:
     prompts fill what the budget leaves, at least one chunk when nothing is decoding)."""
 
     def __init__(self, model: MoEModel, eos_ids: Iterable[int], max_batch: int, step_tokens: int = 256,
-                 micro_batches: int = 1, host_cache: bool = False) -> None:
+                 micro_batches: int = 1, host_cache: bool = False, reuse: bool = False) -> None:
         """On an accelerator: `micro_batches` > 1 pipelines each step (one micro-batch's attention while the
-        accelerator runs another's experts); `host_cache` keeps the batch's KV cache in RAM, attention on the CPU."""
+        accelerator runs another's experts); `host_cache` keeps the batch's KV cache in RAM, attention on the CPU.
+        `reuse`: a request joins the free row holding the longest prefix of its prompt and prefills only the rest
+        (runtime/prefix.py); rows free longest are overwritten first."""
         if max_batch < 1 or step_tokens < 1 or micro_batches < 1:
             raise ValueError("BatchEngine needs max_batch, step_tokens and micro_batches of at least 1")
         self.model = model.with_batch(max_batch, host_cache)
@@ -154,7 +158,7 @@ class BatchEngine:
         if model.prefill_chunk:  # on an accelerator: no pass beyond the activations it keeps back
             step_tokens = min(step_tokens, max(model.prefill_chunk, max_batch))
         self.eos_ids = frozenset(eos_ids)
-        self.max_batch, self.step_tokens = max_batch, step_tokens
+        self.max_batch, self.step_tokens, self.reuse = max_batch, step_tokens, reuse
         self.stats = BatchStats()
         self._stopping: set[str] = set()
 
@@ -185,7 +189,7 @@ class BatchEngine:
                 if problem:
                     yield DoneEvent(BatchResult(request.key, [], len(request.prompt), "error", problem))
                     continue
-                seq = self._join(request, free.pop(0))
+                seq = self._join(request, free)
                 if seq.budget == 0:  # nothing asked for: done without a pass
                     free.insert(0, seq.row)
                     yield DoneEvent(BatchResult(request.key, [], seq.pos, "length"))
@@ -229,7 +233,9 @@ class BatchEngine:
             return f"prompt token ids must be in [0, {vocab}); the tokenizer does not match the model"
         return ""
 
-    def _join(self, request: BatchRequest, row: int) -> _Sequence:
+    def _join(self, request: BatchRequest, free: list[int]) -> _Sequence:
+        """`request` as a sequence, in the free row that holds the longest prefix of its prompt (with reuse on),
+        else the row free longest (the first of `free`, from which its row is taken)."""
         generator = torch.Generator()
         if request.params.seed is None:
             generator.seed()
@@ -239,8 +245,13 @@ class BatchEngine:
         history = torch.empty(context, dtype=torch.long)
         history[:n] = torch.tensor(request.prompt)
         switch = self.model.rope_switch
+        long = switch is not None and n > switch
+        held = self.model.cache.held
+        reusable = [held.reusable(r, history[:n], long) if self.reuse else 0 for r in free]
+        best = max(range(len(free)), key=lambda i: (reusable[i], -i))
+        row = free.pop(best)
         return _Sequence(request, row, history, n, min(request.params.max_new_tokens, context - n), generator,
-                         long=switch is not None and n > switch, joined=time.perf_counter())
+                         long=long, joined=time.perf_counter(), fed=reusable[best], cached=reusable[best])
 
     def _step(self, active: list[_Sequence]) -> tuple[list[_Sequence], torch.Tensor]:
         """One ragged pass over what the active sequences have not fed yet: decode tokens first (one each), then
@@ -301,4 +312,4 @@ class BatchEngine:
     @staticmethod
     def _done(seq: _Sequence, reason: str, error: str = "") -> DoneEvent:
         return DoneEvent(BatchResult(seq.request.key, seq.tokens, len(seq.request.prompt), reason, error,
-                                     time.perf_counter() - seq.joined))
+                                     time.perf_counter() - seq.joined, seq.cached))

@@ -1,7 +1,8 @@
 """The generation engine: token ids in, token ids out, one at a time, as a generator.
 
-The CLI, the chat app, benchmarks and tests all consume `Engine.generate`. Prefill runs the whole
-prompt in one forward pass; each decode step feeds one token and reuses the KV cache.
+The CLI, the chat app, benchmarks and tests all consume `Engine.generate`. Prefill runs the prompt in one forward
+pass (or chunks), from the first position the KV cache does not hold already when reuse is on (runtime/prefix.py:
+a chat's next turn prefills only its new tokens); each decode step feeds one token and reuses the KV cache.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class GenerationStats:
     ttft_s: float = 0.0  # prefill + first sample
     decode_s: float = 0.0  # every later step
     finish_reason: FinishReason = ""
+    cached_tokens: int = 0  # of the prompt's, held by the KV cache already: not prefilled again
 
     @property
     def decode_tok_s(self) -> float:
@@ -47,6 +49,7 @@ class GenerationStats:
             "prompt_tok_s": round(self.prompt_tok_s, 3),
             "new_tokens": self.new_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "finish_reason": self.finish_reason,
         }
 
@@ -62,9 +65,12 @@ def check_scores(logits: torch.Tensor, step: int) -> None:
 
 
 class Engine:
-    def __init__(self, model: MoEModel, eos_ids: Iterable[int]) -> None:
+    def __init__(self, model: MoEModel, eos_ids: Iterable[int], reuse: bool = False) -> None:
+        """`reuse`: a prompt whose first tokens KV cache row 0 holds already prefills only the rest (off by default:
+        a benchmark that runs one prompt twice measures its prefill twice)."""
         self.model = model
         self.eos_ids = frozenset(eos_ids)
+        self.reuse = reuse
 
     @property
     def context(self) -> int:
@@ -108,7 +114,8 @@ class Engine:
         history[:n_prompt] = torch.tensor(prompt_ids)
         self._begin(stats, n_prompt)
         start = time.perf_counter()
-        logits = self._prefill(history[None, :n_prompt])[0]  # [V]
+        stats.cached_tokens = self._reusable(history[:n_prompt])
+        logits = self._prefill(history[None, :n_prompt], stats.cached_tokens)[0]  # [V]
         budget = min(params.max_new_tokens, self.context - n_prompt)
         pos = n_prompt
         for step in range(budget):
@@ -136,16 +143,24 @@ class Engine:
                                             phase="decode")[0, -1]
         stats.finish_reason = "length" if budget == params.max_new_tokens else "context"
 
-    def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """Sequences ids [R, n] from position 0 -> their last position's logits [R, V]: in passes of the model's
-        `prefill_chunk` tokens (one pass without it). Under LongRoPE every pass rotates as the whole length
-        decides, as one pass would."""
+    def _prefill(self, ids: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """Sequences ids [R, n], of which the KV cache holds the first `first` positions already -> their last
+        position's logits [R, V]: in passes of the model's `prefill_chunk` tokens (one pass without it). Under
+        LongRoPE every pass rotates as the whole length decides, as one pass would."""
         n = ids.shape[1]
         chunk = self.model.prefill_chunk or n
-        long = self.model.rope_switch is not None and n > self.model.rope_switch
-        for start in range(0, n, chunk):
+        long = self._long(n)
+        for start in range(first, n, chunk):
             logits = self.model.forward(ids[:, start : start + chunk], start, last_only=True, long=long)  # [R, 1, V]
         return logits[:, -1]
+
+    def _long(self, length: int) -> bool:
+        """Whether a sequence `length` tokens long rotates with LongRoPE's long tables."""
+        return self.model.rope_switch is not None and length > self.model.rope_switch
+
+    def _reusable(self, prompt: torch.Tensor) -> int:
+        """How many of the prompt's first positions KV cache row 0 holds already (0 with reuse off)."""
+        return self.model.cache.held.reusable(0, prompt, self._long(len(prompt))) if self.reuse else 0
 
     def _rope_switches(self, length: int) -> bool:
         """Whether the step that makes the sequence `length` tokens long crosses LongRoPE's switch: the cached keys
@@ -155,7 +170,7 @@ class Engine:
 
     def _begin(self, stats: GenerationStats, n_prompt: int) -> None:
         self.model.dispatcher.begin_request()
-        stats.prompt_tokens, stats.new_tokens, stats.finish_reason = n_prompt, 0, ""
+        stats.prompt_tokens, stats.new_tokens, stats.finish_reason, stats.cached_tokens = n_prompt, 0, "", 0
         stats.ttft_s = stats.decode_s = 0.0
 
     def _beam_search(self, prompt_ids: list[int], params: SamplingParams, stats: GenerationStats) -> Iterator[int]:
@@ -167,7 +182,9 @@ class Engine:
         self._begin(stats, n_prompt)
         start = time.perf_counter()
         budget = min(params.max_new_tokens, self.context - n_prompt)
-        logits = self._prefill(torch.tensor([prompt_ids]))[0]  # [V]
+        prompt = torch.tensor(prompt_ids)
+        stats.cached_tokens = self._reusable(prompt)
+        logits = self._prefill(prompt[None], stats.cached_tokens)[0]  # [V]
         if budget:
             check_scores(logits, 0)
         scores = torch.log_softmax(logits, -1)[None]  # [1, V]: one row until the beams diverge

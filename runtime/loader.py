@@ -77,4 +77,4 @@ def load(options: Options, checkpoint: Checkpoint | None = None,
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
     release_thread_pool()  # the loading thread may stay (a chat app's, a server's): kernels/openmp.py
-    return LoadedModel(ckpt, model, tokenizer, Engine(model, eos), options)
+    return LoadedModel(ckpt, model, tokenizer, Engine(model, eos, options.prefix_reuse), options)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from tandem.runtime.accelerator import Accelerator
 from tandem.runtime.config import ModelConfig
+from tandem.runtime.prefix import HeldTokens
 from tandem.runtime.rope import apply_rope, yarn_mscale
 
 Linear = Callable[..., torch.Tensor]  # MoEModel.linear: (x, weight, bias=None, out_dtype=None) -> x @ weight.T
@@ -96,6 +97,7 @@ class LatentCache:
         self.latent = torch.empty(shape, dtype=dtype) if accel is None else accel.empty(shape, dtype, "the KV cache")
         self.context = context
         self.batch = batch
+        self.held = HeldTokens(batch, context)  # the tokens each row holds (runtime/prefix.py)
 
     def copy_rows(self, pairs: list[tuple[int, int]], length: int) -> None:
         """Beam search: for each (dst, src), batch row dst takes the first `length` positions of row src (no row may be
@@ -104,11 +106,13 @@ class LatentCache:
             raise ValueError("copy_rows: a row cannot be both a source and a destination")
         for d, s in pairs:
             self.latent[:, d, :length].copy_(self.latent[:, s, :length])
+        self.held.copy_rows(pairs, length)
 
     def row(self, r: int) -> LatentCache:
         """Batch row r alone, as a cache of one row (views, as KVCache.row)."""
         view = copy.copy(self)
         view.latent, view.batch = self.latent[:, r : r + 1], 1
+        view.held = self.held.row(r)
         return view
 
     @staticmethod

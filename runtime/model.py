@@ -37,6 +37,7 @@ from tandem.runtime.moe import (
     RoutingRule,
     SharedExpert,
 )
+from tandem.runtime.prefix import HeldTokens
 from tandem.runtime.rope import apply_rope, long_after, rope_tables
 from tandem.runtime.weights import (
     correction_name,
@@ -245,6 +246,7 @@ class KVCache:
             self.k, self.v = accel.empty(shape, dtype, "the KV cache"), accel.empty(shape, dtype, "the KV cache")
         self.context = context
         self.batch = batch
+        self.held = HeldTokens(batch, context)  # the tokens each row holds (runtime/prefix.py)
 
     def copy_rows(self, pairs: list[tuple[int, int]], length: int) -> None:
         """Beam search: for each (dst, src), batch row dst takes the first `length` positions of row src. No row
@@ -255,11 +257,13 @@ class KVCache:
         for d, s in pairs:
             self.k[:, d, :, :length].copy_(self.k[:, s, :, :length])
             self.v[:, d, :, :length].copy_(self.v[:, s, :, :length])
+        self.held.copy_rows(pairs, length)
 
     def row(self, r: int) -> KVCache:
         """Batch row r alone, as a cache of one row: views, so what a pass writes into it lands in this cache."""
         view = copy.copy(self)
         view.k, view.v, view.batch = self.k[:, r : r + 1], self.v[:, r : r + 1], 1
+        view.held = self.held.row(r)
         return view
 
     @staticmethod
@@ -523,23 +527,29 @@ class MoEModel:
         `phase` ("prefill" or "decode") labels the step in the expert activation trace. `long`: LongRoPE's long
         tables or not (None: as this pass's length decides; a prompt in several passes decides once). The device
         running out of memory on the way is a ResourceError (another program took what the budget counted on)."""
+        held = self.cache.held
+        rows = range(ids.shape[0])
+        for r in rows:
+            held.cut(r, start)
+        if long is None:  # LongRoPE: this pass's length decides
+            long = self.rope_switch is not None and start + ids.shape[1] > self.rope_switch
         try:
-            return self._forward(ids, start, last_only, phase, long)
+            logits = self._forward(ids, start, last_only, phase, long)
         except torch.OutOfMemoryError as e:
             raise ResourceError(f"the accelerator ran out of memory during a {ids.shape[1]}-token pass: another "
                                 "program may have taken some; lower --vram-gb or --context, or use --accelerator "
                                 "none") from e
+        for r in rows:
+            held.note(r, start, ids[r], long)
+        return logits
 
-    def _forward(self, ids: torch.Tensor, start: int, last_only: bool, phase: str, long: bool | None
-                 ) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, start: int, last_only: bool, phase: str, long: bool) -> torch.Tensor:
         B, T = ids.shape
         self.dispatcher.begin_step(phase)
         # The residual stream in float32, whatever the compute dtype (as llama.cpp keeps it): each layer adds to it
         # unrounded, and only the inputs of the matrix products are rounded, so bf16 picks fp32's top-1 token more
         # often (README, bf16 numerics).
         x = self._embed(ids)  # [B, T, H] float32
-        if long is None:  # LongRoPE: this pass's length decides
-            long = self.rope_switch is not None and start + T > self.rope_switch
         cos, sin = (self.cos_long, self.sin_long) if long else (self.cos, self.sin)
         cos, sin = cos[start : start + T], sin[start : start + T]  # [T, D]
         step = self._decode_step() if B == 1 and T == 1 else None
@@ -649,12 +659,20 @@ class MoEModel:
             # one kernel call included, over that sequence's cache row
             seg = segments[0]
             return self._row_view(seg.row).forward(ids.view(1, 1), seg.start, True, phase, seg.long)[0]  # [1, V]
+        held = self.cache.held
+        for seg in segments:
+            held.cut(seg.row, seg.start)
         try:
-            return self._forward_rows(ids, segments, phase)
+            logits = self._forward_rows(ids, segments, phase)
         except torch.OutOfMemoryError as e:
             raise ResourceError(f"the accelerator ran out of memory during a {ids.numel()}-token pass of "
                                 f"{len(segments)} sequences: lower the batch size or --vram-gb, or use --accelerator "
                                 "none") from e
+        at = 0
+        for seg in segments:
+            held.note(seg.row, seg.start, ids[at : at + seg.length], seg.long)
+            at += seg.length
+        return logits
 
     def _row_view(self, row: int) -> MoEModel:
         """This model over KV cache row `row` alone (made once a row: its decode step is planned once)."""

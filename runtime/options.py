@@ -65,6 +65,7 @@ class Request:
     kernel_isa: Isa | Literal["auto"] | None = None  # None or auto: the best this CPU supports
     resident: bool | None = None  # None: read the experts into RAM when they fit with room to spare
     use_kernel: bool = True  # False: torch only, no compiled kernels
+    prefix_reuse: bool = True  # a prompt that begins as a KV cache row's tokens prefills only the rest
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class Options:
     gpu: int = 0
     cpu_dtype: Dtype | None = None  # the CPU experts' compute dtype where it is not `dtype` (an fp16 GPU's)
     ragged: bool = False  # batch mode: the `batch` sequences run as ragged passes, each prompt's tokens in one row
+    prefix_reuse: bool = True  # runtime/prefix.py: a prompt sharing a cache row's first tokens prefills the rest
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -130,6 +132,7 @@ class Options:
             "cost": None if o.cost is None else [o.cost.cpu_a_ms, o.cost.cpu_b_ms, o.cost.gpu_ms, o.cost.transfer_ms],
             "threads": c.threads, "crossover": c.crossover, "quant": c.quant or "none", "quant_group": c.group,
             "kernel_isa": c.isa or "auto", "resident": c.resident, "use_kernel": c.use_kernel,
+            "prefix_reuse": self.prefix_reuse,
         }
         return {k: {"value": v, "from": self.source(k)} for k, v in values.items()}
 
@@ -250,13 +253,14 @@ def resolve(request: Request, profile: Request | None, ckpt: Checkpoint, machine
     offload = OffloadOptions(pick("strategy", Strategy.FIDDLER), pick("cache_ways"),
                              pick("cache_policy", CachePolicy.LRU), pick("static", ()),
                              pick("max_inflight", DEFAULT_INFLIGHT, profiled=False), pick("cost"))
-    for name in ("batch", "force", "use_kernel"):
+    for name in ("batch", "force", "use_kernel", "prefix_reuse"):
         sources[name] = "given" if getattr(request, name) != getattr(Request, name) else "default"
     pick("vram_gb", profiled=False)
     sources["model"] = "given"
     names = [f.name for f in fields(Request)]
     return Options(Path(request.model), dtype, context, batch, request.force, accelerator, request.vram_gb, offload,
-                   cpu, tuple((n, sources.get(n, "default")) for n in names), gpu, cpu_dtype)
+                   cpu, tuple((n, sources.get(n, "default")) for n in names), gpu, cpu_dtype,
+                   prefix_reuse=request.prefix_reuse)
 
 
 def _check_group(cfg: ModelConfig, quant: str | None, group: int) -> None:

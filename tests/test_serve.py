@@ -126,6 +126,32 @@ def test_openai_client_whole_and_streamed_answers_are_the_request_run_alone(mixt
         assert health["status"] == "ok" and health["model"] == "tiny"
 
 
+def test_a_next_turn_and_a_shared_system_prompt_reuse_the_cache(mixtral_dir: Path) -> None:
+    """Prefix reuse: a prompt that begins as an earlier request's prefills only the rest (usage's cached_tokens,
+    /metrics), and answers as it does alone."""
+    first = "Once upon a time there was"
+    with serving(mixtral_dir, batch=2) as (_, server):
+        c = client(server)
+        one = c.completions.create(model="tiny", prompt=first, max_tokens=8)
+        assert one.usage is not None and one.usage.prompt_tokens_details is not None
+        assert one.usage.prompt_tokens_details.cached_tokens == 0
+        follow = first + one.choices[0].text + " and then"
+        two = c.completions.create(model="tiny", prompt=follow, max_tokens=8)
+        assert two.usage is not None and two.usage.prompt_tokens_details is not None
+        assert two.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens - 1
+        system = {"role": "system", "content": "You answer questions about the sea, briefly and kindly."}
+        asks = [[system, {"role": "user", "content": q}] for q in ("Why is it salty?", "How deep is it?")]
+        answers = [c.chat.completions.create(model="tiny", messages=m, max_tokens=6) for m in asks]  # type: ignore[arg-type]
+        cached = [a.usage.prompt_tokens_details.cached_tokens for a in answers if a.usage and
+                  a.usage.prompt_tokens_details]
+        assert len(cached) == 2 and cached[1] >= 8  # (the system prompt, at least)
+        text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
+        assert metric(text, "tandem_prompt_tokens_cached_total") == two.usage.prompt_tokens_details.cached_tokens \
+            + sum(cached)
+    assert two.choices[0].text == alone(mixtral_dir, prompt=follow, max_new_tokens=8)[0]
+    assert answers[1].choices[0].message.content == alone(mixtral_dir, asks[1], max_new_tokens=6)[0]
+
+
 def test_errors_come_in_openais_shape_with_the_right_status(mixtral_dir: Path) -> None:
     with serving(mixtral_dir, api_key="sesame") as (_, server):
         c = client(server, "sesame")
@@ -449,3 +475,60 @@ def test_bench_serve_measures_llama_server_the_same_way(mixtral_dir: Path, tmp_p
     assert main(args[:-2]) == 2  # no llama-bench
     assert main(["bench", "serve", "--model", str(mixtral_dir), "--peer", "llama.cpp", "--llama-server",
                  str(fakes[0]), "--llama-bench", str(fakes[1])]) == 2  # a folder: llama.cpp cannot serve it
+
+
+FAKE_CACHING_LLAMA_SERVER = '''#!{python}
+"""Stands in for llama-server with its prompt cache: /health, and /v1/completions streaming "ok " a token, its last
+chunk's timings counting a character a token, those the previous prompt shared cached."""
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+seen = [""]
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"
+    def log_message(self, *a): pass
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{{}}")
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = body["prompt"]
+        cached = len(os.path.commonprefix([seen[0], prompt]))
+        seen[0] = prompt
+        self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
+        for i in range(body["max_tokens"]):
+            self.wfile.write(b'data: {{"choices": [{{"text": "ok ", "finish_reason": null}}]}}\\n\\n')
+            self.wfile.flush()
+        last = {{"choices": [{{"text": "", "finish_reason": "length"}}],
+                "timings": {{"prompt_n": len(prompt) - cached, "cache_n": cached, "predicted_n": body["max_tokens"]}}}}
+        self.wfile.write(b"data: " + json.dumps(last).encode() + b"\\n\\ndata: [DONE]\\n\\n")
+
+ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+def test_bench_chat_turns_reports_reuse_turn_by_turn_beside_llama_server(mixtral_dir: Path, tmp_path: Path) -> None:
+    """`bench chat --turns`: each turn's prompt is the history, so from the second on most of it is cached, for
+    Tandem (usage) and for llama-server (its timings: a stand-in here); without a GGUF file --peer is refused."""
+    from tests.ggufs import write_gguf
+
+    fake = tmp_path / "llama-server"
+    fake.write_text(FAKE_CACHING_LLAMA_SERVER.format(python=sys.executable))
+    fake.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    write_gguf(mixtral_dir, gguf, "F32")
+    out = tmp_path / "turns.json"
+    args = ["bench", "chat", "--model", str(gguf), "--turns", "3", "--words", "6", "--new-tokens", "4",
+            "--dtype", "fp32", "--threads", "1", "--no-profile", "--peer", "llama.cpp", "--llama-server", str(fake)]
+    assert main([*args, "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    ours, theirs = r["tandem"], r["peer"]["turns"]
+    assert [t["turn"] for t in ours] == [1, 2, 3] and ours[0]["cached_tokens"] == 0
+    for before, now in zip(ours, ours[1:], strict=False):  # the earlier turn's prompt, at least, is reused
+        assert now["prompt_tokens"] > before["prompt_tokens"] and now["cached_tokens"] >= before["prompt_tokens"] - 1
+    assert all(t["ttft_s"] > 0 and t["new_tokens"] == 4 for t in ours) and len(r["ttft_vs_new_alone"]) == 3
+    assert theirs[0]["cached_tokens"] == 0 and theirs[2]["cached_tokens"] > theirs[1]["cached_tokens"] > 0
+    assert len(r["ttft_vs_peer"]) == 3 and all(x > 0 for x in r["ttft_vs_peer"])
+    assert main(["bench", "chat", "--model", str(mixtral_dir), "--turns", "2", "--peer", "llama.cpp",
+                 "--llama-server", str(fake)]) == 2  # a folder: llama.cpp cannot serve it

@@ -191,6 +191,16 @@ async def test_with_the_real_runtime(mixtral_dir: Path) -> None:
         status = str(app.query_one(StatusBar).render())
         assert "CPU only" in status and "tok/s" in status and f"/{128}" in status
         assert app.lifecycle.backend.activity()
+        # the next turn prefills only what the KV cache does not hold (prefix reuse), and answers as a whole prompt
+        await ask(pilot, app, "And then?")
+        await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.chat.current.turns) == 4)
+        conv = app.chat.current
+        cached = app.lifecycle.backend.usage().cached
+        assert cached > 0 and f"{cached} cached" in str(app.query_one(StatusBar).render())
+        asked = conv.messages(app.chat.chat_settings(conv).system_prompt)[:-1]
+    whole = RuntimeBackend(load_model(mixtral_dir, dtype="fp32", context=128, prefix_reuse=False))
+    assert "".join(whole.stream(asked, SamplingParams(max_new_tokens=8))) == conv.turns[-1].content
+    assert whole.usage().cached == 0
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "qwen2_moe-shared", "olmoe", "mixtral", "glm4_moe", "deepseek_v2",

@@ -577,3 +577,24 @@ async def test_a_queued_message_survives_switching_chats_while_the_model_loads(t
         gate.set()
         await wait_until(pilot, lambda: len(fresh.turns) == 2 and not app.lifecycle.generating)
         assert app.chat.current is fresh and user_texts(fresh) == ["sent early"] and len(older.turns) == 2
+
+
+async def test_a_message_over_the_context_is_not_sent_and_the_chat_goes_on() -> None:
+    """A message that cannot fit the context even alone stays in the composer, saying its size; it never joins the
+    chat (resent with every later message, each of those would fail too), and the next message is answered."""
+    backend = FakeBackend(words=4)
+    app = TandemApp(lambda _: backend)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ask_and_wait(pilot, app, "Hello there")
+        pasted = " ".join(["word"] * 4000)  # (the fake: a token a word; its context 4096 keeps 512 for the answer)
+        await ask(pilot, app, pasted)
+        await pilot.pause()
+        assert [t.content for t in app.chat.current.turns if t.role == "user"] == ["Hello there"]
+        assert app.query_one(Composer).text == pasted and len(backend.prompts) == 1
+        assert any(n.title == "Not sent" and "4002 tokens" in n.message and "4096" in n.message
+                   for n in app._notifications)
+        app.query_one(Composer).text = ""
+        await ask(pilot, app, "And now?")
+        await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.chat.current.turns) == 4)
+        assert backend.prompts[-1][-1]["content"] == "And now?" and all(
+            m["content"] != pasted for m in backend.prompts[-1])

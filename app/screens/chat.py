@@ -404,6 +404,15 @@ class ChatScreen(Screen[None]):
         self.notify("the messages that were waiting are back in the composer")
 
     def send(self, conv: Conversation, text: str) -> None:
+        """`text` joins `conv` as the user's message and its answer starts; a message that cannot fit the context
+        even alone goes back to the composer, saying so (kept in the chat, it would be resent with every later
+        message, and each of those would fail the same way)."""
+        problem = self.too_long(conv, text)
+        if problem is not None:
+            if conv is self.current:
+                self.query_one(Composer).text = text
+            self.notify(problem, title="Not sent", severity="error", timeout=20)
+            return
         if not conv.turns:
             conv.title = title_from(text)
         if conv.settings is None:  # the chat keeps the settings it started with (F2 changes them for it)
@@ -414,6 +423,23 @@ class ChatScreen(Screen[None]):
         self.used(conv)
         self.save(conv)  # the question is kept even if the app dies before the answer ends
         self.start_answer()
+
+    def too_long(self, conv: Conversation, text: str) -> str | None:
+        """Why `text` cannot be sent in `conv` (with its system prompt, and room kept for the answer, it is over the
+        context), or None."""
+        backend = self.lifecycle.backend
+        if backend is None or not backend.context:
+            return None
+        settings = self.chat_settings(conv)
+        messages = conv.messages(settings.system_prompt)
+        head = messages[: next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))]
+        tokens = backend.prompt_tokens([*head, {"role": "user", "content": text}])
+        room = answer_room(backend.context, settings.params().max_new_tokens)
+        if tokens + room <= backend.context:
+            return None
+        return (f"this message takes {tokens} tokens and the context holds {backend.context}, {room} of them kept "
+                "for the answer: shorten or split it, or load the model with a larger context (--context, or F2 "
+                "for a shorter answer)")
 
     def start_answer(self, again: Turn | None = None) -> None:
         """Answer the chat's last question; `again`: the last answer, to which this one is added as a version."""
