@@ -176,7 +176,7 @@ def _answer(args: argparse.Namespace, runnable: list[Line], results: ResultsFile
     # expert slots take the rest); in RAM, the engine makes it
     loaded = load(replace(configured.options, batch=1 if on_host else size, ragged=True), configured.checkpoint)
     engine = BatchEngine(loaded.model, loaded.engine.eos_ids, size, step, policy.micro_batches, on_host,
-                         configured.options.prefix_reuse)
+                         configured.options.prefix_reuse, loaded.engine.store)
     by_key = {x.key: x for x in runnable}
     answers = {x.key: Answer(x.stops) for x in runnable}
     decoders = {x.key: StreamDecoder(tokenizer) for x in runnable}

@@ -244,7 +244,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
     """The settings of a model load: the runtime's own, where experts run, and the CPU experts."""
-    flags.declare(p, "--dtype", "--context", "--force", "--show-config", "--no-profile", "--no-prefix-reuse")
+    flags.declare(p, "--dtype", "--context", "--force", "--show-config", "--no-profile", "--no-prefix-reuse",
+                  "--prefix-store-gb")
     g = p.add_argument_group("accelerator and expert placement")
     flags.declare(g, "--accelerator", "--vram-gb", "--gpu", "--strategy", "--cache-ways", "--cache-policy",
                   "--max-inflight", "--placement", "--cost")
@@ -289,7 +290,7 @@ def request_from_args(args: argparse.Namespace, batch: int = 1) -> Request:
         cache_policy=None if args.cache_policy is None else CachePolicy(args.cache_policy),
         max_inflight=args.max_inflight, cost=args.cost, threads=args.threads, crossover=args.kernel_crossover,
         quant=args.quant, quant_group=args.quant_group, kernel_isa=args.kernel_isa, resident=args.resident,
-        prefix_reuse=getattr(args, "prefix_reuse", True),
+        prefix_reuse=getattr(args, "prefix_reuse", True), prefix_store_gb=getattr(args, "prefix_store_gb", None),
     )
 
 

@@ -231,6 +231,11 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
                                                             "holds its first tokens already (a chat's earlier "
                                                             "turns, a shared system prompt): to measure prefill, or "
                                                             "to rule reuse out")),
+    "--prefix-store-gb": (("--prefix-store-gb",), dict(type=float, default=None, metavar="GB",
+                                                       help="RAM for the KV cache of prompts another one overwrote "
+                                                            "(a chat switched away from, a server's other "
+                                                            "conversations), copied back when they come again "
+                                                            "(default: an eighth of the available RAM, at most 2)")),
     "--kernel-isa": (("--kernel-isa",), dict(choices=["auto", "base", "avx2", "avx512", "avx512bf16", "amx"],
                                              default=None,
                                              help="force a kernel variant (auto, the default: the best this CPU "

@@ -103,7 +103,7 @@ class EngineService:
         self.tokenizer = loaded.tokenizer
         self.harmony = is_harmony(loaded.tokenizer.chat_template)
         self.engine = BatchEngine(loaded.model, loaded.engine.eos_ids, max_batch, step_tokens,
-                                  reuse=loaded.options.prefix_reuse)
+                                  reuse=loaded.options.prefix_reuse, store=loaded.engine.store)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.queue = RequestQueue()
         self.metrics = ServerMetrics()

@@ -24,6 +24,7 @@ import torch
 from tandem.kernels.errors import GenerationError
 from tandem.runtime.engine import FinishReason, check_scores
 from tandem.runtime.model import MoEModel, Segment
+from tandem.runtime.prefix import PrefixStore
 from tandem.runtime.sampling import SamplingParams, next_token
 
 
@@ -146,11 +147,12 @@ class BatchEngine:
     prompts fill what the budget leaves, at least one chunk when nothing is decoding)."""
 
     def __init__(self, model: MoEModel, eos_ids: Iterable[int], max_batch: int, step_tokens: int = 256,
-                 micro_batches: int = 1, host_cache: bool = False, reuse: bool = False) -> None:
+                 micro_batches: int = 1, host_cache: bool = False, reuse: bool = False,
+                 store: PrefixStore | None = None) -> None:
         """On an accelerator: `micro_batches` > 1 pipelines each step (one micro-batch's attention while the
         accelerator runs another's experts); `host_cache` keeps the batch's KV cache in RAM, attention on the CPU.
         `reuse`: a request joins the free row holding the longest prefix of its prompt and prefills only the rest
-        (runtime/prefix.py); rows free longest are overwritten first."""
+        (runtime/prefix.py); rows free longest are overwritten first, their prefix kept in `store` when given."""
         if max_batch < 1 or step_tokens < 1 or micro_batches < 1:
             raise ValueError("BatchEngine needs max_batch, step_tokens and micro_batches of at least 1")
         self.model = model.with_batch(max_batch, host_cache)
@@ -158,7 +160,7 @@ class BatchEngine:
         if model.prefill_chunk:  # on an accelerator: no pass beyond the activations it keeps back
             step_tokens = min(step_tokens, max(model.prefill_chunk, max_batch))
         self.eos_ids = frozenset(eos_ids)
-        self.max_batch, self.step_tokens, self.reuse = max_batch, step_tokens, reuse
+        self.max_batch, self.step_tokens, self.reuse, self.store = max_batch, step_tokens, reuse, store
         self.stats = BatchStats()
         self._stopping: set[str] = set()
 
@@ -249,9 +251,11 @@ class BatchEngine:
         held = self.model.cache.held
         reusable = [held.reusable(r, history[:n], long) if self.reuse else 0 for r in free]
         best = max(range(len(free)), key=lambda i: (reusable[i], -i))
-        row = free.pop(best)
+        row, fed = free.pop(best), reusable[best]
+        if self.reuse and self.store is not None:
+            fed = self.store.take(self.model.cache, row, history[:n], long, fed)
         return _Sequence(request, row, history, n, min(request.params.max_new_tokens, context - n), generator,
-                         long=long, joined=time.perf_counter(), fed=reusable[best], cached=reusable[best])
+                         long=long, joined=time.perf_counter(), fed=fed, cached=fed)
 
     def _step(self, active: list[_Sequence]) -> tuple[list[_Sequence], torch.Tensor]:
         """One ragged pass over what the active sequences have not fed yet: decode tokens first (one each), then

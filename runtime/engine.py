@@ -18,6 +18,7 @@ import torch
 from tandem.kernels.errors import GenerationError
 from tandem.kernels.openmp import release_thread_pool
 from tandem.runtime.model import MoEModel
+from tandem.runtime.prefix import PrefixStore
 from tandem.runtime.sampling import SamplingParams, next_token
 
 FinishReason = Literal["eos", "length", "context", ""]
@@ -65,12 +66,15 @@ def check_scores(logits: torch.Tensor, step: int) -> None:
 
 
 class Engine:
-    def __init__(self, model: MoEModel, eos_ids: Iterable[int], reuse: bool = False) -> None:
+    def __init__(self, model: MoEModel, eos_ids: Iterable[int], reuse: bool = False,
+                 store: PrefixStore | None = None) -> None:
         """`reuse`: a prompt whose first tokens KV cache row 0 holds already prefills only the rest (off by default:
-        a benchmark that runs one prompt twice measures its prefill twice)."""
+        a benchmark that runs one prompt twice measures its prefill twice); `store`: with reuse, prefixes kept in
+        RAM when another prompt overwrites them, and copied back for a prompt that begins as one of them."""
         self.model = model
         self.eos_ids = frozenset(eos_ids)
         self.reuse = reuse
+        self.store = store
 
     @property
     def context(self) -> int:
@@ -159,8 +163,13 @@ class Engine:
         return self.model.rope_switch is not None and length > self.model.rope_switch
 
     def _reusable(self, prompt: torch.Tensor) -> int:
-        """How many of the prompt's first positions KV cache row 0 holds already (0 with reuse off)."""
-        return self.model.cache.held.reusable(0, prompt, self._long(len(prompt))) if self.reuse else 0
+        """How many of the prompt's first positions KV cache row 0 holds already, a saved prefix copied in where
+        one shares more (0 with reuse off)."""
+        if not self.reuse:
+            return 0
+        cache, long = self.model.cache, self._long(len(prompt))
+        held = cache.held.reusable(0, prompt, long)
+        return self.store.take(cache, 0, prompt, long, held) if self.store is not None else held
 
     def _rope_switches(self, length: int) -> bool:
         """Whether the step that makes the sequence `length` tokens long crosses LongRoPE's switch: the cached keys

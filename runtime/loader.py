@@ -19,6 +19,7 @@ from tandem.runtime.engine import Engine
 from tandem.runtime.memory import check_memory, estimate_memory
 from tandem.runtime.model import MoEModel
 from tandem.runtime.options import Options
+from tandem.runtime.prefix import PrefixStore
 from tandem.runtime.tokenizer import Tokenizer
 from tandem.runtime.weights import layer_expert_names
 
@@ -77,4 +78,5 @@ def load(options: Options, checkpoint: Checkpoint | None = None,
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
     release_thread_pool()  # the loading thread may stay (a chat app's, a server's): kernels/openmp.py
-    return LoadedModel(ckpt, model, tokenizer, Engine(model, eos, options.prefix_reuse), options)
+    store = PrefixStore(options.prefix_store) if options.prefix_reuse and options.prefix_store else None
+    return LoadedModel(ckpt, model, tokenizer, Engine(model, eos, options.prefix_reuse, store), options)

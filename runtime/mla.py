@@ -108,6 +108,14 @@ class LatentCache:
             self.latent[:, d, :length].copy_(self.latent[:, s, :length])
         self.held.copy_rows(pairs, length)
 
+    def snapshot(self, row: int, n: int) -> tuple[torch.Tensor]:
+        """Row `row`'s first n positions (a view): [layers, n, C + Dr]."""
+        return (self.latent[:, row, :n],)
+
+    def restore(self, row: int, parts: tuple[torch.Tensor, ...], n: int) -> None:
+        """The first n positions of a `snapshot` back into row `row`."""
+        self.latent[:, row, :n].copy_(parts[0][:, :n])
+
     def row(self, r: int) -> LatentCache:
         """Batch row r alone, as a cache of one row (views, as KVCache.row)."""
         view = copy.copy(self)

@@ -259,6 +259,16 @@ class KVCache:
             self.v[:, d, :, :length].copy_(self.v[:, s, :, :length])
         self.held.copy_rows(pairs, length)
 
+    def snapshot(self, row: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row`'s first n positions (views): its keys and values, [layers, Hkv, n, D] each."""
+        return self.k[:, row, :, :n], self.v[:, row, :, :n]
+
+    def restore(self, row: int, parts: tuple[torch.Tensor, ...], n: int) -> None:
+        """The first n positions of a `snapshot` (of this cache's shape) back into row `row`."""
+        k, v = parts
+        self.k[:, row, :, :n].copy_(k[:, :, :n])
+        self.v[:, row, :, :n].copy_(v[:, :, :n])
+
     def row(self, r: int) -> KVCache:
         """Batch row r alone, as a cache of one row: views, so what a pass writes into it lands in this cache."""
         view = copy.copy(self)

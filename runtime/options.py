@@ -38,6 +38,9 @@ DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16,
 DEFAULT_CONTEXT = 4096
 DEFAULT_GROUP = 64  # int4 group size when none is given
 DEFAULT_INFLIGHT = 4  # background expert copies in flight at most
+# RAM for the prefixes prompts overwrote (a chat switched away from): an eighth of what is available, at most 2 GiB
+# (a 4k-token conversation of a 48-layer model with 4 KV heads of 128 takes about 400 MB in bf16)
+PREFIX_STORE_MOST = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class Request:
     resident: bool | None = None  # None: read the experts into RAM when they fit with room to spare
     use_kernel: bool = True  # False: torch only, no compiled kernels
     prefix_reuse: bool = True  # a prompt that begins as a KV cache row's tokens prefills only the rest
+    prefix_store_gb: float | None = None  # RAM for prefixes prompts overwrote; None: an eighth of it, at most 2 GiB
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,7 @@ class Options:
     cpu_dtype: Dtype | None = None  # the CPU experts' compute dtype where it is not `dtype` (an fp16 GPU's)
     ragged: bool = False  # batch mode: the `batch` sequences run as ragged passes, each prompt's tokens in one row
     prefix_reuse: bool = True  # runtime/prefix.py: a prompt sharing a cache row's first tokens prefills the rest
+    prefix_store: int = 0  # bytes of RAM for prefixes a prompt overwrote (runtime/prefix.py PrefixStore)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -132,7 +137,7 @@ class Options:
             "cost": None if o.cost is None else [o.cost.cpu_a_ms, o.cost.cpu_b_ms, o.cost.gpu_ms, o.cost.transfer_ms],
             "threads": c.threads, "crossover": c.crossover, "quant": c.quant or "none", "quant_group": c.group,
             "kernel_isa": c.isa or "auto", "resident": c.resident, "use_kernel": c.use_kernel,
-            "prefix_reuse": self.prefix_reuse,
+            "prefix_reuse": self.prefix_reuse, "prefix_store_gb": round(self.prefix_store / 2**30, 3),
         }
         return {k: {"value": v, "from": self.source(k)} for k, v in values.items()}
 
@@ -256,11 +261,15 @@ def resolve(request: Request, profile: Request | None, ckpt: Checkpoint, machine
     for name in ("batch", "force", "use_kernel", "prefix_reuse"):
         sources[name] = "given" if getattr(request, name) != getattr(Request, name) else "default"
     pick("vram_gb", profiled=False)
+    gb = pick("prefix_store_gb", profiled=False)
+    if gb is not None and not 0 <= gb <= 1 << 20:
+        raise SettingsError(f"--prefix-store-gb {gb}: give 0 (none) or more GiB of RAM")
+    store = int(gb * 2**30) if gb is not None else min(PREFIX_STORE_MOST, machine.available_ram // 8)
     sources["model"] = "given"
     names = [f.name for f in fields(Request)]
     return Options(Path(request.model), dtype, context, batch, request.force, accelerator, request.vram_gb, offload,
                    cpu, tuple((n, sources.get(n, "default")) for n in names), gpu, cpu_dtype,
-                   prefix_reuse=request.prefix_reuse)
+                   prefix_reuse=request.prefix_reuse, prefix_store=store if request.prefix_reuse else 0)
 
 
 def _check_group(cfg: ModelConfig, quant: str | None, group: int) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -77,3 +79,103 @@ class HeldTokens:
             self.ids[d, :length] = self.ids[s, :length]
             self.length[d] = min(int(self.length[s]), length)
             self.long[d] = self.long[s]
+
+
+class PrefixCache(Protocol):
+    """What the store asks of a KV cache (`model.KVCache`, `mla.LatentCache`)."""
+
+    held: HeldTokens
+
+    def snapshot(self, row: int, n: int) -> tuple[torch.Tensor, ...]: ...  # views of row's first n positions
+
+    def restore(self, row: int, parts: tuple[torch.Tensor, ...], n: int) -> None: ...  # parts' first n, back
+
+
+SAVE_LEAST = 32  # tokens: a shorter prefix is prefilled again faster than it is looked for
+
+
+@dataclass(eq=False)  # (found by identity: its tensors have no truth value to compare by)
+class Saved:
+    """A row's first positions, copied out of the cache: their tokens, LongRoPE's flag and the cache's tensors."""
+
+    tokens: torch.Tensor  # [n]
+    long: bool
+    parts: tuple[torch.Tensor, ...]  # as the cache's `snapshot` gives them
+    nbytes: int
+
+
+class PrefixStore:
+    """Rows' prefixes kept in RAM when a prompt is about to overwrite them (a chat switched away from, a server's
+    other conversations), up to `budget` bytes, the least recently used dropped first; a later prompt that begins
+    as one of them gets it copied back into its row rather than prefilling it again."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.entries: list[Saved] = []  # least recently used first
+        self.restored = 0  # tokens copied back, since it was made (for tests and benchmarks)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def save(self, cache: PrefixCache, row: int, keep: int) -> None:
+        """Copy row `row`'s prefix out before a pass overwrites it from position `keep` (what it keeps is not
+        lost): only when what would be lost is worth keeping, and what a saved entry holds already is not saved
+        twice (an entry that is a prefix of this one is replaced by it)."""
+        n = cache.held.held(row)
+        if n - keep < max(SAVE_LEAST, n // 2) or self.budget <= 0:
+            return
+        tokens = cache.held.ids[row, :n].clone()
+        long = bool(cache.held.long[row])
+        if any(e.long == long and len(e.tokens) >= n and bool((e.tokens[:n] == tokens).all()) for e in self.entries):
+            return
+        parts = tuple(p.to("cpu", copy=True) for p in cache.snapshot(row, n))
+        saved = Saved(tokens, long, parts, sum(p.numel() * p.element_size() for p in parts))
+        if saved.nbytes > self.budget:
+            return
+        self.entries = [e for e in self.entries if not (e.long == long and len(e.tokens) <= n and
+                                                        bool((tokens[: len(e.tokens)] == e.tokens).all()))]
+        self.entries.append(saved)
+        while self.nbytes > self.budget:
+            self.entries.pop(0)
+
+    def take(self, cache: PrefixCache, row: int, prompt: torch.Tensor, long: bool, held: int) -> int:
+        """Before `prompt` is prefilled into row `row`, which holds its first `held` positions already: the row's
+        prefix saved if the prompt would overwrite enough of it, and the saved prefix sharing the most with the
+        prompt copied in if it shares more. Returns the positions the row now holds of the prompt."""
+        entry, most = self.best(prompt, long)
+        useful = entry is not None and most > held
+        if useful:  # most recently used first: saving the row's prefix below must not drop it
+            self.entries.remove(entry)
+            self.entries.append(entry)
+        self.save(cache, row, held)
+        if not useful:
+            return held
+        self.restore(cache, row, entry, most)
+        return most
+
+    def best(self, prompt: torch.Tensor, long: bool) -> tuple[Saved | None, int]:
+        """The entry sharing the longest prefix with `prompt` (its last token left to run), and that length."""
+        found, most = None, 0
+        for e in self.entries:
+            n = min(len(e.tokens), len(prompt) - 1)
+            if e.long != long or n <= most:
+                continue
+            same = e.tokens[:n] == prompt[:n]
+            match = n if bool(same.all()) else int(same.to(torch.int8).argmin())
+            if match > most:
+                found, most = e, match
+        return found, most
+
+    def restore(self, cache: PrefixCache, row: int, entry: Saved, n: int) -> None:
+        """Entry's first `n` positions back into row `row`, its record with them; the entry becomes the most
+        recently used."""
+        cache.restore(row, entry.parts, n)
+        held = cache.held
+        held.ids[row, :n] = entry.tokens[:n].to(held.ids.device)
+        held.length[row] = n
+        held.long[row] = entry.long
+        if entry in self.entries:  # (else dropped meanwhile for the room a save took: it is in the row now)
+            self.entries.remove(entry)
+            self.entries.append(entry)
+        self.restored += n

@@ -12,7 +12,7 @@ import torch
 from tandem.autotune.configure import load_model
 from tandem.runtime.batch import BatchEngine, BatchRequest, DoneEvent
 from tandem.runtime.engine import Engine, GenerationStats
-from tandem.runtime.prefix import HeldTokens
+from tandem.runtime.prefix import HeldTokens, PrefixStore
 from tandem.runtime.sampling import SamplingParams
 from tests.conftest import CASES
 
@@ -105,3 +105,64 @@ def test_the_record_follows_passes_copies_and_failures() -> None:
     view = held.row(1)
     view.cut(0, 1)
     assert held.held(1) == 1  # (a row's view writes the record it came from)
+
+
+@pytest.mark.parametrize("case", ["mixtral-sliding", "deepseek_v3", "gpt_oss", "phimoe-longrope-nobias"])
+def test_a_chat_switched_away_from_and_back_is_copied_back_not_prefilled(hf_checkpoints: dict[str, Path],
+                                                                         case: str) -> None:
+    """Two conversations on one row: the one a prompt overwrites is kept in the store and copied back when its next
+    turn comes, answering as the whole prompt does; a store too small for it keeps nothing."""
+    model = load_model(hf_checkpoints[case], dtype="fp32", context=256).model
+    store = PrefixStore(64 << 20)
+    reusing, whole = Engine(model, (), reuse=True, store=store), Engine(model, ())
+    a = [(i * 7 + 3) % 90 + 5 for i in range(40)]
+    b = [(i * 11 + 1) % 90 + 5 for i in range(40)]
+    answer_a = list(reusing.generate(a, GREEDY))
+    list(reusing.generate(b, GREEDY))  # (a's row overwritten: saved first)
+    assert len(store.entries) == 1
+    stats = GenerationStats()
+    follow = a + answer_a + [9, 8, 7]
+    got = list(reusing.generate(follow, GREEDY, stats))
+    switch = model.rope_switch
+    if switch is None or (len(a) > switch) == (len(follow) > switch):
+        assert stats.cached_tokens == len(a) + len(answer_a) - 1 and store.restored == stats.cached_tokens
+    assert got == list(whole.generate(follow, GREEDY))
+    tiny = PrefixStore(1024)
+    small = Engine(model, (), reuse=True, store=tiny)
+    list(small.generate(a, GREEDY))
+    list(small.generate(b, GREEDY))
+    assert tiny.entries == [] and tiny.nbytes <= tiny.budget
+
+
+def test_the_store_keeps_the_recently_used_within_its_budget(hf_checkpoints: dict[str, Path]) -> None:
+    model = load_model(hf_checkpoints["qwen3_moe"], dtype="fp32", context=256).model
+    prompts = [[(i * k + k) % 90 + 5 for i in range(48)] for k in (3, 5, 7, 11)]
+    probe = PrefixStore(1 << 30)
+    engine = Engine(model, (), reuse=True, store=probe)
+    list(engine.generate(prompts[0], GREEDY))
+    list(engine.generate(prompts[1], GREEDY))
+    one = probe.nbytes  # (one saved conversation)
+    store = PrefixStore(2 * one + one // 2)  # room for two
+    engine = Engine(model, (), reuse=True, store=store)
+    for p in prompts:
+        list(engine.generate(p, GREEDY))
+    assert len(store.entries) == 2 and store.nbytes <= store.budget
+    kept = [e.tokens[:48].tolist() for e in store.entries]
+    assert kept == [prompts[1], prompts[2]]  # (the first dropped; the last still in the row)
+    stats = GenerationStats()
+    list(engine.generate(prompts[1] + [4], GREEDY, stats))
+    assert stats.cached_tokens == 48 and store.entries[-1].tokens[:48].tolist() == prompts[1]
+
+
+def test_a_server_with_one_row_keeps_each_conversation(hf_checkpoints: dict[str, Path]) -> None:
+    """Batch mode with one row: conversations taking turns each find their prefix again (from the store)."""
+    model = load_model(hf_checkpoints["mixtral"], dtype="fp32", batch=1, context=256).model
+    store = PrefixStore(64 << 20)
+    engine = BatchEngine(model, (), 1, reuse=True, store=store)
+    a, b = FIRST * 3, [x + 1 for x in FIRST * 3]
+    done = {e.result.key: e.result for e in engine.run([BatchRequest("a", a, GREEDY), BatchRequest("b", b, GREEDY)])
+            if isinstance(e, DoneEvent)}
+    follow = a + done["a"].tokens + [6]
+    again = [e.result for e in engine.run([BatchRequest("a2", follow, GREEDY)]) if isinstance(e, DoneEvent)][0]
+    assert again.cached == len(follow) - 2 and store.restored == again.cached
+    assert again.tokens == list(Engine(model, ()).generate(follow, GREEDY))
