@@ -16,7 +16,9 @@ import statistics
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -97,8 +99,8 @@ def one_request(client: httpx.Client, url: str, model: str | None, ids: list[int
             "tokens": tokens, "decode_tok_s": decode, "sent": sent, "end": time.perf_counter()}
 
 
-def clients(url: str, name: str, prompts: list[list[int]], new_len: int, concurrency: int, conn: Connection,
-            lockstep: bool) -> None:
+def clients(url: str, name: str, prompts: list[list[int]], new_len: int, concurrency: int, lockstep: bool,
+            conn: Connection) -> None:
     """The load, in a process of its own (as real clients are: their Python does not share the server's): a
     warm-up request, then every prompt, `concurrency` at a time, and (results, wall seconds) sent back, once the
     parent says go. `lockstep` (one at a time): each request when the parent says so, its result sent back at
@@ -118,6 +120,47 @@ def clients(url: str, name: str, prompts: list[list[int]], new_len: int, concurr
         conn.send((results, time.perf_counter() - start))
 
 
+@contextmanager
+def served_to_a_child(service: EngineService, target: Callable[..., None], args: tuple[Any, ...]
+                      ) -> Iterator[Connection]:
+    """`service`'s app on a loopback port, and `target(url, *args, conn)` in a child process (as real clients are:
+    their Python does not share the server's; spawned: no copy of the model's memory). Yields this side of their
+    pipe; the child is waited for after."""
+    spawn = multiprocessing.get_context("spawn")
+    mine, theirs = spawn.Pipe()
+    with BackgroundServer(make_app(service, SamplingParams())) as server:
+        child = spawn.Process(target=target, args=(server.url, *args, theirs))
+        child.start()
+        theirs.close()
+        yield mine
+        child.join()
+
+
+@contextmanager
+def running_llama_server(server: Path, gguf: Path, threads: int, context: int) -> Iterator[str]:
+    """llama.cpp's llama-server (one slot) on `gguf` on a free loopback port, until the block ends: its URL."""
+    if not server.is_file():
+        raise TandemError(f"--llama-server {server}: no such file (build llama-server from llama.cpp's source)")
+    port = free_port()
+    proc = subprocess.Popen([str(server), "-m", str(gguf), "-t", str(threads), "-c", str(context), "--port", str(port),
+                             "-np", "1", "--no-webui"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(timeout=10.0) as client:
+            deadline = time.monotonic() + PEER_START_S
+            while not _healthy(client, url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    proc.kill()
+                    tail = (proc.communicate()[1].strip().splitlines() or ["(no output)"])[-1]
+                    raise TandemError(f"llama-server did not start: {tail}")
+                time.sleep(0.2)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
 def bench_serve(loaded: LoadedModel, name: str, requests: int, concurrency: int, prompt_len: int, new_len: int,
                 batch: int, step_tokens: int) -> dict[str, Any]:
     """The engine runs on this thread (the one that loaded the model, as `tandem serve` runs it), the server on
@@ -135,14 +178,8 @@ def bench_serve(loaded: LoadedModel, name: str, requests: int, concurrency: int,
     failed: list[str] = []
 
     def serve_them() -> None:
-        spawn = multiprocessing.get_context("spawn")  # (no copy of the model's memory)
-        mine, theirs = spawn.Pipe()
         try:
-            with BackgroundServer(make_app(service, SamplingParams())) as server:
-                child = spawn.Process(target=clients, args=(server.url, name, prompts, new_len, concurrency, theirs,
-                                                            lockstep))
-                child.start()
-                theirs.close()
+            with served_to_a_child(service, clients, (name, prompts, new_len, concurrency, lockstep)) as mine:
                 for _ in range(rounds):
                     turn.acquire()
                     service.queue = RequestQueue()
@@ -150,7 +187,6 @@ def bench_serve(loaded: LoadedModel, name: str, requests: int, concurrency: int,
                     mine.send("go")
                     got.append(mine.recv())
                     service.queue.close()  # this round's run of the engine ends
-                child.join()
         except (EOFError, OSError):
             failed.append("the client process failed (its error is above)")
         finally:
@@ -206,37 +242,20 @@ def llama_server_peer(server: Path, bench: Path, gguf: Path, threads: int, promp
     (`-d`); the medians and their ratio."""
     from tandem.autotune.bench.llama import run_tool
 
-    if not server.is_file():
-        raise TandemError(f"--llama-server {server}: no such file (build llama-server from llama.cpp's source)")
-    port = free_port()
     context = max(len(p) for p in prompts) + new_len + 64
-    proc = subprocess.Popen([str(server), "-m", str(gguf), "-t", str(threads), "-c", str(context), "--port", str(port),
-                             "-np", "1", "--no-webui"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
-            deadline = time.monotonic() + PEER_START_S
-            while not _healthy(client, url):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    proc.kill()
-                    tail = (proc.communicate()[1].strip().splitlines() or ["(no output)"])[-1]
-                    raise TandemError(f"llama-server did not start: {tail}")
-                time.sleep(0.2)
-            one_request(client, url + "/v1", None, prompts[0][:8], 4, temperature=0, ignore_eos=True)  # warm-up
-            served, tg = [], []
-            for ids in prompts:
-                out = run_tool(bench, "llama-bench", ["-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json",
-                                                      "-p", "0", "-n", str(new_len), "-d", str(len(ids))])
-                try:
-                    tg.append(float(json.loads(out)[0]["avg_ts"]))
-                except (ValueError, LookupError, TypeError):
-                    raise TandemError("llama-bench printed no tg row as JSON; is it llama.cpp's llama-bench?") from None
-                served.append(one_request(client, url + "/v1", None, ids, new_len, temperature=0,
-                                          ignore_eos=True)["decode_tok_s"])
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=30)
+    with running_llama_server(server, gguf, threads, context) as url, \
+            httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
+        one_request(client, url + "/v1", None, prompts[0][:8], 4, temperature=0, ignore_eos=True)  # warm-up
+        served, tg = [], []
+        for ids in prompts:
+            out = run_tool(bench, "llama-bench", ["-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json",
+                                                  "-p", "0", "-n", str(new_len), "-d", str(len(ids))])
+            try:
+                tg.append(float(json.loads(out)[0]["avg_ts"]))
+            except (ValueError, LookupError, TypeError):
+                raise TandemError("llama-bench printed no tg row as JSON; is it llama.cpp's llama-bench?") from None
+            served.append(one_request(client, url + "/v1", None, ids, new_len, temperature=0,
+                                      ignore_eos=True)["decode_tok_s"])
     ratio = statistics.median(s / t for s, t in zip(served, tg, strict=True) if t)  # pairs, as Tandem's
     return {"name": "llama.cpp", "server_decode_tok_s": round(statistics.median(served), 3),
             "bench_tg_tok_s": round(statistics.median(tg), 3), "serve_vs_generate": round(ratio, 3),

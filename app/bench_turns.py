@@ -12,9 +12,7 @@ perfect reuse, the prompt's tokens over the new ones is none.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import random
-import subprocess
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -23,13 +21,11 @@ from typing import Any
 
 import httpx
 
-from tandem.app.bench_serve import PEER_START_S, _healthy, free_port
+from tandem.app.bench_serve import running_llama_server, served_to_a_child
 from tandem.app.openai_api import sse_payloads
-from tandem.app.server import BackgroundServer, make_app
 from tandem.app.serving import EngineService
 from tandem.kernels.errors import TandemError
 from tandem.runtime.loader import LoadedModel
-from tandem.runtime.sampling import SamplingParams
 
 WORDS = ("the river stone garden window quiet morning letter bright yellow table story simple reason travel "
          "forest winter market number silver island answer careful ancient music orange valley bridge paper "
@@ -100,15 +96,9 @@ def tandem_turns(loaded: LoadedModel, name: str, texts: list[str], new_len: int)
     got: list[Any] = []
 
     def serve_them() -> None:
-        spawn = multiprocessing.get_context("spawn")  # (no copy of the model's memory)
-        mine, theirs = spawn.Pipe()
         try:
-            with BackgroundServer(make_app(service, SamplingParams())) as server:
-                child = spawn.Process(target=_client, args=(server.url, name, texts, new_len, theirs))
-                child.start()
-                theirs.close()
+            with served_to_a_child(service, _client, (name, texts, new_len)) as mine:
                 got.append(mine.recv())
-                child.join()
         except (EOFError, OSError) as e:
             got.append(f"the client process failed ({e})")
         finally:
@@ -127,26 +117,8 @@ def tandem_turns(loaded: LoadedModel, name: str, texts: list[str], new_len: int)
 def llama_server_turns(server: Path, gguf: Path, threads: int, context: int, texts: list[str], new_len: int
                        ) -> list[dict[str, Any]]:
     """The same conversation against llama.cpp's llama-server (one slot, its default prompt cache) on the file."""
-    if not server.is_file():
-        raise TandemError(f"--llama-server {server}: no such file (build llama-server from llama.cpp's source)")
-    port = free_port()
-    proc = subprocess.Popen([str(server), "-m", str(gguf), "-t", str(threads), "-c", str(context), "--port", str(port),
-                             "-np", "1", "--no-webui"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        with httpx.Client(timeout=10.0) as client:
-            deadline = time.monotonic() + PEER_START_S
-            while not _healthy(client, url):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    proc.kill()
-                    tail = (proc.communicate()[1].strip().splitlines() or ["(no output)"])[-1]
-                    raise TandemError(f"llama-server did not start: {tail}")
-                time.sleep(0.2)
+    with running_llama_server(server, gguf, threads, context) as url:
         return conversation(url + "/v1", None, texts, new_len)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=30)
 
 
 def against_new_alone(turns: list[dict[str, Any]]) -> list[float | None]:
