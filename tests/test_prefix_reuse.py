@@ -166,3 +166,20 @@ def test_a_server_with_one_row_keeps_each_conversation(hf_checkpoints: dict[str,
     again = [e.result for e in engine.run([BatchRequest("a2", follow, GREEDY)]) if isinstance(e, DoneEvent)][0]
     assert again.cached == len(follow) - 2 and store.restored == again.cached
     assert again.tokens == list(Engine(model, ()).generate(follow, GREEDY))
+
+
+def test_reuse_and_the_store_on_the_emulated_accelerator(mixtral_dir: Path) -> None:
+    """The KV cache where the accelerator keeps it (played by the CPU here), experts split between its slots and
+    the CPU: reused and restored prefixes answer as whole prompts."""
+    model = load_model(mixtral_dir, dtype="fp32", context=96, accelerator="emulated", vram_gb=0.002).model
+    assert model.accel is not None
+    store = PrefixStore(64 << 20)
+    reusing, whole = Engine(model, (), reuse=True, store=store), Engine(model, ())
+    a, b = FIRST * 3, [x + 2 for x in FIRST * 3]
+    answer = list(reusing.generate(a, GREEDY))
+    list(reusing.generate(b, GREEDY))
+    stats = GenerationStats()
+    follow = a + answer + [6, 6]
+    got = list(reusing.generate(follow, GREEDY, stats))
+    assert stats.cached_tokens == len(a) + len(answer) - 1 and store.restored == stats.cached_tokens
+    assert got == list(whole.generate(follow, GREEDY))
