@@ -189,6 +189,17 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _open_shards(folder: Path) -> tuple[list[SafetensorsFile], dict[str, SafetensorsFile]]:
+    shards = [SafetensorsFile(f) for f in shard_paths(folder)]
+    where: dict[str, SafetensorsFile] = {}
+    for shard in shards:
+        for name in shard.names():
+            where[name] = shard
+    return shards, where
+
+
+def shard_paths(folder: Path) -> list[Path]:
+    """The safetensors files of a model folder: those its index names (each beside it, each there), else every
+    `*.safetensors`; CheckpointError saying what is missing or wrong."""
     index_path = folder / INDEX
     if index_path.exists():
         weight_map = _read_json(index_path).get("weight_map")
@@ -216,12 +227,7 @@ def _open_shards(folder: Path) -> tuple[list[SafetensorsFile], dict[str, Safeten
                 "save_pretrained(..., safe_serialization=True)"
             )
         raise CheckpointError(f"{folder} has no *.safetensors weights; download the model's safetensors files")
-    shards = [SafetensorsFile(f) for f in files]
-    where: dict[str, SafetensorsFile] = {}
-    for shard in shards:
-        for name in shard.names():
-            where[name] = shard
-    return shards, where
+    return files
 
 
 def _shard_name(index_path: Path, value: object) -> str:

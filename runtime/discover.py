@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.kernels.errors import CheckpointError, TandemError, UnsupportedModelError
+from tandem.runtime.checkpoint import shard_paths
 from tandem.runtime.families import family_for, parse_config
 from tandem.runtime.gguf import ARCHITECTURES, FAMILY_OF_ARCH, SPLIT, config_of, gguf_files, is_gguf
 from tandem.runtime.gguf_header import GGUFHeader, TensorEntry, header_of
@@ -79,12 +80,24 @@ class Stores:
         hub = Path(env["HF_HUB_CACHE"]) if env.get("HF_HUB_CACHE") else \
             Path(env["HF_HOME"]) / "hub" if env.get("HF_HOME") else home / ".cache" / "huggingface" / "hub"
         lms = [home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"]
-        settings = _json(home / ".lmstudio" / "settings.json")
-        if isinstance(settings.get("downloadsFolder"), str) and "\0" not in settings["downloadsFolder"]:
-            lms.insert(0, Path(settings["downloadsFolder"]).expanduser())
+        folder = _folder_setting(_json(home / ".lmstudio" / "settings.json").get("downloadsFolder"))
+        if folder is not None:
+            lms.insert(0, folder)
         ollama = [Path(env["OLLAMA_MODELS"])] if env.get("OLLAMA_MODELS") else \
             [home / ".ollama" / "models", Path("/usr/share/ollama/.ollama/models")]
         return cls(hub, list(dict.fromkeys(lms)), ollama)
+
+
+def _folder_setting(value: object) -> Path | None:
+    """A folder another app's settings name, if it can be one: a non-empty absolute path (after `~`) of a sane
+    length without NUL; None otherwise (a damaged setting leaves that app's default folders)."""
+    if not isinstance(value, str) or not value or "\0" in value or len(value) > 4096:
+        return None
+    try:
+        folder = Path(value).expanduser()
+    except (RuntimeError, KeyError):  # `~user` of no such user, or no home to expand
+        return None
+    return folder if folder.is_absolute() else None
 
 
 def _json(path: Path, most: int = MANIFEST_MOST) -> dict[str, Any]:
@@ -121,13 +134,15 @@ def describe_folder(folder: Path, source: str, name: str | None = None) -> Model
     except TandemError as e:  # CheckpointError: a field is wrong; UnsupportedModelError: a variant not run
         return damaged(folder, shown, source, str(e), family="damaged" if _damage(e) else "unsupported")
     shapes = dense_tensors(cfg, spec) | expert_tensors(cfg, spec)
-    try:
-        size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    try:  # the shards the folder's index names (beside it), each one's header checked against its size
+        files = shard_paths(folder)
+        for shard in files:
+            read_header(shard)
+        size = sum(p.stat().st_size for p in files)
+    except CheckpointError as e:
+        return damaged(folder, shown, source, str(e))
     except OSError as e:  # a dangling link or a file gone meanwhile
         return damaged(folder, shown, source, f"{folder}: a weights file cannot be read ({e}); re-download the model")
-    if size == 0:
-        return damaged(folder, shown, source, f"{folder} holds no *.safetensors weights (an unfinished download, or "
-                       "another format): download the model's safetensors files")
     qc = raw.get("quantization_config")
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "") or _stored_dtype(folder)
@@ -165,8 +180,12 @@ def describe_gguf(path: Path, source: str, name: str | None = None) -> ModelEntr
     file -> None (a FIFO is never opened for reading). Files of an architecture Tandem does not run are listed too
     (`runs` False), and so are damaged ones (`problem` says why), so that the user sees why."""
     split = SPLIT.match(path.name)
-    if split and int(split["part"]) != 1 or not _regular(path):
+    if not _regular(path):
         return None
+    if split and int(split["part"]) != 1:  # listed through its first part; without one, as damaged
+        first = path.with_name(f"{split['stem']}-00001-of-{split['count']}.gguf")
+        if _regular(first) and int(split["part"]) <= int(split["count"]):
+            return None
     shown = name or _gguf_name(path)
     try:
         files = gguf_files(path)
@@ -250,26 +269,37 @@ def _file_type(ftype: object, tensors: list[TensorEntry]) -> str:
     return kinds[0] if kinds else ""
 
 
+def _is_dir(path: Path) -> bool:
+    """Whether `path` is a folder (one that cannot even be looked at, a name too long say, is none)."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
 def _folders(root: Path) -> Iterator[Path]:
     """root and its subfolders, one level down (a folder of model folders); an unreadable folder holds none."""
-    if root.is_dir():
+    if _is_dir(root):
         yield root
         try:
             subs = sorted(root.iterdir())
         except OSError:
             return
         for sub in subs:
-            if sub.is_dir():
+            if _is_dir(sub):
                 yield sub
 
 
 def _ggufs(root: Path, depth: int) -> list[Path]:
-    """*.gguf files up to `depth` folders below root."""
+    """*.gguf files up to `depth` folders below root (an unreadable folder holds none)."""
     found: list[Path] = []
-    if not root.is_dir():
+    if not _is_dir(root):
         return found
     for level in range(depth + 1):
-        found += sorted(root.glob("/".join(["*"] * level + ["*.gguf"])))
+        try:
+            found += sorted(root.glob("/".join(["*"] * level + ["*.gguf"])))
+        except OSError:
+            continue
     return found
 
 
@@ -292,6 +322,7 @@ def ollama_models(root: Path) -> list[OllamaModel]:
     manifests = root / "manifests"
     if not manifests.is_dir():
         return out
+    store = root.resolve()
     for path in sorted(manifests.glob("*/*/*/*")):
         if not path.is_file():
             continue
@@ -301,7 +332,8 @@ def ollama_models(root: Path) -> list[OllamaModel]:
             name = f"{namespace}/{name}"
         if registry != OLLAMA_REGISTRY:
             name = f"{registry}/{name}"
-        blob, problem = _ollama_blob(root, path)
+        blob, problem = _ollama_blob(root, path) if _inside(path, store) else \
+            (None, f"its manifest {path} is a link that leads outside the store (not read)")
         out.append(OllamaModel(name, path, blob, None if blob else f"{problem}; `ollama pull {name}` fetches it "
                                                                       "again"))
     return out
@@ -324,15 +356,22 @@ def _ollama_blob(root: Path, manifest: Path) -> tuple[Path | None, str]:
         return None, f"its manifest {manifest} names no model layer ({OLLAMA_MODEL})"
     if not isinstance(digest, str) or not OLLAMA_DIGEST.fullmatch(digest):
         return None, f"its manifest {manifest} names the model blob {_short(digest)}, not sha256:<64 hex digits>"
-    blobs = root / "blobs"
-    blob = blobs / f"sha256-{digest[7:]}"
-    try:
-        inside = blob.resolve(strict=True).is_relative_to(blobs.resolve(strict=True))
+    blob = root / "blobs" / f"sha256-{digest[7:]}"
+    try:  # inside the store's own blobs folder (not through a link in it, nor a blobs folder that is a link)
+        inside = blob.resolve(strict=True).is_relative_to(root.resolve(strict=True) / "blobs")
     except (OSError, RuntimeError):  # missing, or a loop of links
         return None, f"its model blob {blob} is missing (an unfinished pull, or a pruned store)"
     if not inside:
         return None, f"its model blob {blob} is a link that leads outside the store (not followed)"
     return (blob, "") if _regular(blob) else (None, f"its model blob {blob} is not a regular file")
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether `path`, links followed, is inside `folder` (itself resolved)."""
+    try:
+        return path.resolve(strict=True).is_relative_to(folder)
+    except (OSError, RuntimeError):
+        return False
 
 
 def _short(value: object, most: int = 80) -> str:

@@ -87,7 +87,10 @@ def gguf_files(path: Path) -> list[Path]:
     found = SPLIT.match(path.name)
     if not found:
         return [path]
-    count = int(found["count"])
+    count, part = int(found["count"]), int(found["part"])
+    if not 1 <= part <= count:
+        raise CheckpointError(f"{path.name} names part {part} of {count}: not a split model's part (they are named "
+                              "NAME-00001-of-000NN.gguf, from 1); rename it, or download it again")
     parts = [path.with_name(f"{found['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
     missing = [p.name for p in parts if not p.is_file()]
     if missing:

@@ -145,12 +145,20 @@ def test_a_damaged_model_folder_is_listed_with_why(moe_gguf: Path, tmp_path: Pat
     (models / "fifo").mkdir()
     os.mkfifo(models / "fifo" / "config.json")
     (models / "notes").mkdir()
+    copy_checkpoint(good, models / "index-out")  # an index that names a file outside the folder
+    (models / "index-out" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"x": "/etc/passwd"}}))
+    copy_checkpoint(good, models / "cut-header")  # a shard whose header claims more than the file holds
+    shard = next((models / "cut-header").glob("*.safetensors"))
+    shard.write_bytes((1 << 40).to_bytes(8, "little") + shard.read_bytes()[8:])
     entries = {e.name: e for e in discover([models], None, Stores(None, [], []))}
-    assert set(entries) == {"good", "not-json", "a-list", "bad-field", "no-weights", "fifo"}
+    assert set(entries) == {"good", "not-json", "a-list", "bad-field", "no-weights", "fifo", "index-out",
+                            "cut-header"}
     assert entries["good"].runs and entries["good"].problem is None
     whys = {"not-json": "cannot be read as JSON", "a-list": "does not hold a JSON object",
-            "bad-field": "picks 1000 experts", "no-weights": "holds no *.safetensors weights",
-            "fifo": "not a regular file but a FIFO"}
+            "bad-field": "picks 1000 experts", "no-weights": "has no *.safetensors weights",
+            "fifo": "not a regular file but a FIFO", "index-out": "may only name files beside it",
+            "cut-header": "is not a valid safetensors file"}
     for name, why in whys.items():
         e = entries[name]
         assert not e.runs and e.family == "damaged" and why in (e.problem or ""), (name, e.problem)

@@ -292,6 +292,35 @@ def test_one_damaged_model_hides_no_other(tiny: Path, tmp_path: Path, capsys: py
     assert "cut: " in shown and "runs past the end of the file" in shown
 
 
+def test_links_out_of_a_store_are_not_followed_and_splits_are_checked(tiny: Path, tmp_path: Path) -> None:
+    """A manifest that is a link out of the store is not read, a blobs folder that is a link out of it holds no blob
+    Tandem reads; a split file numbered past its count, or whose first part is missing, is listed as damaged; an
+    LM Studio folder setting too long to look at leaves the defaults."""
+    home = Path.home()
+    store = home / ".ollama" / "models"
+    outside = tmp_path / "outside"
+    (outside / "blobs").mkdir(parents=True)
+    shutil.copy(tiny, outside / "blobs" / f"sha256-{'d' * 64}")
+    manifest = store / "manifests" / "registry.ollama.ai" / "library"
+    (manifest / "out").mkdir(parents=True)
+    (manifest / "out" / "latest").write_text(json.dumps({"layers": [{"mediaType": "application/vnd.ollama.image.model",
+                                                                   "digest": "sha256:" + "d" * 64}]}))
+    (store / "blobs").symlink_to(outside / "blobs")  # the whole blobs folder, a link out
+    (outside / "m.json").write_text(json.dumps({"layers": []}))
+    (manifest / "linked").mkdir()
+    (manifest / "linked" / "latest").symlink_to(outside / "m.json")
+    entries = {e.name: e for e in within(60, lambda: discover([], None, Stores(None, [], [store])))}
+    assert not entries["out:latest"].runs and "leads outside the store" in (entries["out:latest"].problem or "")
+    assert "is a link that leads outside the store (not read)" in (entries["linked:latest"].problem or "")
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(tiny, models / "a-00001-of-00000.gguf")
+    shutil.copy(tiny, models / "b-00002-of-00002.gguf")
+    listed = {e.path and Path(e.path).name: e for e in discover([models], None, Stores(None, [], []))}
+    assert "not a split model's part" in (listed["a-00001-of-00000.gguf"].problem or "")
+    assert "b-00001-of-00002.gguf" in (listed["b-00002-of-00002.gguf"].problem or "")
+
+
 def test_manifests_lead_nowhere_outside_the_store(tiny: Path) -> None:
     home = Path.home()
     fake_stores(home, tiny)
@@ -310,7 +339,9 @@ def test_manifests_lead_nowhere_outside_the_store(tiny: Path) -> None:
 
 def test_damaged_settings_leave_the_default_folders(tmp_path: Path) -> None:
     for text in ("[" * 100_000 + "]" * 100_000, json.dumps({"downloadsFolder": 5}),
-                 json.dumps({"downloadsFolder": "a\u0000b"}), "\xff\xfe"):
+                 json.dumps({"downloadsFolder": "a\u0000b"}), "\xff\xfe", json.dumps({"downloadsFolder": ""}),
+                 json.dumps({"downloadsFolder": "~no-such-user-here/models"}),
+                 json.dumps({"downloadsFolder": "/" + "a" * 5000}), json.dumps({"downloadsFolder": "relative/models"})):
         (tmp_path / ".lmstudio").mkdir(exist_ok=True)
         (tmp_path / ".lmstudio" / "settings.json").write_text(text, errors="surrogateescape")
         stores = Stores.default(tmp_path, {})
