@@ -246,7 +246,7 @@ class ResultsFile:
     def write(self, record: dict[str, Any]) -> None:
         """One line, on the disk before this returns."""
         try:
-            self._file.write(json.dumps(record, ensure_ascii=False).encode("utf-8") + b"\n")
+            self._file.write(_record_line(record))
             self._file.flush()
             os.fsync(self._file.fileno())
         except OSError as e:
@@ -254,6 +254,15 @@ class ResultsFile:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _record_line(record: dict[str, Any]) -> bytes:
+    """A record as one JSON line: UTF-8 kept readable, but the characters that some readers take as line breaks
+    (U+2028, U+2029, U+0085: Python's str.splitlines, JavaScript) escaped, so one record is always one line."""
+    text = json.dumps(record, ensure_ascii=False)
+    for char in ("\u2028", "\u2029", "\u0085"):
+        text = text.replace(char, f"\\u{ord(char):04x}")
+    return text.encode("utf-8") + b"\n"
 
 
 def result_record(line: Line, result: BatchResult, answer: Answer, model: str) -> dict[str, Any]:

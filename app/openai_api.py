@@ -47,6 +47,7 @@ IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "
            "safety_identifier"}
 PROMPT_FIELD = {CHAT: "messages", COMPLETION: "prompt"}
 ROLES = ("system", "developer", "user", "assistant")  # those a chat template places; tool results need tools
+MESSAGE_FIELDS = ("role", "content", "name")  # a message's: `name` (a participant's) is read and not used
 RESPONSE_FORMATS = ("text",)  # response_format types answered: plain text, no JSON mode or schema
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}  # engine reason -> OpenAI name
 
@@ -131,6 +132,13 @@ def messages_of(value: Any) -> list[dict[str, str]]:
         at = f"messages[{i}]"
         if not isinstance(m, dict):
             raise BodyError(f"body.{at} must be an object {{role, content}}, not {shown(m)}", at)
+        unknown = next((k for k in m if k not in MESSAGE_FIELDS), None)
+        if unknown is not None:  # tool calls and results, audio...: not offered; a misspelt field: said
+            name = json.dumps(unknown[:40])[1:-1]
+            raise BodyError(f"body.{at}.{name}: unrecognized field; a message holds {', '.join(MESSAGE_FIELDS)}",
+                            f"{at}.{name}")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise BodyError(f"body.{at}.name must be a text, not {shown(m['name'])}", f"{at}.name")
         role = text_of(m["role"], f"{at}.role") if isinstance(m.get("role"), str) else m.get("role")
         if role not in ROLES:
             raise BodyError(f"body.{at}.role must be one of {', '.join(ROLES)}, not {shown(role)}", f"{at}.role")

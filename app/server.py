@@ -232,7 +232,9 @@ def make_app(service: EngineService, defaults: SamplingParams, api_key: str | No
         Route(CHAT, guarded(chat), methods=["POST"]),
         Route(COMPLETION, guarded(completions), methods=["POST"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app.router.redirect_slashes = False  # (a path with a slash too many is an unknown path, said in OpenAI's shape)
+    return app
 
 
 def model_card(service: EngineService) -> dict[str, Any]:

@@ -387,3 +387,14 @@ def test_open_output_takes_a_new_or_regular_file_only(tmp_path: Path) -> None:
     with open_output(new, "--out", append=False) as f:
         f.write(b"over")
     assert new.read_bytes() == b"over"
+
+
+def test_a_record_is_one_line_whatever_its_text_holds() -> None:
+    """U+2028, U+2029 and U+0085 (in a custom_id, or an answer's text) are line breaks to some readers (Python's
+    str.splitlines, JavaScript): escaped, so every record stays one line however the file is read."""
+    from tandem.app.batch_file import _record_line
+
+    record = {"custom_id": "a\u2028b\u2029c\u0085d\né", "text": "x\u2028y"}
+    line = _record_line(record).decode("utf-8")
+    assert line.endswith("\n") and len(line.splitlines()) == 1 and json.loads(line) == record
+    assert "é" in line  # (the rest stays readable)

@@ -269,6 +269,10 @@ BAD_FIELDS: list[tuple[str, dict[str, Any], str]] = [
     (CHAT, {"messages": [{"role": "tool", "content": "42"}]}, "messages[0].role"),
     (CHAT, {"messages": [{"role": "banana", "content": "x"}]}, "messages[0].role"),
     (CHAT, {"messages": [{"content": "x"}]}, "messages[0].role"),
+    # a message's own fields: text role and content, a text name; nothing else (tool calls are not offered)
+    (CHAT, {"messages": [{"role": "user", "content": "x", "name": ["a"]}]}, "messages[0].name"),
+    (CHAT, {"messages": [{"role": "assistant", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
+    (CHAT, {"messages": [{"role": "user", "content": "x", "deep": [[[[[1]]]]]}]}, "messages[0].deep"),
 ]
 GOOD_FIELDS: list[dict[str, Any]] = [
     {"logprobs": False}, {"n": 1}, {"tools": []}, {"tool_choice": "none"}, {"response_format": {"type": "text"}},
@@ -277,6 +281,7 @@ GOOD_FIELDS: list[dict[str, Any]] = [
     {"stream": False, "user": "u"}, {"model": "tiny"},
     {"metadata": {"k": "v"}, "store": False, "service_tier": "auto", "parallel_tool_calls": True},
     {"messages": [{"role": "developer", "content": "Be brief."}, *HELLO]},
+    {"messages": [{"role": "user", "content": "Hi", "name": "ann"}]},
     {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]}]},
 ]
 
