@@ -20,6 +20,7 @@ from tandem.runtime.sampling import SamplingParams
 
 CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
 MAX_STOPS = 4  # as OpenAI
+STOP_MOST = 1024  # characters of one stop sequence: each token's text is held back while it may start one
 TEMPERATURE_MOST = 2.0  # as OpenAI
 # body fields that would change what the answer means: refused rather than ignored; each with the values that ask
 # for nothing more than a plain answer
@@ -159,9 +160,10 @@ def stops_of(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
     stops = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else None
-    if stops is None or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
-        raise BodyError(f"body.stop must be a text or a list of up to {MAX_STOPS} non-empty texts, not "
-                        f"{shown(value)}", "stop")
+    if stops is None or len(stops) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= STOP_MOST
+                                                          for s in stops):
+        raise BodyError(f"body.stop must be a text or a list of up to {MAX_STOPS} non-empty texts of at most "
+                        f"{STOP_MOST} characters, not {shown(value)}", "stop")
     return tuple(text_of(s, "stop") for s in stops)
 
 
