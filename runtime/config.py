@@ -7,6 +7,7 @@ the RAM estimate read only from it. Fields are what the forward pass needs, noth
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -211,6 +212,7 @@ WHOLE: dict[str, tuple[int, int]] = {
     "shared_expert_intermediate_size": (0, 1 << 20), "num_local_experts": (1, 4096), "num_experts": (0, 4096),
     "num_experts_per_tok": (1, 4096), "decoder_sparse_step": (1, 1024), "sliding_window": (0, 1 << 24),
     "bos_token_id": (0, 1 << 24),
+    "original_max_position_embeddings": (1, 1 << 24),  # PhiMoE's LongRoPE pretraining length, at the top level
 }
 MEANING = {"num_local_experts": "the number of experts", "num_experts": "the number of experts",
            "num_experts_per_tok": "top-k, the experts each token picks", "num_hidden_layers": "the number of layers",
@@ -235,9 +237,59 @@ def _is_whole(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
 def _is_real_below(v: Any, high: float) -> bool:
     """A number above zero and below `high` (an integer too large for a float is not)."""
     return isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < high
+
+
+# RoPE's parameters, in transformers 5's `rope_parameters` or older configs' `rope_scaling` (both may be given; a key
+# means the same in either): what each must be, checked in both dicts before any variant reads one. runtime/rope.py
+# feeds them to math.log, divisions and torch.tensor, where a string, a list, a zero or a negative number is a
+# traceback or silently wrong cos/sin tables. The upper bounds are far past published values (YaRN's factor 40 and
+# betas 32/1, mscales near 1, LongRoPE's factors below 100) yet keep every product finite. Keys no variant reads are
+# left alone; which keys a variant needs, and list lengths, are checked against the head in `rope_problems`.
+RopeRule = tuple[Callable[[Any], bool], str]
+ROPE_BOUND = 1e6
+
+
+def _above_zero(high: float) -> RopeRule:
+    return (lambda v: _is_real_below(v, high)), f"a number above zero and below {high:g}"
+
+
+def _from_zero(high: float) -> RopeRule:
+    # 0 is allowed where transformers reads it as unset (`beta_fast or 32`, `if mscale and mscale_all_dim`)
+    return (lambda v: _is_number(v) and 0 <= v < high), f"a number at least 0 (0: unset) and below {high:g}"
+
+
+def _factors(v: Any) -> bool:
+    return isinstance(v, list) and len(v) > 0 and all(_is_real_below(f, ROPE_BOUND) for f in v)
+
+
+ROPE_RULES: dict[str, RopeRule] = {
+    "rope_theta": _above_zero(POSITIVE["rope_theta"]),
+    "partial_rotary_factor": ((lambda v: _is_real_below(v, POSITIVE["partial_rotary_factor"])),
+                              "a number above 0 and at most 1 (the share of each head rotated)"),
+    "factor": _above_zero(ROPE_BOUND),  # YaRN/LongRoPE: how many times the pretraining context is stretched
+    "attention_factor": _above_zero(ROPE_BOUND),  # the scale of cos and sin
+    "short_mscale": _above_zero(ROPE_BOUND), "long_mscale": _above_zero(ROPE_BOUND),  # PhiMoE's cos/sin scales
+    "beta_fast": _from_zero(ROPE_BOUND), "beta_slow": _from_zero(ROPE_BOUND),  # YaRN's ramp, in rotations
+    "mscale": _from_zero(ROPE_BOUND), "mscale_all_dim": _from_zero(ROPE_BOUND),  # a negative one can divide by 0
+    "original_max_position_embeddings": ((lambda v: _is_whole(v) and 1 <= v <= 1 << 24),
+                                         f"a whole number from 1 to {1 << 24} (the pretraining context)"),
+    "truncate": ((lambda v: isinstance(v, bool)), "true or false"),
+    "short_factor": (_factors, f"a list of numbers above zero and below {ROPE_BOUND:g}, one per rotated pair of dims"),
+    "long_factor": (_factors, f"a list of numbers above zero and below {ROPE_BOUND:g}, one per rotated pair of dims"),
+}
+
+
+def _shown(value: Any) -> str:
+    """A value for a message, cut short (a LongRoPE factor list has 64 entries)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _non_finite(value: Any, path: str) -> str | None:
@@ -281,12 +333,15 @@ def clean_raw(raw: dict[str, Any], where: str) -> dict[str, Any]:
     if dense is not None and not (isinstance(dense, list) and all(_is_whole(i) and 0 <= i < layers for i in dense)):
         raise bad("mlp_only_layers", f"but it must be a list of layer numbers from 0 to {layers - 1}")
     for key in ("rope_parameters", "rope_scaling"):
-        if key in out and not isinstance(out[key], dict):
+        if key not in out:
+            continue
+        if not isinstance(out[key], dict):
             raise bad(key, "but it must be an object")
-    theta = out.get("rope_parameters", {}).get("rope_theta")
-    if theta is not None and not _is_real_below(theta, POSITIVE["rope_theta"]):
-        raise CheckpointError(f"{where}: rope_parameters.rope_theta is {theta!r}, but it must be a number above zero "
-                              f"and below {POSITIVE['rope_theta']:g}")
+        out[key] = {k: v for k, v in out[key].items() if v is not None}  # null: absent, as at the top level
+        for name, (ok, what) in ROPE_RULES.items():
+            if name in out[key] and not ok(out[key][name]):
+                raise CheckpointError(f"{where}: {key}.{name} is {_shown(out[key][name])}, but it must be {what}; "
+                                      "fix config.json or re-download it")
     for key in ("rope_parameters", "rope_scaling"):
         kind = out.get(key, {}).get("rope_type", out.get(key, {}).get("type"))
         if kind is not None and not isinstance(kind, str):
@@ -294,9 +349,50 @@ def clean_raw(raw: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+def rope_problems(cfg: ModelConfig) -> list[str]:
+    """The RoPE variant's parameters (each already of the right type and range: `ROPE_RULES`) against the variant
+    and the head: the keys it needs (as transformers requires them), one LongRoPE factor per rotated pair of dims,
+    an even number of rotated dims. Unchecked, a mismatch is a shape error in the first forward pass, or tables
+    that silently rotate wrong."""
+    p, kind = dict(cfg.rope_params), cfg.rope_type
+    dims = cfg.rotary_dim or cfg.head_dim  # runtime/rope.py's rotary_dims
+    where = "config.json's rope_parameters or rope_scaling"
+    problems = []
+    if dims % 2:
+        problems.append(f"each head rotates {dims} dims (head_dim, or the rotated part of it), but RoPE turns pairs "
+                        "of dims: it must be an even number")
+    if kind == "yarn" and "factor" not in p:
+        problems.append(f"YaRN needs its factor (the context stretch) in {where}")
+    if kind in ("longrope", "su"):
+        for key in ("short_factor", "long_factor"):
+            if key not in p:
+                problems.append(f"LongRoPE needs {key} in {where}")
+            elif len(p[key]) != dims // 2:
+                problems.append(f"LongRoPE's {key} ({where}) lists {len(p[key])} numbers, but the {dims} rotated "
+                                f"dims of a head need {dims // 2}, one per pair")
+        original = p.get("original_max_position_embeddings", cfg.max_position_embeddings)
+        if original < 2:  # its cos/sin scale divides by the log of this length
+            problems.append(f"LongRoPE's original_max_position_embeddings is {original}, but it must be at least 2")
+    if kind == "yarn" and (p.get("beta_fast") or 32) < (p.get("beta_slow") or 1):  # (0: the default, as transformers)
+        problems.append(f"YaRN's beta_fast ({p.get('beta_fast')}) is below its beta_slow ({p.get('beta_slow')}) in "
+                        f"{where}: the ramp between them would run backwards")
+    if kind != "default" and p.get("mscale_all_dim") and "factor" not in p:  # runtime/mla.py scales by mscale(factor)
+        problems.append(f"mscale_all_dim is given without the factor it scales ({where})")
+    return problems
+
+
+def token_problems(cfg: ModelConfig) -> list[str]:
+    """A special token id outside the vocabulary [0, vocab_size) is a damaged config (or a vocab_size edited without
+    it): an end-of-sequence id no logit can reach never stops generation. Absent or null: no such token."""
+    named = [("eos_token_id", i) for i in cfg.eos_token_ids]
+    named += [("bos_token_id", cfg.bos_token_id)] if cfg.bos_token_id is not None else []
+    return [f"{field} {i} is not a token of the vocabulary (vocab_size {cfg.vocab_size}: ids 0 to "
+            f"{cfg.vocab_size - 1})" for field, i in named if not 0 <= i < cfg.vocab_size]
+
+
 def check_config(cfg: ModelConfig, where: str) -> None:
     """What no single field shows: the fields against each other."""
-    problems = []
+    problems = rope_problems(cfg) + token_problems(cfg)
     if cfg.num_experts and cfg.top_k > cfg.num_experts:
         problems.append(f"each token picks {cfg.top_k} experts (top-k) but a layer has only {cfg.num_experts}")
     if cfg.num_heads % cfg.num_kv_heads:

@@ -6,6 +6,10 @@ for cos and sin), registered in `FREQUENCIES`. `ModelConfig.rotary_dim` rotates 
 (partial rotary); the rest pass through. A variant whose tables change with the sequence's length (LongRoPE) also
 registers its long tables in `LONG_FREQUENCIES`; `long_after` says from which length on they apply.
 
+The parameters arrive checked (runtime/config.py, before anything is sized by them): each number's type and range
+(`ROPE_RULES`), the keys a variant needs, LongRoPE's factors one per rotated pair of dims and an even number of
+rotated dims (`rope_problems`). The functions below trust them; a new parameter is added there too.
+
 Letters: B batch, T tokens, D head dim, R rotary dims (R <= D).
 """
 

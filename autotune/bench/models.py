@@ -68,6 +68,13 @@ def make_bench_model(shape: str, out: str | Path, layers: int | None = None, dty
     """Write a random-weight checkpoint of the real shape, one shard (≤ 2 GiB) at a time. `mxfp4`: the experts as
     gpt-oss publishes them (random MXFP4 codes and scales), the rest in `dtype`."""
     config = bench_config(shape, layers, experts, heads) | overrides
+    vocab = config["vocab_size"]
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # (a smaller vocabulary than published: the
+        ids = config.get(key)  # special tokens it no longer has are left out, as config checks refuse them)
+        if isinstance(ids, list):
+            config[key] = [i for i in ids if isinstance(i, int) and 0 <= i < vocab] or None
+        elif isinstance(ids, int) and not 0 <= ids < vocab:
+            config[key] = None
     config.setdefault("architectures", [causal_lm_class(config["model_type"])])  # as save_pretrained writes it:
     # what other tools read first (llama.cpp's convert_hf_to_gguf.py finds the model's kind by it alone)
     if mxfp4:
