@@ -9,14 +9,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from tandem.autotune.measurements import MAX_COUNT, Measurements
+from tandem.kernels.errors import TandemError
 from tandem.runtime.dispatch import Strategy
 from tandem.runtime.expert_cache import CachePolicy
-from tandem.runtime.paths import atomic_write_json, data_dir, remove_stale_temporaries, set_aside
+from tandem.runtime.paths import (
+    SAVED_MAX_BYTES,
+    atomic_write_json,
+    data_dir,
+    read_json,
+    remove_stale_temporaries,
+    set_aside,
+)
 
 SCHEMA = 2  # raised whenever a saved plan would mean something else: a profile of another schema is set aside
 
@@ -68,27 +78,48 @@ STALE_TEMP_S = 600.0  # a profile save takes milliseconds: a temporary file this
 
 
 def find_profile(machine: dict[str, Any], model: dict[str, Any]) -> Found:
+    """This machine's profile for the model. Never raises, never blocks: a file that cannot be used is set aside
+    and the notice says so (the caller runs with defaults)."""
     path = profile_path(machine, model)
     remove_stale_temporaries(path.parent, older_than_s=STALE_TEMP_S)
-    if path.exists():
-        return _read(path)
+    # lexists, not exists: a dangling link or a link loop is no profile either, and is set aside like one
+    if os.path.lexists(path):
+        return _read(path, machine)
     others = [p for p in profiles_dir().glob(f"*-{_digest(model)}.json")] if profiles_dir().is_dir() else []
     if others:
         return Found(None, "the hardware changed since this model was tuned; run `tandem autotune` to re-tune")
     return Found(None, None)
 
 
-def _read(path: Path) -> Found:
+def _read(path: Path, machine: dict[str, Any]) -> Found:
+    """Only a regular file of bounded size and nesting is read (`read_json`): a FIFO there would block every start,
+    a link to /dev/zero fill the RAM. Anything that cannot be used is set aside, never raised."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json(path, SAVED_MAX_BYTES)
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             return Found(None, _set_aside(path, f"it has schema {data.get('schema') if isinstance(data, dict) else '?'}"
                                                 f", this Tandem writes {SCHEMA}"))
-        return Found(profile_from_dict(data))
+        profile = profile_from_dict(data)
+        check_threads(profile.plan, machine)
+        return Found(profile)
     except RecursionError:
         return Found(None, _set_aside(path, "it could not be read (it is nested too deeply)"))
-    except (OSError, ValueError) as e:  # (json's and UTF-8's errors are ValueErrors)
+    except OSError as e:  # (its reason alone: the path is in the notice)
+        return Found(None, _set_aside(path, f"it could not be read ({e.strerror or e})"))
+    except (ValueError, TandemError) as e:  # (json's and UTF-8's errors are ValueErrors)
         return Found(None, _set_aside(path, f"it could not be read ({e})"))
+
+
+def check_threads(plan: dict[str, Any], machine: dict[str, Any]) -> None:
+    """A plan's threads within the machine's: the tuner only picks counts it measured here, and loading refuses
+    more threads than the CPU has, so a larger count would fail every start. Checked against the fingerprint's
+    count (a real probe's) and the OS's, as loading checks it. Raises ValueError."""
+    most = machine.get("threads")
+    if not _whole(most, 1):
+        return  # (a fingerprint without the count: `check_plan`'s bound still holds)
+    most = min(most, os.cpu_count() or most)
+    if plan["threads"] > most:
+        raise ValueError(f"the plan's threads is {plan['threads']}, more than the {most} this machine has")
 
 
 def profile_from_dict(data: dict[str, Any]) -> Profile:
@@ -103,6 +134,7 @@ def profile_from_dict(data: dict[str, Any]) -> Profile:
     if not isinstance(data.get("created", ""), str):
         raise ValueError(f"'created' is {data['created']!r}, not a text")
     check_plan(data["plan"])
+    check_measurements(data["measurements"])
     return Profile(**data)
 
 
@@ -112,6 +144,13 @@ def _whole(value: Any, least: int) -> bool:
 
 def _one_of(value: Any, names: type[Strategy] | type[CachePolicy]) -> bool:
     return isinstance(value, str) and value in {n.value for n in names}
+
+
+def _shown(value: Any) -> str:
+    """A bad value for a notice, cut short: a file may hold a number of thousands of digits or a large object (JSON
+    refuses integers of over 4300 digits, so `repr` takes any it gives)."""
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
 
 
 PLAN_FIELDS = {"threads", "accelerator", "strategy", "cache", "static_experts", "kernel", "quant", "static"}
@@ -124,10 +163,10 @@ def check_plan(plan: dict[str, Any]) -> None:
         raise ValueError(f"the plan has unknown fields {sorted(unknown)}")
 
     def bad(name: str, value: Any, what: str) -> ValueError:
-        return ValueError(f"the plan's {name} is {value!r}, not {what}")
+        return ValueError(f"the plan's {name} is {_shown(value)}, not {what}")
 
-    if not _whole(plan.get("threads"), 1):
-        raise bad("threads", plan.get("threads"), "a whole number ≥ 1")
+    if not _whole(plan.get("threads"), 1) or plan["threads"] > MAX_COUNT:
+        raise bad("threads", plan.get("threads"), f"a whole number from 1 to {MAX_COUNT}")
     if not isinstance(plan.get("accelerator", False), bool):
         raise bad("accelerator", plan["accelerator"], "true or false")
     if not _one_of(plan.get("strategy", "cpu"), Strategy):
@@ -155,6 +194,76 @@ def check_plan(plan: dict[str, Any]) -> None:
     if not isinstance(static, list) or not all(
             isinstance(k, list) and len(k) == 2 and all(_whole(v, 0) for v in k) for k in static):
         raise bad("static", static, "a list of [layer, expert] pairs")
+
+
+MEASURED_MAX = 1e9  # a latency in ms, a rate in GB/s or GFLOPS: far beyond any machine, and finite in any sum
+BYTES_MAX = 1 << 60  # an expert's bytes, the accelerator's: beyond any machine, and exact as a float's magnitude
+
+
+def _number(value: Any, positive: bool) -> bool:
+    """A number in range, compared before any conversion: NaN and infinities fail the comparison, and an integer too
+    large for a float (JSON allows 10**400) is simply out of range. Either would turn the cost model's sums into NaN
+    or raise in them."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and (
+        0 < value <= MEASURED_MAX if positive else 0 <= value <= MEASURED_MAX)
+
+
+def _count_key(key: Any) -> bool:
+    """A count as a JSON key (a text of ASCII digits: "²" is a digit to `isdigit` but not to `int`), 1 to MAX_COUNT;
+    its length bounded first (`int` refuses texts of over 4300 digits)."""
+    return isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 6 and 1 <= int(key) <= MAX_COUNT
+
+
+def _times(table: Any) -> bool:
+    """An object of counts (threads or tokens) to times in ms."""
+    return isinstance(table, dict) and all(_count_key(k) and _number(v, False) for k, v in table.items())
+
+
+def check_measurements(m: dict[str, Any]) -> None:
+    """The measurements as `Measurements.to_dict` writes them, or none (`{}`): the planner and the batch policy
+    compute with them at every start, so a bad value would fail every start. Fields this Tandem does not read are
+    let be, as `Measurements.from_dict` lets them be (fields are added without a new schema; missing optional ones
+    read as none). Raises ValueError naming the first bad field."""
+    if not m:
+        return
+
+    def bad(name: str, value: Any, what: str) -> ValueError:
+        return ValueError(f"the measurements' {name} is {_shown(value)}, not {what}")
+
+    if not _whole(m.get("cores"), 1) or m["cores"] > MAX_COUNT:
+        raise bad("cores", m.get("cores"), f"a whole number from 1 to {MAX_COUNT}")
+    if not _whole(m.get("expert_bytes"), 1) or m["expert_bytes"] > BYTES_MAX:
+        raise bad("expert_bytes", m.get("expert_bytes"), f"a whole number from 1 to {BYTES_MAX}")
+    cpu = m.get("cpu")  # (the planner takes the fastest of them: none is no measurement)
+    if not isinstance(cpu, dict) or not cpu or not all(
+            _count_key(t) and isinstance(f, dict) and _number(f.get("a_ms"), True) and _number(f.get("b_ms"), False)
+            for t, f in cpu.items()):
+        raise bad("cpu", cpu, "an object of thread counts, each with a_ms > 0 and b_ms ≥ 0")
+    samples = m.get("cpu_samples") or {}
+    if not isinstance(samples, dict) or not all(_count_key(t) and _times(s) for t, s in samples.items()):
+        raise bad("cpu_samples", samples, "an object of thread counts, each of token counts and times")
+    kernel = m.get("kernel") or {}
+    if not isinstance(kernel, dict) or not _times(kernel.get("torch_ms") or {}):
+        raise bad("kernel", kernel, "an object (its torch_ms: token counts and times)")
+    if not isinstance(kernel.get("isa"), str | None):
+        raise bad("kernel isa", kernel["isa"], "a name")
+    if kernel.get("crossover") is not None and not _whole(kernel["crossover"], 1):
+        raise bad("kernel crossover", kernel["crossover"], "a whole number ≥ 1")
+    for name in ("dram_gbps", "h2d_gbps", "d2h_gbps", "gflops"):  # rates, divided by
+        if m.get(name) is not None and not _number(m[name], True):
+            raise bad(name, m[name], f"a number above 0, at most {MEASURED_MAX:g}")
+    for name in ("gpu_expert_ms", "copy_expert_ms", "ship_ms", "token_overhead_ms"):
+        if m.get(name) is not None and not _number(m[name], False):
+            raise bad(name, m[name], f"a number from 0 to {MEASURED_MAX:g}")
+    vram = m.get("vram_for_experts")
+    if vram is not None and (not _whole(vram, 0) or vram > BYTES_MAX):
+        raise bad("vram_for_experts", vram, f"a whole number from 0 to {BYTES_MAX}")
+    if not isinstance(m.get("shared_device", False), bool | None):
+        raise bad("shared_device", m["shared_device"], "true or false")
+    try:  # as its readers take them: whatever passed the checks above must convert
+        Measurements.from_dict(m)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"the measurements cannot be read ({e!r})") from None
 
 
 def _set_aside(path: Path, why: str) -> str:
