@@ -7,7 +7,10 @@ reported up front with a fix, not as a crash mid-generation.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,7 @@ from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.config import ModelConfig, token_ids
 from tandem.runtime.families import FamilySpec, parse_config, supported_model_types
-from tandem.runtime.paths import read_bounded
+from tandem.runtime.paths import file_kind, read_bounded
 from tandem.runtime.safetensors_mmap import SafetensorsFile
 from tandem.runtime.weights import dense_tensors, expert_tensors, layer_expert_names
 
@@ -104,7 +107,18 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     from tandem.runtime.gguf import is_gguf
 
     folder = Path(path).expanduser()
-    if not folder.exists():
+    try:
+        kind = os.stat(folder).st_mode
+    except OSError as e:
+        kind = None
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"{folder} is a loop of links; point to the model itself") from None
+        if e.errno == errno.ENAMETOOLONG:
+            raise CheckpointError(f"{str(folder)[:80]}…: the name is too long for a file, a folder or an Ollama "
+                                  "model") from None
+    if kind is not None and not (stat.S_ISDIR(kind) or stat.S_ISREG(kind)):
+        raise CheckpointError(f"{folder} is {file_kind(kind)}, not a model folder or a .gguf file")
+    if kind is None:
         from tandem.runtime.discover import OLLAMA_NAME, resolve_ollama_name
 
         blob = resolve_ollama_name(str(path)) if OLLAMA_NAME.match(str(path)) else None
@@ -179,7 +193,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     raw = read_small_file(path)
     try:
         data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ValueError as e:  # not UTF-8, not JSON, or a whole number of thousands of digits
         raise CheckpointError(f"cannot read {path}: {e}; re-download or fix the file") from None
     except RecursionError:
         raise CheckpointError(f"cannot read {path}: it is nested too deeply; re-download or fix the file") from None

@@ -7,7 +7,6 @@ Kept apart from the engine (which speaks only token ids). Uses the `tokenizers` 
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -81,12 +80,15 @@ class Tokenizer:
         from tandem.runtime.gguf_header import header_of
 
         first = gguf_files(path)[0]  # a split model keeps its metadata in the first part
-        header_of(first)  # checked first: transformers' reader trusts the file's counts and lengths
+        # checked first: transformers' reader trusts the file's counts and lengths, and the metadata's types
+        problem = gguf_tokenizer_problem(header_of(first).meta)
+        if problem:
+            raise CheckpointError(f"{path}: {problem}; the file's tokenizer is damaged: download or convert it "
+                                  "again")
         try:
             architecture, vocabulary, config = get_gguf_tokenizer(str(first))
             backend, _ = convert_gguf_tokenizer(architecture, vocabulary)
-        except (OSError, ValueError, KeyError, TypeError, IndexError, OverflowError, struct.error) as e:
-            # (IndexError: a special token's id past the vocabulary)
+        except Exception as e:  # noqa: BLE001 - transformers' and tokenizers' errors (the latter's a bare Exception)
             raise CheckpointError(f"cannot read the tokenizer of {path}: {e!r}; the file's tokenizer metadata is "
                                   "missing or of a kind Tandem cannot read") from None
         template = config.get("chat_template")
@@ -115,6 +117,41 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Chat-formatted prompt ids; the template already holds the special tokens."""
         return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+
+def gguf_tokenizer_problem(meta: dict[str, Any]) -> str | None:
+    """What is wrong with a GGUF file's tokenizer metadata (`gguf_header` values: arrays as GGUFArray), or None:
+    each key of the type llama.cpp writes, the per-token arrays as long as the vocabulary, special ids inside it."""
+    from gguf import GGUFValueType as V
+
+    from tandem.runtime.gguf_header import GGUFArray
+
+    ints = {int(t) for t in (V.UINT8, V.INT8, V.UINT16, V.INT16, V.UINT32, V.INT32, V.UINT64, V.INT64)}
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(meta.get("tokenizer.ggml.model"), str):
+        return "tokenizer.ggml.model is missing or not a text"
+    if not (isinstance(tokens, GGUFArray) and tokens.item_type == int(V.STRING) and tokens.count > 0):
+        return "tokenizer.ggml.tokens is missing or not a list of texts"
+    arrays = {"tokenizer.ggml.token_type": (ints, tokens.count), "tokenizer.ggml.scores": ({int(V.FLOAT32)},
+              tokens.count), "tokenizer.ggml.merges": ({int(V.STRING)}, None)}
+    for key, (kinds, length) in arrays.items():
+        value = meta.get(key)
+        if value is not None and not (isinstance(value, GGUFArray) and value.item_type in kinds
+                                      and (length is None or value.count == length)):
+            what = f" of {length} items, one a token" if length is not None else ""
+            return f"{key} is not a list of the type llama.cpp writes{what}"
+    for key in ("tokenizer.ggml.pre", "tokenizer.chat_template"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            return f"{key} is not a text"
+    for key, value in meta.items():
+        if not key.startswith("tokenizer.ggml."):
+            continue
+        if key.startswith("tokenizer.ggml.add_") and not isinstance(value, bool):
+            return f"{key} is not true or false"
+        if key.endswith("_token_id") and (isinstance(value, bool) or not isinstance(value, int)
+                                          or not 0 <= value < tokens.count):
+            return f"{key} is {value!r}, not a token of the {tokens.count}"
+    return None
 
 
 def _chat_template(folder: Path, config: dict[str, Any]) -> tuple[str | None, str | None]:

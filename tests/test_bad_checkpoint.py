@@ -392,3 +392,24 @@ def test_bad_safetensors_headers(mixtral_dir: Path, tmp_path: Path, capsys, case
     folder = copy_checkpoint(mixtral_dir, tmp_path / "m")
     rewrite_header(folder, edit)
     refused(capsys, folder, "model.safetensors")
+
+
+def test_names_that_are_no_model_say_what_they_are(mixtral_dir: Path, tmp_path: Path) -> None:
+    """A FIFO or a device named like a model, a loop of links, a name too long for any file, and a config.json
+    number of thousands of digits: each an error saying so, not a traceback or a hang."""
+    from tandem.runtime.checkpoint import open_checkpoint
+
+    fifo = tmp_path / "m.gguf"
+    os.mkfifo(fifo)
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    (tmp_path / "zero.gguf").symlink_to("/dev/zero")
+    for path, words in ((fifo, r"is a FIFO \(named pipe\), not a model folder"), (tmp_path / "a", "loop of links"),
+                        (tmp_path / "zero.gguf", "is a device"), ("x:" + "a" * 300, "name is too long")):
+        with pytest.raises(CheckpointError, match=words):
+            open_checkpoint(path)
+    big = copy_checkpoint(mixtral_dir, tmp_path / "big")
+    text = (big / "config.json").read_text()
+    (big / "config.json").write_text(text.replace('"hidden_size": ', '"hidden_size": ' + "9" * 5000 + ", \"x\": ", 1))
+    with pytest.raises(CheckpointError, match="cannot read"):
+        open_checkpoint(big)

@@ -368,3 +368,32 @@ def test_the_tokenizer_reads_only_a_checked_file(tiny: Path, tmp_path: Path) -> 
     cut.write_bytes(data[: gguf_layout(tiny)["data"] // 2])
     with pytest.raises(CheckpointError):
         Tokenizer.from_model(cut)
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("tokenizer.ggml.merges", ([1, 2], V.ARRAY), "tokenizer.ggml.merges"),
+    ("tokenizer.ggml.token_type", ([1, 1, 1], V.ARRAY), "tokenizer.ggml.token_type"),
+    ("tokenizer.ggml.pre", (7, V.UINT32), "tokenizer.ggml.pre is not a text"),
+    ("tokenizer.ggml.add_bos_token", ("yes", V.STRING), "add_bos_token is not true or false"),
+    ("tokenizer.ggml.eos_token_id", (10**6, V.UINT32), "eos_token_id is 1000000"),
+    ("tokenizer.ggml.model", None, "tokenizer.ggml.model is missing"),
+])
+def test_damaged_tokenizer_metadata_is_refused_by_name(tiny: Path, tmp_path: Path, key: str, value: object,
+                                                       words: str) -> None:
+    """The tokenizer's metadata is checked before transformers reads it: a list of the wrong type or length, a
+    text that is a number, a flag that is a text, a special id past the vocabulary."""
+    from tandem.runtime.tokenizer import Tokenizer
+
+    out = rewrite_gguf(tiny, tmp_path / "tok.gguf", {key: value})  # type: ignore[dict-item]
+    with pytest.raises(CheckpointError, match="tokenizer") as caught:
+        Tokenizer.from_gguf(out)
+    assert words in str(caught.value)
+
+
+def test_a_vocabulary_the_tokenizer_library_refuses_is_an_error_not_a_traceback(tiny: Path, tmp_path: Path) -> None:
+    from tandem.runtime.tokenizer import Tokenizer
+
+    count = len(gguf.GGUFReader(str(tiny)).fields["tokenizer.ggml.tokens"].data)
+    out = rewrite_gguf(tiny, tmp_path / "same.gguf", {"tokenizer.ggml.tokens": (["a"] * count, V.ARRAY)})
+    with pytest.raises(CheckpointError, match="cannot read the tokenizer"):
+        Tokenizer.from_gguf(out)
