@@ -1,8 +1,9 @@
 """`tandem bench chat --turns N`: a conversation through the server API, turn after turn, Tandem and llama.cpp's
 llama-server on the same GGUF file in the same run.
 
-Each turn's prompt is the whole history so far (the earlier prompts and answers, as text) and about
-`words` new words; answers are greedy, `new_len` tokens. Per turn: the prompt's tokens, how many a KV cache held
+Each turn's prompt is the whole history so far (the earlier prompts and answers, as text) and about `words` new
+words; answers are greedy, `new_len` tokens, and the history carries on with the same answer text for every engine
+(`answer_texts`), so that they prefill the same prompts. Per turn: the prompt's tokens, how many a KV cache held
 already (Tandem's `usage.prompt_tokens_details.cached_tokens`, llama-server's `timings.cache_n`), the time to the
 first token and the decode rate as the client saw them. `ttft_vs_new_alone`: each turn's TTFT over what prefilling
 only its new tokens would take at the rate the first turn prefilled (its prompt tokens over its TTFT): 1.0 is
@@ -39,23 +40,35 @@ def turn_texts(turns: int, words: int, seed: int = 7) -> list[str]:
             for t in range(turns)]
 
 
-def one_turn(client: httpx.Client, url: str, model: str | None, prompt: str, new_len: int) -> dict[str, Any]:
-    """A streamed greedy completion of `prompt`: its text, TTFT, decode rate and what the server said it reused."""
+def answer_texts(turns: int, words: int, seed: int = 8) -> list[str]:
+    """The answer each turn's history carries on: the same words for every engine (a random model's own answers
+    differ from engine to engine, and some are special tokens that print as nothing), so that both prefill the
+    same prompts; the cache holds the engine's own answer, so a turn's new tokens are this and its new text."""
+    rng = random.Random(seed)
+    return [" " + " ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(turns)]
+
+
+def one_turn(client: httpx.Client, url: str, model: str | None, prompt: str, new_len: int, **extra: Any
+             ) -> dict[str, Any]:
+    """A streamed greedy completion of `prompt`: its text, TTFT, decode rate and what the server said it reused.
+    A token's chunk is one with a choice not yet finished (its text may be empty: a special token)."""
     body = {"prompt": prompt, "max_tokens": new_len, "stream": True, "temperature": 0,
-            "stream_options": {"include_usage": True}} | ({"model": model} if model else {})
+            "stream_options": {"include_usage": True}, **extra} | ({"model": model} if model else {})
     sent = time.perf_counter()
     arrivals: list[float] = []
     text: list[str] = []
     usage: dict[str, Any] = {}
     timings: dict[str, Any] = {}
     with client.stream("POST", url + "/completions", json=body) as response:
-        response.raise_for_status()
+        if response.status_code != 200:  # (a conversation grown past the context, most likely: said as is)
+            raise TandemError(f"the server answered {response.status_code}: {response.read()[:300]!r}; a longer "
+                              "conversation needs a larger --context")
         for data in sse_payloads(response.iter_lines()):
             chunk = json.loads(data)
             for choice in chunk.get("choices") or []:
-                if choice.get("text"):
+                if choice.get("finish_reason") is None:
                     arrivals.append(time.perf_counter())
-                    text.append(choice["text"])
+                text.append(choice.get("text") or "")
             usage = chunk.get("usage") or usage
             timings = chunk.get("timings") or timings  # (llama-server's)
     details = usage.get("prompt_tokens_details") or {}
@@ -68,15 +81,18 @@ def one_turn(client: httpx.Client, url: str, model: str | None, prompt: str, new
             "ttft_s": round(arrivals[0] - sent, 4) if arrivals else None, "decode_tok_s": round(decode, 3)}
 
 
-def conversation(url: str, model: str | None, texts: list[str], new_len: int) -> list[dict[str, Any]]:
-    """Every turn, one after another, each prompt the history so far and its new text."""
+def conversation(url: str, model: str | None, texts: list[str], new_len: int, **extra: Any) -> list[dict[str, Any]]:
+    """Every turn, one after another, each prompt the history so far and its new text; `extra`: more of each body
+    (llama-server's `ignore_eos`, so that it decodes as many tokens)."""
     history, out = "", []
+    answers = answer_texts(len(texts), new_len)
     with httpx.Client(timeout=httpx.Timeout(1800.0, connect=10.0)) as client:
-        one_turn(client, url, model, "Warm up.", 4)
+        one_turn(client, url, model, "Warm up.", 4, **extra)
         for t, new in enumerate(texts):
             history += new
-            got = one_turn(client, url, model, history, new_len)
-            history += got.pop("text")
+            got = one_turn(client, url, model, history, new_len, **extra)
+            got.pop("text")
+            history += answers[t]
             out.append({"turn": t + 1, **got})
     return out
 
@@ -118,7 +134,7 @@ def llama_server_turns(server: Path, gguf: Path, threads: int, context: int, tex
                        ) -> list[dict[str, Any]]:
     """The same conversation against llama.cpp's llama-server (one slot, its default prompt cache) on the file."""
     with running_llama_server(server, gguf, threads, context) as url:
-        return conversation(url + "/v1", None, texts, new_len)
+        return conversation(url + "/v1", None, texts, new_len, ignore_eos=True)
 
 
 def against_new_alone(turns: list[dict[str, Any]]) -> list[float | None]:

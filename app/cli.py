@@ -841,8 +841,8 @@ def _bench_turns(args: argparse.Namespace) -> int:
     if args.peer and (not args.llama_server or not str(args.model or "").endswith(".gguf")):
         raise UsageError("--peer llama.cpp serves the same file: give a GGUF file as --model and --llama-server PATH")
     texts = turn_texts(args.turns, args.words)
-    if args.context is None:  # the whole conversation, at about two tokens a word, with room
-        args.context = args.turns * (2 * args.words + args.new_tokens + 16) + 64
+    if args.context is None:  # the whole conversation, with room (a random model's answers are long as text)
+        args.context = args.turns * (4 * args.words + 8 * args.new_tokens + 16) + 64
     configured = configure_from_args(args)
     loaded = load(replace(configured.options, ragged=True), configured.checkpoint, _progress, _note)
     name = Path(args.model).name if args.model else "built-in"
