@@ -255,8 +255,15 @@ def resolve(request: Request, profile: Request | None, ckpt: Checkpoint, machine
         in_ram = estimate_memory(ckpt, DTYPES[dtype], context, batch, replace(cpu, resident=True)).total
         cpu = replace(cpu, resident=quant is None and resident_fits(in_ram, machine.available_ram))
         sources["resident"] = "machine"
+    static = pick("static", ())
+    foreign = [k for k in static if not (0 <= k[0] < cfg.num_layers and 0 <= k[1] < cfg.num_experts)]
+    if foreign and sources["static"] == "profile":  # (a damaged profile: its other settings still hold)
+        static = tuple(k for k in static if k not in foreign)
+    elif foreign:
+        raise SettingsError(f"the placement pins expert {foreign[0]} (layer, expert), which this model does not have "
+                            f"({cfg.num_layers} layers of {cfg.num_experts} experts); make the placement for it")
     offload = OffloadOptions(pick("strategy", Strategy.FIDDLER), pick("cache_ways"),
-                             pick("cache_policy", CachePolicy.LRU), pick("static", ()),
+                             pick("cache_policy", CachePolicy.LRU), static,
                              pick("max_inflight", DEFAULT_INFLIGHT, profiled=False), pick("cost"))
     for name in ("batch", "force", "use_kernel", "prefix_reuse"):
         sources[name] = "given" if getattr(request, name) != getattr(Request, name) else "default"

@@ -193,3 +193,12 @@ def test_a_profile_made_on_a_gpu_brings_its_measured_costs_and_its_choice_of_the
     cpu_only = profile_request(plan | {"accelerator": False}, meas)
     assert cpu_only.accelerator == "none" and cpu_only.cost is None  # measured the GPU, chose the CPU alone
     assert profile_request(plan | {"accelerator": False}).accelerator is None  # nothing measured: not decided
+
+
+def test_pinned_experts_this_model_lacks_are_dropped_from_a_profile_and_refused_when_given(mixtral_dir: Path
+                                                                                          ) -> None:
+    ckpt = open_checkpoint(mixtral_dir)
+    damaged = dataclasses.replace(PROFILE, static=((0, 1), (999, 999), (0, -1)))
+    assert resolve(Request(model=mixtral_dir), damaged, ckpt, MACHINE).offload.static == ((0, 1),)
+    with pytest.raises(SettingsError, match=r"pins expert \(999, 0\)"):
+        resolve(Request(model=mixtral_dir, static=((999, 0),)), None, ckpt, MACHINE)
