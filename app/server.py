@@ -463,6 +463,23 @@ def _num(v: float) -> str:
     return str(int(v)) if float(v).is_integer() else f"{v:.6g}"
 
 
+def _http_protocol() -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol, but a request it cannot even parse (a header of control bytes, a Content-Length that
+    is no number) answered in OpenAI's error shape too, as every other failure is, not in plain text."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class OpenAIErrors(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        def send_400_response(self, msg: str) -> None:
+            body = json.dumps({"error": {"message": f"the HTTP request is malformed ({msg.rstrip('.')}); send "
+                                                   "a well-formed HTTP/1.1 request", "type": "invalid_request_error",
+                                         "param": None, "code": "invalid_http_request"}}).encode()
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: "
+                                 + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+            self.transport.close()
+
+    return OpenAIErrors
+
+
 class BackgroundServer:
     """uvicorn serving `app` in a thread, on a socket bound now (port 0: any free port): `tandem serve` (whose engine
     keeps the main thread), tests and benchmarks. Leaving the `with` block shuts it down."""
@@ -476,7 +493,7 @@ class BackgroundServer:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{'[' + host + ']' if ':' in host else host}:{self.port}/v1"
         # connections still open at shutdown get this long (a stream whose request was ended says so and closes)
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", http=_http_protocol(),
                                                     timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

@@ -374,3 +374,26 @@ async def test_fuzzed_bodies_get_an_answer_or_an_openai_error_never_a_500(servic
         assert (await c.get("/health")).status_code == 200
     assert statuses.get(200, 0) > 10 and sum(v for k, v in statuses.items() if k >= 400) > 100, statuses
 
+
+
+def test_a_request_the_http_layer_cannot_parse_gets_an_openai_error(mixtral_dir: Path) -> None:
+    """Malformed HTTP (a Content-Length that is no number, or negative; control bytes in a header): refused by the
+    HTTP layer before the app sees it, in OpenAI's shape all the same."""
+    import socket
+
+    from tandem.app.server import BackgroundServer
+    from tests.test_serve import serving
+
+    with serving(mixtral_dir) as (_, server):
+        assert isinstance(server, BackgroundServer)
+        for head in (b"Content-Length: 99999999999999999999999999\r\n", b"Content-Length: -1\r\n",
+                     b"X-Junk: a\x01b\r\n"):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n{}")
+                raw = b""
+                while chunk := sock.recv(65536):
+                    raw += chunk
+            status, _, body = raw.partition(b"\r\n\r\n")
+            assert status.startswith(b"HTTP/1.1 400") and b"application/json" in status.lower(), raw[:200]
+            error = json.loads(body)["error"]
+            assert error["code"] == "invalid_http_request" and "malformed" in error["message"]
