@@ -103,6 +103,11 @@ def rope_fields(raw: dict[str, Any], default_theta: float) -> dict[str, Any]:
     `rope_scaling` and flat keys. A variant Tandem does not implement is refused by name."""
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or {}
+    nested = next((k for k, v in params.items() if isinstance(v, dict)), None)
+    if nested is not None:  # transformers 5's per-layer-type form ({"full_attention": {...}, ...}): read flat, it
+        # would silently rotate every layer with the default tables
+        raise UnsupportedModelError(f"config.json's rope_parameters gives RoPE per kind of layer ({nested!r}, ...); "
+                                    "Tandem runs one RoPE for every layer, so this model is not supported yet")
     # a scaling named in either place counts: a file with a plain rope_parameters beside an older rope_scaling
     # (edited by hand, or half converted) must not run without the scaling it asks for
     given = params.get("rope_type")

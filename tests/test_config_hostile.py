@@ -216,3 +216,18 @@ def test_the_command_line_says_what_is_wrong(tiny_models: dict[str, Path], tmp_p
     assert err.splitlines()[-1].startswith("error: ") and "Traceback" not in err, err
     for needle in needles:
         assert needle in err, err
+
+
+def test_rope_given_per_kind_of_layer_is_refused_by_name() -> None:
+    """transformers 5 may give rope_parameters per kind of layer ({"full_attention": {...}, ...}); read as one flat
+    set it would rotate every layer with the default tables, silently."""
+    from tandem.kernels.errors import UnsupportedModelError
+    from tandem.runtime.families import parse_config
+    from tandem.runtime.synth import tiny_config
+
+    raw = tiny_config("qwen3_moe") | {"rope_parameters": {"full_attention": {"rope_type": "default",
+                                                                             "rope_theta": 1e6},
+                                                          "sliding_attention": {"rope_type": "default",
+                                                                                "rope_theta": 1e4}}}
+    with pytest.raises(UnsupportedModelError, match="per kind of layer"):
+        parse_config(raw, "config.json")
