@@ -796,7 +796,10 @@ def _bench_serve(args: argparse.Namespace) -> int:
         args.context = args.prompt_len + args.new_len
     batch = args.batch_size or min(args.concurrency, 8)
     configured = configure_from_args(args, batch=batch)
-    loaded = load(replace(configured.options, ragged=True), configured.checkpoint, _progress, _note)
+    # without prefix reuse: generate's run and the served request before it share their prompt, and the store
+    # would hand the server's prompts back to generate; each is to prefill its prompt as a new one would
+    loaded = load(replace(configured.options, ragged=True, prefix_reuse=False, prefix_store=0), configured.checkpoint,
+                  _progress, _note)
     result = bench_serve(loaded, Path(args.model).name, args.requests, args.concurrency, args.prompt_len,
                          args.new_len, batch, args.step_tokens or 256)
     if args.peer:

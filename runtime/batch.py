@@ -273,10 +273,12 @@ class BatchEngine:
             room -= take
         segments = [Segment(s.row, s.fed, take, s.long) for s, take in chosen]
         ids = torch.cat([s.history[s.fed : s.fed + take] for s, take in chosen])  # [N]
-        phase = "prefill" if len(chosen) > len(decoding) else "decode"
+        # a prompt's tokens (the last one alone too, when its row held the rest: prefix reuse) are prefill
+        prompting = [s.fed < len(s.request.prompt) for s, _ in chosen]
+        phase = "prefill" if any(prompting) else "decode"
         logits = self.model.forward_rows(ids, segments, phase)  # [S, V]
-        for s, take in chosen:
-            if s.pos - s.fed > 1:
+        for (s, take), prompt in zip(chosen, prompting, strict=True):
+            if prompt:
                 self.stats.prompt_tokens += take
             s.fed += take
         self.stats.steps += 1

@@ -41,7 +41,8 @@ class GenerationStats:
 
     @property
     def prompt_tok_s(self) -> float:
-        return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
+        """The prompt tokens prefilled (not those the KV cache held) over the time to the first token."""
+        return (self.prompt_tokens - self.cached_tokens) / self.ttft_s if self.ttft_s > 0 else 0.0
 
     def as_dict(self) -> dict[str, float | int | str]:
         return {

@@ -114,7 +114,8 @@ class LatentCache:
 
     def restore(self, row: int, parts: tuple[torch.Tensor, ...], n: int) -> None:
         """The first n positions of a `snapshot` back into row `row`."""
-        self.latent[:, row, :n].copy_(parts[0][:, :n])
+        for i in range(parts[0].shape[0]):  # a layer at a time (see KVCache.restore)
+            self.latent[i, row, :n].copy_(parts[0][i, :n])
 
     def row(self, r: int) -> LatentCache:
         """Batch row r alone, as a cache of one row (views, as KVCache.row)."""

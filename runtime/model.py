@@ -266,8 +266,9 @@ class KVCache:
     def restore(self, row: int, parts: tuple[torch.Tensor, ...], n: int) -> None:
         """The first n positions of a `snapshot` (of this cache's shape) back into row `row`."""
         k, v = parts
-        self.k[:, row, :, :n].copy_(k[:, :, :n])
-        self.v[:, row, :, :n].copy_(v[:, :, :n])
+        for i in range(k.shape[0]):  # a layer at a time: on an accelerator, a strided copy's temporary is one layer's
+            self.k[i, row, :, :n].copy_(k[i, :, :n])
+            self.v[i, row, :, :n].copy_(v[i, :, :n])
 
     def row(self, r: int) -> KVCache:
         """Batch row r alone, as a cache of one row: views, so what a pass writes into it lands in this cache."""

@@ -129,7 +129,7 @@ class PrefixStore:
         long = bool(cache.held.long[row])
         if any(e.long == long and len(e.tokens) >= n and bool((e.tokens[:n] == tokens).all()) for e in self.entries):
             return
-        parts = tuple(p.to("cpu", copy=True) for p in cache.snapshot(row, n))
+        parts = tuple(_to_host(p) for p in cache.snapshot(row, n))
         saved = Saved(tokens, long, parts, sum(p.numel() * p.element_size() for p in parts))
         if saved.nbytes > self.budget:
             return
@@ -148,10 +148,16 @@ class PrefixStore:
         if useful:  # most recently used first: saving the row's prefix below must not drop it
             self.entries.remove(entry)
             self.entries.append(entry)
-        self.save(cache, row, held)
+        try:
+            self.save(cache, row, held)
+        except torch.OutOfMemoryError:  # (an accelerator without room for a layer's copy: nothing is saved)
+            pass
         if not useful:
             return held
-        self.restore(cache, row, entry, most)
+        try:
+            self.restore(cache, row, entry, most)
+        except torch.OutOfMemoryError:  # (the record was cut first: the prompt is prefilled whole)
+            return 0
         return most
 
     def best(self, prompt: torch.Tensor, long: bool) -> tuple[Saved | None, int]:
@@ -170,8 +176,9 @@ class PrefixStore:
     def restore(self, cache: PrefixCache, row: int, entry: Saved, n: int) -> None:
         """Entry's first `n` positions back into row `row`, its record with them; the entry becomes the most
         recently used."""
-        cache.restore(row, entry.parts, n)
         held = cache.held
+        held.cut(row, 0)  # (a copy that fails halfway leaves the row claiming nothing)
+        cache.restore(row, entry.parts, n)
         held.ids[row, :n] = entry.tokens[:n].to(held.ids.device)
         held.length[row] = n
         held.long[row] = entry.long
@@ -179,3 +186,12 @@ class PrefixStore:
             self.entries.remove(entry)
             self.entries.append(entry)
         self.restored += n
+
+
+def _to_host(view: torch.Tensor) -> torch.Tensor:
+    """A cache's view [layers, ...] copied into RAM a layer at a time: a strided view on an accelerator is made
+    contiguous there before it crosses, and one layer's temporary is small where the whole row's would not be."""
+    host = torch.empty(view.shape, dtype=view.dtype)
+    for i in range(view.shape[0]):
+        host[i].copy_(view[i])
+    return host

@@ -183,3 +183,25 @@ def test_reuse_and_the_store_on_the_emulated_accelerator(mixtral_dir: Path) -> N
     got = list(reusing.generate(follow, GREEDY, stats))
     assert stats.cached_tokens == len(a) + len(answer) - 1 and store.restored == stats.cached_tokens
     assert got == list(whole.generate(follow, GREEDY))
+
+
+def test_a_copy_back_that_fails_halfway_leaves_the_row_claiming_nothing(hf_checkpoints: dict[str, Path],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """An accelerator out of room while a saved prefix is copied back: the row's record claims nothing (its keys
+    are half the old sequence's, half the saved one's), and the prompt is prefilled whole, answering as it should."""
+    model = load_model(hf_checkpoints["mixtral"], dtype="fp32", context=128).model
+    store = PrefixStore(64 << 20)
+    reusing, whole = Engine(model, (), reuse=True, store=store), Engine(model, ())
+    a, b = FIRST * 3, [x + 1 for x in FIRST * 3]
+    list(reusing.generate(a, GREEDY))
+    list(reusing.generate(b, GREEDY))
+    cache = model.cache
+
+    def half(row: int, parts: tuple[torch.Tensor, ...], n: int) -> None:
+        cache.k[:, row, :, :n].copy_(parts[0][:, :, :n])
+        raise torch.OutOfMemoryError("no room for the values")
+
+    monkeypatch.setattr(cache, "restore", half)
+    stats = GenerationStats()
+    got = list(reusing.generate(a + [4], GREEDY, stats))
+    assert stats.cached_tokens == 0 and got == list(whole.generate(a + [4], GREEDY))

@@ -598,3 +598,24 @@ async def test_a_message_over_the_context_is_not_sent_and_the_chat_goes_on() -> 
         await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.chat.current.turns) == 4)
         assert backend.prompts[-1][-1]["content"] == "And now?" and all(
             m["content"] != pasted for m in backend.prompts[-1])
+
+
+async def test_a_queued_message_over_the_context_goes_back_and_the_queue_goes_on() -> None:
+    """Messages queued behind an answer: one too long for the context goes back to the composer after what is being
+    typed there (nothing lost), and the one behind it is still sent."""
+    backend = FakeBackend(words=4)
+    backend.hold = threading.Event()
+    app = TandemApp(lambda _: backend)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ask(pilot, app, "First")
+        await wait_until(pilot, lambda: backend.started.is_set())
+        pasted = " ".join(["word"] * 4000)
+        await ask(pilot, app, pasted)
+        await ask(pilot, app, "Third")
+        app.query_one(Composer).text = "still typing"
+        backend.hold.set()
+        await wait_until(pilot, lambda: len(backend.prompts) == 2 and not app.lifecycle.generating
+                         and len(app.chat.current.turns) == 4)
+        assert [t.content for t in app.chat.current.turns if t.role == "user"] == ["First", "Third"]
+        assert app.query_one(Composer).text == "still typing\n\n" + pasted
+        assert any(n.title == "Not sent" for n in app._notifications)

@@ -409,9 +409,10 @@ class ChatScreen(Screen[None]):
         message, and each of those would fail the same way)."""
         problem = self.too_long(conv, text)
         if problem is not None:
-            if conv is self.current:
-                self.query_one(Composer).text = text
+            composer = self.query_one(Composer)  # (after what is being typed there: nothing is lost)
+            composer.text = "\n\n".join(filter(None, [composer.text.strip(), text]))
             self.notify(problem, title="Not sent", severity="error", timeout=20)
+            self.send_queued()  # (the messages waiting behind it go on)
             return
         if not conv.turns:
             conv.title = title_from(text)
