@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -407,10 +408,13 @@ def fake_tune(path: str, dtype: str, progress) -> object:
                                "gpu": {"expert_ms": 0.35, "h2d_gbps": 25, "vram_bytes_for_experts": 16 * 2**30}},
                               shape.expert_bytes, 6 * 4096 * 14336)
     result = make_plan(shape, meas)
-    # keyed by this machine, so the app finds it afterwards
+    # keyed by this machine, so the app finds it afterwards; with no more threads than it has (a plan with more
+    # is no plan of this machine's: the profile would be set aside)
     machine = probe().fingerprint()
+    plan = result.plan.to_dict()
+    plan["threads"] = min(plan["threads"], machine.get("threads") or 1, os.cpu_count() or 1)
     profile = Profile(machine, model_fingerprint({"model_type": "mixtral", "hidden_size": 64}, dtype),
-                      meas.to_dict(), result.plan.to_dict(), {"tok_s": result.predicted_tok_s})
+                      meas.to_dict(), plan, {"tok_s": result.predicted_tok_s})
     return Tuned(hw, result, profile, None)
 
 
