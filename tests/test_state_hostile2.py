@@ -14,7 +14,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from tandem.autotune.profile import SCHEMA, Profile, find_profile, model_fingerp
 from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.quant_cache import cache_path
 from tandem.runtime.synth import tiny_config, write_test_model
+from tests.test_gguf_hostile import within  # (a call that must end: bounded, in a thread)
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD_MEMORY = 4 * 2**30  # a regression that reads /dev/zero fails in the child instead of filling the machine
@@ -54,26 +54,6 @@ def rewrite(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
 
 def set_aside_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.bad-*"))
-
-
-def within(seconds: float, call: Callable[[], object]) -> object:
-    """call() in a thread: it must end (a FIFO must not block the suite). The bound is far above what the call
-    takes: only a call that blocks reaches it."""
-    out: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = call()
-        except Exception as e:  # noqa: BLE001 - handed to the test
-            out["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), "it blocked"
-    if "error" in out:
-        raise out["error"]  # type: ignore[misc]
-    return out.get("value")
 
 
 # --- profiles ---------------------------------------------------------------------------------------------------
