@@ -78,7 +78,7 @@ def one_turn(client: httpx.Client, url: str, model: str | None, prompt: str, new
     decode = (tokens - 1) / (arrivals[-1] - arrivals[0]) if tokens > 1 and len(arrivals) > 1 and \
         arrivals[-1] > arrivals[0] else 0.0
     return {"text": "".join(text), "prompt_tokens": prompt_tokens, "cached_tokens": cached, "new_tokens": tokens,
-            "ttft_s": round(arrivals[0] - sent, 4) if arrivals else None, "decode_tok_s": round(decode, 3)}
+            "ttft_s": round(arrivals[0] - sent, 6) if arrivals else None, "decode_tok_s": round(decode, 3)}
 
 
 def conversation(url: str, model: str | None, texts: list[str], new_len: int, **extra: Any) -> list[dict[str, Any]]:
