@@ -129,7 +129,11 @@ class RuntimeBackend:
         return (rec.prefill + rec.decode).tolist()
 
     def close(self) -> None:
-        self.loaded.model.close()
+        """The conversation's KV cache kept on disk first, where that is on (`--prefix-disk-gb`)."""
+        try:
+            self.loaded.engine.persist()
+        finally:
+            self.loaded.model.close()
 
     def vram(self) -> tuple[int, int] | None:
         accel = self.loaded.model.accel

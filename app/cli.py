@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a conversation of N turns through the server API, each prompt the whole history")
     bc.add_argument("--words", type=flags.whole(1, 100_000), default=150, metavar="W",
                     help="new words each turn adds (with --turns; default: 150)")
+    bc.add_argument("--reopen", type=flags.whole(64, 1 << 20), default=None, metavar="TOKENS",
+                    help="a conversation of TOKENS tokens kept on disk, then the first answer after a restart "
+                         "against the same with its cache dropped (time to first token)")
     add(bc, "--peer", choices=["llama.cpp"], help="with --turns: the same conversation against llama.cpp's "
                                                   "llama-server on the same GGUF --model")
     bc.add_argument("--llama-server", type=flags.path, default=None, metavar="PATH",
@@ -245,7 +248,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 def add_load_args(p: argparse.ArgumentParser) -> None:
     """The settings of a model load: the runtime's own, where experts run, and the CPU experts."""
     flags.declare(p, "--dtype", "--context", "--force", "--show-config", "--no-profile", "--no-prefix-reuse",
-                  "--prefix-store-gb")
+                  "--prefix-store-gb", "--prefix-disk-gb")
     g = p.add_argument_group("accelerator and expert placement")
     flags.declare(g, "--accelerator", "--vram-gb", "--gpu", "--strategy", "--cache-ways", "--cache-policy",
                   "--max-inflight", "--placement", "--cost")
@@ -291,6 +294,7 @@ def request_from_args(args: argparse.Namespace, batch: int = 1) -> Request:
         max_inflight=args.max_inflight, cost=args.cost, threads=args.threads, crossover=args.kernel_crossover,
         quant=args.quant, quant_group=args.quant_group, kernel_isa=args.kernel_isa, resident=args.resident,
         prefix_reuse=getattr(args, "prefix_reuse", True), prefix_store_gb=getattr(args, "prefix_store_gb", None),
+        prefix_disk_gb=getattr(args, "prefix_disk_gb", None),
     )
 
 
@@ -340,6 +344,8 @@ def _chat(args: argparse.Namespace) -> int:
 
     app = TandemApp(load_backend, args.model, models_folders=_models_folders(args))
     app.run()
+    if app.lifecycle.backend is not None:  # its conversation's KV cache kept on disk first, where that is on
+        app.lifecycle.backend.close()
     for text in notices:
         print(f"note: {text}", file=sys.stderr)
     return 0
@@ -822,11 +828,33 @@ def _bench_chat(args: argparse.Namespace) -> int:
         check_output_file(args.json, "--json")
     if args.turns:
         return _bench_turns(args)
+    if args.reopen:
+        return _bench_reopen(args)
     if args.peer:
         raise UsageError("--peer compares a conversation through the server API: give --turns N too")
     loaded = load_from_args(args)
     try:
         result = bench_chat(loaded, args.new_tokens, args.repeats)
+    finally:
+        loaded.model.close()
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
+    return 0
+
+
+def _bench_reopen(args: argparse.Namespace) -> int:
+    from tandem.autotune.bench.reopen import bench_reopen
+
+    if args.peer:
+        raise UsageError("--peer compares a conversation through the server API: give --turns N, not --reopen")
+    if args.context is None:
+        args.context = args.reopen + 256
+    loaded = load_from_args(args)
+    try:
+        result = bench_reopen(loaded, args.reopen, args.repeats or 2)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     finally:
         loaded.model.close()
     print(json.dumps(result, indent=1))

@@ -236,6 +236,11 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
                                                             "(a chat switched away from, a server's other "
                                                             "conversations), copied back when they come again "
                                                             "(default: an eighth of the available RAM, at most 2)")),
+    "--prefix-disk-gb": (("--prefix-disk-gb",), dict(type=float, default=None, metavar="GB",
+                                                      help="disk for conversations' KV caches, kept across restarts "
+                                                           "under the cache folder (a chat reopened answers without "
+                                                           "reading its history again; the least recently used go "
+                                                           "first; default: 0, none)")),
     "--kernel-isa": (("--kernel-isa",), dict(choices=["auto", "base", "avx2", "avx512", "avx512bf16", "amx"],
                                              default=None,
                                              help="force a kernel variant (auto, the default: the best this CPU "

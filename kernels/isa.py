@@ -89,16 +89,17 @@ def present_features(flags: list[str] | tuple[str, ...]) -> frozenset[str]:
 
 
 def torch_isa_environment(removed: frozenset[str]) -> dict[str, str]:
-    """The variables that cap torch's own CPU kernels (ATen's vectorised ops, oneDNN's matrix products) at the
-    masked CPU; they act only when set before torch runs its first operation. Empty when nothing is removed."""
+    """The variables that cap torch's own CPU kernels (ATen's vectorised ops, oneDNN's and MKL's matrix products:
+    float32 `F.linear` is MKL's) at the masked CPU; they act only when set before torch runs its first operation.
+    Empty when nothing is removed."""
     if not removed:
         return {}
     if "avx2" in removed:
-        return {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}
+        return {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}
     if "avx512" in removed:
-        return {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+        return {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    if "avx512vnni" in removed:  # no CPU has AVX512_BF16 without VNNI: the level below both
+        return {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "MKL_ENABLE_INSTRUCTIONS": "AVX512"}
     if "avx512bf16" in removed:
-        return {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE" if "avx512vnni" in removed else "AVX512_CORE_VNNI"}
-    if "avx512vnni" in removed:  # no CPU has AVX512_BF16 without VNNI: oneDNN's level below both
-        return {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
-    return {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}  # AMX alone
+        return {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI", "MKL_ENABLE_INSTRUCTIONS": "AVX512_E1"}
+    return {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_ENABLE_INSTRUCTIONS": "AVX512_E3"}  # AMX alone

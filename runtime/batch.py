@@ -5,6 +5,10 @@ prompts of requests that have joined, in chunks, up to the step's token budget. 
 row, and the next request waiting takes it at the next step. Every expert a step's tokens chose is read once for all
 of them, so the more sequences in flight, the more tokens each read of the weights serves (MoE-Lightning's point).
 
+With prefix reuse, a request that joins while another in flight has a prompt beginning as its own does not compute
+that shared part again: it waits for the other's row to hold it, copies it (`copy_rows`) and prefills the rest (a
+system prompt or few-shot examples common to a batch's requests are computed once).
+
 A request's answer is the one `Engine.generate` gives it alone: the same sampling, on its own generator and seed,
 over its own history; only the rounding of products over more rows can differ.
 
@@ -82,7 +86,11 @@ class _Sequence:
     joined: float
     fed: int = 0  # ids of history already in its KV cache row
     tokens: list[int] = field(default_factory=list)
-    cached: int = 0  # of those, held by the row when it joined (prefix reuse)
+    cached: int = 0  # of those, held by the row when it joined (prefix reuse) or copied from its leader's
+    # (prefix reuse) an active sequence whose prompt begins as this one's for `share` tokens: this one waits until
+    # the leader's row holds them, then takes a copy of them rather than computing them a second time
+    leader: _Sequence | None = field(default=None, repr=False)
+    share: int = 0
 
 
 WAIT_SLICE_S = 0.25
@@ -191,7 +199,7 @@ class BatchEngine:
                 if problem:
                     yield DoneEvent(BatchResult(request.key, [], len(request.prompt), "error", problem))
                     continue
-                seq = self._join(request, free)
+                seq = self._join(request, free, active)
                 if seq.budget == 0:  # nothing asked for: done without a pass
                     free.insert(0, seq.row)
                     yield DoneEvent(BatchResult(request.key, [], seq.pos, "length"))
@@ -235,9 +243,10 @@ class BatchEngine:
             return f"prompt token ids must be in [0, {vocab}); the tokenizer does not match the model"
         return ""
 
-    def _join(self, request: BatchRequest, free: list[int]) -> _Sequence:
+    def _join(self, request: BatchRequest, free: list[int], active: list[_Sequence]) -> _Sequence:
         """`request` as a sequence, in the free row that holds the longest prefix of its prompt (with reuse on),
-        else the row free longest (the first of `free`, from which its row is taken)."""
+        else the row free longest (the first of `free`, from which its row is taken); with reuse on, following the
+        active sequence whose prompt shares more of its own than any row or saved prefix holds."""
         generator = torch.Generator()
         if request.params.seed is None:
             generator.seed()
@@ -254,15 +263,39 @@ class BatchEngine:
         row, fed = free.pop(best), reusable[best]
         if self.reuse and self.store is not None:
             fed = self.store.take(self.model.cache, row, history[:n], long, fed)
-        return _Sequence(request, row, history, n, min(request.params.max_new_tokens, context - n), generator,
-                         long=long, joined=time.perf_counter(), fed=fed, cached=fed)
+        seq = _Sequence(request, row, history, n, min(request.params.max_new_tokens, context - n), generator,
+                        long=long, joined=time.perf_counter(), fed=fed, cached=fed)
+        if self.reuse:
+            seq.leader, seq.share = _leader(seq, active)
+        return seq
+
+    def _take_shares(self, active: list[_Sequence]) -> None:
+        """Followers whose leader's row now holds what they share take a copy of it; those whose leader left (or
+        was rotated otherwise: LongRoPE's switch) compute it themselves."""
+        for seq in active:
+            leader = seq.leader
+            if leader is None:
+                continue
+            if not any(s is leader for s in active) or leader.long != seq.long:
+                seq.leader = None
+            elif leader.fed >= seq.share:
+                seq.leader = None
+                cache = self.model.cache
+                cache.copy_rows([(seq.row, leader.row)], seq.share)
+                # (what the copy holds of the prompt, as the record has it: the same check a held row gets)
+                held = cache.held.reusable(seq.row, seq.history[: seq.pos], seq.long)
+                if held > seq.fed:
+                    seq.cached += held - seq.fed
+                    seq.fed = held
 
     def _step(self, active: list[_Sequence]) -> tuple[list[_Sequence], torch.Tensor]:
         """One ragged pass over what the active sequences have not fed yet: decode tokens first (one each), then
         prompt chunks within the budget. Returns the sequences in the pass, in its order, and their last token's
-        logits [S, V]."""
+        logits [S, V]. Followers take their leader's share first (and again after the pass: a leader may finish
+        in the step that completes its share); those still waiting for it are left out."""
+        self._take_shares(active)
         decoding = [s for s in active if s.pos - s.fed == 1]
-        prefilling = [s for s in active if s.pos - s.fed > 1]
+        prefilling = [s for s in active if s.pos - s.fed > 1 and s.leader is None]
         room = max(self.step_tokens - len(decoding), 0 if decoding else 1)
         chosen: list[tuple[_Sequence, int]] = [(s, 1) for s in decoding]
         for s in prefilling:
@@ -283,6 +316,7 @@ class BatchEngine:
             s.fed += take
         self.stats.steps += 1
         self.stats.busiest = max(self.stats.busiest, len(chosen))
+        self._take_shares(active)
         return [s for s, _ in chosen], logits
 
     def _advance(self, fed: list[_Sequence], logits: torch.Tensor
@@ -319,3 +353,23 @@ class BatchEngine:
     def _done(seq: _Sequence, reason: str, error: str = "") -> DoneEvent:
         return DoneEvent(BatchResult(seq.request.key, seq.tokens, len(seq.request.prompt), reason, error,
                                      time.perf_counter() - seq.joined, seq.cached))
+
+
+SHARE_LEAST = 16  # tokens: a shorter common prefix is not worth waiting for
+
+
+def _leader(seq: _Sequence, active: list[_Sequence]) -> tuple[_Sequence | None, int]:
+    """The active sequence (rotated as `seq` is) whose prompt shares the longest prefix with `seq`'s, and that
+    length (at most all of `seq`'s prompt but its last token), when it is at least SHARE_LEAST beyond what `seq`'s
+    row holds already; else (None, 0)."""
+    n = seq.pos - 1
+    found, most = None, seq.fed + SHARE_LEAST - 1
+    for other in active:
+        m = min(n, len(other.request.prompt))
+        if other.long != seq.long or m <= most:
+            continue
+        same = other.history[:m] == seq.history[:m]
+        match = m if bool(same.all()) else int(same.to(torch.int8).argmin())
+        if match > most:
+            found, most = other, match
+    return (found, most) if found is not None else (None, 0)

@@ -172,6 +172,12 @@ class Engine:
         held = cache.held.reusable(0, prompt, long)
         return self.store.take(cache, 0, prompt, long, held) if self.store is not None else held
 
+    def persist(self) -> None:
+        """KV cache row 0's prefix (the conversation it holds) written to the prefix store's disk, where there is
+        one: the program is done with it (runtime/prefix_disk.py)."""
+        if self.reuse and self.store is not None:
+            self.store.persist(self.model.cache, 0)
+
     def _rope_switches(self, length: int) -> bool:
         """Whether the step that makes the sequence `length` tokens long crosses LongRoPE's switch: the cached keys
         were rotated with the short tables, so the step runs the whole sequence again with the long ones, once (as

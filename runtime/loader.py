@@ -20,6 +20,7 @@ from tandem.runtime.memory import check_memory, estimate_memory
 from tandem.runtime.model import MoEModel
 from tandem.runtime.options import Options
 from tandem.runtime.prefix import PrefixStore
+from tandem.runtime.prefix_disk import DiskPrefixes, default_folder, disk_key
 from tandem.runtime.tokenizer import Tokenizer
 from tandem.runtime.weights import layer_expert_names
 
@@ -78,5 +79,19 @@ def load(options: Options, checkpoint: Checkpoint | None = None,
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
     release_thread_pool()  # the loading thread may stay (a chat app's, a server's): kernels/openmp.py
-    store = PrefixStore(options.prefix_store) if options.prefix_reuse and options.prefix_store else None
+    store = None
+    if options.prefix_reuse and (options.prefix_store or options.prefix_disk):
+        disk = DiskPrefixes(default_folder(prefix_key(ckpt, options)), options.prefix_disk, notify) \
+            if options.prefix_disk else None
+        store = PrefixStore(options.prefix_store, disk)
     return LoadedModel(ckpt, model, tokenizer, Engine(model, eos, options.prefix_reuse, store), options)
+
+
+def prefix_key(ckpt: Checkpoint, options: Options) -> str:
+    """The folder of this load's prefixes on disk: its weight files and the settings that change the numbers in its
+    KV cache (runtime/prefix_disk.py)."""
+    files = sorted(ckpt.path.rglob("*.safetensors")) if ckpt.path.is_dir() else [ckpt.path]
+    cpu = options.cpu
+    return disk_key(files, ckpt.path, {"dtype": options.dtype, "cpu_dtype": options.cpu_dtype, "quant": cpu.quant,
+                                       "group": cpu.group, "isa": cpu.isa, "use_kernel": cpu.use_kernel,
+                                       "accelerator": options.accelerator})

@@ -70,6 +70,7 @@ class Request:
     use_kernel: bool = True  # False: torch only, no compiled kernels
     prefix_reuse: bool = True  # a prompt that begins as a KV cache row's tokens prefills only the rest
     prefix_store_gb: float | None = None  # RAM for prefixes prompts overwrote; None: an eighth of it, at most 2 GiB
+    prefix_disk_gb: float | None = None  # disk for conversations' prefixes across restarts; None or 0: none
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class Options:
     ragged: bool = False  # batch mode: the `batch` sequences run as ragged passes, each prompt's tokens in one row
     prefix_reuse: bool = True  # runtime/prefix.py: a prompt sharing a cache row's first tokens prefills the rest
     prefix_store: int = 0  # bytes of RAM for prefixes a prompt overwrote (runtime/prefix.py PrefixStore)
+    prefix_disk: int = 0  # bytes of disk for prefixes kept across restarts (runtime/prefix_disk.py; 0: none)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -138,6 +140,7 @@ class Options:
             "threads": c.threads, "crossover": c.crossover, "quant": c.quant or "none", "quant_group": c.group,
             "kernel_isa": c.isa or "auto", "resident": c.resident, "use_kernel": c.use_kernel,
             "prefix_reuse": self.prefix_reuse, "prefix_store_gb": round(self.prefix_store / 2**30, 3),
+            "prefix_disk_gb": round(self.prefix_disk / 2**30, 3),
         }
         return {k: {"value": v, "from": self.source(k)} for k, v in values.items()}
 
@@ -272,11 +275,16 @@ def resolve(request: Request, profile: Request | None, ckpt: Checkpoint, machine
     if gb is not None and not 0 <= gb <= 1 << 20:
         raise SettingsError(f"--prefix-store-gb {gb}: give 0 (none) or more GiB of RAM")
     store = int(gb * 2**30) if gb is not None else min(PREFIX_STORE_MOST, machine.available_ram // 8)
+    disk_gb = pick("prefix_disk_gb", profiled=False)
+    if disk_gb is not None and not 0 <= disk_gb <= 1 << 20:
+        raise SettingsError(f"--prefix-disk-gb {disk_gb}: give 0 (none) or more GiB of disk")
+    disk = int((disk_gb or 0) * 2**30) if request.prefix_reuse else 0
     sources["model"] = "given"
     names = [f.name for f in fields(Request)]
     return Options(Path(request.model), dtype, context, batch, request.force, accelerator, request.vram_gb, offload,
                    cpu, tuple((n, sources.get(n, "default")) for n in names), gpu, cpu_dtype,
-                   prefix_reuse=request.prefix_reuse, prefix_store=store if request.prefix_reuse else 0)
+                   prefix_reuse=request.prefix_reuse, prefix_store=store if request.prefix_reuse else 0,
+                   prefix_disk=disk)
 
 
 def _check_group(cfg: ModelConfig, quant: str | None, group: int) -> None:

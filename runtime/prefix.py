@@ -19,9 +19,12 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from tandem.runtime.prefix_disk import DiskPrefixes
 
 
 class HeldTokens:
@@ -107,12 +110,15 @@ class Saved:
 class PrefixStore:
     """Rows' prefixes kept in RAM when a prompt is about to overwrite them (a chat switched away from, a server's
     other conversations), up to `budget` bytes, the least recently used dropped first; a later prompt that begins
-    as one of them gets it copied back into its row rather than prefilling it again."""
+    as one of them gets it copied back into its row rather than prefilling it again. With `disk`
+    (runtime/prefix_disk.py), what it keeps is also written there, and so is a row's prefix when the program is done
+    with it (`persist`): a prompt after a restart gets it mapped back from the file."""
 
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
+    def __init__(self, budget: int, disk: DiskPrefixes | None = None) -> None:
+        self.budget, self.disk = budget, disk
         self.entries: list[Saved] = []  # least recently used first
         self.restored = 0  # tokens copied back, since it was made (for tests and benchmarks)
+        self.from_disk = 0  # of those, read from disk
 
     @property
     def nbytes(self) -> int:
@@ -121,15 +127,17 @@ class PrefixStore:
     def save(self, cache: PrefixCache, row: int, keep: int) -> None:
         """Copy row `row`'s prefix out before a pass overwrites it from position `keep` (what it keeps is not
         lost): only when what would be lost is worth keeping, and what a saved entry holds already is not saved
-        twice (an entry that is a prefix of this one is replaced by it)."""
+        twice (an entry that is a prefix of this one is replaced by it). With a disk, written there too."""
         n = cache.held.held(row)
-        if n - keep < max(SAVE_LEAST, n // 2) or self.budget <= 0:
+        if n - keep < max(SAVE_LEAST, n // 2) or (self.budget <= 0 and self.disk is None):
             return
         tokens = cache.held.ids[row, :n].clone()
         long = bool(cache.held.long[row])
         if any(e.long == long and len(e.tokens) >= n and bool((e.tokens[:n] == tokens).all()) for e in self.entries):
             return
         parts = tuple(_to_host(p) for p in cache.snapshot(row, n))
+        if self.disk is not None:
+            self.disk.keep(tokens, long, parts)
         saved = Saved(tokens, long, parts, sum(p.numel() * p.element_size() for p in parts))
         if saved.nbytes > self.budget:
             return
@@ -139,11 +147,22 @@ class PrefixStore:
         while self.nbytes > self.budget:
             self.entries.pop(0)
 
+    def persist(self, cache: PrefixCache, row: int) -> None:
+        """Row `row`'s prefix written to the disk (when there is one and it holds enough): the program is done
+        with it (a chat app closing)."""
+        n = cache.held.held(row)
+        if self.disk is None or n < SAVE_LEAST:
+            return
+        parts = tuple(_to_host(p) for p in cache.snapshot(row, n))
+        self.disk.keep(cache.held.ids[row, :n].clone(), bool(cache.held.long[row]), parts)
+
     def take(self, cache: PrefixCache, row: int, prompt: torch.Tensor, long: bool, held: int) -> int:
         """Before `prompt` is prefilled into row `row`, which holds its first `held` positions already: the row's
         prefix saved if the prompt would overwrite enough of it, and the saved prefix sharing the most with the
-        prompt copied in if it shares more. Returns the positions the row now holds of the prompt."""
+        prompt (in RAM, or on disk) copied in if it shares more. Returns the positions the row now holds of the
+        prompt."""
         entry, most = self.best(prompt, long)
+        found, deep = self.disk.best(prompt, long) if self.disk is not None else (None, 0)
         useful = entry is not None and most > held
         if useful:  # most recently used first: saving the row's prefix below must not drop it
             self.entries.remove(entry)
@@ -152,6 +171,16 @@ class PrefixStore:
             self.save(cache, row, held)
         except torch.OutOfMemoryError:  # (an accelerator without room for a layer's copy: nothing is saved)
             pass
+        if found is not None and deep > max(most, held):
+            parts = self.disk.read(found, cache.snapshot(row, 1)) if self.disk is not None else None
+            if parts is not None:
+                try:
+                    self._put(cache, row, found.tokens, found.long, parts, deep)
+                except torch.OutOfMemoryError:
+                    return 0
+                self.disk.touch(found)  # type: ignore[union-attr]
+                self.from_disk += deep
+                return deep
         if not useful:
             return held
         try:
@@ -176,15 +205,20 @@ class PrefixStore:
     def restore(self, cache: PrefixCache, row: int, entry: Saved, n: int) -> None:
         """Entry's first `n` positions back into row `row`, its record with them; the entry becomes the most
         recently used."""
-        held = cache.held
-        held.cut(row, 0)  # (a copy that fails halfway leaves the row claiming nothing)
-        cache.restore(row, entry.parts, n)
-        held.ids[row, :n] = entry.tokens[:n].to(held.ids.device)
-        held.length[row] = n
-        held.long[row] = entry.long
+        self._put(cache, row, entry.tokens, entry.long, entry.parts, n)
         if entry in self.entries:  # (else dropped meanwhile for the room a save took: it is in the row now)
             self.entries.remove(entry)
             self.entries.append(entry)
+
+    def _put(self, cache: PrefixCache, row: int, tokens: torch.Tensor, long: bool, parts: tuple[torch.Tensor, ...],
+             n: int) -> None:
+        """The first `n` positions of `parts` into row `row`, with their record."""
+        held = cache.held
+        held.cut(row, 0)  # (a copy that fails halfway leaves the row claiming nothing)
+        cache.restore(row, parts, n)
+        held.ids[row, :n] = tokens[:n].to(held.ids.device)
+        held.length[row] = n
+        held.long[row] = long
         self.restored += n
 
 

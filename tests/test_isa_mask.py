@@ -71,11 +71,19 @@ def test_the_masks_a_cpu_can_play() -> None:
 
 def test_torch_is_capped_at_the_masked_cpu() -> None:
     assert torch_isa_environment(frozenset()) == {}
-    assert torch_isa_environment(parse_feature_mask("-amx")) == {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
-    assert torch_isa_environment(parse_feature_mask("-avx512bf16")) == {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"}
+    assert torch_isa_environment(parse_feature_mask("-amx")) == {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+                                                                 "MKL_ENABLE_INSTRUCTIONS": "AVX512_E3"}
+    assert torch_isa_environment(parse_feature_mask("-avx512bf16")) == {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
+                                                                        "MKL_ENABLE_INSTRUCTIONS": "AVX512_E1"}
+    assert torch_isa_environment(parse_feature_mask("-avx512vnni")) == {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+                                                                        "MKL_ENABLE_INSTRUCTIONS": "AVX512"}
+    # float32 products are MKL's: without its variable they ran AVX-512 under the AVX2 mask
     assert torch_isa_environment(parse_feature_mask("-avx512")) == {"ATEN_CPU_CAPABILITY": "avx2",
-                                                                    "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    assert torch_isa_environment(parse_feature_mask("-avx2"))["ATEN_CPU_CAPABILITY"] == "default"
+                                                                    "ONEDNN_MAX_CPU_ISA": "AVX2",
+                                                                    "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    assert torch_isa_environment(parse_feature_mask("-avx2")) == {"ATEN_CPU_CAPABILITY": "default",
+                                                                  "ONEDNN_MAX_CPU_ISA": "SSE41",
+                                                                  "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}
 
 
 def test_the_probe_and_the_profile_key_see_the_masked_cpu() -> None:

@@ -86,6 +86,48 @@ def test_batch_requests_take_the_row_holding_their_prefix(hf_checkpoints: dict[s
     assert sum(cached for _, cached in first.values()) <= len(system)  # (the second may take the first's row)
 
 
+@pytest.mark.parametrize("case", ["mixtral", "mixtral-sliding", "deepseek_v3", "phimoe-longrope-nobias"])
+def test_requests_sharing_a_prefix_compute_it_once(hf_checkpoints: dict[str, Path], case: str) -> None:
+    """Four requests joining together with one system prompt: one computes it, the others copy it from its row once
+    it is there (the one whose prompt is the system prompt alone too), and every answer is a fresh engine's."""
+    model = load_model(hf_checkpoints[case], dtype="fp32", batch=4).model
+    system = FIRST * 3
+    prompts = {"a": system + [1, 2], "b": system + [3, 4, 5], "c": system + [6], "d": system}
+    engine = BatchEngine(model, (), 4, step_tokens=16, reuse=True)
+    done = {e.result.key: e.result for e in engine.run([BatchRequest(k, p, GREEDY) for k, p in prompts.items()])
+            if isinstance(e, DoneEvent)}
+    # the system prompt once, then what each adds (d: the last token again, its logits being the answer's start)
+    assert engine.stats.prompt_tokens == len(prompts["a"]) + 3 + 1 + 1
+    assert {k: r.cached for k, r in done.items()} == {"a": 0, "b": len(system), "c": len(system),
+                                                      "d": len(system) - 1}
+    fresh = BatchEngine(model, (), 4)
+    want = {e.result.key: e.result.tokens for e in fresh.run([BatchRequest(k, p, GREEDY) for k, p in prompts.items()])
+            if isinstance(e, DoneEvent)}
+    assert {k: r.tokens for k, r in done.items()} == want
+    assert fresh.stats.prompt_tokens == sum(len(p) for p in prompts.values())
+
+
+def test_a_follower_whose_leader_stops_early_computes_the_prefix_itself(hf_checkpoints: dict[str, Path]) -> None:
+    """The leader stopped before its row holds what they share: the follower prefills it itself, and answers as a
+    fresh engine does."""
+    model = load_model(hf_checkpoints["mixtral"], dtype="fp32", batch=3).model
+    system = FIRST * 3
+    engine = BatchEngine(model, (), 3, step_tokens=8, reuse=True)
+    requests = [BatchRequest("x", [9, 8, 7], GREEDY), BatchRequest("a", system + [1], GREEDY),
+                BatchRequest("b", system + [2], GREEDY)]
+    done = {}
+    for event in engine.run(requests):
+        if isinstance(event, DoneEvent):
+            done[event.result.key] = event.result
+        elif event.key == "x":  # (after the first step: a has fed 5 of the system prompt's tokens)
+            engine.finish("a")
+    assert done["a"].finish_reason == "stop" and done["b"].cached == 0
+    fresh = BatchEngine(model, (), 1)
+    want = next(e.result.tokens for e in fresh.run([BatchRequest("b", system + [2], GREEDY)])
+                if isinstance(e, DoneEvent))
+    assert done["b"].tokens == want
+
+
 def test_the_record_follows_passes_copies_and_failures() -> None:
     held = HeldTokens(2, 16)
     held.cut(0, 0)
