@@ -6,6 +6,10 @@ may cost at most a tenth of it (a ratio of at least 0.9).
 
 The question asks for a long answer, and `--new-tokens` bounds it; both runs stop at the same token. Each round's
 app starts afresh with 30 earlier conversations in its sidebar (`--chats`), as a user's app has some.
+
+`--turns N --app`: one conversation of N turns typed into the app (each message `--words` ordinary words), each
+turn's time to the first token, prompt and reused tokens as the status bar has them: with prefix reuse the wait
+stays flat as the conversation grows (`last_over_second`: the last turn's TTFT over the second's).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import time
 from typing import Any
 
 from tandem.app.backend import RuntimeBackend
+from tandem.kernels.errors import TandemError
 from tandem.runtime.loader import LoadedModel
 from tandem.runtime.sampling import SamplingParams
 
@@ -64,6 +69,49 @@ async def _in_the_app(backend: RuntimeBackend, params: SamplingParams) -> dict[s
 def in_the_app(backend: RuntimeBackend, params: SamplingParams) -> dict[str, float]:
     """The same answer through the chat app, headless: the status bar's decode tokens/s, and tokens."""
     return asyncio.run(_in_the_app(backend, params))
+
+
+async def _turns_in_the_app(backend: RuntimeBackend, texts: list[str], params: SamplingParams
+                            ) -> list[dict[str, Any]]:
+    from tandem.app.tui import TandemApp
+
+    app = TandemApp(lambda _: backend, params=params)
+    rows: list[dict[str, Any]] = []
+    async with app.run_test(size=SIZE) as pilot:
+        while app.lifecycle.backend is None:
+            await pilot.pause(0.02)
+        composer = app.query_one("#composer")
+        for i, text in enumerate(texts):
+            composer.focus()
+            composer.insert(text)
+            await pilot.press("enter")
+            while app.lifecycle.generating or len(app.chat.current.turns) < 2 * (i + 1):
+                await asyncio.sleep(0.05)
+            usage = backend.usage()
+            if not backend.stats.new_tokens:
+                raise TandemError(f"turn {i + 1} got no answer: {app.chat.current.turns[-1].text[:200]!r}")
+            rows.append({"turn": i + 1, "prompt_tokens": backend.stats.prompt_tokens, "cached": usage.cached,
+                         "ttft_s": round(usage.ttft_s, 6), "decode_tok_s": round(usage.tok_s, 2)})
+    return rows
+
+
+def turns_in_the_app(loaded: LoadedModel, texts: list[str], new_tokens: int) -> dict[str, Any]:
+    """One conversation of `texts` through the chat app, headless, in a temporary folder of its own."""
+    backend = _Chatting(loaded)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+    home = os.environ.get("TANDEM_HOME")
+    try:
+        with tempfile.TemporaryDirectory(prefix="tandem-bench-chat-") as folder:
+            os.environ["TANDEM_HOME"] = folder
+            rows = asyncio.run(_turns_in_the_app(backend, texts, params))
+    finally:
+        if home is None:
+            os.environ.pop("TANDEM_HOME", None)
+        else:
+            os.environ["TANDEM_HOME"] = home
+    second, last = rows[min(1, len(rows) - 1)]["ttft_s"], rows[-1]["ttft_s"]
+    return {"model": str(loaded.checkpoint.path), "placement": backend.placement, "turns": rows,
+            "last_over_second": round(last / second, 3) if second else None}
 
 
 def saved_chats(count: int) -> None:

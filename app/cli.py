@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a conversation of N turns through the server API, each prompt the whole history")
     bc.add_argument("--words", type=flags.whole(1, 100_000), default=150, metavar="W",
                     help="new words each turn adds (with --turns; default: 150)")
+    bc.add_argument("--app", action="store_true",
+                    help="with --turns: the conversation typed into the chat app, headless, rather than sent "
+                         "to the server API")
     bc.add_argument("--reopen", type=flags.whole(64, 1 << 20), default=None, metavar="TOKENS",
                     help="a conversation of TOKENS tokens kept on disk, then the first answer after a restart "
                          "against the same with its cache dropped (time to first token)")
@@ -828,6 +831,8 @@ def _bench_chat(args: argparse.Namespace) -> int:
         check_output_file(args.json, "--json")
     if args.turns:
         return _bench_turns(args)
+    if args.app:
+        raise UsageError("--app types a conversation into the chat app: give --turns N too")
     if args.reopen:
         return _bench_reopen(args)
     if args.peer:
@@ -863,12 +868,34 @@ def _bench_reopen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_app_turns(args: argparse.Namespace) -> int:
+    from tandem.app.bench_chat import turns_in_the_app
+    from tandem.app.bench_turns import turn_texts
+
+    if args.peer:
+        raise UsageError("--peer serves the conversation to llama-server: leave out --app")
+    texts = [t.strip() for t in turn_texts(args.turns, args.words)]
+    if args.context is None:  # the whole conversation, with room
+        args.context = args.turns * (4 * args.words + 8 * args.new_tokens + 16) + 64
+    loaded = load_from_args(args)
+    try:
+        result = turns_in_the_app(loaded, texts, args.new_tokens)
+    finally:
+        loaded.model.close()
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
+    return 0
+
+
 def _bench_turns(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from tandem.app.bench_turns import against_new_alone, llama_server_turns, tandem_turns, turn_texts
     from tandem.runtime.loader import load
 
+    if args.app:
+        return _bench_app_turns(args)
     if args.peer and (not args.llama_server or not str(args.model or "").endswith(".gguf")):
         raise UsageError("--peer llama.cpp serves the same file: give a GGUF file as --model and --llama-server PATH")
     texts = turn_texts(args.turns, args.words)

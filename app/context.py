@@ -1,7 +1,12 @@
 """Fitting a long conversation into the model's context: the oldest turns are left out of the prompt.
 
-The system prompt and the newest question always stay, and the prompt keeps room for the answer. Pure
-functions of the messages and a token counter, so the rule is tested without a model.
+The system prompt and the newest question always stay, and the prompt keeps room for the answer. Once turns have to
+go, the prompt's beginning should change as seldom as possible: the KV cache holds the last prompt, and a prompt that
+begins as it prefills only its new tokens (prefix reuse), while one that begins elsewhere prefills all of them. So a
+conversation that had to drop turns keeps starting where it did while it fits from there, and when more must go, the
+oldest go until it takes at most half the room, leaving the next turns room to grow on the same beginning (llama.cpp
+discards half its context when it is full, for the same reason). Pure functions of the messages and a token counter,
+so the rule is tested without a model.
 """
 
 from __future__ import annotations
@@ -17,12 +22,15 @@ def answer_room(context: int, max_new_tokens: int) -> int:
     return max(1, min(max_new_tokens, context // 4))
 
 
-def fit_messages(messages: Messages, count: Callable[[Messages], int], limit: int) -> tuple[Messages, int]:
+def fit_messages(messages: Messages, count: Callable[[Messages], int], limit: int, since: int = 0
+                 ) -> tuple[Messages, int]:
     """The newest messages whose prompt takes at most `limit` tokens, and how many older ones were left out.
 
     Leading system messages are always kept. What is kept starts at a question (chat templates want a user
     message first), and the newest question is kept even when it alone is over the limit: the engine then
-    says how long the prompt is. `count` is only called O(log n) times (the prompt shrinks as turns go)."""
+    says how long the prompt is. `since`: how many the previous prompt of this conversation left out; while the
+    conversation from there fits, the prompt starts there again, and when more must go, they go until it takes at
+    most half of `limit` (module docstring). `count` is only called O(log n) times (the prompt shrinks as turns go)."""
     if count(messages) <= limit:
         return messages, 0
     n_head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
@@ -30,10 +38,13 @@ def fit_messages(messages: Messages, count: Callable[[Messages], int], limit: in
     starts = [i for i, m in enumerate(body) if m["role"] == "user" and i > 0]
     if not starts:
         return messages, 0
-    lo, hi = 0, len(starts) - 1  # the first start that fits; the last one (the newest question) in any case
+    if since in starts and count(head + body[since:]) <= limit:
+        return head + body[since:], since
+    target = limit // 2
+    lo, hi = 0, len(starts) - 1  # the first start that fits the target; the last one (the newest question) else
     while lo < hi:
         mid = (lo + hi) // 2
-        if count(head + body[starts[mid]:]) <= limit:
+        if count(head + body[starts[mid]:]) <= target:
             hi = mid
         else:
             lo = mid + 1

@@ -33,3 +33,19 @@ def test_it_never_touches_the_users_conversations(mixtral_dir: Path, tandem_home
                  "--dtype", "fp32"]) == 0
     capsys.readouterr()
     assert sorted(p.relative_to(tandem_home) for p in tandem_home.rglob("*")) == before
+
+
+def test_a_conversation_typed_into_the_app_reuses_each_turns_history(mixtral_dir: Path, tandem_home: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    before = sorted(p.relative_to(tandem_home) for p in tandem_home.rglob("*"))
+    assert main(["bench", "chat", "--turns", "3", "--app", "--words", "6", "--new-tokens", "4", "--model",
+                 str(mixtral_dir), "--dtype", "fp32"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    turns = result["turns"]
+    assert [t["turn"] for t in turns] == [1, 2, 3] and turns[0]["cached"] == 0
+    for earlier, later in zip(turns, turns[1:], strict=False):  # each turn's prompt holds the one before it
+        assert later["prompt_tokens"] > earlier["prompt_tokens"] and later["cached"] >= earlier["prompt_tokens"]
+    assert "last_over_second" in result
+    assert sorted(p.relative_to(tandem_home) for p in tandem_home.rglob("*")) == before
+    assert main(["bench", "chat", "--app", "--model", str(mixtral_dir)]) == 2
+    assert "give --turns N too" in capsys.readouterr().err

@@ -27,11 +27,32 @@ def test_the_oldest_turns_go_first_and_the_system_prompt_stays() -> None:
     messages = chat(10)
     limit = words(messages) // 2
     kept, dropped = fit_messages(messages, words, limit)
-    assert words(kept) <= limit and dropped > 0 and dropped % 2 == 0
+    assert words(kept) <= limit // 2 and dropped > 0 and dropped % 2 == 0
     assert kept[0] == {"role": "system", "content": "be brief"} and kept[1]["role"] == "user"
     assert kept[-1]["content"] == "the newest question" and kept[1:] == messages[1 + dropped:]
-    # as many as fit: one more pair would be over the limit
-    assert words([kept[0]] + messages[1 + dropped - 2:]) > limit
+    # as many as fit in half the room (the rest is for the next turns): one more pair would be over it
+    assert words([kept[0]] + messages[1 + dropped - 2:]) > limit // 2
+
+
+def test_a_trimmed_conversation_keeps_its_beginning_while_it_fits_from_there() -> None:
+    """The next turns start where the last prompt did (the KV cache holds it: prefix reuse) until they no longer
+    fit from there; then the oldest go until half the room is left."""
+    limit = words(chat(10)) // 2
+    kept, since = fit_messages(chat(10), words, limit)
+    starts = [since]
+    for pairs in range(11, 30):
+        messages = chat(pairs)
+        kept, since = fit_messages(messages, words, limit, since)
+        assert words(kept) <= limit and kept[-1]["content"] == "the newest question"
+        assert kept[1:] == messages[1 + since :]
+        if since != starts[-1]:  # moved: it did not fit from the old start, and now takes half the room at most
+            assert words([kept[0], *messages[1 + starts[-1] :]]) > limit and words(kept) <= limit // 2
+        starts.append(since)
+    moves = sum(1 for a, b in zip(starts, starts[1:], strict=False) if a != b)
+    assert 2 <= moves <= 6, starts  # (each pair takes a twelfth of the limit: a move every few turns)
+    # a start that is no longer one (the chat was edited shorter) is not kept
+    messages = chat(3)
+    assert fit_messages(messages, words, words(messages) - 1, since=99)[1] > 0
 
 
 def test_the_newest_question_stays_even_when_over_the_limit() -> None:

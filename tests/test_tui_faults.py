@@ -147,6 +147,9 @@ async def test_a_conversation_longer_than_the_context_drops_its_oldest_turns() -
             assert prompt[-1]["content"].startswith(f"question {i}") and prompt[0]["role"] == "user"
         assert len(app.chat.current.turns) == 16 and all(t.content for t in app.chat.current.turns)  # nothing lost
         assert len(backend.prompts[-1]) < 16
+        # once trimmed, the next prompts begin where the last one did while they fit (the KV cache holds it)
+        trimmed = [p[0]["content"] for p in backend.prompts if not p[0]["content"].startswith("question 0")]
+        assert len(trimmed) >= 4 and len(set(trimmed)) < len(trimmed), trimmed
         assert any("earliest messages were left out" in n for n in notices(app))
         assert "left out to fit the context" in str(app.query_one(StatusBar).render())
 

@@ -135,6 +135,7 @@ class ChatScreen(Screen[None]):
         self.again: Turn | None = None  # the answer the streaming one is a new version of (Ctrl+R)
         self.queued: list[Queued] = []
         self.usage: dict[str, Usage] = {}  # each chat's last answer's numbers, by conversation id
+        self.trimmed: dict[str, int] = {}  # messages each chat's last prompt left out (app/context.py), by id
         self.context_note = ""  # what the status bar adds while the prompt leaves turns out
         self.state = ""  # what the status bar says first ("answering… (Esc stops)", "stopped")
         self._delete_armed = 0.0
@@ -460,14 +461,14 @@ class ChatScreen(Screen[None]):
         self.lifecycle.answer_started()
         self.context_note = ""
         self.update_status("answering… (Esc stops)")
-        self.generate(messages, settings.params())
+        self.generate(messages, settings.params(), conv.id)
 
     def answer_text(self) -> str | None:
         """The answer streaming now, as far as it came; None when none streams."""
         return self.answer.text if self.answer is not None else None
 
     @work(thread=True, exclusive=True, group="generate")
-    def generate(self, messages: list[dict[str, str]], params: SamplingParams) -> None:
+    def generate(self, messages: list[dict[str, str]], params: SamplingParams, conv_id: str = "") -> None:
         worker = get_current_worker()
         backend = self.lifecycle.backend
         assert backend is not None
@@ -476,7 +477,9 @@ class ChatScreen(Screen[None]):
         try:
             if backend.context:  # (a server that does not say its context says when a prompt is too long)
                 limit = backend.context - answer_room(backend.context, params.max_new_tokens)
-                messages, dropped = fit_messages(messages, backend.prompt_tokens, limit)
+                # (where the last prompt of this chat began, while it fits: the KV cache holds that prompt)
+                messages, dropped = fit_messages(messages, backend.prompt_tokens, limit, self.trimmed.get(conv_id, 0))
+                self.trimmed[conv_id] = dropped
                 if dropped:
                     self.post_message(ContextTrimmed(dropped))
             for piece in backend.stream(messages, params):
