@@ -783,10 +783,7 @@ def _bench_batch(args: argparse.Namespace) -> int:
     loaded = load(replace(configured.options, ragged=True), configured.checkpoint, _progress, _note)
     binary = Path(args.llama_batched_bench) if args.llama_batched_bench else None
     result = bench_batch(loaded, w, sizes, args.peer, binary)
-    print(json.dumps(result, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
-    return 0
+    return _print_result(result, args.json)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
@@ -818,10 +815,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         loaded.model.close()  # (its memory, before llama.cpp loads the same model)
         result["peer"] = llama_server_peer(Path(args.llama_server), Path(args.llama_bench), Path(args.model),
                                            configured.options.cpu.threads or torch_threads(), prompts, args.new_len)
-    print(json.dumps(result, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
-    return 0
+    return _print_result(result, args.json)
 
 
 def _bench_chat(args: argparse.Namespace) -> int:
@@ -842,10 +836,7 @@ def _bench_chat(args: argparse.Namespace) -> int:
         result = bench_chat(loaded, args.new_tokens, args.repeats)
     finally:
         loaded.model.close()
-    print(json.dumps(result, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
-    return 0
+    return _print_result(result, args.json)
 
 
 def _bench_reopen(args: argparse.Namespace) -> int:
@@ -862,10 +853,7 @@ def _bench_reopen(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     finally:
         loaded.model.close()
-    print(json.dumps(result, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
-    return 0
+    return _print_result(result, args.json)
 
 
 def _bench_app_turns(args: argparse.Namespace) -> int:
@@ -882,10 +870,7 @@ def _bench_app_turns(args: argparse.Namespace) -> int:
         result = turns_in_the_app(loaded, texts, args.new_tokens)
     finally:
         loaded.model.close()
-    print(json.dumps(result, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
-    return 0
+    return _print_result(result, args.json)
 
 
 def _bench_turns(args: argparse.Namespace) -> int:
@@ -917,9 +902,15 @@ def _bench_turns(args: argparse.Namespace) -> int:
         result["peer"] = {"name": "llama.cpp", "turns": peer}
         result["ttft_vs_peer"] = [round(a["ttft_s"] / b["ttft_s"], 3) if a["ttft_s"] and b["ttft_s"] else None
                                   for a, b in zip(turns, peer, strict=True)]
-    print(json.dumps(result, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
+    return _print_result(result, args.json)
+
+
+def _print_result(result: dict[str, Any], json_file: str | None) -> int:
+    """A benchmark's result as JSON on standard output, and in `json_file` when one is given."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if json_file:
+        Path(json_file).write_text(text, encoding="utf-8")
     return 0
 
 

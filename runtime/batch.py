@@ -28,7 +28,7 @@ import torch
 from tandem.kernels.errors import GenerationError
 from tandem.runtime.engine import FinishReason, check_scores
 from tandem.runtime.model import MoEModel, Segment
-from tandem.runtime.prefix import PrefixStore
+from tandem.runtime.prefix import PrefixStore, common_length
 from tandem.runtime.sampling import SamplingParams, next_token
 
 
@@ -368,8 +368,7 @@ def _leader(seq: _Sequence, active: list[_Sequence]) -> tuple[_Sequence | None, 
         m = min(n, len(other.request.prompt))
         if other.long != seq.long or m <= most:
             continue
-        same = other.history[:m] == seq.history[:m]
-        match = m if bool(same.all()) else int(same.to(torch.int8).argmin())
+        match = common_length(other.history[:m], seq.history[:m])
         if match > most:
             found, most = other, match
     return (found, most) if found is not None else (None, 0)

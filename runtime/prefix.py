@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
@@ -73,8 +73,7 @@ class HeldTokens:
         if n <= 0 or bool(self.long[r]) != long:
             return 0
         want = prompt[:n] if isinstance(prompt, torch.Tensor) else torch.tensor(list(prompt[:n]), dtype=torch.long)
-        same = self.ids[r, :n] == want
-        return n if bool(same.all()) else int(same.to(torch.int8).argmin())
+        return common_length(self.ids[r, :n], want)
 
     def copy_rows(self, pairs: list[tuple[int, int]], length: int) -> None:
         """As the cache's `copy_rows`: row dst takes row src's first `length` positions."""
@@ -82,6 +81,36 @@ class HeldTokens:
             self.ids[d, :length] = self.ids[s, :length]
             self.length[d] = min(int(self.length[s]), length)
             self.long[d] = self.long[s]
+
+
+def common_length(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many first ids two equally long id tensors share."""
+    same = a == b
+    return len(a) if bool(same.all()) else int(same.to(torch.int8).argmin())
+
+
+class Kept(Protocol):
+    """A kept prefix, in RAM or on disk: its ids and LongRoPE's flag."""
+
+    tokens: torch.Tensor
+    long: bool
+
+
+K = TypeVar("K", bound=Kept)
+
+
+def longest_match(entries: Sequence[K], prompt: torch.Tensor, long: bool, least: int = 1) -> tuple[K | None, int]:
+    """The entry (rotated as `long` asks) sharing the longest prefix with `prompt`, its last token left to run,
+    and that length, if it is at least `least`; else (None, 0)."""
+    found, most = None, least - 1
+    for e in entries:
+        n = min(len(e.tokens), len(prompt) - 1)
+        if e.long != long or n <= most:
+            continue
+        match = common_length(e.tokens[:n], prompt[:n])
+        if match > most:
+            found, most = e, match
+    return (found, most) if found is not None else (None, 0)
 
 
 class PrefixCache(Protocol):
@@ -191,16 +220,7 @@ class PrefixStore:
 
     def best(self, prompt: torch.Tensor, long: bool) -> tuple[Saved | None, int]:
         """The entry sharing the longest prefix with `prompt` (its last token left to run), and that length."""
-        found, most = None, 0
-        for e in self.entries:
-            n = min(len(e.tokens), len(prompt) - 1)
-            if e.long != long or n <= most:
-                continue
-            same = e.tokens[:n] == prompt[:n]
-            match = n if bool(same.all()) else int(same.to(torch.int8).argmin())
-            if match > most:
-                found, most = e, match
-        return found, most
+        return longest_match(self.entries, prompt, long)
 
     def restore(self, cache: PrefixCache, row: int, entry: Saved, n: int) -> None:
         """Entry's first `n` positions back into row `row`, its record with them; the entry becomes the most

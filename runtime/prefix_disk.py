@@ -28,6 +28,7 @@ import torch
 
 from tandem.kernels.errors import StoreError
 from tandem.runtime.paths import atomic_write_with, cache_dir, open_regular
+from tandem.runtime.prefix import longest_match
 
 MAGIC = b"TANDEMKV"
 VERSION = 1  # of the file's layout: a change makes files of the old one foreign
@@ -104,16 +105,7 @@ class DiskPrefixes:
 
     def best(self, prompt: torch.Tensor, long: bool) -> tuple[DiskEntry | None, int]:
         """The file sharing the longest prefix with `prompt` (its last token left to run), and that length."""
-        found, most = None, 0
-        for e in self.entries:
-            n = min(len(e.tokens), len(prompt) - 1)
-            if e.long != long or n <= most:
-                continue
-            same = e.tokens[:n] == prompt[:n]
-            match = n if bool(same.all()) else int(same.to(torch.int8).argmin())
-            if match > most:
-                found, most = e, match
-        return found, most
+        return longest_match(self.entries, prompt, long)
 
     def read(self, entry: DiskEntry, like: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
         """The entry's tensors, memory-mapped, if they are what a cache snapshot `like` (of any length) is: the
