@@ -29,6 +29,7 @@ from tandem.runtime.sampling import SamplingParams
 QUESTION = ("Write a long story about a lighthouse keeper who finds a map in a bottle, with many places, names "
             "and events, and tell it slowly, in many paragraphs.")
 SIZE = (120, 40)  # the headless terminal's columns and rows
+TURN_MOST_S = 3600  # a turn's answer, at most
 
 
 class _Chatting(RuntimeBackend):
@@ -84,12 +85,17 @@ async def _turns_in_the_app(backend: RuntimeBackend, texts: list[str], params: S
         for i, text in enumerate(texts):
             composer.focus()
             composer.insert(text)
+            asked = backend.stats
             await pilot.press("enter")
-            while app.lifecycle.generating or len(app.chat.current.turns) < 2 * (i + 1):
+            # (an answer that came back empty is not kept as a turn: its end is the stream's, not the turns')
+            deadline = time.monotonic() + TURN_MOST_S
+            while app.lifecycle.generating or backend.stats is asked:
+                if time.monotonic() > deadline:
+                    raise TandemError(f"turn {i + 1} had no answer after {TURN_MOST_S} s")
                 await asyncio.sleep(0.05)
             usage = backend.usage()
             if not backend.stats.new_tokens:
-                raise TandemError(f"turn {i + 1} got no answer: {app.chat.current.turns[-1].text[:200]!r}")
+                raise TandemError(f"turn {i + 1} got an empty answer (the model ended it at once); try other --words")
             rows.append({"turn": i + 1, "prompt_tokens": backend.stats.prompt_tokens, "cached": usage.cached,
                          "ttft_s": round(usage.ttft_s, 6), "decode_tok_s": round(usage.tok_s, 2)})
     return rows

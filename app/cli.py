@@ -346,11 +346,15 @@ def _chat(args: argparse.Namespace) -> int:
         return RuntimeBackend(load_from_args(args, notify=notices.append, progress=app.loading_progress))
 
     app = TandemApp(load_backend, args.model, models_folders=_models_folders(args))
-    app.run()
-    if app.lifecycle.backend is not None:  # its conversation's KV cache kept on disk first, where that is on
-        app.lifecycle.backend.close()
-    for text in notices:
-        print(f"note: {text}", file=sys.stderr)
+    try:
+        app.run()
+        # its conversation's KV cache kept on disk first, where that is on; not while an answer stopped by the exit
+        # may still be writing into the cache and reading the weights
+        if app.lifecycle.backend is not None and not app.lifecycle.generating:
+            app.lifecycle.backend.close()
+    finally:
+        for text in notices:
+            print(f"note: {text}", file=sys.stderr)
     return 0
 
 

@@ -30,7 +30,8 @@ def fit_messages(messages: Messages, count: Callable[[Messages], int], limit: in
     message first), and the newest question is kept even when it alone is over the limit: the engine then
     says how long the prompt is. `since`: how many the previous prompt of this conversation left out; while the
     conversation from there fits, the prompt starts there again, and when more must go, they go until it takes at
-    most half of `limit` (module docstring). `count` is only called O(log n) times (the prompt shrinks as turns go)."""
+    most half of `limit` (module docstring), unless only the newest question would be left: then as many as fit.
+    `count` is only called O(log n) times (the prompt shrinks as turns go)."""
     if count(messages) <= limit:
         return messages, 0
     n_head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
@@ -40,12 +41,20 @@ def fit_messages(messages: Messages, count: Callable[[Messages], int], limit: in
         return messages, 0
     if since in starts and count(head + body[since:]) <= limit:
         return head + body[since:], since
-    target = limit // 2
-    lo, hi = 0, len(starts) - 1  # the first start that fits the target; the last one (the newest question) else
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if count(head + body[starts[mid]:]) <= target:
-            hi = mid
-        else:
-            lo = mid + 1
-    return head + body[starts[lo]:], starts[lo]
+    def first_within(most: int) -> int:
+        """The first start from which the prompt takes at most `most` tokens; the last (the newest question)
+        when none does."""
+        lo, hi = 0, len(starts) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if count(head + body[starts[mid]:]) <= most:
+                hi = mid
+            else:
+                lo = mid + 1
+        return starts[lo]
+
+    # half the room where that keeps more than the question alone (the answer it replies to, above all)
+    start = first_within(limit // 2)
+    if start == starts[-1]:
+        start = first_within(limit)
+    return head + body[start:], start

@@ -192,7 +192,13 @@ class PrefixStore:
         prompt."""
         entry, most = self.best(prompt, long)
         found, deep = self.disk.best(prompt, long) if self.disk is not None else (None, 0)
-        useful = entry is not None and most > held
+        parts = None
+        if self.disk is not None and found is not None and deep > max(most, held):
+            # mapped before the save below, whose room may take the file: the mapping outlives its name
+            parts = self.disk.read(found, cache.snapshot(row, 1))
+            if parts is not None:
+                self.disk.touch(found)
+        useful = parts is None and entry is not None and most > held
         if useful:  # most recently used first: saving the row's prefix below must not drop it
             self.entries.remove(entry)
             self.entries.append(entry)
@@ -200,16 +206,13 @@ class PrefixStore:
             self.save(cache, row, held)
         except torch.OutOfMemoryError:  # (an accelerator without room for a layer's copy: nothing is saved)
             pass
-        if found is not None and deep > max(most, held):
-            parts = self.disk.read(found, cache.snapshot(row, 1)) if self.disk is not None else None
-            if parts is not None:
-                try:
-                    self._put(cache, row, found.tokens, found.long, parts, deep)
-                except torch.OutOfMemoryError:
-                    return 0
-                self.disk.touch(found)  # type: ignore[union-attr]
-                self.from_disk += deep
-                return deep
+        if parts is not None and found is not None:
+            try:
+                self._put(cache, row, found.tokens, found.long, parts, deep)
+            except torch.OutOfMemoryError:  # (the record was cut first: the prompt is prefilled whole)
+                return 0
+            self.from_disk += deep
+            return deep
         if not useful:
             return held
         try:

@@ -33,6 +33,7 @@ from tandem.runtime.prefix import longest_match
 MAGIC = b"TANDEMKV"
 VERSION = 1  # of the file's layout: a change makes files of the old one foreign
 HEADER_MOST = 1 << 16  # bytes of JSON a header may take (a few tensors' shapes)
+PREFIX_BYTES = 12  # after the magic: the header's length (8 bytes) and its CRC-32 (4), little-endian
 ALIGN = 64  # each tensor starts at a multiple of this: a mapped view of it is aligned for any dtype
 SUFFIX = ".kv"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,7 +85,8 @@ class DiskPrefixes:
         removed, with a notice)."""
         if self._entries is None:
             found = []
-            for path in sorted(self.folder.glob(f"*{SUFFIX}")) if self.folder.is_dir() else []:
+            # (not the temporary files of a write under way, which begin with a dot: runtime/paths.py)
+            for path in sorted(self.folder.glob(f"[!.]*{SUFFIX}")) if self.folder.is_dir() else []:
                 try:
                     header, tokens = _read_head(path)
                     found.append((path.stat().st_mtime_ns, DiskEntry(path, tokens, bool(header["long"]),
@@ -126,6 +128,8 @@ class DiskPrefixes:
                 if dtype != want.dtype or len(shape) != want.dim() or _but_positions(shape) != \
                         _but_positions(tuple(want.shape)):
                     raise ValueError(f"it holds {spec['dtype']} {list(shape)}, not what this model's cache holds")
+                if shape[-2] != header["tokens"]:
+                    raise ValueError(f"its tensors hold {shape[-2]} positions, not its {header['tokens']} tokens")
                 count = 1
                 for d in shape:
                     count *= d
@@ -172,7 +176,7 @@ class DiskPrefixes:
         # the header, then each blob aligned; the data (and its checksum) from the first blob to the end
         head = 4096
         while True:
-            data_start = len(MAGIC) + 8 + head
+            data_start = len(MAGIC) + PREFIX_BYTES + head
             data_start += _pad(data_start)
             offset, layout, crc = data_start, [], 0
             for b in blobs:
@@ -190,22 +194,23 @@ class DiskPrefixes:
             head = len(text) + 1024
         if offset > self.budget:
             return
-        while self.entries and sum(e.nbytes for e in self.entries) + offset > self.budget:
-            self._remove(self.entries[0])
         digest = hashlib.sha256(_bytes(ids)).hexdigest()[:32]
         path = self.folder / f"{digest}{'-long' if long else ''}{SUFFIX}"
 
         def fill(f: BinaryIO) -> None:
-            f.write(MAGIC + struct.pack("<Q", len(text)) + text + b"\0" * (data_start - len(MAGIC) - 8 - len(text)))
+            f.write(MAGIC + struct.pack("<QI", len(text), zlib.crc32(text)) + text)
+            f.write(b"\0" * (data_start - f.tell()))
             for b in blobs:
                 f.write(_bytes(b))
                 f.write(b"\0" * _pad(f.tell()))  # (f.tell() counts from the file's start, as the offsets do)
 
-        atomic_write_with(path, fill)
-        for e in [e for e in self.entries if e.long == long and len(e.tokens) <= n
+        atomic_write_with(path, fill)  # (before anything is removed for room: a write that fails loses nothing)
+        for e in [e for e in self.entries if e.long == long and len(e.tokens) <= n and e.path != path
                   and bool((tokens[: len(e.tokens)] == e.tokens).all())]:
-            self._remove(e)
+            self._remove(e)  # (prefixes of this one: it holds them)
         self.entries.append(DiskEntry(path, ids.clone(), long, offset))
+        while len(self.entries) > 1 and sum(e.nbytes for e in self.entries) > self.budget:
+            self._remove(self.entries[0])  # (the least recently used; never the one just written, the last)
 
     def _remove(self, entry: DiskEntry) -> None:
         try:
@@ -230,20 +235,23 @@ def _bytes(t: torch.Tensor) -> memoryview:
 def _read_head(path: Path) -> tuple[dict[str, Any], torch.Tensor]:
     """A prefix file's header (checked for its kind, version and fields) and its token ids."""
     with open_regular(path) as f:
-        start = f.read(len(MAGIC) + 8)
-        if len(start) < len(MAGIC) + 8 or start[: len(MAGIC)] != MAGIC:
+        start = f.read(len(MAGIC) + PREFIX_BYTES)
+        if len(start) < len(MAGIC) + PREFIX_BYTES or start[: len(MAGIC)] != MAGIC:
             raise ValueError("it is not a Tandem conversation cache")
-        (length,) = struct.unpack("<Q", start[len(MAGIC) :])
+        length, crc = struct.unpack("<QI", start[len(MAGIC) :])
         if length > HEADER_MOST:
             raise ValueError("its header is too long")
+        text = f.read(length)
+        if len(text) != length or zlib.crc32(text) != crc:
+            raise ValueError("its header is damaged")
         try:
-            header = json.loads(f.read(length))
+            header = json.loads(text)
         except ValueError:  # (UnicodeDecodeError is one)
             raise ValueError("its header is damaged") from None
         if not isinstance(header, dict) or header.get("version") != VERSION:
             raise ValueError("it was written by another version of Tandem")
         n, ids = header["tokens"], header["ids"]
-        if not (isinstance(n, int) and isinstance(ids, int) and 0 < n and ids >= len(MAGIC) + 8 + length):
+        if not (isinstance(n, int) and isinstance(ids, int) and 0 < n and ids >= len(MAGIC) + PREFIX_BYTES + length):
             raise ValueError("its header is damaged")
         f.seek(ids)
         raw = f.read(8 * n)

@@ -50,6 +50,12 @@ def test_a_trimmed_conversation_keeps_its_beginning_while_it_fits_from_there() -
         starts.append(since)
     moves = sum(1 for a, b in zip(starts, starts[1:], strict=False) if a != b)
     assert 2 <= moves <= 6, starts  # (each pair takes a twelfth of the limit: a move every few turns)
+    # half the room would leave the newest question alone, without the answer it replies to: as many as fit then
+    long = [{"role": "user", "content": "w " * 298}, {"role": "assistant", "content": "w " * 298},
+            {"role": "user", "content": "w " * 8}, {"role": "assistant", "content": "w " * 598},
+            {"role": "user", "content": "w " * 8}]
+    kept, since = fit_messages(long, words, 1000)
+    assert since == 2 and kept == long[2:]
     # a start that is no longer one (the chat was edited shorter) is not kept
     messages = chat(3)
     assert fit_messages(messages, words, words(messages) - 1, since=99)[1] > 0

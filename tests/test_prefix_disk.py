@@ -6,6 +6,8 @@ within its budget."""
 from __future__ import annotations
 
 import json
+import os
+import zlib
 from pathlib import Path
 
 import pytest
@@ -77,14 +79,22 @@ def test_a_damaged_foreign_or_unreadable_file_is_removed_with_a_notice(hf_checkp
     # another model's cache (its shapes): not read into this one
     path = saved()
     data = path.read_bytes()
-    length = int.from_bytes(data[8:16], "little")
-    header = json.loads(data[16 : 16 + length])
+    length = int.from_bytes(data[8:16], "little")  # (then the header's CRC-32, then the header)
+    header = json.loads(data[20 : 20 + length])
     header["parts"][0]["shape"][-1] += 1
     text = json.dumps(header).encode()
     assert len(text) <= length
-    path.write_bytes(data[:8] + len(text).to_bytes(8, "little") + text + data[16 + len(text) :])
+    foreign = data[:8] + len(text).to_bytes(8, "little") + zlib.crc32(text).to_bytes(4, "little") + text
+    path.write_bytes(foreign + data[len(foreign) :])
     got, cached, notes = reopened()
     assert got == want and cached == 0 and not path.exists() and any("not what this model" in n for n in notes)
+    # a header damaged in place: its own checksum sees it
+    path = saved()
+    data = bytearray(path.read_bytes())
+    data[30] ^= 0x01
+    path.write_bytes(bytes(data))
+    got, cached, notes = reopened()
+    assert got == want and cached == 0 and not path.exists() and any("header is damaged" in n for n in notes)
     # not a cache at all, and a cut-off one
     path = saved()
     path.write_bytes(path.read_bytes()[:200])
@@ -110,6 +120,9 @@ def test_the_folder_keeps_the_recently_used_within_its_budget(tmp_path: Path) ->
     entry, n = disk.best(torch.cat([a, torch.tensor([7])]), False)
     assert entry is not None and n == 40 and disk.best(a, True) == (None, 0)
     disk.touch(entry)  # a is the most recently used now: b goes first
+    assert [int(e.tokens[0]) for e in disk.entries] == [100, 0]
+    for e, when in zip(disk.entries, (1, 2), strict=True):  # (as touch leaves them, on any clock's resolution)
+        os.utime(e.path, ns=(when * 10**9, when * 10**9))
     small = DiskPrefixes(tmp_path, 2 * size)
     small.write(torch.arange(200, 240), False, parts)
     left = sorted(int(e.tokens[0]) for e in DiskPrefixes(tmp_path, 2 * size).entries)
@@ -127,10 +140,7 @@ def test_the_key_follows_the_weights_and_the_settings(hf_checkpoints: dict[str, 
     assert prefix_key(fp32.checkpoint, fp32.options) != prefix_key(bf16.checkpoint, bf16.options)
     before = prefix_key(fp32.checkpoint, fp32.options)
     shard = next(folder.glob("*.safetensors"))
-    shard.write_bytes(shard.read_bytes())  # (rewritten: another modification time)
-    import os
-
-    os.utime(shard, ns=(0, 0))
+    os.utime(shard, ns=(0, 0))  # (rewritten: another modification time)
     assert prefix_key(fp32.checkpoint, fp32.options) != before
 
 
@@ -146,7 +156,8 @@ def test_the_chat_app_keeps_its_conversation_when_it_closes(hf_checkpoints: dict
 
 
 def test_bench_reopen_measures_the_reopened_and_the_dropped(hf_checkpoints: dict[str, Path], tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+                                                            tandem_home: Path, capsys: pytest.CaptureFixture[str]
+                                                            ) -> None:
     from tandem.app.cli import main
 
     out = tmp_path / "reopen.json"
@@ -155,7 +166,30 @@ def test_bench_reopen_measures_the_reopened_and_the_dropped(hf_checkpoints: dict
     result = json.loads(out.read_text())
     assert result["cached_tokens"] == 64 and result["conversation_tokens"] == 64  # (the whole conversation reused)
     assert len(result["ttft_reopened_s"]) == len(result["ttft_dropped_s"]) == 1 and result["file_bytes"] > 0
-    assert list((tmp_path).glob("*.kv")) == []  # (its folder was a temporary one)
+    assert not list(tandem_home.rglob(f"*{SUFFIX}"))  # (its folder was a temporary one, not the user's cache)
     assert main(["bench", "chat", "--reopen", "64", "--context", "100", "--model", str(hf_checkpoints["mixtral"]),
                  "--no-profile"]) == 2
     assert "needs --context of at least 128" in capsys.readouterr().err
+
+
+def test_a_file_taken_for_a_prompt_serves_it_even_when_saving_the_row_makes_room_by_removing_it(
+        hf_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """Room for one conversation: the row's (B) is saved as A's file is read back, and A's file goes for B's room;
+    A's prompt still gets A's cache (mapped before the save), and answers as the whole prompt does."""
+    loaded = load_model(hf_checkpoints["mixtral"], dtype="fp32")
+    engine = restarted(loaded, tmp_path)
+    list(engine.generate(TALK, GREEDY))
+    engine.persist()
+    (first,) = tmp_path.glob(f"*{SUFFIX}")
+    room = first.stat().st_size + first.stat().st_size // 2
+    loaded.model.cache.held.forget()
+    notes: list[str] = []
+    engine = Engine(loaded.model, (), True, PrefixStore(0, DiskPrefixes(tmp_path, room, notes.append)))
+    other = [t + 1 for t in TALK]
+    list(engine.generate(other, GREEDY))  # (the row holds B now)
+    stats = GenerationStats()
+    got = list(engine.generate(TALK + [8], GREEDY, stats))
+    assert stats.cached_tokens == len(TALK) and not notes, notes
+    assert not first.exists() and len(list(tmp_path.glob(f"*{SUFFIX}"))) == 1  # (B's, in A's room)
+    loaded.model.cache.held.forget()
+    assert got == list(Engine(loaded.model, ()).generate(TALK + [8], GREEDY))
