@@ -45,9 +45,10 @@ if TYPE_CHECKING:
     from tandem.app.backend import Usage
     from tandem.app.tui import TandemApp
 
-# Streamed text is painted at most ten times a second: on two cores the app's painting (13 % of a core at 0.1 s,
-# 17 % at 0.05 s, with 30 saved chats) takes the engine's core; slower looks jerky (docs/bench/chat.md).
-REPAINT_S = 0.1
+# Streamed text is painted at most about three times a second (the first piece at once): on two cores the app's
+# painting takes the engine's core (10-12 % of one at 0.1 s, 7-8 % at 0.3 s, 3-5 % with none until the end); at
+# 0.3 s the chat decoded at 0.93 and 0.97 of the bare stream, at 0.1 s at 0.75 and 0.79 (docs/bench/chat.md).
+REPAINT_S = 0.3
 COUNT_AFTER_S = 0.25  # the draft's tokens are counted once typing pauses this long, not on every key
 NARROW = 100  # below this many columns the sidebar folds away by itself (Ctrl+B brings it back)
 SIDEBAR_TEXT = 22  # characters of a title the sidebar shows (its width, less padding and border)
