@@ -47,7 +47,7 @@ class BatchResult:
     finish_reason: FinishReason | str  # "eos", "length", "context", "stop" (BatchEngine.finish) or "error"
     error: str = ""  # why the request was refused or stopped ("" when it ran)
     seconds: float = 0.0  # from joining the batch to finishing
-    cached: int = 0  # prompt tokens its KV cache row held already (prefix reuse): not prefilled again
+    cached: int = 0  # prompt tokens not prefilled for it (prefix reuse): its row held them, or a leader's row did
 
 
 @dataclass(frozen=True)
