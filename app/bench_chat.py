@@ -19,6 +19,8 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from tandem.app.backend import RuntimeBackend
@@ -105,19 +107,27 @@ def turns_in_the_app(loaded: LoadedModel, texts: list[str], new_tokens: int) -> 
     """One conversation of `texts` through the chat app, headless, in a temporary folder of its own."""
     backend = _Chatting(loaded)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+    with _own_home():
+        rows = asyncio.run(_turns_in_the_app(backend, texts, params))
+    second, last = rows[min(1, len(rows) - 1)]["ttft_s"], rows[-1]["ttft_s"]
+    return {"model": str(loaded.checkpoint.path), "placement": backend.placement, "turns": rows,
+            "last_over_second": round(last / second, 3) if second else None}
+
+
+@contextmanager
+def _own_home() -> Iterator[None]:
+    """TANDEM_HOME set to a temporary folder meanwhile: the app's conversations and settings there, never the
+    user's."""
     home = os.environ.get("TANDEM_HOME")
     try:
         with tempfile.TemporaryDirectory(prefix="tandem-bench-chat-") as folder:
             os.environ["TANDEM_HOME"] = folder
-            rows = asyncio.run(_turns_in_the_app(backend, texts, params))
+            yield
     finally:
         if home is None:
             os.environ.pop("TANDEM_HOME", None)
         else:
             os.environ["TANDEM_HOME"] = home
-    second, last = rows[min(1, len(rows) - 1)]["ttft_s"], rows[-1]["ttft_s"]
-    return {"model": str(loaded.checkpoint.path), "placement": backend.placement, "turns": rows,
-            "last_over_second": round(last / second, 3) if second else None}
 
 
 def saved_chats(count: int) -> None:
@@ -135,20 +145,12 @@ def bench_chat(loaded: LoadedModel, new_tokens: int = 128, repeats: int = 3, cha
     earlier conversations in a temporary folder of its own (the user's are never touched)."""
     backend = _Chatting(loaded)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
-    home = os.environ.get("TANDEM_HOME")
     bare(backend, SamplingParams(max_new_tokens=4, temperature=0.0))  # warm-up
     rows: list[dict[str, Any]] = []
-    try:
-        for _ in range(repeats):
-            with tempfile.TemporaryDirectory(prefix="tandem-bench-chat-") as folder:
-                os.environ["TANDEM_HOME"] = folder
-                saved_chats(chats)
-                rows.append({"generate": bare(backend, params), "chat": in_the_app(backend, params)})
-    finally:
-        if home is None:
-            os.environ.pop("TANDEM_HOME", None)
-        else:
-            os.environ["TANDEM_HOME"] = home
+    for _ in range(repeats):
+        with _own_home():
+            saved_chats(chats)
+            rows.append({"generate": bare(backend, params), "chat": in_the_app(backend, params)})
     gen = statistics.median(r["generate"]["decode_tok_s"] for r in rows)
     chat = statistics.median(r["chat"]["decode_tok_s"] for r in rows)
     ratios = [r["chat"]["decode_tok_s"] / r["generate"]["decode_tok_s"] for r in rows if r["generate"]["decode_tok_s"]]

@@ -835,12 +835,7 @@ def _bench_chat(args: argparse.Namespace) -> int:
         return _bench_reopen(args)
     if args.peer:
         raise UsageError("--peer compares a conversation through the server API: give --turns N too")
-    loaded = load_from_args(args)
-    try:
-        result = bench_chat(loaded, args.new_tokens, args.repeats)
-    finally:
-        loaded.model.close()
-    return _print_result(result, args.json)
+    return _bench_loaded(args, lambda loaded: bench_chat(loaded, args.new_tokens, args.repeats))
 
 
 def _bench_reopen(args: argparse.Namespace) -> int:
@@ -850,14 +845,13 @@ def _bench_reopen(args: argparse.Namespace) -> int:
         raise UsageError("--peer compares a conversation through the server API: give --turns N, not --reopen")
     if args.context is None:
         args.context = args.reopen + 256
-    loaded = load_from_args(args)
-    try:
-        result = bench_reopen(loaded, args.reopen, args.repeats or 2)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    finally:
-        loaded.model.close()
-    return _print_result(result, args.json)
+    def run(loaded: LoadedModel) -> dict[str, Any]:
+        try:
+            return bench_reopen(loaded, args.reopen, args.repeats or 2)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+
+    return _bench_loaded(args, run)
 
 
 def _bench_app_turns(args: argparse.Namespace) -> int:
@@ -869,12 +863,7 @@ def _bench_app_turns(args: argparse.Namespace) -> int:
     texts = [t.strip() for t in turn_texts(args.turns, args.words)]
     if args.context is None:  # the whole conversation, with room
         args.context = args.turns * (4 * args.words + 8 * args.new_tokens + 16) + 64
-    loaded = load_from_args(args)
-    try:
-        result = turns_in_the_app(loaded, texts, args.new_tokens)
-    finally:
-        loaded.model.close()
-    return _print_result(result, args.json)
+    return _bench_loaded(args, lambda loaded: turns_in_the_app(loaded, texts, args.new_tokens))
 
 
 def _bench_turns(args: argparse.Namespace) -> int:
@@ -906,6 +895,16 @@ def _bench_turns(args: argparse.Namespace) -> int:
         result["peer"] = {"name": "llama.cpp", "turns": peer}
         result["ttft_vs_peer"] = [round(a["ttft_s"] / b["ttft_s"], 3) if a["ttft_s"] and b["ttft_s"] else None
                                   for a, b in zip(turns, peer, strict=True)]
+    return _print_result(result, args.json)
+
+
+def _bench_loaded(args: argparse.Namespace, bench: Callable[[LoadedModel], dict[str, Any]]) -> int:
+    """A benchmark on the model the flags load: run, the model closed after, the result printed (and written)."""
+    loaded = load_from_args(args)
+    try:
+        result = bench(loaded)
+    finally:
+        loaded.model.close()
     return _print_result(result, args.json)
 
 

@@ -40,6 +40,12 @@ class Checkpoint:
     shards: list[SafetensorsFile]
     where: dict[str, SafetensorsFile]  # tensor name -> the shard holding it
 
+    def identity(self) -> list[Any]:
+        """What a cache made from these weights is keyed by (the quantized experts, kept prefixes): the resolved
+        path and each weight file's name, size and modification time, so that a changed checkpoint gets new ones."""
+        files = sorted(self.path.rglob("*.safetensors")) if self.path.is_dir() else [self.path]
+        return [str(self.path.resolve()), [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]]
+
     def tensor(self, name: str) -> torch.Tensor:
         """A zero-copy, memory-mapped view of one tensor, in its on-disk dtype."""
         return self.where[name].tensor(name)

@@ -90,8 +90,7 @@ def load(options: Options, checkpoint: Checkpoint | None = None,
 def prefix_key(ckpt: Checkpoint, options: Options) -> str:
     """The folder of this load's prefixes on disk: its weight files and the settings that change the numbers in its
     KV cache (runtime/prefix_disk.py)."""
-    files = sorted(ckpt.path.rglob("*.safetensors")) if ckpt.path.is_dir() else [ckpt.path]
     cpu = options.cpu
-    return disk_key(files, ckpt.path, {"dtype": options.dtype, "cpu_dtype": options.cpu_dtype, "quant": cpu.quant,
-                                       "group": cpu.group, "isa": cpu.isa, "use_kernel": cpu.use_kernel,
-                                       "accelerator": options.accelerator})
+    settings = {"dtype": options.dtype, "cpu_dtype": options.cpu_dtype, "quant": cpu.quant, "group": cpu.group,
+                "isa": cpu.isa, "use_kernel": cpu.use_kernel, "accelerator": options.accelerator}
+    return disk_key(ckpt.identity(), ckpt.path.name, settings)

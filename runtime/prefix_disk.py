@@ -41,12 +41,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 Notify = Callable[[str], None]
 
 
-def disk_key(files: list[Path], path: Path, settings: dict[str, Any]) -> str:
-    """The name of a model's folder: a digest of its weight files' identity and the `settings` that change the
-    numbers in its KV cache (dtypes, quantization, kernel variant, accelerator)."""
-    who = [str(path.resolve()), [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]]
-    digest = hashlib.sha256(json.dumps([VERSION, who, settings], sort_keys=True).encode()).hexdigest()[:24]
-    return f"{path.name}-{digest}"
+def disk_key(identity: list[Any], name: str, settings: dict[str, Any]) -> str:
+    """The name of a model's folder: its name and a digest of its weight files' identity (`Checkpoint.identity`)
+    and of the `settings` that change the numbers in its KV cache (dtypes, quantization, kernel variant,
+    accelerator)."""
+    digest = hashlib.sha256(json.dumps([VERSION, identity, settings], sort_keys=True).encode()).hexdigest()[:24]
+    return f"{name}-{digest}"
 
 
 def default_folder(key: str) -> Path:

@@ -37,9 +37,7 @@ VERSION = 1  # of the file's layout and the quantizers: a change makes new files
 
 
 def cache_path(ckpt: Checkpoint, quant: str) -> Path:
-    files = sorted(ckpt.path.rglob("*.safetensors")) if ckpt.path.is_dir() else [ckpt.path]
-    key = json.dumps([VERSION, quant, str(ckpt.path.resolve()),
-                      [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]])
+    key = json.dumps([VERSION, quant, *ckpt.identity()])
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     return cache_dir() / "quantized" / f"{ckpt.path.name}-{quant}-{digest}.safetensors"
 
