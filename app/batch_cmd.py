@@ -8,28 +8,24 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 import torch
 
 from tandem.app.batch_file import Line, ResultsFile, check_files, error_record, read_requests, result_record
+from tandem.app.from_flags import LoadFor, configure_from_args, load_configured, resolve_model
 from tandem.app.openai_api import Answer
 from tandem.autotune.batch_plan import BatchMachine, BatchPolicy, BatchShape, Workload, plan_batch
 from tandem.autotune.configure import Configured
 from tandem.autotune.measurements import Measurements
 from tandem.autotune.plan import ModelShape
 from tandem.runtime.batch import BatchEngine, BatchRequest, DoneEvent
-from tandem.runtime.checkpoint import Checkpoint
-from tandem.runtime.loader import LoadedModel
-from tandem.runtime.options import Options
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.tokenizer import StreamDecoder, Tokenizer
 
 Note = Callable[[str], None]
-Configure = Callable[[argparse.Namespace], Configured]
-Load = Callable[[Options, Checkpoint], LoadedModel]
 
 
 class BatchProgress:
@@ -93,15 +89,12 @@ def workload(lines: list[Line], context: int) -> Workload:
 
 
 def batch_measurements(configured: Configured, notify: Note) -> Measurements:
-    """This machine's profile for the model if it has one, else a second's probe (said so)."""
+    """The measurements of the profile the settings came from, if one was used, else a second's probe (said so)."""
     from tandem.autotune.microbench import quick_measurements
-    from tandem.autotune.probe import probe
-    from tandem.autotune.profile import find_profile, model_fingerprint
 
     options, ckpt = configured.options, configured.checkpoint
-    found = find_profile(probe().fingerprint(), model_fingerprint(ckpt.raw_config, options.dtype))
-    if found.profile is not None:
-        return Measurements.from_dict(found.profile.measurements)
+    if configured.measurements is not None:
+        return configured.measurements
     notify("no profile of this model on this machine: the batch policy uses a one-second probe "
            "(`tandem autotune` measures it properly)")
     shape = ModelShape.from_checkpoint(ckpt, options.torch_dtype.itemsize)
@@ -129,13 +122,48 @@ def choose_policy(configured: Configured, lines: list[Line], meas: Measurements,
                       host_attention=not ckpt.config.kv_lora_rank, batch=batch)
 
 
-def run_batch(args: argparse.Namespace, configure: Configure, load: Load, say: Note) -> int:
-    """The command. `configure`, `load` and `note`: the CLI's own (flags over profile over defaults, progress)."""
-    src, out = Path(args.input), Path(args.out)
-    check_files(src, out)  # before any work: an output that is the input, or not a file, is refused
-    tokenizer = Tokenizer.from_model(args.model)
-    lines = read_requests(src, tokenizer, sampling_defaults(args))
-    results = ResultsFile(out, avoid=_identity(src))
+@dataclass(frozen=True)
+class BatchSetup:
+    """A run decided: the settings resolved for the policy's batch, and the policy."""
+
+    configured: Configured  # for the policy's batch (nothing to run: for one sequence)
+    policy: BatchPolicy | None  # None: nothing to run
+
+
+def read_batch(args: argparse.Namespace) -> tuple[str, Tokenizer, list[Line]]:
+    """The model to run (resolved), its tokenizer and every request of the input file."""
+    check_files(Path(args.input), Path(args.out))  # before any work: an output that is the input, or not a file
+    model = resolve_model(args.model)
+    tokenizer = Tokenizer.from_model(model)
+    return model, tokenizer, read_requests(Path(args.input), tokenizer, sampling_defaults(args))
+
+
+def configure_batch(args: argparse.Namespace, say: Note, read: tuple[str, Tokenizer, list[Line]] | None = None,
+                    done: set[object] | frozenset[object] = frozenset()) -> BatchSetup:
+    """Resolve the flags for the requests not `done` yet (the context the longest needs when --context is not
+    given), choose the batch policy, and resolve again for its batch: the checkpoint opened and the machine probed
+    once each. `read`: `read_batch`'s, when the caller has it."""
+    from tandem.runtime.checkpoint import open_checkpoint
+
+    model, _, lines = read or read_batch(args)
+    runnable = [x for x in lines if x.request and x.key not in done]
+    ckpt = open_checkpoint(model)
+    context = batch_context(runnable, ckpt.config.max_position_embeddings) if runnable else None
+    configured = configure_from_args(args, LoadFor(context=context), model=model, checkpoint=ckpt)
+    if not runnable:
+        return BatchSetup(configured, None)
+    policy = choose_policy(configured, runnable, batch_measurements(configured, say), args.batch_size)
+    on_host = policy.attention == "cpu" and configured.options.accelerator != "none"
+    # the accelerator keeps room for the batch's KV cache when attention runs there (loaded with it, before the
+    # expert slots take the rest); in RAM, the engine makes it
+    return BatchSetup(configured.again(batch=1 if on_host else policy.batch, ragged=True), policy)
+
+
+def run_batch(args: argparse.Namespace, say: Note) -> int:
+    """The command (`say`: its notices)."""
+    read = read_batch(args)
+    _, tokenizer, lines = read
+    results = ResultsFile(Path(args.out), avoid=_identity(Path(args.input)))
     todo = [x for x in lines if x.key not in results.done]
     if len(todo) < len(lines):
         say(f"{len(lines) - len(todo)} of {len(lines)} requests already answered in {args.out}: going on with the rest")
@@ -146,7 +174,8 @@ def run_batch(args: argparse.Namespace, configure: Configure, load: Load, say: N
         runnable = [x for x in todo if x.request]
         if not runnable:
             return 0
-        return _answer(args, runnable, results, tokenizer, configure, load, say)
+        setup = configure_batch(args, say, read, results.done)
+        return _answer(args, runnable, results, tokenizer, setup, say)
     except KeyboardInterrupt:
         print(f"\ninterrupted: answers so far are in {args.out}; run the same command again to go on",
               file=sys.stderr)
@@ -156,13 +185,9 @@ def run_batch(args: argparse.Namespace, configure: Configure, load: Load, say: N
 
 
 def _answer(args: argparse.Namespace, runnable: list[Line], results: ResultsFile, tokenizer: Tokenizer,
-            configure: Configure, load: Load, say: Note) -> int:
-    from tandem.runtime.checkpoint import open_checkpoint
-
-    if args.context is None:
-        args.context = batch_context(runnable, open_checkpoint(args.model).config.max_position_embeddings)
-    configured = configure(args)
-    policy = choose_policy(configured, runnable, batch_measurements(configured, say), args.batch_size)
+            setup: BatchSetup, say: Note) -> int:
+    configured, policy = setup.configured, setup.policy
+    assert policy is not None
     size = policy.batch
     step = args.step_tokens or policy.step_tokens
     on_host = policy.attention == "cpu" and configured.options.accelerator != "none"
@@ -172,16 +197,14 @@ def _answer(args: argparse.Namespace, runnable: list[Line], results: ResultsFile
         where += f" in {policy.micro_batches} pipelined micro-batches" if policy.micro_batches > 1 else ""
     say(f"batch of {size} sequences, steps of up to {step} tokens{where} "
         f"({'chosen' if args.batch_size is None else 'asked'}; predicted {policy.predicted.tok_s:.1f} tok/s)")
-    # the accelerator keeps room for the batch's KV cache when attention runs there (loaded with it, before the
-    # expert slots take the rest); in RAM, the engine makes it
-    loaded = load(replace(configured.options, batch=1 if on_host else size, ragged=True), configured.checkpoint)
+    loaded = load_configured(configured, tokenizer, notify=say)
     engine = BatchEngine(loaded.model, loaded.engine.eos_ids, size, step, policy.micro_batches, on_host,
                          configured.options.prefix_reuse, loaded.engine.store)
     by_key = {x.key: x for x in runnable}
     answers = {x.key: Answer(x.stops) for x in runnable}
     decoders = {x.key: StreamDecoder(tokenizer) for x in runnable}
     progress = BatchProgress(len(runnable))
-    name = Path(args.model).name
+    name = configured.options.model.name
     try:
         for event in engine.run(_requests(runnable)):
             if isinstance(event, DoneEvent):

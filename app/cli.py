@@ -14,6 +14,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tandem.app import flags
+from tandem.app.from_flags import (
+    LoadFor,
+    configure_from_args,
+    load_configured,
+    load_from_args,
+    note,
+    resolve_model,
+)
 from tandem.app.output import (
     EXIT_PIPE_CLOSED,
     PipeClosed,
@@ -33,7 +41,6 @@ if TYPE_CHECKING:
     from tandem.autotune.plan import ModelShape
     from tandem.runtime.config import ModelConfig
     from tandem.runtime.loader import LoadedModel
-    from tandem.runtime.options import Request
 
 EXIT_USAGE = 2
 
@@ -51,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_load_args(gen)
     add(gen, "--json", help="print one JSON object instead of streaming text")
     add(gen, "--beams", "--record-trace")
-    gen.set_defaults(func=_generate)
+    gen.set_defaults(func=_generate, configure=lambda a: configure_from_args(a, LoadFor(batch=a.beams)))
 
     bat = sub.add_parser("batch", help="answer a file of OpenAI batch requests (JSONL) many at a time; run it again "
                                        "to resume")
@@ -60,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(bat, "--model", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--repetition-penalty", "--seed",
         "--batch-size", "--step-tokens")
     add_load_args(bat)
-    bat.set_defaults(func=_batch)
+    bat.set_defaults(func=_batch, configure=_configure_batch)
 
     probe = sub.add_parser("probe", help="show what hardware was found (CPU ISA and cores, RAM, GPUs, PCIe)")
     add(probe, "--json", help="print the findings as JSON")
@@ -93,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(srv, "--max-new-tokens", help="new tokens of a request that gives no max_tokens (default: 256)")
     add(srv, "--temperature", "--top-k", "--top-p", "--repetition-penalty", "--seed")
     add_load_args(srv)
-    srv.set_defaults(func=_serve)
+    srv.set_defaults(func=_serve, configure=_configure_serve)
 
     models = sub.add_parser("models", help="list the models found: --models-dir folders, the Hugging Face cache, "
                                            "LM Studio and Ollama")
@@ -136,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(e2e, "--json", action="store", metavar="FILE", help="write the results as JSON")
     add(e2e, "--plot")
     add_load_args(e2e)
-    e2e.set_defaults(func=_bench_e2e)
+    e2e.set_defaults(func=_bench_e2e, configure=_configure_e2e)
 
     bb = bench_sub.add_parser("batch", help="batch throughput against the policy's prediction, single-request "
                                             "decode, and optionally transformers or llama.cpp")
@@ -149,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="llama.cpp's llama-batched-bench binary (with --peer llama.cpp and a GGUF --model)")
     add(bb, "--json", action="store", metavar="FILE", help="write the results as JSON")
     add_load_args(bb)
-    bb.set_defaults(func=_bench_batch)
+    bb.set_defaults(func=_bench_batch, configure=_configure_bench_batch)
 
     bs = bench_sub.add_parser("serve", help="the local server under concurrent streamed requests: requests/s, "
                                             "tokens/s, TTFT and ITL percentiles, beside generate's decode")
@@ -165,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(bs, "--llama-bench")
     add(bs, "--json", action="store", metavar="FILE", help="write the results as JSON")
     add_load_args(bs)
-    bs.set_defaults(func=_bench_serve)
+    bs.set_defaults(func=_bench_serve, configure=_configure_bench_serve)
 
     bc = bench_sub.add_parser("chat", help="what the chat app costs the engine: its decode tokens/s (the status "
                                            "bar's) over generate's, the app driven headless, alternating; with "
@@ -188,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="llama.cpp's llama-server binary, for --peer llama.cpp")
     add(bc, "--json", action="store", metavar="FILE", help="write the results as JSON")
     add_load_args(bc)
-    bc.set_defaults(func=_bench_chat, new_tokens=128)
+    bc.set_defaults(func=_bench_chat, new_tokens=128, configure=_configure_bench_chat)
 
     val = bench_sub.add_parser("plan", help="the planner and simulator against real runs (regret, prediction error)")
     add(val, "--model", required=True)
@@ -249,7 +256,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
-    """The settings of a model load: the runtime's own, where experts run, and the CPU experts."""
+    """The settings of a model load: the runtime's own, where experts run, and the CPU experts. `configure` (set
+    by the command where its workload is not one sequence): the flags resolved for what the command runs, which
+    the command and its --show-config both take."""
+    p.set_defaults(configure=configure_from_args)
     flags.declare(p, "--dtype", "--context", "--force", "--show-config", "--no-profile", "--no-prefix-reuse",
                   "--prefix-store-gb", "--prefix-disk-gb")
     g = p.add_argument_group("accelerator and expert placement")
@@ -259,71 +269,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     flags.declare(c, "--threads", "--quant", "--quant-group", "--kernel-crossover", "--resident", "--kernel-isa")
 
 
-def resolve_model(path: str | None) -> str:
-    """The folder to load: the one given, or the built-in model (built on first use, with progress)."""
-    if path is not None:  # an empty name never gets here (flags.path)
-        return path
-    from tandem.runtime.builtin import builtin_dir, ensure_builtin
-
-    if not (builtin_dir() / "tandem-builtin.json").exists():
-        print("building the built-in model (SmolLM2-135M-Instruct as an 8-expert MoE), once…", file=sys.stderr)
-
-    return str(ensure_builtin(_progress))
-
-
-def _progress(message: str, fraction: float) -> None:
-    """A long step's progress on stderr: one updating line on a terminal, only the end in a log."""
-    if sys.stderr.isatty():
-        print(f"\r  [{fraction:4.0%}] {message:<40}", end="" if fraction < 1 else "\n", file=sys.stderr, flush=True)
-    elif fraction >= 1:
-        print(f"  {message}: done", file=sys.stderr, flush=True)
-
-
-def _note(text: str) -> None:
-    print(f"note: {text}", file=sys.stderr)
-
-
-def request_from_args(args: argparse.Namespace, batch: int = 1) -> Request:
-    """The load settings the flags give (None where a flag was not given: the profile or the default decides)."""
-    from tandem.runtime.dispatch import Strategy
-    from tandem.runtime.expert_cache import CachePolicy
-    from tandem.runtime.options import Request
-
-    return Request(
-        model=args.model, dtype=args.dtype, context=args.context, batch=batch,
-        force=args.force, accelerator=args.accelerator, vram_gb=args.vram_gb, gpu=args.gpu,
-        strategy=None if args.strategy is None else Strategy(args.strategy), cache_ways=args.cache_ways,
-        cache_policy=None if args.cache_policy is None else CachePolicy(args.cache_policy),
-        max_inflight=args.max_inflight, cost=args.cost, threads=args.threads, crossover=args.kernel_crossover,
-        quant=args.quant, quant_group=args.quant_group, kernel_isa=args.kernel_isa, resident=args.resident,
-        prefix_reuse=getattr(args, "prefix_reuse", True), prefix_store_gb=getattr(args, "prefix_store_gb", None),
-        prefix_disk_gb=getattr(args, "prefix_disk_gb", None),
-    )
-
-
-def configure_from_args(args: argparse.Namespace, batch: int = 1, notify: Callable[[str], None] = _note
-                        ) -> Configured:
-    """Resolve the flags for their model (the built-in one when none is given): flags over this machine's profile
-    over the defaults, the checkpoint opened once."""
-    from tandem.autotune.configure import configure
-
-    args.model = resolve_model(args.model)
-    return configure(request_from_args(args, batch), placement=args.placement, use_profile=not args.no_profile,
-                     notify=notify)
-
-
-def load_from_args(args: argparse.Namespace, batch: int = 1, notify: Callable[[str], None] = _note,
-                   progress: Callable[[str, float], None] | None = _progress) -> LoadedModel:
-    """Load the model the arguments describe (a profile fills what they leave open)."""
-    from tandem.runtime.loader import load
-
-    configured = configure_from_args(args, batch, notify)
-    return load(configured.options, configured.checkpoint, progress, notify)
-
-
 def _show_config(args: argparse.Namespace) -> int:
-    """--show-config: the settings a load would run with, and where each came from; nothing is loaded."""
-    options = configure_from_args(args, batch=getattr(args, "beams", 1)).options
+    """--show-config: the settings the command would load with, and where each came from; nothing is loaded."""
+    options = args.configure(args).options
     print(json.dumps(options.to_dict(), indent=1) if getattr(args, "json", False) is True else
           "\n".join(options.describe()))
     return 0
@@ -342,8 +290,7 @@ def _chat(args: argparse.Namespace) -> int:
     notices: list[str] = []
 
     def load_backend(path: str | None) -> RuntimeBackend:
-        args.model = path
-        return RuntimeBackend(load_from_args(args, notify=notices.append, progress=app.loading_progress))
+        return RuntimeBackend(load_from_args(args, model=path, notify=notices.append, shown=app.loading_progress))
 
     app = TandemApp(load_backend, args.model, models_folders=_models_folders(args))
     try:
@@ -381,10 +328,13 @@ def _chat_remote(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from tandem.app.serve_cmd import run_serve
-    from tandem.runtime.loader import load
 
-    args.model = resolve_model(args.model)
-    return run_serve(args, lambda a: configure_from_args(a, 1), lambda o, c: load(o, c, _progress, _note), _note)
+    return run_serve(args, note)
+
+
+def _configure_serve(args: argparse.Namespace) -> Configured:
+    """Ragged passes, --batch-size sequences at once (none given: as many as serving fits)."""
+    return configure_from_args(args, LoadFor(batch=args.batch_size, ragged=True))
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -428,11 +378,10 @@ def _autotune(args: argparse.Namespace) -> int:
     from tandem.autotune.microbench import Step
     from tandem.autotune.run import autotune
 
-    args.model = resolve_model(args.model)
     def report(step: Step) -> None:
         print(f"[{step.done}/{step.total}] {step.name}", file=sys.stderr)
 
-    tuned = autotune(args.model, args.dtype, args.quick, progress=None if args.json else report)
+    tuned = autotune(resolve_model(args.model), args.dtype, args.quick, progress=None if args.json else report)
     if args.json:
         print(json.dumps(tuned.result.to_dict() | {"profile": str(tuned.path)}, indent=1))
         return 0
@@ -503,7 +452,7 @@ def _plan_batch(args: argparse.Namespace, cfg: ModelConfig, shape: ModelShape) -
     else:
         import torch
 
-        _note("no --hardware: this machine, probed for a second")
+        note("no --hardware: this machine, probed for a second")
         threads = flags.cpu_threads_available()
         meas = quick_measurements(shape, torch.bfloat16 if args.dtype == "bf16" else torch.float32, threads)
         free = available_ram()
@@ -549,7 +498,7 @@ def _generate(args: argparse.Namespace) -> int:
     text = prompt_text(args.text, args.prompt)
     if args.record_trace:
         check_output_file(args.record_trace, "--record-trace")
-    loaded = load_from_args(args, batch=args.beams)
+    loaded = load_configured(args.configure(args))
     tok = loaded.tokenizer
     prompt = tok.encode_chat([{"role": "user", "content": text}]) if args.chat else tok.encode(text)
     params = SamplingParams(
@@ -571,7 +520,7 @@ def _generate(args: argparse.Namespace) -> int:
     placement = experts.request_stats()
     if args.record_trace:
         with _writing(args.record_trace, "--record-trace"):
-            experts.recorder.save(args.record_trace, model=str(args.model))
+            experts.recorder.save(args.record_trace, model=str(loaded.options.model))
     if args.json:
         out = {"prompt_tokens": prompt, "tokens": tokens, "text": tok.decode(tokens),
                "stats": stats.as_dict() | placement.as_dict(), "plan": experts.describe()}
@@ -592,10 +541,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _batch(args: argparse.Namespace) -> int:
     from tandem.app.batch_cmd import run_batch
-    from tandem.runtime.loader import load
 
-    args.model = resolve_model(args.model)
-    return run_batch(args, lambda a: configure_from_args(a, 1), lambda o, c: load(o, c, _progress, _note), _note)
+    return run_batch(args, note)
+
+
+def _configure_batch(args: argparse.Namespace) -> Configured:
+    from tandem.app.batch_cmd import configure_batch
+
+    return configure_batch(args, note).configured
 
 
 def _selftest(args: argparse.Namespace) -> int:
@@ -679,7 +632,7 @@ def _writing_folder(path: str, flag: str) -> Iterator[None]:
 def _bench_decode(args: argparse.Namespace) -> int:
     from tandem.autotune.bench.decode import bench_decode
 
-    loaded = load_from_args(args)
+    loaded = load_configured(args.configure(args))
     try:
         result = bench_decode(loaded, args.prompt_tokens, args.new_tokens, args.repeats, args.peer)
     finally:
@@ -732,7 +685,7 @@ def _list_flag(flag: str, parse: Callable[[str], tuple[Any, ...]], text: str) ->
 
 
 def _bench_e2e(args: argparse.Namespace) -> int:
-    from tandem.autotune.bench.e2e import bench_e2e, grid_of, plot
+    from tandem.autotune.bench.e2e import bench_e2e, plot
 
     if args.json:
         check_output_file(args.json, "--json")
@@ -740,17 +693,8 @@ def _bench_e2e(args: argparse.Namespace) -> int:
         check_output_file(args.plot, "--plot")
         if importlib.util.find_spec("matplotlib") is None:
             raise TandemError("--plot needs matplotlib: pip install 'tandem[plot]' (or matplotlib)")
-    if args.context is None:
-        args.context = 4096 + 64 if not args.quick else 2048 + 64
-    scenarios = ["decode", "prefill", "beam"] if args.scenario == "all" else [args.scenario]
-    # loaded for the most beams: every row count shares its KV cache (on an accelerator, counted in the budget
-    # before the expert slots take the rest)
-    batch = max(beams for *_, beams in grid_of(args.quick)["beam"]) if "beam" in scenarios else 1
-    try:
-        loaded = load_from_args(args, batch)
-    except TandemError:
-        args.context = None  # the model's own limit is smaller
-        loaded = load_from_args(args, batch)
+    scenarios = _e2e_scenarios(args)
+    loaded = load_configured(args.configure(args))
     result = bench_e2e(loaded, scenarios, args.quick, args.peer, peer_process=args.peer_process,
                        llama_bench=None if args.llama_bench is None else Path(args.llama_bench))
     print(f"plan: {json.dumps(result['plan'])}")
@@ -770,31 +714,53 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_batch(args: argparse.Namespace) -> int:
-    from dataclasses import replace
+def _e2e_scenarios(args: argparse.Namespace) -> list[str]:
+    return ["decode", "prefill", "beam"] if args.scenario == "all" else [args.scenario]
 
+
+def _configure_e2e(args: argparse.Namespace) -> Configured:
+    """Loaded for the most beams: every row count shares its KV cache (on an accelerator, counted in the budget
+    before the expert slots take the rest); a context for the grid's longest rows, or the model's own when its limit
+    is smaller."""
+    from tandem.autotune.bench.e2e import grid_of
+    from tandem.runtime.checkpoint import open_checkpoint
+
+    model = resolve_model(args.model)
+    ckpt = open_checkpoint(model)
+    batch = max(beams for *_, beams in grid_of(args.quick)["beam"]) if "beam" in _e2e_scenarios(args) else 1
+    need = 4096 + 64 if not args.quick else 2048 + 64
+    context = need if need <= ckpt.config.max_position_embeddings else None
+    return configure_from_args(args, LoadFor(batch=batch, context=context), model=model, checkpoint=ckpt)
+
+
+def _configure_bench_batch(args: argparse.Namespace) -> Configured:
+    most = max([args.requests, *(args.batch_sizes or [])])
+    return configure_from_args(args, LoadFor(batch=most, ragged=True, context=args.prompt_len + args.new_len))
+
+
+def _bench_batch(args: argparse.Namespace) -> int:
     from tandem.autotune.batch_plan import Workload
     from tandem.autotune.bench.batch import bench_batch
-    from tandem.runtime.loader import load
 
     if args.json:
         check_output_file(args.json, "--json")
     sizes = list(args.batch_sizes) if args.batch_sizes else None
     w = Workload(args.requests, args.prompt_len, args.new_len)
-    if args.context is None:
-        args.context = args.prompt_len + args.new_len
-    configured = configure_from_args(args, batch=max([args.requests, *(sizes or [])]))
-    loaded = load(replace(configured.options, ragged=True), configured.checkpoint, _progress, _note)
+    loaded = load_configured(args.configure(args))
     binary = Path(args.llama_batched_bench) if args.llama_batched_bench else None
     result = bench_batch(loaded, w, sizes, args.peer, binary)
     return _print_result(result, args.json)
 
 
-def _bench_serve(args: argparse.Namespace) -> int:
-    from dataclasses import replace
+def _configure_bench_serve(args: argparse.Namespace) -> Configured:
+    """Without prefix reuse: generate's run and the served request before it share their prompt, and the store
+    would hand the server's prompts back to generate; each is to prefill its prompt as a new one would."""
+    return configure_from_args(args, LoadFor(batch=args.batch_size or min(args.concurrency, 8), ragged=True,
+                                              context=args.prompt_len + args.new_len, prefix_reuse=False))
 
+
+def _bench_serve(args: argparse.Namespace) -> int:
     from tandem.app.bench_serve import bench_serve
-    from tandem.runtime.loader import load
 
     if args.json:
         check_output_file(args.json, "--json")
@@ -802,22 +768,17 @@ def _bench_serve(args: argparse.Namespace) -> int:
                       or not str(args.model or "").endswith(".gguf")):
         raise UsageError("--peer llama.cpp compares one request at a time: give --concurrency 1, a GGUF file as "
                          "--model (llama.cpp serves the same file), --llama-server PATH and --llama-bench PATH")
-    if args.context is None:
-        args.context = args.prompt_len + args.new_len
-    batch = args.batch_size or min(args.concurrency, 8)
-    configured = configure_from_args(args, batch=batch)
-    # without prefix reuse: generate's run and the served request before it share their prompt, and the store
-    # would hand the server's prompts back to generate; each is to prefill its prompt as a new one would
-    loaded = load(replace(configured.options, ragged=True, prefix_reuse=False, prefix_store=0), configured.checkpoint,
-                  _progress, _note)
-    result = bench_serve(loaded, Path(args.model).name, args.requests, args.concurrency, args.prompt_len,
-                         args.new_len, batch, args.step_tokens or 256)
+    configured = args.configure(args)
+    loaded = load_configured(configured)
+    model = configured.options.model
+    result = bench_serve(loaded, model.name, args.requests, args.concurrency, args.prompt_len,
+                         args.new_len, configured.options.batch, args.step_tokens or 256)
     if args.peer:
         from tandem.app.bench_serve import llama_server_peer, prompt_ids
 
         prompts = [prompt_ids(loaded.model.cfg.vocab_size, args.prompt_len, 10 + i) for i in range(args.requests)]
         loaded.model.close()  # (its memory, before llama.cpp loads the same model)
-        result["peer"] = llama_server_peer(Path(args.llama_server), Path(args.llama_bench), Path(args.model),
+        result["peer"] = llama_server_peer(Path(args.llama_server), Path(args.llama_bench), model,
                                            configured.options.cpu.threads or torch_threads(), prompts, args.new_len)
     return _print_result(result, args.json)
 
@@ -843,8 +804,6 @@ def _bench_reopen(args: argparse.Namespace) -> int:
 
     if args.peer:
         raise UsageError("--peer compares a conversation through the server API: give --turns N, not --reopen")
-    if args.context is None:
-        args.context = args.reopen + 256
     def run(loaded: LoadedModel) -> dict[str, Any]:
         try:
             return bench_reopen(loaded, args.reopen, args.repeats or 2)
@@ -861,26 +820,29 @@ def _bench_app_turns(args: argparse.Namespace) -> int:
     if args.peer:
         raise UsageError("--peer serves the conversation to llama-server: leave out --app")
     texts = [t.strip() for t in turn_texts(args.turns, args.words)]
-    if args.context is None:  # the whole conversation, with room
-        args.context = args.turns * (4 * args.words + 8 * args.new_tokens + 16) + 64
     return _bench_loaded(args, lambda loaded: turns_in_the_app(loaded, texts, args.new_tokens))
 
 
-def _bench_turns(args: argparse.Namespace) -> int:
-    from dataclasses import replace
+def _configure_bench_chat(args: argparse.Namespace) -> Configured:
+    """A conversation of --turns through the server API (ragged, as `serve` runs), or typed into the app, takes the
+    whole conversation with room (a random model's answers are long as text); --reopen its conversation and the
+    next question."""
+    if args.turns:
+        context = args.turns * (4 * args.words + 8 * args.new_tokens + 16) + 64
+        return configure_from_args(args, LoadFor(ragged=not args.app, context=context))
+    return configure_from_args(args, LoadFor(context=args.reopen + 256 if args.reopen else None))
 
+
+def _bench_turns(args: argparse.Namespace) -> int:
     from tandem.app.bench_turns import against_new_alone, llama_server_turns, tandem_turns, turn_texts
-    from tandem.runtime.loader import load
 
     if args.app:
         return _bench_app_turns(args)
     if args.peer and (not args.llama_server or not str(args.model or "").endswith(".gguf")):
         raise UsageError("--peer llama.cpp serves the same file: give a GGUF file as --model and --llama-server PATH")
     texts = turn_texts(args.turns, args.words)
-    if args.context is None:  # the whole conversation, with room (a random model's answers are long as text)
-        args.context = args.turns * (4 * args.words + 8 * args.new_tokens + 16) + 64
-    configured = configure_from_args(args)
-    loaded = load(replace(configured.options, ragged=True), configured.checkpoint, _progress, _note)
+    configured = args.configure(args)
+    loaded = load_configured(configured)
     name = Path(args.model).name if args.model else "built-in"
     turns = tandem_turns(loaded, name, texts, args.new_tokens)
     loaded.model.close()  # (its memory, before llama.cpp loads the same model)
@@ -889,7 +851,7 @@ def _bench_turns(args: argparse.Namespace) -> int:
                                  "prefix_reuse": configured.options.prefix_reuse, "tandem": turns,
                                  "ttft_vs_new_alone": against_new_alone(turns)}
     if args.peer:
-        peer = llama_server_turns(Path(args.llama_server), Path(args.model),
+        peer = llama_server_turns(Path(args.llama_server), configured.options.model,
                                   configured.options.cpu.threads or torch_threads(), loaded.model.context, texts,
                                   args.new_tokens)
         result["peer"] = {"name": "llama.cpp", "turns": peer}
@@ -900,7 +862,7 @@ def _bench_turns(args: argparse.Namespace) -> int:
 
 def _bench_loaded(args: argparse.Namespace, bench: Callable[[LoadedModel], dict[str, Any]]) -> int:
     """A benchmark on the model the flags load: run, the model closed after, the result printed (and written)."""
-    loaded = load_from_args(args)
+    loaded = load_configured(args.configure(args))
     try:
         result = bench(loaded)
     finally:

@@ -10,9 +10,12 @@ import argparse
 import math
 import os
 from collections.abc import Callable
-from typing import NoReturn
+from typing import NoReturn, get_args
 
 from tandem.kernels.errors import UsageError
+from tandem.kernels.names import GROUPS, ISAS, Quant
+from tandem.runtime.choices import DTYPE_NAMES, AcceleratorKind, Strategy
+from tandem.runtime.expert_cache import CachePolicy
 from tandem.runtime.latency import LatencyModel
 
 SEED_MAX = 2**63 - 1  # torch's generators take a signed 64-bit seed; larger ones overflow inside torch
@@ -145,7 +148,7 @@ def whole_list(low: int, high: int) -> Callable[[str], tuple[int, ...]]:
     return parse
 
 
-DTYPE_CHOICES = ["auto", "bf16", "fp16", "fp32"]
+DTYPE_CHOICES = ["auto", *DTYPE_NAMES]
 
 # Every flag of every command, declared once: (names, argparse keywords). A command lists the flags it takes
 # (`declare`), overriding a keyword only where its meaning differs (a required --model, --tokens counting other
@@ -188,7 +191,7 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
     "--no-profile": (("--no-profile",), dict(action="store_true",
                                              help="ignore this machine's tuning profile (flags given explicitly always "
                                                   "win over it)")),
-    "--accelerator": (("--accelerator",), dict(choices=["auto", "none", "cuda", "emulated"], default=None,
+    "--accelerator": (("--accelerator",), dict(choices=list(get_args(AcceleratorKind)), default=None,
                                                help="auto (default): CUDA when usable, else CPU only; emulated: the "
                                                     "CPU plays a GPU (needs --vram-gb)")),
     "--vram-gb": (("--vram-gb",), dict(type=real(0, MAX_VRAM_GB, low_open=True), default=None,
@@ -196,13 +199,13 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
     "--gpu": (("--gpu",), dict(type=whole(0), default=None, metavar="N",
                                help="which CUDA GPU, numbered as nvidia-smi and `tandem probe` do (PCI bus order); "
                                     "default 0")),
-    "--strategy": (("--strategy",), dict(choices=["fiddler", "cpu", "fetch"], default=None,
+    "--strategy": (("--strategy",), dict(choices=[str(s) for s in Strategy], default=None,
                                          help="fiddler: per-expert choice by latency; cpu: never copy weights; "
                                               "fetch: always copy")),
     "--cache-ways": (("--cache-ways",), dict(type=whole(0), default=None,
                                              help="ways per index of the expert cache (0: no cache, only static "
                                                   "placement)")),
-    "--cache-policy": (("--cache-policy",), dict(choices=["lru", "fifo", "lfu", "trace"], default=None,
+    "--cache-policy": (("--cache-policy",), dict(choices=[str(p) for p in CachePolicy], default=None,
                                                  help="default: lru")),
     "--max-inflight": (("--max-inflight",), dict(type=whole(1), default=None,
                                                  help="background expert copies in flight at most (default: 4)")),
@@ -213,11 +216,11 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
                                       "sizes)")),
     "--threads": (("--threads",), dict(type=threads, default=None,
                                        help="threads for CPU experts (default: all cores)")),
-    "--quant": (("--quant",), dict(choices=["none", "int8", "int4", "mxfp4", "q8_0", "q4_k"], default=None,
+    "--quant": (("--quant",), dict(choices=["none", *get_args(Quant)], default=None,
                                    help="weight-only quantization of CPU experts, done at load (opt-in); q8_0 and "
                                         "q4_k (the ones to choose): GGUF's block formats, made once and kept in the "
                                         "cache folder")),
-    "--quant-group": (("--quant-group",), dict(type=int, choices=[32, 64, 128], default=None,
+    "--quant-group": (("--quant-group",), dict(type=int, choices=list(GROUPS), default=None,
                                                help="int4 group size (default: 64)")),
     "--kernel-crossover": (("--kernel-crossover",), dict(type=whole(0), default=None,
                                                          help="up to this many tokens per expert use the compiled "
@@ -241,7 +244,7 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
                                                            "under the cache folder (a chat reopened answers without "
                                                            "reading its history again; the least recently used go "
                                                            "first; default: 0, none)")),
-    "--kernel-isa": (("--kernel-isa",), dict(choices=["auto", "base", "avx2", "avx512", "avx512bf16", "amx"],
+    "--kernel-isa": (("--kernel-isa",), dict(choices=["auto", *ISAS],
                                              default=None,
                                              help="force a kernel variant (auto, the default: the best this CPU "
                                                   "supports)")),

@@ -8,23 +8,11 @@ import ipaddress
 import os
 import signal
 from collections.abc import Callable
-from dataclasses import replace
-from pathlib import Path
-
-import torch
 
 from tandem.app.batch_cmd import sampling_defaults
-from tandem.autotune.configure import Configured
+from tandem.app.from_flags import load_configured
 from tandem.kernels.errors import UsageError
-from tandem.runtime.checkpoint import Checkpoint
-from tandem.runtime.config import ModelConfig
-from tandem.runtime.loader import LoadedModel
-from tandem.runtime.model import cache_class
-from tandem.runtime.options import Options
 
-# requests in one batch by default: a local server rarely has more clients at once, and a step of 8 sequences takes
-# 3.7 times one sequence's (docs/bench, batch mode: 58.3 against 15.9 ms), 2.2 times the tokens per second
-MOST_BATCH = 8
 STEP_TOKENS = 256  # a step's tokens at most: a new prompt's chunk does not hold the others' next token back long
 
 Note = Callable[[str], None]
@@ -39,21 +27,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def serve_batch(cfg: ModelConfig, context: int, dtype: torch.dtype, free_ram: int) -> int:
-    """Requests in flight at most: MOST_BATCH, fewer when their KV cache rows would take over half the free RAM."""
-    row = cache_class(cfg).nbytes(cfg, 1, context, dtype)
-    return max(1, min(MOST_BATCH, free_ram // 2 // max(1, row)))
-
-
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def run_serve(args: argparse.Namespace, configure: Callable[[argparse.Namespace], Configured],
-              load: Callable[[Options, Checkpoint], LoadedModel], say: Note) -> int:
+def run_serve(args: argparse.Namespace, say: Note) -> int:
+    """The command; `args.configure` resolves its flags for serving (ragged passes, the batch it takes)."""
     from tandem.app.server import BackgroundServer, bind, make_app
     from tandem.app.serving import EngineService
-    from tandem.runtime.memory import available_ram
 
     key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
     if not is_loopback(args.host) and not key:
@@ -61,12 +42,10 @@ def run_serve(args: argparse.Namespace, configure: Callable[[argparse.Namespace]
                          "TANDEM_API_KEY) so that only clients with the key are answered")
     sock = bind(args.host, args.port)
     try:
-        configured = configure(args)
-        options, ckpt = configured.options, configured.checkpoint
-        batch = args.batch_size or serve_batch(ckpt.config, options.context, options.torch_dtype,
-                                               available_ram())
-        loaded = load(replace(options, batch=batch, ragged=True), ckpt)
-        service = EngineService(loaded, Path(args.model).name, batch, args.step_tokens or STEP_TOKENS)
+        configured = args.configure(args)
+        loaded = load_configured(configured, notify=say)
+        batch = configured.options.batch
+        service = EngineService(loaded, configured.options.model.name, batch, args.step_tokens or STEP_TOKENS)
         app = make_app(service, sampling_defaults(args), key)
         previous = signal.signal(signal.SIGTERM, _interrupt)  # (a service manager's stop: as Ctrl+C)
         with BackgroundServer(app, args.host, sock=sock) as server:

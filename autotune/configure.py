@@ -1,7 +1,9 @@
 """Configure a load the one way every caller does (the CLI, the chat app, benchmarks, the tuner).
 
 Open the checkpoint once, probe the machine once, find this machine's profile for the model, read a placement
-trace, then `runtime.options.resolve` merges them: flags over the profile over the defaults.
+trace, then `runtime.options.resolve` merges them: flags over the profile over the defaults. A setting that a command
+decides from the resolved ones (a batch policy's size) is resolved again from what `Configured` kept (`again`):
+nothing is opened, probed or looked up twice, and nothing patches `Options`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,16 @@ from tandem.runtime.trace import load_popularity, most_popular
 class Configured:
     options: Options
     checkpoint: Checkpoint  # options.model, open: the loader reuses it
+    request: Request  # what was asked, as resolved (a placement's experts included)
+    profile: Request | None  # what this machine's profile decided; None: none used
+    machine: Machine
+    measurements: Measurements | None = None  # the profile's; None: no profile used
+
+    def again(self, **changes: Any) -> Configured:
+        """The same request with `changes` (fields of `Request`) resolved again over the same profile, checkpoint
+        and machine: for what a command decides once the first resolution is known."""
+        request = replace(self.request, **changes)
+        return replace(self, request=request, options=resolve(request, self.profile, self.checkpoint, self.machine))
 
 
 def configure(request: Request, *, placement: str | None = None, use_profile: bool = True,
@@ -42,7 +54,7 @@ def configure(request: Request, *, placement: str | None = None, use_profile: bo
     if placement is not None:
         counts = load_popularity(placement, cfg.num_layers, cfg.num_experts)
         request = replace(request, static=tuple(most_popular(counts, counts.size)))
-    profile = None
+    profile, measured = None, None
     if use_profile:
         hw = hardware or probe()
         machine = Machine.here(frozenset(hw.cpu.flags))
@@ -53,9 +65,11 @@ def configure(request: Request, *, placement: str | None = None, use_profile: bo
             notify(found.notice)
         if found.profile is not None:
             profile = profile_request(found.profile.plan, found.profile.measurements)
+            if found.profile.measurements:
+                measured = Measurements.from_dict(found.profile.measurements)
     else:
         machine = Machine.here(frozenset(hardware.cpu.flags) if hardware is not None else None)
-    return Configured(resolve(request, profile, ckpt, machine), ckpt)
+    return Configured(resolve(request, profile, ckpt, machine), ckpt, request, profile, machine, measured)
 
 
 def load_model(model: str | Path, *, placement: str | None = None,

@@ -18,7 +18,7 @@ import numpy as np
 
 from tandem.autotune.routing import popularity
 from tandem.runtime.dispatch import Strategy
-from tandem.runtime.expert_cache import CachePolicy, ExpertCache, Key
+from tandem.runtime.expert_cache import DEFAULT_INFLIGHT, CachePolicy, ExpertCache, Key
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Candidate:
     cache_layers: tuple[int, ...] = ()  # MoE layers the cache covers (N indexes)
     ways: int = 0
     policy: CachePolicy = CachePolicy.LRU
-    max_inflight: int = 4
+    max_inflight: int = DEFAULT_INFLIGHT
 
 
 @dataclass

@@ -21,7 +21,6 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +28,9 @@ import torch.nn.functional as F
 from tandem.kernels.errors import KernelError
 from tandem.kernels.isa import masked_features
 from tandem.kernels.matmul import linear as torch_linear
+from tandem.kernels.names import BLOCK_QUANTS, ISAS, Isa, Quant
 from tandem.kernels.quant import GROUPS, MX_BLOCK, QuantizedMatrix, quantize_int4, quantize_int8, quantize_mxfp4
 
-Isa = Literal["base", "avx2", "avx512", "avx512bf16", "amx"]  # a kernel variant
-Quant = Literal["int8", "int4", "mxfp4", "q8_0", "q4_k"]  # weight-only quantization of experts
-# each variant is named after the CPU feature it needs (base: none)
-ISAS: tuple[Isa, ...] = ("base", "avx2", "avx512", "avx512bf16", "amx")
 BF16_ONLY = ("avx512bf16", "amx")  # bf16 activations (AMX int8 and int4: 16-bit fixed point, about as fine)
 KINDS: dict[object, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "int8": 3, "int4": 4, "mxfp4": 5}
 # GGUF's block formats, by GGUF's names (kernels/blocks.py), rows as the file stores them (csrc/blocks.h)
@@ -49,9 +45,6 @@ DEFAULT_CROSSOVER = 8  # tokens; the auto-tuner measures the real crossover
 AMX_CROSSOVER = 16  # with AMX tiles the kernel stays at the bandwidth roofline up to a full tile of tokens
 AMX_KINDS = (torch.bfloat16, "int8", "int4")
 QUANT_KINDS: tuple[Quant, ...] = ("int8", "int4", "mxfp4")  # what the executor quantizes each expert to
-# GGUF's block formats, which the loader quantizes to once and keeps in a cache (runtime/quant_cache.py): the executor
-# gets them as blocks
-BLOCK_QUANTS: tuple[Quant, ...] = ("q8_0", "q4_k")
 QUANTIZED = (*QUANT_KINDS, *BLOCK_KINDS)  # kinds torch has no fast path for: kept on the kernel for longer prompts
 AMX_BATCH = 64  # experts one kernel region takes at most (csrc/common.h)
 XB_EXTRA = 192  # 16-bit values a row of xb holds beyond its width: room for int8 inputs (csrc/common.h q8_stride)

@@ -32,7 +32,8 @@ from functools import cache
 
 import torch
 
-GROUPS = (32, 64, 128)
+from tandem.kernels.names import GROUPS
+
 BLOCK_ROWS = 16  # rows per block of the layout the AMX machines use (BLOCK_ROWS in csrc/common.h)
 MX_BLOCK = 32  # values per MXFP4 block
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of codes 0-7; codes 8-15 are their negatives

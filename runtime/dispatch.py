@@ -19,7 +19,6 @@ import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from enum import StrEnum
 from functools import partial
 
 import numpy as np
@@ -29,8 +28,9 @@ import torch.nn.functional as F
 from tandem.kernels.cpu import CpuExpert, CpuOptions, Epilogue
 from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.accelerator import Accelerator, Copy, HostRead, done
+from tandem.runtime.choices import Strategy
 from tandem.runtime.config import ModelConfig
-from tandem.runtime.expert_cache import CachePolicy, ExpertCache, Key, Slot
+from tandem.runtime.expert_cache import DEFAULT_INFLIGHT, CachePolicy, ExpertCache, Key, Slot
 from tandem.runtime.latency import LatencyModel
 from tandem.runtime.moe import BlockExpert, ExpertWeights, MoEBlockWeights, MXFP4Expert, route
 from tandem.runtime.timeline import Timeline
@@ -47,12 +47,6 @@ SLOT_ALIGN = 64  # bytes: where each tensor of a slot starts (any dtype's view, 
 GROUPED_TOKENS = 8
 
 
-class Strategy(StrEnum):
-    FIDDLER = "fiddler"  # per-expert choice by the cost model
-    CPU = "cpu"  # never copy weights on demand: misses always run on the CPU
-    FETCH = "fetch"  # always copy a missing expert and run it on the accelerator (classic offloading)
-
-
 @dataclass(frozen=True)
 class OffloadOptions:
     strategy: Strategy = Strategy.FIDDLER
@@ -60,7 +54,7 @@ class OffloadOptions:
     # spread over as many layers as they cover (default_ways)
     cache_policy: CachePolicy = CachePolicy.LRU
     static: tuple[Key, ...] = ()  # experts pinned on the accelerator, most popular first
-    max_inflight: int = 4  # background post-fetch copies in flight at most
+    max_inflight: int = DEFAULT_INFLIGHT  # background post-fetch copies in flight at most
     cost: LatencyModel | None = None  # None: LatencyModel.from_bandwidths on the expert's size
 
 

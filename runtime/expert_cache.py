@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 Key = tuple[int, int]  # (layer, expert)
+DEFAULT_INFLIGHT = 4  # background expert copies in flight at most, unless a load says otherwise
 CLAIMED: Future[None] = Future()  # a slot's copy between `begin_fill` and `start`: never done
 
 
@@ -52,7 +53,7 @@ class ExpertCache:
     layers: list[int]  # covered MoE layers; len(layers) = N indexes
     ways: int
     policy: CachePolicy = CachePolicy.LRU
-    max_inflight: int = 4
+    max_inflight: int = DEFAULT_INFLIGHT
     first_slot: int = 0  # slot ids [first_slot, first_slot + indexes*ways)
     stats: CacheStats = field(default_factory=CacheStats)
 

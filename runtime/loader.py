@@ -36,10 +36,11 @@ class LoadedModel:
 
 def load(options: Options, checkpoint: Checkpoint | None = None,
          progress: Callable[[str, float], None] | None = None,
-         notify: Callable[[str], None] | None = None) -> LoadedModel:
+         notify: Callable[[str], None] | None = None, tokenizer: Tokenizer | None = None) -> LoadedModel:
     """Build everything needed to generate. `checkpoint`: `options.model` already open (as `configure` leaves
-    it); `progress` hears about long steps (message, fraction done); `notify` about a change of plan (an
-    accelerator nobody asked for that cannot hold the model: it runs on the CPU only)."""
+    it); `tokenizer`: its tokenizer, loaded already; `progress` hears about long steps (message, fraction done);
+    `notify` about a change of plan (an accelerator nobody asked for that cannot hold the model: it runs on the CPU
+    only)."""
     ckpt = checkpoint or open_checkpoint(options.model)
     cfg, cpu, dtype, cpu_dtype = ckpt.config, options.cpu, options.torch_dtype, options.cpu_torch_dtype
     first = next((i for i in range(cfg.num_layers) if cfg.sparse_layers[i]), None)
@@ -55,7 +56,7 @@ def load(options: Options, checkpoint: Checkpoint | None = None,
                       kernel_ready=cfg.clamped_swiglu is None)
     estimate = estimate_memory(ckpt, dtype, options.context, options.batch, cpu)
     check_memory(estimate, memory.available_ram(), options.force, cpu.experts_in_ram)
-    tokenizer = Tokenizer.from_model(ckpt.path)
+    tokenizer = tokenizer or Tokenizer.from_model(ckpt.path)
     accel = make_accelerator(options.accelerator, options.vram_gb, options.gpu)
     try:
         model = MoEModel.from_checkpoint(ckpt, dtype, options.context, options.batch, accel, options.offload, cpu,
@@ -70,7 +71,7 @@ def load(options: Options, checkpoint: Checkpoint | None = None,
             notify(f"{e}; the model runs on the CPU only")
         options = replace(options, accelerator="none", dtype=options.cpu_dtype or options.dtype, cpu_dtype=None)
         model = MoEModel.from_checkpoint(ckpt, options.torch_dtype, options.context, options.batch, None,
-                                         options.offload, cpu, progress)
+                                         options.offload, cpu, progress, ragged=options.ragged)
     except BaseException:
         if accel is not None:
             accel.close()

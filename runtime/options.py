@@ -23,24 +23,26 @@ from tandem.kernels.quant import GROUPS
 from tandem.runtime import memory
 from tandem.runtime.accelerator import cuda_devices, cuda_usable
 from tandem.runtime.checkpoint import Checkpoint
+from tandem.runtime.choices import DTYPE_NAMES, AcceleratorKind, Dtype
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.cpuinfo import proc_cpuinfo
 from tandem.runtime.dispatch import OffloadOptions, Strategy
-from tandem.runtime.expert_cache import CachePolicy, Key
+from tandem.runtime.expert_cache import DEFAULT_INFLIGHT, CachePolicy, Key
 from tandem.runtime.latency import LatencyModel
 from tandem.runtime.memory import estimate_memory, resident_fits
+from tandem.runtime.model import cache_class
 
-Dtype = Literal["bf16", "fp16", "fp32"]
-AcceleratorKind = Literal["auto", "none", "cuda", "emulated"]
 Source = Literal["given", "profile", "default", "machine"]  # where a resolved value came from
 
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES: dict[str, torch.dtype] = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float16, torch.float32), strict=True))
 DEFAULT_CONTEXT = 4096
 DEFAULT_GROUP = 64  # int4 group size when none is given
-DEFAULT_INFLIGHT = 4  # background expert copies in flight at most
 # RAM for the prefixes prompts overwrote (a chat switched away from): an eighth of what is available, at most 2 GiB
 # (a 4k-token conversation of a 48-layer model with 4 KV heads of 128 takes about 400 MB in bf16)
 PREFIX_STORE_MOST = 2 << 30
+# requests a server takes at once by default: a local server rarely has more clients at once, and a step of 8
+# sequences takes 3.7 times one sequence's (docs/bench, batch mode: 58.3 against 15.9 ms), 2.2 times the tokens/s
+SERVE_MOST_BATCH = 8
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,10 @@ class Request:
     model: str | Path | None = None
     dtype: Dtype | Literal["auto"] | None = None  # None or auto: bf16 where the CPU computes it natively, else fp32
     context: int | None = None  # None: min(the model's limit, DEFAULT_CONTEXT)
-    batch: int = 1  # sequences the KV cache holds (beam search needs one per beam)
+    # sequences the KV cache holds (beam search needs one per beam); None: as many as a server should take at once,
+    # SERVE_MOST_BATCH or fewer where their KV cache rows would take over half the available RAM
+    batch: int | None = 1
+    ragged: bool = False  # the sequences run as ragged passes, each prompt's tokens in one row (batch mode, serve)
     force: bool = False  # load even when the RAM estimate says it will not fit
     accelerator: AcceleratorKind | None = None  # None: auto (CUDA when usable, else CPU only)
     vram_gb: float | None = None
@@ -133,6 +138,7 @@ class Options:
         o, c = self.offload, self.cpu
         values: dict[str, Any] = {
             "model": str(self.model), "dtype": self.dtype, "context": self.context, "batch": self.batch,
+            "ragged": self.ragged,
             "force": self.force, "accelerator": self.accelerator, "vram_gb": self.vram_gb, "gpu": self.gpu,
             "strategy": str(o.strategy), "cache_ways": o.cache_ways, "cache_policy": str(o.cache_policy),
             "static": [list(k) for k in o.static], "max_inflight": o.max_inflight,
@@ -254,6 +260,11 @@ def resolve(request: Request, profile: Request | None, ckpt: Checkpoint, machine
     cpu = CpuOptions(threads, pick("crossover"), quant, group, pick("kernel_isa"), request.use_kernel,
                      pick("resident", profiled=False))
     batch = request.batch
+    if batch is None:
+        batch = serving_batch(cfg, context, DTYPES[dtype], machine.available_ram)
+        sources["batch"] = "machine"
+    elif batch < 1:
+        raise SettingsError(f"a batch of {batch} sequences: give 1 or more")
     if cpu.resident is None:  # unquantized experts into RAM when they fit with room to spare
         in_ram = estimate_memory(ckpt, DTYPES[dtype], context, batch, replace(cpu, resident=True)).total
         cpu = replace(cpu, resident=quant is None and resident_fits(in_ram, machine.available_ram))
@@ -268,8 +279,9 @@ def resolve(request: Request, profile: Request | None, ckpt: Checkpoint, machine
     offload = OffloadOptions(pick("strategy", Strategy.FIDDLER), pick("cache_ways"),
                              pick("cache_policy", CachePolicy.LRU), static,
                              pick("max_inflight", DEFAULT_INFLIGHT, profiled=False), pick("cost"))
-    for name in ("batch", "force", "use_kernel", "prefix_reuse"):
-        sources[name] = "given" if getattr(request, name) != getattr(Request, name) else "default"
+    for name in ("batch", "ragged", "force", "use_kernel", "prefix_reuse"):
+        if name not in sources:
+            sources[name] = "given" if getattr(request, name) != getattr(Request, name) else "default"
     pick("vram_gb", profiled=False)
     gb = pick("prefix_store_gb", profiled=False)
     if gb is not None and not 0 <= gb <= 1 << 20:
@@ -283,8 +295,16 @@ def resolve(request: Request, profile: Request | None, ckpt: Checkpoint, machine
     names = [f.name for f in fields(Request)]
     return Options(Path(request.model), dtype, context, batch, request.force, accelerator, request.vram_gb, offload,
                    cpu, tuple((n, sources.get(n, "default")) for n in names), gpu, cpu_dtype,
-                   prefix_reuse=request.prefix_reuse, prefix_store=store if request.prefix_reuse else 0,
+                   ragged=request.ragged, prefix_reuse=request.prefix_reuse,
+                   prefix_store=store if request.prefix_reuse else 0,
                    prefix_disk=disk)
+
+
+def serving_batch(cfg: ModelConfig, context: int, dtype: torch.dtype, free_ram: int) -> int:
+    """Requests a server takes at once: SERVE_MOST_BATCH, fewer when their KV cache rows would take over half of
+    `free_ram`."""
+    row = cache_class(cfg).nbytes(cfg, 1, context, dtype)
+    return max(1, min(SERVE_MOST_BATCH, free_ram // 2 // max(1, row)))
 
 
 def _check_group(cfg: ModelConfig, quant: str | None, group: int) -> None:

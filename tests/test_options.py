@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,8 @@ from tandem.runtime import loader
 from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.dispatch import Strategy
 from tandem.runtime.expert_cache import CachePolicy
-from tandem.runtime.options import Machine, Request, resolve
+from tandem.runtime.options import Machine, Options, Request, resolve
+from tandem.runtime.tokenizer import Tokenizer
 
 GIB = 1024**3
 MACHINE = Machine(cpu_flags=frozenset({"avx2", "avx512f", "avx512_bf16"}), cpu_threads=8,
@@ -202,3 +204,138 @@ def test_pinned_experts_this_model_lacks_are_dropped_from_a_profile_and_refused_
     assert resolve(Request(model=mixtral_dir), damaged, ckpt, MACHINE).offload.static == ((0, 1),)
     with pytest.raises(SettingsError, match=r"pins expert \(999, 0\)"):
         resolve(Request(model=mixtral_dir, static=((999, 0),)), None, ckpt, MACHINE)
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Calls of each expensive step of a command: the checkpoint opened, the tokenizer loaded, the machine probed."""
+    from tandem.app import batch_cmd
+    from tandem.runtime import checkpoint
+    from tandem.runtime.tokenizer import Tokenizer
+
+    counts = {"open": 0, "tokenizer": 0, "probe": 0}
+    real_open, real_probe, real_tokenizer = checkpoint.open_checkpoint, configure_module.probe, Tokenizer.from_model
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+        return call
+
+    opened = counted("open", real_open)
+    for module in (configure_module, loader, checkpoint):
+        monkeypatch.setattr(module, "open_checkpoint", opened)
+    monkeypatch.setattr(configure_module, "probe", counted("probe", real_probe))
+    monkeypatch.setattr(Tokenizer, "from_model", staticmethod(counted("tokenizer", real_tokenizer)))
+    assert batch_cmd.Tokenizer is Tokenizer
+    return counts
+
+
+def _batch_file(folder: Path, requests: int, max_tokens: int) -> Path:
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": f"request {i} says", "max_tokens": max_tokens}} for i in range(requests)]
+    path = folder / "in.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def test_batch_opens_the_checkpoint_loads_the_tokenizer_and_probes_once(
+        mixtral_dir: Path, tandem_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = _counting(monkeypatch)
+    src = _batch_file(tmp_path, 3, 3)
+    assert main(["batch", str(src), "--out", str(tmp_path / "out.jsonl"), "--model", str(mixtral_dir),
+                 "--dtype", "fp32", "--threads", "1"]) == 0
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 3
+    assert counts == {"open": 1, "tokenizer": 1, "probe": 1}
+
+
+def _shown(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, dict[str, str]]:
+    """--show-config's lines (`name  value  [where from]`; not every command has --json) as a table of strings."""
+    assert main([*argv, "--show-config"]) == 0
+    lines = [re.fullmatch(r"(\S+) +(.*)  \[(.+)\]", line) for line in capsys.readouterr().out.splitlines()]
+    assert all(lines)
+    return {m[1]: {"value": m[2], "from": m[3]} for m in lines if m}
+
+
+def _as_shown(options: Options) -> dict[str, dict[str, str]]:
+    return {m[1]: {"value": m[2], "from": m[3]}
+            for m in (re.fullmatch(r"(\S+) +(.*)  \[(.+)\]", line) for line in options.describe()) if m}
+
+
+def test_show_config_tells_what_serve_runs(mixtral_dir: Path, tandem_home: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """serve runs ragged passes of --batch-size sequences, or as many as serving fits; --show-config says so, and
+    the server is loaded with exactly those settings."""
+    from tandem.app import serve_cmd
+    from tandem.runtime.options import SERVE_MOST_BATCH
+
+    monkeypatch.setattr(loader, "load", lambda *a, **k: pytest.fail("loaded for --show-config"))
+    base = ["serve", "--model", str(mixtral_dir), "--dtype", "fp32", "--no-profile"]
+    shown = _shown(capsys, base)
+    assert shown["ragged"] == {"value": "True", "from": "given"}
+    assert shown["batch"] == {"value": str(SERVE_MOST_BATCH), "from": "machine"}  # (a tiny model's rows are small)
+    assert _shown(capsys, [*base, "--batch-size", "3"])["batch"] == {"value": "3", "from": "given"}
+
+    loaded_with = []
+
+    def load(configured, tokenizer=None, notify=None, shown=None):
+        loaded_with.append(configured.options)
+        raise KeyboardInterrupt  # (enough: what it was loaded with is known)
+
+    monkeypatch.setattr(serve_cmd, "load_configured", load)
+    assert main([*base, "--batch-size", "3", "--port", "0"]) == 130  # (the CLI's status for an interruption)
+    shown = _shown(capsys, [*base, "--batch-size", "3"])
+    assert _as_shown(loaded_with[0]) == shown
+
+
+def test_show_config_tells_what_batch_runs(mixtral_dir: Path, tandem_home: Path, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+                                          ) -> None:
+    """batch runs ragged passes of its policy's batch, with the context its longest request needs; --show-config
+    says so without loading or writing anything, and the run loads exactly those settings."""
+    from tandem.app import batch_cmd
+
+    src = _batch_file(tmp_path, 5, 7)
+    out = tmp_path / "out.jsonl"
+    base = ["batch", str(src), "--out", str(out), "--model", str(mixtral_dir), "--dtype", "fp32", "--threads", "1",
+            "--no-profile", "--batch-size", "4"]
+    monkeypatch.setattr(loader, "load", lambda *a, **k: pytest.fail("loaded for --show-config"))
+    shown = _shown(capsys, base)
+    assert not out.exists()
+    assert shown["ragged"]["value"] == "True" and shown["batch"]["value"] == "4"
+    prompt = max(len(Tokenizer.from_model(mixtral_dir).encode(f"request {i} says")) for i in range(5))
+    assert shown["context"] == {"value": str(prompt + 7), "from": "given"}
+    loaded_with = []
+
+    def load(configured, tokenizer=None, notify=None, shown=None):
+        loaded_with.append(configured.options)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(batch_cmd, "load_configured", load)
+    assert main(base) == 130
+    assert _as_shown(loaded_with[0]) == shown
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--beams", "3"],
+    ["bench", "batch", "--requests", "5", "--in", "20", "--out", "4"],
+    ["bench", "serve", "--requests", "3", "--concurrency", "2", "--in", "20", "--out", "4"],
+    ["bench", "chat", "--turns", "2", "--words", "5", "--new-tokens", "4"],
+    ["bench", "chat", "--reopen", "100"],
+], ids=lambda argv: " ".join(argv[:3]))
+def test_show_config_tells_what_each_command_runs(argv: list[str], mixtral_dir: Path, tandem_home: Path,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Each command's --show-config is the settings its own load resolves: the sequences it runs, ragged or not,
+    the context its workload needs, prefix reuse off where a benchmark must prefill every prompt."""
+    monkeypatch.setattr(loader, "load", lambda *a, **k: pytest.fail("loaded for --show-config"))
+    shown = _shown(capsys, [*argv, "--model", str(mixtral_dir), "--dtype", "fp32", "--no-profile"])
+    value = {k: v["value"] for k, v in shown.items()}
+    expected = {
+        "generate": {"batch": "3", "ragged": "False"},
+        "bench batch": {"batch": "5", "ragged": "True", "context": "24"},
+        "bench serve": {"batch": "2", "ragged": "True", "context": "24", "prefix_reuse": "False",
+                        "prefix_store_gb": "0.0"},
+        "bench chat --turns": {"batch": "1", "ragged": "True", "context": str(2 * (4 * 5 + 8 * 4 + 16) + 64)},
+        "bench chat --reopen": {"batch": "1", "ragged": "False", "context": "356"},
+    }[argv[0] if argv[0] != "bench" else " ".join(argv[:2]) + (f" {argv[2]}" if argv[1] == "chat" else "")]
+    assert {k: value[k] for k in expected} == expected

@@ -1,0 +1,17 @@
+"""The runtime's choices by name, torch-free: what the command line offers (app/flags.py builds its choice lists
+from these) and what runtime/options.py resolves."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+Dtype = Literal["bf16", "fp16", "fp32"]
+DTYPE_NAMES: tuple[Dtype, ...] = ("bf16", "fp16", "fp32")
+AcceleratorKind = Literal["auto", "none", "cuda", "emulated"]
+
+
+class Strategy(StrEnum):
+    FIDDLER = "fiddler"  # per-expert choice by the cost model
+    CPU = "cpu"  # never copy weights on demand: misses always run on the CPU
+    FETCH = "fetch"  # always copy a missing expert and run it on the accelerator (classic offloading)
