@@ -17,11 +17,16 @@ $(STAMP): pyproject.toml $(wildcard kernels/csrc/*.c kernels/csrc/*.h)
 chat: $(STAMP)
 	$(BIN)/tandem chat
 
-# The whole suite, then the tests marked `isa` under each CPU feature mask this machine can play.
+# The whole suite, then the tests marked `isa` under each CPU feature mask this machine can play, each on
+# TEST_WORKERS processes (pytest-xdist): most tests wait on an event loop, a child process or a file more than they
+# compute, so two workers on 2 cores take well under half the time of one. More workers than cores buys nothing,
+# and each holds its own torch and tiny checkpoints.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
-	$(BIN)/python tests/run_masks.py
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(BIN)/python tests/run_masks.py -n $(TEST_WORKERS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
