@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from tandem.autotune.measurements import Measurements
@@ -19,7 +18,6 @@ from tandem.autotune.probe import HardwareInfo, probe
 from tandem.autotune.profile import find_profile, model_fingerprint
 from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
 from tandem.runtime.latency import LatencyModel
-from tandem.runtime.loader import LoadedModel, load
 from tandem.runtime.options import Machine, Options, Request, auto_dtype, resolve
 from tandem.runtime.trace import load_popularity, most_popular
 
@@ -70,15 +68,6 @@ def configure(request: Request, *, placement: str | None = None, use_profile: bo
     else:
         machine = Machine.here(frozenset(hardware.cpu.flags) if hardware is not None else None)
     return Configured(resolve(request, profile, ckpt, machine), ckpt, request, profile, machine, measured)
-
-
-def load_model(model: str | Path, *, placement: str | None = None,
-               progress: Callable[[str, float], None] | None = None, **settings: Any) -> LoadedModel:
-    """Configure and load with `settings` (fields of `Request`) for a program that states what it depends on (a
-    benchmark, a test): no profile, and CPU only unless it asks for an accelerator."""
-    settings.setdefault("accelerator", "none")
-    configured = configure(Request(model=model, **settings), placement=placement, use_profile=False)
-    return load(configured.options, configured.checkpoint, progress)
 
 
 def profile_request(plan: dict[str, Any], measurements: dict[str, Any] | None = None) -> Request:

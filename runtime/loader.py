@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 from tandem.kernels.cpu import check_support
 from tandem.kernels.errors import KernelError, ResourceError
@@ -18,7 +20,7 @@ from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
 from tandem.runtime.engine import Engine
 from tandem.runtime.memory import check_memory, estimate_memory
 from tandem.runtime.model import MoEModel
-from tandem.runtime.options import Options
+from tandem.runtime.options import Machine, Options, Request, resolve
 from tandem.runtime.prefix import PrefixStore
 from tandem.runtime.prefix_disk import DiskPrefixes, default_folder, disk_key
 from tandem.runtime.tokenizer import Tokenizer
@@ -95,3 +97,12 @@ def prefix_key(ckpt: Checkpoint, options: Options) -> str:
     settings = {"dtype": options.dtype, "cpu_dtype": options.cpu_dtype, "quant": cpu.quant, "group": cpu.group,
                 "isa": cpu.isa, "use_kernel": cpu.use_kernel, "accelerator": options.accelerator}
     return disk_key(ckpt.identity(), ckpt.path.name, settings)
+
+
+def load_model(model: str | Path, *, progress: Callable[[str, float], None] | None = None,
+               **settings: Any) -> LoadedModel:
+    """Resolve `settings` (fields of `Request`) and load, for a program that states what it depends on (a
+    benchmark, a test): no profile, and CPU only unless it asks for an accelerator."""
+    settings.setdefault("accelerator", "none")
+    ckpt = open_checkpoint(model)
+    return load(resolve(Request(model=model, **settings), None, ckpt, Machine.here()), ckpt, progress)

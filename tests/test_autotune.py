@@ -119,7 +119,7 @@ def test_plan_with_recorded_trace_and_bad_files(tmp_path: Path, mixtral_dir: Pat
 def test_calibration_decodes_with_the_model_already_in_memory(mixtral_dir: Path, monkeypatch) -> None:
     # Inside the chat app the model is loaded already; a second copy might not fit beside it.
     from tandem.autotune import run
-    from tandem.autotune.configure import load_model
+    from tandem.runtime.loader import load_model
 
     loaded = load_model(mixtral_dir, dtype="fp32", context=64)
 

@@ -9,8 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from tandem.app.backend import ChatBackend, RuntimeBackend, TuningTarget
-from tandem.autotune.configure import load_model
-from tandem.runtime.loader import LoadedModel
+from tandem.runtime.loader import LoadedModel, load_model
 from tandem.runtime.sampling import SamplingParams
 from tests.fakes import FakeBackend, TunableFake
 from tests.test_tui_faults import Silent

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import save_file
 
 from tandem.app.cli import main
-from tandem.autotune.configure import load_model
 from tandem.kernels.errors import CheckpointError, ResourceError
 from tandem.runtime import memory
 from tandem.runtime.checkpoint import open_checkpoint
+from tandem.runtime.loader import load_model
 from tandem.runtime.memory import MemoryEstimate, check_memory
 from tandem.runtime.safetensors_mmap import SafetensorsFile
 from tests.conftest import copy_checkpoint, edit_config

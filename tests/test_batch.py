@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.autotune.configure import load_model
 from tandem.runtime.batch import BatchEngine, BatchRequest, BatchResult, DoneEvent, TokenEvent
 from tandem.runtime.engine import Engine, GenerationStats
-from tandem.runtime.loader import LoadedModel
+from tandem.runtime.loader import LoadedModel, load_model
 from tandem.runtime.model import Segment
 from tandem.runtime.sampling import SamplingParams
 

@@ -11,7 +11,7 @@ import pytest
 
 from tandem.app import batch_cmd
 from tandem.app.cli import main
-from tandem.autotune.configure import load_model
+from tandem.runtime.loader import load_model
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.tokenizer import Tokenizer
 

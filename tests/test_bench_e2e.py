@@ -10,8 +10,8 @@ import pytest
 
 from tandem.app.cli import main
 from tandem.autotune.bench.e2e import bench_e2e, peer_fits_beside, plot
-from tandem.autotune.configure import load_model
 from tandem.kernels.errors import TandemError
+from tandem.runtime.loader import load_model
 
 GRID = {"decode": [(16, 8)], "prefill": [(64, 1)], "beam": [(8, 6, 3)]}
 

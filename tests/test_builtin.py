@@ -11,10 +11,10 @@ import torch
 
 from tandem.app.cli import main
 from tandem.autotune.bench.numerics import NUMERICS_OUTSIDE, bench_numerics, numerics_paths
-from tandem.autotune.configure import load_model
 from tandem.kernels.isa import ENV, masked_features, masks_to_play, present_features
 from tandem.runtime import builtin
 from tandem.runtime.cpuinfo import proc_cpuinfo
+from tandem.runtime.loader import load_model
 from tandem.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow  # one build, one dense reference, a few generations (still run in CI)

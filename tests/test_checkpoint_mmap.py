@@ -9,17 +9,17 @@ from pathlib import Path
 
 import torch
 
-from tandem.autotune.configure import load_model
 from tandem.kernels.cpu import CpuOptions
 from tandem.runtime import memory
 from tandem.runtime.checkpoint import open_checkpoint
+from tandem.runtime.loader import load_model
 from tandem.runtime.memory import RESIDENT_SHARE, estimate_memory, resident_fits
 from tandem.runtime.options import resolve_context
 from tandem.runtime.synth import tiny_config, write_test_model
 
 _MEASURE = """
 import json, resource, sys
-from tandem.autotune.configure import load_model
+from tandem.runtime.loader import load_model
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 loaded = load_model(sys.argv[1], dtype="bf16", resident=False)  # the path for models that do not fit
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.autotune.configure import load_model
 from tandem.kernels.attend import attend_isa
 from tandem.kernels.cpu import _LayerArgs
 from tandem.kernels.step import decode_layers
 from tandem.runtime.decode_step import DecodeStep, why_not
+from tandem.runtime.loader import load_model
 from tandem.runtime.model import MoEModel
 from tandem.runtime.moe import route
 from tests.conftest import MXFP4, build_hf_checkpoint

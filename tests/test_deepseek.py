@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from tandem.autotune.bench.models import bench_config
-from tandem.autotune.configure import load_model
 from tandem.kernels.errors import UnsupportedModelError
 from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.config import clean_raw
 from tandem.runtime.engine import Engine
 from tandem.runtime.families import parse_config
+from tandem.runtime.loader import load_model
 from tandem.runtime.memory import estimate_memory
 from tandem.runtime.mla import LatentCache, attend, load_mla
 from tandem.runtime.model import MoEModel, rms_norm

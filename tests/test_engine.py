@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.autotune.configure import load_model
 from tandem.kernels.errors import GenerationError
 from tandem.runtime.engine import Engine, GenerationStats
+from tandem.runtime.loader import load_model
 from tandem.runtime.sampling import SamplingParams
 
 

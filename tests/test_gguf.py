@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from tandem.app.cli import main
-from tandem.autotune.configure import load_model
 from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.accelerator import EmulatedAccelerator
 from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.dispatch import OffloadOptions, Strategy
 from tandem.runtime.engine import Engine
+from tandem.runtime.loader import load_model
 from tandem.runtime.model import MoEModel
 from tandem.runtime.sampling import SamplingParams
 from tests.conftest import build_hf_checkpoint

@@ -171,8 +171,8 @@ def test_one_token_streams_every_row_whatever_the_split(isa: str, h: int, i: int
 def test_a_checkpoint_keeps_its_experts_4_bit_and_quant_is_refused(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     from tandem.app.cli import main
-    from tandem.autotune.configure import load_model
     from tandem.runtime.checkpoint import open_checkpoint
+    from tandem.runtime.loader import load_model
     from tandem.runtime.memory import estimate_memory
 
     cfg = tiny_config("gpt_oss", intermediate_size=64, quantization_config={"quant_method": "mxfp4"})

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.autotune.configure import load_model
 from tandem.kernels.openmp import release_thread_pool
+from tandem.runtime.loader import load_model
 from tandem.runtime.sampling import SamplingParams
 
 PROMPT = [1, 2, 3, 4]

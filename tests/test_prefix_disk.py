@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from tandem.app.backend import RuntimeBackend
-from tandem.autotune.configure import load_model
 from tandem.runtime.engine import Engine, GenerationStats
-from tandem.runtime.loader import LoadedModel, prefix_key
+from tandem.runtime.loader import LoadedModel, load_model, prefix_key
 from tandem.runtime.prefix import PrefixStore
 from tandem.runtime.prefix_disk import SUFFIX, DiskPrefixes, default_folder
 from tandem.runtime.sampling import SamplingParams

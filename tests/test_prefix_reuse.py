@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.autotune.configure import load_model
 from tandem.runtime.batch import BatchEngine, BatchRequest, DoneEvent
 from tandem.runtime.engine import Engine, GenerationStats
+from tandem.runtime.loader import load_model
 from tandem.runtime.prefix import HeldTokens, PrefixStore
 from tandem.runtime.sampling import SamplingParams
 from tests.conftest import CASES

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tandem.app.cli import main
-from tandem.autotune.configure import load_model
+from tandem.runtime.loader import load_model
 from tandem.runtime.moe import BlockExpert
 from tandem.runtime.quant_cache import cache_path
 from tests.conftest import build_hf_checkpoint

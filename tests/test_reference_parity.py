@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tandem.app.cli import main
-from tandem.autotune.configure import load_model
+from tandem.runtime.loader import load_model
 from tests.conftest import CASES
 
 pytestmark = pytest.mark.isa

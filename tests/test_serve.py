@@ -25,7 +25,7 @@ from tandem.app.server import BackgroundServer, make_app
 from tandem.app.serving import EngineService
 from tandem.app.tui import TandemApp
 from tandem.app.widgets import ChatMessage, StatusBar
-from tandem.autotune.configure import load_model
+from tandem.runtime.loader import load_model
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.tokenizer import Tokenizer
 from tests.test_tui import ask_and_wait, press, wait_for_screen, wait_until

@@ -18,7 +18,7 @@ import pytest
 
 from tandem.app.server import MAX_BODY, make_app
 from tandem.app.serving import PART_CHARS_A_TOKEN, EngineService
-from tandem.autotune.configure import load_model
+from tandem.runtime.loader import load_model
 from tests.test_serve import CONTEXT, DEFAULTS, HELLO
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

@@ -195,7 +195,7 @@ def test_generate_sets_a_damaged_profile_aside_and_runs_with_the_defaults(
 
 def loaded_cache(model: Path) -> tuple[Path, bytes]:
     """The cache file of `model` at q8_0, made by a load, and its bytes."""
-    from tandem.autotune.configure import load_model
+    from tandem.runtime.loader import load_model
 
     load_model(model, dtype="fp32", quant="q8_0")
     path = cache_path(open_checkpoint(model), "q8_0")
@@ -251,7 +251,7 @@ HOSTILE_CACHES = ["folder", "another safetensors file", "fifo", "link to /dev/ze
 
 @pytest.mark.parametrize("kind", HOSTILE_CACHES)
 def test_a_cache_file_that_is_not_this_loads_is_set_aside_and_made_again(tiny: Path, kind: str) -> None:
-    from tandem.autotune.configure import load_model
+    from tandem.runtime.loader import load_model
 
     path, good = loaded_cache(tiny)
     path.unlink()
@@ -269,7 +269,7 @@ def test_a_cache_file_that_is_not_this_loads_is_set_aside_and_made_again(tiny: P
 def test_a_cache_file_that_is_this_loads_is_used_without_a_notice(tiny: Path, monkeypatch: pytest.MonkeyPatch
                                                                    ) -> None:
     import tandem.runtime.quant_cache as quant_cache
-    from tandem.autotune.configure import load_model
+    from tandem.runtime.loader import load_model
 
     path, good = loaded_cache(tiny)
     monkeypatch.setattr(quant_cache, "quantize", lambda *a: pytest.fail("quantized again"))

@@ -17,9 +17,9 @@ from tandem.app.screens.chat import ChatScreen
 from tandem.app.store import Conversation, ConversationStore, Turn
 from tandem.app.tui import TandemApp
 from tandem.app.widgets import ChatMessage, StatusBar
-from tandem.autotune.configure import load_model
 from tandem.autotune.microbench import Step
 from tandem.kernels.errors import CheckpointError, ResourceError
+from tandem.runtime.loader import load_model
 from tandem.runtime.sampling import SamplingParams
 from tests.fakes import FakeBackend, TunableFake
 
@@ -421,7 +421,8 @@ def fake_tune(path: str, dtype: str, progress) -> object:
 async def test_first_run_wizard_tunes_and_saves_a_profile(tandem_home: Path) -> None:
     from textual.widgets import Button
 
-    from tandem.app.screens.wizard import WizardScreen, needs_tuning
+    from tandem.app.screens.wizard import WizardScreen, tuning_keys
+    from tandem.autotune.profile import find_profile
 
     app = TandemApp(lambda _: TunableFake(), tune=fake_tune)
     async with app.run_test(size=(100, 30)) as pilot:
@@ -433,7 +434,7 @@ async def test_first_run_wizard_tunes_and_saves_a_profile(tandem_home: Path) -> 
         wizard.query_one("#save", Button).press()
         await wait_until(pilot, lambda: not isinstance(app.screen, WizardScreen))
     assert list((tandem_home / "profiles").glob("*.json"))
-    assert not needs_tuning({"model_type": "mixtral", "hidden_size": 64}, "bf16")
+    assert find_profile(*tuning_keys({"model_type": "mixtral", "hidden_size": 64}, "bf16")).profile is not None
     again = TandemApp(lambda _: TunableFake(), tune=fake_tune)
     async with again.run_test() as pilot:  # tuned already: no wizard this time
         await wait_until(pilot, lambda: again.lifecycle.backend is not None)

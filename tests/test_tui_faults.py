@@ -219,7 +219,7 @@ async def test_another_windows_turns_come_in_when_this_one_saves() -> None:
 async def test_a_long_conversation_with_the_real_runtime_keeps_answering(mixtral_dir: Path) -> None:
     from tandem.app.backend import RuntimeBackend
     from tandem.app.screens.wizard import WizardScreen
-    from tandem.autotune.configure import load_model
+    from tandem.runtime.loader import load_model
 
     app = TandemApp(lambda _: RuntimeBackend(load_model(mixtral_dir, dtype="fp32", context=128)),
                     params=SamplingParams(max_new_tokens=8))

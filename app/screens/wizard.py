@@ -143,10 +143,3 @@ def tuning_keys(raw_config: dict, dtype: str) -> tuple[dict[str, Any], dict[str,
     from tandem.autotune.profile import model_fingerprint
 
     return probe().fingerprint(), model_fingerprint(raw_config, dtype)
-
-
-def needs_tuning(raw_config: dict, dtype: str) -> bool:
-    """True when this machine has no profile for this model (or only one made on other hardware)."""
-    from tandem.autotune.profile import find_profile
-
-    return find_profile(*tuning_keys(raw_config, dtype)).profile is None

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from tandem.autotune.bench.inputs import teacher_forced
-from tandem.autotune.configure import load_model
 from tandem.kernels.cpu import available_isas
 from tandem.kernels.errors import TandemError
 from tandem.kernels.isa import ENV, masked_features, masks_to_play, present_features
 from tandem.runtime.cpuinfo import proc_cpuinfo
+from tandem.runtime.loader import load_model
 from tandem.runtime.synth import ASSETS
 
 # Chunks of a teacher-forced pass: decode steps, then every count of tokens a layer kernel call takes (each

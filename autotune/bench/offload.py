@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from tandem.autotune.configure import load_model
 from tandem.runtime.dispatch import Strategy, budget_for_slots
 from tandem.runtime.engine import Engine, GenerationStats
 from tandem.runtime.expert_cache import CachePolicy
+from tandem.runtime.loader import load_model
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.synth import ASSETS
 from tandem.runtime.timeline import Timeline, layer_overlap

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.autotune.configure import load_model
 from tandem.autotune.measurements import Measurements
 from tandem.autotune.microbench import accelerator_measurements, microbench
 from tandem.autotune.plan import ModelShape, Plan, evaluate, make_plan
@@ -25,6 +24,7 @@ from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.dispatch import Strategy, budget_for_slots
 from tandem.runtime.engine import Engine, GenerationStats
 from tandem.runtime.expert_cache import CachePolicy
+from tandem.runtime.loader import load_model
 from tandem.runtime.options import DTYPES, default_dtype, takes_int8_blocks
 from tandem.runtime.sampling import SamplingParams
 

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from tandem.autotune.bench.inputs import teacher_forced
-from tandem.autotune.configure import load_model
 from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.engine import Engine
+from tandem.runtime.loader import load_model
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.synth import ASSETS
 
