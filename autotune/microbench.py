@@ -17,15 +17,9 @@ from tandem.autotune.measurements import Measurements, fit_cpu, roofline_cpu
 from tandem.autotune.plan import ModelShape
 from tandem.autotune.probe import HardwareInfo
 from tandem.kernels.blocks import FORMATS, block_matrix
-from tandem.kernels.cpu import (
-    PROBE_STREAMS,
-    CpuExecutor,
-    CpuExpert,
-    DenseLinear,
-    available_isas,
-    library,
-    read_bandwidth_probe,
-)
+from tandem.kernels.dense import DenseLinear
+from tandem.kernels.experts import CpuExecutor, CpuExpert
+from tandem.kernels.library import PROBE_STREAMS, available_isas, library, read_bandwidth_probe
 from tandem.kernels.quant import QuantizedMatrix, quantize_mxfp4
 from tandem.runtime.accelerator import Accelerator, make_accelerator
 from tandem.runtime.dispatch import slot_budget

@@ -16,8 +16,8 @@ import numpy as np
 from tandem.autotune.measurements import Measurements
 from tandem.autotune.routing import popularity, routing_stats
 from tandem.autotune.simulate import Candidate, SimCosts, SimResult, simulate, synthetic_trace
-from tandem.kernels.cpu import Isa, Quant
 from tandem.kernels.errors import TandemError
+from tandem.kernels.names import Isa, Quant
 from tandem.runtime.checkpoint import Checkpoint
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.dispatch import Strategy

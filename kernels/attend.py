@@ -11,7 +11,7 @@ import ctypes
 
 import torch
 
-from tandem.kernels.cpu import _AttendArgs, available_isas, library
+from tandem.kernels.library import AttendArgs, available_isas, library
 
 ATTEND_ISAS = ("base", "avx2", "avx512")  # the variants its loops are compiled for (ISA_ numbers 0, 1, 2)
 MAX_HEAD_DIM = 512
@@ -87,7 +87,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor
     if sinks is not None and (sinks.shape != (Hq,) or not sinks.is_contiguous()):
         raise ValueError(f"sinks must be [{Hq}]")
     out = torch.empty(B, Hq * D, dtype=dtype)  # [B, Hq*D]
-    a = _AttendArgs(
+    a = AttendArgs(
         batch=B, heads=Hq, kv_heads=Hkv, dim=D, rot=cos.shape[-1], bf16=int(dtype == torch.bfloat16), threads=threads,
         isa=ATTEND_ISAS.index(isa), start=start, first=first, ld_q=q.stride(0), ld_k=k.stride(0), ld_v=v.stride(0),
         context=C, q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),

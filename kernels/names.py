@@ -1,5 +1,5 @@
 """The kernels' choices by name, torch-free: what the command line offers (app/flags.py builds its choice lists from
-these) and what kernels/cpu.py and kernels/quant.py run."""
+these) and what kernels/choice.py, kernels/experts.py and kernels/quant.py run."""
 
 from __future__ import annotations
 

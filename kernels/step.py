@@ -1,5 +1,5 @@
 """One decode token through a run of planned decoder layers in one kernel call (csrc/step.c). A layer's arguments are
-kernels/cpu.py's `_LayerArgs`, planned from a model in runtime/decode_step.py."""
+kernels/library.py's `LayerArgs`, planned from a model in runtime/decode_step.py."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import ctypes
 
 import torch
 
-from tandem.kernels.cpu import _LayerArgs, library
+from tandem.kernels.library import LayerArgs, library
 
 QK_NORMS = {"none": 0, "full": 1, "head": 2}  # csrc/step.c's QK_NORM_
 SCORINGS = {"softmax": 0, "softmax_topk": 1}  # its SCORE_
 MAX_EXPERTS, MAX_TOP_K = 1024, 64
 
 
-def decode_layers(layers: ctypes.Array[_LayerArgs], x: torch.Tensor, start: int, cos: torch.Tensor,
+def decode_layers(layers: ctypes.Array[LayerArgs], x: torch.Tensor, start: int, cos: torch.Tensor,
                   sin: torch.Tensor) -> None:
     """x [H] float32 (the residual stream, updated in place) through the planned layers at position `start`, whose
     RoPE tables are cos and sin [R] (contiguous, the layers' dtype)."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tandem.kernels.cpu import WEIGHT_DTYPES
+from tandem.kernels.choice import WEIGHT_DTYPES
 from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.config import ModelConfig, token_ids

@@ -1,5 +1,5 @@
 """Decode in one kernel call per token: every decoder layer's work for one new token (norms, projections, attention,
-routing, experts) planned once into kernels/cpu.py's structures (`_LayerArgs`), then run by csrc/step.c without
+routing, experts) planned once into kernels/library.py's structures (`LayerArgs`), then run by csrc/step.c without
 returning to Python between the pieces. `MoEModel.forward` uses it for one token of one sequence when `why_not`
 finds nothing against the model; anything else (other variants, several tokens, an accelerator) runs the layer
 loop, which stays the reference the step is tested against.
@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.kernels.attend import ATTEND_ISAS, attend_isa
-from tandem.kernels.cpu import XB_EXTRA, DenseLinear, _AttendArgs, _LayerArgs, _LinearArgs, rms_norm_bf16
+from tandem.kernels.dense import DenseLinear, rms_norm_bf16
+from tandem.kernels.library import XB_EXTRA, AttendArgs, LayerArgs, LinearArgs
 from tandem.kernels.step import MAX_EXPERTS, MAX_TOP_K, QK_NORMS, SCORINGS, decode_layers
 from tandem.runtime.moe import MoEBlockWeights
 
@@ -93,7 +94,7 @@ class DecodeStep:
         self.weights = torch.zeros(cfg.num_layers, K)  # [L, K]
         self.moe_out = torch.empty(H)
         self.biases: list[torch.Tensor] = []  # the biases as the layers add them (below), kept with the plan
-        self.layers = (_LayerArgs * cfg.num_layers)()
+        self.layers = (LayerArgs * cfg.num_layers)()
         executor = model.dispatcher.executor
         for i, layer in enumerate(model.layers):
             a, attn, ffn = self.layers[i], layer.attn, layer.ffn
@@ -142,7 +143,7 @@ class DecodeStep:
         self.biases.append(bias.to(dtype).contiguous())
         return self.biases[-1].data_ptr()
 
-    def _linear(self, a: _LinearArgs, linear: DenseLinear, m: object, x: torch.Tensor) -> int:
+    def _linear(self, a: LinearArgs, linear: DenseLinear, m: object, x: torch.Tensor) -> int:
         """One token against matrix m as DenseLinear would call the kernel, reading x (float32); returns its rows."""
         call = linear.one_token_call(m, self.model.dtype)
         assert call is not None  # (why_not checked)
@@ -151,7 +152,7 @@ class DecodeStep:
         a.w, a.x, a.y, a.xb = w, x.data_ptr(), self.y.data_ptr(), self.xb.data_ptr()
         return rows
 
-    def _attend(self, a: _AttendArgs, model: MoEModel, i: int) -> None:
+    def _attend(self, a: AttendArgs, model: MoEModel, i: int) -> None:
         cfg = model.cfg
         nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         sinks = model.layers[i].attn.sinks  # type: ignore[union-attr]

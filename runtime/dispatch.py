@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.cpu import CpuExpert, CpuOptions, Epilogue
+from tandem.kernels.experts import CpuExpert, CpuOptions, Epilogue
 from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.accelerator import Accelerator, Copy, HostRead, done
 from tandem.runtime.choices import Strategy

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tandem.kernels.cpu import check_support
+from tandem.kernels.choice import check_support
 from tandem.kernels.errors import KernelError, ResourceError
 from tandem.kernels.openmp import release_thread_pool
 from tandem.runtime import memory

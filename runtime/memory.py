@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from tandem.kernels.cpu import CpuOptions, library
 from tandem.kernels.errors import ResourceError
+from tandem.kernels.experts import CpuOptions
+from tandem.kernels.library import library
 from tandem.runtime.checkpoint import Checkpoint
 from tandem.runtime.model import PREFILL_CHUNK, activation_bytes, cache_class, kept_dtypes
 from tandem.runtime.rope import long_after, rotary_dims

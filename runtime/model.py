@@ -19,8 +19,11 @@ import torch.nn.functional as F
 
 from tandem.kernels.attend import attend_one, attend_rows, attend_serves
 from tandem.kernels.blocks import block_matrix
-from tandem.kernels.cpu import BLOCK_QUANTS, CpuOptions, DenseLinear, library, lookup_rows, rms_norm_bf16
+from tandem.kernels.dense import DenseLinear, lookup_rows, rms_norm_bf16
 from tandem.kernels.errors import CheckpointError, ResourceError
+from tandem.kernels.experts import CpuOptions
+from tandem.kernels.library import library
+from tandem.kernels.names import BLOCK_QUANTS
 from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.accelerator import Accelerator
 from tandem.runtime.checkpoint import Checkpoint, one_buffer

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.blocks import block_matrix
-from tandem.kernels.cpu import clamped_glu
+from tandem.kernels.experts import clamped_glu
 from tandem.kernels.quant import MX_BLOCK, QuantizedMatrix, nibbles_from_pairs
 
 Scoring = Literal["softmax", "sigmoid", "softmax_topk", "sparsemixer"]

@@ -16,9 +16,11 @@ from typing import Any, Literal
 
 import torch
 
-from tandem.kernels.cpu import BLOCK_QUANTS, Q8_KINDS, CpuOptions, Isa, Quant, available_isas
 from tandem.kernels.errors import SettingsError
+from tandem.kernels.experts import CpuOptions
 from tandem.kernels.isa import mask_flags, masked_features
+from tandem.kernels.library import Q8_KINDS, available_isas
+from tandem.kernels.names import BLOCK_QUANTS, Isa, Quant
 from tandem.kernels.quant import GROUPS
 from tandem.runtime import memory
 from tandem.runtime.accelerator import cuda_devices, cuda_usable

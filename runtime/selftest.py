@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.kernels.cpu import CpuOptions
 from tandem.kernels.errors import ResourceError
+from tandem.kernels.experts import CpuOptions
 from tandem.runtime.accelerator import GIB, Accelerator, cuda_devices, make_accelerator, release_device_memory
 from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
 from tandem.runtime.dispatch import SLAB_BYTES, Dispatcher, OffloadOptions, Strategy, budget_for_slots

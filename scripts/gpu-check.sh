@@ -131,7 +131,7 @@ step_install() {
 }
 
 step_kernels() {
-    local check='from tandem.kernels.cpu import library, available_isas
+    local check='from tandem.kernels.library import library, available_isas
 l = library(); print("kernel library:", getattr(l, "_name", None), available_isas() if l else "-")
 raise SystemExit(0 if l else 4)'
     if "$PY" -c "$check"; then

@@ -139,7 +139,7 @@ def partial_vram(ckpt, dtype: torch.dtype, context: int, batch: int = 1, share: 
 
 
 def load(ckpt, dtype, kind, vram_gb=None, context=256, batch=1, ragged=False, cpu_dtype=None, policy=None):
-    from tandem.kernels.cpu import CpuOptions
+    from tandem.kernels.experts import CpuOptions
     from tandem.runtime.accelerator import make_accelerator
     from tandem.runtime.model import MoEModel
 
@@ -160,7 +160,7 @@ def drop(model) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 @probe
 def env(rec):
-    from tandem.kernels.cpu import available_isas, library
+    from tandem.kernels.library import available_isas, library
     from tandem.runtime.accelerator import cuda_devices
 
     lib = library()

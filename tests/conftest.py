@@ -192,7 +192,7 @@ def tandem_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mo
 def cpu_features(monkeypatch: pytest.MonkeyPatch):
     """`cpu_features("-amx,...")`: from here to the end of the test, this process plays the masked CPU (the kernel
     library is told again after the test)."""
-    from tandem.kernels.cpu import library
+    from tandem.kernels.library import library
 
     def play(mask: str) -> None:  # on top of the mask the run itself may have
         monkeypatch.setenv("TANDEM_CPU_FEATURES", ",".join(filter(None, (os.environ.get("TANDEM_CPU_FEATURES"), mask))))

@@ -17,16 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.blocks import FORMATS, block_matrix
-from tandem.kernels.cpu import (
-    BLOCK_KINDS,
-    BLOCK_STEP,
-    Q8_KINDS,
-    TILED_BLOCKS,
-    CpuExecutor,
-    DenseLinear,
-    available_isas,
-    library,
-)
+from tandem.kernels.choice import BLOCK_STEP, TILED_BLOCKS
+from tandem.kernels.dense import DenseLinear
+from tandem.kernels.experts import CpuExecutor
+from tandem.kernels.library import BLOCK_KINDS, Q8_KINDS, available_isas, library
 from tandem.kernels.quant import QuantizedMatrix
 
 pytestmark = [pytest.mark.isa, pytest.mark.skipif(library() is None, reason="the kernels are not built")]
@@ -245,23 +239,24 @@ def test_a_long_prompt_stays_on_the_kernel_unless_torch_multiplies_bf16_natively
     """Past QUANT_CHUNKS calls of BLOCK_STEP tokens, bf16 tokens go to torch over the dequantized matrix only where
     torch's bf16 product is native (AVX512_BF16, AMX); without it they stay on the kernel, a call per chunk, each
     token's result the one its chunk alone gives. float32 tokens go to torch there either way."""
-    import tandem.kernels.cpu as cpu
+    import tandem.kernels.choice as choice
+    import tandem.kernels.dense as dense
 
     def no_torch(*args: object, **kwargs: object) -> None:
         raise AssertionError("torch took the product")
 
     w = matrix("Q8_0", 96, 288, seed=4)
     linear = DenseLinear(2)
-    n = cpu.QUANT_CHUNKS * BLOCK_STEP + 8
+    n = choice.QUANT_CHUNKS * BLOCK_STEP + 8
     x = torch.randn(n, 288, generator=torch.Generator().manual_seed(6)).bfloat16()
     chunks = torch.cat([linear(x[i : i + BLOCK_STEP], w, out_dtype=torch.float32) for i in range(0, n, BLOCK_STEP)])
-    monkeypatch.setattr(cpu, "_native_bf16", lambda: False)
-    assert cpu.quant_chunks(torch.bfloat16) >= 1 << 30 and cpu.quant_chunks(torch.float32) == cpu.QUANT_CHUNKS
-    monkeypatch.setattr(cpu, "torch_linear", no_torch)
+    monkeypatch.setattr(choice, "native_bf16", lambda: False)
+    assert choice.quant_chunks(torch.bfloat16) >= 1 << 30 and choice.quant_chunks(torch.float32) == choice.QUANT_CHUNKS
+    monkeypatch.setattr(dense, "torch_linear", no_torch)
     assert torch.equal(linear(x, w, out_dtype=torch.float32), chunks)
     with pytest.raises(AssertionError, match="torch took"):
         linear(x.float(), w, out_dtype=torch.float32)
-    monkeypatch.setattr(cpu, "_native_bf16", lambda: True)
-    assert cpu.quant_chunks(torch.bfloat16) == cpu.QUANT_CHUNKS
+    monkeypatch.setattr(choice, "native_bf16", lambda: True)
+    assert choice.quant_chunks(torch.bfloat16) == choice.QUANT_CHUNKS
     with pytest.raises(AssertionError, match="torch took"):
         linear(x, w, out_dtype=torch.float32)

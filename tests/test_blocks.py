@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem.kernels.blocks import FORMATS, block_matrix, dequantize
-from tandem.kernels.cpu import lookup_rows
+from tandem.kernels.dense import lookup_rows
 
 EDGE_F16 = [0x0000, 0x8000, 0x0001, 0x03FF, 0x0400, 0x7BFF, 0x7C00, 0xFC00, 0x7E00, 0x3C00]  # 0, -0, subnormals,
 # the smallest normal, the largest, +-inf, NaN, 1

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.kernels.cpu import CpuOptions
+from tandem.kernels.experts import CpuOptions
 from tandem.runtime import memory
 from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.loader import load_model

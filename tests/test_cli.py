@@ -72,7 +72,7 @@ def test_the_bf16_peak_is_float32s_where_the_kernels_have_no_bf16_arithmetic(mon
 
 def test_bench_kernels_rows_have_the_documented_keys() -> None:
     from tandem.autotune.bench.kernels import bench_kernels
-    from tandem.kernels.cpu import CpuExecutor
+    from tandem.kernels.experts import CpuExecutor
 
     most = CpuExecutor(2048, 768, torch.bfloat16).crossover  # the most tokens a layer call takes on this CPU
     rows = bench_kernels(["qwen3"], threads=2, dtypes=("bf16", "int8", "int4"), tokens=(1, most), min_time=0.0,
@@ -87,7 +87,7 @@ def test_bench_kernels_rows_have_the_documented_keys() -> None:
     assert peaks["int8"] == peaks["int4"] and peaks["int8"] != peaks["bf16"]
     assert {(r["dtype"], r["impl"]) for r in rows} >= {("bf16", "tandem"), ("bf16", "torch"), ("int8", "torch"),
                                                       ("int4", "tandem")}
-    from tandem.kernels.cpu import library
+    from tandem.kernels.library import library
 
     if library() is not None:  # the experts a MoE layer runs together, in one kernel call
         assert {(r["dtype"], r["tokens"]) for r in rows if r["impl"] == "layer"} >= {("bf16", 1), ("bf16", most)}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tandem.kernels.attend import attend_isa
-from tandem.kernels.cpu import _LayerArgs
+from tandem.kernels.library import LayerArgs
 from tandem.kernels.step import decode_layers
 from tandem.runtime.decode_step import DecodeStep, why_not
 from tandem.runtime.loader import load_model
@@ -116,7 +116,7 @@ def test_one_layer_matches_the_torch_path_piece_by_piece(served: dict[str, Path]
         logits = model.linear(h1, layer.ffn.router)  # type: ignore[union-attr]
         weights, ids = route(logits, layer.ffn.rule)  # type: ignore[union-attr]
         moe = model.dispatcher(0, h1)  # [1, H]
-        first = ctypes.cast(step.layers, ctypes.POINTER(_LayerArgs * 1)).contents
+        first = ctypes.cast(step.layers, ctypes.POINTER(LayerArgs * 1)).contents
         y = x.clone().view(-1)
         decode_layers(first, y, start, cos[0], sin[0])
     assert torch.equal(model.cache.k[0, 0, :, start], key)

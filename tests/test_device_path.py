@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tandem.kernels.cpu import DenseLinear
+from tandem.kernels.dense import DenseLinear
 from tandem.kernels.matmul import linear
 from tandem.runtime.accelerator import EmulatedAccelerator
 from tandem.runtime.checkpoint import open_checkpoint

@@ -497,7 +497,7 @@ def test_the_slot_budget_autotune_measures_is_the_one_a_load_gets(checkpoints) -
 def test_slots_hold_the_weights_the_cpu_computes_with_under_quant(checkpoints) -> None:
     """--quant int8: an expert copied to the accelerator holds the CPU's quantized weights (dequantized), so where
     it runs does not change the answer beyond rounding."""
-    from tandem.kernels.cpu import CpuOptions
+    from tandem.kernels.experts import CpuOptions
 
     folder = checkpoints["qwen3_moe"]
     prompt = prompt_of(5)

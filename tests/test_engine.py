@@ -74,7 +74,7 @@ def test_seeded_sampling_reproduces(engine: Engine) -> None:
 
 
 def test_resident_weights_give_the_same_tokens_and_are_counted(mixtral_dir: Path) -> None:
-    from tandem.kernels.cpu import CpuOptions
+    from tandem.kernels.experts import CpuOptions
     from tandem.runtime.checkpoint import open_checkpoint
     from tandem.runtime.memory import estimate_memory
 
@@ -140,7 +140,8 @@ def test_beam_search_equals_recomputing_every_hypothesis(mixtral_dir: Path, eos:
 def test_float32_compute_keeps_bf16_matrices_as_stored(tmp_path: Path) -> None:
     # The kernels multiply float32 activations by bf16 rows exactly as by a float32 copy: the matrices stay bf16
     # (half the bytes to stream and hold), the rest (norms, dense MLPs) is converted, and the RAM estimate agrees.
-    from tandem.kernels.cpu import CpuOptions, library
+    from tandem.kernels.experts import CpuOptions
+    from tandem.kernels.library import library
     from tandem.runtime.checkpoint import open_checkpoint
     from tandem.runtime.memory import estimate_memory
     from tandem.runtime.synth import tiny_config, write_test_model

@@ -234,7 +234,7 @@ def test_experts_partly_blocks_and_partly_floats_are_refused_clearly(wide: Path,
 def test_the_memory_estimate_counts_blocks_as_stored(wide: Path, tmp_path: Path) -> None:
     """Q8_0 experts stay in the memory map, or (resident) take their file bytes in RAM; dense matrices count their
     blocks (34 bytes a 32 values), not float32 copies."""
-    from tandem.kernels.cpu import CpuOptions
+    from tandem.kernels.experts import CpuOptions
     from tandem.runtime.memory import estimate_memory
     from tandem.runtime.weights import dense_tensors
 
@@ -256,7 +256,7 @@ def test_the_tuner_and_planner_count_blocks(wide: Path, tmp_path: Path, capsys: 
     """The planner's expert bytes are the file's blocks: in the same accelerator memory, a Q4_K_M file's plan
     holds about three times the experts of a bf16 one; the tuner measures experts of those formats."""
     from tandem.autotune.plan import ModelShape
-    from tandem.kernels.cpu import CpuExecutor
+    from tandem.kernels.experts import CpuExecutor
 
     write_gguf(wide, tmp_path / "q.gguf", "Q4_K", mix={"ffn_down": "Q6_K"})
     write_gguf(wide, tmp_path / "f.gguf", "F32")

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tandem.kernels.cpu import CpuExecutor
 from tandem.kernels.errors import KernelError, UnsupportedModelError
+from tandem.kernels.experts import CpuExecutor
 from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.families import parse_config
 from tandem.runtime.moe import ClampedSwiGLUExpert

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tandem.autotune.probe import RecordedSources, describe, probe
-from tandem.kernels import cpu
+from tandem.kernels import choice, experts, library
 from tandem.kernels.isa import (
     MASKS,
     flag_feature,
@@ -114,17 +114,17 @@ def test_the_live_probe_plays_the_mask_a_recorded_machine_stays_as_recorded(cpu_
 
 
 def test_the_kernels_default_dtype_and_crossover_follow_the_mask(cpu_features) -> None:
-    have = cpu.available_isas()
+    have = library.available_isas()
     cpu_features("-avx512")
-    assert cpu.available_isas() == [i for i in have if i in ("base", "avx2")]
-    ex = cpu.CpuExecutor(64, 64, torch.bfloat16)
-    assert ex.crossover == cpu.DEFAULT_CROSSOVER and "avx512" not in ex.isas
+    assert library.available_isas() == [i for i in have if i in ("base", "avx2")]
+    ex = experts.CpuExecutor(64, 64, torch.bfloat16)
+    assert ex.crossover == choice.DEFAULT_CROSSOVER and "avx512" not in ex.isas
     with pytest.raises(ValueError, match="not available"):
-        cpu.CpuExecutor(64, 64, torch.bfloat16, isa="avx512")
+        experts.CpuExecutor(64, 64, torch.bfloat16, isa="avx512")
     flags = Machine.here().cpu_flags
     assert flags is None or not any(f.startswith("avx512") or f.startswith("amx") for f in flags)
     cpu_features("-avx2")
-    assert cpu.available_isas() == ["base"]
+    assert library.available_isas() == ["base"]
 
 
 def test_a_bad_mask_is_an_error_on_the_command_line(tmp_path: Path) -> None:

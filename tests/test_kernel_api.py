@@ -11,16 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.kernels.cpu import (
-    AMX_CROSSOVER,
-    ISAS,
-    CpuExecutor,
-    DenseLinear,
-    available_isas,
-    library,
-    read_bandwidth_probe,
-    rms_norm_bf16,
-)
+from tandem.kernels.choice import AMX_CROSSOVER
+from tandem.kernels.dense import DenseLinear, rms_norm_bf16
+from tandem.kernels.experts import CpuExecutor
+from tandem.kernels.library import available_isas, library, read_bandwidth_probe
+from tandem.kernels.names import ISAS
 from tandem.runtime.moe import ExpertWeights
 
 MISSING = next((i for i in ISAS if i not in available_isas()), None)  # a variant this CPU (as masked) lacks
@@ -260,7 +255,7 @@ def test_edge_cases_that_are_not_errors() -> None:
 
 @needs_kernels
 def test_the_argument_structures_match_the_compiled_ones() -> None:
-    from tandem.kernels.cpu import struct_sizes
+    from tandem.kernels.library import struct_sizes
 
     lib = library()
     sizes = struct_sizes(lib)
@@ -271,9 +266,9 @@ def test_the_argument_structures_match_the_compiled_ones() -> None:
 
 @needs_kernels
 def test_every_argument_structure_of_the_headers_is_compared() -> None:
-    """Each `tk_*` struct the C headers declare has its tk_struct_size number, and kernels/cpu.py a structure for
+    """Each `tk_*` struct the C headers declare has its tk_struct_size number, and kernels/library.py a structure for
     each number: a struct added on one side only fails here, before a size can drift unchecked."""
-    from tandem.kernels.cpu import struct_sizes
+    from tandem.kernels.library import struct_sizes
 
     csrc = Path(__file__).resolve().parents[1] / "kernels" / "csrc"
     declared = {name for h in csrc.glob("*.h") for name in re.findall(r"\}\s*(tk_\w+)\s*;", h.read_text())}
@@ -287,12 +282,12 @@ def test_every_argument_structure_of_the_headers_is_compared() -> None:
 
 @needs_kernels
 def test_a_structure_that_drifted_is_refused_when_the_library_loads(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tandem.kernels.cpu as cpu
+    import tandem.kernels.library as kernel_library
 
     class Longer(ctypes.Structure):
-        _fields_ = [*cpu._LinearArgs._fields_, ("extra", ctypes.c_void_p)]  # (an int would fit the padding)
+        _fields_ = [*kernel_library.LinearArgs._fields_, ("extra", ctypes.c_void_p)]  # (an int would fit the padding)
 
-    monkeypatch.setattr(cpu, "_LinearArgs", Longer)
+    monkeypatch.setattr(kernel_library, "LinearArgs", Longer)
     library.cache_clear()
     try:
         with pytest.raises(RuntimeError, match="Longer.*rebuild"):

@@ -6,16 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kernels import cpu
-from tandem.kernels.cpu import (
-    CpuExecutor,
-    CpuOptions,
-    DenseLinear,
-    available_isas,
-    library,
-    read_bandwidth_probe,
-    rms_norm_bf16,
-)
+from tandem.kernels import choice, experts
+from tandem.kernels.dense import DenseLinear, rms_norm_bf16
+from tandem.kernels.experts import CpuExecutor, CpuOptions
+from tandem.kernels.library import available_isas, library, read_bandwidth_probe
 from tandem.kernels.quant import quantize_int4, quantize_int8
 from tandem.runtime.moe import ExpertWeights, RoutingRule, combine, reference_moe, route
 
@@ -306,16 +300,16 @@ def test_weights_torch_would_convert_stay_on_the_kernel_in_tiled_calls(wdtype: t
     executor = CpuExecutor(h, i, torch.float32, threads=2, crossover=4)
     expert = executor.prepare(gate, up, down)
     isa = executor.isa_for(expert, 4)
-    up_to = cpu.TILED_UP_TO.get(isa, 0) if tiled else 0  # type: ignore[arg-type]
+    up_to = choice.TILED_UP_TO.get(isa, 0) if tiled else 0  # type: ignore[arg-type]
     paths: list[str] = []
     for name in ("_run_kernel", "_run_torch"):
         real = getattr(executor, name)
         monkeypatch.setattr(executor, name, lambda *a, real=real, name=name: paths.append(name) or real(*a))
-    for n in sorted({5, cpu.TILED_TOKENS, cpu.TILED_CALL + 3, up_to - 1, up_to, up_to + 1} - {-1, 0, 1}):
+    for n in sorted({5, choice.TILED_TOKENS, choice.TILED_CALL + 3, up_to - 1, up_to, up_to + 1} - {-1, 0, 1}):
         paths.clear()
         x = torch.randn(n, h, generator=torch.Generator().manual_seed(n))
         assert rel_err(expert(x), reference(x, gate, up, down)) < 1e-5, n
-        want = ["_run_kernel"] * -(-n // cpu.TILED_CALL) if n <= up_to else ["_run_torch"]
+        want = ["_run_kernel"] * -(-n // choice.TILED_CALL) if n <= up_to else ["_run_torch"]
         assert paths == want, n
 
 
@@ -329,10 +323,10 @@ def test_the_tiled_product_matches_the_reference(isa: str, wdtype: torch.dtype, 
     with biases and gpt-oss's clamped SwiGLU too."""
     h, i = shape
     gate, up, down = weights(h, i, wdtype)
-    executor = CpuExecutor(h, i, torch.float32, threads=2, crossover=cpu.TILED_CALL, isa=isa)
+    executor = CpuExecutor(h, i, torch.float32, threads=2, crossover=choice.TILED_CALL, isa=isa)
     expert = executor.prepare(gate, up, down)
     xs = [torch.randn(n, h, generator=torch.Generator().manual_seed(n))
-          for n in (cpu.TILED_TOKENS, 21, 2 * cpu.TILED_TOKENS, 45, cpu.TILED_CALL)]
+          for n in (choice.TILED_TOKENS, 21, 2 * choice.TILED_TOKENS, 45, choice.TILED_CALL)]
     for x in xs:
         assert rel_err(expert(x), reference(x, gate, up, down)) < 1e-5, x.shape[0]
     other = executor.prepare(*weights(h, i, wdtype, seed=1))
@@ -342,7 +336,7 @@ def test_the_tiled_product_matches_the_reference(isa: str, wdtype: torch.dtype, 
     for k, (e, x) in enumerate(jobs):
         assert rel_err(got[k], reference(x, *e.dense(torch.float32))) < 1e-5, x.shape[0]
     g = torch.Generator().manual_seed(3)
-    epilogue = cpu.Epilogue(*(torch.randn(d, generator=g) * 0.1 for d in (i, i, h)), clamped=(1.702, 7.0))
+    epilogue = experts.Epilogue(*(torch.randn(d, generator=g) * 0.1 for d in (i, i, h)), clamped=(1.702, 7.0))
     clamped = executor.prepare(gate, up, down, epilogue=epilogue)
     x = torch.randn(37, h, generator=g)
     want = epilogue.run(x, *(w.float() for w in (gate, up, down)))
@@ -512,7 +506,7 @@ def test_dense_linear_takes_float32_x_against_bf16_weights(tokens: int, isa: str
 def test_a_router_of_eight_rows_runs_as_its_copy_padded_to_32(isa: str, tokens: int) -> None:
     """Rows not in whole groups of 32 (a router of 8 experts): the kernel on a copy with zero rows added, made once,
     whose first rows are the result bit for bit; bias added after; a large such matrix stays with F.linear."""
-    from tandem.kernels.cpu import PAD_MOST
+    from tandem.kernels.dense import PAD_MOST
 
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(8, 64, generator=g) * 0.1).bfloat16()

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.kernels.cpu import CpuExecutor, Epilogue, available_isas, library
+from tandem.kernels.experts import CpuExecutor, Epilogue
+from tandem.kernels.library import available_isas, library
 from tandem.kernels.quant import (
     E2M1,
     QuantizedMatrix,

@@ -79,7 +79,7 @@ def _bf16_one(out: Future[torch.Tensor], expert: Callable, x: torch.Tensor, weig
 def test_device_numbers_that_drift_from_the_cpus_are_caught(device: module._Device, shaped: module._Shaped,
                                                             monkeypatch: pytest.MonkeyPatch, broken: str) -> None:
     if broken == "logits rounded to bf16":
-        monkeypatch.setattr("tandem.kernels.cpu.torch_linear", _bf16_linear)
+        monkeypatch.setattr("tandem.kernels.dense.torch_linear", _bf16_linear)
     else:
         monkeypatch.setattr(Dispatcher, "_device_group", staticmethod(_bf16_sum))
         monkeypatch.setattr(Dispatcher, "_device_expert", staticmethod(_bf16_one))

@@ -105,7 +105,7 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-# the kernel variants by the CPU feature each needs, as a user knows them (kernels/cpu.py: ISAS)
+# the kernel variants by the CPU feature each needs, as a user knows them (kernels/names.py: ISAS)
 ISA_NAMES = {"base": "portable", "avx2": "AVX2", "avx512": "AVX-512", "avx512bf16": "AVX-512 BF16", "amx": "AMX"}
 STRATEGY_WORDS = {"fiddler": "runs each missing expert where it is predicted to finish first",
                   "cpu": "runs missing experts on the CPU", "fetch": "copies missing experts to the GPU"}

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from tandem.autotune.bench.shapes import find_shape
 from tandem.autotune.microbench import PEAK_OF, compute_peak, dram_bandwidth, time_per_call
-from tandem.kernels.cpu import NO_EPILOGUE, CpuExecutor, CpuExpert, Epilogue
+from tandem.kernels.experts import NO_EPILOGUE, CpuExecutor, CpuExpert, Epilogue
 from tandem.kernels.quant import QuantizedMatrix
 
 DTYPES = ("bf16", "fp16", "fp32", "int8", "int4", "mxfp4")

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from tandem.autotune.bench.inputs import teacher_forced
-from tandem.kernels.cpu import available_isas
 from tandem.kernels.errors import TandemError
 from tandem.kernels.isa import ENV, masked_features, masks_to_play, present_features
+from tandem.kernels.library import available_isas
 from tandem.runtime.cpuinfo import proc_cpuinfo
 from tandem.runtime.loader import load_model
 from tandem.runtime.synth import ASSETS

@@ -1,4 +1,4 @@
-/* What Python calls (kernels/cpu.py, through ctypes): the ISA mask, the argument checks, the choice of variant and
+/* What Python calls (kernels/library.py, through ctypes): the ISA mask, the argument checks, the choice of variant and
  * of shared parallel region, whole MoE layers, dense matrices, the argument struct sizes and the probe; the tiny
  * Python module init at the end only makes the library an importable extension. The kernels themselves are in
  * one file per instruction set (common.h lists them). */
@@ -266,7 +266,7 @@ int tk_linear(const tk_linear_args *a) {
 }
 
 /* The size of each argument struct Python fills through ctypes (0 tk_args, 1 tk_weights, 2 tk_moe_args,
- * 3 tk_linear_args, 4 tk_attend_args, 5 tk_layer_args; 0 for any other): kernels/cpu.py compares them with its own structures when it loads the
+ * 3 tk_linear_args, 4 tk_attend_args, 5 tk_layer_args; 0 for any other): kernels/library.py compares them with its own structures when it loads the
  * library, so a layout that drifted on one side is refused before it can corrupt memory. */
 size_t tk_struct_size(int which) {
     switch (which) {

@@ -72,7 +72,7 @@ enum { ISA_BASE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AMX =
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512bf16")))
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 
-/* ---- argument structs, filled by kernels/cpu.py through ctypes (tk_struct_size reports their sizes) --- */
+/* ---- argument structs, filled by kernels/library.py's structures through ctypes (tk_struct_size reports their sizes) --- */
 /* One new token per sequence through attention (tk_attend_one, attend.c). */
 typedef struct {
     int batch, heads, kv_heads, dim, rot;  /* B, Hq, Hkv, D, R */
@@ -304,7 +304,7 @@ typedef void (*rows4_fn)(const char *const *, const void *const *, int, const fl
 #define ROWS4_PREFETCH 2048
 #define PREFETCH_AHEAD(p) _mm_prefetch((const char *)(p) + ROWS4_PREFETCH, _MM_HINT_T0)
 
-/* ---- exported: what kernels/cpu.py calls through ctypes (api.c; RMSNorm in base.c) ----------------------- */
+/* ---- exported: what kernels/library.py loads through ctypes (api.c; RMSNorm in base.c) ----------------------- */
 void tk_limit_isas(int allowed);
 int tk_isa_mask(void);
 int tk_expert(const tk_args *a);
@@ -346,7 +346,7 @@ TK_INTERNAL rows4_fn rows4_avx512(int kind);
 TK_INTERNAL void experts_one_token(const tk_args *a, int n);
 TK_INTERNAL void linear_one_token(const tk_linear_args *a, int isa);
 TK_INTERNAL void expert_streamed(const tk_args *a);
-/* tiles.c: from this many tokens, float weights on AVX2 and AVX-512 take the tiled product (kernels/cpu.py
+/* tiles.c: from this many tokens, float weights on AVX2 and AVX-512 take the tiled product (kernels/choice.py
  * TILED_TOKENS) */
 #define TILED_TOKENS 16
 TK_INTERNAL int tiled_serves(const tk_args *a);
@@ -379,7 +379,7 @@ TK_INTERNAL int q8_avx2_serves(int kind);
 TK_INTERNAL void q8_inputs_avx2(int kind, const float *x, int n, void *buf);
 TK_INTERNAL dot_fn q8_avx2_dot(int kind);
 TK_INTERNAL rows4_fn q8_avx2_rows4(int kind);
-/* 16-bit values a row of xb holds beyond the widest input (kernels/cpu.py XB_EXTRA): room for q8_stride. */
+/* 16-bit values a row of xb holds beyond the widest input (kernels/library.py XB_EXTRA): room for q8_stride. */
 #define XB_EXTRA 192
 /* Bytes between the quantized inputs of n values in a buffer of several (q8.c's layout: codes, block scales, sums
  * of 16, sums of 32 times their scale, each from a cache line): at most n + 3n/8 + 252, within the 2 (n + XB_EXTRA)
@@ -530,7 +530,7 @@ static inline void experts_swiglu(const tk_args *a, int n) {
     }
 }
 
-#define BLOCK_TOKENS 32  /* tokens of GGUF blocks one tk_linear call takes at most: kernels/cpu.py BLOCK_STEP */
+#define BLOCK_TOKENS 32  /* tokens of GGUF blocks one tk_linear call takes at most: kernels/choice.py BLOCK_STEP */
 #define AMX_BATCH 64  /* experts per region at most (their per-token scales live on the stack) */
 #define BLOCK_ROWS 16  /* rows per block of the int8/int4 layout: must equal kernels/quant.py BLOCK_ROWS */
 _Static_assert(BLOCK_ROWS == 16, "the tile kernels and VNNI lines take blocks of 16 rows");
