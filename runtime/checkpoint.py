@@ -171,7 +171,8 @@ def _open_gguf(path: Path) -> Checkpoint:
     raw = gguf.config_of(file.meta, {n: t.tensor_type.name for n, t in file.tensors.items()}, int(embed.shape[1]))
     spec, config = parse_config(raw, f"{path} (its GGUF metadata)")
     shapes = dense_tensors(config, spec) | expert_tensors(config, spec)
-    llama = (config.num_heads, config.num_kv_heads) if file.meta.get("general.architecture") == "llama" else None
+    permuted = spec.gguf is not None and spec.gguf.rope_permuted
+    llama = (config.num_heads, config.num_kv_heads) if permuted else None
     file.name(gguf.sources(list(shapes), spec.moe_prefix, spec.router, spec.expert_proj, spec.shared_expert,
                            spec.shared_expert_gate, llama), shapes)
     ckpt = Checkpoint(path, raw, config, spec, [file], dict.fromkeys(file.names(), file))  # type: ignore[list-item]

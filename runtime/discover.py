@@ -25,8 +25,8 @@ from typing import Any
 
 from tandem.kernels.errors import CheckpointError, TandemError, UnsupportedModelError
 from tandem.runtime.checkpoint import shard_paths
-from tandem.runtime.families import family_for, parse_config
-from tandem.runtime.gguf import ARCHITECTURES, FAMILY_OF_ARCH, SPLIT, config_of, gguf_files, is_gguf
+from tandem.runtime.families import family_for, gguf_architectures, parse_config
+from tandem.runtime.gguf import SPLIT, config_of, gguf_files, is_gguf
 from tandem.runtime.gguf_header import GGUFHeader, TensorEntry, header_of
 from tandem.runtime.paths import read_bounded, read_json
 from tandem.runtime.safetensors_mmap import read_header
@@ -221,16 +221,15 @@ def _gguf_entry(path: Path, name: str, source: str, files: list[Path], headers: 
     if isinstance(experts, bool) or not isinstance(experts, int):
         raise CheckpointError(f"{path}: {arch}.expert_count is not an integer; the file is damaged: re-download it")
     tensors = [t for h in headers for t in h.tensors]
-    runs = arch in ARCHITECTURES and experts > 0
+    runs = arch in gguf_architectures() and experts > 0
+    family = arch or "unknown"
     if runs:  # what loading would refuse in the metadata, said now
         embed = next((t for t in tensors if t.name == "token_embd.weight"), None)
         if embed is None or len(embed.dims) != 2:
             raise CheckpointError(f"{path} has no 2-D token_embd.weight: it is not a language model's GGUF file")
         kinds = _type_names()
         raw = config_of(meta, {t.name: kinds.get(t.type_id, "") for t in tensors}, embed.dims[1])
-        parse_config(raw, f"{path} (its GGUF metadata)")
-    gating = meta.get(f"{arch}.expert_gating_func")
-    family = _family(arch, gating if isinstance(gating, int) else None) if runs else arch or "unknown"
+        family = parse_config(raw, f"{path} (its GGUF metadata)")[0].display_name
     return ModelEntry(str(path), name, family, sum(math.prod(t.dims) for t in tensors), experts,
                       sum(h.size for h in headers), source, _file_type(meta.get("general.file_type"), tensors), runs)
 
@@ -240,14 +239,6 @@ def _type_names() -> dict[int, str]:
     import gguf
 
     return {int(k): k.name for k in gguf.GGMLQuantizationType}
-
-
-def _family(arch: str, gating: Any) -> str:
-    """The display name of the family a GGUF architecture runs as: `deepseek2` files with sigmoid gating
-    (expert_gating_func 2, as runtime/gguf.py reads them) are DeepSeek-V3's."""
-    if arch == "deepseek2" and gating is not None and int(gating) == 2:
-        return family_for("deepseek_v3").display_name
-    return family_for(FAMILY_OF_ARCH[arch]).display_name
 
 
 def _gguf_name(path: Path) -> str:

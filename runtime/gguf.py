@@ -6,18 +6,11 @@ tensors are zero-copy views of the memory-mapped file; the quantized block forma
 dequantized to float32 when a tensor is asked for, exactly as the gguf package's reference does. Experts are
 stored stacked ([E, I, H] per layer); each expert's name reads its rows.
 
-llama.cpp's converter reorders the q and k rows of `llama` models (Mixtral) for its RoPE layout; they are put back
-in Hugging Face's order here. The MoE architectures of llama.cpp map to Tandem's families:
-
-| GGUF `general.architecture` | family |
-| --- | --- |
-| qwen3moe | qwen3_moe |
-| qwen2moe | qwen2_moe |
-| olmoe | olmoe |
-| llama with experts | mixtral |
-| glm4moe | glm4_moe |
-| deepseek2 | deepseek_v2 (softmax gating), deepseek_v3 (sigmoid) |
-| gpt-oss | gpt_oss |
+Each family's file says which `general.architecture` it reads and how its metadata becomes the family's config
+(`FamilySpec.gguf`, with runtime/gguf_meta.py's typed reads): `llama` with experts is Mixtral's, `deepseek2` is
+DeepSeek-V2's or, with sigmoid gating, V3's. This module is the format alone. llama.cpp's converter reorders the q
+and k rows of `llama` models for its RoPE layout (`GGUFArch.rope_permuted`); they are put back in Hugging Face's
+order here.
 
 Letters: E experts, I expert width, H hidden size.
 """
@@ -27,7 +20,6 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,15 +30,14 @@ import torch
 from tandem.kernels.blocks import FORMATS, block_matrix, dequantize
 from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 from tandem.kernels.quant import QuantizedMatrix
-from tandem.runtime.config import WHOLE
 from tandem.runtime.gguf_header import GGUFArray, TensorEntry, open_regular, read_header
+from tandem.runtime.gguf_meta import Meta, read_float, read_text
 from tandem.runtime.safetensors_mmap import TensorInfo
 
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # the types the gguf package's reader views in their own dtype (the others as uint8 rows of blocks)
 VIEWED = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32,
           "I64": np.int64}
-Meta = dict[str, Any]  # a file's metadata, with plain Python values
 # the tokenizer's large arrays: in `GGUFFile.meta` as their length only (the tokenizer reads them itself)
 TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                     "tokenizer.ggml.scores")
@@ -333,229 +324,23 @@ def _reader(path: Path) -> MappedGGUF:
     return MappedGGUF(path)
 
 
-# ---- metadata -> config.json, per architecture ---------------------------------------------------------------
-
-
-MISSING = object()  # no default: the key is required
-FLOAT_MOST = 1e30  # a real number in a model's metadata (eps, rope base, scales) is far below this
-
-
-def _bad(key: str, value: Any, want: str) -> CheckpointError:
-    shown = f"an array of {value.count} items" if isinstance(value, GGUFArray) else \
-        f"{type(value).__name__} {value!r}"[:120]
-    return CheckpointError(f"the GGUF file's {key} is {shown}, but it must be {want}; the file is damaged or was not "
-                           "written by llama.cpp's converter: re-download or convert it again")
-
-
-def _int(meta: Meta, key: str, default: Any = MISSING, bound: str = "") -> int:
-    """An integer key (not a float or boolean, which `int()` would truncate), within config.py's bound for the
-    config.json field `bound` (else 0 to 2^31) when given."""
-    value = meta.get(key, default)
-    if value is MISSING:
-        raise CheckpointError(f"the GGUF file has no {key}; it is incomplete or not a model file")
-    lo, hi = WHOLE.get(bound, (0, (1 << 31) - 1))
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(key, value, "an integer")
-    if not lo <= value <= hi:
-        raise _bad(key, value, f"a whole number from {lo} to {hi}")
-    return value
-
-
-def _float(meta: Meta, key: str, default: Any = MISSING) -> float:
-    """A real number key (an integer type too), finite and of sane size."""
-    value = meta.get(key, default)
-    if value is MISSING:
-        raise CheckpointError(f"the GGUF file has no {key}; it is incomplete or not a model file")
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _bad(key, value, "a number")
-    if not math.isfinite(value) or abs(value) >= FLOAT_MOST:
-        raise _bad(key, value, "a finite number")
-    return float(value)
-
-
-def _flag(meta: Meta, key: str, default: bool) -> bool:
-    value = meta.get(key, default)
-    if not isinstance(value, bool):
-        raise _bad(key, value, "a boolean")
-    return value
-
-
-def _text(meta: Meta, key: str) -> str | None:
-    value = meta.get(key)
-    if value is not None and not isinstance(value, str):
-        raise _bad(key, value, "a string")
-    return value
-
-
-def _common(meta: Meta, arch: str, vocab: int) -> dict[str, Any]:
-    a = arch
-    heads = _int(meta, f"{a}.attention.head_count", bound="num_attention_heads")
-    hidden = _int(meta, f"{a}.embedding_length", bound="hidden_size")
-    out = {
-        "vocab_size": vocab, "hidden_size": hidden,
-        "num_hidden_layers": _int(meta, f"{a}.block_count", bound="num_hidden_layers"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": _int(meta, f"{a}.attention.head_count_kv", heads, "num_key_value_heads"),
-        "max_position_embeddings": _int(meta, f"{a}.context_length", bound="max_position_embeddings"),
-        "rms_norm_eps": _float(meta, f"{a}.attention.layer_norm_rms_epsilon"),
-        "rope_theta": _float(meta, f"{a}.rope.freq_base", 10000.0),
-        "num_experts_per_tok": _int(meta, f"{a}.expert_used_count", bound="num_experts_per_tok"),
-        "hidden_act": "silu", "tie_word_embeddings": False,
-    }
-    if f"{a}.attention.key_length" in meta:
-        out["head_dim"] = _int(meta, f"{a}.attention.key_length", bound="head_dim")
-    if "tokenizer.ggml.bos_token_id" in meta:
-        out["bos_token_id"] = _int(meta, "tokenizer.ggml.bos_token_id", bound="bos_token_id")
-    if "tokenizer.ggml.eos_token_id" in meta:
-        out["eos_token_id"] = _int(meta, "tokenizer.ggml.eos_token_id", bound="bos_token_id")
-    return out
-
-
-def _qwen3moe(meta: Meta, vocab: int) -> dict[str, Any]:
-    a = "qwen3moe"
-    return _common(meta, a, vocab) | {
-        "model_type": "qwen3_moe", "num_experts": _int(meta, f"{a}.expert_count", bound="num_local_experts"),
-        "moe_intermediate_size": _int(meta, f"{a}.expert_feed_forward_length"),
-        "intermediate_size": _int(meta, f"{a}.feed_forward_length", 0) or 1,
-        "norm_topk_prob": _flag(meta, f"{a}.expert_weights_norm", True), "decoder_sparse_step": 1,
-        "mlp_only_layers": []}
-
-
-def _qwen2moe(meta: Meta, vocab: int) -> dict[str, Any]:
-    a = "qwen2moe"
-    return _common(meta, a, vocab) | {
-        "model_type": "qwen2_moe", "num_experts": _int(meta, f"{a}.expert_count", bound="num_local_experts"),
-        "moe_intermediate_size": _int(meta, f"{a}.expert_feed_forward_length"),
-        "shared_expert_intermediate_size": _int(meta, f"{a}.expert_shared_feed_forward_length", 0),
-        "intermediate_size": _int(meta, f"{a}.feed_forward_length", 0) or 1,
-        "norm_topk_prob": _flag(meta, f"{a}.expert_weights_norm", False), "decoder_sparse_step": 1,
-        "mlp_only_layers": []}
-
-
-def _olmoe(meta: Meta, vocab: int) -> dict[str, Any]:
-    a = "olmoe"
-    return _common(meta, a, vocab) | {
-        "model_type": "olmoe", "num_experts": _int(meta, f"{a}.expert_count", bound="num_local_experts"),
-        "intermediate_size": _int(meta, f"{a}.expert_feed_forward_length",
-                                  meta.get(f"{a}.feed_forward_length", MISSING)),
-        "norm_topk_prob": _flag(meta, f"{a}.expert_weights_norm", False)}
-
-
-def _llama(meta: Meta, vocab: int) -> dict[str, Any]:
-    a = "llama"
-    experts = _int(meta, f"{a}.expert_count", 0, "num_experts")
-    if experts == 0:
-        raise UnsupportedModelError("this GGUF file is a dense llama model (no experts); Tandem runs mixtures of "
-                                    "experts: Mixtral, Qwen-MoE, OLMoE")
-    return _common(meta, a, vocab) | {
-        "model_type": "mixtral", "num_local_experts": experts,
-        "intermediate_size": _int(meta, f"{a}.feed_forward_length")}
-
-
-def _glm4moe(meta: Meta, vocab: int) -> dict[str, Any]:
-    """GLM-4.5(-Air): block_count includes the multi-token-prediction layers (not run, as transformers does not),
-    rope.dimension_count the rotated dims of a head (partial rotary)."""
-    a = "glm4moe"
-    raw = _common(meta, a, vocab)
-    nextn = _int(meta, f"{a}.nextn_predict_layers", 0)
-    raw["num_hidden_layers"] -= nextn
-    head_dim = int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"])
-    if head_dim < 1:
-        raise CheckpointError(f"the GGUF file's {a}.embedding_length ({raw['hidden_size']}) is less than its "
-                              f"{raw['num_attention_heads']} attention heads; the file is damaged: re-download it")
-    rotary = _int(meta, f"{a}.rope.dimension_count", head_dim // 2)
-    return raw | {
-        "model_type": "glm4_moe", "head_dim": head_dim, "partial_rotary_factor": rotary / head_dim,
-        "n_routed_experts": _int(meta, f"{a}.expert_count", bound="num_local_experts"),
-        "moe_intermediate_size": _int(meta, f"{a}.expert_feed_forward_length"),
-        "intermediate_size": _int(meta, f"{a}.feed_forward_length"),
-        "n_shared_experts": _int(meta, f"{a}.expert_shared_count", 1),
-        "first_k_dense_replace": _int(meta, f"{a}.leading_dense_block_count", 1),
-        "routed_scaling_factor": _float(meta, f"{a}.expert_weights_scale", 1.0),
-        "norm_topk_prob": _flag(meta, f"{a}.expert_weights_norm", True),
-        "n_group": _int(meta, f"{a}.expert_group_count", 1),
-        "topk_group": _int(meta, f"{a}.expert_group_used_count", 1),
-        "num_nextn_predict_layers": nextn}
-
-
-def _deepseek2(meta: Meta, vocab: int) -> dict[str, Any]:
-    """DeepSeek-V2 (softmax gating) and V3 (sigmoid gating, expert_gating_func 2): llama.cpp writes MLA as one
-    key/value head of kv_lora_rank + rope dims, the head's own sizes in the `_mla` keys; YaRN's mscale_all_dim as
-    0.1 times the log multiplier (and mscale equal to it, as the published configs have it)."""
-    a = "deepseek2"
-    raw = _common(meta, a, vocab)
-    raw.pop("head_dim", None)
-    raw["num_key_value_heads"] = raw["num_attention_heads"]
-    rope = _int(meta, f"{a}.rope.dimension_count")
-    sigmoid = _int(meta, f"{a}.expert_gating_func", 1) == 2
-    groups, used = _int(meta, f"{a}.expert_group_count", 1), _int(meta, f"{a}.expert_group_used_count", 1)
-    out = raw | {
-        "model_type": "deepseek_v3" if sigmoid else "deepseek_v2",
-        "kv_lora_rank": _int(meta, f"{a}.attention.kv_lora_rank"),
-        "q_lora_rank": _int(meta, f"{a}.attention.q_lora_rank", 0) or None,
-        "qk_rope_head_dim": rope, "qk_nope_head_dim": _int(meta, f"{a}.attention.key_length_mla") - rope,
-        "v_head_dim": _int(meta, f"{a}.attention.value_length_mla"),
-        "n_routed_experts": _int(meta, f"{a}.expert_count", bound="num_local_experts"),
-        "n_shared_experts": _int(meta, f"{a}.expert_shared_count", 0),
-        "moe_intermediate_size": _int(meta, f"{a}.expert_feed_forward_length"),
-        "intermediate_size": _int(meta, f"{a}.feed_forward_length"),
-        "first_k_dense_replace": _int(meta, f"{a}.leading_dense_block_count", 0),
-        "routed_scaling_factor": _float(meta, f"{a}.expert_weights_scale", 1.0),
-        "norm_topk_prob": _flag(meta, f"{a}.expert_weights_norm", False),
-        "n_group": groups, "topk_group": used,
-        "scoring_func": "sigmoid" if sigmoid else "softmax",
-        "topk_method": "noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy"}
-    if _text(meta, f"{a}.rope.scaling.type") == "yarn":
-        log_mul = _float(meta, f"{a}.rope.scaling.yarn_log_multiplier", 0.0) / 0.1
-        out["rope_scaling"] = {
-            "type": "yarn", "factor": _float(meta, f"{a}.rope.scaling.factor"),
-            "original_max_position_embeddings": _int(meta, f"{a}.rope.scaling.original_context_length"),
-            "beta_fast": _float(meta, f"{a}.rope.scaling.yarn_beta_fast", 32.0),
-            "beta_slow": _float(meta, f"{a}.rope.scaling.yarn_beta_slow", 1.0),
-            "mscale": log_mul, "mscale_all_dim": log_mul}
-    return out
-
-
-def _gpt_oss(meta: Meta, vocab: int) -> dict[str, Any]:
-    """gpt-oss: sliding layers alternating with full ones (the first slides), YaRN; the clamped SwiGLU's alpha and
-    limit are not in the file (llama.cpp takes gpt-oss's own, 1.702 and 7.0, as the family does). MXFP4 experts are
-    read as the published checkpoint stores them (`quantization_config`: mxfp4; see `GGUFFile.tensor`)."""
-    a = "gpt-oss"
-    raw = _common(meta, a, vocab)
-    out = raw | {
-        "model_type": "gpt_oss", "num_local_experts": _int(meta, f"{a}.expert_count", bound="num_local_experts"),
-        "intermediate_size": _int(meta, f"{a}.expert_feed_forward_length"),
-        "sliding_window": _int(meta, f"{a}.attention.sliding_window"),
-        "head_dim": _int(meta, f"{a}.attention.key_length", raw["hidden_size"] // raw["num_attention_heads"])}
-    if _text(meta, f"{a}.rope.scaling.type") == "yarn":
-        out["rope_scaling"] = {
-            "rope_type": "yarn", "factor": _float(meta, f"{a}.rope.scaling.factor"),
-            "original_max_position_embeddings": _int(meta, f"{a}.rope.scaling.original_context_length"),
-            "beta_fast": _float(meta, f"{a}.rope.scaling.yarn_beta_fast", 32.0),
-            "beta_slow": _float(meta, f"{a}.rope.scaling.yarn_beta_slow", 1.0), "truncate": False}
-    return out
-
-
-ARCHITECTURES: dict[str, Callable[[Meta, int], dict[str, Any]]] = {
-    "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "olmoe": _olmoe, "llama": _llama, "glm4moe": _glm4moe,
-    "deepseek2": _deepseek2, "gpt-oss": _gpt_oss}
-FAMILY_OF_ARCH = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe", "llama": "mixtral",
-                  "glm4moe": "glm4_moe", "deepseek2": "deepseek_v2", "gpt-oss": "gpt_oss"}
-
-
 def config_of(meta: Meta, types: dict[str, str], vocab: int) -> dict[str, Any]:
-    """The config.json a Hugging Face folder of this model would hold. What the metadata does not say, the tensors
-    (their names and types) do: which layers are dense (no router), attention biases, a tied lm_head, MXFP4 experts."""
+    """The config.json a Hugging Face folder of this model would hold: its family's reading of the metadata
+    (`FamilySpec.gguf`). What the metadata does not say, the tensors (their names and types) do: which layers are
+    dense (no router), attention biases, q/k norms, a tied lm_head."""
+    from tandem.runtime.families import gguf_architectures
+
     tensors = set(types)
-    arch = _text(meta, "general.architecture")
-    if arch not in ARCHITECTURES:
+    arch = read_text(meta, "general.architecture")
+    readers = gguf_architectures()
+    if arch not in readers:
         raise UnsupportedModelError(
-            f"GGUF architecture {arch!r} is not one Tandem reads yet; it reads {', '.join(ARCHITECTURES)}")
+            f"GGUF architecture {arch!r} is not one Tandem reads yet; it reads {', '.join(readers)}")
     tokens = meta.get("tokenizer.ggml.tokens")
     if isinstance(tokens, GGUFArray) and tokens.count != vocab:  # llama.cpp refuses an embedding of other rows
         raise CheckpointError(f"the GGUF file's token embedding has {vocab} rows but its vocabulary "
                               f"(tokenizer.ggml.tokens) {tokens.count} tokens; the file is damaged: re-download it")
-    raw = ARCHITECTURES[arch](meta, vocab)
+    raw = readers[arch].gguf.config(meta, vocab, types)  # type: ignore[union-attr]
     # every layer needs its own tensors: a layer count past them is refused before anything loops over it
     present = {name.split(".", 2)[1] for name in tensors if name.startswith("blk.")}
     missing = [i for i in range(min(raw["num_hidden_layers"], len(present) + 1)) if str(i) not in present]
@@ -582,11 +367,9 @@ def config_of(meta: Meta, types: dict[str, str], vocab: int) -> dict[str, Any]:
                 "(llama-quantize) or use an F16 or BF16 file")
     raw["attention_bias"] = "blk.0.attn_q.bias" in tensors
     raw["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
-    if arch == "gpt-oss" and types.get("blk.0.ffn_gate_exps.weight") == "MXFP4":
-        raw["quantization_config"] = {"quant_method": "mxfp4"}  # its experts read as the published layout
     raw["tie_word_embeddings"] = "output.weight" not in tensors
     if f"{arch}.attention.clamp_kqv" in meta:
-        raw["clip_qkv"] = _float(meta, f"{arch}.attention.clamp_kqv")
+        raw["clip_qkv"] = read_float(meta, f"{arch}.attention.clamp_kqv")
     return raw
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tandem.app.cli import build_parser
 from tandem.autotune.bench.models import make_bench_model
@@ -18,12 +20,14 @@ from tandem.runtime.synth import tiny_config, write_test_model
 PACKAGE = Path(families.__file__).parent
 
 # A family as its author would write it, and nothing else: its own names for the MoE block, the experts' projections
-# and the router, its defaults, its tiny test config and a benchmark shape.
+# and the router, its defaults, its tiny test config, a benchmark shape and how llama.cpp's files of its architecture
+# say its config.
 NEW_FAMILY = '''
 from typing import Any
 
 from tandem.runtime.config import ModelConfig, decoder_fields, require
-from tandem.runtime.families import BenchShape, FamilySpec
+from tandem.runtime.families import BenchShape, FamilySpec, GGUFArch
+from tandem.runtime.gguf_meta import Meta, common_config, read_int
 
 
 def parse(raw: dict[str, Any]) -> ModelConfig:
@@ -33,6 +37,13 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
                        qkv_bias=raw.get("attention_bias", True))
 
 
+def gguf_config(meta: Meta, vocab: int, types: dict[str, str]) -> dict[str, Any]:
+    raw = common_config(meta, "newmoe", vocab)
+    return raw | {{"model_type": "{model_type}", "experts": read_int(meta, "newmoe.expert_count"),
+                  "experts_per_token": raw["num_experts_per_tok"],
+                  "expert_width": read_int(meta, "newmoe.expert_feed_forward_length")}}
+
+
 SPEC = FamilySpec(
     "{model_type}", "New-MoE", parse,
     tiny={{"expert_width": 40, "experts": 4, "experts_per_token": 2}},
@@ -40,6 +51,7 @@ SPEC = FamilySpec(
         "vocab_size": 1024, "hidden_size": 256, "expert_width": 128, "num_hidden_layers": 4,
         "num_attention_heads": 4, "experts": 16, "experts_per_token": 4}}, aliases=("{model_type}",)),),
     moe_prefix="moe", expert_proj=("w_gate", "w_up", "w_down"), router="router",
+    gguf=GGUFArch("newmoe", gguf_config),
 )
 '''
 
@@ -96,6 +108,78 @@ def test_a_new_family_is_one_file(family_folder, tmp_path: Path, capsys: pytest.
         with pytest.raises(SystemExit):
             build_parser().parse_args([*command, "--help"])
         assert "new_moe" in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in before} == before  # no file of the project touched
+
+
+def _as_gguf(folder: Path, out: Path) -> Path:
+    """The tiny checkpoint as llama.cpp would write a file of architecture `newmoe`: the metadata keys every
+    architecture has, the family's own, llama.cpp's tensor names with each layer's experts stacked, its tokenizer."""
+    import gguf
+    import numpy as np
+
+    from tandem.runtime.gguf import sources
+    from tests.ggufs import _tokenizer
+
+    ckpt = open_checkpoint(folder)
+    cfg, spec = ckpt.config, ckpt.spec
+    names = sources(list(ckpt.where), spec.moe_prefix, spec.router, spec.expert_proj, None, None, None)
+    tensors: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name in ckpt.where:
+        source, w = names[name], ckpt.tensor(name).float().numpy()
+        if source.expert is None:
+            tensors[source.name] = w
+        else:
+            stacks.setdefault(source.name, {})[source.expert] = w
+    tensors |= {name: np.stack([e[i] for i in range(len(e))]) for name, e in stacks.items()}
+    writer = gguf.GGUFWriter(str(out), "newmoe")
+    writer.add_block_count(cfg.num_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.top_k)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    _tokenizer(writer, folder, ckpt.raw_config, cfg.vocab_size)
+    for name, w in tensors.items():
+        writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_a_new_family_reads_its_gguf_files_from_its_one_file(family_folder, tmp_path: Path) -> None:
+    """The GGUF reading of a family is its file's too (`FamilySpec.gguf`): a file of its architecture opens as the
+    family, every tensor under its own name with the checkpoint's values, and answers as the checkpoint does."""
+    from tandem.runtime.engine import GenerationStats
+    from tandem.runtime.loader import load_model
+    from tandem.runtime.sampling import SamplingParams
+
+    root = PACKAGE.parent.parent
+    before = {p: p.read_bytes() for floor in ("app", "autotune", "runtime", "kernels")
+              for p in (root / floor).rglob("*.py")}
+    family_folder("new_moe", NEW_FAMILY.format(model_type="new_moe"))
+    folder = write_test_model(tmp_path / "m", tiny_config("new_moe"))
+    path = _as_gguf(folder, tmp_path / "new-moe.gguf")
+    hf, file = open_checkpoint(folder), open_checkpoint(path)
+    assert file.spec.model_type == "new_moe"
+    assert file.config.rms_norm_eps == pytest.approx(hf.config.rms_norm_eps, rel=1e-6)  # (a float32 in the file)
+    assert dataclasses.replace(file.config, rms_norm_eps=hf.config.rms_norm_eps) == hf.config
+    assert set(file.where) == set(hf.where)
+    for name in hf.where:
+        assert torch.equal(file.tensor(name).float(), hf.tensor(name).float()), name
+    answers = []
+    for model in (folder, path):
+        loaded = load_model(model, dtype="fp32", threads=1)
+        ids = loaded.tokenizer.encode("a new family")
+        answers.append(list(loaded.engine.generate(ids, SamplingParams(max_new_tokens=6), GenerationStats())))
+        loaded.model.close()
+    assert answers[0] == answers[1] and len(answers[0]) == 6
     assert {p: p.read_bytes() for p in before} == before  # no file of the project touched
 
 

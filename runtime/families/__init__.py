@@ -2,7 +2,8 @@
 
 A family is one module of this package (any name not starting with an underscore) that defines `SPEC`, a
 `FamilySpec`: how to parse its config into a `ModelConfig` (with the family's defaults), how its tensors are named
-on disk, its tiny test config and the published models whose shapes the benchmarks copy. The registry finds the
+on disk, how llama.cpp's GGUF files of its architecture say its config (`GGUFArch`), its tiny test config and the
+published models whose shapes the benchmarks copy. The registry finds the
 modules by itself: adding a family is adding its file. Everything else (the decoder, routing, generation) is shared.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 
 from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 from tandem.runtime.config import ModelConfig, check_config, clean_raw
+from tandem.runtime.gguf_meta import Meta
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,18 @@ class BenchShape:
     model: str  # the published model it copies
     config: dict[str, Any]  # its config.json without `model_type` (the family's), every dimension as published
     aliases: tuple[str, ...] = ()  # other names the command line takes for it
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """How a family reads llama.cpp's GGUF files: their `general.architecture`, and their metadata as the config.json
+    a Hugging Face folder of the model would hold (runtime/gguf_meta.py reads the keys). The tensors need nothing:
+    llama.cpp names them alike for every architecture, and `FamilySpec`'s on-disk names say where each goes."""
+
+    name: str  # general.architecture
+    # (metadata, vocabulary size, each tensor's GGML type by its GGUF name) -> config.json's contents
+    config: Callable[[Meta, int, dict[str, str]], dict[str, Any]]
+    rope_permuted: bool = False  # llama.cpp's converter stored q and k rows in its RoPE order (its `llama` models)
 
 
 @dataclass(frozen=True)
@@ -46,6 +60,7 @@ class FamilySpec:
     # [E, H, 2I] (gate and up columns interleaved), `experts.down_proj` [E, I, H] and their biases `..._bias`
     # (weights.fused_expert_names); the loader takes per-expert views of them
     fused_experts: bool = False
+    gguf: GGUFArch | None = None  # None: its GGUF files are not read (or another family's reader makes them its own)
 
 
 def _registry() -> dict[str, FamilySpec]:
@@ -87,6 +102,11 @@ def family_for(model_type: object) -> FamilySpec:
             f"model_type {model_type!r} is not supported; Tandem runs: {', '.join(sorted(registry))}"
         )
     return registry[model_type]
+
+
+def gguf_architectures() -> dict[str, FamilySpec]:
+    """The family that reads each GGUF architecture, by `general.architecture`."""
+    return {spec.gguf.name: spec for spec in families() if spec.gguf is not None}
 
 
 def parse_config(raw: dict[str, Any], where: str) -> tuple[FamilySpec, ModelConfig]:

@@ -12,7 +12,8 @@ from typing import Any
 
 from tandem.kernels.errors import UnsupportedModelError
 from tandem.runtime.config import ModelConfig, decoder_fields, dense_first_pattern, require
-from tandem.runtime.families import BenchShape, FamilySpec
+from tandem.runtime.families import BenchShape, FamilySpec, GGUFArch
+from tandem.runtime.gguf_meta import Meta, common_config, read_flag, read_float, read_int, read_text
 
 
 def deepseek_fields(raw: dict[str, Any], *, max_pos: int, experts: int, shared: int, q_lora_rank: int,
@@ -97,6 +98,44 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
     return check_groups(raw, cfg)
 
 
+def gguf_config(meta: Meta, vocab: int, types: dict[str, str]) -> dict[str, Any]:
+    """DeepSeek-V2 (softmax gating) and V3 (sigmoid gating, expert_gating_func 2): llama.cpp writes MLA as one
+    key/value head of kv_lora_rank + rope dims, the head's own sizes in the `_mla` keys; YaRN's mscale_all_dim as
+    0.1 times the log multiplier (and mscale equal to it, as the published configs have it)."""
+    a = "deepseek2"
+    raw = common_config(meta, a, vocab)
+    raw.pop("head_dim", None)
+    raw["num_key_value_heads"] = raw["num_attention_heads"]
+    rope = read_int(meta, f"{a}.rope.dimension_count")
+    sigmoid = read_int(meta, f"{a}.expert_gating_func", 1) == 2
+    groups, used = read_int(meta, f"{a}.expert_group_count", 1), read_int(meta, f"{a}.expert_group_used_count", 1)
+    out = raw | {
+        "model_type": "deepseek_v3" if sigmoid else "deepseek_v2",
+        "kv_lora_rank": read_int(meta, f"{a}.attention.kv_lora_rank"),
+        "q_lora_rank": read_int(meta, f"{a}.attention.q_lora_rank", 0) or None,
+        "qk_rope_head_dim": rope, "qk_nope_head_dim": read_int(meta, f"{a}.attention.key_length_mla") - rope,
+        "v_head_dim": read_int(meta, f"{a}.attention.value_length_mla"),
+        "n_routed_experts": read_int(meta, f"{a}.expert_count", bound="num_local_experts"),
+        "n_shared_experts": read_int(meta, f"{a}.expert_shared_count", 0),
+        "moe_intermediate_size": read_int(meta, f"{a}.expert_feed_forward_length"),
+        "intermediate_size": read_int(meta, f"{a}.feed_forward_length"),
+        "first_k_dense_replace": read_int(meta, f"{a}.leading_dense_block_count", 0),
+        "routed_scaling_factor": read_float(meta, f"{a}.expert_weights_scale", 1.0),
+        "norm_topk_prob": read_flag(meta, f"{a}.expert_weights_norm", False),
+        "n_group": groups, "topk_group": used,
+        "scoring_func": "sigmoid" if sigmoid else "softmax",
+        "topk_method": "noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy"}
+    if read_text(meta, f"{a}.rope.scaling.type") == "yarn":
+        log_mul = read_float(meta, f"{a}.rope.scaling.yarn_log_multiplier", 0.0) / 0.1
+        out["rope_scaling"] = {
+            "type": "yarn", "factor": read_float(meta, f"{a}.rope.scaling.factor"),
+            "original_max_position_embeddings": read_int(meta, f"{a}.rope.scaling.original_context_length"),
+            "beta_fast": read_float(meta, f"{a}.rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": read_float(meta, f"{a}.rope.scaling.yarn_beta_slow", 1.0),
+            "mscale": log_mul, "mscale_all_dim": log_mul}
+    return out
+
+
 SPEC = FamilySpec(
     "deepseek_v2", "DeepSeek-V2", parse,
     tiny={"num_key_value_heads": 4, "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 8,
@@ -115,4 +154,5 @@ SPEC = FamilySpec(
         "tie_word_embeddings": False, "bos_token_id": 100000, "eos_token_id": 100001,
     }, aliases=("deepseek",)),),
     moe_prefix="mlp", router="gate", shared_expert="shared_experts", shared_expert_gate=None,
+    gguf=GGUFArch("deepseek2", gguf_config),
 )

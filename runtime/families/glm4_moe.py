@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.kernels.errors import UnsupportedModelError
+from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 from tandem.runtime.config import ModelConfig, decoder_fields, dense_first_pattern, require
-from tandem.runtime.families import BenchShape, FamilySpec
+from tandem.runtime.families import BenchShape, FamilySpec, GGUFArch
 from tandem.runtime.families.deepseek_v2 import check_groups
+from tandem.runtime.gguf_meta import Meta, common_config, read_flag, read_float, read_int
 
 DEFAULT_PARTIAL_ROTARY = 0.5  # transformers' Glm4MoeConfig assigns it when the config names none (older configs)
 
@@ -83,6 +84,32 @@ _COMMON: dict[str, Any] = {
     "eos_token_id": [151329, 151336, 151338], "num_nextn_predict_layers": 1,
 }
 
+def gguf_config(meta: Meta, vocab: int, types: dict[str, str]) -> dict[str, Any]:
+    """GLM-4.5(-Air): block_count includes the multi-token-prediction layers (not run, as transformers does not),
+    rope.dimension_count the rotated dims of a head (partial rotary)."""
+    a = "glm4moe"
+    raw = common_config(meta, a, vocab)
+    nextn = read_int(meta, f"{a}.nextn_predict_layers", 0)
+    raw["num_hidden_layers"] -= nextn
+    head_dim = int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"])
+    if head_dim < 1:
+        raise CheckpointError(f"the GGUF file's {a}.embedding_length ({raw['hidden_size']}) is less than its "
+                              f"{raw['num_attention_heads']} attention heads; the file is damaged: re-download it")
+    rotary = read_int(meta, f"{a}.rope.dimension_count", head_dim // 2)
+    return raw | {
+        "model_type": "glm4_moe", "head_dim": head_dim, "partial_rotary_factor": rotary / head_dim,
+        "n_routed_experts": read_int(meta, f"{a}.expert_count", bound="num_local_experts"),
+        "moe_intermediate_size": read_int(meta, f"{a}.expert_feed_forward_length"),
+        "intermediate_size": read_int(meta, f"{a}.feed_forward_length"),
+        "n_shared_experts": read_int(meta, f"{a}.expert_shared_count", 1),
+        "first_k_dense_replace": read_int(meta, f"{a}.leading_dense_block_count", 1),
+        "routed_scaling_factor": read_float(meta, f"{a}.expert_weights_scale", 1.0),
+        "norm_topk_prob": read_flag(meta, f"{a}.expert_weights_norm", True),
+        "n_group": read_int(meta, f"{a}.expert_group_count", 1),
+        "topk_group": read_int(meta, f"{a}.expert_group_used_count", 1),
+        "num_nextn_predict_layers": nextn}
+
+
 SPEC = FamilySpec(
     "glm4_moe", "GLM-4.5", parse,
     # Like GLM-4.5-Air: a dense first layer, one shared expert, q/k/v biases, half the head rotated.
@@ -102,4 +129,5 @@ SPEC = FamilySpec(
     ),
     shared_expert="shared_experts",
     shared_expert_gate=None,
+    gguf=GGUFArch("glm4moe", gguf_config),
 )

@@ -16,7 +16,8 @@ from typing import Any
 
 from tandem.kernels.errors import UnsupportedModelError
 from tandem.runtime.config import ModelConfig, decoder_fields, require, sliding_layer_pattern
-from tandem.runtime.families import BenchShape, FamilySpec
+from tandem.runtime.families import BenchShape, FamilySpec, GGUFArch
+from tandem.runtime.gguf_meta import Meta, common_config, read_float, read_int, read_text
 
 # GptOssConfig's RoPE when config.json names none (what gpt-oss-20b/120b ship as rope_scaling)
 DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -64,6 +65,28 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
+def gguf_config(meta: Meta, vocab: int, types: dict[str, str]) -> dict[str, Any]:
+    """gpt-oss: sliding layers alternating with full ones (the first slides), YaRN; the clamped SwiGLU's alpha and
+    limit are not in the file (llama.cpp takes gpt-oss's own, 1.702 and 7.0, as the family does). MXFP4 experts are
+    read as the published checkpoint stores them (`quantization_config`: mxfp4; see `GGUFFile.tensor`)."""
+    a = "gpt-oss"
+    raw = common_config(meta, a, vocab)
+    out = raw | {
+        "model_type": "gpt_oss", "num_local_experts": read_int(meta, f"{a}.expert_count", bound="num_local_experts"),
+        "intermediate_size": read_int(meta, f"{a}.expert_feed_forward_length"),
+        "sliding_window": read_int(meta, f"{a}.attention.sliding_window"),
+        "head_dim": read_int(meta, f"{a}.attention.key_length", raw["hidden_size"] // raw["num_attention_heads"])}
+    if read_text(meta, f"{a}.rope.scaling.type") == "yarn":
+        out["rope_scaling"] = {
+            "rope_type": "yarn", "factor": read_float(meta, f"{a}.rope.scaling.factor"),
+            "original_max_position_embeddings": read_int(meta, f"{a}.rope.scaling.original_context_length"),
+            "beta_fast": read_float(meta, f"{a}.rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": read_float(meta, f"{a}.rope.scaling.yarn_beta_slow", 1.0), "truncate": False}
+    if types.get("blk.0.ffn_gate_exps.weight") == "MXFP4":
+        out["quantization_config"] = {"quant_method": "mxfp4"}  # its experts read as the published layout
+    return out
+
+
 SPEC = FamilySpec(
     "gpt_oss", "gpt-oss", parse,
     tiny={"intermediate_size": 48, "num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 16,
@@ -80,4 +103,5 @@ SPEC = FamilySpec(
         "hidden_act": "silu", "tie_word_embeddings": False, "eos_token_id": 200002, "pad_token_id": 199999,
     }, aliases=("gpt-oss",)),),
     moe_prefix="mlp", router="router", fused_experts=True,
+    gguf=GGUFArch("gpt-oss", gguf_config),
 )

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem.kernels.errors import UnsupportedModelError
 from tandem.runtime.config import ModelConfig, decoder_fields, require
-from tandem.runtime.families import BenchShape, FamilySpec
+from tandem.runtime.families import BenchShape, FamilySpec, GGUFArch
+from tandem.runtime.gguf_meta import Meta, common_config, read_int
 
 
 def parse(raw: dict[str, Any]) -> ModelConfig:
@@ -19,6 +21,17 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
+def gguf_config(meta: Meta, vocab: int, types: dict[str, str]) -> dict[str, Any]:
+    a = "llama"
+    experts = read_int(meta, f"{a}.expert_count", 0, "num_experts")
+    if experts == 0:
+        raise UnsupportedModelError("this GGUF file is a dense llama model (no experts); Tandem runs mixtures of "
+                                    "experts: Mixtral, Qwen-MoE, OLMoE")
+    return common_config(meta, a, vocab) | {
+        "model_type": "mixtral", "num_local_experts": experts,
+        "intermediate_size": read_int(meta, f"{a}.feed_forward_length")}
+
+
 SPEC = FamilySpec(
     "mixtral", "Mixtral", parse,
     tiny={"intermediate_size": 96, "num_local_experts": 8, "num_experts_per_tok": 2},
@@ -29,4 +42,5 @@ SPEC = FamilySpec(
         "bos_token_id": 1, "eos_token_id": 2,
     }),),
     moe_prefix="block_sparse_moe", expert_proj=("w1", "w3", "w2"),
+    gguf=GGUFArch("llama", gguf_config, rope_permuted=True),
 )

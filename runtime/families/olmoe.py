@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.runtime.config import ModelConfig, decoder_fields, require
-from tandem.runtime.families import BenchShape, FamilySpec
+from tandem.runtime.families import BenchShape, FamilySpec, GGUFArch
+from tandem.runtime.gguf_meta import MISSING, Meta, common_config, read_flag, read_int
 
 
 def parse(raw: dict[str, Any]) -> ModelConfig:
@@ -24,6 +25,15 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
+def gguf_config(meta: Meta, vocab: int, types: dict[str, str]) -> dict[str, Any]:
+    a = "olmoe"
+    return common_config(meta, a, vocab) | {
+        "model_type": "olmoe", "num_experts": read_int(meta, f"{a}.expert_count", bound="num_local_experts"),
+        "intermediate_size": read_int(meta, f"{a}.expert_feed_forward_length",
+                                  meta.get(f"{a}.feed_forward_length", MISSING)),
+        "norm_topk_prob": read_flag(meta, f"{a}.expert_weights_norm", False)}
+
+
 SPEC = FamilySpec(
     "olmoe", "OLMoE", parse,
     tiny={"intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2},
@@ -33,4 +43,5 @@ SPEC = FamilySpec(
         "norm_topk_prob": False, "rope_theta": 10000.0, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False, "eos_token_id": 2, "clip_qkv": None,
     }),),
+    gguf=GGUFArch("olmoe", gguf_config),
 )

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.runtime.config import ModelConfig, decoder_fields, require, sliding_layer_pattern, sparse_layer_pattern
-from tandem.runtime.families import FamilySpec
+from tandem.runtime.families import FamilySpec, GGUFArch
+from tandem.runtime.gguf_meta import Meta, common_config, read_flag, read_int
 
 
 def sliding_layers(raw: dict[str, Any], layers: int) -> tuple[bool, ...]:
@@ -36,8 +37,20 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
+def gguf_config(meta: Meta, vocab: int, types: dict[str, str]) -> dict[str, Any]:
+    a = "qwen2moe"
+    return common_config(meta, a, vocab) | {
+        "model_type": "qwen2_moe", "num_experts": read_int(meta, f"{a}.expert_count", bound="num_local_experts"),
+        "moe_intermediate_size": read_int(meta, f"{a}.expert_feed_forward_length"),
+        "shared_expert_intermediate_size": read_int(meta, f"{a}.expert_shared_feed_forward_length", 0),
+        "intermediate_size": read_int(meta, f"{a}.feed_forward_length", 0) or 1,
+        "norm_topk_prob": read_flag(meta, f"{a}.expert_weights_norm", False), "decoder_sparse_step": 1,
+        "mlp_only_layers": []}
+
+
 SPEC = FamilySpec(
     "qwen2_moe", "Qwen2-MoE", parse,
     tiny={"intermediate_size": 128, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 96,
           "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False},
+    gguf=GGUFArch("qwen2moe", gguf_config),
 )

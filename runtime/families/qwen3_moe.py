@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.runtime.config import ModelConfig, decoder_fields, require, sparse_layer_pattern
-from tandem.runtime.families import BenchShape, FamilySpec
+from tandem.runtime.families import BenchShape, FamilySpec, GGUFArch
+from tandem.runtime.gguf_meta import Meta, common_config, read_flag, read_int
 
 
 def parse(raw: dict[str, Any]) -> ModelConfig:
@@ -31,6 +32,16 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
+def gguf_config(meta: Meta, vocab: int, types: dict[str, str]) -> dict[str, Any]:
+    a = "qwen3moe"
+    return common_config(meta, a, vocab) | {
+        "model_type": "qwen3_moe", "num_experts": read_int(meta, f"{a}.expert_count", bound="num_local_experts"),
+        "moe_intermediate_size": read_int(meta, f"{a}.expert_feed_forward_length"),
+        "intermediate_size": read_int(meta, f"{a}.feed_forward_length", 0) or 1,
+        "norm_topk_prob": read_flag(meta, f"{a}.expert_weights_norm", True), "decoder_sparse_step": 1,
+        "mlp_only_layers": []}
+
+
 SPEC = FamilySpec(
     "qwen3_moe", "Qwen3-MoE", parse,
     tiny={"intermediate_size": 128, "moe_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
@@ -42,4 +53,5 @@ SPEC = FamilySpec(
         "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "eos_token_id": 2,
         "decoder_sparse_step": 1, "mlp_only_layers": [],
     }, aliases=("qwen3",)),),
+    gguf=GGUFArch("qwen3moe", gguf_config),
 )
