@@ -215,11 +215,16 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
         writer.add_tensor(name, raw, raw_dtype=kind)
         with np.errstate(all="ignore"):  # random blocks of a type whose scales lie elsewhere (Q2_K) are refused anyway
             held[name] = gguf.quants.dequantize(raw, kind).astype(np.float32)
+    write_out(writer)
+    return held
+
+
+def write_out(writer) -> None:  # type: ignore[no-untyped-def]
+    """The writer's header, metadata and tensors to its file(s), closed."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return held
 
 
 def _tokenizer(writer, folder: Path, raw: dict, vocab_size: int) -> None:  # type: ignore[no-untyped-def]
@@ -317,10 +322,7 @@ def rewrite_gguf(src: Path, out: Path, meta: dict[str, tuple[object, object] | N
     for name, w in tensors.items():
         if w is not None:
             writer.add_tensor(name, w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
     return out
 
 

@@ -118,7 +118,7 @@ def _as_gguf(folder: Path, out: Path) -> Path:
     import numpy as np
 
     from tandem.runtime.gguf import sources
-    from tests.ggufs import _tokenizer
+    from tests.ggufs import _tokenizer, write_out
 
     ckpt = open_checkpoint(folder)
     cfg, spec = ckpt.config, ckpt.spec
@@ -146,10 +146,7 @@ def _as_gguf(folder: Path, out: Path) -> Path:
     _tokenizer(writer, folder, ckpt.raw_config, cfg.vocab_size)
     for name, w in tensors.items():
         writer.add_tensor(name, w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
     return out
 
 
