@@ -18,7 +18,7 @@ from tandem.autotune.plan import ModelShape
 from tandem.autotune.probe import HardwareInfo
 from tandem.kernels.blocks import FORMATS, block_matrix
 from tandem.kernels.dense import DenseLinear
-from tandem.kernels.experts import CpuExecutor, CpuExpert
+from tandem.kernels.experts import CpuExecutor, CpuExpert, CpuOptions
 from tandem.kernels.library import PROBE_STREAMS, available_isas, library, read_bandwidth_probe
 from tandem.kernels.quant import QuantizedMatrix, quantize_mxfp4
 from tandem.runtime.accelerator import Accelerator, make_accelerator
@@ -198,7 +198,7 @@ def microbench(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype = torch.b
     isa = None
     crossover_cap = max(tokens)
     for t in threads:
-        executor = CpuExecutor(h, i, dtype, threads=t, crossover=crossover_cap)
+        executor = CpuExecutor(h, i, dtype, CpuOptions(threads=t, crossover=crossover_cap))
         experts = [_prepare(executor, w) for w in weights]
         isa = executor.isa_for(experts[0], 1)
         samples[t] = {}
@@ -214,7 +214,8 @@ def microbench(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype = torch.b
     variants: dict[str, dict[int, float]] = {}
     if isa is not None:
         for v in ["auto", *CpuExecutor(h, i, dtype).isas]:
-            ex = CpuExecutor(h, i, dtype, threads=best_t, crossover=crossover_cap, isa=None if v == "auto" else v)
+            forced = None if v == "auto" else v
+            ex = CpuExecutor(h, i, dtype, CpuOptions(threads=best_t, crossover=crossover_cap, isa=forced))
             experts = [_prepare(ex, w) for w in weights]
             if v != "auto" and ex.isa_for(experts[0], 1) != v:
                 continue  # this variant cannot serve these weights
@@ -225,7 +226,7 @@ def microbench(shape: ModelShape, hw: HardwareInfo, dtype: torch.dtype = torch.b
         isa = choose_variant(variants)
     step("kernel variants: " + ", ".join(f"{v} {ms[1]:.2f}/{ms[8]:.2f} ms" for v, ms in variants.items()) +
          f" (1/8 tokens) -> {isa}")
-    torch_exec = CpuExecutor(h, i, dtype, threads=best_t, use_kernel=False)
+    torch_exec = CpuExecutor(h, i, dtype, CpuOptions(threads=best_t, use_kernel=False))
     torch_experts = [_prepare(torch_exec, w) for w in weights]
     previous = torch.get_num_threads()
     torch.set_num_threads(best_t)  # torch's own path at the same thread count, then back as it was

@@ -79,9 +79,7 @@ class CpuOptions:
         return bool(self.resident) and self.quant is None
 
     def executor(self, hidden: int, inter: int, compute_dtype: torch.dtype) -> CpuExecutor:
-        quant = self.quant if self.quant in QUANT_KINDS else None  # (block formats arrive quantized)
-        return CpuExecutor(hidden, inter, compute_dtype, self.threads, self.crossover, quant, self.group, self.isa,
-                           self.use_kernel)
+        return CpuExecutor(hidden, inter, compute_dtype, self)
 
     def expert_bytes(self, hidden: int, inter: int, stored: int) -> int:
         """RAM one expert takes beyond its memory-mapped file bytes (quantized or resident copies only)."""
@@ -199,14 +197,15 @@ class LayerExperts:
 class CpuExecutor:
     """Runs CPU experts with preallocated buffers and an explicit thread count.
 
-    `isa` forces a kernel variant (e.g. "avx2" to test the fallback on a newer CPU); None picks the best.
-    The tensor returned by `run` is valid until the next call (it is a view of a reused buffer)."""
+    `options` as `CpuOptions` says them: its `isa` forces a kernel variant (e.g. "avx2" to test the fallback on a
+    newer CPU), None picks the best; its `quant` quantizes each expert prepared (a GGUF block format's experts arrive
+    quantized: `prepare_quantized`). The tensor returned by `run` is valid until the next call (it is a view of a
+    reused buffer)."""
 
-    def __init__(
-        self, hidden: int, inter: int, compute_dtype: torch.dtype, threads: int | None = None,
-        crossover: int | None = None, quant: str | None = None, group: int = 64, isa: str | None = None,
-        use_kernel: bool = True,
-    ) -> None:
+    def __init__(self, hidden: int, inter: int, compute_dtype: torch.dtype, options: CpuOptions = CpuOptions()
+                 ) -> None:
+        threads, crossover, group, isa = options.threads, options.crossover, options.group, options.isa
+        quant = None if options.quant in BLOCK_QUANTS else options.quant
         self.hidden, self.inter = check_size("hidden size", hidden), check_size("expert width", inter)
         check_support(hidden, inter, compute_dtype, quant, group)
         if crossover is not None and not (isinstance(crossover, int) and crossover >= 0):
@@ -214,7 +213,7 @@ class CpuExecutor:
         self.dtype = compute_dtype
         self.threads = check_threads(torch.get_num_threads() if threads is None else threads)
         self.quant, self.group = quant, group
-        self.lib = library() if use_kernel else None
+        self.lib = library() if options.use_kernel else None
         self.isas = available_isas() if self.lib is not None else []
         if crossover is None:
             crossover = AMX_CROSSOVER if "amx" in self.isas and compute_dtype == torch.bfloat16 else DEFAULT_CROSSOVER

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from tandem.kernels.blocks import FORMATS, block_matrix
 from tandem.kernels.choice import BLOCK_STEP, TILED_BLOCKS
 from tandem.kernels.dense import DenseLinear
-from tandem.kernels.experts import CpuExecutor
+from tandem.kernels.experts import CpuExecutor, CpuOptions
 from tandem.kernels.library import BLOCK_KINDS, Q8_KINDS, available_isas, library
 from tandem.kernels.quant import QuantizedMatrix
 
@@ -126,7 +126,7 @@ def test_experts_of_every_format_match_the_dequantized_reference(formats: tuple[
     formats (TILED_BLOCKS), against float32 inputs."""
     fmt, down_fmt = formats
     h, i = width(fmt), width(down_fmt)
-    ex = CpuExecutor(h, i, torch.float32, 2, isa=isa)
+    ex = CpuExecutor(h, i, torch.float32, CpuOptions(threads=2, isa=isa))
     experts = []
     for e in range(4):
         mats = [matrix(fmt, i, h, 10 * e), matrix(fmt, i, h, 10 * e + 1), matrix(down_fmt, h, i, 10 * e + 2)]
@@ -168,7 +168,7 @@ def test_experts_of_every_format_match_the_dequantized_reference(formats: tuple[
 
 
 def test_a_down_matrix_of_another_kind_than_blocks_is_refused() -> None:
-    ex = CpuExecutor(256, 256, torch.float32, 1)
+    ex = CpuExecutor(256, 256, torch.float32, CpuOptions(threads=1))
     gate, up = matrix("Q4_K", 256, 256, 0), matrix("Q4_K", 256, 256, 1)
     with pytest.raises(ValueError, match="down must be a Q4_K matrix"):
         ex.prepare_quantized(gate, up, QuantizedMatrix("int8", torch.zeros(256, 256, dtype=torch.int8),
@@ -184,7 +184,7 @@ def test_bf16_compute_takes_int8_activations_and_float32_keeps_the_float_path() 
     mats = [matrix("Q4_K", 256, 256, 0), matrix("Q4_K", 256, 256, 1), matrix("Q6_K", 256, 256, 2)]
     float_isa = "avx512" if "avx512" in available_isas() else "base"
     for dtype, isa in ((torch.bfloat16, Q8_ISA), (torch.float32, float_isa)):
-        ex = CpuExecutor(256, 256, dtype, 2)
+        ex = CpuExecutor(256, 256, dtype, CpuOptions(threads=2))
         expert = ex.prepare_quantized(*mats)
         assert ex.isa_for(expert, 1) == ex.isa_for(expert, 4) == isa
         x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0))  # (float32 out: not rounded to bf16)
@@ -204,7 +204,7 @@ def test_several_tokens_against_int8_activations_give_each_token_its_one_token_r
     fmt, down_fmt = formats
     h, i = width(fmt), width(down_fmt)
     mats = [matrix(fmt, i, h, 0), matrix(fmt, i, h, 1), matrix(down_fmt, h, i, 2)]
-    ex = CpuExecutor(h, i, torch.bfloat16, 2, crossover=16)
+    ex = CpuExecutor(h, i, torch.bfloat16, CpuOptions(threads=2, crossover=16))
     expert = ex.prepare_quantized(*mats)
     linear = DenseLinear(2)
     x = torch.randn(16, h, generator=torch.Generator().manual_seed(5)).bfloat16()
@@ -222,7 +222,7 @@ def test_several_tokens_of_mxfp4_experts_run_against_int8_activations() -> None:
     GGUF formats (csrc/q8.c), in calls of BLOCK_STEP tokens; an odd number of blocks in a row (288 = 9 x 32) too."""
     for h, i in ((256, 288), (288, 256)):
         g = torch.Generator().manual_seed(h)
-        ex = CpuExecutor(h, i, torch.bfloat16, 2, quant="mxfp4", group=32)
+        ex = CpuExecutor(h, i, torch.bfloat16, CpuOptions(threads=2, quant="mxfp4", group=32))
         expert = ex.prepare(*((torch.randn(shape, generator=g) * 0.05) for shape in ((i, h), (i, h), (h, i))))
         gate, up, down = (w.double() for w in expert.dense(torch.float32))
         assert ex._step(expert) == BLOCK_STEP

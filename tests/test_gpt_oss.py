@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tandem.kernels.errors import KernelError, UnsupportedModelError
-from tandem.kernels.experts import CpuExecutor
+from tandem.kernels.experts import CpuExecutor, CpuOptions
 from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.families import parse_config
 from tandem.runtime.moe import ClampedSwiGLUExpert
@@ -78,7 +78,7 @@ def expert(h: int = 64, i: int = 32, limit: float = 0.2) -> ClampedSwiGLUExpert:
 
 def test_the_executor_never_sends_torch_path_experts_to_the_kernel() -> None:
     w = expert()
-    ex = CpuExecutor(64, 32, torch.float32, threads=1)
+    ex = CpuExecutor(64, 32, torch.float32, CpuOptions(threads=1))
     cpu = ex.prepare(w.gate, w.up, w.down, reference=w)
     assert cpu.gate.data_ptr() == w.gate.data_ptr()  # views, never copied
     layer = ex.layer([cpu, cpu])
@@ -104,7 +104,7 @@ def test_the_clamped_swiglu_clamps_and_is_not_plain_swiglu() -> None:
 def test_quantizing_torch_path_experts_is_refused() -> None:
     w = expert()
     with pytest.raises(KernelError, match="quantization is not supported"):
-        CpuExecutor(64, 32, torch.float32, quant="int8").prepare(w.gate, w.up, w.down, reference=w)
+        CpuExecutor(64, 32, torch.float32, CpuOptions(quant="int8")).prepare(w.gate, w.up, w.down, reference=w)
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 150])  # 150: in blocks of SINK_QUERY_BLOCK queries

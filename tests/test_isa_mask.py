@@ -12,6 +12,7 @@ import torch
 
 from tandem.autotune.probe import RecordedSources, describe, probe
 from tandem.kernels import choice, experts, library
+from tandem.kernels.experts import CpuOptions
 from tandem.kernels.isa import (
     MASKS,
     flag_feature,
@@ -120,7 +121,7 @@ def test_the_kernels_default_dtype_and_crossover_follow_the_mask(cpu_features) -
     ex = experts.CpuExecutor(64, 64, torch.bfloat16)
     assert ex.crossover == choice.DEFAULT_CROSSOVER and "avx512" not in ex.isas
     with pytest.raises(ValueError, match="not available"):
-        experts.CpuExecutor(64, 64, torch.bfloat16, isa="avx512")
+        experts.CpuExecutor(64, 64, torch.bfloat16, CpuOptions(isa="avx512"))
     flags = Machine.here().cpu_flags
     assert flags is None or not any(f.startswith("avx512") or f.startswith("amx") for f in flags)
     cpu_features("-avx2")

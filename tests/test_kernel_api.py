@@ -13,7 +13,7 @@ import torch
 
 from tandem.kernels.choice import AMX_CROSSOVER
 from tandem.kernels.dense import DenseLinear, rms_norm_bf16
-from tandem.kernels.experts import CpuExecutor
+from tandem.kernels.experts import CpuExecutor, CpuOptions
 from tandem.kernels.library import available_isas, library, read_bandwidth_probe
 from tandem.kernels.names import ISAS
 from tandem.runtime.moe import ExpertWeights
@@ -29,7 +29,7 @@ def weights(dtype: torch.dtype = torch.bfloat16, h: int = H, i: int = I) -> tupl
 
 
 def executor(**kw) -> CpuExecutor:
-    return CpuExecutor(H, I, torch.float32, threads=kw.pop("threads", 2), **kw)
+    return CpuExecutor(H, I, torch.float32, CpuOptions(threads=kw.pop("threads", 2), **kw))
 
 
 # -- the executor's own settings ------------------------------------------------------------------------------------
@@ -46,7 +46,7 @@ BAD_EXECUTORS: dict[str, Callable[[], object]] = {
     "compute int32": lambda: CpuExecutor(H, I, torch.int32),
     "quant int3": lambda: executor(quant="int3"),
     "int4 group 48": lambda: executor(quant="int4", group=48),
-    "int4 group not dividing": lambda: CpuExecutor(H, 96, torch.float32, quant="int4", group=128),
+    "int4 group not dividing": lambda: CpuExecutor(H, 96, torch.float32, CpuOptions(quant="int4", group=128)),
     "crossover 2.5": lambda: executor(crossover=2.5),
     "crossover -5": lambda: executor(crossover=-5),
     "unknown variant": lambda: executor(isa="sse9"),
@@ -100,7 +100,7 @@ def _run(x: torch.Tensor, **kw) -> Callable[[], object]:
 
 
 def _foreign_expert() -> object:
-    other = CpuExecutor(H, I + 32, torch.float32, threads=2).prepare(*weights(i=I + 32))
+    other = CpuExecutor(H, I + 32, torch.float32, CpuOptions(threads=2)).prepare(*weights(i=I + 32))
     return executor().run(other, torch.zeros(1, H))
 
 

@@ -51,7 +51,7 @@ def test_every_variant_matches_the_reference(isa: str, wdtype: torch.dtype, shap
     h, i = shape
     compute = torch.bfloat16 if isa in BF16_ONLY else torch.float32
     gate, up, down = weights(h, i, wdtype)
-    executor = CpuExecutor(h, i, compute, threads=2, isa=isa, crossover=16)
+    executor = CpuExecutor(h, i, compute, CpuOptions(threads=2, isa=isa, crossover=16))
     expert = executor.prepare(gate, up, down)
     x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(tokens)).to(compute)
     want = reference(x, gate, up, down)
@@ -77,7 +77,7 @@ def test_the_automatic_choice_matches_the_reference_at_every_token_count(wdtype,
     h, i = shape
     if quant in ("int4", "mxfp4") and (h % group or i % group):
         pytest.skip("int4 and MXFP4 take whole groups")
-    executor = CpuExecutor(h, i, compute, threads=2, quant=quant, group=group)
+    executor = CpuExecutor(h, i, compute, CpuOptions(threads=2, quant=quant, group=group))
     experts = [executor.prepare(*weights(h, i, wdtype, seed=s)) for s in range(8)]
     tol = 2e-2 if compute == torch.bfloat16 else 1e-5
     counts = range(1, executor.crossover + 2)
@@ -115,7 +115,7 @@ def test_quantized_kernels_match_dequantized_reference(quant: str, group: int, i
     h, i = 256, 128
     gate, up, down = weights(h, i, torch.float32)
     compute = torch.bfloat16 if isa == "amx" else torch.float32
-    executor = CpuExecutor(h, i, compute, threads=2, quant=quant, group=group, isa=isa, crossover=16)
+    executor = CpuExecutor(h, i, compute, CpuOptions(threads=2, quant=quant, group=group, isa=isa, crossover=16))
     expert = executor.prepare(gate, up, down)
     assert executor.isa_for(expert, tokens) == isa
     x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(7)).to(compute)
@@ -130,7 +130,7 @@ def test_quantized_kernels_match_dequantized_reference(quant: str, group: int, i
 def test_quantized_amx_experts_serve_long_prompts(quant: str, tokens: int) -> None:
     h, i = 256, 128
     gate, up, down = weights(h, i, torch.float32)
-    executor = CpuExecutor(h, i, torch.bfloat16, threads=2, quant=quant, group=64)
+    executor = CpuExecutor(h, i, torch.bfloat16, CpuOptions(threads=2, quant=quant, group=64))
     expert = executor.prepare(gate, up, down)
     assert executor.isa_for(expert, 16) == "amx" and expert.amx_layout  # laid out for AMX
     x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(3)).bfloat16()
@@ -157,7 +157,7 @@ BLOCK_SHAPES = [
 def test_quantized_amx_blocks_of_short_and_long_rows_match_the_reference(h: int, i: int, threads: int, quant: str,
                                                                           group: int, tokens: int) -> None:
     gate, up, down = weights(h, i, torch.float32)
-    executor = CpuExecutor(h, i, torch.bfloat16, threads=threads, quant=quant, group=group)
+    executor = CpuExecutor(h, i, torch.bfloat16, CpuOptions(threads=threads, quant=quant, group=group))
     expert = executor.prepare(gate, up, down)
     assert all(m.blocked for m in (expert.gate, expert.up, expert.down))
     assert expert.amx_layout and executor.isa_for(expert, tokens) == "amx"
@@ -172,7 +172,7 @@ def test_quantized_amx_layer_experts_with_unequal_token_counts(quant: str, group
     # pairs blocks of experts with different tokens, and past 8 tokens some blocks have a second pass and their
     # partners none.
     h, i, n_experts = 256, 128, 4
-    executor = CpuExecutor(h, i, torch.bfloat16, threads=2, quant=quant, group=group)
+    executor = CpuExecutor(h, i, torch.bfloat16, CpuOptions(threads=2, quant=quant, group=group))
     experts = [executor.prepare(*weights(h, i, torch.float32, seed=s)) for s in range(n_experts)]
     g = torch.Generator().manual_seed(11)
     x = torch.randn(16, h, generator=g).bfloat16()
@@ -191,7 +191,7 @@ def test_int8_amx_experts_stay_on_amx_for_long_prompts() -> None:
     # laid out for AMX: with a crossover above what one AMX call takes, 40 tokens still go through AMX in chunks
     # of 16 (not torch, which would first convert the layout back)
     h = i = 256
-    executor = CpuExecutor(h, i, torch.bfloat16, threads=2, quant="int8", crossover=32)
+    executor = CpuExecutor(h, i, torch.bfloat16, CpuOptions(threads=2, quant="int8", crossover=32))
     expert = executor.prepare(*weights(h, i, torch.float32))
     assert executor.isa_for(expert, 32) is None and executor.isa_for(expert, 16) == "amx"
     x = torch.randn(40, h, generator=torch.Generator().manual_seed(40)).bfloat16()
@@ -207,7 +207,7 @@ def test_int8_amx_keeps_small_activations_beside_an_outlier() -> None:
     gate, up, down = weights(h, i, torch.float32)
     gate[:, 7] = 0.0
     up[:, 7] = 0.0
-    executor = CpuExecutor(h, i, torch.bfloat16, threads=2, quant="int8", isa="amx")
+    executor = CpuExecutor(h, i, torch.bfloat16, CpuOptions(threads=2, quant="int8", isa="amx"))
     expert = executor.prepare(gate, up, down)
     x = torch.randn(2, h, generator=torch.Generator().manual_seed(5)).bfloat16()
     want = reference(x, *expert.dense(torch.float32))
@@ -220,8 +220,8 @@ def test_int8_amx_keeps_small_activations_beside_an_outlier() -> None:
 def test_quantized_experts_forced_off_amx_never_reach_its_kernels(quant: str) -> None:
     # forced onto a variant that cannot serve them, quantized experts stay in the row-major layout, which the AMX
     # kernels cannot read: whatever runs instead must not be AMX
-    executor = CpuExecutor(256, 128, torch.bfloat16, threads=2, quant=quant, isa="avx512bf16" if "avx512bf16" in ISAS
-                           else None)
+    forced = "avx512bf16" if "avx512bf16" in ISAS else None
+    executor = CpuExecutor(256, 128, torch.bfloat16, CpuOptions(threads=2, quant=quant, isa=forced))
     expert = executor.prepare(*weights(256, 128, torch.float32))
     assert not expert.amx_layout and executor.isa_for(expert, 4) != "amx"
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
@@ -229,7 +229,7 @@ def test_quantized_experts_forced_off_amx_never_reach_its_kernels(quant: str) ->
 
 
 def test_int8_amx_needs_widths_of_64() -> None:
-    executor = CpuExecutor(96, 64, torch.bfloat16, threads=2, quant="int8")
+    executor = CpuExecutor(96, 64, torch.bfloat16, CpuOptions(threads=2, quant="int8"))
     expert = executor.prepare(*weights(96, 64, torch.float32))
     assert executor.isa_for(expert, 4) != "amx"
     x = torch.randn(4, 96, generator=torch.Generator().manual_seed(1)).bfloat16()
@@ -253,7 +253,7 @@ def test_block_layout_round_trips() -> None:
 def test_amx_tiles_match_the_reference(shape, tokens: int) -> None:
     h, i = shape
     gate, up, down = weights(h, i, torch.bfloat16)
-    executor = CpuExecutor(h, i, torch.bfloat16, threads=2, isa="amx", crossover=16)
+    executor = CpuExecutor(h, i, torch.bfloat16, CpuOptions(threads=2, isa="amx", crossover=16))
     expert = executor.prepare(gate, up, down)
     assert executor.isa_for(expert, tokens) == "amx"
     x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(tokens)).bfloat16()
@@ -297,7 +297,7 @@ def test_weights_torch_would_convert_stay_on_the_kernel_in_tiled_calls(wdtype: t
     just past the variant's TILED_UP_TO, and between; every result within float32 rounding of the reference."""
     h, i = 96, 64
     gate, up, down = weights(h, i, wdtype)
-    executor = CpuExecutor(h, i, torch.float32, threads=2, crossover=4)
+    executor = CpuExecutor(h, i, torch.float32, CpuOptions(threads=2, crossover=4))
     expert = executor.prepare(gate, up, down)
     isa = executor.isa_for(expert, 4)
     up_to = choice.TILED_UP_TO.get(isa, 0) if tiled else 0  # type: ignore[arg-type]
@@ -323,7 +323,7 @@ def test_the_tiled_product_matches_the_reference(isa: str, wdtype: torch.dtype, 
     with biases and gpt-oss's clamped SwiGLU too."""
     h, i = shape
     gate, up, down = weights(h, i, wdtype)
-    executor = CpuExecutor(h, i, torch.float32, threads=2, crossover=choice.TILED_CALL, isa=isa)
+    executor = CpuExecutor(h, i, torch.float32, CpuOptions(threads=2, crossover=choice.TILED_CALL, isa=isa))
     expert = executor.prepare(gate, up, down)
     xs = [torch.randn(n, h, generator=torch.Generator().manual_seed(n))
           for n in (choice.TILED_TOKENS, 21, 2 * choice.TILED_TOKENS, 45, choice.TILED_CALL)]
@@ -353,8 +353,8 @@ def test_unquantized_weights_are_used_in_place() -> None:
 @needs_kernels
 def test_forced_fallback_and_unavailable_variant() -> None:
     with pytest.raises(ValueError, match="not available"):
-        CpuExecutor(64, 32, torch.float32, isa="sve")
-    executor = CpuExecutor(64, 32, torch.bfloat16, isa="avx512bf16" if "avx512bf16" in ISAS else "base")
+        CpuExecutor(64, 32, torch.float32, CpuOptions(isa="sve"))
+    executor = CpuExecutor(64, 32, torch.bfloat16, CpuOptions(isa="avx512bf16" if "avx512bf16" in ISAS else "base"))
     fp32_expert = executor.prepare(*weights(64, 32, torch.float32))
     assert executor.isa_for(fp32_expert) != "avx512bf16"  # bf16 dot products never serve fp32 weights
 
@@ -363,7 +363,7 @@ def test_thread_count_is_explicit() -> None:
     h, i = 128, 64
     gate, up, down = weights(h, i, torch.float32)
     x = torch.randn(3, h)
-    outs = [CpuExecutor(h, i, torch.float32, threads=t).prepare(gate, up, down)(x).clone() for t in (1, 2)]
+    outs = [CpuExecutor(h, i, torch.float32, CpuOptions(threads=t)).prepare(gate, up, down)(x).clone() for t in (1, 2)]
     assert torch.allclose(outs[0], outs[1], atol=1e-6)
 
 
@@ -372,7 +372,7 @@ def test_thread_count_is_explicit() -> None:
 def test_a_layers_experts_in_one_call_match_one_at_a_time(quant: str | None) -> None:
     # run_many: the AMX-able experts of a layer go through one kernel call; others (too many tokens) alone.
     h, i = 256, 128
-    executor = CpuExecutor(h, i, torch.bfloat16, threads=2, quant=quant)
+    executor = CpuExecutor(h, i, torch.bfloat16, CpuOptions(threads=2, quant=quant))
     experts = [executor.prepare(*weights(h, i, torch.float32, seed=s)) for s in range(4)]
     xs = [torch.randn(n, h, generator=torch.Generator().manual_seed(n)).bfloat16() for n in (1, 3, 16, 40)]
     got: dict[int, torch.Tensor] = {}
@@ -394,7 +394,7 @@ def test_a_whole_layer_in_one_call_matches_the_reference_moe(dtype, quant, isa, 
     if isa is not None and isa not in ISAS:
         pytest.skip(f"{isa} is not available here")
     h, i, n_experts, k = 256, 128, 100, 8
-    executor = CpuExecutor(h, i, dtype, threads=2, crossover=16, quant=quant, isa=isa)
+    executor = CpuExecutor(h, i, dtype, CpuOptions(threads=2, crossover=16, quant=quant, isa=isa))
     experts = [executor.prepare(*weights(h, i, torch.float32, seed=s)) for s in range(n_experts)]
     layer = executor.layer(experts)
     g = torch.Generator().manual_seed(tokens)
@@ -436,7 +436,7 @@ def test_one_token_experts_of_a_layer_each_read_their_own_token(dtype, quant: st
     # length (rows for the one-row kernel); 131 and 250 values leave values after the last 32-value (AVX2: 16-value)
     # step of each row.
     h, i = (250, 131) if path in ("avx512", "avx2") and quant != "int4" else (256, 128)  # int4: whole groups
-    executor = CpuExecutor(h, i, dtype, threads=2, quant=quant or None, isa=isa)
+    executor = CpuExecutor(h, i, dtype, CpuOptions(threads=2, quant=quant or None, isa=isa))
     stored = torch.float32 if quant else dtype  # weights in the compute dtype, or quantized from float32
     experts = [executor.prepare(*weights(h, i, stored, seed=s)) for s in range(10)]
     assert executor.isa_for(experts[0]) == path
@@ -452,7 +452,7 @@ def test_one_token_experts_of_a_layer_each_read_their_own_token(dtype, quant: st
 @needs_kernels
 def test_run_layer_refuses_what_it_cannot_take() -> None:
     h, i = 64, 32
-    executor = CpuExecutor(h, i, torch.float32, threads=2, crossover=4)
+    executor = CpuExecutor(h, i, torch.float32, CpuOptions(threads=2, crossover=4))
     layer = executor.layer([executor.prepare(*weights(h, i, torch.float32, seed=s)) for s in range(4)])
     assert not executor.serves_layer(layer, 5) and not executor.serves_layer(layer, 0)
     x, w = torch.randn(1, h), torch.ones(1, 2)

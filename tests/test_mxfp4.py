@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.kernels.experts import CpuExecutor, Epilogue
+from tandem.kernels.experts import CpuExecutor, CpuOptions, Epilogue
 from tandem.kernels.library import available_isas, library
 from tandem.kernels.quant import (
     E2M1,
@@ -119,7 +119,7 @@ def test_the_clamp_binds_in_these_tests() -> None:
 def test_the_kernels_match_the_reference_expert_at_every_token_count(isa: str, compute: torch.dtype) -> None:
     h, i = 128, 96
     ref, w = fused_expert(h, i, 0, limit=0.5)
-    executor = CpuExecutor(h, i, compute, threads=2, isa=isa)
+    executor = CpuExecutor(h, i, compute, CpuOptions(threads=2, isa=isa))
     expert = kernel_expert(executor, w)
     assert expert.nbytes == 3 * h * i // 2 + 3 * h * i // 32  # 4.25 bits a weight, never widened
     tol = 2e-2 if compute == torch.bfloat16 else 1e-5
@@ -136,7 +136,7 @@ def test_the_kernels_match_the_reference_expert_at_every_token_count(isa: str, c
 def test_a_layer_of_mxfp4_experts_in_one_call_matches_the_reference(isa: str, compute: torch.dtype) -> None:
     h, i, n_experts = 160, 96, 6  # 5 and 3 blocks a row: chunks of 4 blocks and a partial one (AVX512_BF16)
     pairs = [fused_expert(h, i, s, limit=0.5) for s in range(n_experts)]  # each its own biases
-    executor = CpuExecutor(h, i, compute, threads=2, isa=isa)
+    executor = CpuExecutor(h, i, compute, CpuOptions(threads=2, isa=isa))
     tol = 2e-2 if compute == torch.bfloat16 else 1e-5
     experts = [kernel_expert(executor, w) for _, w in pairs]
     layer, rule = executor.layer(experts), RoutingRule(2, normalize=False, scoring="softmax_topk")
@@ -164,7 +164,7 @@ def test_one_token_streams_every_row_whatever_the_split(isa: str, h: int, i: int
         pytest.skip("one token streams rows four at a time on AVX2 and AVX-512")
     compute = torch.bfloat16 if isa == "avx512bf16" else torch.float32
     ref, w = fused_expert(h, i, 1, limit=1.0)
-    expert = kernel_expert(CpuExecutor(h, i, compute, threads=threads, isa=isa), w)
+    expert = kernel_expert(CpuExecutor(h, i, compute, CpuOptions(threads=threads, isa=isa)), w)
     x = torch.randn(1, h, generator=torch.Generator().manual_seed(5)).to(compute)
     assert rel_err(expert(x), ref(x.float())) < (2e-2 if isa == "avx512bf16" else 1e-5)
 
@@ -228,5 +228,5 @@ def test_the_smallest_scales_are_read_exactly_by_the_kernels(isa: str, compute: 
     x = (torch.randn(1, h, generator=torch.Generator().manual_seed(1)) * 2.0**120).to(compute)
     want = w(x.float())
     assert want.abs().max() > 1e-3  # the gate and up sums are ordinary numbers, not flushed to zero
-    got = kernel_expert(CpuExecutor(h, i, compute, threads=2, isa=isa), w)(x)
+    got = kernel_expert(CpuExecutor(h, i, compute, CpuOptions(threads=2, isa=isa)), w)(x)
     assert rel_err(got, want) < (2e-2 if compute == torch.bfloat16 else 1e-5)

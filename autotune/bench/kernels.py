@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from tandem.autotune.bench.shapes import find_shape
 from tandem.autotune.microbench import PEAK_OF, compute_peak, dram_bandwidth, time_per_call
-from tandem.kernels.experts import NO_EPILOGUE, CpuExecutor, CpuExpert, Epilogue
+from tandem.kernels.experts import NO_EPILOGUE, CpuExecutor, CpuExpert, CpuOptions, Epilogue
 from tandem.kernels.quant import QuantizedMatrix
 
 DTYPES = ("bf16", "fp16", "fp32", "int8", "int4", "mxfp4")
@@ -93,7 +93,7 @@ def _experts(h: int, i: int, dtype: str, threads: int, working_set: int, at_leas
     stored = TORCH_DTYPES.get(dtype, torch.bfloat16)
     compute = torch.bfloat16 if dtype in ("bf16", "int8", "int4", "mxfp4") else stored
     quant = dtype if dtype in ("int8", "int4") else None
-    executor = CpuExecutor(h, i, compute, threads=threads, quant=quant)
+    executor = CpuExecutor(h, i, compute, CpuOptions(threads=threads, quant=quant))
     gen = torch.Generator().manual_seed(0)
     epilogue = NO_EPILOGUE if clamped is None else Epilogue(
         *(torch.randn(n, generator=gen) * 0.1 for n in (i, i, h)), clamped=clamped)
