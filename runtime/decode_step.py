@@ -33,7 +33,7 @@ STEP_DTYPES = (torch.bfloat16, torch.float32)  # the compute dtypes the step run
 
 def why_not(model: MoEModel) -> str | None:
     """What keeps this model off the decode step (None: nothing)."""
-    from tandem.runtime.model import Attention, KVCache
+    from tandem.runtime.attention import Attention, KVCache
 
     cfg = model.cfg
     if not model.attend_kernel:  # (set only where the kernels are built and used)

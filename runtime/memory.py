@@ -16,8 +16,9 @@ import torch
 from tandem.kernels.errors import ResourceError
 from tandem.kernels.experts import CpuOptions
 from tandem.kernels.library import library
+from tandem.runtime.build import kept_dtypes
 from tandem.runtime.checkpoint import Checkpoint
-from tandem.runtime.model import PREFILL_CHUNK, activation_bytes, cache_class, kept_dtypes
+from tandem.runtime.model import PREFILL_CHUNK, activation_bytes, cache_class
 from tandem.runtime.rope import long_after, rotary_dims
 from tandem.runtime.weights import dense_tensors, expert_names, layer_expert_names
 

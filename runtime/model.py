@@ -1,6 +1,8 @@
-"""The decoder, in plain PyTorch: embedding, RMSNorm, RoPE, GQA attention with a preallocated KV cache,
-MoE (or dense) feed-forward, final norm, lm_head. One class serves every family; `ModelConfig` selects
-the variants (q/k norms, biases, shared expert, dense layers, tied embeddings).
+"""The decoder's forward passes, in plain PyTorch: embedding, RMSNorm, RoPE, attention (GQA: runtime/attention.py;
+MLA: runtime/mla.py) with its cache, MoE (or dense) feed-forward, final norm, lm_head; the one-call decode step where
+it serves (runtime/decode_step.py) and ragged passes of several sequences (`forward_rows`). One class serves every
+family; `ModelConfig` selects the variants (q/k norms, biases, shared expert, dense layers, tied embeddings).
+runtime/build.py builds it from a checkpoint.
 
 Letters: B batch, T new tokens, S cached + new tokens, H hidden size, Hq query heads, Hkv key/value heads,
 D head dim, V vocabulary.
@@ -10,7 +12,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
@@ -18,41 +19,23 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.attend import attend_one, attend_rows, attend_serves
-from tandem.kernels.blocks import block_matrix
 from tandem.kernels.dense import DenseLinear, lookup_rows, rms_norm_bf16
-from tandem.kernels.errors import CheckpointError, ResourceError
+from tandem.kernels.errors import ResourceError
 from tandem.kernels.experts import CpuOptions
 from tandem.kernels.library import library
-from tandem.kernels.names import BLOCK_QUANTS
 from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.accelerator import Accelerator
-from tandem.runtime.checkpoint import Checkpoint, one_buffer
+from tandem.runtime.attention import Attention, KVCache, attend_cached
+from tandem.runtime.checkpoint import Checkpoint
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.decode_step import DecodeStep, why_not
 from tandem.runtime.dispatch import Dispatcher, OffloadOptions, Pending
-from tandem.runtime.mla import LatentCache, MLAWeights, attend, load_mla
+from tandem.runtime.mla import LatentCache, MLAWeights, attend
 from tandem.runtime.moe import (
-    BlockExpert,
-    ClampedSwiGLUExpert,
     ExpertWeights,
     MoEBlockWeights,
-    MXFP4Expert,
-    RoutingRule,
-    SharedExpert,
 )
-from tandem.runtime.prefix import HeldTokens
-from tandem.runtime.rope import apply_rope, long_after, rope_tables
-from tandem.runtime.weights import (
-    correction_name,
-    dense_matrices,
-    expert_names,
-    fused_expert_names,
-    layer_prefix,
-    mxfp4_expert_names,
-    router_bias_name,
-    router_name,
-    shared_expert_names,
-)
+from tandem.runtime.rope import long_after, rope_tables
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,161 +54,6 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(weight.dtype)
 
 
-def kept_dtypes(ckpt: Checkpoint, compute: torch.dtype, cpu: CpuOptions | None) -> Callable[[str], torch.dtype]:
-    """The dtype each non-expert weight is kept in on the CPU: the compute dtype, but a dense matrix
-    (weights.dense_matrices) of a bf16 or fp16 file stays so under float32 compute when the kernels multiply by it
-    (they read its rows against float32 activations exactly as a float32 copy would compute, streaming half its
-    bytes, and streaming bytes is what decode waits on)."""
-    matrices = dense_matrices(ckpt.config, ckpt.spec)
-    keep = compute == torch.float32 and library() is not None and (cpu is None or cpu.use_kernel)
-
-    def kept(name: str) -> torch.dtype:
-        stored = ckpt.dtype(name) if keep and name in matrices else compute
-        return stored if stored in (torch.bfloat16, torch.float16) else compute
-    return kept
-
-
-SINK_QUERY_BLOCK = 64  # queries per pass of attend_with_sinks: its scores are [B, Hq, queries, S], and a long
-# prompt's at once would not fit (gpt-oss-20b: 64 heads x 8k x 8k x 4 bytes = 16 GiB)
-
-
-def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                      sinks: torch.Tensor) -> torch.Tensor:
-    """Attention in which each head's sink logit (gpt-oss) joins the softmax over the keys and takes its share of
-    the mass, adding nothing (its value is zero): as transformers' gpt-oss eager attention, max subtracted first, the
-    softmax in float32 whatever the compute dtype. q [B, Hq, T, D], keys and values [B, Hkv, S, D], mask [T, S]
-    (True: seen; None: every key), sinks [Hq] -> [B, Hq, T, D]. Letter: G = Hq / Hkv, the query heads sharing one
-    key/value head (consecutive heads)."""
-    B, Hq, T, D = q.shape
-    if T > SINK_QUERY_BLOCK:
-        return torch.cat([attend_with_sinks(q[:, :, i : i + SINK_QUERY_BLOCK], keys, values,
-                                            None if mask is None else mask[i : i + SINK_QUERY_BLOCK], sinks)
-                          for i in range(0, T, SINK_QUERY_BLOCK)], dim=2)  # [B, Hq, T, D]
-    Hkv, S = keys.shape[1], keys.shape[2]
-    grouped = q.reshape(B, Hkv, Hq // Hkv * T, D)  # [B, Hkv, G*T, D]: no copy of the keys per query head
-    scores = (grouped @ keys.transpose(-1, -2)).view(B, Hq, T, S).float() * D ** -0.5  # [B, Hq, T, S]
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.float().view(1, Hq, 1, 1).expand(B, Hq, T, 1)  # [B, Hq, T, 1]
-    logits = torch.cat((scores, sink), dim=-1)  # [B, Hq, T, S + 1]
-    logits = logits - logits.amax(dim=-1, keepdim=True)
-    probs = torch.softmax(logits, dim=-1)[..., :-1].to(values.dtype)  # [B, Hq, T, S]: the sink's share dropped
-    out = probs.reshape(B, Hkv, Hq // Hkv * T, S) @ values  # [B, Hkv, G*T, D]
-    return out.view(B, Hq, T, D)
-
-
-def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  kcache: torch.Tensor, vcache: torch.Tensor, start: int, first: int, window: int | None,
-                  sinks: torch.Tensor | None) -> torch.Tensor:
-    """Attention of T new tokens in plain PyTorch, the reference (kernels/attend.py's one-token kernel is tested
-    against it): q [B, T, Hq, D], k and v [B, T, Hkv, D] at positions start..start+T-1, their RoPE tables cos and sin
-    [T, R], the layer's caches [B' >= B, Hkv, C, D]. The roped keys and the values go into the caches; each query
-    sees the positions from `first` (a sliding window's start, else 0) up to its own, within `window` of it ->
-    [B, T, Hq*D] in the compute dtype."""
-    B, T, Hq, D = q.shape
-    q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
-    k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
-    end = start + T
-    kcache[:B, :, start:end] = k
-    vcache[:B, :, start:end] = v.transpose(1, 2)
-    keys, values = kcache[:B, :, first:end], vcache[:B, :, first:end]  # [B, Hkv, S, D]
-    mask = None
-    slides = window is not None and end - first > 1 and T > 1
-    if T > 1 and (start > 0 or slides):  # query t (at start + t) sees keys from start + t - window + 1 on
-        q_pos = start + torch.arange(T, device=q.device)[:, None]  # [T, 1]
-        k_pos = torch.arange(first, end, device=q.device)[None, :]  # [1, S]
-        mask = (k_pos <= q_pos) & (k_pos > q_pos - window) if window else k_pos <= q_pos  # [T, S]
-    if sinks is not None:
-        if mask is None and T > 1:  # causal
-            q_pos = start + torch.arange(T, device=q.device)[:, None]  # [T, 1]
-            mask = torch.arange(first, end, device=q.device)[None, :] <= q_pos  # [T, S]
-        out = attend_with_sinks(q, keys, values, mask, sinks)  # [B, Hq, T, D]
-    else:
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=(T > 1 and mask is None), enable_gqa=True
-        )  # [B, Hq, T, D]
-    return out.transpose(1, 2).reshape(B, T, Hq * D)  # [B, T, Hq*D]
-
-
-# A dense matrix as the model keeps it: a tensor, GGUF blocks as stored (DenseLinear runs both), or q, k and v as
-# blocks of different formats, side by side
-Matrix = torch.Tensor | QuantizedMatrix | list[QuantizedMatrix]
-
-
-def matrix_bytes(m: Matrix, rows: int | None = None) -> int:
-    """The bytes of a matrix as kept (GGUF blocks: as stored), or of its first `rows` rows."""
-    if isinstance(m, list):
-        return sum(matrix_bytes(part, rows) for part in m)
-    if isinstance(m, QuantizedMatrix):
-        return m.nbytes if rows is None else m.data[:rows].numel()
-    t = m if rows is None else m[:rows]
-    return t.numel() * t.element_size()
-
-
-@dataclass
-class Attention:
-    qkv: Matrix  # q, k and v projections stacked: [(Hq + 2 Hkv) * D, H], one matrix-vector pass for all three
-    o: torch.Tensor | QuantizedMatrix
-    qkv_bias: torch.Tensor | None = None
-    o_bias: torch.Tensor | None = None
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-    sinks: torch.Tensor | None = None  # [Hq] gpt-oss's attention sinks (cfg.attention_sinks)
-
-
-def routed_experts(ckpt: Checkpoint, layers: list[int], resident: bool,
-                   progress: Callable[[str, float], None] | None = None,
-                   quant: str | None = None) -> dict[int, list[ExpertWeights]]:
-    """Each MoE layer's routed experts in their on-disk dtype: views of the memory-mapped files, or (resident)
-    copies read into RAM, two layers at a time (file reads release the GIL). Experts stream faster from such
-    copies than from the file map, and plain reads fill RAM faster than faulting the map in would. MXFP4 experts
-    are always copied into RAM, 4-bit, in the order the kernels read (`MXFP4Expert.from_stored`). GGUF blocks stay
-    as the file stores them (`BlockExpert`): views of it, or one RAM copy of a layer's bytes."""
-    n = ckpt.config.num_experts
-    blocks = ckpt.expert_blocks
-    if quant in BLOCK_QUANTS:  # quantized to GGUF blocks once, then read from the cache file
-        from tandem.runtime.quant_cache import block_experts
-
-        return dict(block_experts(ckpt, layers, quant, progress))  # type: ignore[arg-type]
-
-    def one(layer: int) -> list[ExpertWeights]:
-        if blocks:
-            mats = [ckpt.blocks(name) for e in range(n) for name in expert_names(ckpt.spec, layer, e)]
-            if any(m is None for m in mats):
-                raise CheckpointError(f"{ckpt.path}: layer {layer} keeps some experts in a float type and others in "
-                                      "blocks; convert the model again")
-            data = [m.data for m in mats]  # type: ignore[union-attr]
-            if resident:  # one buffer for the layer, each expert's rows a view of it starting on a cache line
-                buffer, offsets = one_buffer([d.numel() for d in data])
-                data = [buffer[at : at + d.numel()].view(d.shape).copy_(d) for d, at in zip(data, offsets, strict=True)]
-            formats = (mats[0].kind, mats[2].kind)  # type: ignore[union-attr]
-            return [BlockExpert(*data[3 * e : 3 * e + 3], formats=formats) for e in range(n)]
-        if ckpt.spec.fused_experts and ckpt.config.experts_mxfp4:  # gpt-oss as published: 4-bit copies per expert
-            stored = [ckpt.tensor(name) for name in mxfp4_expert_names(ckpt.spec, layer)]
-            alpha, limit = ckpt.config.clamped_swiglu or (1.702, 7.0)
-            return MXFP4Expert.layer(*stored, alpha, limit)
-        if ckpt.spec.fused_experts:  # gpt-oss: each expert a view of its slice of the layer's fused tensors
-            fused = fused_expert_names(ckpt.spec, layer)
-            gate_up, gate_up_bias, down, down_bias = \
-                ckpt.read_into_ram(list(fused)) if resident else [ckpt.tensor(name) for name in fused]
-            alpha, limit = ckpt.config.clamped_swiglu or (1.702, 7.0)  # (the family always sets it)
-            return [ClampedSwiGLUExpert.from_fused(gate_up[e], gate_up_bias[e], down[e], down_bias[e], alpha, limit)
-                    for e in range(n)]
-        names = [name for e in range(n) for name in expert_names(ckpt.spec, layer, e)]
-        tensors = ckpt.read_into_ram(names) if resident else [ckpt.tensor(name) for name in names]
-        return [ExpertWeights(*tensors[3 * e : 3 * e + 3]) for e in range(n)]
-
-    if not resident and not ckpt.config.experts_mxfp4 and not blocks:
-        return {layer: one(layer) for layer in layers}
-    out: dict[int, list[ExpertWeights]] = {}
-    with ThreadPoolExecutor(2) as pool:
-        for k, (layer, experts) in enumerate(zip(layers, pool.map(one, layers), strict=True)):
-            out[layer] = experts
-            if progress is not None:
-                progress("reading the experts into RAM", (k + 1) / len(layers))
-    return out
-
-
 @dataclass
 class DecoderLayer:
     input_norm: torch.Tensor
@@ -234,56 +62,6 @@ class DecoderLayer:
     ffn: MoEBlockWeights | ExpertWeights  # a dense layer is a single always-on SwiGLU
     input_norm_bias: torch.Tensor | None = None  # LayerNorm's biases (cfg.norm_type "layer")
     post_norm_bias: torch.Tensor | None = None
-
-
-class KVCache:
-    """Preallocated keys and values for every layer: [layers, B, Hkv, context, D] each."""
-
-    def __init__(
-        self, cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype, accel: Accelerator | None = None
-    ) -> None:
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, context, cfg.head_dim)
-        if accel is None:
-            self.k, self.v = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
-        else:
-            self.k, self.v = accel.empty(shape, dtype, "the KV cache"), accel.empty(shape, dtype, "the KV cache")
-        self.context = context
-        self.batch = batch
-        self.held = HeldTokens(batch, context)  # the tokens each row holds (runtime/prefix.py)
-
-    def copy_rows(self, pairs: list[tuple[int, int]], length: int) -> None:
-        """Beam search: for each (dst, src), batch row dst takes the first `length` positions of row src. No row
-        may be both: the copies run one after another, straight from slice to slice (no temporary copy, as a
-        gather-and-scatter through an index tensor would make)."""
-        if {d for d, _ in pairs} & {s for _, s in pairs}:
-            raise ValueError("copy_rows: a row cannot be both a source and a destination")
-        for d, s in pairs:
-            self.k[:, d, :, :length].copy_(self.k[:, s, :, :length])
-            self.v[:, d, :, :length].copy_(self.v[:, s, :, :length])
-        self.held.copy_rows(pairs, length)
-
-    def snapshot(self, row: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row `row`'s first n positions (views): its keys and values, [layers, Hkv, n, D] each."""
-        return self.k[:, row, :, :n], self.v[:, row, :, :n]
-
-    def restore(self, row: int, parts: tuple[torch.Tensor, ...], n: int) -> None:
-        """The first n positions of a `snapshot` (of this cache's shape) back into row `row`."""
-        k, v = parts
-        for i in range(k.shape[0]):  # a layer at a time: on an accelerator, a strided copy's temporary is one layer's
-            self.k[i, row, :, :n].copy_(k[i, :, :n])
-            self.v[i, row, :, :n].copy_(v[i, :, :n])
-
-    def row(self, r: int) -> KVCache:
-        """Batch row r alone, as a cache of one row: views, so what a pass writes into it lands in this cache."""
-        view = copy.copy(self)
-        view.k, view.v, view.batch = self.k[:, r : r + 1], self.v[:, r : r + 1], 1
-        view.held = self.held.row(r)
-        return view
-
-    @staticmethod
-    def nbytes(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype) -> int:
-        item = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.num_layers * batch * cfg.num_kv_heads * context * cfg.head_dim * item
 
 
 PREFILL_CHUNK = 512  # tokens per prefill pass on an accelerator: bounds the activations the budget keeps back
@@ -403,113 +181,14 @@ class MoEModel:
         self._row_views: dict[int, MoEModel] = {}  # forward_rows' one-token passes: the model over one cache row
 
     @classmethod
-    def from_checkpoint(
-        cls, ckpt: Checkpoint, dtype: torch.dtype, context: int, batch: int = 1,
-        accel: Accelerator | None = None, policy: OffloadOptions | None = None, cpu: CpuOptions | None = None,
-        progress: Callable[[str, float], None] | None = None, cpu_dtype: torch.dtype | None = None,
-        ragged: bool = False,
-    ) -> MoEModel:
-        """`cpu_dtype`: the CPU experts' compute dtype where it is not `dtype` (an fp16 GPU's); `ragged`: see
-        `MoEModel`."""
-        cfg, spec = ckpt.config, ckpt.spec
-        kept = kept_dtypes(ckpt, dtype, cpu) if accel is None else lambda name: dtype
+    def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype, context: int, batch: int = 1,
+                        accel: Accelerator | None = None, policy: OffloadOptions | None = None,
+                        cpu: CpuOptions | None = None, progress: Callable[[str, float], None] | None = None,
+                        cpu_dtype: torch.dtype | None = None, ragged: bool = False) -> MoEModel:
+        """runtime/build.py `build_model`: the decoder built from `ckpt`."""
+        from tandem.runtime.build import build_model
 
-        def w(name: str) -> torch.Tensor:
-            """A non-expert weight: on the accelerator, or in RAM (no copy if its dtype is kept)."""
-            if accel is not None:
-                return accel.place(ckpt.tensor(name), dtype, name)
-            return ckpt.tensor(name).to(kept(name), copy=bool(cpu and cpu.resident))
-
-        blocks_run = accel is None and library() is not None and (cpu is None or cpu.use_kernel)
-
-        def wq(name: str) -> Matrix:
-            """A dense matrix: GGUF blocks as the file stores them where the kernels read them (a RAM copy if
-            resident), else as `w`."""
-            m = ckpt.blocks(name) if blocks_run else None
-            if m is None:
-                return w(name)
-            return replace(m, data=m.data.clone()) if cpu and cpu.resident else m
-
-        def opt(name: str) -> torch.Tensor | None:
-            return w(name) if name in ckpt.where else None
-
-        def projections(names: list[str], rows: list[int]) -> Matrix:
-            """q, k and v as one matrix: GGUF blocks of one format stacked (a copy), of several formats side by
-            side (DenseLinear runs each), else `stacked`."""
-            parts = [ckpt.blocks(n) if blocks_run else None for n in names]
-            if any(p is None for p in parts):
-                return stacked(names, rows)
-            if len({p.kind for p in parts}) > 1:  # type: ignore[union-attr]
-                return [wq(n) for n in names]  # type: ignore[misc]
-            data = torch.cat([p.data for p in parts])  # type: ignore[union-attr]
-            return block_matrix(data, parts[0].kind)  # type: ignore[union-attr]
-
-        def stacked(names: list[str], rows: list[int]) -> torch.Tensor:
-            """Several tensors along dim 0 as one (a missing bias counts as zeros), then placed like `w`."""
-            kinds = {kept(n) for n in names if n in ckpt.where}
-            into = kinds.pop() if len(kinds) == 1 else dtype
-            parts = [ckpt.tensor(n).to(into) if n in ckpt.where else torch.zeros(r, dtype=into)
-                     for n, r in zip(names, rows, strict=True)]
-            fused = torch.cat(parts)
-            return accel.place(fused, dtype, names[0]) if accel is not None else fused
-
-        def f32(name: str) -> torch.Tensor:
-            t = ckpt.tensor(name).float()
-            return accel.place(t, torch.float32, name) if accel is not None else t
-
-        linear = DenseLinear(cpu.threads if cpu else None, (cpu is None or cpu.use_kernel) and accel is None,
-                             cpu.isa if cpu else None)  # (kernels on the CPU only: see __init__)
-
-        def mlp(prefix: str) -> ExpertWeights:
-            names = [f"{prefix}.{p}_proj.weight" for p in ("gate", "up", "down")]
-            mats = [wq(n) for n in names]
-            if all(isinstance(q, QuantizedMatrix) for q in mats) and mats[0].kind == mats[1].kind:  # type: ignore[union-attr]
-                return BlockExpert(*(q.data for q in mats), formats=(mats[0].kind, mats[2].kind),  # type: ignore[union-attr]
-                                   linear=linear)
-            return ExpertWeights(*(q.dequantize(dtype) if isinstance(q, QuantizedMatrix) else q for q in mats))
-
-        layers = []
-        rule = RoutingRule(cfg.top_k, cfg.norm_topk_prob, scoring=cfg.scoring, n_group=cfg.n_group,  # type: ignore[arg-type]
-                           topk_group=cfg.topk_group, group_score=cfg.group_score,  # type: ignore[arg-type]
-                           scaling=cfg.routed_scaling_factor, jitter_eps=cfg.jitter_eps)
-        for i in range(cfg.num_layers):
-            p = layer_prefix(i)
-            a = f"{p}.self_attn"
-            rows = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
-            attn = load_mla(cfg, a, w) if cfg.kv_lora_rank else Attention(
-                projections([f"{a}.{n}_proj.weight" for n in "qkv"], rows), wq(f"{a}.o_proj.weight"),
-                stacked([f"{a}.{n}_proj.bias" for n in "qkv"], rows) if cfg.qkv_bias else None,
-                opt(f"{a}.o_proj.bias") if cfg.o_bias else None,
-                opt(f"{a}.q_norm.weight") if cfg.qk_norm != "none" else None,
-                opt(f"{a}.k_norm.weight") if cfg.qk_norm != "none" else None,
-                w(f"{a}.sinks") if cfg.attention_sinks else None,
-            )
-            ffn: MoEBlockWeights | ExpertWeights
-            if cfg.sparse_layers[i]:
-                shared = None
-                if cfg.shared_expert_intermediate_size:
-                    shared_mlp, shared_gate = shared_expert_names(spec, i)
-                    shared = SharedExpert(mlp(shared_mlp), w(shared_gate) if shared_gate else None)
-                # the correction bias in float32 whatever the compute dtype: it only chooses, and rounding it would
-                # change the choice where two experts are close
-                correction = f32(correction_name(spec, i)) if cfg.router_correction else None
-                bias = w(router_bias_name(spec, i)) if cfg.router_bias else None
-                ffn = MoEBlockWeights(w(router_name(spec, i)), [], rule, shared, correction, bias)  # experts: below
-            else:
-                ffn = mlp(f"{p}.mlp")
-            layers.append(DecoderLayer(w(f"{p}.input_layernorm.weight"), w(f"{p}.post_attention_layernorm.weight"),
-                                       attn, ffn, w(f"{p}.input_layernorm.bias") if cfg.norm_type == "layer" else None,
-                                       w(f"{p}.post_attention_layernorm.bias") if cfg.norm_type == "layer" else None))
-        embed = wq("model.embed_tokens.weight")
-        lm_head = embed if cfg.tie_word_embeddings else wq("lm_head.weight")
-        # Last, as the longest step when they are read into RAM: whatever does not fit has failed by now.
-        moe = [i for i in range(cfg.num_layers) if cfg.sparse_layers[i]]
-        for i, experts in routed_experts(ckpt, moe, bool(cpu and cpu.experts_in_ram), progress,
-                                         cpu.quant if cpu else None).items():
-            layers[i].ffn.experts.extend(experts)  # type: ignore[union-attr]
-        return cls(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, context, batch, accel, policy, cpu,
-                   w("model.norm.bias") if cfg.norm_type == "layer" else None,
-                   w("lm_head.bias") if cfg.lm_head_bias else None, linear, cpu_dtype, ragged)
+        return build_model(ckpt, dtype, context, batch, accel, policy, cpu, progress, cpu_dtype, ragged)
 
     def with_batch(self, batch: int, host_cache: bool = False) -> MoEModel:
         """The same model (weights, experts, dispatcher shared) for `batch` sequences: its KV cache's first rows

@@ -114,7 +114,7 @@ def longest_match(entries: Sequence[K], prompt: torch.Tensor, long: bool, least:
 
 
 class PrefixCache(Protocol):
-    """What the store asks of a KV cache (`model.KVCache`, `mla.LatentCache`)."""
+    """What the store asks of a KV cache (`attention.KVCache`, `mla.LatentCache`)."""
 
     held: HeldTokens
 

@@ -9,7 +9,7 @@ import torch
 
 from tandem.kernels.attend import ATTEND_ISAS, attend_isa, attend_one, attend_rows
 from tandem.kernels.library import available_isas
-from tandem.runtime.model import attend_cached
+from tandem.runtime.attention import attend_cached
 
 pytestmark = [pytest.mark.isa, pytest.mark.skipif(attend_isa() is None, reason="the kernels are not built")]
 

@@ -387,7 +387,8 @@ def test_an_accelerator_nobody_asked_for_that_cannot_hold_the_model_leaves_it_on
 
 
 def test_the_activations_of_the_longest_prefill_pass_are_kept_back(checkpoints) -> None:
-    from tandem.runtime.model import PREFILL_CHUNK, KVCache, activation_bytes
+    from tandem.runtime.attention import KVCache
+    from tandem.runtime.model import PREFILL_CHUNK, activation_bytes
 
     folder = checkpoints["mixtral"]
     accel = EmulatedAccelerator(1 << 30)

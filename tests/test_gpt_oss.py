@@ -114,7 +114,7 @@ def test_attention_with_sinks_is_transformers_eager_attention(tokens: int) -> No
 
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-    from tandem.runtime.model import attend_with_sinks
+    from tandem.runtime.attention import attend_with_sinks
 
     g = torch.Generator().manual_seed(tokens)
     B, Hq, Hkv, S, D, window = 2, 8, 2, 160, 16, 40

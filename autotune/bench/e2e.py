@@ -27,11 +27,11 @@ from tandem.autotune.bench.inputs import bench_prompt_ids
 from tandem.autotune.bench.llama import llama_rows
 from tandem.autotune.microbench import PEAK_OF, compute_peak, dram_bandwidth
 from tandem.autotune.probe import probe
+from tandem.runtime.attention import matrix_bytes
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.engine import Engine, GenerationStats
 from tandem.runtime.gguf import is_gguf
 from tandem.runtime.loader import LoadedModel
-from tandem.runtime.model import matrix_bytes
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.weights import attention_tensors
 
