@@ -19,7 +19,7 @@ from tandem.autotune.profile import find_profile, model_fingerprint
 from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
 from tandem.runtime.latency import LatencyModel
 from tandem.runtime.options import Machine, Options, Request, auto_dtype, resolve
-from tandem.runtime.trace import load_popularity, most_popular
+from tandem.runtime.trace import placement as trace_placement
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,7 @@ def configure(request: Request, *, placement: str | None = None, use_profile: bo
     ckpt = checkpoint or open_checkpoint(request.model)
     cfg = ckpt.config
     if placement is not None:
-        counts = load_popularity(placement, cfg.num_layers, cfg.num_experts)
-        request = replace(request, static=tuple(most_popular(counts, counts.size)))
+        request = replace(request, static=trace_placement(placement, cfg.num_layers, cfg.num_experts))
     profile, measured = None, None
     if use_profile:
         hw = hardware or probe()

@@ -24,6 +24,7 @@ from tandem.runtime.options import Machine, Options, Request, resolve
 from tandem.runtime.prefix import PrefixStore
 from tandem.runtime.prefix_disk import DiskPrefixes, default_folder, disk_key
 from tandem.runtime.tokenizer import Tokenizer
+from tandem.runtime.trace import placement as trace_placement
 from tandem.runtime.weights import layer_expert_names
 
 
@@ -99,10 +100,13 @@ def prefix_key(ckpt: Checkpoint, options: Options) -> str:
     return disk_key(ckpt.identity(), ckpt.path.name, settings)
 
 
-def load_model(model: str | Path, *, progress: Callable[[str, float], None] | None = None,
-               **settings: Any) -> LoadedModel:
+def load_model(model: str | Path, *, placement: str | Path | None = None,
+               progress: Callable[[str, float], None] | None = None, **settings: Any) -> LoadedModel:
     """Resolve `settings` (fields of `Request`) and load, for a program that states what it depends on (a
-    benchmark, a test): no profile, and CPU only unless it asks for an accelerator."""
+    benchmark, a test): no profile, and CPU only unless it asks for an accelerator. `placement`: a recorded trace
+    whose experts, most popular first, are pinned on the accelerator (as --placement)."""
     settings.setdefault("accelerator", "none")
     ckpt = open_checkpoint(model)
+    if placement is not None:
+        settings["static"] = trace_placement(placement, ckpt.config.num_layers, ckpt.config.num_experts)
     return load(resolve(Request(model=model, **settings), None, ckpt, Machine.here()), ckpt, progress)

@@ -88,7 +88,8 @@ def softmax_scale(cfg: ModelConfig) -> float:
 
 class LatentCache:
     """Each token's latent and shared rotated key, [layers, B, context, C + Dr]: the latent first (after its RMSNorm),
-    the rotated key last. Offers what the engine asks of `attention.KVCache` (`batch`, `context`, `copy_rows`, `nbytes`)."""
+    the rotated key last. Offers what the engine asks of `attention.KVCache` (`batch`, `context`, `copy_rows`,
+    `nbytes`)."""
 
     def __init__(
         self, cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype, accel: Accelerator | None = None

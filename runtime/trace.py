@@ -166,3 +166,9 @@ def most_popular(counts: np.ndarray, slots: int) -> list[Key]:
     """The `slots` (layer, expert) pairs with the highest counts (ties: lower layer, then lower expert)."""
     order = sorted(np.ndindex(*counts.shape), key=lambda k: (-counts[k], k))
     return [(int(layer), int(e)) for layer, e in order[:slots] if counts[layer, e] > 0]
+
+
+def placement(path: str | Path, num_layers: int, num_experts: int) -> tuple[Key, ...]:
+    """A recorded trace as a placement (--placement): every expert it saw, most popular first."""
+    counts = load_popularity(path, num_layers, num_experts)
+    return tuple(most_popular(counts, counts.size))
