@@ -23,7 +23,7 @@ from tandem.runtime.attention import Attention, Matrix
 from tandem.runtime.checkpoint import Checkpoint, one_buffer
 from tandem.runtime.dispatch import OffloadOptions
 from tandem.runtime.mla import load_mla
-from tandem.runtime.model import DecoderLayer, MoEModel
+from tandem.runtime.model import DecoderLayer, DecoderWeights, ModelRun, MoEModel
 from tandem.runtime.moe import (
     BlockExpert,
     ClampedSwiGLUExpert,
@@ -113,14 +113,12 @@ def routed_experts(ckpt: Checkpoint, layers: list[int], resident: bool,
     return out
 
 
-def build_model(
-    ckpt: Checkpoint, dtype: torch.dtype, context: int, batch: int = 1,
-    accel: Accelerator | None = None, policy: OffloadOptions | None = None, cpu: CpuOptions | None = None,
-    progress: Callable[[str, float], None] | None = None, cpu_dtype: torch.dtype | None = None,
-    ragged: bool = False,
-) -> MoEModel:
-    """`cpu_dtype`: the CPU experts' compute dtype where it is not `dtype` (an fp16 GPU's); `ragged`: see
-    `MoEModel`."""
+def build_model(ckpt: Checkpoint, run: ModelRun, accel: Accelerator | None = None,
+                policy: OffloadOptions | None = None, cpu: CpuOptions | None = None,
+                progress: Callable[[str, float], None] | None = None) -> MoEModel:
+    """The decoder of `ckpt` for `run`: its weights placed on `accel` or kept in RAM as `cpu` says, its experts
+    dispatched by `policy` (`progress` hears about reading them)."""
+    dtype = run.dtype
     cfg, spec = ckpt.config, ckpt.spec
     kept = kept_dtypes(ckpt, dtype, cpu) if accel is None else lambda name: dtype
 
@@ -217,6 +215,7 @@ def build_model(
     for i, experts in routed_experts(ckpt, moe, bool(cpu and cpu.experts_in_ram), progress,
                                      cpu.quant if cpu else None).items():
         layers[i].ffn.experts.extend(experts)  # type: ignore[union-attr]
-    return MoEModel(cfg, embed, layers, w("model.norm.weight"), lm_head, dtype, context, batch, accel, policy, cpu,
-               w("model.norm.bias") if cfg.norm_type == "layer" else None,
-               w("lm_head.bias") if cfg.lm_head_bias else None, linear, cpu_dtype, ragged)
+    weights = DecoderWeights(embed, layers, w("model.norm.weight"), lm_head,
+                             w("model.norm.bias") if cfg.norm_type == "layer" else None,
+                             w("lm_head.bias") if cfg.lm_head_bias else None, linear)
+    return MoEModel(cfg, weights, run, accel, policy, cpu)

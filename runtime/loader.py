@@ -19,7 +19,7 @@ from tandem.runtime.accelerator import make_accelerator
 from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
 from tandem.runtime.engine import Engine
 from tandem.runtime.memory import check_memory, estimate_memory
-from tandem.runtime.model import MoEModel
+from tandem.runtime.model import ModelRun, MoEModel
 from tandem.runtime.options import Machine, Options, Request, resolve
 from tandem.runtime.prefix import PrefixStore
 from tandem.runtime.prefix_disk import DiskPrefixes, default_folder, disk_key
@@ -62,8 +62,8 @@ def load(options: Options, checkpoint: Checkpoint | None = None,
     tokenizer = tokenizer or Tokenizer.from_model(ckpt.path)
     accel = make_accelerator(options.accelerator, options.vram_gb, options.gpu)
     try:
-        model = MoEModel.from_checkpoint(ckpt, dtype, options.context, options.batch, accel, options.offload, cpu,
-                                         progress, cpu_dtype, options.ragged)
+        run = ModelRun(dtype, options.context, options.batch, cpu_dtype, options.ragged)
+        model = MoEModel.from_checkpoint(ckpt, run, accel, options.offload, cpu, progress)
     except ResourceError as e:
         if accel is None:
             raise
@@ -73,8 +73,8 @@ def load(options: Options, checkpoint: Checkpoint | None = None,
         if notify is not None:
             notify(f"{e}; the model runs on the CPU only")
         options = replace(options, accelerator="none", dtype=options.cpu_dtype or options.dtype, cpu_dtype=None)
-        model = MoEModel.from_checkpoint(ckpt, options.torch_dtype, options.context, options.batch, None,
-                                         options.offload, cpu, progress, ragged=options.ragged)
+        run = ModelRun(options.torch_dtype, options.context, options.batch, ragged=options.ragged)
+        model = MoEModel.from_checkpoint(ckpt, run, None, options.offload, cpu, progress)
     except BaseException:
         if accel is not None:
             accel.close()

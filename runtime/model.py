@@ -100,33 +100,44 @@ def cache_class(cfg: ModelConfig) -> type[KVCache] | type[LatentCache]:
     return LatentCache if cfg.kv_lora_rank else KVCache
 
 
+@dataclass(frozen=True)
+class ModelRun:
+    """What a decoder is built to run: its compute dtype, the tokens and sequences its KV cache holds, the CPU
+    experts' compute dtype where it is not `dtype` (an fp16 GPU's), and whether the sequences run as
+    `forward_rows`' ragged passes (batch mode: the accelerator then keeps back the activations of one row of a
+    pass's tokens, not of `batch` rows)."""
+
+    dtype: torch.dtype
+    context: int
+    batch: int = 1
+    cpu_dtype: torch.dtype | None = None
+    ragged: bool = False
+
+
+@dataclass
+class DecoderWeights:
+    """The decoder's own weights (the routed experts live in its layers' MoE blocks), as runtime/build.py makes
+    them, and the dense matrices' runner they were prepared for (None: the model makes one)."""
+
+    embed: torch.Tensor | QuantizedMatrix
+    layers: list[DecoderLayer]
+    norm: torch.Tensor
+    lm_head: torch.Tensor | QuantizedMatrix
+    norm_bias: torch.Tensor | None = None  # LayerNorm's (cfg.norm_type "layer")
+    lm_head_bias: torch.Tensor | None = None
+    linear: DenseLinear | None = None
+
+
 class MoEModel:
     """The decoder. Non-expert weights, the KV cache and RoPE tables live on the accelerator when there is
     one (Fiddler §3.3), else in RAM; routed experts stay in host memory and run through the `Dispatcher`."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        embed: torch.Tensor | QuantizedMatrix,
-        layers: list[DecoderLayer],
-        norm: torch.Tensor,
-        lm_head: torch.Tensor | QuantizedMatrix,
-        dtype: torch.dtype,
-        context: int,
-        batch: int = 1,
-        accel: Accelerator | None = None,
-        policy: OffloadOptions | None = None,
-        cpu: CpuOptions | None = None,
-        norm_bias: torch.Tensor | None = None,
-        lm_head_bias: torch.Tensor | None = None,
-        linear: DenseLinear | None = None,
-        cpu_dtype: torch.dtype | None = None,
-        ragged: bool = False,
-    ) -> None:
-        """`ragged`: the `batch` sequences run as `forward_rows`' ragged passes (batch mode), so the accelerator keeps
-        back the activations of one row of a pass's tokens, not of `batch` rows."""
-        self.cfg, self.embed, self.layers, self.norm, self.lm_head = cfg, embed, layers, norm, lm_head
-        self.norm_bias, self.lm_head_bias = norm_bias, lm_head_bias
+    def __init__(self, cfg: ModelConfig, weights: DecoderWeights, run: ModelRun, accel: Accelerator | None = None,
+                 policy: OffloadOptions | None = None, cpu: CpuOptions | None = None) -> None:
+        embed, layers, linear = weights.embed, weights.layers, weights.linear
+        dtype, context, batch = run.dtype, run.context, run.batch
+        self.cfg, self.embed, self.layers, self.norm, self.lm_head = cfg, embed, layers, weights.norm, weights.lm_head
+        self.norm_bias, self.lm_head_bias = weights.norm_bias, weights.lm_head_bias
         self.dtype, self.context, self.accel = dtype, context, accel
         self.device = accel.device if accel is not None else torch.device("cpu")
         self.cache = cache_class(cfg)(cfg, batch, context, dtype, accel)
@@ -164,10 +175,10 @@ class MoEModel:
         self.prefill_chunk: int | None = None
         if accel is not None:
             self.prefill_chunk = min(PREFILL_CHUNK, context)
-            rows = 1 if ragged else batch
+            rows = 1 if run.ragged else batch
             accel.reserve(activation_bytes(cfg, self.prefill_chunk, context, rows, dtype), "activations")
         blocks = {i: layer.ffn for i, layer in enumerate(layers) if isinstance(layer.ffn, MoEBlockWeights)}
-        self.dispatcher = Dispatcher(cfg, blocks, dtype, accel, policy, cpu, self.linear, cpu_dtype)
+        self.dispatcher = Dispatcher(cfg, blocks, dtype, accel, policy, cpu, self.linear, run.cpu_dtype)
         # One decode token through every layer in one kernel call, where the step serves the model (off: the
         # torch path for every token, as the step's tests compare)
         self.use_step = True
@@ -181,14 +192,13 @@ class MoEModel:
         self._row_views: dict[int, MoEModel] = {}  # forward_rows' one-token passes: the model over one cache row
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype, context: int, batch: int = 1,
-                        accel: Accelerator | None = None, policy: OffloadOptions | None = None,
-                        cpu: CpuOptions | None = None, progress: Callable[[str, float], None] | None = None,
-                        cpu_dtype: torch.dtype | None = None, ragged: bool = False) -> MoEModel:
-        """runtime/build.py `build_model`: the decoder built from `ckpt`."""
+    def from_checkpoint(cls, ckpt: Checkpoint, run: ModelRun, accel: Accelerator | None = None,
+                        policy: OffloadOptions | None = None, cpu: CpuOptions | None = None,
+                        progress: Callable[[str, float], None] | None = None) -> MoEModel:
+        """runtime/build.py `build_model`: the decoder built from `ckpt` for `run`."""
         from tandem.runtime.build import build_model
 
-        return build_model(ckpt, dtype, context, batch, accel, policy, cpu, progress, cpu_dtype, ragged)
+        return build_model(ckpt, run, accel, policy, cpu, progress)
 
     def with_batch(self, batch: int, host_cache: bool = False) -> MoEModel:
         """The same model (weights, experts, dispatcher shared) for `batch` sequences: its KV cache's first rows

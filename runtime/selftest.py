@@ -41,7 +41,7 @@ from tandem.runtime.dispatch import SLAB_BYTES, Dispatcher, OffloadOptions, Stra
 from tandem.runtime.engine import Engine
 from tandem.runtime.expert_cache import CachePolicy
 from tandem.runtime.memory import accelerator_bytes
-from tandem.runtime.model import MoEModel, Segment
+from tandem.runtime.model import ModelRun, MoEModel, Segment
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.synth import tiny_config, write_test_model
 
@@ -106,8 +106,8 @@ class _Device:
         return accel
 
     def model(self, policy: OffloadOptions, batch: int = 1) -> MoEModel:
-        return MoEModel.from_checkpoint(self.ckpt, torch.float32, CONTEXT, batch, self.accelerator(self.vram_gb),
-                                        policy)
+        return MoEModel.from_checkpoint(self.ckpt, ModelRun(torch.float32, CONTEXT, batch),
+                                        self.accelerator(self.vram_gb), policy)
 
 
 class _Shaped:
@@ -149,7 +149,7 @@ def selftest(kind: str, workdir: Path, gpu: int = 0,
     folder = write_test_model(workdir / "mixtral", tiny_config("mixtral", num_hidden_layers=3), seed=3)
     ckpt = open_checkpoint(folder)
     device = _Device(kind, gpu, ckpt)
-    cpu = MoEModel.from_checkpoint(ckpt, torch.float32, CONTEXT, 2)
+    cpu = MoEModel.from_checkpoint(ckpt, ModelRun(torch.float32, CONTEXT, 2))
     reference, beams = _run(cpu), _run(cpu, beams=2)
     cpu.close()
     shaped = _Shaped(kind, workdir)
@@ -206,7 +206,8 @@ def _numerics(device: _Device, shaped: _Shaped, dtype: torch.dtype) -> Check:
     cpu_dtype = torch.float32 if dtype == torch.float16 else None
     ids = shaped.prompt(48, seed=1)[None]
     accel = device.accelerator(shaped.vram_gb())
-    model = MoEModel.from_checkpoint(shaped.ckpt, dtype, CONTEXT, 1, accel, OffloadOptions(), PLAIN, None, cpu_dtype)
+    model = MoEModel.from_checkpoint(shaped.ckpt, ModelRun(dtype, CONTEXT, 1, cpu_dtype=cpu_dtype), accel,
+                                     OffloadOptions(), PLAIN, None)
     layers = _Recorded(model.dispatcher)
     model.dispatcher = layers  # type: ignore[assignment]
     try:
@@ -218,7 +219,7 @@ def _numerics(device: _Device, shaped: _Shaped, dtype: torch.dtype) -> Check:
     on_cpu = {}
     roundoffs = 0.0
     for kind in {torch.float32, cpu_dtype or dtype}:
-        cpu = MoEModel.from_checkpoint(shaped.ckpt, kind, CONTEXT, 1, None, None, PLAIN)
+        cpu = MoEModel.from_checkpoint(shaped.ckpt, ModelRun(kind, CONTEXT, 1), None, None, PLAIN)
         try:
             on_cpu[kind] = cpu.forward(ids, 0)[0].float()
             if kind == (cpu_dtype or dtype):
@@ -230,7 +231,7 @@ def _numerics(device: _Device, shaped: _Shaped, dtype: torch.dtype) -> Check:
     if torch.bfloat16 in on_cpu:
         bf16_moves = (on_cpu[torch.bfloat16] - on_cpu[torch.float32]).abs().max().item()
     else:  # (fp16: against float32; bf16's own distance measured all the same)
-        cpu = MoEModel.from_checkpoint(shaped.ckpt, torch.bfloat16, CONTEXT, 1, None, None, PLAIN)
+        cpu = MoEModel.from_checkpoint(shaped.ckpt, ModelRun(torch.bfloat16, CONTEXT, 1), None, None, PLAIN)
         try:
             bf16_moves = (cpu.forward(ids, 0)[0].float() - theirs).abs().max().item()
         finally:
@@ -339,7 +340,7 @@ def _slot_memory(device: _Device, shaped: _Shaped) -> Check:
         base = torch.cuda.memory_reserved(device.gpu_index)
     accel = device.accelerator(shaped.vram_gb())
     before = accel.allocations
-    model = MoEModel.from_checkpoint(shaped.ckpt, torch.bfloat16, CONTEXT, 1, accel, OffloadOptions())
+    model = MoEModel.from_checkpoint(shaped.ckpt, ModelRun(torch.bfloat16, CONTEXT, 1), accel, OffloadOptions())
     try:
         dispatcher = model.dispatcher
         slots = len(dispatcher.slot_buffers)
@@ -426,7 +427,8 @@ def _synchronisations_by_kind(device: _Device, shaped: _Shaped, workdir: Path) -
     wrong = []
     for name, (ckpt, cpu, dtype) in kinds.items():
         budget = shaped.vram_gb() if ckpt is shaped.ckpt else 1.0
-        model = MoEModel.from_checkpoint(ckpt, dtype, CONTEXT, 1, device.accelerator(budget), OffloadOptions(), cpu)
+        model = MoEModel.from_checkpoint(ckpt, ModelRun(dtype, CONTEXT, 1), device.accelerator(budget),
+                                         OffloadOptions(), cpu)
         try:
             prompt = [(7 * i + 3) % ckpt.config.vocab_size for i in range(12)]
             per_step, _ = _decode_syncs(model, prompt)
@@ -450,8 +452,8 @@ def _batched_synchronisations(device: _Device, shaped: _Shaped) -> Check:
     """A batched pass (`tandem batch`, `serve`) of two sequences in two micro-batches: one host read per MoE layer
     and micro-batch, and the logits'."""
     accel = device.accelerator(shaped.vram_gb(batch=2))
-    model = MoEModel.from_checkpoint(shaped.ckpt, torch.bfloat16, CONTEXT, 2, accel, OffloadOptions(),
-                                     CpuOptions(resident=True), None, None, True)
+    model = MoEModel.from_checkpoint(shaped.ckpt, ModelRun(torch.bfloat16, CONTEXT, 2, cpu_dtype=None, ragged=True),
+                                     accel, OffloadOptions(), CpuOptions(resident=True), None)
     model.micro_batches = 2
     try:
         model.forward_rows(shaped.prompt(16, seed=2), [Segment(0, 0, 8), Segment(1, 0, 8)], phase="prefill")
@@ -496,7 +498,7 @@ def _reload(device: _Device) -> Check:
     budgets = []
     for _ in range(2):
         accel = device.accelerator(None if cuda else device.vram_gb)
-        model = MoEModel.from_checkpoint(device.ckpt, torch.float32, CONTEXT, 1, accel, OffloadOptions())
+        model = MoEModel.from_checkpoint(device.ckpt, ModelRun(torch.float32, CONTEXT, 1), accel, OffloadOptions())
         budgets.append(accel.budget)
         list(Engine(model, ()).generate(PROMPT, SamplingParams(max_new_tokens=2)))
         model.close()

@@ -141,11 +141,11 @@ def partial_vram(ckpt, dtype: torch.dtype, context: int, batch: int = 1, share: 
 def load(ckpt, dtype, kind, vram_gb=None, context=256, batch=1, ragged=False, cpu_dtype=None, policy=None):
     from tandem.kernels.experts import CpuOptions
     from tandem.runtime.accelerator import make_accelerator
-    from tandem.runtime.model import MoEModel
+    from tandem.runtime.model import ModelRun, MoEModel
 
     accel = None if kind == "none" else make_accelerator(kind, vram_gb, GPU)
-    return MoEModel.from_checkpoint(ckpt, dtype, context, batch, accel, policy, CpuOptions(resident=True), None,
-                                    cpu_dtype, ragged)
+    return MoEModel.from_checkpoint(ckpt, ModelRun(dtype, context, batch, cpu_dtype=cpu_dtype, ragged=ragged), accel,
+                                    policy, CpuOptions(resident=True), None)
 
 
 def drop(model) -> None:

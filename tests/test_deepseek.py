@@ -19,7 +19,7 @@ from tandem.runtime.families import parse_config
 from tandem.runtime.loader import load_model
 from tandem.runtime.memory import estimate_memory
 from tandem.runtime.mla import LatentCache, attend, load_mla
-from tandem.runtime.model import MoEModel, rms_norm
+from tandem.runtime.model import ModelRun, MoEModel, rms_norm
 from tandem.runtime.moe import RoutingRule, route
 from tandem.runtime.rope import rope_tables
 from tandem.runtime.sampling import SamplingParams
@@ -174,7 +174,7 @@ def test_configs_transformers_would_run_differently_are_refused(family: str, cha
 
 def test_model_keeps_the_correction_bias_in_float32(tmp_path: Path) -> None:
     folder = write_test_model(tmp_path / "v3", tiny_config("deepseek_v3"), dtype=torch.bfloat16)
-    model = MoEModel.from_checkpoint(open_checkpoint(folder), torch.bfloat16, 32)
+    model = MoEModel.from_checkpoint(open_checkpoint(folder), ModelRun(torch.bfloat16, 32))
     block = model.layers[1].ffn
     assert block.correction is not None and block.correction.dtype == torch.float32  # type: ignore[union-attr]
     assert block.rule.scoring == "sigmoid" and block.rule.group_score == "top2"  # type: ignore[union-attr]

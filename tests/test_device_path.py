@@ -20,7 +20,7 @@ from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.dispatch import SLAB_BYTES, Dispatcher, OffloadOptions, Strategy
 from tandem.runtime.engine import Engine
 from tandem.runtime.expert_cache import ExpertCache
-from tandem.runtime.model import MoEModel, Segment
+from tandem.runtime.model import ModelRun, MoEModel, Segment
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.synth import tiny_config, write_test_model
 
@@ -53,7 +53,7 @@ def olmoe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def load(folder: Path, accel: EmulatedAccelerator | None, policy: OffloadOptions | None = None,
          batch: int = 1) -> MoEModel:
-    return MoEModel.from_checkpoint(open_checkpoint(folder), torch.bfloat16, 64, batch, accel, policy)
+    return MoEModel.from_checkpoint(open_checkpoint(folder), ModelRun(torch.bfloat16, 64, batch), accel, policy)
 
 
 def every_expert(folder: Path) -> tuple[tuple[int, int], ...]:
@@ -365,9 +365,9 @@ def test_a_few_tokens_run_a_layers_resident_experts_as_one_batched_product(
     monkeypatch.setattr(Dispatcher, "_device_expert",
                         staticmethod(lambda *args: one_by_one.append(1) or real(*args)))  # type: ignore[func-returns-value]
     accel = EmulatedAccelerator(1 << 30)
-    model = MoEModel.from_checkpoint(open_checkpoint(olmoe), torch.float32, 64, 2, accel,
+    model = MoEModel.from_checkpoint(open_checkpoint(olmoe), ModelRun(torch.float32, 64, 2), accel,
                                      OffloadOptions(Strategy.FETCH, cache_ways=cfg.num_experts))
-    cpu = MoEModel.from_checkpoint(open_checkpoint(olmoe), torch.float32, 64, 2)
+    cpu = MoEModel.from_checkpoint(open_checkpoint(olmoe), ModelRun(torch.float32, 64, 2))
     params = SamplingParams(max_new_tokens=6, beams=2)
     try:
         list(Engine(model, ()).generate([5, 17, 99], params))  # the slots fill

@@ -19,7 +19,7 @@ from tandem.runtime.dispatch import OffloadOptions, Strategy, budget_for_slots
 from tandem.runtime.engine import Engine, GenerationStats
 from tandem.runtime.expert_cache import CachePolicy
 from tandem.runtime.latency import LatencyModel
-from tandem.runtime.model import MoEModel
+from tandem.runtime.model import ModelRun, MoEModel
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.synth import tiny_config, write_test_model
 from tandem.runtime.trace import load_popularity, most_popular
@@ -54,7 +54,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def build(folder: Path, accel: EmulatedAccelerator | None = None, policy: OffloadOptions | None = None,
           batch: int = 1) -> Engine:
     ckpt = open_checkpoint(folder)
-    model = MoEModel.from_checkpoint(ckpt, torch.float32, 128, batch, accel, policy)
+    model = MoEModel.from_checkpoint(ckpt, ModelRun(torch.float32, 128, batch), accel, policy)
     return Engine(model, ())
 
 
@@ -444,8 +444,8 @@ def test_an_fp16_device_with_its_cpu_experts_in_the_cpus_dtype(checkpoints) -> N
     prompt = prompt_of(5)
     ref_logits, _, _ = reference(folder, prompt)
     accel = EmulatedAccelerator(budget_for(folder, 6))
-    model = MoEModel.from_checkpoint(open_checkpoint(folder), torch.float16, 128, 1, accel,
-                                     OffloadOptions(Strategy.CPU, cache_ways=2), cpu_dtype=torch.float32)
+    model = MoEModel.from_checkpoint(open_checkpoint(folder), ModelRun(torch.float16, 128, 1, cpu_dtype=torch.float32),
+                                     accel, OffloadOptions(Strategy.CPU, cache_ways=2))
     try:
         assert model.dispatcher.executor.dtype == torch.float32 and model.dispatcher.scratch.gate.dtype == torch.float16
         logits = model.forward(torch.tensor([prompt]), 0)
@@ -502,11 +502,12 @@ def test_slots_hold_the_weights_the_cpu_computes_with_under_quant(checkpoints) -
 
     folder = checkpoints["qwen3_moe"]
     prompt = prompt_of(5)
-    cpu_only = MoEModel.from_checkpoint(open_checkpoint(folder), torch.float32, 128, 1, cpu=CpuOptions(quant="int8"))
+    cpu_only = MoEModel.from_checkpoint(open_checkpoint(folder), ModelRun(torch.float32, 128, 1),
+                                        cpu=CpuOptions(quant="int8"))
     ref = cpu_only.forward(torch.tensor([prompt]), 0)
     cpu_only.close()
     accel = EmulatedAccelerator(budget_for(folder, 6))
-    model = MoEModel.from_checkpoint(open_checkpoint(folder), torch.float32, 128, 1, accel,
+    model = MoEModel.from_checkpoint(open_checkpoint(folder), ModelRun(torch.float32, 128, 1), accel,
                                      OffloadOptions(Strategy.FETCH, cache_ways=2), CpuOptions(quant="int8"))
     try:
         logits = model.forward(torch.tensor([prompt]), 0)

@@ -20,7 +20,7 @@ from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.dispatch import OffloadOptions, Strategy
 from tandem.runtime.engine import Engine
 from tandem.runtime.loader import load_model
-from tandem.runtime.model import MoEModel
+from tandem.runtime.model import ModelRun, MoEModel
 from tandem.runtime.sampling import SamplingParams
 from tests.conftest import build_hf_checkpoint
 from tests.ggufs import write_gguf
@@ -161,7 +161,7 @@ def test_the_accelerator_holds_experts_as_blocks(wide: Path, tmp_path: Path, str
     prompt = torch.randint(3, 500, (1, 5), generator=torch.Generator().manual_seed(5))
 
     def build(accel: EmulatedAccelerator | None, policy: OffloadOptions | None = None) -> Engine:
-        return Engine(MoEModel.from_checkpoint(ckpt, torch.bfloat16, 64, 1, accel, policy), ())
+        return Engine(MoEModel.from_checkpoint(ckpt, ModelRun(torch.bfloat16, 64, 1), accel, policy), ())
 
     cpu = build(None)
     ref_logits = cpu.model.forward(prompt, 0)
