@@ -14,7 +14,7 @@ from typing import Any
 
 from tandem.autotune.measurements import Measurements
 from tandem.autotune.plan import Plan
-from tandem.autotune.probe import HardwareInfo, probe
+from tandem.autotune.probe import probe
 from tandem.autotune.profile import find_profile, model_fingerprint
 from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
 from tandem.runtime.latency import LatencyModel
@@ -39,12 +39,11 @@ class Configured:
 
 
 def configure(request: Request, *, placement: str | None = None, use_profile: bool = True,
-              notify: Callable[[str], None] | None = None, hardware: HardwareInfo | None = None,
-              checkpoint: Checkpoint | None = None) -> Configured:
+              notify: Callable[[str], None] | None = None, checkpoint: Checkpoint | None = None) -> Configured:
     """Resolve `request` for its model on this machine. `placement`: a recorded trace whose most popular experts
     are pinned on the accelerator (given, so it wins over a profile's); `use_profile`: fill what `request` leaves
-    open from this machine's profile (its notices go to `notify`); `hardware`, `checkpoint`: already probed, already
-    open (the checkpoint must be `request.model`'s)."""
+    open from this machine's profile (its notices go to `notify`); `checkpoint`: already open (the checkpoint must
+    be `request.model`'s)."""
     if request.model is None:
         raise ValueError("configure needs request.model (the CLI resolves the built-in model first)")
     ckpt = checkpoint or open_checkpoint(request.model)
@@ -53,7 +52,7 @@ def configure(request: Request, *, placement: str | None = None, use_profile: bo
         request = replace(request, static=trace_placement(placement, cfg.num_layers, cfg.num_experts))
     profile, measured = None, None
     if use_profile:
-        hw = hardware or probe()
+        hw = probe()
         machine = Machine.here(frozenset(hw.cpu.flags))
         dtype = request.dtype if request.dtype not in (None, "auto") else auto_dtype(
             machine, ckpt, request.quant, request.accelerator, request.gpu)
@@ -65,7 +64,7 @@ def configure(request: Request, *, placement: str | None = None, use_profile: bo
             if found.profile.measurements:
                 measured = Measurements.from_dict(found.profile.measurements)
     else:
-        machine = Machine.here(frozenset(hardware.cpu.flags) if hardware is not None else None)
+        machine = Machine.here()
     return Configured(resolve(request, profile, ckpt, machine), ckpt, request, profile, machine, measured)
 
 
