@@ -197,10 +197,10 @@ def test_bf16_compute_takes_int8_activations_and_float32_keeps_the_float_path() 
                                      ("Q5_0", "Q5_1")])
 def test_several_tokens_against_int8_activations_give_each_token_its_one_token_result(formats: tuple[str, str]
                                                                                       ) -> None:
-    """The several-token kernels unpack each superblock once for up to eight tokens (csrc/q8.c dot; AVX2's: four);
-    the one-token kernels stream four rows side by side (rows4; AVX2's: the same dot for one). Both take the same
-    steps in the same order: the same bits, for every token count up to a call's 16, experts and dense matrices
-    alike."""
+    """The several-token kernels unpack each superblock once for up to eight tokens (csrc/q8.c dot; AVX2's too:
+    csrc/q8avx2.c Q8A_TOKENS); the one-token kernels stream four rows side by side (rows4; AVX2's: the same dot for
+    one). Both take the same steps in the same order: the same bits, for every token count up to a call's 16,
+    experts and dense matrices alike."""
     fmt, down_fmt = formats
     h, i = width(fmt), width(down_fmt)
     mats = [matrix(fmt, i, h, 0), matrix(fmt, i, h, 1), matrix(down_fmt, h, i, 2)]

@@ -4,13 +4,16 @@
  * against x signed as w) and vpmaddwd by the sub-block's scale or by ones, one float multiply-add per block or
  * superblock. The AVX2 variant takes this path for every format but MXFP4 (common.h q8_path): CPUs without
  * AVX512_BF16, whose compute is bf16 for such models (runtime/options.py default_dtype), so activations are rounded
- * anyway. One token and several alike: each row's step unpacked once for up to four tokens.
+ * anyway. One token and several alike: each row's step unpacked once for up to Q8A_TOKENS tokens.
  *
- * Letters: M tokens a call (at most 4 at a time), S steps a row (superblocks, or blocks of 32). */
+ * Letters: M tokens a call (at most Q8A_TOKENS at a time), S steps a row (superblocks, or blocks of 32). */
 #include "common.h"
 #include "blocks.h"
 
 #define Q8A_TARGET __attribute__((target("avx2,fma,f16c")))
+/* Tokens whose dot products share each unpacked step of a row: eight, as q8.c's. A 240-token prefill of the 4-layer
+ * OLMoE shape as Q4_K_M (AVX2 mask, 2 threads) took 0.63-0.67 s against 0.73-0.77 s with four; twelve, 0.65-0.67 s. */
+#define Q8A_TOKENS 8
 
 static inline int k_kind(int kind) { return kind == K_Q4_K || kind == K_Q5_K || kind == K_Q6_K; }
 static inline int with_min(int kind) { return kind == K_Q4_1 || kind == K_Q5_1; }
@@ -109,7 +112,7 @@ Q8A_TARGET static inline __attribute__((always_inline)) void step_avx2(int kind,
         _mm256_storeu_ps(mf + 8 * (size_t)s, _mm256_mul_ps(mins, _mm256_set1_ps(-_mm_cvtss_f32(_mm_movehdup_ps(d_dmin)))));
         const uint8_t *qs = w + (five ? 48 : 16);
         const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
-        __m256i isum[4];
+        __m256i isum[Q8A_TOKENS];
         for (int j = 0; j < M; j++) isum[j] = _mm256_setzero_si256();
         for (int i = 0; i < 4; i++) {  /* bytes 32i..32i+31: sub-block 2i (low nibbles), 2i + 1 (high) */
             const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
@@ -138,7 +141,7 @@ Q8A_TARGET static inline __attribute__((always_inline)) void step_avx2(int kind,
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
         const float d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(w[208] | w[209] << 8)));
         const __m256i three = _mm256_set1_epi8(3);
-        __m256i isum[4];
+        __m256i isum[Q8A_TOKENS];
         for (int j = 0; j < M; j++)
             isum[j] = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(xv[j].bsums + 16 * (size_t)s))), 5);
         for (int j = 0; j < M; j++) isum[j] = _mm256_sub_epi32(_mm256_setzero_si256(), isum[j]);
@@ -200,15 +203,15 @@ Q8A_TARGET static inline float row_end(int kind, const q8_view *x, int n, __m256
 Q8A_TARGET static inline __attribute__((always_inline)) void row_avx2(int kind, const uint8_t *w, const char *x,
                                                                       size_t stride, int M, int n, float *res,
                                                                       int ldr, float *mf) {
-    q8_view xv[4];
-    __m256 acc[4];
+    q8_view xv[Q8A_TOKENS];
+    __m256 acc[Q8A_TOKENS];
     const int block = avx2_block(kind), step_bytes = block_bytes(kind);
     for (int j = 0; j < M; j++) xv[j] = q8_at(x + (size_t)j * stride, n, block), acc[j] = _mm256_setzero_ps();
     for (int s = 0; s < n / block; s++) step_avx2(kind, w + (size_t)s * step_bytes, s, M, xv, acc, mf);
     for (int j = 0; j < M; j++) res[(size_t)j * ldr] = row_end(kind, &xv[j], n, acc[j], mf);
 }
 
-/* dot_fn: one row against nt inputs quantized at x (q8_stride(n) bytes apart: ldx floats), four at a time. */
+/* dot_fn: one row against nt inputs quantized at x (q8_stride(n) bytes apart: ldx floats), Q8A_TOKENS at a time. */
 #define DEFINE_AVX2_DOT(NAME, KIND)                                                                             \
 Q8A_TARGET static void dot_##NAME##_q8avx2(const void *wrow, float scale, const void *gscale, int group,        \
                                            const float *x, int ldx, int nt, int n, float *res, int ldr) {       \
@@ -216,14 +219,18 @@ Q8A_TARGET static void dot_##NAME##_q8avx2(const void *wrow, float scale, const 
     const uint8_t *w = (const uint8_t *)wrow;                                                                   \
     const size_t stride = (size_t)ldx * sizeof(float);                                                          \
     float mf[n / 32 > 0 ? n / 32 : 1];  /* the row's offsets (n / 32 floats at most) */                         \
-    for (int t = 0; t < nt; t += 4) {                                                                           \
+    for (int t = 0; t < nt; t += Q8A_TOKENS) {                                                                  \
         const char *xs = (const char *)x + (size_t)t * stride;                                                  \
         float *r = res + (size_t)t * ldr;                                                                       \
-        switch (nt - t < 4 ? nt - t : 4) {  /* constant M per case: the accumulators stay in registers */      \
+        switch (nt - t < Q8A_TOKENS ? nt - t : Q8A_TOKENS) {  /* constant M per case */                        \
             case 1: row_avx2(KIND, w, xs, stride, 1, n, r, ldr, mf); break;                                      \
             case 2: row_avx2(KIND, w, xs, stride, 2, n, r, ldr, mf); break;                                      \
             case 3: row_avx2(KIND, w, xs, stride, 3, n, r, ldr, mf); break;                                      \
-            default: row_avx2(KIND, w, xs, stride, 4, n, r, ldr, mf); break;                                     \
+            case 4: row_avx2(KIND, w, xs, stride, 4, n, r, ldr, mf); break;                                      \
+            case 5: row_avx2(KIND, w, xs, stride, 5, n, r, ldr, mf); break;                                      \
+            case 6: row_avx2(KIND, w, xs, stride, 6, n, r, ldr, mf); break;                                      \
+            case 7: row_avx2(KIND, w, xs, stride, 7, n, r, ldr, mf); break;                                      \
+            default: row_avx2(KIND, w, xs, stride, 8, n, r, ldr, mf); break;                                     \
         }                                                                                                       \
     }                                                                                                           \
 }
