@@ -755,7 +755,10 @@ def _bench_batch(args: argparse.Namespace) -> int:
 def _configure_bench_serve(args: argparse.Namespace) -> Configured:
     """Without prefix reuse: generate's run and the served request before it share their prompt, and the store
     would hand the server's prompts back to generate; each is to prefill its prompt as a new one would."""
-    return configure_from_args(args, LoadFor(batch=args.batch_size or min(args.concurrency, 8), ragged=True,
+    from tandem.runtime.options import SERVE_MOST_BATCH
+
+    batch = args.batch_size or min(args.concurrency, SERVE_MOST_BATCH)  # (as serve: at most what it takes at once)
+    return configure_from_args(args, LoadFor(batch=batch, ragged=True,
                                               context=args.prompt_len + args.new_len, prefix_reuse=False))
 
 
