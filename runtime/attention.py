@@ -1,7 +1,9 @@
-"""Grouped-query attention, the layer kind: its weights as a layer keeps them (`Attention`), its reference in plain
-PyTorch (`attend_cached`, with gpt-oss's sinks: `attend_with_sinks`), and its cache (`KVCache`: keys and values
-preallocated for every layer). Its fast paths are the kernels' (kernels/attend.py: one token, ragged rows), tested
-against `attend_cached`; Multi-head Latent Attention is the other kind (runtime/mla.py).
+"""Grouped-query attention, the layer kind (`GroupedQueryAttention`, the mixer "attention"): its weights as a layer
+keeps them (`Attention`), its reference in plain PyTorch (`attend_cached`, with gpt-oss's sinks:
+`attend_with_sinks`), its cache (`KVCache`: keys and values preallocated for every layer) and its passes, with the
+variants families ask for (q/k norms, clipping, biases, sliding windows, sinks). Its fast paths are the kernels'
+(kernels/attend.py: one token, ragged rows), tested against `attend_cached`, and the one-call decode step's;
+Multi-head Latent Attention is the other kind (runtime/mla.py).
 
 Letters: B batch, T new tokens, S cached + new tokens, H hidden size, Hq query heads, Hkv key/value heads, D head
 dim, C context.
@@ -10,16 +12,24 @@ dim, C context.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels.attend import attend_one, attend_rows
 from tandem.kernels.quant import QuantizedMatrix
+from tandem.kernels.step import QK_NORMS
 from tandem.runtime.accelerator import Accelerator
 from tandem.runtime.config import ModelConfig
+from tandem.runtime.layer_kind import Loaders, Shape
 from tandem.runtime.prefix import HeldTokens
 from tandem.runtime.rope import apply_rope
+
+if TYPE_CHECKING:
+    from tandem.runtime.model import MoEModel, Segment
 
 # A dense matrix as the model keeps it: a tensor, GGUF blocks as stored (DenseLinear runs both), or q, k and v as
 # blocks of different formats, side by side
@@ -157,3 +167,147 @@ class KVCache:
     def nbytes(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype) -> int:
         item = torch.empty((), dtype=dtype).element_size()
         return 2 * cfg.num_layers * batch * cfg.num_kv_heads * context * cfg.head_dim * item
+
+
+class GroupedQueryAttention:
+    """The mixer "attention" (runtime/layer_kind.py `Mixer`): q, k and v as one product, then the family's q/k norms
+    and clipping, RoPE, the cache write and attention (the kernel for decode on the CPU, else `attend_cached`), the
+    output projection."""
+
+    name = "attention"
+    cache = KVCache
+    host_cache = True
+
+    def tensors(self, cfg: ModelConfig, prefix: str) -> dict[str, Shape]:
+        h, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        out: dict[str, Shape] = {
+            f"{prefix}.q_proj.weight": (q_dim, h),
+            f"{prefix}.k_proj.weight": (kv_dim, h),
+            f"{prefix}.v_proj.weight": (kv_dim, h),
+            f"{prefix}.o_proj.weight": (h, q_dim),
+        }
+        if cfg.qkv_bias:
+            out |= {f"{prefix}.q_proj.bias": (q_dim,), f"{prefix}.k_proj.bias": (kv_dim,),
+                    f"{prefix}.v_proj.bias": (kv_dim,)}
+        if cfg.o_bias:
+            out[f"{prefix}.o_proj.bias"] = (h,)
+        if cfg.attention_sinks:
+            out[f"{prefix}.sinks"] = (cfg.num_heads,)
+        if cfg.qk_norm == "head":
+            out |= {f"{prefix}.q_norm.weight": (cfg.head_dim,), f"{prefix}.k_norm.weight": (cfg.head_dim,)}
+        elif cfg.qk_norm == "full":
+            out |= {f"{prefix}.q_norm.weight": (q_dim,), f"{prefix}.k_norm.weight": (kv_dim,)}
+        return out
+
+    def load(self, cfg: ModelConfig, prefix: str, load: Loaders) -> Attention:
+        rows = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+        norms = cfg.qk_norm != "none"
+        return Attention(
+            load.projections([f"{prefix}.{n}_proj.weight" for n in "qkv"], rows), load.wq(f"{prefix}.o_proj.weight"),
+            load.stacked([f"{prefix}.{n}_proj.bias" for n in "qkv"], rows) if cfg.qkv_bias else None,
+            load.opt(f"{prefix}.o_proj.bias") if cfg.o_bias else None,
+            load.opt(f"{prefix}.q_norm.weight") if norms else None,
+            load.opt(f"{prefix}.k_norm.weight") if norms else None,
+            load.w(f"{prefix}.sinks") if cfg.attention_sinks else None,
+        )
+
+    def step_refusal(self, cfg: ModelConfig) -> str | None:
+        if cfg.clip_qkv is not None or cfg.qk_norm not in QK_NORMS:
+            return "its attention clips q, k and v, or norms them in a way the step does not"
+        return None
+
+    def forward(self, model: MoEModel, i: int, a: Attention, x: torch.Tensor, start: int, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = project_qkv(model, a, x)
+        out = attend_positions(model, i, a, q, k, v, model.cache, start, cos, sin, model.accel is None)  # type: ignore[arg-type]
+        return model.linear(out, a.o, a.o_bias, out_dtype=torch.float32)
+
+    def forward_rows(self, model: MoEModel, i: int, a: Attention, x: torch.Tensor, segments: list[Segment],
+                     rows: list[KVCache], spans: list[int]) -> torch.Tensor:
+        """q, k, v and o are one product each over all N tokens; RoPE, the cache write and attention run segment by
+        segment (on the CPU where the cache is in RAM beside an accelerator: one host read of q, k and v for all of
+        them)."""
+        timeline = model.dispatcher.timeline
+        with nullcontext() if timeline is None else timeline.span("attention"):
+            return attend_segments(model, i, a, x, segments, rows, spans)
+
+
+def project_qkv(model: MoEModel, a: Attention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [B, T, H] -> q [B, T, Hq, D], k and v [B, T, Hkv, D]: one product for the three, then q/k norms and
+    clipping as the family asks."""
+    cfg = model.cfg
+    B, T, _ = x.shape
+    qkv = model.linear(x, a.qkv, a.qkv_bias)  # [B, T, (Hq + 2 Hkv) * D]
+    kv = cfg.num_kv_heads * cfg.head_dim
+    q, k, v = qkv.split((cfg.num_heads * cfg.head_dim, kv, kv), dim=-1)  # [B, T, Hq*D], [B, T, Hkv*D] x 2
+    if cfg.qk_norm == "full":
+        q, k = model.rms_norm(q, a.q_norm, cfg.rms_norm_eps), model.rms_norm(k, a.k_norm, cfg.rms_norm_eps)
+    if cfg.clip_qkv is not None:
+        q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+    q = q.view(B, T, cfg.num_heads, cfg.head_dim)  # [B, T, Hq, D]
+    k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, D]
+    v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, D]
+    if cfg.qk_norm == "head":
+        q, k = model.rms_norm(q, a.q_norm, cfg.rms_norm_eps), model.rms_norm(k, a.k_norm, cfg.rms_norm_eps)
+    return q, k, v
+
+
+def attend_positions(model: MoEModel, i: int, a: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cache: KVCache, start: int, cos: torch.Tensor, sin: torch.Tensor, on_host: bool) -> torch.Tensor:
+    """RoPE, the KV cache write and attention of q [B, T, Hq, D], k and v [B, T, Hkv, D] at positions start..,
+    in `cache`'s rows 0..B-1 -> [B, T, Hq*D] in the compute dtype. `on_host`: the CPU computes it (the kernel,
+    where it serves), else the accelerator (torch)."""
+    B, T = q.shape[:2]
+    window = model.cfg.window(i)
+    # a sliding window: no key before the first one the earliest query sees is read at all
+    first = max(0, start + 1 - window) if window else 0
+    if T == 1 and on_host and model.attend_kernel:  # decode: one kernel call from RoPE to the values' sum
+        return attend_one(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), cos[0], sin[0], cache.k[i],
+                          cache.v[i], start, first, a.sinks, model.threads).view(B, 1, -1)  # [B, T, Hq*D]
+    return attend_cached(q, k, v, cos, sin, cache.k[i], cache.v[i], start, first, window, a.sinks)
+
+
+def attend_segments(model: MoEModel, i: int, a: Attention, x: torch.Tensor, segments: list[Segment],
+                    rows: list[KVCache], spans: list[int]) -> torch.Tensor:
+    """GroupedQueryAttention.forward_rows without its timeline span."""
+    q, k, v = project_qkv(model, a, x)  # [1, N, Hq, D], [1, N, Hkv, D] x 2
+    accel = model.accel
+    host = model.host_cache and accel is not None
+    head = a
+    if host:  # the accelerator's q, k and v (and the sinks) to the CPU, which holds the cache
+        q, k, v, *rest = accel.download(lambda: (q, k, v, *([a.sinks] if a.sinks is not None else []))  # type: ignore[union-attr]
+                                        ).wait()
+        head = replace(a, sinks=rest[0] if rest else None)
+    on_host = host or accel is None
+    parts: list[torch.Tensor | None] = [None] * len(segments)  # each segment's [1, n, Hq*D]
+    if on_host and model.attend_kernel:
+        attend_decoding(model, i, head, q, k, v, segments, spans, host, parts)
+    out = torch.cat([part if part is not None else
+                     attend_positions(model, i, head, q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], row, seg.start,
+                                      *model.segment_tables(seg, host), on_host)
+                     for part, seg, row, lo, hi in zip(parts, segments, rows, spans, spans[1:], strict=False)],
+                    dim=1)  # [1, N, Hq*D]
+    if host:
+        out = accel.to_device(out)  # type: ignore[union-attr]
+    return model.linear(out, a.o, a.o_bias, out_dtype=torch.float32)  # into the residual stream, unrounded
+
+
+def attend_decoding(model: MoEModel, i: int, a: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    segments: list[Segment], spans: list[int], host: bool, parts: list[torch.Tensor | None]) -> None:
+    """The segments of one token (the sequences decoding) through layer i's attention kernel in one call for
+    all that share RoPE tables, each at its own cache row and position, into `parts`: a call per sequence cost
+    its parallel region's start and end, which in a decode step of 64 sequences took most of attention's time.
+    q [1, N, Hq, D], k and v [1, N, Hkv, D] on the host."""
+    cache = model.cache
+    for long in (False, True):
+        ones = [j for j, seg in enumerate(segments) if seg.length == 1 and seg.long == long]
+        if len(ones) < 2:
+            continue
+        at = torch.tensor([spans[j] for j in ones])  # [S]: their tokens among the N
+        cos, sin = model.tables_for(long, host)
+        out = attend_rows(q[0, at].flatten(1), k[0, at].flatten(1), v[0, at].flatten(1), cos, sin,
+                          cache.k[i], cache.v[i], [segments[j].row for j in ones],  # type: ignore[union-attr]
+                          [segments[j].start for j in ones], model.cfg.window(i) or 0, a.sinks,
+                          model.threads)  # [S, Hq*D]
+        for n, j in enumerate(ones):
+            parts[j] = out[n].view(1, 1, -1)

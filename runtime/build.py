@@ -19,31 +19,14 @@ from tandem.kernels.library import library
 from tandem.kernels.names import BLOCK_QUANTS
 from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.accelerator import Accelerator
-from tandem.runtime.attention import Attention, Matrix
+from tandem.runtime.attention import Matrix
 from tandem.runtime.checkpoint import Checkpoint, one_buffer
 from tandem.runtime.dispatch import OffloadOptions
-from tandem.runtime.mla import load_mla
+from tandem.runtime.layer_kind import Loaders
+from tandem.runtime.layers import plan
 from tandem.runtime.model import DecoderLayer, DecoderWeights, ModelRun, MoEModel
-from tandem.runtime.moe import (
-    BlockExpert,
-    ClampedSwiGLUExpert,
-    ExpertWeights,
-    MoEBlockWeights,
-    MXFP4Expert,
-    RoutingRule,
-    SharedExpert,
-)
-from tandem.runtime.weights import (
-    correction_name,
-    dense_matrices,
-    expert_names,
-    fused_expert_names,
-    layer_prefix,
-    mxfp4_expert_names,
-    router_bias_name,
-    router_name,
-    shared_expert_names,
-)
+from tandem.runtime.moe import BlockExpert, ClampedSwiGLUExpert, ExpertWeights, MXFP4Expert
+from tandem.runtime.weights import dense_matrices, expert_names, fused_expert_names, layer_prefix, mxfp4_expert_names
 
 
 def kept_dtypes(ckpt: Checkpoint, compute: torch.dtype, cpu: CpuOptions | None) -> Callable[[str], torch.dtype]:
@@ -176,37 +159,13 @@ def build_model(ckpt: Checkpoint, run: ModelRun, accel: Accelerator | None = Non
                                linear=linear)
         return ExpertWeights(*(q.dequantize(dtype) if isinstance(q, QuantizedMatrix) else q for q in mats))
 
+    load = Loaders(spec, w, wq, opt, projections, stacked, f32, mlp)
     layers = []
-    rule = RoutingRule(cfg.top_k, cfg.norm_topk_prob, scoring=cfg.scoring, n_group=cfg.n_group,  # type: ignore[arg-type]
-                       topk_group=cfg.topk_group, group_score=cfg.group_score,  # type: ignore[arg-type]
-                       scaling=cfg.routed_scaling_factor, jitter_eps=cfg.jitter_eps)
-    for i in range(cfg.num_layers):
+    for i, kinds in enumerate(plan(cfg)):  # each layer as its kinds load it (a routed layer's experts: below)
         p = layer_prefix(i)
-        a = f"{p}.self_attn"
-        rows = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
-        attn = load_mla(cfg, a, w) if cfg.kv_lora_rank else Attention(
-            projections([f"{a}.{n}_proj.weight" for n in "qkv"], rows), wq(f"{a}.o_proj.weight"),
-            stacked([f"{a}.{n}_proj.bias" for n in "qkv"], rows) if cfg.qkv_bias else None,
-            opt(f"{a}.o_proj.bias") if cfg.o_bias else None,
-            opt(f"{a}.q_norm.weight") if cfg.qk_norm != "none" else None,
-            opt(f"{a}.k_norm.weight") if cfg.qk_norm != "none" else None,
-            w(f"{a}.sinks") if cfg.attention_sinks else None,
-        )
-        ffn: MoEBlockWeights | ExpertWeights
-        if cfg.sparse_layers[i]:
-            shared = None
-            if cfg.shared_expert_intermediate_size:
-                shared_mlp, shared_gate = shared_expert_names(spec, i)
-                shared = SharedExpert(mlp(shared_mlp), w(shared_gate) if shared_gate else None)
-            # the correction bias in float32 whatever the compute dtype: it only chooses, and rounding it would
-            # change the choice where two experts are close
-            correction = f32(correction_name(spec, i)) if cfg.router_correction else None
-            bias = w(router_bias_name(spec, i)) if cfg.router_bias else None
-            ffn = MoEBlockWeights(w(router_name(spec, i)), [], rule, shared, correction, bias)  # experts: below
-        else:
-            ffn = mlp(f"{p}.mlp")
         layers.append(DecoderLayer(w(f"{p}.input_layernorm.weight"), w(f"{p}.post_attention_layernorm.weight"),
-                                   attn, ffn, w(f"{p}.input_layernorm.bias") if cfg.norm_type == "layer" else None,
+                                   kinds.mixer.load(cfg, f"{p}.self_attn", load), kinds.ffn.load(cfg, i, load),
+                                   w(f"{p}.input_layernorm.bias") if cfg.norm_type == "layer" else None,
                                    w(f"{p}.post_attention_layernorm.bias") if cfg.norm_type == "layer" else None))
     embed = wq("model.embed_tokens.weight")
     lm_head = embed if cfg.tie_word_embeddings else wq("lm_head.weight")

@@ -40,6 +40,9 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0 = no shared expert
     dense_intermediate_size: int = 0  # for layers without experts (0 if there are none)
     sparse_layers: tuple[bool, ...] = ()  # per layer: True if its feed-forward is a MoE block; () = every layer
+    # per layer: its token mixer by name (runtime/layers.py MIXERS); () = "mla" in every layer under kv_lora_rank,
+    # else "attention"
+    mixers: tuple[str, ...] = ()
     # attention variant
     qkv_bias: bool = False
     o_bias: bool = False
@@ -85,6 +88,8 @@ class ModelConfig:
             object.__setattr__(self, "sparse_layers", (True,) * self.num_layers)
         if not self.sliding_layers:
             object.__setattr__(self, "sliding_layers", (True,) * self.num_layers)
+        if not self.mixers:
+            object.__setattr__(self, "mixers", ("mla" if self.kv_lora_rank else "attention",) * self.num_layers)
 
     def window(self, layer: int) -> int | None:
         """How many positions attention in `layer` sees (None: all)."""

@@ -32,9 +32,8 @@ STEP_DTYPES = (torch.bfloat16, torch.float32)  # the compute dtypes the step run
 
 
 def why_not(model: MoEModel) -> str | None:
-    """What keeps this model off the decode step (None: nothing)."""
-    from tandem.runtime.attention import Attention, KVCache
-
+    """What keeps this model off the decode step (None: nothing). Each layer's kinds say first whether the step runs
+    them (runtime/layers.py: today grouped-query attention and routed experts without a shared expert)."""
     cfg = model.cfg
     if not model.attend_kernel:  # (set only where the kernels are built and used)
         return "the kernels are not built, or not used"
@@ -42,20 +41,17 @@ def why_not(model: MoEModel) -> str | None:
         return "it runs on an accelerator, or in fp16"
     if model.dtype == torch.bfloat16 and model.rms_norm is not rms_norm_bf16:
         return "it runs in bf16 without the kernels' RMSNorm"
-    if cfg.norm_type != "rms" or cfg.clip_qkv is not None or not isinstance(model.cache, KVCache) \
-            or cfg.qk_norm not in QK_NORMS:
-        return "its attention has a variant the step does not do (clipping, LayerNorm, latents)"
+    if cfg.norm_type != "rms":
+        return "its norms are LayerNorm"
     if cfg.num_experts > MAX_EXPERTS or cfg.top_k > MAX_TOP_K:
         return "it has more experts than the step takes"
     executor = model.dispatcher.executor
-    for i, layer in enumerate(model.layers):
+    for i, (layer, kinds) in enumerate(zip(model.layers, model.plan, strict=True)):
         ffn = layer.ffn
-        if not isinstance(layer.attn, Attention) or not isinstance(ffn, MoEBlockWeights):
-            return f"layer {i} is dense or has latent attention"
-        if ffn.shared is not None or ffn.correction is not None:
-            return f"layer {i} has a shared expert or a correction bias"
-        if ffn.rule.n_group > 1 or ffn.rule.scoring not in SCORINGS:
-            return f"layer {i} routes by {ffn.rule.scoring} or by groups"
+        refusal = kinds.mixer.step_refusal(cfg) or kinds.ffn.step_refusal(ffn)
+        if refusal is not None:
+            return f"layer {i}: {refusal}"
+        assert isinstance(ffn, MoEBlockWeights)  # (the kinds the step runs: GQA's Attention, routed experts)
         if not executor.serves_layer(model.dispatcher.cpu_layers[i], 1):
             return f"layer {i}'s experts do not run on the kernels"
         matrices = [ffn.router, layer.attn.o] + (layer.attn.qkv if isinstance(layer.attn.qkv, list)

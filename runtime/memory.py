@@ -18,7 +18,8 @@ from tandem.kernels.experts import CpuOptions
 from tandem.kernels.library import library
 from tandem.runtime.build import kept_dtypes
 from tandem.runtime.checkpoint import Checkpoint
-from tandem.runtime.model import PREFILL_CHUNK, activation_bytes, cache_class
+from tandem.runtime.layers import cache_class
+from tandem.runtime.model import PREFILL_CHUNK, activation_bytes
 from tandem.runtime.rope import long_after, rotary_dims
 from tandem.runtime.weights import dense_tensors, expert_names, layer_expert_names
 

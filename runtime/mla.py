@@ -13,8 +13,8 @@ rotated key, never the expanded keys and values:
 Attention runs in one of two equivalent ways (`attend`): expand the cached latents into keys and values (as
 transformers does; cheaper when many queries share them, i.e. a long prefill), or absorb `kv_b_proj` into the
 queries and the output (the keys are then the latents themselves, one "head" shared by all: cheaper for a few
-queries, i.e. decode). This module is the attention alone; the decoder (runtime/model.py) calls it for a layer
-whose config has `kv_lora_rank`.
+queries, i.e. decode). This module is the layer kind (`LatentAttention`, the mixer "mla", which a config with
+`kv_lora_rank` declares for its layers).
 
 Letters: B batch, T new tokens, S cached + new tokens, H hidden size, Hq heads, C kv_lora_rank, Dn qk_nope_head_dim,
 Dr qk_rope_head_dim, Dv v_head_dim.
@@ -25,14 +25,19 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from tandem.runtime.accelerator import Accelerator
 from tandem.runtime.config import ModelConfig
+from tandem.runtime.layer_kind import Loaders, Shape
 from tandem.runtime.prefix import HeldTokens
 from tandem.runtime.rope import apply_rope, yarn_mscale
+
+if TYPE_CHECKING:
+    from tandem.runtime.model import MoEModel, Segment
 
 Linear = Callable[..., torch.Tensor]  # MoEModel.linear: (x, weight, bias=None, out_dtype=None) -> x @ weight.T
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # MoEModel.rms_norm
@@ -50,10 +55,10 @@ class MLAWeights:
     q_b: torch.Tensor | None = None  # [Hq * (Dn + Dr), q_lora_rank]
 
 
-def mla_tensors(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+def mla_tensors(cfg: ModelConfig, prefix: str) -> dict[str, Shape]:
     """The attention tensors of one layer under `prefix` (`model.layers.N.self_attn`), with their shapes."""
     h, heads, q_dim = cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    out: dict[str, tuple[int, ...]] = {
+    out: dict[str, Shape] = {
         f"{prefix}.kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, h),
         f"{prefix}.kv_a_layernorm.weight": (cfg.kv_lora_rank,),
         f"{prefix}.kv_b_proj.weight": (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
@@ -189,3 +194,32 @@ def attend(cfg: ModelConfig, a: MLAWeights, cache: LatentCache, i: int, x: torch
         )  # [B, Hq, T, Dv]
     out = out.transpose(1, 2).reshape(B, T, Hq * Dv)  # [B, T, Hq*Dv]
     return linear(out, a.o, out_dtype=torch.float32)
+
+
+class LatentAttention:
+    """The mixer "mla" (runtime/layer_kind.py `Mixer`): `attend` over a `LatentCache`. The decode step does not run
+    it, and its cache stays where the model runs (no attention on the CPU beside an accelerator)."""
+
+    name = "mla"
+    cache = LatentCache
+    host_cache = False
+
+    def tensors(self, cfg: ModelConfig, prefix: str) -> dict[str, Shape]:
+        return mla_tensors(cfg, prefix)
+
+    def load(self, cfg: ModelConfig, prefix: str, load: Loaders) -> MLAWeights:
+        return load_mla(cfg, prefix, load.w)
+
+    def step_refusal(self, cfg: ModelConfig) -> str | None:
+        return "its attention keeps latents (Multi-head Latent Attention)"
+
+    def forward(self, model: MoEModel, i: int, a: MLAWeights, x: torch.Tensor, start: int, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        return attend(model.cfg, a, model.cache, i, x, start, cos, sin, model.linear, model.rms_norm)  # type: ignore[arg-type]
+
+    def forward_rows(self, model: MoEModel, i: int, a: MLAWeights, x: torch.Tensor, segments: list[Segment],
+                     rows: list[LatentCache], spans: list[int]) -> torch.Tensor:
+        """Segment by segment, the whole attention (it projects from the cache's latents)."""
+        return torch.cat([attend(model.cfg, a, row, i, x[:, lo:hi], seg.start, *model.segment_tables(seg),
+                                 model.linear, model.rms_norm)
+                          for seg, row, lo, hi in zip(segments, rows, spans, spans[1:], strict=False)], dim=1)

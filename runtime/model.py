@@ -1,8 +1,8 @@
-"""The decoder's forward passes, in plain PyTorch: embedding, RMSNorm, RoPE, attention (GQA: runtime/attention.py;
-MLA: runtime/mla.py) with its cache, MoE (or dense) feed-forward, final norm, lm_head; the one-call decode step where
-it serves (runtime/decode_step.py) and ragged passes of several sequences (`forward_rows`). One class serves every
-family; `ModelConfig` selects the variants (q/k norms, biases, shared expert, dense layers, tied embeddings).
-runtime/build.py builds it from a checkpoint.
+"""The decoder's forward passes, in plain PyTorch: embedding, each layer's norms, token mixer and feed-forward by
+the kinds its config declares (runtime/layers.py: attention in runtime/attention.py, MLA in runtime/mla.py, routed
+experts through the dispatcher or a dense SwiGLU, runtime/moe.py), final norm, lm_head; the one-call decode step
+where it serves (runtime/decode_step.py) and ragged passes of several sequences (`forward_rows`). One class serves
+every family; runtime/build.py builds it from a checkpoint.
 
 Letters: B batch, T new tokens, S cached + new tokens, H hidden size, Hq query heads, Hkv key/value heads,
 D head dim, V vocabulary.
@@ -12,29 +12,27 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.attend import attend_one, attend_rows, attend_serves
+from tandem.kernels.attend import attend_serves
 from tandem.kernels.dense import DenseLinear, lookup_rows, rms_norm_bf16
 from tandem.kernels.errors import ResourceError
 from tandem.kernels.experts import CpuOptions
 from tandem.kernels.library import library
 from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.accelerator import Accelerator
-from tandem.runtime.attention import Attention, KVCache, attend_cached
+from tandem.runtime.attention import Attention
 from tandem.runtime.checkpoint import Checkpoint
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.decode_step import DecodeStep, why_not
 from tandem.runtime.dispatch import Dispatcher, OffloadOptions, Pending
-from tandem.runtime.mla import LatentCache, MLAWeights, attend
-from tandem.runtime.moe import (
-    ExpertWeights,
-    MoEBlockWeights,
-)
+from tandem.runtime.layers import cache_class, plan
+from tandem.runtime.mla import MLAWeights
+from tandem.runtime.moe import ExpertWeights, MoEBlockWeights
 from tandem.runtime.rope import long_after, rope_tables
 
 
@@ -56,10 +54,13 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 
 @dataclass
 class DecoderLayer:
+    """One layer's weights: its norms, its token mixer's (`attn`, as its kind loads them: runtime/layers.py) and its
+    feed-forward's (routed experts, or a dense layer's single always-on SwiGLU)."""
+
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    attn: Attention | MLAWeights
-    ffn: MoEBlockWeights | ExpertWeights  # a dense layer is a single always-on SwiGLU
+    attn: Attention | MLAWeights | Any
+    ffn: MoEBlockWeights | ExpertWeights
     input_norm_bias: torch.Tensor | None = None  # LayerNorm's biases (cfg.norm_type "layer")
     post_norm_bias: torch.Tensor | None = None
 
@@ -93,11 +94,6 @@ class Segment:
     start: int
     length: int
     long: bool = False
-
-
-def cache_class(cfg: ModelConfig) -> type[KVCache] | type[LatentCache]:
-    """The KV cache a model keeps: latents under Multi-head Latent Attention, else keys and values."""
-    return LatentCache if cfg.kv_lora_rank else KVCache
 
 
 @dataclass(frozen=True)
@@ -137,6 +133,7 @@ class MoEModel:
         embed, layers, linear = weights.embed, weights.layers, weights.linear
         dtype, context, batch = run.dtype, run.context, run.batch
         self.cfg, self.embed, self.layers, self.norm, self.lm_head = cfg, embed, layers, weights.norm, weights.lm_head
+        self.plan = plan(cfg)  # each layer's mixer and feed-forward kinds
         self.norm_bias, self.lm_head_bias = weights.norm_bias, weights.lm_head_bias
         self.dtype, self.context, self.accel = dtype, context, accel
         self.device = accel.device if accel is not None else torch.device("cpu")
@@ -177,7 +174,8 @@ class MoEModel:
             self.prefill_chunk = min(PREFILL_CHUNK, context)
             rows = 1 if run.ragged else batch
             accel.reserve(activation_bytes(cfg, self.prefill_chunk, context, rows, dtype), "activations")
-        blocks = {i: layer.ffn for i, layer in enumerate(layers) if isinstance(layer.ffn, MoEBlockWeights)}
+        blocks = {i: layer.ffn for i, (layer, kinds) in enumerate(zip(layers, self.plan, strict=True))
+                  if kinds.ffn.routed}
         self.dispatcher = Dispatcher(cfg, blocks, dtype, accel, policy, cpu, self.linear, run.cpu_dtype)
         # One decode token through every layer in one kernel call, where the step serves the model (off: the
         # torch path for every token, as the step's tests compare)
@@ -208,9 +206,10 @@ class MoEModel:
         fit beside the weights), which `forward_rows` runs; not under Multi-head Latent Attention."""
         wide = copy.copy(self)
         if host_cache and self.accel is not None:
-            if self.cfg.kv_lora_rank:
-                raise ValueError("attention on the CPU beside an accelerator is not available under Multi-head "
-                                 "Latent Attention")
+            refused = sorted({kinds.mixer.name for kinds in self.plan if not kinds.mixer.host_cache})
+            if refused:
+                raise ValueError(f"attention on the CPU beside an accelerator is not available for the {refused[0]} "
+                                 "token mixer")
             wide.cache = cache_class(self.cfg)(self.cfg, batch, self.context, self.dtype)
             wide.host_cache = True
         elif batch > self.cache.batch:
@@ -260,11 +259,11 @@ class MoEModel:
             x = x.contiguous()
             step(x.view(-1), start, cos[0], sin[0])
         else:
-            for i, layer in enumerate(self.layers):
+            for i, (layer, kinds) in enumerate(zip(self.layers, self.plan, strict=True)):
                 h = self._norm(x, layer.input_norm, layer.input_norm_bias)
-                x = x + self._attention(i, layer.attn, h, start, cos, sin)
+                x = x + kinds.mixer.forward(self, i, layer.attn, h, start, cos, sin)
                 h = self._norm(x, layer.post_norm, layer.post_norm_bias).view(B * T, -1)  # [B*T, H]
-                y = self.dispatcher(i, h) if isinstance(layer.ffn, MoEBlockWeights) else layer.ffn(h)  # [B*T, H]
+                y = self.dispatcher(i, h) if kinds.ffn.routed else layer.ffn(h)  # [B*T, H]
                 x = x + y.view(B, T, -1)  # [B, T, H]
         if last_only:
             x = x[:, -1:]  # [B, 1, H]
@@ -303,50 +302,6 @@ class MoEModel:
         if self.cfg.norm_type == "layer":
             return layer_norm(x, weight, bias, self.cfg.rms_norm_eps)  # type: ignore[arg-type]
         return self.rms_norm(x, weight, self.cfg.rms_norm_eps)
-
-    def _attention(
-        self, i: int, a: Attention | MLAWeights, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        """Layer i's attention for B sequences in cache rows 0..B-1, all at positions start..: x [B, T, H] -> its
-        output [B, T, H] float32 (into the residual stream, unrounded)."""
-        if isinstance(a, MLAWeights):
-            return attend(self.cfg, a, self.cache, i, x, start, cos, sin, self.linear, self.rms_norm)  # type: ignore[arg-type]
-        q, k, v = self._qkv(a, x)
-        out = self._attend(i, a, q, k, v, self.cache, start, cos, sin, self.accel is None)  # type: ignore[arg-type]
-        return self.linear(out, a.o, a.o_bias, out_dtype=torch.float32)
-
-    def _qkv(self, a: Attention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, H] -> q [B, T, Hq, D], k and v [B, T, Hkv, D]: one product for the three, then q/k norms and
-        clipping as the family asks."""
-        cfg = self.cfg
-        B, T, _ = x.shape
-        qkv = self.linear(x, a.qkv, a.qkv_bias)  # [B, T, (Hq + 2 Hkv) * D]
-        kv = cfg.num_kv_heads * cfg.head_dim
-        q, k, v = qkv.split((cfg.num_heads * cfg.head_dim, kv, kv), dim=-1)  # [B, T, Hq*D], [B, T, Hkv*D] x 2
-        if cfg.qk_norm == "full":
-            q, k = self.rms_norm(q, a.q_norm, cfg.rms_norm_eps), self.rms_norm(k, a.k_norm, cfg.rms_norm_eps)
-        if cfg.clip_qkv is not None:
-            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
-        q = q.view(B, T, cfg.num_heads, cfg.head_dim)  # [B, T, Hq, D]
-        k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, D]
-        v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, D]
-        if cfg.qk_norm == "head":
-            q, k = self.rms_norm(q, a.q_norm, cfg.rms_norm_eps), self.rms_norm(k, a.k_norm, cfg.rms_norm_eps)
-        return q, k, v
-
-    def _attend(self, i: int, a: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                start: int, cos: torch.Tensor, sin: torch.Tensor, on_host: bool) -> torch.Tensor:
-        """RoPE, the KV cache write and attention of q [B, T, Hq, D], k and v [B, T, Hkv, D] at positions start..,
-        in `cache`'s rows 0..B-1 -> [B, T, Hq*D] in the compute dtype. `on_host`: the CPU computes it (the kernel,
-        where it serves), else the accelerator (torch)."""
-        B, T = q.shape[:2]
-        window = self.cfg.window(i)
-        # a sliding window: no key before the first one the earliest query sees is read at all
-        first = max(0, start + 1 - window) if window else 0
-        if T == 1 and on_host and self.attend_kernel:  # decode: one kernel call from RoPE to the values' sum
-            return attend_one(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), cos[0], sin[0], cache.k[i],
-                              cache.v[i], start, first, a.sinks, self.threads).view(B, 1, -1)  # [B, T, Hq*D]
-        return attend_cached(q, k, v, cos, sin, cache.k[i], cache.v[i], start, first, window, a.sinks)
 
     @torch.inference_mode()
     def forward_rows(self, ids: torch.Tensor, segments: list[Segment], phase: str = "decode") -> torch.Tensor:
@@ -397,16 +352,16 @@ class MoEModel:
         # per micro-batch, once a pass: each segment's cache row (a view) and its span of the micro-batch's tokens
         rows = [[self.cache.row(seg.row) for seg in segments[a:b]] for a, b in groups]
         spans = [torch.tensor([0] + [s.length for s in segments[a:b]]).cumsum(0).tolist() for a, b in groups]
-        moe = [i for i, layer in enumerate(self.layers) if isinstance(layer.ffn, MoEBlockWeights)]
+        moe = [i for i, kinds in enumerate(self.plan) if kinds.ffn.routed]
         after = dict(zip(moe, moe[1:], strict=False))  # each MoE layer's next one
-        for i, layer in enumerate(self.layers):
+        for i, (layer, kinds) in enumerate(zip(self.layers, self.plan, strict=True)):
             pending: list[tuple[int, Pending]] = []
             for g, (a, b) in enumerate(groups):
                 n = xs[g].shape[1]
                 h = self._norm(xs[g], layer.input_norm, layer.input_norm_bias)  # [1, n, H]
-                xs[g] = xs[g] + self._attention_rows(i, layer.attn, h, segments[a:b], rows[g], spans[g])
+                xs[g] = xs[g] + kinds.mixer.forward_rows(self, i, layer.attn, h, segments[a:b], rows[g], spans[g])
                 h = self._norm(xs[g], layer.post_norm, layer.post_norm_bias).view(n, -1)  # [n, H]
-                if isinstance(layer.ffn, MoEBlockWeights):  # the accelerator's experts queued; the host goes on
+                if kinds.ffn.routed:  # the accelerator's experts queued; the host goes on
                     pending.append((g, self.dispatcher.start(i, h)))
                 else:
                     xs[g] = xs[g] + layer.ffn(h).view(1, n, -1)  # [1, n, H]
@@ -436,63 +391,7 @@ class MoEModel:
         groups.append((start, len(segments)))
         return groups
 
-    def _attention_rows(self, i: int, a: Attention | MLAWeights, x: torch.Tensor, segments: list[Segment],
-                        rows: list[KVCache | LatentCache], spans: list[int]) -> torch.Tensor:
-        """Layer i's attention over a ragged pass's segments (in their cache `rows`, over `spans` of the tokens): x
-        [1, N, H] -> [1, N, H] float32. q, k, v and o are one product each over all N tokens; RoPE, the cache write
-        and attention run segment by segment (on the CPU where the cache is in RAM beside an accelerator: one host
-        read of q, k and v for all of them)."""
-        if isinstance(a, MLAWeights):
-            return torch.cat([attend(self.cfg, a, row, i, x[:, lo:hi], seg.start, *self._tables(seg), self.linear,  # type: ignore[arg-type]
-                                     self.rms_norm)
-                              for seg, row, lo, hi in zip(segments, rows, spans, spans[1:], strict=False)], dim=1)
-        timeline = self.dispatcher.timeline
-        with nullcontext() if timeline is None else timeline.span("attention"):
-            return self._attention_segments(i, a, x, segments, rows, spans)
-
-    def _attention_segments(self, i: int, a: Attention, x: torch.Tensor, segments: list[Segment],
-                            rows: list[KVCache | LatentCache], spans: list[int]) -> torch.Tensor:
-        q, k, v = self._qkv(a, x)  # [1, N, Hq, D], [1, N, Hkv, D] x 2
-        host = self.host_cache and self.accel is not None
-        head = a
-        if host:  # the accelerator's q, k and v (and the sinks) to the CPU, which holds the cache
-            q, k, v, *rest = self.accel.download(lambda: (q, k, v, *([a.sinks] if a.sinks is not None else []))  # type: ignore[union-attr]
-                                                 ).wait()
-            head = replace(a, sinks=rest[0] if rest else None)
-        on_host = host or self.accel is None
-        parts: list[torch.Tensor | None] = [None] * len(segments)  # each segment's [1, n, Hq*D]
-        if on_host and self.attend_kernel:
-            self._attend_decoding(i, head, q, k, v, segments, spans, host, parts)
-        out = torch.cat([part if part is not None else
-                         self._attend(i, head, q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], row, seg.start,  # type: ignore[arg-type]
-                                      *self._tables(seg, host), on_host)
-                         for part, seg, row, lo, hi in zip(parts, segments, rows, spans, spans[1:], strict=False)],
-                        dim=1)  # [1, N, Hq*D]
-        if host:
-            out = self.accel.to_device(out)  # type: ignore[union-attr]
-        return self.linear(out, a.o, a.o_bias, out_dtype=torch.float32)  # into the residual stream, unrounded
-
-    def _attend_decoding(self, i: int, a: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         segments: list[Segment], spans: list[int], host: bool, parts: list[torch.Tensor | None]
-                         ) -> None:
-        """The segments of one token (the sequences decoding) through layer i's attention kernel in one call for
-        all that share RoPE tables, each at its own cache row and position, into `parts`: a call per sequence cost
-        its parallel region's start and end, which in a decode step of 64 sequences took most of attention's time.
-        q [1, N, Hq, D], k and v [1, N, Hkv, D] on the host."""
-        for long in (False, True):
-            ones = [j for j, seg in enumerate(segments) if seg.length == 1 and seg.long == long]
-            if len(ones) < 2:
-                continue
-            at = torch.tensor([spans[j] for j in ones])  # [S]: their tokens among the N
-            cos, sin = self._rope_tables(long, host)
-            out = attend_rows(q[0, at].flatten(1), k[0, at].flatten(1), v[0, at].flatten(1), cos, sin,
-                              self.cache.k[i], self.cache.v[i], [segments[j].row for j in ones],
-                              [segments[j].start for j in ones], self.cfg.window(i) or 0, a.sinks,
-                              self.threads)  # [S, Hq*D]
-            for n, j in enumerate(ones):
-                parts[j] = out[n].view(1, 1, -1)
-
-    def _rope_tables(self, long: bool, host: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables_for(self, long: bool, host: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The short or the long RoPE tables [positions, R]; host copies for attention on the CPU beside an
         accelerator (made once)."""
         cos, sin = (self.cos_long, self.sin_long) if long else (self.cos, self.sin)
@@ -504,8 +403,8 @@ class MoEModel:
             cos, sin = kept
         return cos, sin
 
-    def _tables(self, seg: Segment, host: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """A segment's RoPE tables [T, R]: its positions of the short or the long ones (`_rope_tables`)."""
-        cos, sin = self._rope_tables(seg.long, host)
+    def segment_tables(self, seg: Segment, host: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """A segment's RoPE tables [T, R]: its positions of the short or the long ones (`tables_for`)."""
+        cos, sin = self.tables_for(seg.long, host)
         end = seg.start + seg.length
         return cos[seg.start : end], sin[seg.start : end]

@@ -1,4 +1,7 @@
-"""The reference MoE expert layer, in plain PyTorch. Every fast path is tested against it.
+"""The reference MoE expert layer, in plain PyTorch. Every fast path is tested against it. And the two feed-forward
+layer kinds (runtime/layer_kind.py `FeedForward`): "routed" (`RoutedExperts`: a router, routed experts, an optional
+shared expert; its fast paths are the dispatcher's, runtime/dispatch.py) and "dense" (`DenseFeedForward`: one
+SwiGLU every token goes through, an `ExpertWeights`).
 
 Letters: T tokens, H hidden size, E routed experts, K experts per token (top-k), I expert width, n tokens
 routed to one expert.
@@ -16,6 +19,10 @@ import torch.nn.functional as F
 from tandem.kernels.blocks import block_matrix
 from tandem.kernels.experts import clamped_glu
 from tandem.kernels.quant import MX_BLOCK, QuantizedMatrix, nibbles_from_pairs
+from tandem.kernels.step import SCORINGS
+from tandem.runtime.config import ModelConfig
+from tandem.runtime.layer_kind import Loaders
+from tandem.runtime.weights import correction_name, layer_prefix, router_bias_name, router_name, shared_expert_names
 
 Scoring = Literal["softmax", "sigmoid", "softmax_topk", "sparsemixer"]
 GroupScore = Literal["max", "top2"]
@@ -232,6 +239,52 @@ class MoEBlockWeights:
     shared: SharedExpert | None = None
     correction: torch.Tensor | None = None  # [E] added to the scores for choosing only (see RoutingRule)
     router_bias: torch.Tensor | None = None  # [E] added to the router's logits (gpt-oss)
+
+
+def routing_rule(cfg: ModelConfig) -> RoutingRule:
+    """Every MoE layer's rule, as the config gives it."""
+    return RoutingRule(cfg.top_k, cfg.norm_topk_prob, scoring=cfg.scoring, n_group=cfg.n_group,  # type: ignore[arg-type]
+                       topk_group=cfg.topk_group, group_score=cfg.group_score,  # type: ignore[arg-type]
+                       scaling=cfg.routed_scaling_factor, jitter_eps=cfg.jitter_eps)
+
+
+class RoutedExperts:
+    """The feed-forward "routed": a `MoEBlockWeights` whose experts the dispatcher runs."""
+
+    name = "routed"
+    routed = True
+
+    def load(self, cfg: ModelConfig, i: int, load: Loaders) -> MoEBlockWeights:
+        spec = load.spec
+        shared = None
+        if cfg.shared_expert_intermediate_size:
+            shared_mlp, shared_gate = shared_expert_names(spec, i)
+            shared = SharedExpert(load.mlp(shared_mlp), load.w(shared_gate) if shared_gate else None)
+        # the correction bias in float32 whatever the compute dtype: it only chooses, and rounding it would change
+        # the choice where two experts are close
+        correction = load.f32(correction_name(spec, i)) if cfg.router_correction else None
+        bias = load.w(router_bias_name(spec, i)) if cfg.router_bias else None
+        return MoEBlockWeights(load.w(router_name(spec, i)), [], routing_rule(cfg), shared, correction, bias)
+
+    def step_refusal(self, weights: MoEBlockWeights) -> str | None:
+        if weights.shared is not None or weights.correction is not None:
+            return "it has a shared expert or a correction bias"
+        if weights.rule.n_group > 1 or weights.rule.scoring not in SCORINGS:
+            return f"it routes by {weights.rule.scoring} or by groups"
+        return None
+
+
+class DenseFeedForward:
+    """The feed-forward "dense": the layer's own SwiGLU (`mlp.gate_proj`, `up_proj`, `down_proj`), as one expert."""
+
+    name = "dense"
+    routed = False
+
+    def load(self, cfg: ModelConfig, i: int, load: Loaders) -> ExpertWeights:
+        return load.mlp(f"{layer_prefix(i)}.mlp")
+
+    def step_refusal(self, weights: ExpertWeights) -> str | None:
+        return "it is dense (no experts)"
 
 
 def route(router_logits: torch.Tensor, rule: RoutingRule,

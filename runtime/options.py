@@ -31,8 +31,8 @@ from tandem.runtime.cpuinfo import proc_cpuinfo
 from tandem.runtime.dispatch import OffloadOptions, Strategy
 from tandem.runtime.expert_cache import DEFAULT_INFLIGHT, CachePolicy, Key
 from tandem.runtime.latency import LatencyModel
+from tandem.runtime.layers import cache_class
 from tandem.runtime.memory import estimate_memory, resident_fits
-from tandem.runtime.model import cache_class
 
 Source = Literal["given", "profile", "default", "machine"]  # where a resolved value came from
 

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.families import FamilySpec
-from tandem.runtime.mla import mla_tensors
-
-Shape = tuple[int, ...]
+from tandem.runtime.layer_kind import Shape
 
 
 def layer_prefix(i: int) -> str:
@@ -76,27 +74,10 @@ def _mlp(prefix: str, hidden: int, inter: int) -> dict[str, Shape]:
 
 
 def attention_tensors(cfg: ModelConfig, layer: int) -> dict[str, Shape]:
-    p = f"{layer_prefix(layer)}.self_attn"
-    if cfg.kv_lora_rank:
-        return mla_tensors(cfg, p)
-    h, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    out: dict[str, Shape] = {
-        f"{p}.q_proj.weight": (q_dim, h),
-        f"{p}.k_proj.weight": (kv_dim, h),
-        f"{p}.v_proj.weight": (kv_dim, h),
-        f"{p}.o_proj.weight": (h, q_dim),
-    }
-    if cfg.qkv_bias:
-        out |= {f"{p}.q_proj.bias": (q_dim,), f"{p}.k_proj.bias": (kv_dim,), f"{p}.v_proj.bias": (kv_dim,)}
-    if cfg.o_bias:
-        out[f"{p}.o_proj.bias"] = (h,)
-    if cfg.attention_sinks:
-        out[f"{p}.sinks"] = (cfg.num_heads,)
-    if cfg.qk_norm == "head":
-        out |= {f"{p}.q_norm.weight": (cfg.head_dim,), f"{p}.k_norm.weight": (cfg.head_dim,)}
-    elif cfg.qk_norm == "full":
-        out |= {f"{p}.q_norm.weight": (q_dim,), f"{p}.k_norm.weight": (kv_dim,)}
-    return out
+    """Layer `layer`'s token mixer's tensors (its kind's `tensors`)."""
+    from tandem.runtime.layers import MIXERS  # (the kinds import this module's names)
+
+    return MIXERS[cfg.mixers[layer]].tensors(cfg, f"{layer_prefix(layer)}.self_attn")
 
 
 def dense_tensors(cfg: ModelConfig, spec: FamilySpec) -> dict[str, Shape]:

@@ -205,8 +205,8 @@ def test_one_micro_batch_s_attention_runs_while_the_accelerator_runs_another_s_e
     import threading
     import time
 
+    from tandem.runtime import attention
     from tandem.runtime.dispatch import Dispatcher, Strategy
-    from tandem.runtime.model import MoEModel
 
     loaded = load_model(mixtral_dir, dtype="fp32", context=40, accelerator="emulated", vram_gb=0.05, batch=2,
                         strategy=Strategy.FETCH)  # every expert on the device
@@ -224,7 +224,7 @@ def test_one_micro_batch_s_attention_runs_while_the_accelerator_runs_another_s_e
 
     for work in ("_device_expert", "_device_group", "_device_chosen"):  # the device's expert work, however it runs
         monkeypatch.setattr(Dispatcher, work, staticmethod(timed("device", getattr(Dispatcher, work))))
-    monkeypatch.setattr(MoEModel, "_attend", timed("attention", MoEModel._attend))
+    monkeypatch.setattr(attention, "attend_positions", timed("attention", attention.attend_positions))
     model = loaded.model.with_batch(2)
     model.micro_batches = 2
     model.forward_rows(torch.tensor([4, 5]), [Segment(0, 0, 1), Segment(1, 0, 1)])  # warm

@@ -109,7 +109,7 @@ def test_one_layer_matches_the_torch_path_piece_by_piece(served: dict[str, Path]
         x = model._embed(torch.tensor([[5]])).contiguous()  # [1, 1, H]
         cos, sin = model.cos[start : start + 1], model.sin[start : start + 1]
         h = model._norm(x, layer.input_norm, None)
-        attention = model._attention(0, layer.attn, h, start, cos, sin)  # [1, 1, H]
+        attention = model.plan[0].mixer.forward(model, 0, layer.attn, h, start, cos, sin)  # [1, 1, H]
         key = model.cache.k[0, 0, :, start].clone()
         x1 = x + attention
         h1 = model._norm(x1, layer.post_norm, None).view(1, -1)  # [1, H]
