@@ -1,4 +1,4 @@
-"""The kernels' choices by name, torch-free: what the command line offers (app/flags.py builds its choice lists from
+"""The kernels' choices by name, torch-free: what the command line offers (app/cli/flags.py builds its choice lists from
 these) and what kernels/choice.py, kernels/experts.py and kernels/quant.py run."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The runtime's choices by name, torch-free: what the command line offers (app/flags.py builds its choice lists
+"""The runtime's choices by name, torch-free: what the command line offers (app/cli/flags.py builds its choice lists
 from these) and what runtime/options.py resolves."""
 
 from __future__ import annotations

@@ -512,7 +512,7 @@ def _reload(device: _Device) -> Check:
 
 def _numbering(device: _Device, listed: Sequence[tuple[int | None, str | None]] | None) -> Check:
     """`--gpu N` and `tandem probe`'s `--gpu N` are one GPU: `listed` is what the probe reads from NVML (each GPU's
-    `--gpu` number and PCI bus, app/cli.py passes it; this floor does not import the tuner's)."""
+    `--gpu` number and PCI bus, app/cli/main.py passes it; this floor does not import the tuner's)."""
     name = "--gpu numbers the GPUs as tandem probe does"
     if not device.cuda:
         return Check(name, True, "no GPU here: nothing to number")

@@ -42,7 +42,7 @@ printf 'step\tstatus\tseconds\n' >"$SUM"
 START=$(date +%s)
 [ "${KEEP:-0}" = 1 ] || trap 'rm -rf "$WORK"' EXIT
 
-tandem() { "$PY" -m tandem.app.cli "$@"; }
+tandem() { "$PY" -m tandem.app.cli.main "$@"; }
 export -f tandem
 
 # run_step NAME LIMIT FUNCTION: FUNCTION under `timeout LIMIT` (cut to what is left), unless fewer than MIN_S seconds
@@ -126,7 +126,7 @@ step_install() {
         "$WORK/pip.log" | cut -c1-300 | head -n 40
     tail -n 5 "$WORK/pip.log"
     ls -la kernels/*.so 2>/dev/null || echo "no kernels/*.so after the install"
-    "$PY" -c 'import tandem.app.cli' && echo "tandem imports"
+    "$PY" -c 'import tandem.app.cli.main' && echo "tandem imports"
     return $rc
 }
 
@@ -295,7 +295,7 @@ run_step env 60 step_env
 run_step wheels 60 step_wheels
 [ -d "$WORK/site" ] && export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}
 run_step install 240 step_install
-if ! "$PY" -c 'import tandem.app.cli' >/dev/null 2>&1; then
+if ! "$PY" -c 'import tandem.app.cli.main' >/dev/null 2>&1; then
     # not installed (no usable setuptools, a read-only environment): the four folders as the namespace package
     # `tandem` on PYTHONPATH, which is all an editable install does
     mkdir -p "$WORK/shim/tandem"

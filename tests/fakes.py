@@ -6,7 +6,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from tandem.app.backend import TuningTarget, Usage
+from tandem.app.chat.backend import TuningTarget, Usage
 from tandem.runtime.loader import LoadedModel
 from tandem.runtime.sampling import SamplingParams
 

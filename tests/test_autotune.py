@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.app.cli import main
+from tandem.app.cli.main import main
 from tandem.autotune.microbench import choose_variant
 from tandem.autotune.profile import SCHEMA, Profile, find_profile, profiles_dir, save_profile
 

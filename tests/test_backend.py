@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tandem.app.backend import ChatBackend, RuntimeBackend, TuningTarget
+from tandem.app.chat.backend import ChatBackend, RuntimeBackend, TuningTarget
 from tandem.runtime.loader import LoadedModel, load_model
 from tandem.runtime.sampling import SamplingParams
 from tests.fakes import FakeBackend, TunableFake
@@ -55,7 +55,7 @@ def test_every_backend_has_every_member_with_the_protocols_signature(kind: type,
 
 def test_the_remote_backend_has_every_method_with_the_protocols_signature() -> None:
     """(Its attributes, read off a server: tests/test_serve.py.)"""
-    from tandem.app.remote import RemoteBackend
+    from tandem.app.chat.remote import RemoteBackend
 
     for name in METHODS:
         assert signature(getattr(RemoteBackend, name)) == signature(getattr(ChatBackend, name)), name

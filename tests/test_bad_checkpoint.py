@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tandem.app.cli import main
+from tandem.app.cli.main import main
 from tandem.kernels.errors import CheckpointError
 from tandem.runtime import chat_template
 from tandem.runtime.safetensors_mmap import SafetensorsFile

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.app import flags
-from tandem.app.cli import main
-from tandem.app.prompt_input import MAX_PROMPT_BYTES
+from tandem.app.cli import flags
+from tandem.app.cli.main import main
+from tandem.app.cli.prompt_input import MAX_PROMPT_BYTES
 from tandem.kernels.errors import UsageError
 
 NO_MODEL = "/nonexistent/tandem-model"  # were a flag let through, the error would name this folder instead
@@ -146,7 +146,7 @@ def test_stdin_prompt_is_bounded(capsys, monkeypatch) -> None:
 
 
 def test_byte_order_mark_is_not_part_of_the_prompt(monkeypatch) -> None:
-    from tandem.app.prompt_input import read_stdin
+    from tandem.app.cli.prompt_input import read_stdin
 
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xef\xbb\xbfhello"), encoding="utf-8"))
     assert read_stdin() == "hello"
@@ -164,7 +164,7 @@ def test_argv_prompt_with_undecodable_bytes_is_refused(capsys) -> None:
 
 
 def run_cli(*args: str | bytes, stdin: object = subprocess.DEVNULL) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([sys.executable, "-m", "tandem.app.cli", *args], stdin=stdin, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tandem.app.cli.main", *args], stdin=stdin, capture_output=True,
                           timeout=120, cwd=Path(__file__).resolve().parents[1])
 
 
@@ -186,7 +186,7 @@ def test_real_process_non_utf8_argv_and_endless_stdin(tmp_path: Path) -> None:
     (f"generate --model {NO_MODEL} --prompt - <&-", b"error: standard input is closed"),
 ])
 def test_closed_standard_streams(command: str, needle: bytes) -> None:
-    proc = subprocess.run(f"{sys.executable} -m app.cli {command}", shell=True, capture_output=True, timeout=120,
+    proc = subprocess.run(f"{sys.executable} -m tandem.app.cli.main {command}", shell=True, capture_output=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(needle) and proc.stderr.count(b"\n") == 1, proc.stderr

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tandem.app.cli import main
+from tandem.app.cli.main import main
 from tandem.kernels.errors import CheckpointError, ResourceError
 from tandem.runtime import memory
 from tandem.runtime.checkpoint import open_checkpoint
@@ -181,7 +181,8 @@ def test_context_beyond_model_limit(mixtral_dir: Path, capsys) -> None:
 
 def test_cli_subprocess_prints_error_without_traceback(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "tandem.app.cli", "generate", "--model", str(tmp_path / "missing"), "--prompt", "x"],
+        [sys.executable, "-m", "tandem.app.cli.main", "generate", "--model", str(tmp_path / "missing"), "--prompt",
+         "x"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2

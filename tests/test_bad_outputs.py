@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.app.cli import main
-from tandem.app.output import EXIT_PIPE_CLOSED
+from tandem.app.cli.main import main
+from tandem.app.cli.output import EXIT_PIPE_CLOSED
 from tandem.runtime.synth import tiny_config, write_test_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +24,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def tandem(*args: str, stdout: object = subprocess.PIPE) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "tandem.app.cli", *args], stdout=stdout, stderr=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "tandem.app.cli.main", *args], stdout=stdout, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, cwd=ROOT)
 
 
@@ -166,7 +166,7 @@ def test_tandem_home_that_is_a_file(model: str, tmp_path: Path, monkeypatch, cap
     assert main(["generate", "--max-new-tokens", "2", "hi"]) == 2  # the built-in model must be built and saved
     err = capsys.readouterr().err
     assert err.splitlines()[-1].startswith(f"error: TANDEM_HOME {home} is a file") and "Traceback" not in err, err
-    from tandem.app.settings import Settings, save_settings
+    from tandem.app.chat.settings import Settings, save_settings
     from tandem.kernels.errors import StoreError
 
     with pytest.raises(StoreError, match="is a file; point it to a folder"):

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tandem.app.cli import main
+from tandem.app.cli.main import main
 from tandem.autotune.simulate import synthetic_trace
 from tandem.runtime.synth import tiny_config, write_test_model
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from tandem.app import batch_cmd
-from tandem.app.cli import main
+from tandem.app.cli import batch as batch_cmd
+from tandem.app.cli.main import main
 from tandem.runtime.loader import load_model
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.tokenizer import Tokenizer

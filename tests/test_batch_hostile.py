@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from tandem.app import batch_file
-from tandem.app.batch_cmd import workload
-from tandem.app.batch_file import Line, ResultsFile, read_requests
-from tandem.app.cli import main
+from tandem.app.cli import batch_file
+from tandem.app.cli.batch import workload
+from tandem.app.cli.batch_file import Line, ResultsFile, read_requests
+from tandem.app.cli.main import main
 from tandem.kernels.errors import UsageError
 from tandem.runtime.batch import BatchRequest
 from tandem.runtime.sampling import SamplingParams
@@ -53,7 +53,7 @@ def batch_in_child(src: Path, out: Path | str, model: Path) -> subprocess.Comple
     waits on a FIFO fails this test instead of filling the machine's RAM or hanging it."""
     code = ("import resource, sys\n"
             f"resource.setrlimit(resource.RLIMIT_AS, ({CHILD_MEMORY}, {CHILD_MEMORY}))\n"
-            "from tandem.app.cli import main\n"
+            "from tandem.app.cli.main import main\n"
             "sys.exit(main(sys.argv[1:]))\n")
     argv = [sys.executable, "-c", code, "batch", str(src), "--out", str(out), "--model", str(model), *FLAGS]
     try:
@@ -392,7 +392,7 @@ def test_open_output_takes_a_new_or_regular_file_only(tmp_path: Path) -> None:
 def test_a_record_is_one_line_whatever_its_text_holds() -> None:
     """U+2028, U+2029 and U+0085 (in a custom_id, or an answer's text) are line breaks to some readers (Python's
     str.splitlines, JavaScript): escaped, so every record stays one line however the file is read."""
-    from tandem.app.batch_file import _record_line
+    from tandem.app.cli.batch_file import _record_line
 
     record = {"custom_id": "a\u2028b\u2029c\u0085d\né", "text": "x\u2028y"}
     line = _record_line(record).decode("utf-8")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.app.cli import main
+from tandem.app.cli.main import main
 from tandem.autotune.batch_plan import (
     JOB_MS,
     MAX_BATCH,

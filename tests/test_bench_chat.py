@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.app.cli import main
+from tandem.app.cli.main import main
 
 
 def test_the_app_and_the_bare_stream_decode_the_same_answer(mixtral_dir: Path, tmp_path: Path,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.app.cli import main
+from tandem.app.cli.main import main
 from tandem.autotune.bench.e2e import bench_e2e, peer_fits_beside, plot
 from tandem.kernels.errors import TandemError
 from tandem.runtime.loader import load_model

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.app.cli import main
+from tandem.app.cli.main import main
 from tandem.autotune.bench.models import bench_config, make_bench_model, reuse
 from tandem.autotune.bench.shapes import ExpertShape, checkpoint_shapes, find_shape, real_shapes, shape_names
 from tandem.kernels.errors import UnsupportedModelError

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.app.cli import main
+from tandem.app.cli.main import main
 from tandem.autotune.bench.numerics import NUMERICS_OUTSIDE, bench_numerics, numerics_paths
 from tandem.kernels.isa import ENV, masked_features, masks_to_play, present_features
 from tandem.runtime import builtin

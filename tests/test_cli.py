@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.app.cli import main
+from tandem.app.cli.main import main
 
 
 def test_generate_streams_text_and_prints_summary(mixtral_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -109,7 +109,7 @@ def test_bench_quant_reports_drift_and_agreement(tmp_path: Path, capsys: pytest.
 
 
 def test_progress_in_a_log_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    from tandem.app.from_flags import progress as _progress
+    from tandem.app.cli.from_flags import progress as _progress
 
     for fraction in (0.25, 0.5, 1.0):  # stderr is not a terminal here
         _progress("reading the experts into RAM", fraction)

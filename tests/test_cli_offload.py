@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tandem.app.cli import main
+from tandem.app.cli.main import main
 
 BASE = ["--prompt", "The quick brown fox", "--max-new-tokens", "12", "--dtype", "fp32", "--json", "--context", "64"]
 

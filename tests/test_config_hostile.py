@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tandem.app.cli import main
+from tandem.app.cli.main import main
 from tandem.kernels.errors import CheckpointError
 from tandem.runtime.families import families, parse_config
 from tandem.runtime.gguf import config_of

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tandem.app.context import answer_room, fit_messages
-from tandem.app.conversation import Conversation, Turn
+from tandem.app.chat.context import answer_room, fit_messages
+from tandem.app.chat.conversation import Conversation, Turn
 
 
 def words(messages: list[dict[str, str]]) -> int:

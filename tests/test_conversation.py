@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from tandem.app.conversation import ChatModel, Conversation, Turn, Version
-from tandem.app.settings import Settings
+from tandem.app.chat.conversation import ChatModel, Conversation, Turn, Version
+from tandem.app.chat.settings import Settings
 
 
 def test_positional_construction_still_works() -> None:

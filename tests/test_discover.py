@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 
-from tandem.app.cli import main
+from tandem.app.cli.main import main
 from tandem.kernels.errors import CheckpointError
 from tandem.runtime.discover import Stores, discover, ollama_models, resolve_ollama_name
 from tests.conftest import build_hf_checkpoint, copy_checkpoint

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.app.cli import build_parser
+from tandem.app.cli.main import build_parser
 from tandem.autotune.bench.models import make_bench_model
 from tandem.autotune.bench.shapes import ExpertShape, find_shape, real_shapes
 from tandem.runtime import families

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.app.cli import main
+from tandem.app.cli.main import main
 from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.accelerator import EmulatedAccelerator

@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 import pytest
 
-from tandem.app.cli import main
+from tandem.app.cli.main import main
 from tandem.kernels.errors import CheckpointError
 from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.discover import Stores, discover, ollama_models

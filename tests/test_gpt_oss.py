@@ -132,7 +132,7 @@ def test_attention_with_sinks_is_transformers_eager_attention(tokens: int) -> No
 
 
 def test_quant_is_refused_before_the_experts_are_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tandem.app.cli import main
+    from tandem.app.cli.main import main
 
     folder = write_test_model(tmp_path / "m", tiny_config("gpt_oss"))
     assert main(["generate", "--model", str(folder), "--quant", "int8", "--prompt", "hi", "--max-new-tokens", "2"]) == 2

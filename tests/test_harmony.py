@@ -134,7 +134,7 @@ def test_the_stream_decoder_keeps_special_tokens_when_asked() -> None:
 def test_the_chat_backend_streams_the_final_channel_of_a_harmony_model() -> None:
     from types import SimpleNamespace
 
-    from tandem.app.backend import RuntimeBackend
+    from tandem.app.chat.backend import RuntimeBackend
     from tandem.runtime.sampling import SamplingParams
 
     asked: list[bool] = []
@@ -155,7 +155,7 @@ def test_the_chat_backend_streams_the_final_channel_of_a_harmony_model() -> None
 
 def test_the_server_streams_the_final_channel_of_a_harmony_answer() -> None:
     """`tandem serve`'s per-request text: the final channel's deltas for a harmony chat, everything otherwise."""
-    from tandem.app.serving import TextStream
+    from tandem.app.serve.serving import TextStream
 
     backend = train_tokenizer(512)
     backend.add_special_tokens(sorted(set(re.findall(r"<\|[a-z]+\|>", ANSWER))))  # whole tokens, as gpt-oss's

@@ -130,16 +130,16 @@ def test_the_kernels_default_dtype_and_crossover_follow_the_mask(cpu_features) -
 
 def test_a_bad_mask_is_an_error_on_the_command_line(tmp_path: Path) -> None:
     env = {"TANDEM_CPU_FEATURES": "-avx3", "TANDEM_HOME": str(tmp_path), "PATH": ""}
-    proc = subprocess.run([sys.executable, "-m", "tandem.app.cli", "probe"], capture_output=True, text=True, env=env,
-                          timeout=120, cwd=Path(__file__).parents[1])
+    proc = subprocess.run([sys.executable, "-m", "tandem.app.cli.main", "probe"], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=Path(__file__).parents[1])
     assert proc.returncode == 2 and proc.stderr.startswith("error: TANDEM_CPU_FEATURES: cannot read '-avx3'")
     assert "Traceback" not in proc.stderr
 
 
 def test_the_command_line_probe_shows_the_mask(tmp_path: Path) -> None:
     env = {"TANDEM_CPU_FEATURES": "-avx2", "TANDEM_HOME": str(tmp_path), "PATH": ""}
-    proc = subprocess.run([sys.executable, "-m", "tandem.app.cli", "probe", "--json"], capture_output=True, text=True,
-                          env=env, timeout=120, cwd=Path(__file__).parents[1])
+    proc = subprocess.run([sys.executable, "-m", "tandem.app.cli.main", "probe", "--json"], capture_output=True,
+                          text=True, env=env, timeout=120, cwd=Path(__file__).parents[1])
     cpu_info = json.loads(proc.stdout)["cpu"]
     assert proc.returncode == 0 and not any(f.startswith(("avx2", "avx512", "amx")) for f in cpu_info["flags"])
     assert "avx2" in cpu_info["masked"] or not cpu_info["flags"]  # (a CPU without AVX2 has nothing to hide)

@@ -56,7 +56,7 @@ def test_import_names_cannot_be_shadowed(tmp_path: Path) -> None:
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text("OTHER = True\n")
     code = (
-        "import kernels, app, tandem.kernels.experts, tandem.app.cli, tandem.runtime.loader, tandem.autotune.run\n"
+        "import kernels, app, tandem.kernels.experts, tandem.app.cli.main, tandem.runtime.loader, tandem.autotune.run\n"
         "assert kernels.OTHER and app.OTHER\n"
         "import sys\n"
         "assert not [m for m in sys.modules if m.split('.')[0] in ('runtime', 'autotune')]\n"

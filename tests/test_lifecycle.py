@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tandem.app.lifecycle import Failed, ModelLifecycle, Ready, Unloaded, load_in_turn
+from tandem.app.chat.lifecycle import Failed, ModelLifecycle, Ready, Unloaded, load_in_turn
 from tandem.kernels.errors import CheckpointError, ResourceError
 from tests.fakes import FakeBackend
 
@@ -239,7 +239,7 @@ def test_no_room_is_made_while_the_current_model_answers() -> None:
 
 
 def test_the_lifecycle_imports_no_textual() -> None:
-    code = ("import sys, tandem.app.lifecycle\n"
+    code = ("import sys, tandem.app.chat.lifecycle\n"
             "assert not [m for m in sys.modules if m.split('.')[0] == 'textual'], 'textual imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

@@ -171,7 +171,7 @@ def test_one_token_streams_every_row_whatever_the_split(isa: str, h: int, i: int
 
 def test_a_checkpoint_keeps_its_experts_4_bit_and_quant_is_refused(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    from tandem.app.cli import main
+    from tandem.app.cli.main import main
     from tandem.runtime.checkpoint import open_checkpoint
     from tandem.runtime.loader import load_model
     from tandem.runtime.memory import estimate_memory
@@ -196,7 +196,7 @@ def test_the_tuner_measures_mxfp4_experts_as_the_model_stores_them(tmp_path: Pat
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from tandem.app.cli import main
+    from tandem.app.cli.main import main
     from tandem.autotune.plan import ModelShape
     from tandem.runtime.checkpoint import open_checkpoint
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.app.cli import main
+from tandem.app.cli.main import main
 from tandem.autotune import configure as configure_module
 from tandem.autotune.configure import configure, profile_request
 from tandem.kernels.errors import SettingsError
@@ -208,7 +208,7 @@ def test_pinned_experts_this_model_lacks_are_dropped_from_a_profile_and_refused_
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Calls of each expensive step of a command: the checkpoint opened, the tokenizer loaded, the machine probed."""
-    from tandem.app import batch_cmd
+    from tandem.app.cli import batch as batch_cmd
     from tandem.runtime import checkpoint
     from tandem.runtime.tokenizer import Tokenizer
 
@@ -265,7 +265,7 @@ def test_show_config_tells_what_serve_runs(mixtral_dir: Path, tandem_home: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """serve runs ragged passes of --batch-size sequences, or as many as serving fits; --show-config says so, and
     the server is loaded with exactly those settings."""
-    from tandem.app import serve_cmd
+    from tandem.app.serve import command as serve_cmd
     from tandem.runtime.options import SERVE_MOST_BATCH
 
     monkeypatch.setattr(loader, "load", lambda *a, **k: pytest.fail("loaded for --show-config"))
@@ -292,8 +292,7 @@ def test_show_config_tells_what_batch_runs(mixtral_dir: Path, tandem_home: Path,
                                           ) -> None:
     """batch runs ragged passes of its policy's batch, with the context its longest request needs; --show-config
     says so without loading or writing anything, and the run loads exactly those settings."""
-    from tandem.app import batch_cmd
-
+    from tandem.app.cli import batch as batch_cmd
     src = _batch_file(tmp_path, 5, 7)
     out = tmp_path / "out.jsonl"
     base = ["batch", str(src), "--out", str(out), "--model", str(mixtral_dir), "--dtype", "fp32", "--threads", "1",

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.app.backend import RuntimeBackend
+from tandem.app.chat.backend import RuntimeBackend
 from tandem.runtime.engine import Engine, GenerationStats
 from tandem.runtime.loader import LoadedModel, load_model, prefix_key
 from tandem.runtime.prefix import PrefixStore
@@ -157,7 +157,7 @@ def test_the_chat_app_keeps_its_conversation_when_it_closes(hf_checkpoints: dict
 def test_bench_reopen_measures_the_reopened_and_the_dropped(hf_checkpoints: dict[str, Path], tmp_path: Path,
                                                             tandem_home: Path, capsys: pytest.CaptureFixture[str]
                                                             ) -> None:
-    from tandem.app.cli import main
+    from tandem.app.cli.main import main
 
     out = tmp_path / "reopen.json"
     assert main(["bench", "chat", "--reopen", "64", "--model", str(hf_checkpoints["mixtral"]), "--dtype", "fp32",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.app.cli import main
+from tandem.app.cli.main import main
 from tandem.autotune.probe import GpuUnavailable, HardwareInfo, LiveSources, RecordedSources, describe, probe, record
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hardware"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.app.cli import main
+from tandem.app.cli.main import main
 from tandem.runtime.loader import load_model
 from tandem.runtime.moe import BlockExpert
 from tandem.runtime.quant_cache import cache_path

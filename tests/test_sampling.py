@@ -138,7 +138,7 @@ def damaged_model(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize("how", [[], ["--temperature", "1", "--seed", "1"], ["--beams", "2"],
                                  ["--temperature", "0.7", "--top-p", "0.9", "--repetition-penalty", "1.3"]])
 def test_damaged_weights_end_in_an_error(damaged_model, capsys, kind: str, how: list[str]) -> None:
-    from tandem.app.cli import main
+    from tandem.app.cli.main import main
 
     code = main(["generate", "--model", str(damaged_model[kind]), "--dtype", "fp32", "--max-new-tokens", "3",
                  *how, "hello"])

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.app.cli import main
+from tandem.app.cli.main import main
 from tandem.runtime import selftest as module
 from tandem.runtime.accelerator import EmulatedAccelerator, cuda_usable
 from tandem.runtime.checkpoint import open_checkpoint

@@ -18,13 +18,13 @@ import httpx
 import openai
 import pytest
 
-from tandem.app.cli import main
-from tandem.app.heatmap import ExpertHeatmap
-from tandem.app.remote import RemoteBackend, RemoteServer, base_url, context_of
-from tandem.app.server import BackgroundServer, make_app
-from tandem.app.serving import EngineService
-from tandem.app.tui import TandemApp
-from tandem.app.widgets import ChatMessage, StatusBar
+from tandem.app.chat.heatmap import ExpertHeatmap
+from tandem.app.chat.remote import RemoteBackend, RemoteServer, base_url, context_of
+from tandem.app.chat.tui import TandemApp
+from tandem.app.chat.widgets import ChatMessage, StatusBar
+from tandem.app.cli.main import main
+from tandem.app.serve.server import BackgroundServer, make_app
+from tandem.app.serve.serving import EngineService
 from tandem.runtime.loader import load_model
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.tokenizer import Tokenizer
@@ -296,7 +296,7 @@ async def test_the_chat_app_on_a_tandem_server(mixtral_dir: Path) -> None:
             await press(pilot, "ctrl+t")
             assert any("runs on" in n.message for n in app._notifications)
             await press(pilot, "ctrl+o")  # the picker lists the server's models
-            from tandem.app.screens.picker import PickerScreen
+            from tandem.app.chat.screens.picker import PickerScreen
 
             picker = await wait_for_screen(pilot, app, PickerScreen)
             await wait_until(pilot, lambda: picker.entries is not None)
@@ -353,7 +353,7 @@ def test_tandem_serve_runs_until_stopped(mixtral_dir: Path, tmp_path: Path, stop
         # Ctrl+C as from a terminal: a run started in the background (a CI job's, say) inherits SIGINT ignored,
         # and Python then leaves it ignored
         start = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-                 "sys.argv[0] = 'tandem'; runpy.run_module('tandem.app.cli', run_name='__main__')")
+                 "sys.argv[0] = 'tandem'; runpy.run_module('tandem.app.cli.main', run_name='__main__')")
         proc = subprocess.Popen([sys.executable, "-c", start, "serve", "--model", str(mixtral_dir), "--port", "0",
                                  "--dtype", "fp32", "--threads", "1", "--context", "64", "--no-profile"],
                                 stderr=err, env=os.environ | {"TANDEM_API_KEY": ""})
@@ -393,7 +393,7 @@ async def test_tokens_reach_the_event_loop_in_order_with_few_wakes() -> None:
     every STREAM_INTERVAL_S: every event arrives, in order, with fewer wakes than tokens."""
     import asyncio
 
-    from tandem.app import serving
+    from tandem.app.serve import serving
     from tandem.runtime.batch import BatchResult, DoneEvent, TokenEvent
 
     sub = serving.Subscription("k", asyncio.get_running_loop())

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tandem.app.server import MAX_BODY, make_app
-from tandem.app.serving import PART_CHARS_A_TOKEN, EngineService
+from tandem.app.serve.server import MAX_BODY, make_app
+from tandem.app.serve.serving import PART_CHARS_A_TOKEN, EngineService
 from tandem.runtime.loader import load_model
 from tests.test_serve import CONTEXT, DEFAULTS, HELLO
 
@@ -142,7 +142,7 @@ async def test_a_body_that_would_make_millions_of_objects_is_refused_unparsed(
     """Parsing JSON holds the GIL throughout (16 MiB of `[],` held every client for seconds): arrays and objects past
     MAX_CONTAINERS, or more list items than a prompt of token ids as long as the context, are refused before the
     body is parsed. Brackets and commas inside strings are text, not counted."""
-    import tandem.app.server as server
+    import tandem.app.serve.server as server
 
     parsed: list[int] = []
     real = server._json_of
@@ -381,7 +381,7 @@ def test_a_request_the_http_layer_cannot_parse_gets_an_openai_error(mixtral_dir:
     HTTP layer before the app sees it, in OpenAI's shape all the same."""
     import socket
 
-    from tandem.app.server import BackgroundServer
+    from tandem.app.serve.server import BackgroundServer
     from tests.test_serve import serving
 
     with serving(mixtral_dir) as (_, server):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.app.settings import SCHEMA, Settings, load_settings, save_settings, settings_path
+from tandem.app.chat.settings import SCHEMA, Settings, load_settings, save_settings, settings_path
 from tandem.kernels.errors import GenerationError, SettingsError
 from tandem.runtime.sampling import SamplingParams
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.app.tui import TandemApp
-from tandem.app.widgets import Composer
+from tandem.app.chat.tui import TandemApp
+from tandem.app.chat.widgets import Composer
 from tests.fakes import FakeBackend, TunableFake
 from tests.test_tui import fake_tune, wait_for_screen, wait_until
 
@@ -18,7 +18,7 @@ SIZE = (100, 30)
 
 @pytest.fixture(autouse=True)
 def steady_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("tandem.app.screens.chat.process_rss", lambda: 300 * 2**20)
+    monkeypatch.setattr("tandem.app.chat.screens.chat.process_rss", lambda: 300 * 2**20)
 
 
 async def answered(pilot, question: str = "What is a mixture of experts?") -> None:
@@ -65,7 +65,7 @@ def test_picker(snap_compare, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_wizard(snap_compare) -> None:
-    from tandem.app.screens.wizard import WizardScreen
+    from tandem.app.chat.screens.wizard import WizardScreen
 
     async def run(pilot) -> None:
         await wait_for_screen(pilot, pilot.app, WizardScreen)

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.app.cli import main
+from tandem.app.cli.main import main
 from tandem.autotune.measurements import CpuFit, Measurements
 from tandem.autotune.profile import SCHEMA, Profile, find_profile, model_fingerprint, profile_path, save_profile
 from tandem.runtime.checkpoint import open_checkpoint

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.app.conversation import conversation_from_dict, iso_time, merge_turns
-from tandem.app.settings import Settings
-from tandem.app.store import SCHEMA, ChatModel, Conversation, ConversationStore, Turn, Version
+from tandem.app.chat.conversation import conversation_from_dict, iso_time, merge_turns
+from tandem.app.chat.settings import Settings
+from tandem.app.chat.store import SCHEMA, ChatModel, Conversation, ConversationStore, Turn, Version
 from tandem.kernels.errors import StoreError, TandemError
 from tandem.runtime import paths
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WRITER = """
 import sys, time
 from pathlib import Path
-from tandem.app.store import ConversationStore, Turn
+from tandem.app.chat.store import ConversationStore, Turn
 store = ConversationStore(Path(sys.argv[1]))
 conv = next(c for c in store.load_all()[0] if c.id == sys.argv[2])
 name, go = sys.argv[3], Path(sys.argv[4])

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tandem.app.settings import Settings, load_settings
-from tandem.app.store import Conversation, ConversationStore, Turn
+from tandem.app.chat.settings import Settings, load_settings
+from tandem.app.chat.store import Conversation, ConversationStore, Turn
 from tandem.kernels.errors import StoreError
 from tandem.runtime import paths
 
@@ -25,8 +25,8 @@ CHILD = """
 import json, resource, sys
 from pathlib import Path
 resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory}))
-from tandem.app.settings import load_settings
-from tandem.app.store import Conversation, ConversationStore, Turn
+from tandem.app.chat.settings import load_settings
+from tandem.app.chat.store import Conversation, ConversationStore, Turn
 what, folder = sys.argv[1], Path(sys.argv[2])
 store = ConversationStore(folder)
 if what == "load":

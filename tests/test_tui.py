@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from textual.widgets import ProgressBar
 
-from tandem.app.backend import RuntimeBackend
-from tandem.app.heatmap import ExpertHeatmap
-from tandem.app.screens.chat import ChatScreen
-from tandem.app.store import Conversation, ConversationStore, Turn
-from tandem.app.tui import TandemApp
-from tandem.app.widgets import ChatMessage, StatusBar
+from tandem.app.chat.backend import RuntimeBackend
+from tandem.app.chat.heatmap import ExpertHeatmap
+from tandem.app.chat.screens.chat import ChatScreen
+from tandem.app.chat.store import Conversation, ConversationStore, Turn
+from tandem.app.chat.tui import TandemApp
+from tandem.app.chat.widgets import ChatMessage, StatusBar
 from tandem.autotune.microbench import Step
 from tandem.kernels.errors import CheckpointError, ResourceError
 from tandem.runtime.loader import load_model
@@ -182,7 +182,7 @@ async def test_with_the_real_runtime(mixtral_dir: Path) -> None:
     async with app.run_test() as pilot:
         from textual.widgets import Button
 
-        from tandem.app.screens.wizard import WizardScreen
+        from tandem.app.chat.screens.wizard import WizardScreen
 
         await wait_for_screen(pilot, app, WizardScreen)  # no profile yet: offered
         app.screen.query_one("#skip", Button).press()
@@ -210,7 +210,7 @@ async def test_the_chat_app_on_a_gguf_file_of_each_architecture(hf_checkpoints: 
                                                                case: str) -> None:
     """The chat app answers from a GGUF file of every architecture it reads (tests/ggufs.py writes them as llama.cpp's
     converter does), with the file's own chat template: the answer the runtime streams for the conversation."""
-    from tandem.app.screens.wizard import WizardScreen
+    from tandem.app.chat.screens.wizard import WizardScreen
     from tests.ggufs import write_gguf
 
     file = write_gguf(hf_checkpoints[case], tmp_path / "m.gguf") and tmp_path / "m.gguf"
@@ -232,8 +232,8 @@ async def test_the_chat_app_on_a_gguf_file_of_each_architecture(hf_checkpoints: 
 async def test_settings_are_edited_validated_and_saved(tandem_home: Path) -> None:
     from textual.widgets import Button, Checkbox, Input, TextArea
 
-    from tandem.app.screens.settings import SettingsScreen
-    from tandem.app.settings import load_settings
+    from tandem.app.chat.screens.settings import SettingsScreen
+    from tandem.app.chat.settings import load_settings
 
     app = TandemApp(lambda _: FakeBackend())
     async with app.run_test(size=(100, 40)) as pilot:
@@ -256,7 +256,7 @@ async def test_settings_are_edited_validated_and_saved(tandem_home: Path) -> Non
 
 
 async def test_help_lists_every_key_and_the_palette_has_every_action() -> None:
-    from tandem.app.screens.help import HelpScreen
+    from tandem.app.chat.screens.help import HelpScreen
 
     app = TandemApp(lambda _: FakeBackend())
     async with app.run_test(size=(100, 40)) as pilot:
@@ -277,7 +277,7 @@ async def test_picker_lists_lm_studio_ollama_and_gguf_repos_and_loads_the_one_ch
     chosen one loads from its file (Ollama's: the blob its manifest names)."""
     from textual.widgets import DataTable
 
-    from tandem.app.screens.picker import PickerScreen
+    from tandem.app.chat.screens.picker import PickerScreen
     from tests.conftest import build_hf_checkpoint
     from tests.ggufs import fake_stores, write_gguf
 
@@ -313,7 +313,7 @@ async def test_picker_lists_lm_studio_ollama_and_gguf_repos_and_loads_the_one_ch
 async def test_picker_lists_a_models_folder_and_a_broken_model_keeps_the_app_alive(tmp_path: Path) -> None:
     from textual.widgets import DataTable
 
-    from tandem.app.screens.picker import PickerScreen
+    from tandem.app.chat.screens.picker import PickerScreen
     from tandem.runtime.synth import tiny_config, write_test_model
 
     folder = tmp_path / "models"
@@ -362,7 +362,7 @@ async def test_the_picker_opens_before_its_search_ends_and_says_when_it_fails(
     fails says so in the picker and the chat goes on."""
     import threading
 
-    from tandem.app.screens.picker import PickerScreen
+    from tandem.app.chat.screens.picker import PickerScreen
     from tandem.kernels.errors import CheckpointError
 
     release, outcome = threading.Event(), {"fail": False}
@@ -421,7 +421,7 @@ def fake_tune(path: str, dtype: str, progress) -> object:
 async def test_first_run_wizard_tunes_and_saves_a_profile(tandem_home: Path) -> None:
     from textual.widgets import Button
 
-    from tandem.app.screens.wizard import WizardScreen, tuning_keys
+    from tandem.app.chat.screens.wizard import WizardScreen, tuning_keys
     from tandem.autotune.profile import find_profile
 
     app = TandemApp(lambda _: TunableFake(), tune=fake_tune)
@@ -469,7 +469,7 @@ def test_heatmap_marks_where_experts_ran(mixtral_dir: Path) -> None:
 async def test_rename_a_conversation(tandem_home: Path) -> None:
     from textual.widgets import Input
 
-    from tandem.app.screens.rename import RenameScreen
+    from tandem.app.chat.screens.rename import RenameScreen
 
     app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test() as pilot:
@@ -483,14 +483,14 @@ async def test_rename_a_conversation(tandem_home: Path) -> None:
 
 
 def test_picker_vram_column() -> None:
-    from tandem.app.screens.picker import ModelEntry
+    from tandem.app.chat.screens.picker import ModelEntry
 
     e = ModelEntry("/m", "m", "Mixtral", 46_700_000_000, 8, 93 * 10**9, "folder")
     assert e.fits_vram(None) == "no GPU" and e.fits_vram(24 * 2**30) == "24%" and e.fits_vram(200 * 10**9) == "all"
 
 
 async def test_after_skipping_the_wizard_typing_goes_to_the_composer(tandem_home: Path) -> None:
-    from tandem.app.screens.wizard import WizardScreen
+    from tandem.app.chat.screens.wizard import WizardScreen
 
     app = TandemApp(lambda _: TunableFake(words=3), tune=fake_tune)
     async with app.run_test() as pilot:
@@ -503,8 +503,8 @@ async def test_after_skipping_the_wizard_typing_goes_to_the_composer(tandem_home
 
 
 async def test_escape_closes_dialogs() -> None:
-    from tandem.app.screens.help import HelpScreen
-    from tandem.app.screens.settings import SettingsScreen
+    from tandem.app.chat.screens.help import HelpScreen
+    from tandem.app.chat.screens.settings import SettingsScreen
 
     app = TandemApp(lambda _: FakeBackend())
     async with app.run_test(size=(100, 40)) as pilot:
@@ -518,8 +518,8 @@ async def test_escape_closes_dialogs() -> None:
 
 async def test_a_dialog_owns_the_keys_while_it_is_open(tandem_home: Path) -> None:
     """The chat's keys act on the chat screen only: behind a dialog they do nothing; Escape closes the dialog."""
-    from tandem.app.screens.help import HelpScreen
-    from tandem.app.screens.settings import SettingsScreen
+    from tandem.app.chat.screens.help import HelpScreen
+    from tandem.app.chat.screens.settings import SettingsScreen
 
     backend = FakeBackend(words=3)
     app = TandemApp(lambda _: backend)
@@ -547,7 +547,7 @@ async def test_a_dialog_owns_the_keys_while_it_is_open(tandem_home: Path) -> Non
 
 
 async def test_edit_the_last_message(tandem_home: Path) -> None:
-    from tandem.app.widgets import Composer
+    from tandem.app.chat.widgets import Composer
 
     app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test() as pilot:
@@ -595,8 +595,8 @@ async def test_a_new_model_replaces_the_old_one_which_is_released(room: int) -> 
 
 
 async def test_a_model_that_fits_not_even_alone_brings_the_current_one_back(tandem_home: Path) -> None:
-    from tandem.app.screens.picker import PickerScreen
-    from tandem.app.screens.wizard import WizardScreen
+    from tandem.app.chat.screens.picker import PickerScreen
+    from tandem.app.chat.screens.wizard import WizardScreen
 
     memory = Memory(room=1, kind=TunableFake)
     app = TandemApp(memory.load, tune=fake_tune)
@@ -657,7 +657,7 @@ async def test_a_replaced_load_is_dropped_and_a_replaced_answering_model_closed_
 
 
 async def test_no_model_picking_while_answering_or_loading() -> None:
-    from tandem.app.screens.picker import PickerScreen
+    from tandem.app.chat.screens.picker import PickerScreen
 
     backend = FakeBackend(words=50, delay=0.02)
     backend.hold = threading.Event()  # the answer waits after its first word: still coming however slow the machine
@@ -682,8 +682,8 @@ async def test_no_model_picking_while_answering_or_loading() -> None:
 async def test_a_tuning_run_keeps_its_model_even_after_its_wizard_is_closed(tandem_home: Path) -> None:
     from textual.widgets import Button
 
-    from tandem.app.screens.picker import PickerScreen
-    from tandem.app.screens.wizard import WizardScreen
+    from tandem.app.chat.screens.picker import PickerScreen
+    from tandem.app.chat.screens.wizard import WizardScreen
 
     go = threading.Event()
 

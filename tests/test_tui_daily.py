@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from textual.widgets import Footer, Input, ListView, TextArea
 
-from tandem.app.screens.chat import ChatScreen
-from tandem.app.store import Conversation, ConversationStore, Turn
-from tandem.app.tui import TandemApp
-from tandem.app.widgets import ChatMessage, Composer, StatusBar
+from tandem.app.chat.screens.chat import ChatScreen
+from tandem.app.chat.store import Conversation, ConversationStore, Turn
+from tandem.app.chat.tui import TandemApp
+from tandem.app.chat.widgets import ChatMessage, Composer, StatusBar
 from tests.fakes import FakeBackend
 from tests.test_tui import ask, ask_and_wait, press, wait_until
 
@@ -112,8 +112,8 @@ async def test_without_a_model_the_text_stays_in_the_composer() -> None:
 
 # -- 2. keys respect dialogs and text fields -------------------------------------------------------------------
 async def test_settings_does_not_stack_and_rename_owns_ctrl_d(tandem_home: Path) -> None:
-    from tandem.app.screens.rename import RenameScreen
-    from tandem.app.screens.settings import SettingsScreen
+    from tandem.app.chat.screens.rename import RenameScreen
+    from tandem.app.chat.screens.settings import SettingsScreen
 
     app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test(size=(100, 40)) as pilot:
@@ -166,7 +166,7 @@ async def test_user_text_is_shown_as_typed_and_the_title_has_no_markdown(tandem_
 
 # -- 5. the settings dialog ------------------------------------------------------------------------------------
 async def test_settings_focus_a_field_save_on_enter_and_take_a_multi_line_system_prompt(tandem_home: Path) -> None:
-    from tandem.app.screens.settings import SettingsScreen
+    from tandem.app.chat.screens.settings import SettingsScreen
 
     app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test(size=(100, 40)) as pilot:
@@ -189,7 +189,7 @@ async def test_settings_focus_a_field_save_on_enter_and_take_a_multi_line_system
 
 
 async def test_ctrl_s_saves_the_settings_from_any_field(tandem_home: Path) -> None:
-    from tandem.app.screens.settings import SettingsScreen
+    from tandem.app.chat.screens.settings import SettingsScreen
 
     app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test(size=(100, 40)) as pilot:
@@ -353,7 +353,7 @@ def test_no_chat_key_takes_an_editing_key_from_the_composer() -> None:
 
 # -- what users expect --------------------------------------------------------------------------------------
 async def test_palette_commands_still_open_dialogs() -> None:
-    from tandem.app.screens.settings import SettingsScreen
+    from tandem.app.chat.screens.settings import SettingsScreen
 
     app = TandemApp(lambda _: FakeBackend())
     async with app.run_test(size=(100, 30)) as pilot:

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tandem.app import settings as settings_module
-from tandem.app import store as store_module
-from tandem.app.store import ConversationStore, Turn
-from tandem.app.tui import TandemApp
-from tandem.app.widgets import ChatMessage, StatusBar
+from tandem.app.chat import settings as settings_module
+from tandem.app.chat import store as store_module
+from tandem.app.chat.store import ConversationStore, Turn
+from tandem.app.chat.tui import TandemApp
+from tandem.app.chat.widgets import ChatMessage, StatusBar
 from tandem.kernels.errors import GenerationError
 from tandem.runtime.sampling import SamplingParams
 from tests.fakes import FakeBackend
@@ -55,7 +55,7 @@ async def ask_and_wait_for(pilot, app: TandemApp, text: str, turns: int) -> None
 
 
 async def test_rename_edit_delete_and_export_that_fail_are_notices(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tandem.app.screens.rename import RenameScreen
+    from tandem.app.chat.screens.rename import RenameScreen
 
     app = TandemApp(lambda _: FakeBackend(words=2))
     async with app.run_test() as pilot:
@@ -80,7 +80,7 @@ async def test_rename_edit_delete_and_export_that_fail_are_notices(monkeypatch: 
 async def test_a_settings_save_that_fails_is_a_notice_and_they_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     from textual.widgets import Button, Checkbox, Input
 
-    from tandem.app.screens.settings import SettingsScreen
+    from tandem.app.chat.screens.settings import SettingsScreen
 
     monkeypatch.setattr(settings_module, "atomic_write_json", disk_full)
     app = TandemApp(lambda _: FakeBackend())
@@ -122,7 +122,7 @@ async def test_a_non_finite_setting_in_the_file_is_set_aside(tandem_home: Path, 
 async def test_the_settings_form_refuses_non_finite_numbers(field: str, value: str) -> None:
     from textual.widgets import Button, Input
 
-    from tandem.app.screens.settings import SettingsScreen
+    from tandem.app.chat.screens.settings import SettingsScreen
 
     app = TandemApp(lambda _: FakeBackend())
     async with app.run_test(size=(100, 40)) as pilot:
@@ -217,8 +217,8 @@ async def test_another_windows_turns_come_in_when_this_one_saves() -> None:
 
 
 async def test_a_long_conversation_with_the_real_runtime_keeps_answering(mixtral_dir: Path) -> None:
-    from tandem.app.backend import RuntimeBackend
-    from tandem.app.screens.wizard import WizardScreen
+    from tandem.app.chat.backend import RuntimeBackend
+    from tandem.app.chat.screens.wizard import WizardScreen
     from tandem.runtime.loader import load_model
 
     app = TandemApp(lambda _: RuntimeBackend(load_model(mixtral_dir, dtype="fp32", context=128)),

@@ -14,14 +14,14 @@ import pytest
 from textual.binding import Binding
 from textual.widgets import Button, Static
 
-from tandem.app import tui
-from tandem.app.backend import TuningTarget
-from tandem.app.heatmap import ExpertHeatmap
-from tandem.app.screens.chat import ChatScreen
-from tandem.app.screens.help import HelpScreen
-from tandem.app.screens.settings import SettingsScreen
-from tandem.app.screens.wizard import WizardScreen
-from tandem.app.tui import TandemApp
+from tandem.app.chat import tui
+from tandem.app.chat.backend import TuningTarget
+from tandem.app.chat.heatmap import ExpertHeatmap
+from tandem.app.chat.screens.chat import ChatScreen
+from tandem.app.chat.screens.help import HelpScreen
+from tandem.app.chat.screens.settings import SettingsScreen
+from tandem.app.chat.screens.wizard import WizardScreen
+from tandem.app.chat.tui import TandemApp
 from tandem.autotune.microbench import Step
 from tandem.autotune.plan import Plan, PlanResult
 from tandem.autotune.run import Tuned
@@ -359,7 +359,7 @@ BAD_CHOICES = {
 
 @pytest.mark.parametrize("content", BAD_CHOICES.values(), ids=BAD_CHOICES.keys())
 def test_a_choices_file_with_wrong_contents_is_set_aside(content: str) -> None:
-    from tandem.app.tuning_choices import choices_path, load_tuning_choices
+    from tandem.app.chat.tuning_choices import choices_path, load_tuning_choices
 
     path = choices_path()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -369,7 +369,7 @@ def test_a_choices_file_with_wrong_contents_is_set_aside(content: str) -> None:
 
 
 def test_skips_are_saved_merged_with_another_windows() -> None:
-    from tandem.app.tuning_choices import TuningChoices, load_tuning_choices, save_skip
+    from tandem.app.chat.tuning_choices import TuningChoices, load_tuning_choices, save_skip
 
     machine = {"cpu": "x", "cores": 4, "gpus": []}
     save_skip(TuningChoices().with_skip(machine, {"model_type": "a"}))  # another window

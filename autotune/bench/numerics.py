@@ -100,8 +100,9 @@ def _numerics_child(model_dir: str | Path, tokens: int, ref: torch.Tensor, mask:
     with tempfile.TemporaryDirectory() as tmp:
         reference = Path(tmp) / "fp32-top1.json"
         reference.write_text(json.dumps(ref.tolist()), encoding="utf-8")
-        command = [sys.executable, "-m", "tandem.app.cli", "bench", "numerics", "--model", str(model_dir), "--tokens",
-                   str(tokens), "--reference", str(reference)] + (["--paths", ",".join(paths)] if paths else [])
+        command = [sys.executable, "-m", "tandem.app.cli.main", "bench", "numerics", "--model", str(model_dir),
+                   "--tokens", str(tokens), "--reference", str(reference)]
+        command += ["--paths", ",".join(paths)] if paths else []
         done = subprocess.run(command, env={**os.environ, ENV: mask}, capture_output=True, text=True)
     if done.returncode != 0:
         raise TandemError(f"numerics under {ENV}={mask} failed: {done.stderr.strip()[-500:]}")

@@ -14,7 +14,7 @@ import time
 import unicodedata
 from pathlib import Path
 
-from tandem.app.conversation import (
+from tandem.app.chat.conversation import (
     SCHEMA,
     ChatModel,
     Conversation,

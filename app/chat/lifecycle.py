@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from tandem.app.backend import ChatBackend
+from tandem.app.chat.backend import ChatBackend
 from tandem.kernels.errors import ResourceError, TandemError
 from tandem.runtime.accelerator import release_device_memory
 

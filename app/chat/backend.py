@@ -47,7 +47,7 @@ class ChatBackend(Protocol):
     name: str
     family: str
     placement: str  # where work runs, in words
-    remote: str | None  # the server it runs on (app/remote.py); None: this machine's runtime
+    remote: str | None  # the server it runs on (app/chat/remote.py); None: this machine's runtime
 
     def stream(self, messages: list[dict[str, str]], params: SamplingParams) -> Iterator[str]: ...
     def prompt_tokens(self, messages: list[dict[str, str]]) -> int: ...  # the chat prompt's length in tokens

@@ -13,7 +13,7 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Markdown, Static, TextArea
 
-from tandem.app.backend import Usage
+from tandem.app.chat.backend import Usage
 
 
 class Composer(TextArea):

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, cast
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
-from tandem.app.text import fit
+from tandem.app.chat.text import fit
 
 if TYPE_CHECKING:
-    from tandem.app.store import Conversation
-    from tandem.app.tui import TandemApp
+    from tandem.app.chat.store import Conversation
+    from tandem.app.chat.tui import TandemApp
 
 CONTENT_SCORE = 0.3  # a chat found by its text ranks below any fuzzy title match worth showing
 

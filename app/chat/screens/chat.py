@@ -28,22 +28,22 @@ from textual.timer import Timer
 from textual.widgets import Footer, Input, Label, ListItem, ListView, ProgressBar, Static
 from textual.worker import get_current_worker
 
-from tandem.app.context import answer_room, fit_messages
-from tandem.app.heatmap import ExpertHeatmap
-from tandem.app.lifecycle import ModelLifecycle
-from tandem.app.screens.export import ExportChoice, ExportScreen
-from tandem.app.screens.fork import ForkScreen
-from tandem.app.screens.rename import RenameScreen
-from tandem.app.settings import Settings
-from tandem.app.store import ChatModel, Conversation, ConversationStore, Turn
-from tandem.app.text import code_blocks, fit, human_bytes, title_from
-from tandem.app.widgets import ChatMessage, Composer, StatusBar
+from tandem.app.chat.context import answer_room, fit_messages
+from tandem.app.chat.heatmap import ExpertHeatmap
+from tandem.app.chat.lifecycle import ModelLifecycle
+from tandem.app.chat.screens.export import ExportChoice, ExportScreen
+from tandem.app.chat.screens.fork import ForkScreen
+from tandem.app.chat.screens.rename import RenameScreen
+from tandem.app.chat.settings import Settings
+from tandem.app.chat.store import ChatModel, Conversation, ConversationStore, Turn
+from tandem.app.chat.text import code_blocks, fit, human_bytes, title_from
+from tandem.app.chat.widgets import ChatMessage, Composer, StatusBar
 from tandem.kernels.errors import TandemError
 from tandem.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from tandem.app.backend import Usage
-    from tandem.app.tui import TandemApp
+    from tandem.app.chat.backend import Usage
+    from tandem.app.chat.tui import TandemApp
 
 # Streamed text is painted at most about three times a second (the first piece at once): on two cores the app's
 # painting takes the engine's core (10-12 % of one at 0.1 s, 7-8 % at 0.3 s, 3-5 % with none until the end); at
@@ -136,7 +136,7 @@ class ChatScreen(Screen[None]):
         self.again: Turn | None = None  # the answer the streaming one is a new version of (Ctrl+R)
         self.queued: list[Queued] = []
         self.usage: dict[str, Usage] = {}  # each chat's last answer's numbers, by conversation id
-        self.trimmed: dict[str, int] = {}  # messages each chat's last prompt left out (app/context.py), by id
+        self.trimmed: dict[str, int] = {}  # messages each chat's last prompt left out (app/chat/context.py), by id
         self.context_note = ""  # what the status bar adds while the prompt leaves turns out
         self.state = ""  # what the status bar says first ("answering… (Esc stops)", "stopped")
         self._delete_armed = 0.0

@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tandem.app.openai_api import (
+from tandem.app.serve.openai_api import (
     CHAT,
     COMPLETION,
     Answer,
@@ -38,7 +38,7 @@ from tandem.app.openai_api import (
     shown,
     usage_of,
 )
-from tandem.app.serving import (
+from tandem.app.serve.serving import (
     TTFT_BUCKETS,
     Busy,
     EngineService,

@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from tandem.app.backend import TuningTarget, Usage
-from tandem.app.openai_api import sse_payloads
+from tandem.app.chat.backend import TuningTarget, Usage
+from tandem.app.serve.openai_api import sse_payloads
 from tandem.kernels.errors import TandemError
 from tandem.runtime.discover import ModelEntry
 from tandem.runtime.loader import LoadedModel

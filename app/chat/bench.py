@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from tandem.app.backend import RuntimeBackend
+from tandem.app.chat.backend import RuntimeBackend
 from tandem.kernels.errors import TandemError
 from tandem.runtime.loader import LoadedModel
 from tandem.runtime.sampling import SamplingParams
@@ -50,7 +50,7 @@ def bare(backend: RuntimeBackend, params: SamplingParams) -> dict[str, float]:
 
 
 async def _in_the_app(backend: RuntimeBackend, params: SamplingParams) -> dict[str, float]:
-    from tandem.app.tui import TandemApp
+    from tandem.app.chat.tui import TandemApp
 
     app = TandemApp(lambda _: backend, params=params)
     async with app.run_test(size=SIZE) as pilot:
@@ -76,7 +76,7 @@ def in_the_app(backend: RuntimeBackend, params: SamplingParams) -> dict[str, flo
 
 async def _turns_in_the_app(backend: RuntimeBackend, texts: list[str], params: SamplingParams
                             ) -> list[dict[str, Any]]:
-    from tandem.app.tui import TandemApp
+    from tandem.app.chat.tui import TandemApp
 
     app = TandemApp(lambda _: backend, params=params)
     rows: list[dict[str, Any]] = []
@@ -132,7 +132,7 @@ def _own_home() -> Iterator[None]:
 
 def saved_chats(count: int) -> None:
     """`count` earlier conversations of a few turns each in the store (TANDEM_HOME's): the sidebar a user has."""
-    from tandem.app.store import Conversation, ConversationStore, Turn
+    from tandem.app.chat.store import Conversation, ConversationStore, Turn
 
     store = ConversationStore()
     for i in range(count):

@@ -3,7 +3,7 @@
 A conversation keeps its own settings (system prompt, sampling) and model when the app records them; each
 answer keeps the model that wrote it and, after a regenerate, every version of itself. It can be forked from an
 earlier turn, searched and rendered as Markdown. Plain data: no file is read or written here (that is
-`tandem.app.store`), and nothing here knows the UI.
+`tandem.app.chat.store`), and nothing here knows the UI.
 
 Ids are generated (12 hex digits) and checked wherever one names a file, so no id read from disk can point
 outside the conversations folder. Every field of a saved conversation is checked for its type and range
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from tandem.app.settings import GENERATION_FIELDS, Settings
+from tandem.app.chat.settings import GENERATION_FIELDS, Settings
 from tandem.kernels.errors import SettingsError
 
 # 3: a conversation records when it was last used, its settings and model; an answer its model and versions

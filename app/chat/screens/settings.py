@@ -15,7 +15,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, Input, Label, Static, TextArea
 
-from tandem.app.settings import FORM_FIELDS, Settings
+from tandem.app.chat.settings import FORM_FIELDS, Settings
 from tandem.kernels.errors import SettingsError
 
 

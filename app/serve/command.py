@@ -9,8 +9,8 @@ import os
 import signal
 from collections.abc import Callable
 
-from tandem.app.batch_cmd import sampling_defaults
-from tandem.app.from_flags import load_configured
+from tandem.app.cli.batch import sampling_defaults
+from tandem.app.cli.from_flags import load_configured
 from tandem.kernels.errors import UsageError
 
 STEP_TOKENS = 256  # a step's tokens at most: a new prompt's chunk does not hold the others' next token back long
@@ -33,8 +33,8 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def run_serve(args: argparse.Namespace, say: Note) -> int:
     """The command; `args.configure` resolves its flags for serving (ragged passes, the batch it takes)."""
-    from tandem.app.server import BackgroundServer, bind, make_app
-    from tandem.app.serving import EngineService
+    from tandem.app.serve.server import BackgroundServer, bind, make_app
+    from tandem.app.serve.serving import EngineService
 
     key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
     if not is_loopback(args.host) and not key:

@@ -26,9 +26,9 @@ from typing import Any
 import httpx
 import torch
 
-from tandem.app.openai_api import sse_payloads
-from tandem.app.server import BackgroundServer, bind, make_app
-from tandem.app.serving import EngineService
+from tandem.app.serve.openai_api import sse_payloads
+from tandem.app.serve.server import BackgroundServer, bind, make_app
+from tandem.app.serve.serving import EngineService
 from tandem.kernels.errors import TandemError
 from tandem.runtime.batch import RequestQueue
 from tandem.runtime.engine import GenerationStats

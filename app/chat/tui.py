@@ -21,11 +21,11 @@ from textual.message import Message
 from textual.screen import ModalScreen, Screen
 from textual.theme import Theme
 
-from tandem.app.backend import ChatBackend
-from tandem.app.lifecycle import Failed, ModelLifecycle, Ready, Unloaded, load_in_turn
-from tandem.app.remote import RemoteServer
-from tandem.app.screens.chat import ChatOpened, ChatScreen
-from tandem.app.screens.help import (
+from tandem.app.chat.backend import ChatBackend
+from tandem.app.chat.lifecycle import Failed, ModelLifecycle, Ready, Unloaded, load_in_turn
+from tandem.app.chat.remote import RemoteServer
+from tandem.app.chat.screens.chat import ChatOpened, ChatScreen
+from tandem.app.chat.screens.help import (
     HelpContent,
     HelpScreen,
     KeyRow,
@@ -34,13 +34,13 @@ from tandem.app.screens.help import (
     key_rows,
     own_widget_bindings,
 )
-from tandem.app.screens.picker import PickerScreen
-from tandem.app.screens.settings import SettingsChoice, SettingsScreen
-from tandem.app.screens.wizard import WizardScreen, tuning_keys
-from tandem.app.search import ChatSearch
-from tandem.app.settings import load_settings, save_settings
-from tandem.app.store import ConversationStore
-from tandem.app.tuning_choices import load_tuning_choices, save_skip
+from tandem.app.chat.screens.picker import PickerScreen
+from tandem.app.chat.screens.settings import SettingsChoice, SettingsScreen
+from tandem.app.chat.screens.wizard import WizardScreen, tuning_keys
+from tandem.app.chat.search import ChatSearch
+from tandem.app.chat.settings import load_settings, save_settings
+from tandem.app.chat.store import ConversationStore
+from tandem.app.chat.tuning_choices import load_tuning_choices, save_skip
 from tandem.autotune.microbench import Step
 from tandem.autotune.run import Tuned, autotune
 from tandem.kernels.errors import TandemError

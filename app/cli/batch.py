@@ -14,9 +14,9 @@ from typing import TextIO
 
 import torch
 
-from tandem.app.batch_file import Line, ResultsFile, check_files, error_record, read_requests, result_record
-from tandem.app.from_flags import LoadFor, configure_from_args, load_configured, resolve_model
-from tandem.app.openai_api import Answer
+from tandem.app.cli.batch_file import Line, ResultsFile, check_files, error_record, read_requests, result_record
+from tandem.app.cli.from_flags import LoadFor, configure_from_args, load_configured, resolve_model
+from tandem.app.serve.openai_api import Answer
 from tandem.autotune.batch_plan import BatchMachine, BatchPolicy, BatchShape, Workload, plan_batch
 from tandem.autotune.configure import Configured
 from tandem.autotune.measurements import Measurements

@@ -22,9 +22,9 @@ from typing import Any
 
 import httpx
 
-from tandem.app.bench_serve import running_llama_server, served_to_a_child
-from tandem.app.openai_api import sse_payloads
-from tandem.app.serving import EngineService
+from tandem.app.serve.bench import running_llama_server, served_to_a_child
+from tandem.app.serve.openai_api import sse_payloads
+from tandem.app.serve.serving import EngineService
 from tandem.kernels.errors import TandemError
 from tandem.runtime.loader import LoadedModel
 

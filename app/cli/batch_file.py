@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from tandem.app.openai_api import CHAT, COMPLETION, Answer, completion_body, finish_reason, parse_body, usage_of
-from tandem.app.prompt_input import BOM_BYTES
+from tandem.app.cli.prompt_input import BOM_BYTES
+from tandem.app.serve.openai_api import CHAT, COMPLETION, Answer, completion_body, finish_reason, parse_body, usage_of
 from tandem.kernels.errors import GenerationError, OutputError, TandemError, UsageError
 from tandem.runtime.batch import BatchRequest, BatchResult
 from tandem.runtime.paths import check_output, loads_bounded, open_output, open_regular

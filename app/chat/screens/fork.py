@@ -8,7 +8,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Label, OptionList
 
-from tandem.app.text import fit
+from tandem.app.chat.text import fit
 
 
 class ForkScreen(ModalScreen[int | None]):

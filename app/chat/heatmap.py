@@ -17,7 +17,7 @@ from textual.containers import VerticalScroll
 from textual.timer import Timer
 from textual.widgets import Static
 
-from tandem.app.backend import ChatBackend
+from tandem.app.chat.backend import ChatBackend
 
 SHADES = " ░▒▓█"  # fuller = more tokens: the same on dark and light themes (unlike darker or lighter)
 LIVE_EVERY_S = 0.5  # while an answer streams: at most twice a second

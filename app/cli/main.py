@@ -13,8 +13,8 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tandem.app import flags
-from tandem.app.from_flags import (
+from tandem.app.cli import flags
+from tandem.app.cli.from_flags import (
     LoadFor,
     configure_from_args,
     load_configured,
@@ -22,7 +22,7 @@ from tandem.app.from_flags import (
     note,
     resolve_model,
 )
-from tandem.app.output import (
+from tandem.app.cli.output import (
     EXIT_PIPE_CLOSED,
     PipeClosed,
     check_output_file,
@@ -30,7 +30,7 @@ from tandem.app.output import (
     guarded_stdout,
     silence_stdout,
 )
-from tandem.app.prompt_input import prompt_text
+from tandem.app.cli.prompt_input import prompt_text
 from tandem.autotune.bench.shapes import checkpoint_shapes, real_shapes
 from tandem.kernels.errors import OutputError, TandemError, UsageError
 from tandem.runtime.families import supported_model_types
@@ -278,8 +278,8 @@ def _show_config(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from tandem.app.backend import RuntimeBackend
-    from tandem.app.tui import TandemApp
+    from tandem.app.chat.backend import RuntimeBackend
+    from tandem.app.chat.tui import TandemApp
 
     if args.remote is not None:
         return _chat_remote(args)
@@ -307,8 +307,8 @@ def _chat(args: argparse.Namespace) -> int:
 
 def _chat_remote(args: argparse.Namespace) -> int:
     """The chat app on a server's model: checked before the UI opens (a wrong URL or key is an error here)."""
-    from tandem.app.remote import RemoteBackend, RemoteServer
-    from tandem.app.tui import TandemApp
+    from tandem.app.chat.remote import RemoteBackend, RemoteServer
+    from tandem.app.chat.tui import TandemApp
 
     if args.model is not None:
         raise UsageError("give either a model folder or --remote URL, not both")
@@ -327,7 +327,7 @@ def _chat_remote(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tandem.app.serve_cmd import run_serve
+    from tandem.app.serve.command import run_serve
 
     return run_serve(args, note)
 
@@ -540,13 +540,13 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _batch(args: argparse.Namespace) -> int:
-    from tandem.app.batch_cmd import run_batch
+    from tandem.app.cli.batch import run_batch
 
     return run_batch(args, note)
 
 
 def _configure_batch(args: argparse.Namespace) -> Configured:
-    from tandem.app.batch_cmd import configure_batch
+    from tandem.app.cli.batch import configure_batch
 
     return configure_batch(args, note).configured
 
@@ -763,7 +763,7 @@ def _configure_bench_serve(args: argparse.Namespace) -> Configured:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from tandem.app.bench_serve import bench_serve
+    from tandem.app.serve.bench import bench_serve
 
     if args.json:
         check_output_file(args.json, "--json")
@@ -777,7 +777,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     result = bench_serve(loaded, model.name, args.requests, args.concurrency, args.prompt_len,
                          args.new_len, configured.options.batch, args.step_tokens or 256)
     if args.peer:
-        from tandem.app.bench_serve import llama_server_peer, prompt_ids
+        from tandem.app.serve.bench import llama_server_peer, prompt_ids
 
         prompts = [prompt_ids(loaded.model.cfg.vocab_size, args.prompt_len, 10 + i) for i in range(args.requests)]
         loaded.model.close()  # (its memory, before llama.cpp loads the same model)
@@ -787,7 +787,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def _bench_chat(args: argparse.Namespace) -> int:
-    from tandem.app.bench_chat import bench_chat
+    from tandem.app.chat.bench import bench_chat
 
     if args.json:
         check_output_file(args.json, "--json")
@@ -817,8 +817,8 @@ def _bench_reopen(args: argparse.Namespace) -> int:
 
 
 def _bench_app_turns(args: argparse.Namespace) -> int:
-    from tandem.app.bench_chat import turns_in_the_app
-    from tandem.app.bench_turns import turn_texts
+    from tandem.app.chat.bench import turns_in_the_app
+    from tandem.app.serve.bench_turns import turn_texts
 
     if args.peer:
         raise UsageError("--peer serves the conversation to llama-server: leave out --app")
@@ -837,7 +837,7 @@ def _configure_bench_chat(args: argparse.Namespace) -> Configured:
 
 
 def _bench_turns(args: argparse.Namespace) -> int:
-    from tandem.app.bench_turns import against_new_alone, llama_server_turns, tandem_turns, turn_texts
+    from tandem.app.serve.bench_turns import against_new_alone, llama_server_turns, tandem_turns, turn_texts
 
     if args.app:
         return _bench_app_turns(args)
