@@ -186,7 +186,7 @@ def test_real_process_non_utf8_argv_and_endless_stdin(tmp_path: Path) -> None:
     (f"generate --model {NO_MODEL} --prompt - <&-", b"error: standard input is closed"),
 ])
 def test_closed_standard_streams(command: str, needle: bytes) -> None:
-    proc = subprocess.run(f"{sys.executable} -m tandem.app.cli.main {command}", shell=True, capture_output=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[1])
+    proc = subprocess.run(f"{sys.executable} -m tandem.app.cli.main {command}", shell=True, capture_output=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(needle) and proc.stderr.count(b"\n") == 1, proc.stderr

@@ -7,16 +7,19 @@ refusal is a `UsageError` (printed as one `error: ...` line, exit status 2), nev
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from collections.abc import Callable
-from typing import NoReturn, get_args
+from pathlib import Path
+from typing import Any, NoReturn, get_args
 
-from tandem.kernels.errors import UsageError
+from tandem.kernels.errors import TandemError, UsageError
 from tandem.kernels.names import GROUPS, ISAS, Quant
 from tandem.runtime.choices import DTYPE_NAMES, AcceleratorKind, Strategy
 from tandem.runtime.expert_cache import CachePolicy
 from tandem.runtime.latency import LatencyModel
+from tandem.runtime.paths import read_bounded
 
 SEED_MAX = 2**63 - 1  # torch's generators take a signed 64-bit seed; larger ones overflow inside torch
 
@@ -318,3 +321,21 @@ def declare(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *names: s
     for name in names:
         aliases, keywords = FLAGS[name]
         parser.add_argument(*aliases, **(keywords | overrides))  # type: ignore[arg-type]
+
+
+MAX_JSON_BYTES = 16 * 2**20  # a hand-written description or config.json; a device or a huge file is refused
+
+
+def read_json(path: str, what: str) -> Any:
+    """A small JSON file named on the command line: a regular file read up to a bound (`read_bounded`), nested
+    no deeper than the parser's recursion allows; a folder or a missing file is named as such."""
+    p = Path(path)
+    try:
+        if not p.is_file():
+            kind = "a folder" if p.is_dir() else "missing" if not p.exists() else "not a regular file"
+            raise TandemError(f"{what} {path} is {kind}")
+        return json.loads(read_bounded(p, MAX_JSON_BYTES).decode("utf-8"))
+    except RecursionError:
+        raise TandemError(f"cannot read {what} {path}: its JSON is nested too deeply to be a real one") from None
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise TandemError(f"cannot read {what} {path}: {e}") from None

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tandem.app.cli import flags
+
 if TYPE_CHECKING:
     from tandem.autotune.configure import Configured
     from tandem.runtime.checkpoint import Checkpoint
@@ -107,3 +109,26 @@ def load_from_args(args: argparse.Namespace, workload: LoadFor = LoadFor(), *, m
     """Load the model the flags describe for `workload` (a profile fills what they leave open)."""
     return load_configured(configure_from_args(args, workload, model=model, notify=notify), notify=notify,
                            shown=shown)
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """A batch workload: R requests of N prompt and M new tokens each."""
+    p.add_argument("--requests", type=flags.whole(1, 1 << 16), default=64, help="requests in the workload")
+    p.add_argument("--in", dest="prompt_len", type=flags.whole(1), default=128, metavar="N",
+                   help="prompt tokens of each request")
+    p.add_argument("--out", dest="new_len", type=flags.whole(1), default=64, metavar="M",
+                   help="new tokens of each request")
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    """The settings of a model load: the runtime's own, where experts run, and the CPU experts. `configure` (set
+    by the command where its workload is not one sequence): the flags resolved for what the command runs, which
+    the command and its --show-config both take."""
+    p.set_defaults(configure=configure_from_args)
+    flags.declare(p, "--dtype", "--context", "--force", "--show-config", "--no-profile", "--no-prefix-reuse",
+                  "--prefix-store-gb", "--prefix-disk-gb")
+    g = p.add_argument_group("accelerator and expert placement")
+    flags.declare(g, "--accelerator", "--vram-gb", "--gpu", "--strategy", "--cache-ways", "--cache-policy",
+                  "--max-inflight", "--placement", "--cost")
+    c = p.add_argument_group("CPU experts")
+    flags.declare(c, "--threads", "--quant", "--quant-group", "--kernel-crossover", "--resident", "--kernel-isa")

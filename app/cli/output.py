@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
@@ -119,3 +121,14 @@ def check_output_folder(path: str, flag: str) -> None:
     if not ancestor.is_dir():
         raise OutputError(f"{flag} {path}: {ancestor} is not a folder")
     _writable_folder(ancestor, flag, path)
+
+
+@contextmanager
+def writing(path: str, flag: str) -> Iterator[None]:
+    """A file output that fails while written (a full disk, a quota) is an error naming the flag: the folder was
+    checked before the work, but only the write itself can find the space missing."""
+    try:
+        yield
+    except OSError as e:
+        raise OutputError(f"{flag} {path}: could not write it ({e.strerror or e}); free some space or choose "
+                          "another place") from None
