@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,6 +36,9 @@ from tandem.runtime.latency import LatencyModel
 from tandem.runtime.moe import BlockExpert, ExpertWeights, MoEBlockWeights, MXFP4Expert, route
 from tandem.runtime.timeline import Timeline
 from tandem.runtime.trace import TraceRecorder
+
+if TYPE_CHECKING:
+    from tandem.runtime.model import ModelRun
 
 GPU, CPU, FETCHED = 0, 1, 2  # columns of the per-layer statistics
 RESERVE = 50  # 1/RESERVE of the accelerator's budget is kept back from the expert slots: activations, allocator slack
@@ -173,17 +177,18 @@ class Dispatcher:
     """Runs every MoE layer's experts; owns the accelerator's expert slots, the cache and the statistics."""
 
     def __init__(
-        self, cfg: ModelConfig, blocks: dict[int, MoEBlockWeights], dtype: torch.dtype,
-        accel: Accelerator | None = None, policy: OffloadOptions | None = None, cpu: CpuOptions | None = None,
+        self, cfg: ModelConfig, blocks: dict[int, MoEBlockWeights], run: ModelRun, accel: Accelerator | None = None,
+        policy: OffloadOptions | None = None, cpu: CpuOptions | None = None,
         linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear,
-        cpu_dtype: torch.dtype | None = None,
     ) -> None:
-        self.cfg, self.blocks, self.dtype, self.accel = cfg, blocks, dtype, accel
-        self.linear = linear  # for the routers and their biases (the model's dense-matrix path)
-        # Every expert that runs on the CPU runs through the kernels' executor (quantized here if asked), in
-        # `cpu_dtype` where the device's dtype is not one the CPU computes (fp16)
+        """`blocks`: the MoE layers by index; `run`: the model's (its compute dtype, and the CPU experts' where that
+        differs); `linear`: the model's dense-matrix path, which the routers and their biases go through."""
+        self.cfg, self.blocks, self.dtype, self.accel = cfg, blocks, run.dtype, accel
+        self.linear = linear
+        # Every expert that runs on the CPU runs through the kernels' executor (quantized here if asked), in the
+        # run's CPU dtype where the device's dtype is not one the CPU computes (fp16)
         self.executor = (cpu or CpuOptions()).executor(cfg.hidden_size, cfg.moe_intermediate_size,
-                                                       cpu_dtype or dtype)
+                                                       run.cpu_dtype or run.dtype)
         self.resident = bool(cpu and cpu.experts_in_ram)  # experts read into RAM (else memory-mapped or quantized)
         # an expert the kernels do not compute (gpt-oss's) runs its own torch code at every token count
         self.cpu_experts: dict[int, list[CpuExpert]] = {

@@ -7,7 +7,7 @@ RAM or left memory-mapped as the options say.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,13 +68,13 @@ def load(options: Options, checkpoint: Checkpoint | None = None,
         if accel is None:
             raise
         accel.close()
-        if options.source("accelerator") != "machine":  # asked for: say so rather than run elsewhere
+        if options.cpu_only is None:  # asked for: say so rather than run elsewhere
             raise
         if notify is not None:
             notify(f"{e}; the model runs on the CPU only")
-        options = replace(options, accelerator="none", dtype=options.cpu_dtype or options.dtype, cpu_dtype=None)
+        options = options.cpu_only
         run = ModelRun(options.torch_dtype, options.context, options.batch, ragged=options.ragged)
-        model = MoEModel.from_checkpoint(ckpt, run, None, options.offload, cpu, progress)
+        model = MoEModel.from_checkpoint(ckpt, run, None, options.offload, options.cpu, progress)
     except BaseException:
         if accel is not None:
             accel.close()

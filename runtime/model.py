@@ -176,7 +176,7 @@ class MoEModel:
             accel.reserve(activation_bytes(cfg, self.prefill_chunk, context, rows, dtype), "activations")
         blocks = {i: layer.ffn for i, (layer, kinds) in enumerate(zip(layers, self.plan, strict=True))
                   if kinds.ffn.routed}
-        self.dispatcher = Dispatcher(cfg, blocks, dtype, accel, policy, cpu, self.linear, run.cpu_dtype)
+        self.dispatcher = Dispatcher(cfg, blocks, run, accel, policy, cpu, self.linear)
         # One decode token through every layer in one kernel call, where the step serves the model (off: the
         # torch path for every token, as the step's tests compare)
         self.use_step = True

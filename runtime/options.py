@@ -123,6 +123,9 @@ class Options:
     prefix_reuse: bool = True  # runtime/prefix.py: a prompt sharing a cache row's first tokens prefills the rest
     prefix_store: int = 0  # bytes of RAM for prefixes a prompt overwrote (runtime/prefix.py PrefixStore)
     prefix_disk: int = 0  # bytes of disk for prefixes kept across restarts (runtime/prefix_disk.py; 0: none)
+    # where this machine chose an accelerator nobody asked for: the options of the same request on the CPU alone
+    # (resolve's with --accelerator none), which the loader runs when that accelerator cannot hold the model
+    cpu_only: Options | None = field(default=None, compare=False)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -295,11 +298,14 @@ def resolve(request: Request, profile: Request | None, ckpt: Checkpoint, machine
     disk = int((disk_gb or 0) * 2**30) if request.prefix_reuse else 0
     sources["model"] = "given"
     names = [f.name for f in fields(Request)]
+    cpu_only = None
+    if sources["accelerator"] == "machine" and accelerator != "none":
+        cpu_only = resolve(replace(request, accelerator="none"), profile, ckpt, machine)
     return Options(Path(request.model), dtype, context, batch, request.force, accelerator, request.vram_gb, offload,
                    cpu, tuple((n, sources.get(n, "default")) for n in names), gpu, cpu_dtype,
                    ragged=request.ragged, prefix_reuse=request.prefix_reuse,
                    prefix_store=store if request.prefix_reuse else 0,
-                   prefix_disk=disk)
+                   prefix_disk=disk, cpu_only=cpu_only)
 
 
 def serving_batch(cfg: ModelConfig, context: int, dtype: torch.dtype, free_ram: int) -> int:

@@ -368,7 +368,11 @@ def _options(folder: Path, vram_gb: float, accelerator_from: str, batch: int = 1
     options = configure(Request(model=folder, dtype="fp32", accelerator="emulated", vram_gb=vram_gb, batch=batch),
                         use_profile=False).options
     sources = tuple((n, accelerator_from if n == "accelerator" else s) for n, s in options.sources)
-    return replace(options, sources=sources)
+    cpu_only = None  # as resolve gives it when the machine chose the accelerator
+    if accelerator_from == "machine":
+        cpu_only = configure(Request(model=folder, dtype="fp32", accelerator="none", batch=batch),
+                             use_profile=False).options
+    return replace(options, sources=sources, cpu_only=cpu_only)
 
 
 def test_an_accelerator_nobody_asked_for_that_cannot_hold_the_model_leaves_it_on_the_cpu(checkpoints) -> None:

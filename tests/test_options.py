@@ -49,6 +49,20 @@ def test_flags_win_over_the_profile_and_the_profile_over_the_defaults(mixtral_di
     assert given.source("threads") == "given" and given.source("crossover") == "profile"
 
 
+def test_an_accelerator_the_machine_chose_comes_with_the_options_of_the_cpu_alone(mixtral_dir: Path) -> None:
+    """The loader's way out when a GPU nobody asked for cannot hold the model is resolved beside the rest (the same
+    request with --accelerator none), not made by changing the options afterwards."""
+    ckpt = open_checkpoint(mixtral_dir)
+    with_gpu = dataclasses.replace(MACHINE, cuda=True, gpu_capabilities=((9, 0),))
+    chosen = resolve(Request(model=mixtral_dir), None, ckpt, with_gpu)
+    assert chosen.accelerator == "cuda" and chosen.source("accelerator") == "machine"
+    assert chosen.cpu_only == resolve(Request(model=mixtral_dir, accelerator="none"), None, ckpt, with_gpu)
+    assert chosen.cpu_only.accelerator == "none" and chosen.cpu_only.cpu_only is None  # type: ignore[union-attr]
+    asked = resolve(Request(model=mixtral_dir, accelerator="cuda"), None, ckpt, with_gpu)
+    assert asked.cpu_only is None  # asked for by name: no way out, an error
+    assert resolve(Request(model=mixtral_dir), None, ckpt, MACHINE).cpu_only is None  # no GPU: the CPU already
+
+
 def test_what_this_machine_cannot_do_is_refused_or_left_to_the_default(mixtral_dir: Path) -> None:
     ckpt = open_checkpoint(mixtral_dir)
     avx2_only = dataclasses.replace(MACHINE, isas=("base", "avx2"), cpu_flags=frozenset({"avx2"}), cpu_threads=2)
