@@ -92,6 +92,14 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
         "partial_rotary_factor": 0.5}),
     ("glm4_moe-fullrope-nobias", "glm4_moe", {"partial_rotary_factor": 1.0, "attention_bias": False,
                                               "first_k_dense_replace": 0, "tie_word_embeddings": True}),
+    # dots1: like dots.llm1 (Qwen3's per-head q/k norm, a dense first layer, two shared experts, normalised sigmoid
+    # routing scaled by 2.5); then 4 groups of which 2 compete, no renormalisation, q/k/v/o biases, sliding layers
+    # (layer_types) with a window shorter than the prompts, one shared expert, every layer MoE
+    ("dots1", "dots1", {}),
+    ("dots1-grouped-sliding-bias", "dots1", {
+        "num_hidden_layers": 3, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3, "norm_topk_prob": False,
+        "routed_scaling_factor": 1.7, "attention_bias": True, "sliding_window": 4, "n_shared_experts": 1,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "first_k_dense_replace": 0}),
     # gpt-oss: attention sinks (nonzero), q/k/v/o, router and expert biases, layer_types alternating (GptOssConfig's
     # default) with a window shorter than the prompts, YaRN as published (truncate false), alpha 1.702, a limit
     # no value reaches / 3 layers, other YaRN parameters (truncated), another alpha, a limit that clamps

@@ -13,7 +13,7 @@ import numpy as np
 from tandem.runtime.checkpoint import open_checkpoint
 
 ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "glm4_moe": "glm4moe",
-        "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss"}
+        "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss", "dots1": "dots1"}
 ATTN = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output", "q_norm": "attn_q_norm",
         "k_norm": "attn_k_norm", "q_a_proj": "attn_q_a", "q_b_proj": "attn_q_b", "q_a_layernorm": "attn_q_a_norm",
         "kv_a_proj_with_mqa": "attn_kv_a_mqa", "kv_a_layernorm": "attn_kv_a_norm", "kv_b_proj": "attn_kv_b"}
@@ -149,7 +149,7 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
     else:
         writer.add_feed_forward_length(raw.get("intermediate_size", cfg.moe_intermediate_size))
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    if cfg.shared_expert_intermediate_size and arch != "glm4moe":
+    if cfg.shared_expert_intermediate_size and arch not in ("glm4moe", "dots1"):
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if arch == "gpt-oss":  # as the converter's GptOssModel writes it
         writer.add_sliding_window(int(raw["sliding_window"]))
@@ -197,6 +197,10 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
         if cfg.n_group > 1:
             writer.add_expert_group_count(cfg.n_group)
             writer.add_expert_group_used_count(cfg.topk_group)
+    if arch == "dots1":  # as the converter's Dots1Model writes it (no groups: it writes none)
+        writer.add_leading_dense_block_count(int(raw.get("first_k_dense_replace", 0)))
+        writer.add_expert_shared_count(int(raw.get("n_shared_experts", 0)))
+        writer.add_expert_weights_scale(float(raw.get("routed_scaling_factor", 1.0)))
     _tokenizer(writer, folder, raw, cfg.vocab_size)
     held: dict[str, np.ndarray] = {}
     for name, w in (gguf_tensors(folder, split_kv_b) | (given or {})).items():

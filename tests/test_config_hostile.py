@@ -117,6 +117,12 @@ MORE: list[tuple[str, str, dict[str, Any], tuple[str, ...]]] = [
     ("an eos of 10**30 in a list", "qwen3_moe", {"eos_token_id": [10**30]}, ("eos_token_id",)),
     ("bos = vocab_size", "qwen3_moe", {"bos_token_id": 512}, ("bos_token_id 512",)),
     ("eos beyond a GLM vocabulary", "glm4_moe", {"eos_token_id": [151329, 151336, 151338]}, ("eos_token_id 151329",)),
+    # dots.llm1's variants it does not run, refused by name
+    ("dots1 a MoE block every other layer", "dots1", {"moe_layer_freq": 2}, ("moe_layer_freq 2",)),
+    ("dots1 groups too few for top-k", "dots1", {"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3},
+     ("cannot give top-k 3",)),
+    ("dots1 layer_types of another model", "dots1", {"sliding_window": 4, "layer_types": ["sliding_attention"]},
+     ("layer_types has 1 entries",)),
 ]
 
 
