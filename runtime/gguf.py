@@ -394,9 +394,11 @@ _IN_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layer
 
 
 def sources(names: list[str], moe_prefix: str, router: str, expert_proj: tuple[str, str, str], shared: str | None,
-            shared_gate: str | None, llama_heads: tuple[int, int] | None) -> dict[str, Source]:
+            shared_gate: str | None, llama_heads: tuple[int, int] | None,
+            correction: str | None = None) -> dict[str, Source]:
     """Each Hugging Face tensor name's GGUF source. `llama_heads`: (query, key/value) heads whose q/k rows are in
-    llama.cpp's RoPE order."""
+    llama.cpp's RoPE order; `correction`: the router's correction bias inside the MoE block (FamilySpec.correction)."""
+    correction = correction or f"{router}.e_score_correction_bias"
     experts = re.compile(rf"^{re.escape(moe_prefix)}\.experts\.(\d+)\.({'|'.join(expert_proj)})\.weight$")
     kinds = dict(zip(expert_proj, ("gate", "up", "down"), strict=True))
     out: dict[str, Source] = {}
@@ -415,7 +417,7 @@ def sources(names: list[str], moe_prefix: str, router: str, expert_proj: tuple[s
             out[name] = Source(f"{blk}.{_IN_LAYER[rest]}", heads=heads)
         elif rest == f"{moe_prefix}.{router}.weight":
             out[name] = Source(f"{blk}.ffn_gate_inp.weight")
-        elif rest == f"{moe_prefix}.{router}.e_score_correction_bias":
+        elif rest == f"{moe_prefix}.{correction}":
             out[name] = Source(f"{blk}.exp_probs_b.bias")
         elif rest == f"{moe_prefix}.{router}.bias":
             out[name] = Source(f"{blk}.ffn_gate_inp.bias")

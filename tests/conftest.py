@@ -100,6 +100,11 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
         "num_hidden_layers": 3, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3, "norm_topk_prob": False,
         "routed_scaling_factor": 1.7, "attention_bias": True, "sliding_window": 4, "n_shared_experts": 1,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "first_k_dense_replace": 0}),
+    # minimax_m2: q/k RMSNorm over all heads, half of each head rotated, sigmoid routing with a correction bias beside
+    # the router (always renormalised); then the whole head rotated, top-3, tied embeddings
+    ("minimax_m2", "minimax_m2", {}),
+    ("minimax_m2-fullrope-tied", "minimax_m2", {"num_hidden_layers": 3, "rotary_dim": 32, "num_experts_per_tok": 3,
+                                                "tie_word_embeddings": True}),
     # gpt-oss: attention sinks (nonzero), q/k/v/o, router and expert biases, layer_types alternating (GptOssConfig's
     # default) with a window shorter than the prompts, YaRN as published (truncate false), alpha 1.702, a limit
     # no value reaches / 3 layers, other YaRN parameters (truncated), another alpha, a limit that clamps

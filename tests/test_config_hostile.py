@@ -123,6 +123,11 @@ MORE: list[tuple[str, str, dict[str, Any], tuple[str, ...]]] = [
      ("cannot give top-k 3",)),
     ("dots1 layer_types of another model", "dots1", {"sliding_window": 4, "layer_types": ["sliding_attention"]},
      ("layer_types has 1 entries",)),
+    # MiniMax-M2's
+    ("minimax_m2 q/k norm per head", "minimax_m2", {"qk_norm_type": "per_head"}, ("qk_norm_type 'per_head'",)),
+    ("minimax_m2 a shared expert", "minimax_m2", {"shared_intermediate_size": 64}, ("shared_intermediate_size 64",)),
+    ("minimax_m2 softmax routing", "minimax_m2", {"scoring_func": "softmax"}, ("scoring_func 'softmax'",)),
+    ("minimax_m2 odd rotary_dim", "minimax_m2", {"rotary_dim": 15}, ("rotary_dim is 15",)),
 ]
 
 

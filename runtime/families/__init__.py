@@ -54,6 +54,8 @@ class FamilySpec:
     moe_prefix: str = "mlp"  # the MoE block inside a layer
     expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # an expert's (gate, up, down)
     router: str = "gate"  # the router, inside the MoE block
+    correction: str | None = None  # the router's correction bias inside the MoE block (None: under the router,
+    # `<router>.e_score_correction_bias`)
     shared_expert: str = "shared_expert"  # the shared expert's SwiGLU and ...
     shared_expert_gate: str | None = "shared_expert_gate"  # ... its sigmoid gate, inside the MoE block (None: none)
     # gpt-oss: a layer's experts stored together, as transformers' GptOssExperts holds them: `experts.gate_up_proj`
