@@ -100,6 +100,13 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
         "num_hidden_layers": 3, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3, "norm_topk_prob": False,
         "routed_scaling_factor": 1.7, "attention_bias": True, "sliding_window": 4, "n_shared_experts": 1,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "first_k_dense_replace": 0}),
+    # glm4_moe_lite: DeepSeek-V3's latent attention (q_lora_rank, interleaved RoPE) under GLM-4.5's routing, the first
+    # layer dense; then groups (2 of 4 compete), no renormalisation, RoPE not interleaved, dense layers by
+    # mlp_layer_types (the first and the third), two shared experts
+    ("glm4_moe_lite", "glm4_moe_lite", {}),
+    ("glm4_moe_lite-grouped-types", "glm4_moe_lite", {
+        "num_hidden_layers": 4, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3, "norm_topk_prob": False,
+        "rope_interleave": False, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"], "n_shared_experts": 2}),
     # minimax_m2: q/k RMSNorm over all heads, half of each head rotated, sigmoid routing with a correction bias beside
     # the router (always renormalised); then the whole head rotated, top-3, tied embeddings
     ("minimax_m2", "minimax_m2", {}),

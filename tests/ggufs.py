@@ -14,7 +14,7 @@ from tandem.runtime.checkpoint import open_checkpoint
 
 ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "glm4_moe": "glm4moe",
         "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss", "dots1": "dots1",
-        "minimax_m2": "minimax-m2"}
+        "minimax_m2": "minimax-m2", "glm4_moe_lite": "deepseek2"}
 ATTN = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output", "q_norm": "attn_q_norm",
         "k_norm": "attn_k_norm", "q_a_proj": "attn_q_a", "q_b_proj": "attn_q_b", "q_a_layernorm": "attn_q_a_norm",
         "kv_a_proj_with_mqa": "attn_kv_a_mqa", "kv_a_layernorm": "attn_kv_a_norm", "kv_b_proj": "attn_kv_b"}
@@ -171,11 +171,12 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
         writer.add_value_length(cfg.kv_lora_rank)
         writer.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         writer.add_value_length_mla(cfg.v_head_dim)
-        writer.add_leading_dense_block_count(int(raw.get("first_k_dense_replace", 0)))
+        dense = raw.get("first_k_dense_replace", cfg.sparse_layers.index(True))  # (GLM-4.7-Flash's config: its own)
+        writer.add_leading_dense_block_count(int(dense))
         writer.add_expert_shared_count(int(raw.get("n_shared_experts", 0)))
         writer.add_expert_weights_scale(float(raw.get("routed_scaling_factor", 1.0)))
         writer.add_rope_dimension_count(cfg.qk_rope_head_dim)
-        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if raw["model_type"] == "deepseek_v3"
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if cfg.scoring == "sigmoid"
                                       else gguf.ExpertGatingFuncType.SOFTMAX)
         if cfg.n_group > 1:
             writer.add_expert_group_count(cfg.n_group)

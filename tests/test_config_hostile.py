@@ -128,6 +128,12 @@ MORE: list[tuple[str, str, dict[str, Any], tuple[str, ...]]] = [
     ("minimax_m2 a shared expert", "minimax_m2", {"shared_intermediate_size": 64}, ("shared_intermediate_size 64",)),
     ("minimax_m2 softmax routing", "minimax_m2", {"scoring_func": "softmax"}, ("scoring_func 'softmax'",)),
     ("minimax_m2 odd rotary_dim", "minimax_m2", {"rotary_dim": 15}, ("rotary_dim is 15",)),
+    # GLM-4.7-Flash's
+    ("glm4_moe_lite mlp_layer_types too short", "glm4_moe_lite", {"mlp_layer_types": ["dense"]},
+     ("mlp_layer_types must list",)),
+    ("glm4_moe_lite an unknown layer type", "glm4_moe_lite", {"mlp_layer_types": ["dense", "moe"]},
+     ("mlp_layer_types must list",)),
+    ("glm4_moe_lite softmax routing", "glm4_moe_lite", {"scoring_func": "softmax"}, ("scoring_func 'softmax'",)),
 ]
 
 

@@ -23,14 +23,14 @@ from tandem.runtime.loader import load_model
 from tandem.runtime.model import ModelRun, MoEModel
 from tandem.runtime.sampling import SamplingParams
 from tests.conftest import build_hf_checkpoint
-from tests.ggufs import write_gguf
+from tests.ggufs import rewrite_gguf, write_gguf
 from tests.test_dispatch import MULTI_TOKEN_FETCH
 
 pytestmark = pytest.mark.isa  # F16 and float32 weights run on the kernels: again under every CPU feature mask
 
 READ = ["mixtral", "mixtral-tied", "qwen3_moe", "qwen3_moe-dense-bias", "qwen2_moe-shared", "qwen2_moe-dense-noshared",
         "olmoe", "glm4_moe", "glm4_moe-grouped-qknorm", "glm4_moe-fullrope-nobias", "deepseek_v2", "deepseek_v2-dense2",
-        "deepseek_v3", "gpt_oss", "dots1", "minimax_m2"]
+        "deepseek_v3", "gpt_oss", "dots1", "minimax_m2", "glm4_moe_lite"]
 IDS = torch.randint(0, 500, (1, 13), generator=torch.Generator().manual_seed(1))
 
 
@@ -70,6 +70,22 @@ def test_deepseek_files_with_yarn_and_either_kv_b_run_as_their_checkpoint(tmp_pa
     names = {t.name for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
     assert ("blk.0.attn_k_b.weight" in names) == split_kv_b and ("blk.0.attn_kv_b.weight" in names) != split_kv_b
     assert torch.equal(logits(tmp_path / "m.gguf"), logits(folder))
+
+
+def test_glm_flash_files_run_as_their_checkpoint(tmp_path: Path) -> None:
+    """GLM-4.7-Flash as llama.cpp writes it: its `deepseek2` architecture with sigmoid gating, read as the DeepSeek-V3
+    family (the same computation), its multi-token-prediction layer counted in block_count and not run."""
+    folder = build_hf_checkpoint(tmp_path / "hf", "glm4_moe_lite", {"num_hidden_layers": 3})
+    write_gguf(folder, tmp_path / "m.gguf")
+    layers = 3
+    mtp = {f"blk.{layers}.nextn.eh_proj.weight": np.ones((64, 128), np.float32),
+           f"blk.{layers}.attn_norm.weight": np.ones(64, np.float32)}
+    rewrite_gguf(tmp_path / "m.gguf", tmp_path / "mtp.gguf", {
+        "deepseek2.block_count": (layers + 1, gguf.GGUFValueType.UINT32),
+        "deepseek2.nextn_predict_layers": (1, gguf.GGUFValueType.UINT32)}, mtp)
+    for file in ("m.gguf", "mtp.gguf"):
+        assert open_checkpoint(tmp_path / file).config.num_layers == layers
+        assert torch.equal(logits(tmp_path / file), logits(folder))
 
 
 def test_gpt_oss_mxfp4_experts_run_on_the_kernels(tmp_path: Path) -> None:

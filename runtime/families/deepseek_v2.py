@@ -99,11 +99,13 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
 
 
 def gguf_config(meta: Meta, vocab: int, types: dict[str, str]) -> dict[str, Any]:
-    """DeepSeek-V2 (softmax gating) and V3 (sigmoid gating, expert_gating_func 2): llama.cpp writes MLA as one
-    key/value head of kv_lora_rank + rope dims, the head's own sizes in the `_mla` keys; YaRN's mscale_all_dim as
-    0.1 times the log multiplier (and mscale equal to it, as the published configs have it)."""
+    """DeepSeek-V2 (softmax gating) and V3 (sigmoid gating, expert_gating_func 2), and GLM-4.7-Flash, which llama.cpp
+    writes as V3: MLA as one key/value head of kv_lora_rank + rope dims, the head's own sizes in the `_mla` keys; YaRN's
+    mscale_all_dim as 0.1 times the log multiplier (and mscale equal to it, as the published configs have it); the
+    multi-token-prediction layers counted in block_count (GLM-4.7-Flash's; not run, as transformers does not)."""
     a = "deepseek2"
     raw = common_config(meta, a, vocab)
+    raw["num_hidden_layers"] -= read_int(meta, f"{a}.nextn_predict_layers", 0)
     raw.pop("head_dim", None)
     raw["num_key_value_heads"] = raw["num_attention_heads"]
     rope = read_int(meta, f"{a}.rope.dimension_count")
