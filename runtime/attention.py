@@ -202,7 +202,7 @@ class GroupedQueryAttention:
     def load(self, cfg: ModelConfig, prefix: str, load: Loaders) -> Attention:
         rows = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
         norms = cfg.qk_norm != "none"
-        return Attention(
+        a = Attention(
             load.projections([f"{prefix}.{n}_proj.weight" for n in "qkv"], rows), load.wq(f"{prefix}.o_proj.weight"),
             load.stacked([f"{prefix}.{n}_proj.bias" for n in "qkv"], rows) if cfg.qkv_bias else None,
             load.opt(f"{prefix}.o_proj.bias") if cfg.o_bias else None,
@@ -210,6 +210,7 @@ class GroupedQueryAttention:
             load.opt(f"{prefix}.k_norm.weight") if norms else None,
             load.w(f"{prefix}.sinks") if cfg.attention_sinks else None,
         )
+        return halves_order(cfg, a) if cfg.rope_interleave else a
 
     def step_refusal(self, cfg: ModelConfig) -> str | None:
         if cfg.clip_qkv is not None or cfg.qk_norm not in QK_NORMS:
@@ -230,6 +231,32 @@ class GroupedQueryAttention:
         timeline = model.dispatcher.timeline
         with nullcontext() if timeline is None else timeline.span("attention"):
             return attend_segments(model, i, a, x, segments, rows, spans)
+
+
+def halves_order(cfg: ModelConfig, a: Attention) -> Attention:
+    """Attention whose RoPE turns adjacent pairs of dims (ERNIE's), as attention that turns a head's halves: each
+    head's q and k rows (and their biases and norms) reordered once, pair j's two dims to j and j + R/2. Scores are
+    the same (q and k reordered alike: their dot products do not change), and every path, kernels and decode step
+    included, rotates the halves as it does for every other family."""
+    D, Hq, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    R = cfg.rotary_dim or D
+    head = torch.tensor(list(range(0, R, 2)) + list(range(1, R, 2)) + list(range(R, D)))  # [D]
+    q = (torch.arange(Hq)[:, None] * D + head).flatten()  # [Hq*D]
+    k = (torch.arange(Hkv)[:, None] * D + head).flatten()  # [Hkv*D]
+    qkv = torch.cat([q, Hq * D + k, torch.arange((Hq + Hkv) * D, (Hq + 2 * Hkv) * D)])
+
+    def rows(m: torch.Tensor | QuantizedMatrix | None, order: torch.Tensor) -> torch.Tensor | QuantizedMatrix | None:
+        if isinstance(m, QuantizedMatrix):  # GGUF blocks: whole rows of blocks (the scales within them)
+            return replace(m, data=m.data[order.to(m.data.device)])
+        return None if m is None else m[order.to(m.device)]
+
+    if isinstance(a.qkv, list):  # q, k and v of different formats, side by side
+        matrix: Matrix = [rows(a.qkv[0], q), rows(a.qkv[1], k), a.qkv[2]]  # type: ignore[list-item]
+    else:
+        matrix = rows(a.qkv, qkv)  # type: ignore[assignment]
+    norm = head if cfg.qk_norm == "head" else None
+    return replace(a, qkv=matrix, qkv_bias=rows(a.qkv_bias, qkv), q_norm=rows(a.q_norm, q if norm is None else norm),
+                   k_norm=rows(a.k_norm, k if norm is None else norm))
 
 
 def project_qkv(model: MoEModel, a: Attention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -69,7 +69,8 @@ class ModelConfig:
     qk_nope_head_dim: int = 0  # query/key dims per head without rotation (head_dim = nope + rope under MLA)
     qk_rope_head_dim: int = 0  # ... and with it: one rotated key per token, shared by every head
     v_head_dim: int = 0
-    rope_interleave: bool = False  # rotary dims in adjacent pairs (x0, x1), (x2, x3)... rather than two halves
+    rope_interleave: bool = False  # rotary dims in adjacent pairs (x0, x1), (x2, x3)... rather than two halves (MLA
+    # rotates them so; grouped-query attention takes q and k in the halves' order, rows reordered once at load)
     # (scoring: above) moe.RoutingRule's fields, as named there
     n_group: int = 1
     topk_group: int = 1

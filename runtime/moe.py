@@ -262,7 +262,7 @@ class RoutedExperts:
             shared = SharedExpert(load.mlp(shared_mlp), load.w(shared_gate) if shared_gate else None)
         # the correction bias in float32 whatever the compute dtype: it only chooses, and rounding it would change
         # the choice where two experts are close
-        correction = load.f32(correction_name(spec, i)) if cfg.router_correction else None
+        correction = load.f32(correction_name(spec, i)).reshape(-1) if cfg.router_correction else None  # [E]
         bias = load.w(router_bias_name(spec, i)) if cfg.router_bias else None
         return MoEBlockWeights(load.w(router_name(spec, i)), [], routing_rule(cfg), shared, correction, bias)
 

@@ -101,7 +101,7 @@ def dense_tensors(cfg: ModelConfig, spec: FamilySpec) -> dict[str, Shape]:
             continue
         out[router_name(spec, i)] = (cfg.num_experts, h)
         if cfg.router_correction:
-            out[correction_name(spec, i)] = (cfg.num_experts,)
+            out[correction_name(spec, i)] = (1, cfg.num_experts) if spec.correction_grouped else (cfg.num_experts,)
         if cfg.router_bias:
             out[router_bias_name(spec, i)] = (cfg.num_experts,)
         if cfg.shared_expert_intermediate_size:

@@ -107,6 +107,13 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("glm4_moe_lite-grouped-types", "glm4_moe_lite", {
         "num_hidden_layers": 4, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3, "norm_topk_prob": False,
         "rope_interleave": False, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"], "n_shared_experts": 2}),
+    # ernie4_5_moe: RoPE over adjacent pairs, softmax routing with the moe_statics correction bias, two shared
+    # experts, the first layer dense; then MoE every other layer up to the third of four (a dense one after the
+    # range), one shared expert, top-3, tied embeddings
+    ("ernie4_5_moe", "ernie4_5_moe", {}),
+    ("ernie4_5_moe-interval-tied", "ernie4_5_moe", {
+        "num_hidden_layers": 4, "moe_layer_start_index": 0, "moe_layer_end_index": 2, "moe_layer_interval": 2,
+        "moe_num_shared_experts": 1, "moe_k": 3, "tie_word_embeddings": True}),
     # minimax_m2: q/k RMSNorm over all heads, half of each head rotated, sigmoid routing with a correction bias beside
     # the router (always renormalised); then the whole head rotated, top-3, tied embeddings
     ("minimax_m2", "minimax_m2", {}),

@@ -134,6 +134,8 @@ MORE: list[tuple[str, str, dict[str, Any], tuple[str, ...]]] = [
     ("glm4_moe_lite an unknown layer type", "glm4_moe_lite", {"mlp_layer_types": ["dense", "moe"]},
      ("mlp_layer_types must list",)),
     ("glm4_moe_lite softmax routing", "glm4_moe_lite", {"scoring_func": "softmax"}, ("scoring_func 'softmax'",)),
+    # ERNIE 4.5's
+    ("ernie4_5_moe biases everywhere", "ernie4_5_moe", {"use_bias": True}, ("use_bias",)),
 ]
 
 

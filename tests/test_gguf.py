@@ -30,7 +30,8 @@ pytestmark = pytest.mark.isa  # F16 and float32 weights run on the kernels: agai
 
 READ = ["mixtral", "mixtral-tied", "qwen3_moe", "qwen3_moe-dense-bias", "qwen2_moe-shared", "qwen2_moe-dense-noshared",
         "olmoe", "glm4_moe", "glm4_moe-grouped-qknorm", "glm4_moe-fullrope-nobias", "deepseek_v2", "deepseek_v2-dense2",
-        "deepseek_v3", "gpt_oss", "dots1", "minimax_m2", "glm4_moe_lite"]
+        "deepseek_v3", "gpt_oss", "dots1", "minimax_m2", "glm4_moe_lite",
+        "ernie4_5_moe"]
 IDS = torch.randint(0, 500, (1, 13), generator=torch.Generator().manual_seed(1))
 
 
@@ -86,6 +87,21 @@ def test_glm_flash_files_run_as_their_checkpoint(tmp_path: Path) -> None:
     for file in ("m.gguf", "mtp.gguf"):
         assert open_checkpoint(tmp_path / file).config.num_layers == layers
         assert torch.equal(logits(tmp_path / file), logits(folder))
+
+
+def test_pairwise_rope_reorders_blocks_as_it_reorders_floats(tmp_path: Path) -> None:
+    """ERNIE's q and k rows, reordered at load for its pairwise RoPE (attention.halves_order): as GGUF blocks the
+    kernels read, they give what the same values dequantized give through torch."""
+    folder = build_hf_checkpoint(tmp_path / "hf", "ernie4_5_moe", {"hidden_size": 128, "num_attention_heads": 4,
+                                                                  "num_key_value_heads": 2, "head_dim": 32,
+                                                                  "moe_intermediate_size": 64})
+    for name, mix in (("q8", None), ("mixed", {"attn_k": "Q4_0"})):  # q, k and v one matrix, or side by side
+        write_gguf(folder, tmp_path / f"{name}.gguf", qtype="Q8_0", mix=mix)
+        blocks = load_model(tmp_path / f"{name}.gguf", dtype="fp32").model
+        floats = load_model(tmp_path / f"{name}.gguf", dtype="fp32", use_kernel=False).model
+        assert isinstance(blocks.layers[0].attn.qkv, list if mix else QuantizedMatrix)
+        assert isinstance(floats.layers[0].attn.qkv, torch.Tensor)
+        assert torch.allclose(blocks.forward(IDS, 0), floats.forward(IDS, 0), atol=1e-4)
 
 
 def test_gpt_oss_mxfp4_experts_run_on_the_kernels(tmp_path: Path) -> None:

@@ -55,7 +55,8 @@ class FamilySpec:
     expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # an expert's (gate, up, down)
     router: str = "gate"  # the router, inside the MoE block
     correction: str | None = None  # the router's correction bias inside the MoE block (None: under the router,
-    # `<router>.e_score_correction_bias`)
+    # `<router>.e_score_correction_bias`) ...
+    correction_grouped: bool = False  # ... stored [1, E] (ERNIE's one group of moe_statics) rather than [E]
     shared_expert: str = "shared_expert"  # the shared expert's SwiGLU and ...
     shared_expert_gate: str | None = "shared_expert_gate"  # ... its sigmoid gate, inside the MoE block (None: none)
     # gpt-oss: a layer's experts stored together, as transformers' GptOssExperts holds them: `experts.gate_up_proj`
