@@ -29,6 +29,7 @@ from tandem.runtime.prefix import HeldTokens
 from tandem.runtime.rope import apply_rope
 
 if TYPE_CHECKING:
+    from tandem.runtime.families import FamilySpec
     from tandem.runtime.model import MoEModel, Segment
 
 # A dense matrix as the model keeps it: a tensor, GGUF blocks as stored (DenseLinear runs both), or q, k and v as
@@ -178,8 +179,9 @@ class GroupedQueryAttention:
     cache = KVCache
     host_cache = True
 
-    def tensors(self, cfg: ModelConfig, prefix: str) -> dict[str, Shape]:
+    def tensors(self, cfg: ModelConfig, spec: FamilySpec | None, prefix: str) -> dict[str, Shape]:
         h, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        qn, kn = qk_norm_names(spec)
         out: dict[str, Shape] = {
             f"{prefix}.q_proj.weight": (q_dim, h),
             f"{prefix}.k_proj.weight": (kv_dim, h),
@@ -194,27 +196,28 @@ class GroupedQueryAttention:
         if cfg.attention_sinks:
             out[f"{prefix}.sinks"] = (cfg.num_heads,)
         if cfg.qk_norm == "head":
-            out |= {f"{prefix}.q_norm.weight": (cfg.head_dim,), f"{prefix}.k_norm.weight": (cfg.head_dim,)}
+            out |= {f"{prefix}.{qn}.weight": (cfg.head_dim,), f"{prefix}.{kn}.weight": (cfg.head_dim,)}
         elif cfg.qk_norm == "full":
-            out |= {f"{prefix}.q_norm.weight": (q_dim,), f"{prefix}.k_norm.weight": (kv_dim,)}
+            out |= {f"{prefix}.{qn}.weight": (q_dim,), f"{prefix}.{kn}.weight": (kv_dim,)}
         return out
 
     def load(self, cfg: ModelConfig, prefix: str, load: Loaders) -> Attention:
         rows = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
         norms = cfg.qk_norm != "none"
+        qn, kn = qk_norm_names(load.spec)
         a = Attention(
             load.projections([f"{prefix}.{n}_proj.weight" for n in "qkv"], rows), load.wq(f"{prefix}.o_proj.weight"),
             load.stacked([f"{prefix}.{n}_proj.bias" for n in "qkv"], rows) if cfg.qkv_bias else None,
             load.opt(f"{prefix}.o_proj.bias") if cfg.o_bias else None,
-            load.opt(f"{prefix}.q_norm.weight") if norms else None,
-            load.opt(f"{prefix}.k_norm.weight") if norms else None,
+            load.opt(f"{prefix}.{qn}.weight") if norms else None,
+            load.opt(f"{prefix}.{kn}.weight") if norms else None,
             load.w(f"{prefix}.sinks") if cfg.attention_sinks else None,
         )
         return halves_order(cfg, a) if cfg.rope_interleave else a
 
     def step_refusal(self, cfg: ModelConfig) -> str | None:
-        if cfg.clip_qkv is not None or cfg.qk_norm not in QK_NORMS:
-            return "its attention clips q, k and v, or norms them in a way the step does not"
+        if cfg.clip_qkv is not None or cfg.qk_norm not in QK_NORMS or cfg.qk_norm_after_rope:
+            return "its attention clips q, k and v, or norms them in a way the step does not (after RoPE)"
         return None
 
     def forward(self, model: MoEModel, i: int, a: Attention, x: torch.Tensor, start: int, cos: torch.Tensor,
@@ -259,6 +262,11 @@ def halves_order(cfg: ModelConfig, a: Attention) -> Attention:
                    k_norm=rows(a.k_norm, k if norm is None else norm))
 
 
+def qk_norm_names(spec: FamilySpec | None) -> tuple[str, str]:
+    """The q and k norms' names inside `self_attn` (FamilySpec.qk_norms; None: the usual ones)."""
+    return spec.qk_norms if spec is not None else ("q_norm", "k_norm")
+
+
 def project_qkv(model: MoEModel, a: Attention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [B, T, H] -> q [B, T, Hq, D], k and v [B, T, Hkv, D]: one product for the three, then q/k norms and
     clipping as the family asks."""
@@ -274,7 +282,7 @@ def project_qkv(model: MoEModel, a: Attention, x: torch.Tensor) -> tuple[torch.T
     q = q.view(B, T, cfg.num_heads, cfg.head_dim)  # [B, T, Hq, D]
     k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, D]
     v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, D]
-    if cfg.qk_norm == "head":
+    if cfg.qk_norm == "head" and not cfg.qk_norm_after_rope:
         q, k = model.rms_norm(q, a.q_norm, cfg.rms_norm_eps), model.rms_norm(k, a.k_norm, cfg.rms_norm_eps)
     return q, k, v
 
@@ -285,6 +293,8 @@ def attend_positions(model: MoEModel, i: int, a: Attention, q: torch.Tensor, k: 
     in `cache`'s rows 0..B-1 -> [B, T, Hq*D] in the compute dtype. `on_host`: the CPU computes it (the kernel,
     where it serves), else the accelerator (torch)."""
     B, T = q.shape[:2]
+    if model.cfg.qk_norm_after_rope:  # rotated here, normed, then attended with tables that rotate nothing
+        q, k, cos, sin = rotated_and_normed(model, a, q, k, cos, sin)
     window = model.cfg.window(i)
     # a sliding window: no key before the first one the earliest query sees is read at all
     first = max(0, start + 1 - window) if window else 0
@@ -292,6 +302,17 @@ def attend_positions(model: MoEModel, i: int, a: Attention, q: torch.Tensor, k: 
         return attend_one(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), cos[0], sin[0], cache.k[i],
                           cache.v[i], start, first, a.sinks, model.threads).view(B, 1, -1)  # [B, T, Hq*D]
     return attend_cached(q, k, v, cos, sin, cache.k[i], cache.v[i], start, first, window, a.sinks)
+
+
+def rotated_and_normed(model: MoEModel, a: Attention, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """HunYuan's order (`qk_norm_after_rope`): q [B, T, Hq, D] and k [B, T, Hkv, D] rotated, then each head RMSNorm'ed;
+    with cos and sin that rotate nothing (ones and zeros), for the attention that follows."""
+    eps = model.cfg.rms_norm_eps
+    q = apply_rope(q.transpose(1, 2), cos, sin).transpose(1, 2).to(q.dtype)
+    k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2).to(k.dtype)
+    q, k = model.rms_norm(q, a.q_norm, eps), model.rms_norm(k, a.k_norm, eps)
+    return q.contiguous(), k.contiguous(), torch.ones_like(cos), torch.zeros_like(sin)
 
 
 def attend_segments(model: MoEModel, i: int, a: Attention, x: torch.Tensor, segments: list[Segment],
@@ -307,7 +328,7 @@ def attend_segments(model: MoEModel, i: int, a: Attention, x: torch.Tensor, segm
         head = replace(a, sinks=rest[0] if rest else None)
     on_host = host or accel is None
     parts: list[torch.Tensor | None] = [None] * len(segments)  # each segment's [1, n, Hq*D]
-    if on_host and model.attend_kernel:
+    if on_host and model.attend_kernel and not model.cfg.qk_norm_after_rope:  # (the rows' tables rotate)
         attend_decoding(model, i, head, q, k, v, segments, spans, host, parts)
     out = torch.cat([part if part is not None else
                      attend_positions(model, i, head, q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], row, seg.start,

@@ -47,6 +47,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: QKNorm = "none"
+    qk_norm_after_rope: bool = False  # the q/k norms taken of the rotated q and k (HunYuan), not before RoPE
     clip_qkv: float | None = None
     sliding_window: int | None = None  # attention sees the last this many positions (itself included) ...
     sliding_layers: tuple[bool, ...] = ()  # ... in these layers (() = every layer)
@@ -225,6 +226,7 @@ WHOLE: dict[str, tuple[int, int]] = {
     "bos_token_id": (0, 1 << 24),
     "original_max_position_embeddings": (1, 1 << 24),  # PhiMoE's LongRoPE pretraining length, at the top level
 }
+PER_LAYER = ("moe_intermediate_size",)  # whole-number fields a config may list once per layer, all alike
 MEANING = {"num_local_experts": "the number of experts", "num_experts": "the number of experts",
            "num_experts_per_tok": "top-k, the experts each token picks", "num_hidden_layers": "the number of layers",
            "num_attention_heads": "attention heads", "num_key_value_heads": "key/value heads"}
@@ -326,6 +328,11 @@ def clean_raw(raw: dict[str, Any], where: str) -> dict[str, Any]:
     if found:
         raise CheckpointError(f"{where}: {found!r} is not a finite number; fix config.json or re-download it")
     out = {k: v for k, v in raw.items() if v is not None}
+    for key in PER_LAYER:  # one value for every layer, listed per layer (HunYuan's): read as that one value
+        if isinstance(out.get(key), list) and out[key]:
+            if any(v != out[key][0] for v in out[key]):
+                raise bad(key, "a value per layer that differs between layers, which is not supported")
+            out[key] = out[key][0]
     for key, (lo, hi) in WHOLE.items():
         if key in out and not (_is_whole(out[key]) and lo <= out[key] <= hi):
             raise bad(key, f"but it must be a whole number from {lo} to {hi}")

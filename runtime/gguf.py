@@ -384,6 +384,8 @@ _IN_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layer
              "self_attn.v_proj.bias": "attn_v.bias", "self_attn.o_proj.bias": "attn_output.bias",
              "self_attn.q_norm.weight": "attn_q_norm.weight",
              "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+             "self_attn.query_layernorm.weight": "attn_q_norm.weight",  # (HunYuan's names)
+             "self_attn.key_layernorm.weight": "attn_k_norm.weight",
              "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
              # DeepSeek's multi-head latent attention
              "self_attn.q_a_proj.weight": "attn_q_a.weight", "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",

@@ -51,8 +51,9 @@ class Mixer(Protocol):
     # accel), with `nbytes`, `row`, `copy_rows`, `snapshot` and `restore` (runtime/prefix.py asks these)
     host_cache: bool  # its cache can be kept in RAM beside an accelerator, attention on the CPU (MoEModel.with_batch)
 
-    def tensors(self, cfg: ModelConfig, prefix: str) -> dict[str, Shape]:
-        """Its tensors in one layer under `prefix` (`model.layers.N.self_attn`), with their shapes."""
+    def tensors(self, cfg: ModelConfig, spec: FamilySpec | None, prefix: str) -> dict[str, Shape]:
+        """Its tensors in one layer under `prefix` (`model.layers.N.self_attn`), named as `spec`'s family names them
+        (None: the usual names, for their shapes alone), with their shapes."""
         ...
 
     def load(self, cfg: ModelConfig, prefix: str, load: Loaders) -> Any:

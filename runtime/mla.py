@@ -37,6 +37,7 @@ from tandem.runtime.prefix import HeldTokens
 from tandem.runtime.rope import apply_rope, yarn_mscale
 
 if TYPE_CHECKING:
+    from tandem.runtime.families import FamilySpec
     from tandem.runtime.model import MoEModel, Segment
 
 Linear = Callable[..., torch.Tensor]  # MoEModel.linear: (x, weight, bias=None, out_dtype=None) -> x @ weight.T
@@ -204,7 +205,7 @@ class LatentAttention:
     cache = LatentCache
     host_cache = False
 
-    def tensors(self, cfg: ModelConfig, prefix: str) -> dict[str, Shape]:
+    def tensors(self, cfg: ModelConfig, spec: FamilySpec | None, prefix: str) -> dict[str, Shape]:
         return mla_tensors(cfg, prefix)
 
     def load(self, cfg: ModelConfig, prefix: str, load: Loaders) -> MLAWeights:

@@ -73,11 +73,12 @@ def _mlp(prefix: str, hidden: int, inter: int) -> dict[str, Shape]:
     }
 
 
-def attention_tensors(cfg: ModelConfig, layer: int) -> dict[str, Shape]:
-    """Layer `layer`'s token mixer's tensors (its kind's `tensors`)."""
+def attention_tensors(cfg: ModelConfig, layer: int, spec: FamilySpec | None = None) -> dict[str, Shape]:
+    """Layer `layer`'s token mixer's tensors (its kind's `tensors`), named as `spec`'s family names them (None:
+    the usual names, for their shapes alone)."""
     from tandem.runtime.layers import MIXERS  # (the kinds import this module's names)
 
-    return MIXERS[cfg.mixers[layer]].tensors(cfg, f"{layer_prefix(layer)}.self_attn")
+    return MIXERS[cfg.mixers[layer]].tensors(cfg, spec, f"{layer_prefix(layer)}.self_attn")
 
 
 def dense_tensors(cfg: ModelConfig, spec: FamilySpec) -> dict[str, Shape]:
@@ -95,7 +96,7 @@ def dense_tensors(cfg: ModelConfig, spec: FamilySpec) -> dict[str, Shape]:
         out |= {f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,)}
         if cfg.norm_type == "layer":  # LayerNorm: a bias beside each weight
             out |= {f"{p}.input_layernorm.bias": (h,), f"{p}.post_attention_layernorm.bias": (h,)}
-        out |= attention_tensors(cfg, i)
+        out |= attention_tensors(cfg, i, spec)
         if not cfg.sparse_layers[i]:
             out |= _mlp(f"{p}.mlp", h, cfg.dense_intermediate_size)
             continue
@@ -118,7 +119,7 @@ def dense_matrices(cfg: ModelConfig, spec: FamilySpec) -> set[str]:
     names = {"model.embed_tokens.weight", "lm_head.weight"}
     for i in range(cfg.num_layers):
         # not MLA's kv_b_proj: runtime/mla.py multiplies by slices of it per head, in the compute dtype
-        names |= {n for n in attention_tensors(cfg, i) if n.endswith("_proj.weight") and "kv_b_proj" not in n}
+        names |= {n for n in attention_tensors(cfg, i, spec) if n.endswith("_proj.weight") and "kv_b_proj" not in n}
         if cfg.sparse_layers[i]:
             names.add(router_name(spec, i))
     return names

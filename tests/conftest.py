@@ -114,6 +114,12 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("ernie4_5_moe-interval-tied", "ernie4_5_moe", {
         "num_hidden_layers": 4, "moe_layer_start_index": 0, "moe_layer_end_index": 2, "moe_layer_interval": 2,
         "moe_num_shared_experts": 1, "moe_k": 3, "tie_word_embeddings": True}),
+    # hunyuan_v1_moe: per-head q/k RMSNorm after RoPE, softmax top-k, a shared SwiGLU; then NTK-alpha RoPE, q/k/v/o
+    # biases, top-3, tied embeddings
+    ("hunyuan_v1_moe", "hunyuan_v1_moe", {}),
+    ("hunyuan_v1_moe-alpha-bias", "hunyuan_v1_moe", {
+        "num_hidden_layers": 3, "attention_bias": True, "moe_topk": 3, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "dynamic", "alpha": 50.0, "factor": 1.0, "rope_theta": 10000.0}}),
     # minimax_m2: q/k RMSNorm over all heads, half of each head rotated, sigmoid routing with a correction bias beside
     # the router (always renormalised); then the whole head rotated, top-3, tied embeddings
     ("minimax_m2", "minimax_m2", {}),

@@ -14,9 +14,11 @@ from tandem.runtime.checkpoint import open_checkpoint
 
 ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "glm4_moe": "glm4moe",
         "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss", "dots1": "dots1",
-        "minimax_m2": "minimax-m2", "glm4_moe_lite": "deepseek2", "ernie4_5_moe": "ernie4_5-moe"}
+        "minimax_m2": "minimax-m2", "glm4_moe_lite": "deepseek2", "ernie4_5_moe": "ernie4_5-moe",
+        "hunyuan_v1_moe": "hunyuan-moe"}
 ATTN = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output", "q_norm": "attn_q_norm",
-        "k_norm": "attn_k_norm", "q_a_proj": "attn_q_a", "q_b_proj": "attn_q_b", "q_a_layernorm": "attn_q_a_norm",
+        "k_norm": "attn_k_norm", "query_layernorm": "attn_q_norm", "key_layernorm": "attn_k_norm",
+        "q_a_proj": "attn_q_a", "q_b_proj": "attn_q_b", "q_a_layernorm": "attn_q_a_norm",
         "kv_a_proj_with_mqa": "attn_kv_a_mqa", "kv_a_layernorm": "attn_kv_a_norm", "kv_b_proj": "attn_kv_b"}
 
 
@@ -73,7 +75,7 @@ def gguf_tensors(folder: Path, split_kv_b: bool = True) -> dict[str, np.ndarray]
                 if arch == "llama" and a[1] in ("q_proj", "k_proj"):
                     w = permute(w, cfg.num_heads if a[1] == "q_proj" else cfg.num_kv_heads)
                 out[f"{blk}.{ATTN[a[1]]}.{a[2]}"] = w
-            elif rest in ("block_sparse_moe.gate.weight", "mlp.gate.weight"):
+            elif rest in ("block_sparse_moe.gate.weight", "mlp.gate.weight", "mlp.gate.wg.weight"):
                 out[f"{blk}.ffn_gate_inp.weight"] = w
             elif rest in ("mlp.gate.e_score_correction_bias", "block_sparse_moe.e_score_correction_bias",
                           "mlp.moe_statics.e_score_correction_bias"):
@@ -82,7 +84,7 @@ def gguf_tensors(folder: Path, split_kv_b: bool = True) -> dict[str, np.ndarray]
                 kind = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",
                         "down_proj": "down"}[e[2]]
                 stacks.setdefault(f"{blk}.ffn_{kind}_exps.weight", {})[int(e[1])] = w
-            elif (s := re.match(r"mlp\.shared_experts?\.(gate|up|down)_proj\.weight$", rest)) is not None:
+            elif (s := re.match(r"mlp\.shared_(?:experts?|mlp)\.(gate|up|down)_proj\.weight$", rest)) is not None:
                 out[f"{blk}.ffn_{s[1]}_shexp.weight"] = w
             elif rest == "mlp.shared_expert_gate.weight":
                 out[f"{blk}.ffn_gate_inp_shexp.weight"] = w[0]  # [1, H] -> [H], as llama.cpp stores it
@@ -200,6 +202,8 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
         if cfg.n_group > 1:
             writer.add_expert_group_count(cfg.n_group)
             writer.add_expert_group_used_count(cfg.topk_group)
+    if arch == "hunyuan-moe":  # as the converter's HunYuanMoEModel writes it
+        writer.add_expert_shared_count(1)
     if arch == "ernie4_5-moe":  # as the converter's Ernie4_5MoeModel writes it
         writer.add_interleave_moe_layer_step(int(raw["moe_layer_interval"]))
         writer.add_leading_dense_block_count(int(raw["moe_layer_start_index"]))

@@ -136,6 +136,14 @@ MORE: list[tuple[str, str, dict[str, Any], tuple[str, ...]]] = [
     ("glm4_moe_lite softmax routing", "glm4_moe_lite", {"scoring_func": "softmax"}, ("scoring_func 'softmax'",)),
     # ERNIE 4.5's
     ("ernie4_5_moe biases everywhere", "ernie4_5_moe", {"use_bias": True}, ("use_bias",)),
+    # HunYuan's
+    ("hunyuan_v1_moe top-k differing by layer", "hunyuan_v1_moe", {"moe_topk": [2, 3]}, ("moe_topk differing",)),
+    ("hunyuan_v1_moe expert width per layer differing", "hunyuan_v1_moe", {"moe_intermediate_size": [48, 64]},
+     ("differs between layers",)),
+    ("hunyuan_v1_moe experts narrower than the shared one", "hunyuan_v1_moe", {"moe_intermediate_size": 32},
+     ("moe_intermediate_size 32",)),
+    ("hunyuan_v1_moe dynamic RoPE without alpha", "hunyuan_v1_moe",
+     {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, ("no positive alpha",)),
 ]
 
 

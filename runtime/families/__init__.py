@@ -54,6 +54,7 @@ class FamilySpec:
     moe_prefix: str = "mlp"  # the MoE block inside a layer
     expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # an expert's (gate, up, down)
     router: str = "gate"  # the router, inside the MoE block
+    qk_norms: tuple[str, str] = ("q_norm", "k_norm")  # the q and k norms, inside `self_attn`
     correction: str | None = None  # the router's correction bias inside the MoE block (None: under the router,
     # `<router>.e_score_correction_bias`) ...
     correction_grouped: bool = False  # ... stored [1, E] (ERNIE's one group of moe_statics) rather than [E]
