@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +105,8 @@ class DenseLinear:
         if whole is not w:  # the kernel on whole groups of rows, then w's rows
             y = self(x, whole, None, out_dtype)[..., : w.shape[0]]  # [..., O]
             return y.contiguous() if bias is None else y.add(bias.to(y.dtype))
+        if self.lib is not None and w.shape[0] % 32 and w.shape[0] > 32 and x.device.type == "cpu":
+            return self._split(x, w, bias, out_dtype)
         floats = w.dtype in (torch.float32, torch.float16)  # (float32 compute: the file's own float matrices)
         if not (self.lib is not None and n > 0 and x.dtype in (torch.bfloat16, torch.float32)
                 and out_dtype != torch.float16 and w.dtype in KERNEL_FLOATS and x.device.type == "cpu"
@@ -134,6 +137,8 @@ class DenseLinear:
         if bias is not None and tuple(bias.shape) != (rows,):
             raise ValueError(f"bias has shape {list(bias.shape)}; expected [{rows}]")
         n = x.numel() // width
+        if self.lib is not None and rows % 32 and rows > 32 and x.device.type == "cpu":
+            return self._split(x, w, bias, out_dtype)
         if not (self.lib is not None and 0 < n <= quant_chunks(x.dtype) * BLOCK_STEP and x.device.type == "cpu"
                 and x.dtype in (torch.bfloat16, torch.float32) and rows % 32 == 0 and width % 32 == 0
                 and w.data.is_contiguous()):
@@ -144,6 +149,22 @@ class DenseLinear:
                               for i in range(0, n, BLOCK_STEP)]).view(*x.shape[:-1], rows)
         return self._kernel(x, n, w.data.data_ptr(), rows, KINDS[w.kind], self._block_isa(w.kind, x.dtype), bias,
                             out_dtype)
+
+    def _split(self, x: torch.Tensor, w: torch.Tensor | QuantizedMatrix, bias: torch.Tensor | None,
+               out_dtype: torch.dtype) -> torch.Tensor:
+        """A matrix whose rows are not whole groups of 32 and too large to pad (an lm_head of 49,155 or 128,167
+        tokens: Granite's, HunYuan's): its whole groups through the kernel, the last few rows through torch. Each
+        row's sums are its own, so the result is the kernel's for those rows; torch over the whole matrix instead
+        converted all of it to float32 on every call (a 2-layer Granite shape decoded at 8 tokens/s)."""
+        rows = w.data.shape[0] if isinstance(w, QuantizedMatrix) else w.shape[0]
+        k = rows // 32 * 32
+        if isinstance(w, QuantizedMatrix):
+            head = replace(w, data=w.data[:k])
+            tail: torch.Tensor = replace(w, data=w.data[k:]).dequantize(x.dtype)
+        else:
+            head, tail = w[:k], w[k:]
+        y = torch.cat([self(x, head, None, out_dtype), torch_linear(x, tail, None, out_dtype)], dim=-1)  # [..., O]
+        return y if bias is None else y.add_(bias.to(y.dtype))
 
     def _block_isa(self, kind: str, dtype: torch.dtype) -> int:
         """The variant for x of this dtype against blocks of this kind."""

@@ -505,7 +505,7 @@ def test_dense_linear_takes_float32_x_against_bf16_weights(tokens: int, isa: str
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_a_router_of_eight_rows_runs_as_its_copy_padded_to_32(isa: str, tokens: int) -> None:
     """Rows not in whole groups of 32 (a router of 8 experts): the kernel on a copy with zero rows added, made once,
-    whose first rows are the result bit for bit; bias added after; a large such matrix stays with F.linear."""
+    whose first rows are the result bit for bit; bias added after; a large such matrix is not copied (below)."""
     from tandem.kernels.dense import PAD_MOST
 
     g = torch.Generator().manual_seed(3)
@@ -527,6 +527,30 @@ def test_a_router_of_eight_rows_runs_as_its_copy_padded_to_32(isa: str, tokens: 
     assert call is not None and call[:3] == (padded.data_ptr(), 32, 64)
     big = torch.zeros(PAD_MOST // 2 // 64 + 8, 64, dtype=torch.bfloat16)  # over PAD_MOST, rows not whole groups
     assert linear.padded(big) is big and linear.one_token_call(big) is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("blocks", [False, True])
+def test_a_large_matrix_of_rows_not_in_groups_of_32_runs_its_whole_groups_on_the_kernel(isa: str, blocks: bool) -> None:
+    """An lm_head of 49,155 rows (Granite's): too large to pad, its first rows // 32 * 32 run on the kernel, bit for bit
+    what the kernel gives for them alone, the last few through torch; bf16 or GGUF blocks alike."""
+    from tandem.kernels.blocks import quantize
+    from tandem.kernels.dense import PAD_MOST
+
+    g = torch.Generator().manual_seed(5)
+    rows = PAD_MOST // 2 // 64 + 35  # 3 rows past whole groups
+    w = (torch.randn(rows, 64, generator=g) * 0.1).bfloat16()
+    bias = torch.randn(rows, generator=g)
+    x = torch.randn(1, 2, 64, generator=g)
+    linear = DenseLinear(threads=2, isa=isa)
+    k = rows // 32 * 32
+    m = quantize(w.float(), "Q8_0") if blocks else w
+    got = linear(x, m, bias, out_dtype=torch.float32)
+    whole = linear(x, quantize(w.float()[:k], "Q8_0") if blocks else w[:k], out_dtype=torch.float32)
+    assert got.shape == (1, 2, rows) and torch.equal(got[..., :k], whole + bias[:k])
+    dense = m.dequantize(torch.float32) if blocks else w.float()  # type: ignore[union-attr]
+    assert rel_err(got, torch.nn.functional.linear(x, dense, bias)) < 1e-2
 
 
 @needs_kernels
