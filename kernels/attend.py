@@ -31,22 +31,24 @@ def attend_serves(dtype: torch.dtype, head_dim: int) -> bool:
 
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                kcache: torch.Tensor, vcache: torch.Tensor, start: int, first: int, sinks: torch.Tensor | None = None,
-               threads: int = 1, isa: str | None = None) -> torch.Tensor:
+               threads: int = 1, isa: str | None = None, scale: float | None = None) -> torch.Tensor:
     """q [B, Hq*D], k and v [B, Hkv*D] (rows may be strided views, each row contiguous), this position's RoPE tables
     cos and sin [R], the layer's caches [B' >= B, Hkv, C, D] (contiguous), the token's position `start` and the
     first position its keys start at (a sliding window's) -> [B, Hq*D] in the compute dtype. k (roped) and v are
-    written into the caches at `start` first. Everything is bf16, or everything float32."""
+    written into the caches at `start` first. Everything is bf16, or everything float32. `scale`: the scores'
+    (None: 1/sqrt(D))."""
     if cos.dim() != 1:
         raise ValueError("cos and sin must be this position's rows [R]")
     C = kcache.shape[2]
     if not 0 <= first <= start < C:
         raise ValueError(f"positions first {first} and start {start} must satisfy 0 <= first <= start < {C}")
-    return _attend(q, k, v, cos, sin, kcache, vcache, sinks, threads, isa, start=start, first=first)
+    return _attend(q, k, v, cos, sin, kcache, vcache, sinks, threads, isa, start=start, first=first, scale=scale)
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kcache: torch.Tensor, vcache: torch.Tensor, rows: list[int], starts: list[int], window: int = 0,
-                sinks: torch.Tensor | None = None, threads: int = 1, isa: str | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, threads: int = 1, isa: str | None = None,
+                scale: float | None = None) -> torch.Tensor:
     """attend_one for sequences at positions of their own (continuous batching's decode tokens): sequence b is the
     caches' row rows[b] (distinct) at position starts[b], reading the RoPE tables cos and sin [positions, R] at that
     row and its keys from starts[b] + 1 - window (`window` 0: from the first)."""
@@ -59,12 +61,13 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
         raise ValueError(f"rows must lie in the caches' {kcache.shape[0]} and positions in [0, {C}) and in the "
                          f"tables' {cos.shape[0]}")
     placed = torch.tensor([rows, starts], dtype=torch.int32)  # [2, B]
-    return _attend(q, k, v, cos, sin, kcache, vcache, sinks, threads, isa, placed=placed, window=window)
+    return _attend(q, k, v, cos, sin, kcache, vcache, sinks, threads, isa, placed=placed, window=window, scale=scale)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             kcache: torch.Tensor, vcache: torch.Tensor, sinks: torch.Tensor | None, threads: int, isa: str | None,
-            start: int = 0, first: int = 0, placed: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+            start: int = 0, first: int = 0, placed: torch.Tensor | None = None, window: int = 0,
+            scale: float | None = None) -> torch.Tensor:
     lib = library()
     isa = isa or attend_isa()
     if lib is None or isa not in ATTEND_ISAS:
@@ -92,7 +95,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor
         isa=ATTEND_ISAS.index(isa), start=start, first=first, ld_q=q.stride(0), ld_k=k.stride(0), ld_v=v.stride(0),
         context=C, q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
         kcache=kcache.data_ptr(), vcache=vcache.data_ptr(),
-        sinks=sinks.data_ptr() if sinks is not None else None, scale=D ** -0.5, out=out.data_ptr(),
+        sinks=sinks.data_ptr() if sinks is not None else None, scale=D ** -0.5 if scale is None else scale,
+        out=out.data_ptr(),
         rows=None if placed is None else placed[0].data_ptr(),
         starts=None if placed is None else placed[1].data_ptr(), window=window,
     )

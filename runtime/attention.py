@@ -63,7 +63,7 @@ SINK_QUERY_BLOCK = 64  # queries per pass of attend_with_sinks: its scores are [
 
 
 def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                      sinks: torch.Tensor) -> torch.Tensor:
+                      sinks: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Attention in which each head's sink logit (gpt-oss) joins the softmax over the keys and takes its share of
     the mass, adding nothing (its value is zero): as transformers' gpt-oss eager attention, max subtracted first, the
     softmax in float32 whatever the compute dtype. q [B, Hq, T, D], keys and values [B, Hkv, S, D], mask [T, S]
@@ -72,11 +72,12 @@ def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     B, Hq, T, D = q.shape
     if T > SINK_QUERY_BLOCK:
         return torch.cat([attend_with_sinks(q[:, :, i : i + SINK_QUERY_BLOCK], keys, values,
-                                            None if mask is None else mask[i : i + SINK_QUERY_BLOCK], sinks)
+                                            None if mask is None else mask[i : i + SINK_QUERY_BLOCK], sinks, scale)
                           for i in range(0, T, SINK_QUERY_BLOCK)], dim=2)  # [B, Hq, T, D]
     Hkv, S = keys.shape[1], keys.shape[2]
     grouped = q.reshape(B, Hkv, Hq // Hkv * T, D)  # [B, Hkv, G*T, D]: no copy of the keys per query head
-    scores = (grouped @ keys.transpose(-1, -2)).view(B, Hq, T, S).float() * D ** -0.5  # [B, Hq, T, S]
+    scale = D ** -0.5 if scale is None else scale
+    scores = (grouped @ keys.transpose(-1, -2)).view(B, Hq, T, S).float() * scale  # [B, Hq, T, S]
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     sink = sinks.float().view(1, Hq, 1, 1).expand(B, Hq, T, 1)  # [B, Hq, T, 1]
@@ -89,12 +90,12 @@ def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   kcache: torch.Tensor, vcache: torch.Tensor, start: int, first: int, window: int | None,
-                  sinks: torch.Tensor | None) -> torch.Tensor:
+                  sinks: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
     """Attention of T new tokens in plain PyTorch, the reference (kernels/attend.py's one-token kernel is tested
     against it): q [B, T, Hq, D], k and v [B, T, Hkv, D] at positions start..start+T-1, their RoPE tables cos and sin
     [T, R], the layer's caches [B' >= B, Hkv, C, D]. The roped keys and the values go into the caches; each query
     sees the positions from `first` (a sliding window's start, else 0) up to its own, within `window` of it ->
-    [B, T, Hq*D] in the compute dtype."""
+    [B, T, Hq*D] in the compute dtype. `scale`: the scores' (None: 1/sqrt(D))."""
     B, T, Hq, D = q.shape
     q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
     k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
@@ -112,10 +113,10 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         if mask is None and T > 1:  # causal
             q_pos = start + torch.arange(T, device=q.device)[:, None]  # [T, 1]
             mask = torch.arange(first, end, device=q.device)[None, :] <= q_pos  # [T, S]
-        out = attend_with_sinks(q, keys, values, mask, sinks)  # [B, Hq, T, D]
+        out = attend_with_sinks(q, keys, values, mask, sinks, scale)  # [B, Hq, T, D]
     else:
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=(T > 1 and mask is None), enable_gqa=True
+            q, keys, values, attn_mask=mask, is_causal=(T > 1 and mask is None), enable_gqa=True, scale=scale
         )  # [B, Hq, T, D]
     return out.transpose(1, 2).reshape(B, T, Hq * D)  # [B, T, Hq*D]
 
@@ -300,8 +301,10 @@ def attend_positions(model: MoEModel, i: int, a: Attention, q: torch.Tensor, k: 
     first = max(0, start + 1 - window) if window else 0
     if T == 1 and on_host and model.attend_kernel:  # decode: one kernel call from RoPE to the values' sum
         return attend_one(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), cos[0], sin[0], cache.k[i],
-                          cache.v[i], start, first, a.sinks, model.threads).view(B, 1, -1)  # [B, T, Hq*D]
-    return attend_cached(q, k, v, cos, sin, cache.k[i], cache.v[i], start, first, window, a.sinks)
+                          cache.v[i], start, first, a.sinks, model.threads,
+                          scale=model.cfg.attention_scale).view(B, 1, -1)  # [B, T, Hq*D]
+    return attend_cached(q, k, v, cos, sin, cache.k[i], cache.v[i], start, first, window, a.sinks,
+                         model.cfg.attention_scale)
 
 
 def rotated_and_normed(model: MoEModel, a: Attention, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -356,6 +359,6 @@ def attend_decoding(model: MoEModel, i: int, a: Attention, q: torch.Tensor, k: t
         out = attend_rows(q[0, at].flatten(1), k[0, at].flatten(1), v[0, at].flatten(1), cos, sin,
                           cache.k[i], cache.v[i], [segments[j].row for j in ones],  # type: ignore[union-attr]
                           [segments[j].start for j in ones], model.cfg.window(i) or 0, a.sinks,
-                          model.threads)  # [S, Hq*D]
+                          model.threads, scale=model.cfg.attention_scale)  # [S, Hq*D]
         for n, j in enumerate(ones):
             parts[j] = out[n].view(1, 1, -1)

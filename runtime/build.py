@@ -26,7 +26,14 @@ from tandem.runtime.layer_kind import Loaders
 from tandem.runtime.layers import plan
 from tandem.runtime.model import DecoderLayer, DecoderWeights, ModelRun, MoEModel
 from tandem.runtime.moe import BlockExpert, ClampedSwiGLUExpert, ExpertWeights, MXFP4Expert
-from tandem.runtime.weights import dense_matrices, expert_names, fused_expert_names, layer_prefix, mxfp4_expert_names
+from tandem.runtime.weights import (
+    dense_matrices,
+    expert_names,
+    fused_expert_names,
+    layer_prefix,
+    mxfp4_expert_names,
+    stacked_expert_names,
+)
 
 
 def kept_dtypes(ckpt: Checkpoint, compute: torch.dtype, cpu: CpuOptions | None) -> Callable[[str], torch.dtype]:
@@ -74,6 +81,11 @@ def routed_experts(ckpt: Checkpoint, layers: list[int], resident: bool,
             stored = [ckpt.tensor(name) for name in mxfp4_expert_names(ckpt.spec, layer)]
             alpha, limit = ckpt.config.clamped_swiglu or (1.702, 7.0)
             return MXFP4Expert.layer(*stored, alpha, limit)
+        if ckpt.spec.stacked_experts:  # Granite: each expert's gate, up and down rows views of the two tensors
+            names = list(stacked_expert_names(ckpt.spec, layer))
+            gate_up, down = ckpt.read_into_ram(names) if resident else [ckpt.tensor(name) for name in names]
+            width = gate_up.shape[1] // 2
+            return [ExpertWeights(gate_up[e, :width], gate_up[e, width:], down[e]) for e in range(n)]
         if ckpt.spec.fused_experts:  # gpt-oss: each expert a view of its slice of the layer's fused tensors
             fused = fused_expert_names(ckpt.spec, layer)
             gate_up, gate_up_bias, down, down_bias = \
@@ -152,6 +164,9 @@ def build_model(ckpt: Checkpoint, run: ModelRun, accel: Accelerator | None = Non
                          cpu.isa if cpu else None)  # (kernels on the CPU only: see __init__)
 
     def mlp(prefix: str) -> ExpertWeights:
+        if spec.stacked_mlp and f"{prefix}.{spec.stacked_mlp[0]}.weight" in ckpt.where:  # gate and up in one
+            gate_up, down = (w(f"{prefix}.{name}.weight") for name in spec.stacked_mlp)
+            return ExpertWeights(gate_up[: gate_up.shape[0] // 2], gate_up[gate_up.shape[0] // 2 :], down)
         names = [f"{prefix}.{p}_proj.weight" for p in ("gate", "up", "down")]
         mats = [wq(n) for n in names]
         if all(isinstance(q, QuantizedMatrix) for q in mats) and mats[0].kind == mats[1].kind:  # type: ignore[union-attr]

@@ -263,7 +263,8 @@ def _shard_name(index_path: Path, value: object) -> str:
 def _validate(ckpt: Checkpoint) -> None:
     cfg = ckpt.config
     # expert tensors of one MoE layer: fused (gpt-oss: 6 as MXFP4, else 4) or 3 per expert
-    per_layer = (6 if cfg.experts_mxfp4 else 4) if ckpt.spec.fused_experts else 3 * cfg.num_experts
+    per_layer = (6 if cfg.experts_mxfp4 else 4) if ckpt.spec.fused_experts else 2 if ckpt.spec.stacked_experts \
+        else 3 * cfg.num_experts
     wanted = per_layer * cfg.num_moe_layers
     if wanted > len(ckpt.where):  # before listing them: a config that claims a billion experts is caught here
         last = max(i for i, sparse in enumerate(cfg.sparse_layers) if sparse)

@@ -48,6 +48,13 @@ class ModelConfig:
     o_bias: bool = False
     qk_norm: QKNorm = "none"
     qk_norm_after_rope: bool = False  # the q/k norms taken of the rotated q and k (HunYuan), not before RoPE
+    # Granite's muP multipliers: the embeddings times embedding_multiplier, each layer's attention and feed-forward
+    # outputs times residual_multiplier into the residual stream, attention scores times attention_multiplier (None:
+    # 1/sqrt(head_dim)), the logits divided by logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     clip_qkv: float | None = None
     sliding_window: int | None = None  # attention sees the last this many positions (itself included) ...
     sliding_layers: tuple[bool, ...] = ()  # ... in these layers (() = every layer)
@@ -92,6 +99,11 @@ class ModelConfig:
             object.__setattr__(self, "sliding_layers", (True,) * self.num_layers)
         if not self.mixers:
             object.__setattr__(self, "mixers", ("mla" if self.kv_lora_rank else "attention",) * self.num_layers)
+
+    @property
+    def attention_scale(self) -> float:
+        """The scale of grouped-query attention's scores: 1/sqrt(head_dim), or the config's multiplier."""
+        return self.head_dim ** -0.5 if self.attention_multiplier is None else self.attention_multiplier
 
     def window(self, layer: int) -> int | None:
         """How many positions attention in `layer` sees (None: all)."""

@@ -43,6 +43,8 @@ def why_not(model: MoEModel) -> str | None:
         return "it runs in bf16 without the kernels' RMSNorm"
     if cfg.norm_type != "rms":
         return "its norms are LayerNorm"
+    if cfg.residual_multiplier != 1.0:
+        return "its layers' outputs are scaled into the residual stream (muP)"
     if cfg.num_experts > MAX_EXPERTS or cfg.top_k > MAX_TOP_K:
         return "it has more experts than the step takes"
     executor = model.dispatcher.executor
@@ -160,7 +162,7 @@ class DecodeStep:
         a.q, a.k, a.v = q, q + item * nq, q + item * (nq + nkv)
         a.kcache, a.vcache = model.cache.k[i].data_ptr(), model.cache.v[i].data_ptr()  # type: ignore[union-attr]
         a.sinks = sinks.data_ptr() if sinks is not None else None
-        a.scale, a.out = cfg.head_dim ** -0.5, self.attend_out.data_ptr()
+        a.scale, a.out = cfg.attention_scale, self.attend_out.data_ptr()
 
     def __call__(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """x [H] float32, the residual stream of one token at `start`, through every layer (in place); cos and sin

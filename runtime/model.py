@@ -261,10 +261,10 @@ class MoEModel:
         else:
             for i, (layer, kinds) in enumerate(zip(self.layers, self.plan, strict=True)):
                 h = self._norm(x, layer.input_norm, layer.input_norm_bias)
-                x = x + kinds.mixer.forward(self, i, layer.attn, h, start, cos, sin)
+                x = x + self._scaled(kinds.mixer.forward(self, i, layer.attn, h, start, cos, sin))
                 h = self._norm(x, layer.post_norm, layer.post_norm_bias).view(B * T, -1)  # [B*T, H]
                 y = self.dispatcher(i, h) if kinds.ffn.routed else layer.ffn(h)  # [B*T, H]
-                x = x + y.view(B, T, -1)  # [B, T, H]
+                x = x + self._scaled(y.view(B, T, -1))  # [B, T, H]
         if last_only:
             x = x[:, -1:]  # [B, 1, H]
         # float32 logits, not rounded to the compute dtype: bf16 steps of 1/8 around 16-32 turn near ties into
@@ -273,9 +273,17 @@ class MoEModel:
                              out_dtype=torch.float32)
         return self._read_logits(logits)
 
+    def _scaled(self, y: torch.Tensor) -> torch.Tensor:
+        """A layer's attention or feed-forward output as it joins the residual stream: times Granite's
+        residual_multiplier (muP), else as it is."""
+        r = self.cfg.residual_multiplier
+        return y if r == 1.0 else y * r
+
     def _read_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """The step's logits on the host (on an accelerator, its one host read), then what the dispatcher left to
-        read behind them."""
+        """The step's logits on the host (on an accelerator, its one host read; divided by Granite's logits_scaling),
+        then what the dispatcher left to read behind them."""
+        if self.cfg.logits_scaling != 1.0:
+            logits = logits / self.cfg.logits_scaling
         if self.accel is None:
             return logits
         logits = self.accel.to_host(logits)
@@ -293,9 +301,12 @@ class MoEModel:
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids [B, T] -> their embeddings [B, T, H] float32 (GGUF blocks: only these rows, dequantized)."""
         if isinstance(self.embed, QuantizedMatrix):
-            return lookup_rows(self.embed, ids)  # [B, T, H]
-        ids = ids if self.accel is None else self.accel.to_device(ids)  # [B, T] (no host wait on the copy)
-        return F.embedding(ids, self.embed).float()
+            x = lookup_rows(self.embed, ids)  # [B, T, H]
+        else:
+            ids = ids if self.accel is None else self.accel.to_device(ids)  # [B, T] (no host wait on the copy)
+            x = F.embedding(ids, self.embed).float()
+        m = self.cfg.embedding_multiplier  # (Granite's muP)
+        return x if m == 1.0 else x * m
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The decoder's norm: RMSNorm, or LayerNorm with its bias (cfg.norm_type "layer")."""
@@ -359,16 +370,17 @@ class MoEModel:
             for g, (a, b) in enumerate(groups):
                 n = xs[g].shape[1]
                 h = self._norm(xs[g], layer.input_norm, layer.input_norm_bias)  # [1, n, H]
-                xs[g] = xs[g] + kinds.mixer.forward_rows(self, i, layer.attn, h, segments[a:b], rows[g], spans[g])
+                xs[g] = xs[g] + self._scaled(kinds.mixer.forward_rows(self, i, layer.attn, h, segments[a:b], rows[g],
+                                                                      spans[g]))
                 h = self._norm(xs[g], layer.post_norm, layer.post_norm_bias).view(n, -1)  # [n, H]
                 if kinds.ffn.routed:  # the accelerator's experts queued; the host goes on
                     pending.append((g, self.dispatcher.start(i, h)))
                 else:
-                    xs[g] = xs[g] + layer.ffn(h).view(1, n, -1)  # [1, n, H]
+                    xs[g] = xs[g] + self._scaled(layer.ffn(h).view(1, n, -1))  # [1, n, H]
             if len(groups) > 1 and i in after:  # the copy engine brings the next MoE layer's experts meanwhile
                 self.dispatcher.prefetch(after[i])
             for g, p in pending:
-                xs[g] = xs[g] + self.dispatcher.finish(p).view(1, xs[g].shape[1], -1)  # [1, n, H]
+                xs[g] = xs[g] + self._scaled(self.dispatcher.finish(p).view(1, xs[g].shape[1], -1))  # [1, n, H]
         x = torch.cat(xs, dim=1) if len(xs) > 1 else xs[0]  # [1, N, H]
         last = torch.tensor([e - 1 for e in ends])  # [S]: each segment's last token
         last = last if self.accel is None else self.accel.to_device(last)  # (not built there: a host wait)

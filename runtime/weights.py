@@ -49,8 +49,18 @@ def mxfp4_expert_names(spec: FamilySpec, layer: int) -> tuple[str, str, str, str
     return f"{gate_up}_blocks", f"{gate_up}_scales", gate_up_bias, f"{down}_blocks", f"{down}_scales", down_bias
 
 
+def stacked_expert_names(spec: FamilySpec, layer: int) -> tuple[str, str]:
+    """(gate and up stacked, down) of a layer whose experts are stored as two tensors (`FamilySpec.stacked_experts`)."""
+    assert spec.stacked_experts is not None
+    base = f"{layer_prefix(layer)}.{spec.moe_prefix}"
+    return f"{base}.{spec.stacked_experts[0]}.weight", f"{base}.{spec.stacked_experts[1]}.weight"
+
+
 def layer_expert_names(cfg: ModelConfig, spec: FamilySpec, layer: int) -> list[str]:
-    """Every tensor holding one MoE layer's routed experts, as stored: per expert (gate, up, down each), or fused."""
+    """Every tensor holding one MoE layer's routed experts, as stored: per expert (gate, up, down each), or fused,
+    or stacked."""
+    if spec.stacked_experts:
+        return list(stacked_expert_names(spec, layer))
     if spec.fused_experts and cfg.experts_mxfp4:
         return list(mxfp4_expert_names(spec, layer))
     if spec.fused_experts:
@@ -60,7 +70,7 @@ def layer_expert_names(cfg: ModelConfig, spec: FamilySpec, layer: int) -> list[s
 
 def shared_expert_names(spec: FamilySpec, layer: int) -> tuple[str, str | None]:
     """(the shared expert's SwiGLU prefix, its gate's tensor name or None when it has no gate) in one MoE layer."""
-    base = f"{layer_prefix(layer)}.{spec.moe_prefix}"
+    base = f"{layer_prefix(layer)}.{spec.moe_prefix}" if spec.shared_in_block else layer_prefix(layer)
     gate = f"{base}.{spec.shared_expert_gate}.weight" if spec.shared_expert_gate else None
     return f"{base}.{spec.shared_expert}", gate
 
@@ -107,7 +117,10 @@ def dense_tensors(cfg: ModelConfig, spec: FamilySpec) -> dict[str, Shape]:
             out[router_bias_name(spec, i)] = (cfg.num_experts,)
         if cfg.shared_expert_intermediate_size:
             mlp, gate = shared_expert_names(spec, i)
-            out |= _mlp(mlp, h, cfg.shared_expert_intermediate_size)
+            width = cfg.shared_expert_intermediate_size
+            stacked = spec.stacked_mlp
+            out |= _mlp(mlp, h, width) if stacked is None else {
+                f"{mlp}.{stacked[0]}.weight": (2 * width, h), f"{mlp}.{stacked[1]}.weight": (h, width)}
             if gate is not None:
                 out[gate] = (1, h)
     return out
@@ -137,6 +150,10 @@ def expert_tensors(cfg: ModelConfig, spec: FamilySpec) -> dict[str, Shape]:
             gu_blocks, gu_scales, gu_bias, d_blocks, d_scales, d_bias = mxfp4_expert_names(spec, i)
             out |= {gu_blocks: (n, 2 * inter, h // 32, 16), gu_scales: (n, 2 * inter, h // 32), gu_bias: (n, 2 * inter),
                     d_blocks: (n, h, inter // 32, 16), d_scales: (n, h, inter // 32), d_bias: (n, h)}
+            continue
+        if spec.stacked_experts:  # Granite: gate and up rows of each expert stacked, then down
+            gate_up, down = stacked_expert_names(spec, i)
+            out |= {gate_up: (n, 2 * inter, h), down: (n, h, inter)}
             continue
         if spec.fused_experts:  # transformers' GptOssExperts: x @ gate_up_proj[e], h @ down_proj[e]
             gate_up, gate_up_bias, down, down_bias = fused_expert_names(spec, i)

@@ -120,6 +120,12 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("hunyuan_v1_moe-alpha-bias", "hunyuan_v1_moe", {
         "num_hidden_layers": 3, "attention_bias": True, "moe_topk": 3, "tie_word_embeddings": True,
         "rope_parameters": {"rope_type": "dynamic", "alpha": 50.0, "factor": 1.0, "rope_theta": 10000.0}}),
+    # granitemoe: the muP multipliers as granite-3.1-3b-a800m has them, top-k logits then softmax, experts stored
+    # stacked; then q/k/v/o biases, tied embeddings, top-3; granitemoeshared: a shared SwiGLU beside the experts
+    ("granitemoe", "granitemoe", {}),
+    ("granitemoe-bias-tied", "granitemoe", {"num_hidden_layers": 3, "attention_bias": True,
+                                            "tie_word_embeddings": True, "num_experts_per_tok": 3}),
+    ("granitemoeshared", "granitemoeshared", {}),
     # minimax_m2: q/k RMSNorm over all heads, half of each head rotated, sigmoid routing with a correction bias beside
     # the router (always renormalised); then the whole head rotated, top-3, tied embeddings
     ("minimax_m2", "minimax_m2", {}),

@@ -64,6 +64,11 @@ class FamilySpec:
     # [E, H, 2I] (gate and up columns interleaved), `experts.down_proj` [E, I, H] and their biases `..._bias`
     # (weights.fused_expert_names); the loader takes per-expert views of them
     fused_experts: bool = False
+    # Granite: a layer's experts as two tensors in the MoE block, (gate and up rows stacked [E, 2I, H], down
+    # [E, H, I]) under these names; the loader takes per-expert views of them
+    stacked_experts: tuple[str, str] | None = None
+    shared_in_block: bool = True  # the shared expert inside the MoE block; False: beside it, under the layer
+    stacked_mlp: tuple[str, str] | None = None  # the shared SwiGLU's gate and up rows in one tensor [2I, H], and down
     gguf: GGUFArch | None = None  # None: its GGUF files are not read (or another family's reader makes them its own)
 
 
