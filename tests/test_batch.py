@@ -45,7 +45,9 @@ def run_batch(loaded: LoadedModel, requests: list[BatchRequest], max_batch: int,
 # attention variants: plain GQA, clipped q/k/v, sliding windows, Multi-head Latent Attention, LongRoPE (whose decode
 # crosses the switch at 16 tokens: the sequence runs again from the start), attention sinks
 FAMILIES = ["mixtral", "olmoe-clip-norm", "qwen3_moe-sliding", "deepseek_v2", "phimoe-longrope-nobias",
-            "gpt_oss-mxfp4"]
+            "gpt_oss-mxfp4",
+            # the 2026 families' own: sliding layers and groups; pairwise RoPE reordered; norms after RoPE; muP
+            "dots1-grouped-sliding-bias", "ernie4_5_moe", "hunyuan_v1_moe-alpha-bias", "granitemoeshared"]
 
 
 @pytest.mark.parametrize("case", FAMILIES)
