@@ -76,6 +76,21 @@ def check_groups(raw: dict[str, Any], cfg: ModelConfig) -> ModelConfig:
     return cfg
 
 
+def sigmoid_routing(raw: dict[str, Any], groups: int = 1, topk_group: int = 1) -> dict[str, Any]:
+    """DeepSeek-V3's routing, which GLM-4.5, GLM-4.7-Flash and dots.llm1 share: sigmoid scores, every router's
+    correction bias (a buffer, zeros until trained) for choosing, groups scored by their two best experts."""
+    return {"scoring": "sigmoid", "n_group": raw.get("n_group", groups),
+            "topk_group": raw.get("topk_group", topk_group), "group_score": "top2", "router_correction": True}
+
+
+def check_top2_groups(raw: dict[str, Any], cfg: ModelConfig) -> ModelConfig:
+    """`check_groups`, and groups of at least two experts, which their two best score."""
+    if cfg.n_group > 1 and cfg.num_experts // cfg.n_group < 2:
+        raise UnsupportedModelError(f"{raw['model_type']}: groups of {cfg.num_experts // cfg.n_group} expert cannot "
+                                    "be scored by their two best experts; fix n_group in config.json")
+    return check_groups(raw, cfg)
+
+
 def parse(raw: dict[str, Any]) -> ModelConfig:
     method = raw.get("topk_method", "greedy")
     if method not in ("greedy", "group_limited_greedy"):

@@ -12,7 +12,7 @@ from typing import Any
 from tandem.kernels.errors import UnsupportedModelError
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.families import BenchShape, FamilySpec
-from tandem.runtime.families.deepseek_v2 import check_groups, deepseek_fields
+from tandem.runtime.families.deepseek_v2 import check_top2_groups, deepseek_fields, sigmoid_routing
 
 
 def parse(raw: dict[str, Any]) -> ModelConfig:
@@ -25,16 +25,9 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
         **deepseek_fields(raw, max_pos=4096, experts=256, shared=1, q_lora_rank=0, first_dense=3),
         norm_topk_prob=raw.get("norm_topk_prob", True),
         rope_interleave=raw.get("rope_interleave", True),
-        scoring="sigmoid",
-        n_group=raw.get("n_group", 8),
-        topk_group=raw.get("topk_group", 4),
-        group_score="top2",
-        router_correction=True,
+        **sigmoid_routing(raw, groups=8, topk_group=4),
     )
-    if cfg.n_group > 1 and cfg.num_experts // cfg.n_group < 2:
-        raise UnsupportedModelError(f"deepseek_v3: groups of {cfg.num_experts // cfg.n_group} expert cannot be scored "
-                                    "by their two best experts; fix n_group in config.json")
-    return check_groups(raw, cfg)
+    return check_top2_groups(raw, cfg)
 
 
 SPEC = FamilySpec(

@@ -17,7 +17,7 @@ from typing import Any
 from tandem.kernels.errors import UnsupportedModelError
 from tandem.runtime.config import ModelConfig, decoder_fields, dense_first_pattern, require, sliding_layer_pattern
 from tandem.runtime.families import BenchShape, FamilySpec, GGUFArch
-from tandem.runtime.families.deepseek_v2 import check_groups
+from tandem.runtime.families.deepseek_v2 import check_top2_groups, sigmoid_routing
 from tandem.runtime.gguf_meta import Meta, common_config, read_flag, read_float, read_int
 
 
@@ -60,17 +60,10 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
         shared_expert_intermediate_size=int(raw.get("n_shared_experts") or 0) * width,
         dense_intermediate_size=raw.get("intermediate_size", 10944) if not all(sparse) else 0,
         sparse_layers=sparse,
-        scoring="sigmoid",
-        n_group=raw.get("n_group", 1),
-        topk_group=raw.get("topk_group", 1),
-        group_score="top2",
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-        router_correction=True,  # every router holds one (a buffer, zeros until trained)
+        **sigmoid_routing(raw),
     )
-    if cfg.n_group > 1 and cfg.num_experts // cfg.n_group < 2:
-        raise UnsupportedModelError(f"dots1: groups of {cfg.num_experts // cfg.n_group} expert cannot be scored by "
-                                    "their two best experts; fix n_group in config.json")
-    return check_groups(raw, cfg)
+    return check_top2_groups(raw, cfg)
 
 
 def gguf_config(meta: Meta, vocab: int, types: dict[str, str]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any
 from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 from tandem.runtime.config import ModelConfig, require
 from tandem.runtime.families import BenchShape, FamilySpec
-from tandem.runtime.families.deepseek_v2 import check_groups, deepseek_fields
+from tandem.runtime.families.deepseek_v2 import check_top2_groups, deepseek_fields, sigmoid_routing
 
 # Glm4MoeLiteConfig's defaults (GLM-4.7-Flash's dimensions), for a config.json that leaves a key out
 DEFAULTS: dict[str, Any] = {"n_routed_experts": 64, "n_shared_experts": 1, "moe_intermediate_size": 1536,
@@ -50,16 +50,9 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
         **fields,
         norm_topk_prob=raw.get("norm_topk_prob", True),
         rope_interleave=raw.get("rope_interleave", True),
-        scoring="sigmoid",
-        n_group=raw.get("n_group", 1),
-        topk_group=raw.get("topk_group", 1),
-        group_score="top2",
-        router_correction=True,  # every router holds one (a buffer, zeros until trained)
+        **sigmoid_routing(raw),
     )
-    if cfg.n_group > 1 and cfg.num_experts // cfg.n_group < 2:
-        raise UnsupportedModelError(f"glm4_moe_lite: groups of {cfg.num_experts // cfg.n_group} expert cannot be "
-                                    "scored by their two best experts; fix n_group in config.json")
-    return check_groups(raw, cfg)
+    return check_top2_groups(raw, cfg)
 
 
 SPEC = FamilySpec(
