@@ -33,12 +33,13 @@ from tandem.runtime.choices import Strategy
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.expert_cache import DEFAULT_INFLIGHT, CachePolicy, ExpertCache, Key, Slot
 from tandem.runtime.latency import LatencyModel
+from tandem.runtime.layers import plan
 from tandem.runtime.moe import BlockExpert, ExpertWeights, MoEBlockWeights, MXFP4Expert, route
 from tandem.runtime.timeline import Timeline
 from tandem.runtime.trace import TraceRecorder
 
 if TYPE_CHECKING:
-    from tandem.runtime.model import ModelRun
+    from tandem.runtime.model import DecoderWeights, ModelRun
 
 GPU, CPU, FETCHED = 0, 1, 2  # columns of the per-layer statistics
 RESERVE = 50  # 1/RESERVE of the accelerator's budget is kept back from the expert slots: activations, allocator slack
@@ -176,15 +177,17 @@ class _Job:
 class Dispatcher:
     """Runs every MoE layer's experts; owns the accelerator's expert slots, the cache and the statistics."""
 
-    def __init__(
-        self, cfg: ModelConfig, blocks: dict[int, MoEBlockWeights], run: ModelRun, accel: Accelerator | None = None,
-        policy: OffloadOptions | None = None, cpu: CpuOptions | None = None,
-        linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear,
-    ) -> None:
-        """`blocks`: the MoE layers by index; `run`: the model's (its compute dtype, and the CPU experts' where that
-        differs); `linear`: the model's dense-matrix path, which the routers and their biases go through."""
+    def __init__(self, cfg: ModelConfig, weights: DecoderWeights, run: ModelRun, accel: Accelerator | None = None,
+                 policy: OffloadOptions | None = None, cpu: CpuOptions | None = None) -> None:
+        """`weights`: the model's, whose routed layers (as the config's plan says) it runs, their routers and
+        routers' biases through the weights' dense-matrix runner (F.linear without one); `run`: the model's (its
+        compute dtype, and the CPU experts' where that differs)."""
+        blocks: dict[int, MoEBlockWeights] = {i: layer.ffn for i, (layer, kinds)  # type: ignore[misc]
+                                              in enumerate(zip(weights.layers, plan(cfg), strict=True))
+                                              if kinds.ffn.routed}
         self.cfg, self.blocks, self.dtype, self.accel = cfg, blocks, run.dtype, accel
-        self.linear = linear
+        self.linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = \
+            weights.linear or F.linear
         # Every expert that runs on the CPU runs through the kernels' executor (quantized here if asked), in the
         # run's CPU dtype where the device's dtype is not one the CPU computes (fp16)
         self.executor = (cpu or CpuOptions()).executor(cfg.hidden_size, cfg.moe_intermediate_size,

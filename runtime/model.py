@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -174,9 +174,7 @@ class MoEModel:
             self.prefill_chunk = min(PREFILL_CHUNK, context)
             rows = 1 if run.ragged else batch
             accel.reserve(activation_bytes(cfg, self.prefill_chunk, context, rows, dtype), "activations")
-        blocks = {i: layer.ffn for i, (layer, kinds) in enumerate(zip(layers, self.plan, strict=True))
-                  if kinds.ffn.routed}
-        self.dispatcher = Dispatcher(cfg, blocks, run, accel, policy, cpu, self.linear)
+        self.dispatcher = Dispatcher(cfg, replace(weights, linear=self.linear), run, accel, policy, cpu)
         # One decode token through every layer in one kernel call, where the step serves the model (off: the
         # torch path for every token, as the step's tests compare)
         self.use_step = True
