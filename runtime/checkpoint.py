@@ -174,7 +174,7 @@ def _open_gguf(path: Path) -> Checkpoint:
     permuted = spec.gguf is not None and spec.gguf.rope_permuted
     llama = (config.num_heads, config.num_kv_heads) if permuted else None
     file.name(gguf.sources(list(shapes), spec.moe_prefix, spec.router, spec.expert_proj, spec.shared_expert,
-                           spec.shared_expert_gate, llama, spec.correction), shapes)
+                           spec.shared_expert_gate, llama, spec.correction_name), shapes)
     ckpt = Checkpoint(path, raw, config, spec, [file], dict.fromkeys(file.names(), file))  # type: ignore[list-item]
     _validate(ckpt)
     return ckpt

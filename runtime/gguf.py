@@ -399,7 +399,8 @@ def sources(names: list[str], moe_prefix: str, router: str, expert_proj: tuple[s
             shared_gate: str | None, llama_heads: tuple[int, int] | None,
             correction: str | None = None) -> dict[str, Source]:
     """Each Hugging Face tensor name's GGUF source. `llama_heads`: (query, key/value) heads whose q/k rows are in
-    llama.cpp's RoPE order; `correction`: the router's correction bias inside the MoE block (FamilySpec.correction)."""
+    llama.cpp's RoPE order; `correction`: the router's correction bias inside the MoE block
+    (FamilySpec.correction_name; None: under the router)."""
     correction = correction or f"{router}.e_score_correction_bias"
     experts = re.compile(rf"^{re.escape(moe_prefix)}\.experts\.(\d+)\.({'|'.join(expert_proj)})\.weight$")
     kinds = dict(zip(expert_proj, ("gate", "up", "down"), strict=True))

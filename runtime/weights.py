@@ -27,7 +27,7 @@ def router_name(spec: FamilySpec, layer: int) -> str:
 
 def correction_name(spec: FamilySpec, layer: int) -> str:
     """The router's per-expert correction bias (config `router_correction`), beside the router's weight."""
-    return f"{layer_prefix(layer)}.{spec.moe_prefix}.{spec.correction or spec.router + '.e_score_correction_bias'}"
+    return f"{layer_prefix(layer)}.{spec.moe_prefix}.{spec.correction_name}"
 
 
 def router_bias_name(spec: FamilySpec, layer: int) -> str:

@@ -71,6 +71,11 @@ class FamilySpec:
     stacked_mlp: tuple[str, str] | None = None  # the shared SwiGLU's gate and up rows in one tensor [2I, H], and down
     gguf: GGUFArch | None = None  # None: its GGUF files are not read (or another family's reader makes them its own)
 
+    @property
+    def correction_name(self) -> str:
+        """The router's correction bias, inside the MoE block (`correction`, else under the router)."""
+        return self.correction or f"{self.router}.e_score_correction_bias"
+
 
 def _registry() -> dict[str, FamilySpec]:
     """Every family module of this package, by model_type. A module that fails to import or defines no FamilySpec

@@ -15,19 +15,26 @@ from tandem.runtime.families import BenchShape, FamilySpec
 from tandem.runtime.families.deepseek_v2 import check_top2_groups, deepseek_fields, sigmoid_routing
 
 
-def parse(raw: dict[str, Any]) -> ModelConfig:
+def v3_config(raw: dict[str, Any], *, max_pos: int = 4096, experts: int = 256, first_dense: int = 3, groups: int = 8,
+              topk_group: int = 4) -> ModelConfig:
+    """DeepSeek-V3's decoder from a config, with transformers' defaults for the keys it leaves out (GLM-4.7-Flash's
+    are its own: glm4_moe_lite.py)."""
     if raw.get("scoring_func", "sigmoid") != "sigmoid" or raw.get("topk_method", "noaux_tc") != "noaux_tc":
         raise UnsupportedModelError(
-            f"deepseek_v3 with scoring_func {raw.get('scoring_func')!r} / topk_method {raw.get('topk_method')!r} is "
-            "not supported; DeepSeek-V3 routes with sigmoid scores and noaux_tc (as transformers)"
+            f"{raw['model_type']} with scoring_func {raw.get('scoring_func')!r} / topk_method "
+            f"{raw.get('topk_method')!r} is not supported; it routes with sigmoid scores and noaux_tc (as transformers)"
         )
     cfg = ModelConfig(
-        **deepseek_fields(raw, max_pos=4096, experts=256, shared=1, q_lora_rank=0, first_dense=3),
+        **deepseek_fields(raw, max_pos=max_pos, experts=experts, shared=1, q_lora_rank=0, first_dense=first_dense),
         norm_topk_prob=raw.get("norm_topk_prob", True),
         rope_interleave=raw.get("rope_interleave", True),
-        **sigmoid_routing(raw, groups=8, topk_group=4),
+        **sigmoid_routing(raw, groups=groups, topk_group=topk_group),
     )
     return check_top2_groups(raw, cfg)
+
+
+def parse(raw: dict[str, Any]) -> ModelConfig:
+    return v3_config(raw)
 
 
 SPEC = FamilySpec(

@@ -12,12 +12,13 @@ reads as the DeepSeek-V3 family: the same computation.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from tandem.kernels.errors import CheckpointError, UnsupportedModelError
-from tandem.runtime.config import ModelConfig, require
+from tandem.kernels.errors import CheckpointError
+from tandem.runtime.config import ModelConfig
 from tandem.runtime.families import BenchShape, FamilySpec
-from tandem.runtime.families.deepseek_v2 import check_top2_groups, deepseek_fields, sigmoid_routing
+from tandem.runtime.families.deepseek_v3 import v3_config
 
 # Glm4MoeLiteConfig's defaults (GLM-4.7-Flash's dimensions), for a config.json that leaves a key out
 DEFAULTS: dict[str, Any] = {"n_routed_experts": 64, "n_shared_experts": 1, "moe_intermediate_size": 1536,
@@ -35,24 +36,10 @@ def mlp_types(raw: dict[str, Any], layers: int) -> tuple[bool, ...]:
 
 
 def parse(raw: dict[str, Any]) -> ModelConfig:
-    require(raw, "num_experts_per_tok")
-    if raw.get("scoring_func", "sigmoid") != "sigmoid" or raw.get("topk_method", "noaux_tc") != "noaux_tc":
-        raise UnsupportedModelError(f"glm4_moe_lite with scoring_func {raw.get('scoring_func')!r} / topk_method "
-                                    f"{raw.get('topk_method')!r} is not supported; it routes with sigmoid scores and "
-                                    "noaux_tc (as transformers)")
-    layers = raw["num_hidden_layers"]
-    sparse = mlp_types(raw, layers)
-    fields = deepseek_fields(DEFAULTS | raw, max_pos=202752, experts=64, shared=1, q_lora_rank=0, first_dense=1)
-    fields |= {"sparse_layers": sparse,
-               "dense_intermediate_size": raw.get("intermediate_size", DEFAULTS["intermediate_size"])
-               if not all(sparse) else 0}
-    cfg = ModelConfig(
-        **fields,
-        norm_topk_prob=raw.get("norm_topk_prob", True),
-        rope_interleave=raw.get("rope_interleave", True),
-        **sigmoid_routing(raw),
-    )
-    return check_top2_groups(raw, cfg)
+    sparse = mlp_types(raw, raw["num_hidden_layers"])
+    cfg = v3_config(DEFAULTS | raw, max_pos=202752, experts=64, first_dense=1, groups=1, topk_group=1)
+    width = raw.get("intermediate_size", DEFAULTS["intermediate_size"]) if not all(sparse) else 0
+    return replace(cfg, sparse_layers=sparse, dense_intermediate_size=width)
 
 
 SPEC = FamilySpec(
