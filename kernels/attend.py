@@ -48,26 +48,29 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kcache: torch.Tensor, vcache: torch.Tensor, rows: list[int], starts: list[int], window: int = 0,
                 sinks: torch.Tensor | None = None, threads: int = 1, isa: str | None = None,
-                scale: float | None = None) -> torch.Tensor:
+                scale: float | None = None, chunk: int = 0) -> torch.Tensor:
     """attend_one for sequences at positions of their own (continuous batching's decode tokens): sequence b is the
     caches' row rows[b] (distinct) at position starts[b], reading the RoPE tables cos and sin [positions, R] at that
-    row and its keys from starts[b] + 1 - window (`window` 0: from the first)."""
+    row and its keys from starts[b] + 1 - window (`window` 0: from the first), or from the start of its chunk of
+    `chunk` positions (Llama 4's chunked attention; 0: no chunks)."""
     B, C = q.shape[0], kcache.shape[2]
     if len(rows) != B or len(starts) != B or len(set(rows)) != B:
         raise ValueError("attend_rows needs one distinct cache row and one position per sequence")
-    if cos.dim() != 2 or window < 0:
-        raise ValueError("cos and sin must be the tables [positions, R], and the window at least 0")
+    if cos.dim() != 2 or window < 0 or chunk < 0 or (window and chunk):
+        raise ValueError("cos and sin must be the tables [positions, R], the window and the chunk at least 0, and "
+                         "not both set")
     if any(not 0 <= r < kcache.shape[0] for r in rows) or any(not 0 <= s < min(C, cos.shape[0]) for s in starts):
         raise ValueError(f"rows must lie in the caches' {kcache.shape[0]} and positions in [0, {C}) and in the "
                          f"tables' {cos.shape[0]}")
     placed = torch.tensor([rows, starts], dtype=torch.int32)  # [2, B]
-    return _attend(q, k, v, cos, sin, kcache, vcache, sinks, threads, isa, placed=placed, window=window, scale=scale)
+    return _attend(q, k, v, cos, sin, kcache, vcache, sinks, threads, isa, placed=placed, window=window, scale=scale,
+                   chunk=chunk)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             kcache: torch.Tensor, vcache: torch.Tensor, sinks: torch.Tensor | None, threads: int, isa: str | None,
             start: int = 0, first: int = 0, placed: torch.Tensor | None = None, window: int = 0,
-            scale: float | None = None) -> torch.Tensor:
+            scale: float | None = None, chunk: int = 0) -> torch.Tensor:
     lib = library()
     isa = isa or attend_isa()
     if lib is None or isa not in ATTEND_ISAS:
@@ -98,7 +101,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor
         sinks=sinks.data_ptr() if sinks is not None else None, scale=D ** -0.5 if scale is None else scale,
         out=out.data_ptr(),
         rows=None if placed is None else placed[0].data_ptr(),
-        starts=None if placed is None else placed[1].data_ptr(), window=window,
+        starts=None if placed is None else placed[1].data_ptr(), window=window, chunk=chunk,
     )
     code = lib.tk_attend_one(ctypes.byref(a))
     if code != 0:

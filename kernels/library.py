@@ -107,7 +107,7 @@ class AttendArgs(ctypes.Structure):
         ("ld_v", ctypes.c_longlong), ("context", ctypes.c_longlong), ("q", ctypes.c_void_p), ("k", ctypes.c_void_p),
         ("v", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("kcache", ctypes.c_void_p),
         ("vcache", ctypes.c_void_p), ("sinks", ctypes.c_void_p), ("scale", ctypes.c_float), ("out", ctypes.c_void_p),
-        ("rows", ctypes.c_void_p), ("starts", ctypes.c_void_p), ("window", ctypes.c_int),
+        ("rows", ctypes.c_void_p), ("starts", ctypes.c_void_p), ("window", ctypes.c_int), ("chunk", ctypes.c_int),
     ]
 
 

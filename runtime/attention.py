@@ -1,7 +1,8 @@
 """Grouped-query attention, the layer kind (`GroupedQueryAttention`, the mixer "attention"): its weights as a layer
 keeps them (`Attention`), its reference in plain PyTorch (`attend_cached`, with gpt-oss's sinks:
 `attend_with_sinks`), its cache (`KVCache`: keys and values preallocated for every layer) and its passes, with the
-variants families ask for (q/k norms, clipping, biases, sliding windows, sinks). Its fast paths are the kernels'
+variants families ask for (q/k norms, clipping, biases, sliding windows, sinks, Llama 4's chunks, layers without
+RoPE and query temperature). Its fast paths are the kernels'
 (kernels/attend.py: one token, ragged rows), tested against `attend_cached`, and the one-call decode step's;
 Multi-head Latent Attention is the other kind (runtime/mla.py).
 
@@ -90,12 +91,13 @@ def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   kcache: torch.Tensor, vcache: torch.Tensor, start: int, first: int, window: int | None,
-                  sinks: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
+                  sinks: torch.Tensor | None, scale: float | None = None, chunk: int | None = None) -> torch.Tensor:
     """Attention of T new tokens in plain PyTorch, the reference (kernels/attend.py's one-token kernel is tested
     against it): q [B, T, Hq, D], k and v [B, T, Hkv, D] at positions start..start+T-1, their RoPE tables cos and sin
     [T, R], the layer's caches [B' >= B, Hkv, C, D]. The roped keys and the values go into the caches; each query
-    sees the positions from `first` (a sliding window's start, else 0) up to its own, within `window` of it ->
-    [B, T, Hq*D] in the compute dtype. `scale`: the scores' (None: 1/sqrt(D))."""
+    sees the positions from `first` (a sliding window's or a chunk's start, else 0) up to its own, within `window`
+    of it and from the start of its own `chunk` -> [B, T, Hq*D] in the compute dtype. `scale`: the scores' (None:
+    1/sqrt(D))."""
     B, T, Hq, D = q.shape
     q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
     k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
@@ -104,11 +106,13 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     vcache[:B, :, start:end] = v.transpose(1, 2)
     keys, values = kcache[:B, :, first:end], vcache[:B, :, first:end]  # [B, Hkv, S, D]
     mask = None
-    slides = window is not None and end - first > 1 and T > 1
+    slides = (window is not None or chunk is not None) and end - first > 1 and T > 1
     if T > 1 and (start > 0 or slides):  # query t (at start + t) sees keys from start + t - window + 1 on
         q_pos = start + torch.arange(T, device=q.device)[:, None]  # [T, 1]
         k_pos = torch.arange(first, end, device=q.device)[None, :]  # [1, S]
         mask = (k_pos <= q_pos) & (k_pos > q_pos - window) if window else k_pos <= q_pos  # [T, S]
+        if chunk:  # ... and none before its chunk's first position
+            mask &= k_pos >= q_pos - q_pos % chunk
     if sinks is not None:
         if mask is None and T > 1:  # causal
             q_pos = start + torch.arange(T, device=q.device)[:, None]  # [T, 1]
@@ -204,7 +208,7 @@ class GroupedQueryAttention:
 
     def load(self, cfg: ModelConfig, prefix: str, load: Loaders) -> Attention:
         rows = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
-        norms = cfg.qk_norm != "none"
+        norms = cfg.qk_norm in ("head", "full")  # (Llama 4's "l2" has no weights)
         qn, kn = qk_norm_names(load.spec)
         a = Attention(
             load.projections([f"{prefix}.{n}_proj.weight" for n in "qkv"], rows), load.wq(f"{prefix}.o_proj.weight"),
@@ -219,6 +223,8 @@ class GroupedQueryAttention:
     def step_refusal(self, cfg: ModelConfig) -> str | None:
         if cfg.clip_qkv is not None or cfg.qk_norm not in QK_NORMS or cfg.qk_norm_after_rope:
             return "its attention clips q, k and v, or norms them in a way the step does not (after RoPE)"
+        if cfg.attention_chunk or any(cfg.nope_layers):
+            return "its attention runs in chunks, or some layers rotate nothing and scale their queries (Llama 4)"
         return None
 
     def forward(self, model: MoEModel, i: int, a: Attention, x: torch.Tensor, start: int, cos: torch.Tensor,
@@ -294,28 +300,48 @@ def attend_positions(model: MoEModel, i: int, a: Attention, q: torch.Tensor, k: 
     in `cache`'s rows 0..B-1 -> [B, T, Hq*D] in the compute dtype. `on_host`: the CPU computes it (the kernel,
     where it serves), else the accelerator (torch)."""
     B, T = q.shape[:2]
-    if model.cfg.qk_norm_after_rope:  # rotated here, normed, then attended with tables that rotate nothing
+    cfg = model.cfg
+    if not cfg.rotates(i):  # tables of no dims: nothing turns
+        cos, sin = cos[..., :0], sin[..., :0]
+        q = with_temperature(cfg, i, q, torch.arange(start, start + T, device=q.device))
+    elif cfg.qk_norm_after_rope:  # rotated here, normed, then attended with tables that rotate nothing
         q, k, cos, sin = rotated_and_normed(model, a, q, k, cos, sin)
-    window = model.cfg.window(i)
-    # a sliding window: no key before the first one the earliest query sees is read at all
-    first = max(0, start + 1 - window) if window else 0
+    window, chunk = cfg.window(i), cfg.chunk(i)
+    # a sliding window or a chunk: no key before the first one the earliest query sees is read at all
+    first = start - start % chunk if chunk else max(0, start + 1 - window) if window else 0
     if T == 1 and on_host and model.attend_kernel:  # decode: one kernel call from RoPE to the values' sum
         return attend_one(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), cos[0], sin[0], cache.k[i],
                           cache.v[i], start, first, a.sinks, model.threads,
-                          scale=model.cfg.attention_scale).view(B, 1, -1)  # [B, T, Hq*D]
+                          scale=cfg.attention_scale).view(B, 1, -1)  # [B, T, Hq*D]
     return attend_cached(q, k, v, cos, sin, cache.k[i], cache.v[i], start, first, window, a.sinks,
-                         model.cfg.attention_scale)
+                         cfg.attention_scale, chunk)
+
+
+def with_temperature(cfg: ModelConfig, i: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """q [B, T, Hq, D] of tokens at `positions` [T], scaled by layer i's temperature at each position where it has
+    one (Llama 4's layers without RoPE: 1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)), in float32, as
+    transformers computes it)."""
+    temperature = cfg.temperature(i)
+    if temperature is None:
+        return q
+    floor_scale, attn_scale = temperature
+    scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0  # [T]
+    return (q * scales.view(1, -1, 1, 1)).to(q.dtype)
 
 
 def rotated_and_normed(model: MoEModel, a: Attention, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """HunYuan's order (`qk_norm_after_rope`): q [B, T, Hq, D] and k [B, T, Hkv, D] rotated, then each head RMSNorm'ed;
-    with cos and sin that rotate nothing (ones and zeros), for the attention that follows."""
+    """HunYuan's and Llama 4's order (`qk_norm_after_rope`): q [B, T, Hq, D] and k [B, T, Hkv, D] rotated, then each
+    head RMSNorm'ed (Llama 4's "l2": with no weight); with tables of no dims (they rotate nothing), for the attention
+    that follows."""
     eps = model.cfg.rms_norm_eps
     q = apply_rope(q.transpose(1, 2), cos, sin).transpose(1, 2).to(q.dtype)
     k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2).to(k.dtype)
-    q, k = model.rms_norm(q, a.q_norm, eps), model.rms_norm(k, a.k_norm, eps)
-    return q.contiguous(), k.contiguous(), torch.ones_like(cos), torch.zeros_like(sin)
+    if model.cfg.qk_norm == "l2":
+        q, k = (F.rms_norm(t.float(), (t.shape[-1],), None, eps).to(t.dtype) for t in (q, k))
+    else:
+        q, k = model.rms_norm(q, a.q_norm, eps), model.rms_norm(k, a.k_norm, eps)
+    return q.contiguous(), k.contiguous(), cos[..., :0], sin[..., :0]
 
 
 def attend_segments(model: MoEModel, i: int, a: Attention, x: torch.Tensor, segments: list[Segment],
@@ -331,7 +357,8 @@ def attend_segments(model: MoEModel, i: int, a: Attention, x: torch.Tensor, segm
         head = replace(a, sinks=rest[0] if rest else None)
     on_host = host or accel is None
     parts: list[torch.Tensor | None] = [None] * len(segments)  # each segment's [1, n, Hq*D]
-    if on_host and model.attend_kernel and not model.cfg.qk_norm_after_rope:  # (the rows' tables rotate)
+    if on_host and model.attend_kernel and not (model.cfg.qk_norm_after_rope and model.cfg.rotates(i)):  # (the rows'
+        # tables rotate: q and k normed after RoPE cannot go through them)
         attend_decoding(model, i, head, q, k, v, segments, spans, host, parts)
     out = torch.cat([part if part is not None else
                      attend_positions(model, i, head, q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], row, seg.start,
@@ -349,16 +376,21 @@ def attend_decoding(model: MoEModel, i: int, a: Attention, q: torch.Tensor, k: t
     all that share RoPE tables, each at its own cache row and position, into `parts`: a call per sequence cost
     its parallel region's start and end, which in a decode step of 64 sequences took most of attention's time.
     q [1, N, Hq, D], k and v [1, N, Hkv, D] on the host."""
-    cache = model.cache
+    cache, cfg = model.cache, model.cfg
     for long in (False, True):
         ones = [j for j, seg in enumerate(segments) if seg.length == 1 and seg.long == long]
         if len(ones) < 2:
             continue
         at = torch.tensor([spans[j] for j in ones])  # [S]: their tokens among the N
+        starts = [segments[j].start for j in ones]
         cos, sin = model.tables_for(long, host)
-        out = attend_rows(q[0, at].flatten(1), k[0, at].flatten(1), v[0, at].flatten(1), cos, sin,
+        queries = q[:, at]  # [1, S, Hq, D]
+        if not cfg.rotates(i):
+            cos, sin = cos[:, :0], sin[:, :0]
+            queries = with_temperature(cfg, i, queries, torch.tensor(starts))
+        out = attend_rows(queries[0].flatten(1), k[0, at].flatten(1), v[0, at].flatten(1), cos, sin,
                           cache.k[i], cache.v[i], [segments[j].row for j in ones],  # type: ignore[union-attr]
-                          [segments[j].start for j in ones], model.cfg.window(i) or 0, a.sinks,
-                          model.threads, scale=model.cfg.attention_scale)  # [S, Hq*D]
+                          starts, cfg.window(i) or 0, a.sinks, model.threads, scale=cfg.attention_scale,
+                          chunk=cfg.chunk(i) or 0)  # [S, Hq*D]
         for n, j in enumerate(ones):
             parts[j] = out[n].view(1, 1, -1)

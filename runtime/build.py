@@ -81,10 +81,14 @@ def routed_experts(ckpt: Checkpoint, layers: list[int], resident: bool,
             stored = [ckpt.tensor(name) for name in mxfp4_expert_names(ckpt.spec, layer)]
             alpha, limit = ckpt.config.clamped_swiglu or (1.702, 7.0)
             return MXFP4Expert.layer(*stored, alpha, limit)
-        if ckpt.spec.stacked_experts:  # Granite: each expert's gate, up and down rows views of the two tensors
+        if ckpt.spec.stacked_experts:  # each expert's gate, up and down views of the two tensors
             names = list(stacked_expert_names(ckpt.spec, layer))
             gate_up, down = ckpt.read_into_ram(names) if resident else [ckpt.tensor(name) for name in names]
-            width = gate_up.shape[1] // 2
+            if ckpt.spec.stacked_by_input:  # Llama 4: [E, H, 2I] and [E, I, H], transposed views
+                width = gate_up.shape[2] // 2
+                return [ExpertWeights(gate_up[e, :, :width].t(), gate_up[e, :, width:].t(), down[e].t())
+                        for e in range(n)]
+            width = gate_up.shape[1] // 2  # Granite: rows [E, 2I, H] and [E, H, I]
             return [ExpertWeights(gate_up[e, :width], gate_up[e, width:], down[e]) for e in range(n)]
         if ckpt.spec.fused_experts:  # gpt-oss: each expert a view of its slice of the layer's fused tensors
             fused = fused_expert_names(ckpt.spec, layer)

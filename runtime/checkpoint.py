@@ -11,7 +11,7 @@ import errno
 import json
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -169,12 +169,16 @@ def _open_gguf(path: Path) -> Checkpoint:
     if embed is None:
         raise CheckpointError(f"{path} has no token_embd.weight: it is not a language model's GGUF file")
     raw = gguf.config_of(file.meta, {n: t.tensor_type.name for n, t in file.tensors.items()}, int(embed.shape[1]))
-    spec, config = parse_config(raw, f"{path} (its GGUF metadata)")
+    spec, config = parse_config(gguf.with_frequency_factors(raw, file), f"{path} (its GGUF metadata)")
+    gguf.routers_agree(config, {n: t.tensor_type.name for n, t in file.tensors.items()}, str(path))
+    # llama.cpp stores every layer's experts as three stacked tensors, each expert's rows of them read on their
+    # own (views of blocks): named per expert, whatever the family's own checkpoints stack
+    spec = replace(spec, stacked_experts=None, stacked_by_input=False)
     shapes = dense_tensors(config, spec) | expert_tensors(config, spec)
     permuted = spec.gguf is not None and spec.gguf.rope_permuted
     llama = (config.num_heads, config.num_kv_heads) if permuted else None
     file.name(gguf.sources(list(shapes), spec.moe_prefix, spec.router, spec.expert_proj, spec.shared_expert,
-                           spec.shared_expert_gate, llama, spec.correction_name), shapes)
+                           spec.shared_expert_gate, llama, spec.correction_name, spec.dense_mlp), shapes)
     ckpt = Checkpoint(path, raw, config, spec, [file], dict.fromkeys(file.names(), file))  # type: ignore[list-item]
     _validate(ckpt)
     return ckpt

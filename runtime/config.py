@@ -13,7 +13,9 @@ from typing import Any, Literal
 
 from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 
-QKNorm = Literal["none", "head", "full"]  # no q/k norm; RMSNorm per head (Qwen3); over the projection (OLMoE)
+# no q/k norm; RMSNorm per head (Qwen3); over the projection (OLMoE); each head of the rotated q and k scaled to unit
+# RMS with no weight, in the layers that rotate (Llama 4's L2 norm)
+QKNorm = Literal["none", "head", "full", "l2"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,14 @@ class ModelConfig:
     clip_qkv: float | None = None
     sliding_window: int | None = None  # attention sees the last this many positions (itself included) ...
     sliding_layers: tuple[bool, ...] = ()  # ... in these layers (() = every layer)
+    # Llama 4: attention within chunks of `attention_chunk` positions (a query sees the keys from the start of its
+    # own chunk) in the `chunked_layers`; the `nope_layers` rotate nothing, their queries scaled by the position's
+    # temperature (`attention_temperature`: (floor_scale, attn_scale), 1 + attn_scale * ln(1 + floor((p + 1) /
+    # floor_scale)); None: not scaled)
+    attention_chunk: int | None = None
+    chunked_layers: tuple[bool, ...] = ()
+    nope_layers: tuple[bool, ...] = ()  # () = every layer rotates
+    attention_temperature: tuple[float, float] | None = None
     # rotary embeddings (runtime/rope.py): the variant, its parameters from config.json, the dims rotated
     rope_type: str = "default"
     rope_params: tuple[tuple[str, Any], ...] = ()  # the variant's parameters, sorted by name (frozen, hashable)
@@ -70,6 +80,7 @@ class ModelConfig:
     norm_type: Literal["rms", "layer"] = "rms"  # the decoder's norms: RMSNorm, or LayerNorm with a bias (same eps)
     lm_head_bias: bool = False
     scoring: str = "softmax"  # every MoE layer's RoutingRule.scoring (runtime/moe.py)
+    scale_expert_input: bool = False  # RoutingRule.scale_input: the routed expert takes x times its weight (Llama 4)
     jitter_eps: float = 0.0  # RoutingRule.jitter_eps: sparsemixer's threshold (PhiMoE's router_jitter_noise)
     # DeepSeek-V2/V3: Multi-head Latent Attention (runtime/mla.py) and their routing (moe.RoutingRule)
     kv_lora_rank: int = 0  # the latent each token caches; 0 = plain attention (no MLA)
@@ -99,6 +110,9 @@ class ModelConfig:
             object.__setattr__(self, "sliding_layers", (True,) * self.num_layers)
         if not self.mixers:
             object.__setattr__(self, "mixers", ("mla" if self.kv_lora_rank else "attention",) * self.num_layers)
+        for name in ("chunked_layers", "nope_layers"):
+            if not getattr(self, name):
+                object.__setattr__(self, name, (False,) * self.num_layers)
 
     @property
     def attention_scale(self) -> float:
@@ -109,12 +123,24 @@ class ModelConfig:
         """How many positions attention in `layer` sees (None: all)."""
         return self.sliding_window if self.sliding_window and self.sliding_layers[layer] else None
 
+    def chunk(self, layer: int) -> int | None:
+        """The chunk size of `layer`'s attention (None: not chunked)."""
+        return self.attention_chunk if self.attention_chunk and self.chunked_layers[layer] else None
+
+    def rotates(self, layer: int) -> bool:
+        """Whether `layer` applies RoPE to q and k."""
+        return not self.nope_layers[layer]
+
+    def temperature(self, layer: int) -> tuple[float, float] | None:
+        """`layer`'s query temperature (floor_scale, attn_scale), or None where its queries are not scaled."""
+        return self.attention_temperature if self.nope_layers[layer] else None
+
     @property
     def num_moe_layers(self) -> int:
         return sum(self.sparse_layers)
 
 
-ROPE_TYPES = {"default", "longrope", "su", "yarn"}  # the variants runtime/rope.py implements
+ROPE_TYPES = {"default", "frequency_factors", "llama3", "longrope", "su", "yarn"}  # those runtime/rope.py implements
 
 
 def rope_fields(raw: dict[str, Any], default_theta: float) -> dict[str, Any]:
@@ -306,6 +332,9 @@ ROPE_RULES: dict[str, RopeRule] = {
     "original_max_position_embeddings": ((lambda v: _is_whole(v) and 1 <= v <= 1 << 24),
                                          f"a whole number from 1 to {1 << 24} (the pretraining context)"),
     "truncate": ((lambda v: isinstance(v, bool)), "true or false"),
+    "low_freq_factor": _above_zero(ROPE_BOUND), "high_freq_factor": _above_zero(ROPE_BOUND),  # Llama 3's ramp
+    # each rotated pair's divisor of its frequency, as llama.cpp's files store a scaling (their rope_freqs tensor)
+    "factors": (_factors, f"a list of numbers above zero and below {ROPE_BOUND:g}, one per rotated pair of dims"),
     "short_factor": (_factors, f"a list of numbers above zero and below {ROPE_BOUND:g}, one per rotated pair of dims"),
     "long_factor": (_factors, f"a list of numbers above zero and below {ROPE_BOUND:g}, one per rotated pair of dims"),
 }
@@ -403,6 +432,18 @@ def rope_problems(cfg: ModelConfig) -> list[str]:
         original = p.get("original_max_position_embeddings", cfg.max_position_embeddings)
         if original < 2:  # its cos/sin scale divides by the log of this length
             problems.append(f"LongRoPE's original_max_position_embeddings is {original}, but it must be at least 2")
+    if kind == "frequency_factors" and len(p.get("factors", ())) != dims // 2:
+        problems.append(f"the RoPE frequency factors ({where}) list {len(p.get('factors', ()))} numbers, but the "
+                        f"{dims} rotated dims of a head need {dims // 2}, one per pair")
+    if kind == "llama3":
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                   if k not in p]
+        if missing:
+            problems.append(f"Llama 3's RoPE needs {', '.join(missing)} in {where}")
+        elif p["high_freq_factor"] <= p["low_freq_factor"]:
+            problems.append(f"Llama 3's RoPE has high_freq_factor ({p['high_freq_factor']}) at or below "
+                            f"low_freq_factor ({p['low_freq_factor']}) in {where}: its ramp would divide by zero or "
+                            "run backwards")
     if kind == "yarn" and (p.get("beta_fast") or 32) < (p.get("beta_slow") or 1):  # (0: the default, as transformers)
         problems.append(f"YaRN's beta_fast ({p.get('beta_fast')}) is below its beta_slow ({p.get('beta_slow')}) in "
                         f"{where}: the ramp between them would run backwards")

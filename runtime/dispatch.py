@@ -34,7 +34,7 @@ from tandem.runtime.config import ModelConfig
 from tandem.runtime.expert_cache import DEFAULT_INFLIGHT, CachePolicy, ExpertCache, Key, Slot
 from tandem.runtime.latency import LatencyModel
 from tandem.runtime.layers import plan
-from tandem.runtime.moe import BlockExpert, ExpertWeights, MoEBlockWeights, MXFP4Expert, route
+from tandem.runtime.moe import BlockExpert, ExpertWeights, MoEBlockWeights, MXFP4Expert, route, routed_input
 from tandem.runtime.timeline import Timeline
 from tandem.runtime.trace import TraceRecorder
 
@@ -401,26 +401,28 @@ class Dispatcher:
         block = self.blocks[layer]
         logits = self.linear(x, block.router, block.router_bias)  # [T, E]
         weights, ids = route(logits, block.rule, block.correction)  # [T, K], [T, K]
+        routed, weights = routed_input(x, weights, block.rule)  # the shared expert takes x itself
         if self.accel is None:  # CPU only: every expert through the executor
             counts = self.record_cpu(layer, ids)  # [E] routings per expert
             table = self.cpu_layers[layer]
             if self.executor.serves_layer(table, x.shape[0]):  # a few tokens: the whole layer in one kernel call
-                out = self.executor.run_layer(table, x, ids, weights)  # [T, H] float32
+                out = self.executor.run_layer(table, routed, ids, weights)  # [T, H] float32
             else:
                 jobs = []
                 for e in np.flatnonzero(counts).tolist():  # the experts this pass uses, in id order
                     tok, slot = (ids == e).nonzero(as_tuple=True)  # [n], [n]
                     jobs.append(_Job(e, tok, slot, None, layer, self.cpu_experts[layer][e]))
-                out = self._cpu_combine(x, weights, jobs)
+                out = self._cpu_combine(routed, weights, jobs)
             if block.shared is not None:
                 out += block.shared(x)
             return Pending(layer, done(out))
         stacked = self._stacked.get(layer)
         if stacked is not None and ids.numel() <= GROUPED_TOKENS:  # every expert here: chosen on the device
             self._unread.append((layer, self.accel.download(lambda: (ids,))))  # for the trace, read later
-            return Pending(layer, self.accel.submit(partial(self._device_chosen, block, stacked, x, ids, weights)))
+            return Pending(layer, self.accel.submit(partial(self._device_chosen, block, stacked, x, routed, ids,
+                                                            weights)))
         # the layer's one host read: the routing for the plan, the activations for the CPU experts
-        ids_h, weights_h, x_h = self.accel.download(lambda: (ids, weights, x)).wait()  # [T, K], [T, K], [T, H]
+        ids_h, weights_h, x_h = self.accel.download(lambda: (ids, weights, routed)).wait()  # [T, K], [T, K], [T, H]
         counts = self.recorder.record(layer, ids_h)  # [E] routings per expert
         chosen = np.flatnonzero(counts).tolist()  # the experts this pass uses, in id order
         self.last_chosen[layer] = sorted(chosen, key=lambda e: -counts[e])  # the busiest first
@@ -428,7 +430,7 @@ class Dispatcher:
             for e in chosen:
                 self.cache.observe(layer, e, int(counts[e]))
         gpu_jobs, cpu_jobs = self._plan(layer, ids_h.numpy(), chosen)
-        out, later = self._launch_device(x, weights, weights_h, gpu_jobs, block)  # queued: the host goes on
+        out, later = self._launch_device(x, routed, weights, weights_h, gpu_jobs, block)  # queued: the host goes on
         return Pending(layer, out, x_h, weights_h, cpu_jobs, frozenset((layer, j.expert) for j in gpu_jobs), later)
 
     def end_step(self) -> None:
@@ -554,16 +556,17 @@ class Dispatcher:
         self.cache.start(slot, copy)
         return copy
 
-    def _launch_device(self, x: torch.Tensor, weights: torch.Tensor, weights_h: torch.Tensor, jobs: Sequence[_Job],
-                       block: MoEBlockWeights) -> tuple[Future[torch.Tensor], _Launch | None]:
-        """Queue the accelerator's resident experts of the layer: x [T, H] and float32 routing weights [T, K] on the
-        device -> the future of their output [T, H] float32 (the shared expert's, plus each job's weighted expert
-        output), which completes with the last of that work; and the jobs that wait for a copy (`_Launch`: queued by
-        `finish`), the first scratch copy started. The sum is float32, as the CPU's (`_cpu_combine`): it goes into
+    def _launch_device(self, shared_x: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, weights_h: torch.Tensor,
+                       jobs: Sequence[_Job], block: MoEBlockWeights) -> tuple[Future[torch.Tensor], _Launch | None]:
+        """Queue the accelerator's resident experts of the layer: the shared expert's input `shared_x`, the routed
+        experts' x [T, H] (`routed_input`) and float32 routing weights [T, K] on the device -> the future of their
+        output [T, H] float32 (the shared expert's, plus each job's weighted expert output), which completes with the
+        last of that work; and the jobs that wait for a copy (`_Launch`: queued by `finish`), the first scratch copy
+        started. The sum is float32, as the CPU's (`_cpu_combine`): it goes into
         the float32 residual stream, and a bf16 one would round it once per expert."""
         accel = self.accel
         assert accel is not None
-        first = accel.submit(lambda: block.shared(x).float() if block.shared is not None
+        first = accel.submit(lambda: block.shared(shared_x).float() if block.shared is not None
                              else torch.zeros(x.shape, dtype=torch.float32, device=x.device))  # [T, H]
         out = first
         T = x.shape[0]
@@ -635,12 +638,12 @@ class Dispatcher:
         return out.result().add_(part)
 
     @staticmethod
-    def _device_chosen(block: MoEBlockWeights, stacked: list[torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
-                       weights: torch.Tensor) -> torch.Tensor:
+    def _device_chosen(block: MoEBlockWeights, stacked: list[torch.Tensor], shared_x: torch.Tensor, x: torch.Tensor,
+                       ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Device work of a layer whose experts are all on the device, chosen there: each token's K experts picked
         from `stacked` (the layer's static slots as [E, I, H], [E, I, H], [E, H, I]) by its ids [T, K] (a copy of
         T*K experts), run as one batched product over x [T, H] and weighted by the float32 `weights` [T, K];
-        the shared expert's added -> [T, H] float32."""
+        the shared expert's (of `shared_x`) added -> [T, H] float32."""
         T, K = ids.shape
         flat = ids.reshape(-1)  # [T*K]
         gate, up, down = (s.index_select(0, flat) for s in stacked)  # [T*K, I, H] x 2, [T*K, H, I]
@@ -648,7 +651,7 @@ class Dispatcher:
         h = F.silu(torch.bmm(rows, gate.transpose(1, 2))) * torch.bmm(rows, up.transpose(1, 2))  # [T*K, 1, I]
         y = torch.bmm(h, down.transpose(1, 2)).view(T, K, -1)  # [T, K, H]
         out = torch.matmul(weights.unsqueeze(1), y.float()).squeeze(1)  # [T, H]
-        return out + block.shared(x).float() if block.shared is not None else out
+        return out + block.shared(shared_x).float() if block.shared is not None else out
 
     @staticmethod
     def _device_expert(out: Future[torch.Tensor], expert: ExpertWeights, x: torch.Tensor, weights: torch.Tensor,

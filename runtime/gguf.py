@@ -30,6 +30,7 @@ import torch
 from tandem.kernels.blocks import FORMATS, block_matrix, dequantize
 from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 from tandem.kernels.quant import QuantizedMatrix
+from tandem.runtime.config import ModelConfig
 from tandem.runtime.gguf_header import GGUFArray, TensorEntry, open_regular, read_header
 from tandem.runtime.gguf_meta import Meta, read_float, read_text
 from tandem.runtime.safetensors_mmap import TensorInfo
@@ -324,10 +325,24 @@ def _reader(path: Path) -> MappedGGUF:
     return MappedGGUF(path)
 
 
+def with_frequency_factors(raw: dict[str, Any], file: GGUFFile) -> dict[str, Any]:
+    """The config with the file's RoPE frequency factors (`rope_freqs.weight`: each rotated pair's divisor, as
+    llama.cpp's converter writes Llama 3's scaling), where it has them, as RoPE "frequency_factors"."""
+    found = file.tensors.get("rope_freqs.weight")
+    if found is None:
+        return raw
+    if found.tensor_type.name != "F32" or found.data.ndim != 1:
+        raise CheckpointError(f"{file.path.name}: rope_freqs.weight must be one row of F32 factors, not "
+                              f"{found.tensor_type.name} {list(found.data.shape)}; the file is damaged: re-download it")
+    return raw | {"rope_parameters": {"rope_type": "frequency_factors", "rope_theta": raw["rope_theta"],
+                                      "factors": [float(f) for f in found.data]}}
+
+
 def config_of(meta: Meta, types: dict[str, str], vocab: int) -> dict[str, Any]:
     """The config.json a Hugging Face folder of this model would hold: its family's reading of the metadata
     (`FamilySpec.gguf`). What the metadata does not say, the tensors (their names and types) do: which layers are
-    dense (no router), attention biases, q/k norms, a tied lm_head."""
+    dense (no router) where the family's config lists them (`mlp_only_layers`), attention biases, q/k norms, a tied
+    lm_head. (Every family's layers are checked against the routers the file holds once parsed: `routers_agree`.)"""
     from tandem.runtime.families import gguf_architectures
 
     tensors = set(types)
@@ -353,10 +368,7 @@ def config_of(meta: Meta, types: dict[str, str], vocab: int) -> dict[str, Any]:
         if dense != list(range(raw["first_k_dense_replace"])):
             raise CheckpointError(f"this {arch} file says its first {raw['first_k_dense_replace']} layers are dense, "
                                   f"but layers {dense[:3]} have no router; the file is inconsistent")
-    elif dense and "mlp_only_layers" not in raw:
-        raise UnsupportedModelError(f"GGUF layers {dense[:3]} have no router: {arch} files are all mixture of "
-                                    "experts layers")
-    elif dense:
+    elif "mlp_only_layers" in raw:
         raw["mlp_only_layers"] = dense
     for i in range(raw["num_hidden_layers"]):  # the kernels take experts as blocks throughout, or as floats
         kinds = {types[n] for n in (f"blk.{i}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")) if n in types}
@@ -366,11 +378,21 @@ def config_of(meta: Meta, types: dict[str, str], vocab: int) -> dict[str, Any]:
                 "experts stored as blocks throughout or as floats throughout: quantize the file again "
                 "(llama-quantize) or use an F16 or BF16 file")
     raw["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    raw["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
+    raw.setdefault("use_qk_norm", "blk.0.attn_q_norm.weight" in tensors)  # (Llama 4's have no weights: its reader says)
     raw["tie_word_embeddings"] = "output.weight" not in tensors
     if f"{arch}.attention.clamp_kqv" in meta:
         raw["clip_qkv"] = read_float(meta, f"{arch}.attention.clamp_kqv")
     return raw
+
+
+def routers_agree(config: ModelConfig, types: dict[str, str], where: str) -> None:
+    """The layers the parsed config gives experts are those whose router the file holds: a file whose metadata says
+    otherwise (edited, or cut short) is refused before a layer reads a tensor it lacks."""
+    routed = [i for i in range(config.num_layers) if f"blk.{i}.ffn_gate_inp.weight" in types]
+    want = [i for i, sparse in enumerate(config.sparse_layers) if sparse]
+    if routed != want:
+        raise CheckpointError(f"{where}: its metadata puts experts in layers {want[:6]} but the file holds routers in "
+                              f"layers {routed[:6]}; the file is inconsistent: re-download it")
 
 
 # ---- Hugging Face tensor names -> GGUF tensors ------------------------------------------------------------------
@@ -397,11 +419,13 @@ _IN_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layer
 
 def sources(names: list[str], moe_prefix: str, router: str, expert_proj: tuple[str, str, str], shared: str | None,
             shared_gate: str | None, llama_heads: tuple[int, int] | None,
-            correction: str | None = None) -> dict[str, Source]:
+            correction: str | None = None, dense_mlp: str = "mlp") -> dict[str, Source]:
     """Each Hugging Face tensor name's GGUF source. `llama_heads`: (query, key/value) heads whose q/k rows are in
     llama.cpp's RoPE order; `correction`: the router's correction bias inside the MoE block
-    (FamilySpec.correction_name; None: under the router)."""
+    (FamilySpec.correction_name; None: under the router); `dense_mlp`: a dense layer's SwiGLU
+    (FamilySpec.dense_mlp)."""
     correction = correction or f"{router}.e_score_correction_bias"
+    dense = {f"{dense_mlp}.{k}_proj.weight": f"ffn_{k}.weight" for k in ("gate", "up", "down")}
     experts = re.compile(rf"^{re.escape(moe_prefix)}\.experts\.(\d+)\.({'|'.join(expert_proj)})\.weight$")
     kinds = dict(zip(expert_proj, ("gate", "up", "down"), strict=True))
     out: dict[str, Source] = {}
@@ -418,6 +442,8 @@ def sources(names: list[str], moe_prefix: str, router: str, expert_proj: tuple[s
             if llama_heads and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
                 heads = llama_heads[0] if rest.startswith("self_attn.q") else llama_heads[1]
             out[name] = Source(f"{blk}.{_IN_LAYER[rest]}", heads=heads)
+        elif rest in dense:
+            out[name] = Source(f"{blk}.{dense[rest]}")
         elif rest == f"{moe_prefix}.{router}.weight":
             out[name] = Source(f"{blk}.ffn_gate_inp.weight")
         elif rest == f"{moe_prefix}.{correction}":

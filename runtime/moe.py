@@ -41,6 +41,8 @@ class RoutingRule:
       ("max", DeepSeek-V2) or its two best ("top2", DeepSeek-V3, GLM); only the `topk_group` best groups compete.
     - `normalize`: the chosen weights are scaled to sum to one; then all are multiplied by `scaling`
       (`routed_scaling_factor`).
+    - `scale_input` (Llama 4, one expert a token): the expert takes the token times its weight, and its output is
+      added as it is (`routed_input`), where every other rule weights the output.
     """
 
     top_k: int
@@ -51,6 +53,7 @@ class RoutingRule:
     group_score: GroupScore = "max"
     scaling: float = 1.0
     jitter_eps: float = 0.0  # sparsemixer only: PhiMoE's `router_jitter_noise`
+    scale_input: bool = False
 
 
 @dataclass(frozen=True)
@@ -245,7 +248,8 @@ def routing_rule(cfg: ModelConfig) -> RoutingRule:
     """Every MoE layer's rule, as the config gives it."""
     return RoutingRule(cfg.top_k, cfg.norm_topk_prob, scoring=cfg.scoring, n_group=cfg.n_group,  # type: ignore[arg-type]
                        topk_group=cfg.topk_group, group_score=cfg.group_score,  # type: ignore[arg-type]
-                       scaling=cfg.routed_scaling_factor, jitter_eps=cfg.jitter_eps)
+                       scaling=cfg.routed_scaling_factor, jitter_eps=cfg.jitter_eps,
+                       scale_input=cfg.scale_expert_input)
 
 
 class RoutedExperts:
@@ -271,6 +275,8 @@ class RoutedExperts:
             return "it has a shared expert or a correction bias"
         if weights.rule.n_group > 1 or weights.rule.scoring not in SCORINGS:
             return f"it routes by {weights.rule.scoring} or by groups"
+        if weights.rule.scale_input:
+            return "its experts take their input scaled by the router (Llama 4)"
         return None
 
 
@@ -281,7 +287,7 @@ class DenseFeedForward:
     routed = False
 
     def load(self, cfg: ModelConfig, i: int, load: Loaders) -> ExpertWeights:
-        return load.mlp(f"{layer_prefix(i)}.mlp")
+        return load.mlp(f"{layer_prefix(i)}.{load.spec.dense_mlp}")
 
     def step_refusal(self, weights: ExpertWeights) -> str | None:
         return "it is dense (no experts)"
@@ -307,6 +313,14 @@ def route(router_logits: torch.Tensor, rule: RoutingRule,
     if rule.normalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if rule.scoring == "sigmoid" else 0.0))
     return weights * rule.scaling, ids
+
+
+def routed_input(x: torch.Tensor, weights: torch.Tensor, rule: RoutingRule) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the routed experts take and how their outputs are weighted: x [T, H] and the weights [T, K], or, under
+    `scale_input` (one expert a token), x times each token's weight and weights of one."""
+    if not rule.scale_input:
+        return x, weights
+    return (x * weights.to(x.dtype)), torch.ones_like(weights)  # [T, H] (K = 1), [T, 1]
 
 
 def best_first(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -363,7 +377,9 @@ def reference_moe(
 ) -> torch.Tensor:
     """hidden [T, H], router logits [T, E] -> combined expert output [T, H]."""
     weights, ids = route(router_logits, rule, correction)  # [T, K], [T, K]
-    return combine(hidden, weights, ids, experts, shared)
+    routed, weights = routed_input(hidden, weights, rule)
+    out = combine(routed, weights, ids, experts)
+    return out if shared is None else out + shared(hidden)
 
 
 def combine(
@@ -371,7 +387,6 @@ def combine(
     weights: torch.Tensor,
     ids: torch.Tensor,
     experts: Sequence[ExpertWeights],
-    shared: SharedExpert | None = None,
 ) -> torch.Tensor:
     """hidden [T, H], routing weights [T, K] and expert ids [T, K] -> sum of weighted expert outputs [T, H]."""
     weights = weights.to(hidden.dtype)
@@ -380,6 +395,4 @@ def combine(
         tok, slot = (ids == e).nonzero(as_tuple=True)  # [n], [n]
         y = experts[e](hidden[tok])  # [n, H]
         out.index_add_(0, tok, y * weights[tok, slot].unsqueeze(-1))
-    if shared is not None:
-        out += shared(hidden)
     return out

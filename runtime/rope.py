@@ -66,6 +66,27 @@ def _yarn(cfg: ModelConfig, dims: int) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention)
 
 
+def _llama3(cfg: ModelConfig, dims: int) -> tuple[torch.Tensor, float]:
+    """Llama 3's scaling (Llama 4 Scout), as transformers' `_compute_llama3_parameters`: dims whose wavelength is
+    longer than original / low_freq_factor turn `factor` times slower, those shorter than original /
+    high_freq_factor keep their frequency, a smooth blend between; cos and sin unscaled."""
+    p = dict(cfg.rope_params)
+    inv_freq, _ = _default(cfg, dims)
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    original = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq  # [R/2]
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+    return torch.where(medium, blended, scaled), 1.0
+
+
+def _frequency_factors(cfg: ModelConfig, dims: int) -> tuple[torch.Tensor, float]:
+    """Each pair's frequency divided by its own factor (`factors`), as llama.cpp's files carry a scaling such as
+    Llama 3's (their rope_freqs tensor); cos and sin unscaled."""
+    inv_freq, _ = _default(cfg, dims)
+    return inv_freq / torch.tensor(dict(cfg.rope_params)["factors"], dtype=torch.float32), 1.0
 
 
 def longrope_original(cfg: ModelConfig) -> int:
@@ -103,7 +124,8 @@ def _longrope_long(cfg: ModelConfig, dims: int) -> tuple[torch.Tensor, float]:
 
 
 FREQUENCIES: dict[str, Frequencies] = {
-    "default": _default, "yarn": _yarn, "longrope": _longrope_short, "su": _longrope_short,
+    "default": _default, "llama3": _llama3, "frequency_factors": _frequency_factors, "yarn": _yarn,
+    "longrope": _longrope_short, "su": _longrope_short,
 }
 # the tables past `long_after` tokens, for the variants that switch by length
 LONG_FREQUENCIES: dict[str, Frequencies] = {"longrope": _longrope_long, "su": _longrope_long}
@@ -132,8 +154,11 @@ def rope_tables(cfg: ModelConfig, length: int, dtype: torch.dtype, long: bool = 
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, T, D], cos/sin [T, R]: the first R dims of each head rotated, the rest kept."""
+    """x [B, heads, T, D], cos/sin [T, R]: the first R dims of each head rotated, the rest kept (R = 0: a layer
+    that rotates nothing)."""
     dims = cos.shape[-1]
+    if dims == 0:
+        return x
     if dims < x.shape[-1]:
         return torch.cat((apply_rope(x[..., :dims], cos, sin), x[..., dims:]), dim=-1)
     half = dims // 2

@@ -53,7 +53,7 @@ def stacked_expert_names(spec: FamilySpec, layer: int) -> tuple[str, str]:
     """(gate and up stacked, down) of a layer whose experts are stored as two tensors (`FamilySpec.stacked_experts`)."""
     assert spec.stacked_experts is not None
     base = f"{layer_prefix(layer)}.{spec.moe_prefix}"
-    return f"{base}.{spec.stacked_experts[0]}.weight", f"{base}.{spec.stacked_experts[1]}.weight"
+    return f"{base}.{spec.stacked_experts[0]}", f"{base}.{spec.stacked_experts[1]}"
 
 
 def layer_expert_names(cfg: ModelConfig, spec: FamilySpec, layer: int) -> list[str]:
@@ -108,7 +108,7 @@ def dense_tensors(cfg: ModelConfig, spec: FamilySpec) -> dict[str, Shape]:
             out |= {f"{p}.input_layernorm.bias": (h,), f"{p}.post_attention_layernorm.bias": (h,)}
         out |= attention_tensors(cfg, i, spec)
         if not cfg.sparse_layers[i]:
-            out |= _mlp(f"{p}.mlp", h, cfg.dense_intermediate_size)
+            out |= _mlp(f"{p}.{spec.dense_mlp}", h, cfg.dense_intermediate_size)
             continue
         out[router_name(spec, i)] = (cfg.num_experts, h)
         if cfg.router_correction:
@@ -151,9 +151,10 @@ def expert_tensors(cfg: ModelConfig, spec: FamilySpec) -> dict[str, Shape]:
             out |= {gu_blocks: (n, 2 * inter, h // 32, 16), gu_scales: (n, 2 * inter, h // 32), gu_bias: (n, 2 * inter),
                     d_blocks: (n, h, inter // 32, 16), d_scales: (n, h, inter // 32), d_bias: (n, h)}
             continue
-        if spec.stacked_experts:  # Granite: gate and up rows of each expert stacked, then down
+        if spec.stacked_experts:  # Granite: gate and up rows of each expert stacked, then down; Llama 4: as x @ W
             gate_up, down = stacked_expert_names(spec, i)
-            out |= {gate_up: (n, 2 * inter, h), down: (n, h, inter)}
+            out |= {gate_up: (n, h, 2 * inter), down: (n, inter, h)} if spec.stacked_by_input else \
+                {gate_up: (n, 2 * inter, h), down: (n, h, inter)}
             continue
         if spec.fused_experts:  # transformers' GptOssExperts: x @ gate_up_proj[e], h @ down_proj[e]
             gate_up, gate_up_bias, down, down_bias = fused_expert_names(spec, i)

@@ -131,6 +131,16 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("minimax_m2", "minimax_m2", {}),
     ("minimax_m2-fullrope-tied", "minimax_m2", {"num_hidden_layers": 3, "rotary_dim": 32, "num_experts_per_tok": 3,
                                                 "tie_word_embeddings": True}),
+    # llama4_text: chunks of 4 with the second layer global (no RoPE, its queries' temperature rising every 4
+    # positions), L2 q/k norms, pairwise RoPE, one expert a token taking its input scaled, a shared expert, the first
+    # layer dense; then Llama 3's RoPE scaling, layers without RoPE and with experts listed, no q/k norm, no
+    # temperature, q/k/v/o biases
+    ("llama4_text", "llama4_text", {}),
+    ("llama4_text-llama3-lists", "llama4_text", {
+        "num_hidden_layers": 4, "no_rope_layers": [1, 0, 1, 1], "moe_layers": [0, 1, 3], "use_qk_norm": False,
+        "attn_temperature_tuning": False, "attention_bias": True,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
     # gpt-oss: attention sinks (nonzero), q/k/v/o, router and expert biases, layer_types alternating (GptOssConfig's
     # default) with a window shorter than the prompts, YaRN as published (truncate false), alpha 1.702, a limit
     # no value reaches / 3 layers, other YaRN parameters (truncated), another alpha, a limit that clamps

@@ -5,6 +5,7 @@ layer, the q/k rows of `llama` models in its RoPE order, the tokenizer as `gpt2`
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from tandem.runtime.checkpoint import open_checkpoint
 ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "glm4_moe": "glm4moe",
         "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss", "dots1": "dots1",
         "minimax_m2": "minimax-m2", "glm4_moe_lite": "deepseek2", "ernie4_5_moe": "ernie4_5-moe",
-        "hunyuan_v1_moe": "hunyuan-moe"}
+        "hunyuan_v1_moe": "hunyuan-moe", "llama4_text": "llama4"}
 ATTN = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output", "q_norm": "attn_q_norm",
         "k_norm": "attn_k_norm", "query_layernorm": "attn_q_norm", "key_layernorm": "attn_k_norm",
         "q_a_proj": "attn_q_a", "q_b_proj": "attn_q_b", "q_a_layernorm": "attn_q_a_norm",
@@ -52,7 +53,13 @@ def gguf_tensors(folder: Path, split_kv_b: bool = True) -> dict[str, np.ndarray]
                 out[f"{blk}.{'post_attention_norm' if arch == 'gpt-oss' else 'ffn_norm'}.weight"] = w
             elif rest == "self_attn.sinks":
                 out[f"{blk}.attn_sinks.weight"] = w
-            elif rest in ("mlp.router.weight", "mlp.router.bias"):
+            elif rest == "feed_forward.experts.gate_up_proj":  # Llama 4: [E, H, 2I], gate's columns then up's
+                half = w.shape[2] // 2
+                out[f"{blk}.ffn_gate_exps.weight"] = np.ascontiguousarray(w[:, :, :half].swapaxes(1, 2))
+                out[f"{blk}.ffn_up_exps.weight"] = np.ascontiguousarray(w[:, :, half:].swapaxes(1, 2))
+            elif rest == "feed_forward.experts.down_proj":  # [E, I, H]
+                out[f"{blk}.ffn_down_exps.weight"] = np.ascontiguousarray(w.swapaxes(1, 2))
+            elif rest in ("mlp.router.weight", "mlp.router.bias", "feed_forward.router.weight"):
                 out[f"{blk}.ffn_gate_inp.{rest.rsplit('.', 1)[1]}"] = w
             elif rest.startswith("mlp.experts.") and arch == "gpt-oss":  # fused, gate and up interleaved
                 part = rest.removeprefix("mlp.experts.")
@@ -84,11 +91,12 @@ def gguf_tensors(folder: Path, split_kv_b: bool = True) -> dict[str, np.ndarray]
                 kind = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",
                         "down_proj": "down"}[e[2]]
                 stacks.setdefault(f"{blk}.ffn_{kind}_exps.weight", {})[int(e[1])] = w
-            elif (s := re.match(r"mlp\.shared_(?:experts?|mlp)\.(gate|up|down)_proj\.weight$", rest)) is not None:
+            elif (s := re.match(r"(?:mlp|feed_forward)\.shared_(?:experts?|mlp)\.(gate|up|down)_proj\.weight$",
+                                rest)) is not None:
                 out[f"{blk}.ffn_{s[1]}_shexp.weight"] = w
             elif rest == "mlp.shared_expert_gate.weight":
                 out[f"{blk}.ffn_gate_inp_shexp.weight"] = w[0]  # [1, H] -> [H], as llama.cpp stores it
-            elif (d := re.match(r"mlp\.(gate|up|down)_proj\.weight$", rest)) is not None:
+            elif (d := re.match(r"(?:mlp|feed_forward)\.(gate|up|down)_proj\.weight$", rest)) is not None:
                 out[f"{blk}.ffn_{d[1]}.weight"] = w
             else:
                 raise KeyError(f"no GGUF name for {name}")
@@ -96,7 +104,27 @@ def gguf_tensors(folder: Path, split_kv_b: bool = True) -> dict[str, np.ndarray]
             raise KeyError(f"no GGUF name for {name}")
     for name, experts in stacks.items():
         out[name] = np.stack([experts[i] for i in range(len(experts))])
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if rope.get("rope_type") == "llama3":  # as the converter's LlamaModel writes Llama 3's scaling: each pair's factor
+        out["rope_freqs.weight"] = llama3_factors(rope, cfg.head_dim)
     return out
+
+
+def llama3_factors(rope: dict, dim: int) -> np.ndarray:
+    """Llama 3's RoPE scaling as llama.cpp's converter stores it (`rope_freqs`): each rotated pair's divisor."""
+    base, factor, low, high = rope["rope_theta"], rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            factors.append(1)
+        elif wavelen > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def random_blocks(name: str, shape: tuple[int, ...], qtype: str, seed: int) -> np.ndarray:
@@ -150,6 +178,11 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
         writer.add_value_length(cfg.head_dim)
     if arch == "llama":
         writer.add_feed_forward_length(cfg.moe_intermediate_size)
+    elif arch == "llama4":  # as the converter's Llama4Model writes it: the dense layers' width, the experts', the step
+        writer.add_feed_forward_length(cfg.dense_intermediate_size)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        writer.add_interleave_moe_layer_step(int(raw["interleave_moe_layer_step"]))
+        writer.add_rope_dimension_count(cfg.head_dim)
     else:
         writer.add_feed_forward_length(raw.get("intermediate_size", cfg.moe_intermediate_size))
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)

@@ -58,6 +58,7 @@ def run_both(dtype: torch.dtype, batch: int, heads: int, kv_heads: int, dim: int
     (1, 4, 1, 128, 128, 5, 4, True),
     (1, 4, 2, 40, 32, 70, None, False),  # a head dim of 16s and one 8: the vector dots' 8-wide step
     (2, 4, 2, 36, 32, 20, None, True),  # a head dim of no whole 8s at its end: their scalar tails
+    (1, 8, 2, 64, 0, 37, None, False),  # no dims rotated (Llama 4's global layers): tables of no columns
 ])
 def test_one_token_matches_the_torch_attention(isa: str, dtype: torch.dtype, batch: int, heads: int, kv_heads: int,
                                                dim: int, rot: int, start: int, window: int | None,
@@ -70,14 +71,19 @@ def test_one_token_matches_the_torch_attention(isa: str, dtype: torch.dtype, bat
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("window", "sinks"), [(None, False), (16, True)])
+@pytest.mark.parametrize(("window", "chunk", "rot", "sinks"), [
+    (None, 0, 32, False), (16, 0, 32, True),
+    (None, 16, 32, False),  # Llama 4's chunks: each reads from its own chunk's start (64, 0 and 16)
+    (None, 0, 0, False),  # no dims rotated
+])
 def test_sequences_at_their_own_rows_and_positions_match_one_call_each(isa: str, dtype: torch.dtype,
-                                                                       window: int | None, sinks: bool) -> None:
+                                                                       window: int | None, chunk: int, rot: int,
+                                                                       sinks: bool) -> None:
     """attend_rows (continuous batching's decode step: one call for every sequence) gives each sequence what
     attend_one gives it alone at its row and position, bit for bit, and writes the same cache cells, nothing else;
     within rounding of the torch reference too. Rows out of order with one skipped, positions on either side of a
-    window's edge and of a step of the online softmax."""
-    heads, kv_heads, dim, rot = 8, 2, 64, 32
+    window's edge, of a chunk's and of a step of the online softmax."""
+    heads, kv_heads, dim = 8, 2, 64
     rows, starts = [3, 0, 2], [70, 5, 17]
     g = torch.Generator().manual_seed(11)
     q = (torch.randn(len(rows), heads * dim, generator=g) * 2).to(dtype)
@@ -86,15 +92,16 @@ def test_sequences_at_their_own_rows_and_positions_match_one_call_each(isa: str,
     alone, ref = [c.clone() for c in cache], [c.clone() for c in cache]
     cos, sin = rope_rows(rot, dtype)
     sink = (torch.randn(heads, generator=g) * 3).to(dtype) if sinks else None
-    got = attend_rows(q, k, v, cos, sin, *cache, rows, starts, window or 0, sink, threads=2, isa=isa)  # [S, Hq*D]
+    got = attend_rows(q, k, v, cos, sin, *cache, rows, starts, window or 0, sink, threads=2, isa=isa,
+                      chunk=chunk)  # [S, Hq*D]
     for b, (r, p) in enumerate(zip(rows, starts, strict=True)):
-        first = max(0, p + 1 - window) if window else 0
+        first = p - p % chunk if chunk else max(0, p + 1 - window) if window else 0
         one = attend_one(q[b : b + 1], k[b : b + 1], v[b : b + 1], cos[p], sin[p], alone[0][r : r + 1],
                          alone[1][r : r + 1], p, first, sink, threads=2, isa=isa)  # [1, Hq*D]
         assert torch.equal(got[b], one[0])
         want = attend_cached(q[b].view(1, 1, heads, dim), k[b].view(1, 1, kv_heads, dim),
                              v[b].view(1, 1, kv_heads, dim), cos[p : p + 1], sin[p : p + 1], ref[0][r : r + 1],
-                             ref[1][r : r + 1], p, first, window, sink)  # [1, 1, Hq*D]
+                             ref[1][r : r + 1], p, first, window, sink, chunk=chunk or None)  # [1, 1, Hq*D]
         err = (got[b].float() - want.view(-1).float()).abs().max().item()
         assert err <= TOL[dtype] * want.float().abs().max().item(), err
     assert torch.equal(cache[0], alone[0]) and torch.equal(cache[1], alone[1])

@@ -46,8 +46,11 @@ def run_batch(loaded: LoadedModel, requests: list[BatchRequest], max_batch: int,
 # crosses the switch at 16 tokens: the sequence runs again from the start), attention sinks
 FAMILIES = ["mixtral", "olmoe-clip-norm", "qwen3_moe-sliding", "deepseek_v2", "phimoe-longrope-nobias",
             "gpt_oss-mxfp4",
-            # the 2026 families' own: sliding layers and groups; pairwise RoPE reordered; norms after RoPE; muP
-            "dots1-grouped-sliding-bias", "ernie4_5_moe", "hunyuan_v1_moe-alpha-bias", "granitemoeshared"]
+            # the 2026 families' own: sliding layers and groups; pairwise RoPE reordered; norms after RoPE; muP;
+            # chunks (through the kernel where q and k are not normed after RoPE), layers without RoPE and their
+            # temperature, experts taking their input scaled
+            "dots1-grouped-sliding-bias", "ernie4_5_moe", "hunyuan_v1_moe-alpha-bias", "granitemoeshared",
+            "llama4_text", "llama4_text-llama3-lists"]
 
 
 @pytest.mark.parametrize("case", FAMILIES)

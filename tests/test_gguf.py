@@ -89,6 +89,29 @@ def test_glm_flash_files_run_as_their_checkpoint(tmp_path: Path) -> None:
         assert torch.equal(logits(tmp_path / file), logits(folder))
 
 
+@pytest.mark.parametrize("rope", [None, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 16}])
+def test_llama4_files_run_as_their_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              rope: dict | None) -> None:
+    """Llama 4 as llama.cpp's converter writes it: the experts' gate_up split and every expert transposed, Llama 3's
+    RoPE scaling as each pair's factor (rope_freqs), and what llama.cpp fixes for the architecture (chunks of 8192,
+    every fourth layer global, the temperature's 8192 and 0.1, q/k norms below 128 experts) as the checkpoint sets
+    it. The factors are the scaling's rounded to float32: within float32 rounding of the checkpoint, and the same
+    tokens."""
+    published = {"num_hidden_layers": 4, "no_rope_layer_interval": 4, "attention_chunk_size": 8192,
+                 "floor_scale": 8192, "attn_scale": 0.1} | ({"rope_parameters": rope} if rope else {})
+    folder = build_hf_checkpoint(tmp_path / "hf", "llama4_text", published)
+    write_gguf(folder, tmp_path / "m.gguf")
+    if rope is None:
+        assert torch.equal(logits(tmp_path / "m.gguf"), logits(folder))
+    else:
+        want = logits(folder)
+        torch.testing.assert_close(logits(tmp_path / "m.gguf"), want, rtol=0, atol=1e-5 * want.abs().max().item())
+    ours, theirs = generate(tmp_path / "m.gguf", capsys), generate(folder, capsys)
+    assert ours["tokens"] == theirs["tokens"]
+
+
 def test_pairwise_rope_reorders_blocks_as_it_reorders_floats(tmp_path: Path) -> None:
     """ERNIE's q and k rows, reordered at load for its pairwise RoPE (attention.halves_order): as GGUF blocks the
     kernels read, they give what the same values dequantized give through torch."""

@@ -126,7 +126,9 @@ typedef struct {
 
 static inline seq_place place_of(const tk_attend_args *a, int b) {
     if (!a->starts) return (seq_place){(size_t)b, a->start, a->first, a->cos, a->sin};
-    const int start = a->starts[b], first = a->window && start + 1 > a->window ? start + 1 - a->window : 0;
+    const int start = a->starts[b];
+    const int first = a->chunk ? start - start % a->chunk
+                               : a->window && start + 1 > a->window ? start + 1 - a->window : 0;
     const size_t at = (size_t)start * (size_t)a->rot * (a->bf16 ? 2 : 4);
     return (seq_place){(size_t)a->rows[b], start, first, (const char *)a->cos + at, (const char *)a->sin + at};
 }
@@ -184,7 +186,7 @@ int tk_attend_one(const tk_attend_args *a) {
         a->start < 0 || a->first < 0 || a->first > a->start || a->start >= a->context || a->bf16 < 0 || a->bf16 > 1)
         return -1;
     if (a->starts) {  /* every position inside a row; the rows themselves are checked by the caller */
-        if (!a->rows || a->window < 0) return -1;
+        if (!a->rows || a->window < 0 || a->chunk < 0) return -1;
         for (int b = 0; b < a->batch; b++)
             if (a->starts[b] < 0 || a->starts[b] >= a->context || a->rows[b] < 0) return -1;
     }

@@ -89,9 +89,10 @@ typedef struct {
     void *out;                             /* [B, Hq * D] */
     /* Sequences at positions of their own (continuous batching), or NULL: sequence b is cache row b at `start`,
      * reading from `first`. Else sequence b is cache row rows[b] (distinct rows) at position starts[b], its RoPE
-     * row starts[b] of the tables, and reads from starts[b] + 1 - window (0 without a window). */
+     * row starts[b] of the tables, and reads from starts[b] + 1 - window (0 without a window), or from the start
+     * of its chunk of `chunk` positions (Llama 4's chunked attention; 0: none). */
     const int *rows, *starts;
-    int window;
+    int window, chunk;
 } tk_attend_args;
 
 /* One expert call (tk_expert; tk_experts takes an array of them). */

@@ -52,6 +52,7 @@ class FamilySpec:
     shapes: tuple[BenchShape, ...] = ()
     # on-disk names, under `model.layers.N.`
     moe_prefix: str = "mlp"  # the MoE block inside a layer
+    dense_mlp: str = "mlp"  # a layer's own SwiGLU, in the layers without experts
     expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # an expert's (gate, up, down)
     router: str = "gate"  # the router, inside the MoE block
     qk_norms: tuple[str, str] = ("q_norm", "k_norm")  # the q and k norms, inside `self_attn`
@@ -64,9 +65,11 @@ class FamilySpec:
     # [E, H, 2I] (gate and up columns interleaved), `experts.down_proj` [E, I, H] and their biases `..._bias`
     # (weights.fused_expert_names); the loader takes per-expert views of them
     fused_experts: bool = False
-    # Granite: a layer's experts as two tensors in the MoE block, (gate and up rows stacked [E, 2I, H], down
-    # [E, H, I]) under these names; the loader takes per-expert views of them
+    # a layer's experts as two tensors in the MoE block, under these names: Granite's gate and up rows stacked
+    # [E, 2I, H] and down [E, H, I]; or, `stacked_by_input` (Llama 4), as x @ W: gate's columns then up's [E, H, 2I]
+    # and down [E, I, H]. The loader takes per-expert views of them (the CPU kernels copy the transposed ones once)
     stacked_experts: tuple[str, str] | None = None
+    stacked_by_input: bool = False
     shared_in_block: bool = True  # the shared expert inside the MoE block; False: beside it, under the layer
     stacked_mlp: tuple[str, str] | None = None  # the shared SwiGLU's gate and up rows in one tensor [2I, H], and down
     gguf: GGUFArch | None = None  # None: its GGUF files are not read (or another family's reader makes them its own)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.kernels.errors import CheckpointError, UnsupportedModelError
+from tandem.kernels.errors import UnsupportedModelError
 from tandem.runtime.config import ModelConfig, decoder_fields, require
 from tandem.runtime.families import BenchShape, FamilySpec, GGUFArch
 from tandem.runtime.gguf_meta import Meta, common_config, read_int
@@ -67,12 +67,7 @@ def gguf_config(meta: Meta, vocab: int, types: dict[str, str]) -> dict[str, Any]
         "moe_num_shared_experts": read_int(meta, f"{a}.expert_shared_count", 0),
         "moe_layer_start_index": read_int(meta, f"{a}.leading_dense_block_count", 0),
         "moe_layer_interval": read_int(meta, f"{a}.interleave_moe_layer_step", 1), "moe_layer_end_index": -1}
-    layers = raw["num_hidden_layers"]
-    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in types]  # as the tensors have them
-    if dense != [i for i, moe in enumerate(moe_layers(raw, layers)) if not moe]:
-        raise CheckpointError(f"this {a} file's leading_dense_block_count and interleave_moe_layer_step do not "
-                              f"match its layers without a router ({dense[:3]}); the file is inconsistent")
-    return raw | {"mlp_only_layers": dense}  # (what the tensors say: agreed)
+    return raw
 
 
 SPEC = FamilySpec(

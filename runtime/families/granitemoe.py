@@ -58,5 +58,6 @@ SPEC = FamilySpec(
         "rope_theta": 10000000.0, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "attention_bias": False,
         "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 0, **MUP,
     }, aliases=("granite",)),),
-    moe_prefix="block_sparse_moe", router="router.layer", stacked_experts=("input_linear", "output_linear"),
+    moe_prefix="block_sparse_moe", router="router.layer",
+    stacked_experts=("input_linear.weight", "output_linear.weight"),
 )

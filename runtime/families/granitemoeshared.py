@@ -20,7 +20,8 @@ SPEC = FamilySpec(
     "granitemoeshared", "Granite MoE (shared expert)", parse,
     tiny={"intermediate_size": 48, "num_local_experts": 8, "num_experts_per_tok": 2, "shared_intermediate_size": 64,
           **MUP},
-    moe_prefix="block_sparse_moe", router="router.layer", stacked_experts=("input_linear", "output_linear"),
+    moe_prefix="block_sparse_moe", router="router.layer",
+    stacked_experts=("input_linear.weight", "output_linear.weight"),
     shared_expert="shared_mlp", shared_expert_gate=None, shared_in_block=False,
     stacked_mlp=("input_linear", "output_linear"),
 )
