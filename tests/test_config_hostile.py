@@ -144,6 +144,18 @@ MORE: list[tuple[str, str, dict[str, Any], tuple[str, ...]]] = [
      ("moe_intermediate_size 32",)),
     ("hunyuan_v1_moe dynamic RoPE without alpha", "hunyuan_v1_moe",
      {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, ("no positive alpha",)),
+    # Llama 4's
+    ("llama4_text two experts a token", "llama4_text", {"num_experts_per_tok": 2}, ("num_experts_per_tok 2",)),
+    ("llama4_text an expert layer past the last", "llama4_text", {"moe_layers": [1, 2]}, ("moe_layers must list",)),
+    ("llama4_text no_rope_layers too short", "llama4_text", {"no_rope_layers": [1]}, ("no_rope_layers must be",)),
+    ("llama3 RoPE without its ramp", "llama4_text",
+     {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, ("low_freq_factor",)),
+    ("llama3 RoPE ramp backwards", "llama4_text",
+     {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 4.0,
+                          "high_freq_factor": 1.0, "original_max_position_embeddings": 16}}, ("at or below",)),
+    ("frequency factors too few", "llama4_text",
+     {"rope_parameters": {"rope_type": "frequency_factors", "rope_theta": 5e5, "factors": [1.0, 2.0]}},
+     ("list 2 numbers", "need 8")),
 ]
 
 

@@ -39,6 +39,9 @@ FAMILIES = {
     # MXFP4 experts (moe.MXFP4Expert): 4-bit slots on the accelerator, dequantized on use; the C kernels on the CPU
     "gpt_oss-mxfp4": tiny_config("gpt_oss", num_hidden_layers=3, swiglu_limit=0.3, intermediate_size=64,
                                  quantization_config={"quant_method": "mxfp4"}),
+    # one expert a token taking its input scaled by the router, a shared expert taking the token itself; experts
+    # stored as x @ W (transposed views in the slots' copies)
+    "llama4_text": tiny_config("llama4_text", num_hidden_layers=3, interleave_moe_layer_step=1),
 }
 NEW_TOKENS = 8
 ALWAYS_FETCH = LatencyModel(cpu_a_ms=100, cpu_b_ms=100, gpu_ms=0, transfer_ms=0)

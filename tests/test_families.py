@@ -13,6 +13,7 @@ import torch
 from tandem.app.cli.main import build_parser
 from tandem.autotune.bench.models import make_bench_model
 from tandem.autotune.bench.shapes import ExpertShape, find_shape, real_shapes
+from tandem.kernels.errors import UnsupportedModelError
 from tandem.runtime import families
 from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.synth import tiny_config, write_test_model
@@ -205,3 +206,10 @@ def test_a_benchmark_shape_name_used_twice_is_refused(family_folder) -> None:
     family_folder("new_moe", source)
     with pytest.raises(ValueError, match="'qwen3' is given to both example/New-MoE-1B and Qwen/Qwen3-30B-A3B"):
         real_shapes()
+
+
+def test_a_published_llama4_folder_is_refused_with_what_runs_instead() -> None:
+    """Llama 4 as published (its vision tower and text model in one config, `llama4`): refused by name, saying that
+    its text model runs from llama.cpp's GGUF file of it."""
+    with pytest.raises(UnsupportedModelError, match="llama4_text.*convert_hf_to_gguf"):
+        families.parse_config({"model_type": "llama4", "text_config": {"model_type": "llama4_text"}}, "config.json")

@@ -112,6 +112,19 @@ def test_llama4_files_run_as_their_checkpoint(tmp_path: Path, capsys: pytest.Cap
     assert ours["tokens"] == theirs["tokens"]
 
 
+def test_a_file_whose_routers_disagree_with_its_metadata_is_refused(hf_checkpoints: dict[str, Path],
+                                                                    tmp_path: Path) -> None:
+    """A layer the metadata gives experts without its router (a damaged or edited file) is refused by name before
+    anything reads it, in a family whose dense layers the metadata places (Llama 4's interleave step) as in one whose
+    layers all have experts."""
+    for case, layer in (("llama4_text", 1), ("mixtral", 0)):
+        write_gguf(hf_checkpoints[case], tmp_path / f"{case}.gguf")
+        rewrite_gguf(tmp_path / f"{case}.gguf", tmp_path / f"{case}-cut.gguf",
+                     tensors={f"blk.{layer}.ffn_gate_inp.weight": None})
+        with pytest.raises(CheckpointError, match=f"experts in layers .*{layer}.* but the file holds routers"):
+            open_checkpoint(tmp_path / f"{case}-cut.gguf")
+
+
 def test_pairwise_rope_reorders_blocks_as_it_reorders_floats(tmp_path: Path) -> None:
     """ERNIE's q and k rows, reordered at load for its pairwise RoPE (attention.halves_order): as GGUF blocks the
     kernels read, they give what the same values dequantized give through torch."""

@@ -112,8 +112,18 @@ def supported_model_types() -> list[str]:
     return sorted(_registry())
 
 
+# Published folders that hold a family's text model inside a larger one, with what a user can run instead
+INSIDE: dict[str, str] = {
+    "llama4": "this folder holds Llama 4 with its vision tower (model_type llama4); Tandem runs its text model "
+              "(llama4_text): convert the folder with llama.cpp's convert_hf_to_gguf.py (it writes the text model) "
+              "and open the .gguf file, or use a GGUF of it from a model hub",
+}
+
+
 def family_for(model_type: object) -> FamilySpec:
     registry = _registry()
+    if isinstance(model_type, str) and model_type in INSIDE:
+        raise UnsupportedModelError(INSIDE[model_type])
     if not isinstance(model_type, str) or model_type not in registry:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported; Tandem runs: {', '.join(sorted(registry))}"
