@@ -119,7 +119,7 @@ class LayerArgs(ctypes.Structure):
         ("k_norm", ctypes.c_void_p), ("h", ctypes.c_void_p), ("hf", ctypes.c_void_p), ("qkv_out", ctypes.c_void_p),
         ("attend_out", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p), ("router_bias", ctypes.c_void_p),
         ("o_bias", ctypes.c_void_p), ("qkv", LinearArgs * 3), ("o", LinearArgs), ("router", LinearArgs),
-        ("attend", AttendArgs), ("moe", MoeArgs), ("f32", ctypes.c_int),
+        ("attend", AttendArgs), ("moe", MoeArgs), ("f32", ctypes.c_int), ("correction", ctypes.c_void_p),
     ]
 
 

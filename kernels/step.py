@@ -10,7 +10,7 @@ import torch
 from tandem.kernels.library import LayerArgs, library
 
 QK_NORMS = {"none": 0, "full": 1, "head": 2}  # csrc/step.c's QK_NORM_
-SCORINGS = {"softmax": 0, "softmax_topk": 1}  # its SCORE_
+SCORINGS = {"softmax": 0, "softmax_topk": 1, "sigmoid": 2}  # its SCORE_
 MAX_EXPERTS, MAX_TOP_K = 1024, 64
 
 

@@ -6,10 +6,10 @@ loop, which stays the reference the step is tested against.
 
 What the step does: RMSNorm, q/k/v as one matrix or three, q/k norms over all heads or per head, attention
 (kernels/attend.py: RoPE, sinks, sliding windows), the output projection, a router whose matrix the kernel
-multiplies, softmax or softmax-over-the-top-k routing, and routed experts the kernels run (no shared expert, no
-correction bias); on the CPU, in bf16 (rounding where the layer loop rounds) or in float32 compute (the default on a
-CPU without native bf16: its matrices as the kernels keep them, bf16, fp16, float32 or GGUF blocks, against float32
-activations, a float32 KV cache).
+multiplies, softmax, softmax-over-the-top-k or sigmoid routing (with a correction bias for choosing), and routed
+experts the kernels run (no shared expert); on the CPU, in bf16 (rounding where the layer loop rounds) or in float32
+compute (the default on a CPU without native bf16: its matrices as the kernels keep them, bf16, fp16, float32 or GGUF
+blocks, against float32 activations, a float32 KV cache).
 """
 
 from __future__ import annotations
@@ -124,6 +124,7 @@ class DecodeStep:
             a.qkv_bias = self._bias(attn.qkv_bias, act)  # type: ignore[union-attr]
             a.o_bias = self._bias(attn.o_bias, torch.float32)  # type: ignore[union-attr]
             a.router_bias = self._bias(ffn.router_bias, act)
+            a.correction = self._bias(ffn.correction, torch.float32)  # (float32, as route adds it)
             self._attend(a.attend, model, i)
             executor.moe_args(model.dispatcher.cpu_layers[i], 1, into=a.moe)
             a.moe.tokens, a.moe.top_k = 1, K

@@ -271,8 +271,8 @@ class RoutedExperts:
         return MoEBlockWeights(load.w(router_name(spec, i)), [], routing_rule(cfg), shared, correction, bias)
 
     def step_refusal(self, weights: MoEBlockWeights) -> str | None:
-        if weights.shared is not None or weights.correction is not None:
-            return "it has a shared expert or a correction bias"
+        if weights.shared is not None:
+            return "it has a shared expert"
         if weights.rule.n_group > 1 or weights.rule.scoring not in SCORINGS:
             return f"it routes by {weights.rule.scoring} or by groups"
         if weights.rule.scale_input:

@@ -34,6 +34,9 @@ SERVED = {
                                 "norm_topk_prob": True}),
     "qwen3_moe-sliding": ("qwen3_moe", {"num_experts": 32, "moe_intermediate_size": 64, "use_sliding_window": True,
                                         "sliding_window": 5, "norm_topk_prob": False}),
+    # sigmoid routing with a correction bias for choosing (some of it negative), renormalised; q/k norms over all
+    # heads, half of each head rotated
+    "minimax_m2": ("minimax_m2", {"intermediate_size": 64, "num_local_experts": 32, "num_experts_per_tok": 3}),
 }
 
 

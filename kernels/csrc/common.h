@@ -154,8 +154,8 @@ typedef struct {
 typedef struct {
     int hidden, n_qkv;                   /* H; q, k and v as 1 stacked matrix or 3 (formats that differ) */
     int qk_norm;                         /* QK_NORM_NONE, _FULL (over all heads: OLMoE) or _HEAD (per head: Qwen3) */
-    int scoring, normalize, window;      /* SCORE_SOFTMAX or _SOFTMAX_TOPK; weights scaled to sum to 1; 0 or a
-                                          * sliding window's length */
+    int scoring, normalize, window;      /* SCORE_SOFTMAX, _SOFTMAX_TOPK or _SIGMOID; weights scaled to sum to 1;
+                                          * 0 or a sliding window's length */
     float eps, scaling;                  /* the norms' epsilon; the routing weights' factor */
     const void *input_norm, *post_norm, *q_norm, *k_norm;  /* bf16: [H], [H], the q/k norms' ([Hq*D] or [D]) */
     uint16_t *h;                         /* [H] bf16: the normed residual stream */
@@ -168,6 +168,7 @@ typedef struct {
     tk_attend_args attend;               /* start and first are set per token */
     tk_moe_args moe;                     /* x_bf16: h; ids, weights: [K] chosen here; out: [H] float32 */
     int f32;                             /* 1: float32 compute */
+    const float *correction;             /* NULL, or [E]: added to the scores for choosing only (DeepSeek-V3's) */
 } tk_layer_args;
 
 /* ---- values: bf16, weight kinds to float32 -------------------------------------------------------------- */

@@ -10,7 +10,7 @@
 #include "common.h"
 
 enum { QK_NORM_NONE = 0, QK_NORM_FULL = 1, QK_NORM_HEAD = 2 };
-enum { SCORE_SOFTMAX = 0, SCORE_SOFTMAX_TOPK = 1 };
+enum { SCORE_SOFTMAX = 0, SCORE_SOFTMAX_TOPK = 1, SCORE_SIGMOID = 2 };
 enum { MAX_EXPERTS = 1024, MAX_TOP_K = 64 };
 
 static void bf16_to_float(const uint16_t *src, float *dst, int n) {
@@ -38,25 +38,29 @@ static void norm(const void *x, int x_f32, size_t ldx, const void *w, void *y, i
     else tk_rms_norm_bf16((const uint16_t *)x, ldx, (const uint16_t *)w, (uint16_t *)y, rows, n, eps);
 }
 
-/* The router's logits [E] (bf16 values) -> K expert ids and weights, as runtime/moe.py's route: "softmax" scores
- * every expert, takes the K best scores (ties: the lower id), their scores normalised to sum to one if asked;
- * "softmax_topk" takes the K best logits and a softmax over those alone. Then times `scaling`. */
-static void choose_experts(const float *logits, int E, int K, int scoring, int normalize, float scaling,
-                           int64_t *ids, float *weights) {
-    float scores[MAX_EXPERTS];
+/* The router's logits [E] (bf16 values) -> K expert ids and weights, as runtime/moe.py's route: "softmax" and
+ * "sigmoid" score every expert and take the K best scores (plus the layer's correction bias where it has one: for
+ * choosing only; ties: the lower id), their scores normalised to sum to one if asked; "softmax_topk" takes the K best
+ * logits and a softmax over those alone. Then times `scaling`. */
+static void choose_experts(const float *logits, const float *correction, int E, int K, int scoring, int normalize,
+                           float scaling, int64_t *ids, float *weights) {
+    float scores[MAX_EXPERTS], choose[MAX_EXPERTS];
     int taken[MAX_EXPERTS] = {0};
     if (scoring == SCORE_SOFTMAX) {
         float mx = -INFINITY, sum = 0.0f;
         for (int e = 0; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
         for (int e = 0; e < E; e++) sum += scores[e] = expf(logits[e] - mx);
         for (int e = 0; e < E; e++) scores[e] /= sum;
+    } else if (scoring == SCORE_SIGMOID) {
+        for (int e = 0; e < E; e++) scores[e] = 1.0f / (1.0f + expf(-logits[e]));
     } else {
         memcpy(scores, logits, sizeof(float) * (size_t)E);
     }
+    for (int e = 0; e < E; e++) choose[e] = correction ? scores[e] + correction[e] : scores[e];
     for (int k = 0; k < K; k++) {
         int best = -1;
         for (int e = 0; e < E; e++)
-            if (!taken[e] && (best < 0 || scores[e] > scores[best])) best = e;
+            if (!taken[e] && (best < 0 || choose[e] > choose[best])) best = e;
         taken[best] = 1;
         ids[k] = best;
         weights[k] = scores[best];
@@ -65,9 +69,10 @@ static void choose_experts(const float *logits, int E, int K, int scoring, int n
         float sum = 0.0f;
         for (int k = 0; k < K; k++) sum += weights[k] = expf(weights[k] - scores[ids[0]]);
         for (int k = 0; k < K; k++) weights[k] /= sum;
-    } else if (normalize) {
+    } else if (normalize) {  /* (sigmoid scores may all be tiny: torch's route adds 1e-20, and so does this) */
         float sum = 0.0f;
         for (int k = 0; k < K; k++) sum += weights[k];
+        if (scoring == SCORE_SIGMOID) sum += 1e-20f;
         for (int k = 0; k < K; k++) weights[k] /= sum;
     }
     for (int k = 0; k < K; k++) weights[k] *= scaling;
@@ -115,8 +120,8 @@ static int layer_step(tk_layer_args *a, float *x) {
         add_bias(a->router.yb, a->router_bias, a->moe.experts, 0);
         bf16_to_float(a->router.yb, logits, a->moe.experts);  /* the router's logits as the torch path rounds them */
     }
-    choose_experts(logits, a->moe.experts, a->moe.top_k, a->scoring, a->normalize, a->scaling, (int64_t *)a->moe.ids,
-                   (float *)a->moe.weights);
+    choose_experts(logits, a->correction, a->moe.experts, a->moe.top_k, a->scoring, a->normalize, a->scaling,
+                   (int64_t *)a->moe.ids, (float *)a->moe.weights);
     if ((code = tk_moe(&a->moe))) return code;
     for (int i = 0; i < H; i++) x[i] += a->moe.out[i];
     return 0;
