@@ -81,13 +81,16 @@ def routed_experts(ckpt: Checkpoint, layers: list[int], resident: bool,
             stored = [ckpt.tensor(name) for name in mxfp4_expert_names(ckpt.spec, layer)]
             alpha, limit = ckpt.config.clamped_swiglu or (1.702, 7.0)
             return MXFP4Expert.layer(*stored, alpha, limit)
-        if ckpt.spec.stacked_experts:  # each expert's gate, up and down views of the two tensors
+        if ckpt.spec.stacked_by_input:  # Llama 4: [E, H, 2I] and [E, I, H]; the kernels read rows, so the layer is
+            # copied once, transposed, from the file (not read into RAM first: that would hold it twice)
+            gate_up, down = (ckpt.tensor(name) for name in stacked_expert_names(ckpt.spec, layer))
+            rows = gate_up.transpose(1, 2).contiguous()  # [E, 2I, H]
+            down_rows = down.transpose(1, 2).contiguous()  # [E, H, I]
+            width = rows.shape[1] // 2
+            return [ExpertWeights(rows[e, :width], rows[e, width:], down_rows[e]) for e in range(n)]
+        if ckpt.spec.stacked_experts:  # Granite: each expert's gate, up and down rows views of the two tensors
             names = list(stacked_expert_names(ckpt.spec, layer))
             gate_up, down = ckpt.read_into_ram(names) if resident else [ckpt.tensor(name) for name in names]
-            if ckpt.spec.stacked_by_input:  # Llama 4: [E, H, 2I] and [E, I, H], transposed views
-                width = gate_up.shape[2] // 2
-                return [ExpertWeights(gate_up[e, :, :width].t(), gate_up[e, :, width:].t(), down[e].t())
-                        for e in range(n)]
             width = gate_up.shape[1] // 2  # Granite: rows [E, 2I, H] and [E, H, I]
             return [ExpertWeights(gate_up[e, :width], gate_up[e, width:], down[e]) for e in range(n)]
         if ckpt.spec.fused_experts:  # gpt-oss: each expert a view of its slice of the layer's fused tensors
@@ -101,7 +104,7 @@ def routed_experts(ckpt: Checkpoint, layers: list[int], resident: bool,
         tensors = ckpt.read_into_ram(names) if resident else [ckpt.tensor(name) for name in names]
         return [ExpertWeights(*tensors[3 * e : 3 * e + 3]) for e in range(n)]
 
-    if not resident and not ckpt.config.experts_mxfp4 and not blocks:
+    if not resident and not ckpt.config.experts_mxfp4 and not blocks and not ckpt.spec.stacked_by_input:
         return {layer: one(layer) for layer in layers}
     out: dict[int, list[ExpertWeights]] = {}
     with ThreadPoolExecutor(2) as pool:

@@ -263,6 +263,9 @@ WHOLE: dict[str, tuple[int, int]] = {
     "num_experts_per_tok": (1, 4096), "decoder_sparse_step": (1, 1024), "sliding_window": (0, 1 << 24),
     "bos_token_id": (0, 1 << 24),
     "original_max_position_embeddings": (1, 1 << 24),  # PhiMoE's LongRoPE pretraining length, at the top level
+    # Llama 4's chunks, its interval of layers without RoPE and of MoE layers, its dense layers' width
+    "attention_chunk_size": (1, 1 << 24), "no_rope_layer_interval": (1, 1024), "interleave_moe_layer_step": (1, 1024),
+    "intermediate_size_mlp": (0, 1 << 20),
 }
 PER_LAYER = ("moe_intermediate_size",)  # whole-number fields a config may list once per layer, all alike
 MEANING = {"num_local_experts": "the number of experts", "num_experts": "the number of experts",
@@ -278,6 +281,7 @@ WHOLE.update({  # DeepSeek-V2/V3
 POSITIVE: dict[str, float] = {"rms_norm_eps": 1.0, "rope_theta": 1e15, "clip_qkv": 1e30}
 POSITIVE.update({"routed_scaling_factor": 1e6})  # DeepSeek-V2/V3
 POSITIVE.update({"swiglu_alpha": 1e6, "swiglu_limit": 1e6})  # gpt-oss
+POSITIVE.update({"floor_scale": 1 << 24, "attn_scale": 1e6})  # Llama 4's query temperature
 FLAGS = ("tie_word_embeddings", "norm_topk_prob", "qkv_bias", "attention_bias", "use_sliding_window")
 FLAGS += ("rope_interleave", "mlp_bias")  # DeepSeek-V2/V3
 POSITIVE.update({"partial_rotary_factor": 1.0 + 1e-9})  # glm4_moe: a share of each head, 1 = all of it

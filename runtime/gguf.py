@@ -331,6 +331,11 @@ def with_frequency_factors(raw: dict[str, Any], file: GGUFFile) -> dict[str, Any
     found = file.tensors.get("rope_freqs.weight")
     if found is None:
         return raw
+    given = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if given.get("rope_type", given.get("type", "default")) != "default":
+        raise UnsupportedModelError(f"{file.path.name} scales its RoPE twice (rope_freqs.weight beside a "
+                                    f"{given.get('rope_type', given.get('type'))} scaling in its metadata); Tandem "
+                                    "runs one of them, not both")
     if found.tensor_type.name != "F32" or found.data.ndim != 1:
         raise CheckpointError(f"{file.path.name}: rope_freqs.weight must be one row of F32 factors, not "
                               f"{found.tensor_type.name} {list(found.data.shape)}; the file is damaged: re-download it")

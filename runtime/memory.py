@@ -66,7 +66,8 @@ def estimate_memory(
             name = layer_expert_names(cfg, ckpt.spec, first)[0]
             stored = ckpt.dtype(name).itemsize
             in_ram = (cpu or CpuOptions()).expert_bytes(h, i, stored)
-            if not ckpt.where[name].mapped(name):  # a GGUF's quantized experts: float copies made at load
+            if not ckpt.where[name].mapped(name) or ckpt.spec.stacked_by_input:  # copies made at load: a GGUF's
+                # quantized experts as floats, Llama 4's transposed into rows
                 in_ram = max(in_ram, 3 * h * i * stored)
         weights += in_ram * cfg.num_moe_layers * cfg.num_experts
     return MemoryEstimate(weights, kv, rope + logits)

@@ -305,7 +305,10 @@ def route(router_logits: torch.Tensor, rule: RoutingRule,
         ids = best_first(logits, rule.top_k)  # [T, K]
         return torch.softmax(logits.gather(-1, ids), dim=-1) * rule.scaling, ids
     scores = torch.softmax(logits, dim=-1) if rule.scoring == "softmax" else torch.sigmoid(logits)  # [T, E]
-    choose = scores if correction is None else scores + correction.float()  # [T, E]
+    # sigmoid's order is the logits' own, but large logits all round to a score of 1.0 in float32: without a
+    # correction they choose (Llama 4 takes the top logits), so that such experts do not tie
+    plain = logits if rule.scoring == "sigmoid" else scores
+    choose = plain if correction is None else scores + correction.float()  # [T, E]
     if rule.n_group > 1:
         choose = _keep_best_groups(choose, rule)
     ids = best_first(choose, rule.top_k)  # [T, K]

@@ -88,3 +88,19 @@ def test_open_parses_config_and_sizes(tmp_path: Path) -> None:
     ckpt = open_checkpoint(folder)
     assert ckpt.config.num_experts == 8 and ckpt.config.qk_norm == "head"
     assert ckpt.file_bytes == sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+def test_experts_stored_as_x_at_w_are_counted_as_the_copies_a_load_makes(tmp_path: Path) -> None:
+    """Llama 4's experts ([E, H, 2I], [E, I, H]) are copied once into rows at load, even from the memory map: the RAM
+    estimate counts every byte of them, and the experts the model runs are those copies (rows, not file views)."""
+    folder = write_test_model(tmp_path / "m", tiny_config("llama4_text", interleave_moe_layer_step=1))
+    ckpt = open_checkpoint(folder)
+    cfg = ckpt.config
+    experts = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4 * cfg.num_experts * cfg.num_moe_layers
+    mapped = estimate_memory(ckpt, torch.float32, 64, cpu=CpuOptions(resident=False)).weights
+    others = estimate_memory(open_checkpoint(write_test_model(tmp_path / "q", tiny_config(
+        "qwen3_moe", moe_intermediate_size=cfg.moe_intermediate_size, num_experts=cfg.num_experts))), torch.float32,
+        64, cpu=CpuOptions(resident=False)).weights
+    assert mapped >= experts > 0 and others < experts  # (a memory-mapped family's experts count nothing)
+    expert = load_model(folder, dtype="fp32", resident=False).model.layers[0].ffn.experts[1]
+    assert expert.gate.is_contiguous() and expert.down.is_contiguous()

@@ -153,6 +153,10 @@ MORE: list[tuple[str, str, dict[str, Any], tuple[str, ...]]] = [
     ("llama3 RoPE ramp backwards", "llama4_text",
      {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 4.0,
                           "high_freq_factor": 1.0, "original_max_position_embeddings": 16}}, ("at or below",)),
+    ("llama4_text no_rope_layer_interval 0", "llama4_text", {"no_rope_layer_interval": 0},
+     ("no_rope_layer_interval",)),
+    ("llama4_text floor_scale 0", "llama4_text", {"floor_scale": 0}, ("floor_scale",)),
+    ("llama4_text a negative chunk", "llama4_text", {"attention_chunk_size": -4}, ("attention_chunk_size",)),
     ("frequency factors too few", "llama4_text",
      {"rope_parameters": {"rope_type": "frequency_factors", "rope_theta": 5e5, "factors": [1.0, 2.0]}},
      ("list 2 numbers", "need 8")),
@@ -183,6 +187,7 @@ ACCEPTED: list[tuple[str, str, dict[str, Any]]] = [
     ("eos null", "qwen3_moe", {"eos_token_id": None}),
     ("eos an empty list", "qwen3_moe", {"eos_token_id": []}),
     ("eos the last token, bos the first", "qwen3_moe", {"eos_token_id": [2, 511], "bos_token_id": 0}),
+    ("llama4_text no_rope_layers empty (the published configs: the default)", "llama4_text", {"no_rope_layers": []}),
 ]
 
 

@@ -77,3 +77,15 @@ def test_sparsemixer_threshold_changes_the_weights() -> None:
     wide, _ = route(logits, RoutingRule(2, False, scoring="sparsemixer", jitter_eps=0.5))
     assert narrow[0, 0] == 1.0  # only the best expert lies within 2 % of itself
     assert wide[0, 0] < 1.0
+
+
+def test_sigmoid_without_a_correction_chooses_by_the_logits_even_where_the_scores_round_to_one() -> None:
+    """Llama 4's router takes the top logit: logits above about 17 all have a float32 sigmoid of 1.0, and choosing by
+    those scores would tie them (the lower id winning); the logits keep their order. With a correction bias the
+    scores plus the bias choose, as DeepSeek-V3 does."""
+    logits = torch.tensor([[20.0, 30.0, -1.0, 25.0]])
+    assert torch.sigmoid(logits)[0, 0] == torch.sigmoid(logits)[0, 1] == 1.0
+    weights, ids = route(logits, RoutingRule(2, normalize=False, scoring="sigmoid"))
+    assert ids.tolist() == [[1, 3]] and weights.tolist() == [[1.0, 1.0]]
+    _, ids = route(logits, RoutingRule(1, normalize=False, scoring="sigmoid"), torch.tensor([0.0, 0.0, 5.0, 0.0]))
+    assert ids.tolist() == [[2]]

@@ -56,7 +56,9 @@ static void choose_experts(const float *logits, const float *correction, int E, 
     } else {
         memcpy(scores, logits, sizeof(float) * (size_t)E);
     }
-    for (int e = 0; e < E; e++) choose[e] = correction ? scores[e] + correction[e] : scores[e];
+    /* sigmoid without a correction chooses by the logits, its own order (large logits' scores all round to 1) */
+    const float *plain = scoring == SCORE_SIGMOID ? logits : scores;
+    for (int e = 0; e < E; e++) choose[e] = correction ? scores[e] + correction[e] : plain[e];
     for (int k = 0; k < K; k++) {
         int best = -1;
         for (int e = 0; e < E; e++)

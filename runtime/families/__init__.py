@@ -67,7 +67,7 @@ class FamilySpec:
     fused_experts: bool = False
     # a layer's experts as two tensors in the MoE block, under these names: Granite's gate and up rows stacked
     # [E, 2I, H] and down [E, H, I]; or, `stacked_by_input` (Llama 4), as x @ W: gate's columns then up's [E, H, 2I]
-    # and down [E, I, H]. The loader takes per-expert views of them (the CPU kernels copy the transposed ones once)
+    # and down [E, I, H]. The loader takes per-expert views of them (Llama 4's of the rows it copies out once)
     stacked_experts: tuple[str, str] | None = None
     stacked_by_input: bool = False
     shared_in_block: bool = True  # the shared expert inside the MoE block; False: beside it, under the layer

@@ -34,9 +34,10 @@ DEFAULTS: dict[str, Any] = {
 
 
 def layer_list(raw: dict[str, Any], key: str, layers: int) -> list[Any] | None:
-    """A per-layer list of config.json (None where absent), checked against the layer count."""
+    """A per-layer list of config.json (None where absent, or empty where transformers reads an empty one as absent:
+    `no_rope_layers`, as the published configs have it), checked against the layer count."""
     value = raw.get(key)
-    if value is None:
+    if value is None or value == [] and key == "no_rope_layers":
         return None
     if not isinstance(value, list) or len(value) != layers and key != "moe_layers":
         raise CheckpointError(f"config.json's {key} must be a list of one entry per layer ({layers}), not {value!r}")
