@@ -168,16 +168,19 @@ def _open_gguf(path: Path) -> Checkpoint:
     embed = file.tensors.get("token_embd.weight")
     if embed is None:
         raise CheckpointError(f"{path} has no token_embd.weight: it is not a language model's GGUF file")
-    raw = gguf.config_of(file.meta, {n: t.tensor_type.name for n, t in file.tensors.items()}, int(embed.shape[1]))
+    types = {n: t.tensor_type.name for n, t in file.tensors.items()}
+    raw = gguf.config_of(file.meta, types, int(embed.shape[1]))
     spec, config = parse_config(gguf.with_frequency_factors(raw, file), f"{path} (its GGUF metadata)")
-    gguf.routers_agree(config, {n: t.tensor_type.name for n, t in file.tensors.items()}, str(path))
+    gguf.routers_agree(config, types, str(path))
     # llama.cpp stores every layer's experts as three stacked tensors, each expert's rows of them read on their
-    # own (views of blocks): named per expert, whatever the family's own checkpoints stack
-    spec = replace(spec, stacked_experts=None, stacked_by_input=False)
+    # own (views of blocks), and a shared expert's gate, up and down apart: named so, whatever the family's own
+    # checkpoints stack
+    spec = replace(spec, stacked_experts=None, stacked_by_input=False, stacked_mlp=None)
+    shared = f"{spec.moe_prefix}.{spec.shared_expert}" if spec.shared_in_block else spec.shared_expert
     shapes = dense_tensors(config, spec) | expert_tensors(config, spec)
-    permuted = spec.gguf is not None and spec.gguf.rope_permuted
+    permuted = gguf.reader_of(file.meta).rope_permuted  # (the architecture's layout, whichever family parses it)
     llama = (config.num_heads, config.num_kv_heads) if permuted else None
-    file.name(gguf.sources(list(shapes), spec.moe_prefix, spec.router, spec.expert_proj, spec.shared_expert,
+    file.name(gguf.sources(list(shapes), spec.moe_prefix, spec.router, spec.expert_proj, shared,
                            spec.shared_expert_gate, llama, spec.correction_name, spec.dense_mlp), shapes)
     ckpt = Checkpoint(path, raw, config, spec, [file], dict.fromkeys(file.names(), file))  # type: ignore[list-item]
     _validate(ckpt)

@@ -22,7 +22,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -34,6 +34,9 @@ from tandem.runtime.config import ModelConfig
 from tandem.runtime.gguf_header import GGUFArray, TensorEntry, open_regular, read_header
 from tandem.runtime.gguf_meta import Meta, read_float, read_text
 from tandem.runtime.safetensors_mmap import TensorInfo
+
+if TYPE_CHECKING:
+    from tandem.runtime.families import GGUFArch
 
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # the types the gguf package's reader views in their own dtype (the others as uint8 rows of blocks)
@@ -343,24 +346,32 @@ def with_frequency_factors(raw: dict[str, Any], file: GGUFFile) -> dict[str, Any
                                       "factors": [float(f) for f in found.data]}}
 
 
-def config_of(meta: Meta, types: dict[str, str], vocab: int) -> dict[str, Any]:
-    """The config.json a Hugging Face folder of this model would hold: its family's reading of the metadata
-    (`FamilySpec.gguf`). What the metadata does not say, the tensors (their names and types) do: which layers are
-    dense (no router) where the family's config lists them (`mlp_only_layers`), attention biases, q/k norms, a tied
-    lm_head. (Every family's layers are checked against the routers the file holds once parsed: `routers_agree`.)"""
+def reader_of(meta: Meta) -> GGUFArch:
+    """How the file's architecture (`general.architecture`) is read: its family's `GGUFArch` (a file may then parse
+    as a sibling family, as Granite's with a shared expert does). Unknown: UnsupportedModelError naming those read."""
     from tandem.runtime.families import gguf_architectures
 
-    tensors = set(types)
     arch = read_text(meta, "general.architecture")
     readers = gguf_architectures()
     if arch not in readers:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not one Tandem reads yet; it reads {', '.join(readers)}")
+    return readers[arch].gguf  # type: ignore[return-value]
+
+
+def config_of(meta: Meta, types: dict[str, str], vocab: int) -> dict[str, Any]:
+    """The config.json a Hugging Face folder of this model would hold: its family's reading of the metadata
+    (`FamilySpec.gguf`). What the metadata does not say, the tensors (their names and types) do: which layers are
+    dense (no router) where the family's config lists them (`mlp_only_layers`), attention biases, q/k norms, a tied
+    lm_head. (Every family's layers are checked against the routers the file holds once parsed: `routers_agree`.)"""
+    tensors = set(types)
+    reader = reader_of(meta)
+    arch = reader.name
     tokens = meta.get("tokenizer.ggml.tokens")
     if isinstance(tokens, GGUFArray) and tokens.count != vocab:  # llama.cpp refuses an embedding of other rows
         raise CheckpointError(f"the GGUF file's token embedding has {vocab} rows but its vocabulary "
                               f"(tokenizer.ggml.tokens) {tokens.count} tokens; the file is damaged: re-download it")
-    raw = readers[arch].gguf.config(meta, vocab, types)  # type: ignore[union-attr]
+    raw = reader.config(meta, vocab, types)
     # every layer needs its own tensors: a layer count past them is refused before anything loops over it
     present = {name.split(".", 2)[1] for name in tensors if name.startswith("blk.")}
     missing = [i for i in range(min(raw["num_hidden_layers"], len(present) + 1)) if str(i) not in present]
@@ -426,9 +437,9 @@ def sources(names: list[str], moe_prefix: str, router: str, expert_proj: tuple[s
             shared_gate: str | None, llama_heads: tuple[int, int] | None,
             correction: str | None = None, dense_mlp: str = "mlp") -> dict[str, Source]:
     """Each Hugging Face tensor name's GGUF source. `llama_heads`: (query, key/value) heads whose q/k rows are in
-    llama.cpp's RoPE order; `correction`: the router's correction bias inside the MoE block
-    (FamilySpec.correction_name; None: under the router); `dense_mlp`: a dense layer's SwiGLU
-    (FamilySpec.dense_mlp)."""
+    llama.cpp's RoPE order; `shared`: the shared expert's SwiGLU within a layer (in the MoE block, or beside it:
+    Granite's); `correction`: the router's correction bias inside the MoE block (FamilySpec.correction_name; None:
+    under the router); `dense_mlp`: a dense layer's SwiGLU (FamilySpec.dense_mlp)."""
     correction = correction or f"{router}.e_score_correction_bias"
     dense = {f"{dense_mlp}.{k}_proj.weight": f"ffn_{k}.weight" for k in ("gate", "up", "down")}
     experts = re.compile(rf"^{re.escape(moe_prefix)}\.experts\.(\d+)\.({'|'.join(expert_proj)})\.weight$")
@@ -444,7 +455,8 @@ def sources(names: list[str], moe_prefix: str, router: str, expert_proj: tuple[s
         blk, rest = f"blk.{layer[1]}", layer[2]
         if rest in _IN_LAYER:
             heads = 0
-            if llama_heads and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+            if llama_heads and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.q_proj.bias",
+                                        "self_attn.k_proj.bias"):  # (the converter permutes the biases alike)
                 heads = llama_heads[0] if rest.startswith("self_attn.q") else llama_heads[1]
             out[name] = Source(f"{blk}.{_IN_LAYER[rest]}", heads=heads)
         elif rest in dense:
@@ -464,8 +476,8 @@ def sources(names: list[str], moe_prefix: str, router: str, expert_proj: tuple[s
                                .replace("_proj_", "_"))
         elif (found := experts.match(rest)) is not None:
             out[name] = Source(f"{blk}.ffn_{kinds[found[2]]}_exps.weight", expert=int(found[1]))
-        elif shared and rest.startswith(f"{moe_prefix}.{shared}.") and rest.endswith("_proj.weight"):
-            kind = rest.removeprefix(f"{moe_prefix}.{shared}.").removesuffix("_proj.weight")
+        elif shared and rest.startswith(f"{shared}.") and rest.endswith("_proj.weight"):
+            kind = rest.removeprefix(f"{shared}.").removesuffix("_proj.weight")
             out[name] = Source(f"{blk}.ffn_{kind}_shexp.weight")
         elif shared_gate and rest == f"{moe_prefix}.{shared_gate}.weight":
             out[name] = Source(f"{blk}.ffn_gate_inp_shexp.weight")

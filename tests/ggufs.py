@@ -16,7 +16,8 @@ from tandem.runtime.checkpoint import open_checkpoint
 ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "glm4_moe": "glm4moe",
         "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss", "dots1": "dots1",
         "minimax_m2": "minimax-m2", "glm4_moe_lite": "deepseek2", "ernie4_5_moe": "ernie4_5-moe",
-        "hunyuan_v1_moe": "hunyuan-moe", "llama4_text": "llama4"}
+        "hunyuan_v1_moe": "hunyuan-moe", "llama4_text": "llama4", "granitemoe": "granitemoe",
+        "granitemoeshared": "granitemoe"}
 ATTN = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output", "q_norm": "attn_q_norm",
         "k_norm": "attn_k_norm", "query_layernorm": "attn_q_norm", "key_layernorm": "attn_k_norm",
         "q_a_proj": "attn_q_a", "q_b_proj": "attn_q_b", "q_a_layernorm": "attn_q_a_norm",
@@ -59,7 +60,15 @@ def gguf_tensors(folder: Path, split_kv_b: bool = True) -> dict[str, np.ndarray]
                 out[f"{blk}.ffn_up_exps.weight"] = np.ascontiguousarray(w[:, :, half:].swapaxes(1, 2))
             elif rest == "feed_forward.experts.down_proj":  # [E, I, H]
                 out[f"{blk}.ffn_down_exps.weight"] = np.ascontiguousarray(w.swapaxes(1, 2))
-            elif rest in ("mlp.router.weight", "mlp.router.bias", "feed_forward.router.weight"):
+            elif rest in ("block_sparse_moe.input_linear.weight", "shared_mlp.input_linear.weight"):  # Granite's
+                half = w.shape[-2] // 2  # gate's rows, then up's ([E, 2I, H], or [2I, H] for the shared one)
+                kind = "exps" if rest.startswith("block") else "shexp"
+                out[f"{blk}.ffn_gate_{kind}.weight"] = np.ascontiguousarray(w[..., :half, :])
+                out[f"{blk}.ffn_up_{kind}.weight"] = np.ascontiguousarray(w[..., half:, :])
+            elif rest in ("block_sparse_moe.output_linear.weight", "shared_mlp.output_linear.weight"):
+                out[f"{blk}.ffn_down_{'exps' if rest.startswith('block') else 'shexp'}.weight"] = w
+            elif rest in ("mlp.router.weight", "mlp.router.bias", "feed_forward.router.weight",
+                          "block_sparse_moe.router.layer.weight"):
                 out[f"{blk}.ffn_gate_inp.{rest.rsplit('.', 1)[1]}"] = w
             elif rest.startswith("mlp.experts.") and arch == "gpt-oss":  # fused, gate and up interleaved
                 part = rest.removeprefix("mlp.experts.")
@@ -79,7 +88,7 @@ def gguf_tensors(folder: Path, split_kv_b: bool = True) -> dict[str, np.ndarray]
                 out[f"{blk}.attn_k_b.weight"] = np.ascontiguousarray(kv_b[:, : cfg.qk_nope_head_dim].swapaxes(1, 2))
                 out[f"{blk}.attn_v_b.weight"] = np.ascontiguousarray(kv_b[:, cfg.qk_nope_head_dim :])
             elif (a := re.match(r"self_attn\.(\w+)\.(weight|bias)$", rest)) is not None:
-                if arch == "llama" and a[1] in ("q_proj", "k_proj"):
+                if arch in ("llama", "granitemoe") and a[1] in ("q_proj", "k_proj"):  # (weights and biases)
                     w = permute(w, cfg.num_heads if a[1] == "q_proj" else cfg.num_kv_heads)
                 out[f"{blk}.{ATTN[a[1]]}.{a[2]}"] = w
             elif rest in ("block_sparse_moe.gate.weight", "mlp.gate.weight", "mlp.gate.wg.weight"):
@@ -241,6 +250,11 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
         writer.add_interleave_moe_layer_step(int(raw["moe_layer_interval"]))
         writer.add_leading_dense_block_count(int(raw["moe_layer_start_index"]))
         writer.add_expert_shared_count(int(raw["moe_num_shared_experts"]))
+    if arch == "granitemoe":  # as the converter's GraniteMoeModel writes it: the muP multipliers as scales
+        writer.add_attention_scale(cfg.attention_scale)
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
     if arch == "minimax-m2":  # as the converter's MiniMaxM2Model writes it
         writer.add_rope_dimension_count(cfg.rotary_dim)
     if arch == "dots1":  # as the converter's Dots1Model writes it (no groups: it writes none)

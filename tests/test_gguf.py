@@ -31,7 +31,7 @@ pytestmark = pytest.mark.isa  # F16 and float32 weights run on the kernels: agai
 READ = ["mixtral", "mixtral-tied", "qwen3_moe", "qwen3_moe-dense-bias", "qwen2_moe-shared", "qwen2_moe-dense-noshared",
         "olmoe", "glm4_moe", "glm4_moe-grouped-qknorm", "glm4_moe-fullrope-nobias", "deepseek_v2", "deepseek_v2-dense2",
         "deepseek_v3", "gpt_oss", "dots1", "minimax_m2", "glm4_moe_lite",
-        "ernie4_5_moe", "hunyuan_v1_moe"]
+        "ernie4_5_moe", "hunyuan_v1_moe", "granitemoe", "granitemoe-bias-tied", "granitemoeshared"]
 IDS = torch.randint(0, 500, (1, 13), generator=torch.Generator().manual_seed(1))
 
 

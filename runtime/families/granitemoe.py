@@ -9,7 +9,7 @@ What differs from the plain decoder, each as transformers' `modeling_granitemoe.
 - each layer's experts stored as two tensors (`input_linear`: every expert's gate and up rows, `output_linear`: its
   down), read as per-expert views;
 - q/k/v/o biases where `attention_bias` says.
-`granitemoeshared.py` adds its shared SwiGLU.
+`granitemoeshared.py` adds its shared SwiGLU. llama.cpp writes both as its `granitemoe` architecture (read here).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.runtime.config import ModelConfig, decoder_fields, require
-from tandem.runtime.families import BenchShape, FamilySpec
+from tandem.runtime.families import BenchShape, FamilySpec, GGUFArch
+from tandem.runtime.gguf_meta import Meta, common_config, read_float, read_int
 
 
 def granite_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -44,6 +45,26 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**granite_fields(raw))
 
 
+def gguf_config(meta: Meta, vocab: int, types: dict[str, str]) -> dict[str, Any]:
+    """As llama.cpp's converter writes Granite MoE (its GraniteMoeModel, for both families: a shared expert's
+    tensors say which): the muP multipliers as its scales, each left out where the config had none (llama.cpp then
+    scales nothing, attention by 1/sqrt(head_dim)); the experts' width as the feed-forward length; the shared
+    expert's."""
+    a = "granitemoe"
+    raw = common_config(meta, a, vocab)
+    dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    shared = "blk.0.ffn_gate_shexp.weight" in types
+    return raw | {
+        "model_type": "granitemoeshared" if shared else "granitemoe",
+        "num_local_experts": read_int(meta, f"{a}.expert_count", bound="num_local_experts"),
+        "intermediate_size": read_int(meta, f"{a}.feed_forward_length"),  # (Granite's experts' width)
+        "embedding_multiplier": read_float(meta, f"{a}.embedding_scale", 1.0),
+        "residual_multiplier": read_float(meta, f"{a}.residual_scale", 1.0),
+        "attention_multiplier": read_float(meta, f"{a}.attention.scale", dim ** -0.5),
+        "logits_scaling": read_float(meta, f"{a}.logit_scale", 1.0),
+    } | ({"shared_intermediate_size": read_int(meta, f"{a}.expert_shared_feed_forward_length")} if shared else {})
+
+
 # The muP multipliers of a published model (granite-3.1-3b-a800m's), in the tiny config too: every one of them changes
 # the numbers
 MUP = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.015625,
@@ -60,4 +81,5 @@ SPEC = FamilySpec(
     }, aliases=("granite",)),),
     moe_prefix="block_sparse_moe", router="router.layer",
     stacked_experts=("input_linear.weight", "output_linear.weight"),
+    gguf=GGUFArch("granitemoe", gguf_config, rope_permuted=True),
 )
