@@ -113,9 +113,9 @@ def test_bad_glm4_moe_config_values_are_refused(hf_checkpoints: dict[str, Path],
 @pytest.mark.parametrize("changes, needle", [
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),  # it would run and give wrong tokens
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "RoPE type 'dynamic' (config.json's rope_scaling)"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6}}, "RoPE type 'llama3' (config.json's "
-                                                                       "rope_parameters)"),
-], ids=["gelu", "dynamic rope_scaling", "llama3 rope_parameters"])
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}},  # (Llama 3's now runs)
+     "RoPE type 'linear' (config.json's rope_parameters)"),
+], ids=["gelu", "dynamic rope_scaling", "linear rope_parameters"])
 def test_what_the_decoder_does_not_compute_is_refused_by_name(mixtral_dir: Path, tmp_path: Path, capsys,
                                                               changes: dict, needle: str) -> None:
     folder = copy_checkpoint(mixtral_dir, tmp_path / "m")
