@@ -50,6 +50,28 @@ def kept_dtypes(ckpt: Checkpoint, compute: torch.dtype, cpu: CpuOptions | None) 
     return kept
 
 
+def float_experts(ckpt: Checkpoint, layer: int, resident: bool = False) -> list[ExpertWeights]:
+    """One MoE layer's SwiGLU experts stored as float matrices, in the file's dtype: views of per-expert tensors (of
+    the map, or of RAM copies when `resident`), or of the two tensors a layer stacks them in (Granite's rows; Llama
+    4's, stored as x @ W, copied into rows once)."""
+    n = ckpt.config.num_experts
+    if ckpt.spec.stacked_by_input:  # Llama 4: [E, H, 2I] and [E, I, H]; the kernels read rows, so the layer is
+        # copied once, transposed, from the file (not read into RAM first: that would hold it twice)
+        gate_up, down = (ckpt.tensor(name) for name in stacked_expert_names(ckpt.spec, layer))
+        rows = gate_up.transpose(1, 2).contiguous()  # [E, 2I, H]
+        down_rows = down.transpose(1, 2).contiguous()  # [E, H, I]
+        width = rows.shape[1] // 2
+        return [ExpertWeights(rows[e, :width], rows[e, width:], down_rows[e]) for e in range(n)]
+    if ckpt.spec.stacked_experts:  # Granite: each expert's gate, up and down rows views of the two tensors
+        names = list(stacked_expert_names(ckpt.spec, layer))
+        gate_up, down = ckpt.read_into_ram(names) if resident else [ckpt.tensor(name) for name in names]
+        width = gate_up.shape[1] // 2  # rows [E, 2I, H] and [E, H, I]
+        return [ExpertWeights(gate_up[e, :width], gate_up[e, width:], down[e]) for e in range(n)]
+    names = [name for e in range(n) for name in expert_names(ckpt.spec, layer, e)]
+    tensors = ckpt.read_into_ram(names) if resident else [ckpt.tensor(name) for name in names]
+    return [ExpertWeights(*tensors[3 * e : 3 * e + 3]) for e in range(n)]
+
+
 def routed_experts(ckpt: Checkpoint, layers: list[int], resident: bool,
                    progress: Callable[[str, float], None] | None = None,
                    quant: str | None = None) -> dict[int, list[ExpertWeights]]:
@@ -81,18 +103,6 @@ def routed_experts(ckpt: Checkpoint, layers: list[int], resident: bool,
             stored = [ckpt.tensor(name) for name in mxfp4_expert_names(ckpt.spec, layer)]
             alpha, limit = ckpt.config.clamped_swiglu or (1.702, 7.0)
             return MXFP4Expert.layer(*stored, alpha, limit)
-        if ckpt.spec.stacked_by_input:  # Llama 4: [E, H, 2I] and [E, I, H]; the kernels read rows, so the layer is
-            # copied once, transposed, from the file (not read into RAM first: that would hold it twice)
-            gate_up, down = (ckpt.tensor(name) for name in stacked_expert_names(ckpt.spec, layer))
-            rows = gate_up.transpose(1, 2).contiguous()  # [E, 2I, H]
-            down_rows = down.transpose(1, 2).contiguous()  # [E, H, I]
-            width = rows.shape[1] // 2
-            return [ExpertWeights(rows[e, :width], rows[e, width:], down_rows[e]) for e in range(n)]
-        if ckpt.spec.stacked_experts:  # Granite: each expert's gate, up and down rows views of the two tensors
-            names = list(stacked_expert_names(ckpt.spec, layer))
-            gate_up, down = ckpt.read_into_ram(names) if resident else [ckpt.tensor(name) for name in names]
-            width = gate_up.shape[1] // 2  # Granite: rows [E, 2I, H] and [E, H, I]
-            return [ExpertWeights(gate_up[e, :width], gate_up[e, width:], down[e]) for e in range(n)]
         if ckpt.spec.fused_experts:  # gpt-oss: each expert a view of its slice of the layer's fused tensors
             fused = fused_expert_names(ckpt.spec, layer)
             gate_up, gate_up_bias, down, down_bias = \
@@ -100,9 +110,7 @@ def routed_experts(ckpt: Checkpoint, layers: list[int], resident: bool,
             alpha, limit = ckpt.config.clamped_swiglu or (1.702, 7.0)  # (the family always sets it)
             return [ClampedSwiGLUExpert.from_fused(gate_up[e], gate_up_bias[e], down[e], down_bias[e], alpha, limit)
                     for e in range(n)]
-        names = [name for e in range(n) for name in expert_names(ckpt.spec, layer, e)]
-        tensors = ckpt.read_into_ram(names) if resident else [ckpt.tensor(name) for name in names]
-        return [ExpertWeights(*tensors[3 * e : 3 * e + 3]) for e in range(n)]
+        return float_experts(ckpt, layer, resident)
 
     if not resident and not ckpt.config.experts_mxfp4 and not blocks and not ckpt.spec.stacked_by_input:
         return {layer: one(layer) for layer in layers}

@@ -47,9 +47,6 @@ def load(options: Options, checkpoint: Checkpoint | None = None,
     ckpt = checkpoint or open_checkpoint(options.model)
     cfg, cpu, dtype, cpu_dtype = ckpt.config, options.cpu, options.torch_dtype, options.cpu_torch_dtype
     first = next((i for i in range(cfg.num_layers) if cfg.sparse_layers[i]), None)
-    if ckpt.spec.stacked_experts and cpu.quant is not None:
-        raise KernelError(f"--quant is not available for {ckpt.spec.display_name} models yet (their experts are "
-                          "stored stacked); run without it")
     if ckpt.expert_blocks and cpu.quant is not None:  # a GGUF file's blocks: the kernels read them as stored
         raise KernelError(f"{ckpt.path.name} stores its experts quantized already; run it without --quant")
     if cfg.experts_mxfp4:  # already 4-bit: the kernels read it as stored

@@ -26,11 +26,11 @@ import torch
 
 from tandem.kernels.blocks import FORMATS, quantize
 from tandem.kernels.errors import CheckpointError, StoreError
+from tandem.runtime.build import float_experts
 from tandem.runtime.checkpoint import Checkpoint
 from tandem.runtime.moe import BlockExpert
 from tandem.runtime.paths import atomic_write_with, cache_dir, ensure_folder, file_kind, set_aside
 from tandem.runtime.safetensors_mmap import SafetensorsFile
-from tandem.runtime.weights import expert_names
 
 FORMAT_OF = {"q8_0": "Q8_0", "q4_k": "Q4_K"}  # --quant -> the block format
 VERSION = 1  # of the file's layout and the quantizers: a change makes new files
@@ -144,9 +144,9 @@ def _write(ckpt: Checkpoint, layers: list[int], fmt: str, path: Path, layout: La
         out.write(struct.pack("<Q", len(raw)))
         out.write(raw)
         for k, layer in enumerate(layers):
-            for e in range(ckpt.config.num_experts):
-                for name in expert_names(ckpt.spec, layer, e):
-                    out.write(quantize(ckpt.tensor(name), fmt).data.numpy().tobytes())
+            for expert in float_experts(ckpt, layer):  # (however the checkpoint stores them)
+                for matrix in (expert.gate, expert.up, expert.down):
+                    out.write(quantize(matrix, fmt).data.numpy().tobytes())
             if progress is not None:
                 progress(f"quantizing the experts to {fmt} (once; kept for later loads)", (k + 1) / len(layers))
 

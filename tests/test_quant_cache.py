@@ -62,3 +62,20 @@ def test_widths_that_are_not_whole_blocks_are_refused_with_the_format_that_fits(
     assert main(["generate", "--model", str(mixtral_dir), "--quant", "q4_k", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert "q4_k takes blocks of 256 values" in err and "--quant" in err
+
+
+@pytest.mark.parametrize("family", ["granitemoeshared", "llama4_text"])
+@pytest.mark.parametrize("quant, drift", [("q8_0", 0.01), ("int8", 0.01)])
+def test_experts_stored_stacked_quantize_as_any_others(tmp_path: Path, family: str, quant: str, drift: float) -> None:
+    """Granite's experts (gate and up rows stacked) and Llama 4's (stored as x @ W) quantize expert by expert, to the
+    cache's blocks or the kernels' int8, as per-expert checkpoints do: within quantization error of the float run."""
+    folder = build_hf_checkpoint(tmp_path / "hf", family, {"intermediate_size": 64, "num_hidden_layers": 2})
+    model = load_model(folder, dtype="fp32", quant=quant).model
+    moe = model.layers[model.cfg.sparse_layers.index(True)].ffn
+    if quant == "q8_0":  # blocks of the cache file
+        assert all(isinstance(e, BlockExpert) for e in moe.experts)  # type: ignore[union-attr]
+    else:  # the kernels' own int8 copies
+        assert {e.kind for e in model.dispatcher.cpu_experts[model.cfg.sparse_layers.index(True)]} == {"int8"}
+    got = model.forward(IDS, 0)
+    want = load_model(folder, dtype="fp32").model.forward(IDS, 0)
+    assert 0 < ((got - want).norm() / want.norm()).item() < drift
