@@ -120,6 +120,8 @@ class LayerArgs(ctypes.Structure):
         ("attend_out", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p), ("router_bias", ctypes.c_void_p),
         ("o_bias", ctypes.c_void_p), ("qkv", LinearArgs * 3), ("o", LinearArgs), ("router", LinearArgs),
         ("attend", AttendArgs), ("moe", MoeArgs), ("f32", ctypes.c_int), ("correction", ctypes.c_void_p),
+        ("ffn", ctypes.c_int), ("mlp_inter", ctypes.c_int), ("mlp", LinearArgs * 3), ("mlp_gate", ctypes.c_void_p),
+        ("mlp_up", ctypes.c_void_p), ("mlp_out", ctypes.c_void_p), ("mlp_h", ctypes.c_void_p),
     ]
 
 

@@ -12,6 +12,7 @@ from tandem.kernels.library import LayerArgs, library
 QK_NORMS = {"none": 0, "full": 1, "head": 2}  # csrc/step.c's QK_NORM_
 SCORINGS = {"softmax": 0, "softmax_topk": 1, "sigmoid": 2}  # its SCORE_
 MAX_EXPERTS, MAX_TOP_K = 1024, 64
+FFN_ROUTED, FFN_SHARED, FFN_DENSE = 0, 1, 2  # its FFN_: routed experts, and a shared SwiGLU, or that SwiGLU alone
 
 
 def decode_layers(layers: ctypes.Array[LayerArgs], x: torch.Tensor, start: int, cos: torch.Tensor,

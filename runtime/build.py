@@ -25,7 +25,7 @@ from tandem.runtime.dispatch import OffloadOptions
 from tandem.runtime.layer_kind import Loaders
 from tandem.runtime.layers import plan
 from tandem.runtime.model import DecoderLayer, DecoderWeights, ModelRun, MoEModel
-from tandem.runtime.moe import BlockExpert, ClampedSwiGLUExpert, ExpertWeights, MXFP4Expert
+from tandem.runtime.moe import BlockExpert, ClampedSwiGLUExpert, ExpertWeights, LinearMLP, MXFP4Expert
 from tandem.runtime.weights import (
     dense_matrices,
     expert_names,
@@ -181,13 +181,13 @@ def build_model(ckpt: Checkpoint, run: ModelRun, accel: Accelerator | None = Non
     def mlp(prefix: str) -> ExpertWeights:
         if spec.stacked_mlp and f"{prefix}.{spec.stacked_mlp[0]}.weight" in ckpt.where:  # gate and up in one
             gate_up, down = (w(f"{prefix}.{name}.weight") for name in spec.stacked_mlp)
-            return ExpertWeights(gate_up[: gate_up.shape[0] // 2], gate_up[gate_up.shape[0] // 2 :], down)
+            return LinearMLP(gate_up[: gate_up.shape[0] // 2], gate_up[gate_up.shape[0] // 2 :], down, linear=linear)
         names = [f"{prefix}.{p}_proj.weight" for p in ("gate", "up", "down")]
         mats = [wq(n) for n in names]
         if all(isinstance(q, QuantizedMatrix) for q in mats) and mats[0].kind == mats[1].kind:  # type: ignore[union-attr]
             return BlockExpert(*(q.data for q in mats), formats=(mats[0].kind, mats[2].kind),  # type: ignore[union-attr]
                                linear=linear)
-        return ExpertWeights(*(q.dequantize(dtype) if isinstance(q, QuantizedMatrix) else q for q in mats))
+        return LinearMLP(*(q.dequantize(dtype) if isinstance(q, QuantizedMatrix) else q for q in mats), linear=linear)
 
     load = Loaders(spec, w, wq, opt, projections, stacked, f32, mlp)
     layers = []

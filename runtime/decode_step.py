@@ -6,8 +6,9 @@ loop, which stays the reference the step is tested against.
 
 What the step does: RMSNorm, q/k/v as one matrix or three, q/k norms over all heads or per head, attention
 (kernels/attend.py: RoPE, sinks, sliding windows), the output projection, a router whose matrix the kernel
-multiplies, softmax, softmax-over-the-top-k or sigmoid routing (with a correction bias for choosing), and routed
-experts the kernels run (no shared expert); on the CPU, in bf16 (rounding where the layer loop rounds) or in float32
+multiplies, softmax, softmax-over-the-top-k or sigmoid routing (with a correction bias for choosing), routed
+experts the kernels run, an ungated shared expert beside them or a dense layer's SwiGLU (through the dense kernels,
+as the layer loop's `LinearMLP` multiplies it); on the CPU, in bf16 (rounding where the layer loop rounds) or in float32
 compute (the default on a CPU without native bf16: its matrices as the kernels keep them, bf16, fp16, float32 or GGUF
 blocks, against float32 activations, a float32 KV cache).
 """
@@ -21,8 +22,17 @@ import torch
 from tandem.kernels.attend import ATTEND_ISAS, attend_isa
 from tandem.kernels.dense import DenseLinear, rms_norm_bf16
 from tandem.kernels.library import XB_EXTRA, AttendArgs, LayerArgs, LinearArgs
-from tandem.kernels.step import MAX_EXPERTS, MAX_TOP_K, QK_NORMS, SCORINGS, decode_layers
-from tandem.runtime.moe import MoEBlockWeights
+from tandem.kernels.step import (
+    FFN_DENSE,
+    FFN_ROUTED,
+    FFN_SHARED,
+    MAX_EXPERTS,
+    MAX_TOP_K,
+    QK_NORMS,
+    SCORINGS,
+    decode_layers,
+)
+from tandem.runtime.moe import ExpertWeights, MoEBlockWeights, mlp_matrices
 
 if TYPE_CHECKING:
     from tandem.runtime.model import MoEModel
@@ -33,7 +43,8 @@ STEP_DTYPES = (torch.bfloat16, torch.float32)  # the compute dtypes the step run
 
 def why_not(model: MoEModel) -> str | None:
     """What keeps this model off the decode step (None: nothing). Each layer's kinds say first whether the step runs
-    them (runtime/layers.py: today grouped-query attention and routed experts without a shared expert)."""
+    them (runtime/layers.py: today grouped-query attention, routed experts with or without an ungated shared expert,
+    a dense SwiGLU)."""
     cfg = model.cfg
     if not model.attend_kernel:  # (set only where the kernels are built and used)
         return "the kernels are not built, or not used"
@@ -53,11 +64,14 @@ def why_not(model: MoEModel) -> str | None:
         refusal = kinds.mixer.step_refusal(cfg) or kinds.ffn.step_refusal(ffn)
         if refusal is not None:
             return f"layer {i}: {refusal}"
-        assert isinstance(ffn, MoEBlockWeights)  # (the kinds the step runs: GQA's Attention, routed experts)
-        if not executor.serves_layer(model.dispatcher.cpu_layers[i], 1):
-            return f"layer {i}'s experts do not run on the kernels"
-        matrices = [ffn.router, layer.attn.o] + (layer.attn.qkv if isinstance(layer.attn.qkv, list)
-                                                 else [layer.attn.qkv])
+        matrices = [layer.attn.o] + (layer.attn.qkv if isinstance(layer.attn.qkv, list) else [layer.attn.qkv])
+        mlp = own_mlp(ffn)
+        if mlp is not None:
+            matrices += mlp_matrices(mlp)
+        if isinstance(ffn, MoEBlockWeights):  # (the kinds the step runs: GQA's Attention, routed experts, dense)
+            if not executor.serves_layer(model.dispatcher.cpu_layers[i], 1):
+                return f"layer {i}'s experts do not run on the kernels"
+            matrices.append(ffn.router)
         if any(model.linear.one_token_call(m, model.dtype) is None for m in matrices):
             return f"layer {i} has a matrix the kernels do not multiply"
         norms = [layer.input_norm, layer.post_norm] + ([layer.attn.q_norm, layer.attn.k_norm]
@@ -65,6 +79,13 @@ def why_not(model: MoEModel) -> str | None:
         if any(n is None or n.dtype != model.dtype or not n.is_contiguous() for n in norms):
             return f"layer {i} has norms that are not in the compute dtype"
     return None
+
+
+def own_mlp(ffn: object) -> ExpertWeights | None:
+    """A layer's own SwiGLU the step computes: its shared expert's, or the dense layer itself (None: neither)."""
+    if isinstance(ffn, MoEBlockWeights):
+        return ffn.shared.mlp if ffn.shared is not None else None
+    return ffn if isinstance(ffn, ExpertWeights) else None
 
 
 class DecodeStep:
@@ -77,9 +98,11 @@ class DecodeStep:
         self.model, self.cache = model, model.cache
         self.f32 = f32 = model.dtype == torch.float32  # float32 compute: nothing rounded, the results where they go
         act = model.dtype  # q, k, v and attention's output in the compute dtype (the KV cache's)
-        widths = [H, Hq * D]
+        mlps = [own_mlp(layer.ffn) for layer in model.layers]
+        inter = max([m.gate.shape[0] for m in mlps if m is not None], default=0)  # the widest own SwiGLU's I
+        widths = [H, Hq * D, inter]
         router_rows = -(-E // 32) * 32  # the router's rows as the kernel reads them (DenseLinear.padded)
-        rows = [H, router_rows, (Hq + 2 * Hkv) * D]
+        rows = [H, router_rows, (Hq + 2 * Hkv) * D, -(-max(inter, H) // 32) * 32]
         self.h = torch.empty(H, dtype=torch.bfloat16)
         self.hf = torch.empty(H)
         self.qkv_out = torch.empty((Hq + 2 * Hkv) * D, dtype=act)
@@ -91,15 +114,18 @@ class DecodeStep:
         self.ids = torch.zeros(cfg.num_layers, K, dtype=torch.int64)  # [L, K] each layer's choice, this token
         self.weights = torch.zeros(cfg.num_layers, K)  # [L, K]
         self.moe_out = torch.empty(H)
+        padded = -(-max(inter, H) // 32) * 32  # (rows a padded copy of a matrix gives: DenseLinear.padded)
+        self.mlp_gate, self.mlp_up = (torch.empty(padded, dtype=act) for _ in range(2))  # the SwiGLU's gate and up
+        self.mlp_h = torch.empty(inter)  # silu(gate) * up, down's input
+        self.mlp_out = torch.empty(padded, dtype=act)
+        self.routed = [isinstance(layer.ffn, MoEBlockWeights) for layer in model.layers]  # the layers with experts
         self.biases: list[torch.Tensor] = []  # the biases as the layers add them (below), kept with the plan
         self.layers = (LayerArgs * cfg.num_layers)()
         executor = model.dispatcher.executor
         for i, layer in enumerate(model.layers):
             a, attn, ffn = self.layers[i], layer.attn, layer.ffn
-            assert isinstance(ffn, MoEBlockWeights)
             a.f32 = f32
             a.hidden, a.qk_norm, a.eps = H, QK_NORMS[cfg.qk_norm], cfg.rms_norm_eps
-            a.scoring, a.normalize, a.scaling = SCORINGS[ffn.rule.scoring], ffn.rule.normalize, ffn.rule.scaling
             a.window = cfg.window(i) or 0
             a.input_norm, a.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             if cfg.qk_norm != "none":
@@ -117,15 +143,23 @@ class DecodeStep:
                 at += rows_j
             self._linear(a.o, linear, attn.o, self.o_x)  # type: ignore[union-attr]
             a.o.y, a.o.yb = self.o_y.data_ptr(), None
+            a.qkv_bias = self._bias(attn.qkv_bias, act)  # type: ignore[union-attr]
+            a.o_bias = self._bias(attn.o_bias, torch.float32)  # type: ignore[union-attr]
+            self._attend(a.attend, model, i)
+            mlp = mlps[i]
+            if mlp is not None:
+                self._mlp(a, linear, mlp)
+            if not isinstance(ffn, MoEBlockWeights):
+                a.ffn = FFN_DENSE
+                continue
+            a.ffn = FFN_ROUTED if mlp is None else FFN_SHARED
+            a.scoring, a.normalize, a.scaling = SCORINGS[ffn.rule.scoring], ffn.rule.normalize, ffn.rule.scaling
             self._linear(a.router, linear, ffn.router, self.hf)
             a.router.yb = None if f32 else self.logits.data_ptr()  # (float32: its sums, in y)
             # the biases in the dtypes the layer loop adds them in: bf16 for q/k/v and the router, whose outputs are
             # rounded first; float32 for o, added to its sums, and for all of them under float32 compute
-            a.qkv_bias = self._bias(attn.qkv_bias, act)  # type: ignore[union-attr]
-            a.o_bias = self._bias(attn.o_bias, torch.float32)  # type: ignore[union-attr]
             a.router_bias = self._bias(ffn.router_bias, act)
             a.correction = self._bias(ffn.correction, torch.float32)  # (float32, as route adds it)
-            self._attend(a.attend, model, i)
             executor.moe_args(model.dispatcher.cpu_layers[i], 1, into=a.moe)
             a.moe.tokens, a.moe.top_k = 1, K
             a.moe.ids, a.moe.weights = self.ids[i].data_ptr(), self.weights[i].data_ptr()
@@ -134,6 +168,23 @@ class DecodeStep:
                 a.moe.x, a.moe.x_bf16 = self.hf.data_ptr(), None
             else:
                 a.moe.x_bf16 = self.h.data_ptr()
+
+    def _mlp(self, a: LayerArgs, linear: DenseLinear, mlp: ExpertWeights) -> None:
+        """The layer's own SwiGLU (a shared expert's, or a dense layer's) as three products: gate and up of the
+        normed stream, down of silu(gate) * up; each result rounded where DenseLinear rounds it (bf16), or kept
+        (float32 compute)."""
+        gate, up, down = mlp_matrices(mlp)
+        a.mlp_inter = mlp.gate.shape[0]  # I (the products' rows may be more: a padded copy's)
+        self._linear(a.mlp[0], linear, gate, self.hf)
+        self._linear(a.mlp[1], linear, up, self.hf)
+        self._linear(a.mlp[2], linear, down, self.mlp_h)
+        for part, out in zip(a.mlp, (self.mlp_gate, self.mlp_up, self.mlp_out), strict=True):
+            if self.f32:
+                part.y, part.yb = out.data_ptr(), None
+            else:
+                part.yb = out.data_ptr()
+        a.mlp_gate, a.mlp_up, a.mlp_out = (t.data_ptr() for t in (self.mlp_gate, self.mlp_up, self.mlp_out))
+        a.mlp_h = self.mlp_h.data_ptr()
 
     def _bias(self, bias: torch.Tensor | None, dtype: torch.dtype) -> int | None:
         """The address of `bias` in `dtype` (a copy kept with the plan), or None."""
@@ -169,4 +220,4 @@ class DecodeStep:
         """x [H] float32, the residual stream of one token at `start`, through every layer (in place); cos and sin
         [R] are this position's RoPE rows. Each layer's choice of experts goes into the trace and statistics."""
         decode_layers(self.layers, x, start, cos, sin)
-        self.model.dispatcher.record_cpu_token(self.ids)  # [L, K]
+        self.model.dispatcher.record_cpu_token(self.ids, self.routed)  # [L, K], of the layers with experts

@@ -486,10 +486,10 @@ class Dispatcher:
         self.stats.misses += self.stats.count_all(layer, counts > 0, CPU)
         return counts
 
-    def record_cpu_token(self, ids: torch.Tensor) -> None:
-        """One decode token's choices at every layer, ids [layers, K] (the decode step's, all on the CPU), into the
-        trace and the statistics, as record_cpu would put them layer by layer."""
-        counts = self.recorder.record_token(ids.numpy())  # [L, E]
+    def record_cpu_token(self, ids: torch.Tensor, routed: list[bool]) -> None:
+        """One decode token's choices at every layer, ids [layers, K] (the decode step's, all on the CPU; only the
+        `routed` layers' count), into the trace and the statistics, as record_cpu would put them layer by layer."""
+        counts = self.recorder.record_token(ids.numpy(), np.array(routed))  # [L, E]
         self.stats.misses += self.stats.count_layers(counts > 0, CPU)
 
     def _plan(self, layer: int, ids: np.ndarray, chosen: list[int]) -> tuple[list[_Job], list[_Job]]:

@@ -217,6 +217,36 @@ class BlockExpert(ExpertWeights):
         return BlockExpert(gate, up, down, formats=self.formats)
 
 
+@dataclass(frozen=True, kw_only=True)
+class LinearMLP(ExpertWeights):
+    """A SwiGLU of float matrices that every token of a layer goes through (a dense layer's, a shared expert),
+    multiplied through the model's dense-matrix runner (`linear`: DenseLinear) on the CPU, as GGUF blocks' are
+    (`BlockExpert`) and as the one-call decode step multiplies them, so both paths compute it alike; elsewhere (an
+    accelerator's tensors) through torch."""
+
+    linear: Callable[..., torch.Tensor] = field(compare=False)  # DenseLinear: x . W^T
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
+        if x.device.type != "cpu":
+            return super().__call__(x)
+        return self.linear(F.silu(self.linear(x, self.gate)) * self.linear(x, self.up), self.down)
+
+    def like(self, tensors: Sequence[torch.Tensor]) -> LinearMLP:
+        gate, up, down = tensors
+        return LinearMLP(gate, up, down, linear=self.linear)
+
+
+def through_linear(mlp: ExpertWeights) -> bool:
+    """Whether a layer's own SwiGLU (dense, or a shared expert) runs through the model's DenseLinear on the CPU, as
+    the decode step computes it."""
+    return isinstance(mlp, LinearMLP) or isinstance(mlp, BlockExpert) and mlp.linear is not None
+
+
+def mlp_matrices(mlp: ExpertWeights) -> list[object]:
+    """Its gate, up and down as DenseLinear takes them (GGUF blocks as their matrices)."""
+    return list(mlp.matrices()) if isinstance(mlp, BlockExpert) else [mlp.gate, mlp.up, mlp.down]
+
+
 @dataclass(frozen=True)
 class SharedExpert:
     """An expert every token goes through: scaled by sigmoid(gate · x) (Qwen2-MoE), or added as it is (no gate:
@@ -271,8 +301,8 @@ class RoutedExperts:
         return MoEBlockWeights(load.w(router_name(spec, i)), [], routing_rule(cfg), shared, correction, bias)
 
     def step_refusal(self, weights: MoEBlockWeights) -> str | None:
-        if weights.shared is not None:
-            return "it has a shared expert"
+        if weights.shared is not None and (weights.shared.gate is not None or not through_linear(weights.shared.mlp)):
+            return "its shared expert is gated (the step has no gate)"
         if weights.rule.n_group > 1 or weights.rule.scoring not in SCORINGS:
             return f"it routes by {weights.rule.scoring} or by groups"
         if weights.rule.scale_input:
@@ -290,7 +320,7 @@ class DenseFeedForward:
         return load.mlp(f"{layer_prefix(i)}.{load.spec.dense_mlp}")
 
     def step_refusal(self, weights: ExpertWeights) -> str | None:
-        return "it is dense (no experts)"
+        return None if through_linear(weights) else "its dense SwiGLU does not run through the kernels"
 
 
 def route(router_logits: torch.Tensor, rule: RoutingRule,

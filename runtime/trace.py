@@ -47,15 +47,17 @@ class TraceRecorder:
             self._step[layer] = chosen[0]  # the first sequence (beam 0) in a batch
         return counts
 
-    def record_token(self, chosen: np.ndarray) -> np.ndarray:
-        """chosen [layers, K]: one token's experts at every layer at once (the decode step's; every layer MoE).
-        Returns the routings per layer and expert [layers, experts]."""
+    def record_token(self, chosen: np.ndarray, routed: np.ndarray) -> np.ndarray:
+        """chosen [layers, K]: one token's experts at every layer at once (the decode step's), of which the layers
+        `routed` [layers] (bool) have experts: the others' rows are not choices. Returns the routings per layer and
+        expert [layers, experts]."""
         L, E = self.num_layers, self.num_experts
         flat = (chosen + E * np.arange(L)[:, None]).ravel()  # [L*K] as layer * E + expert
         counts = np.bincount(flat, minlength=L * E).reshape(L, E)
+        counts[~routed] = 0
         (self.decode if self.phase == "decode" else self.prefill)[:] += counts
         if self.phase == "decode" and self._step is not None:
-            self._step[:] = chosen
+            self._step[routed] = chosen[routed]
         return counts
 
     def save(self, path: str | Path, model: str) -> None:

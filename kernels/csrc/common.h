@@ -169,6 +169,14 @@ typedef struct {
     tk_moe_args moe;                     /* x_bf16: h; ids, weights: [K] chosen here; out: [H] float32 */
     int f32;                             /* 1: float32 compute */
     const float *correction;             /* NULL, or [E]: added to the scores for choosing only (DeepSeek-V3's) */
+    /* The layer's own SwiGLU: FFN_ROUTED (none), FFN_SHARED (a shared expert beside the routed ones) or FFN_DENSE
+     * (the layer's only feed-forward: no router, no experts). gate and up read hf into mlp_gate, mlp_up ([I] bf16;
+     * float32 under f32), down reads mlp_h ([I] float32: silu(gate) * up as the torch path rounds it) into mlp_out
+     * ([H] bf16; float32 under f32). */
+    int ffn, mlp_inter;
+    tk_linear_args mlp[3];
+    void *mlp_gate, *mlp_up, *mlp_out;
+    float *mlp_h;
 } tk_layer_args;
 
 /* ---- values: bf16, weight kinds to float32 -------------------------------------------------------------- */

@@ -12,6 +12,7 @@
 enum { QK_NORM_NONE = 0, QK_NORM_FULL = 1, QK_NORM_HEAD = 2 };
 enum { SCORE_SOFTMAX = 0, SCORE_SOFTMAX_TOPK = 1, SCORE_SIGMOID = 2 };
 enum { MAX_EXPERTS = 1024, MAX_TOP_K = 64 };
+enum { FFN_ROUTED = 0, FFN_SHARED = 1, FFN_DENSE = 2 };
 
 static void bf16_to_float(const uint16_t *src, float *dst, int n) {
     for (int i = 0; i < n; i++) dst[i] = bf16f(src[i]);
@@ -80,6 +81,30 @@ static void choose_experts(const float *logits, const float *correction, int E, 
     for (int k = 0; k < K; k++) weights[k] *= scaling;
 }
 
+/* The layer's own SwiGLU of the normed stream (hf) into mlp_out, as runtime/moe.py's LinearMLP computes it through
+ * DenseLinear: gate and up (rounded to bf16), silu(gate) rounded, times up rounded, down (rounded); float32 compute
+ * rounds nothing. */
+static int swiglu(tk_layer_args *a) {
+    int code;
+    if ((code = tk_linear(&a->mlp[0])) || (code = tk_linear(&a->mlp[1]))) return code;
+    const int I = a->mlp_inter;
+    if (a->f32) {
+        const float *g = (const float *)a->mlp_gate, *u = (const float *)a->mlp_up;
+        for (int i = 0; i < I; i++) a->mlp_h[i] = silu(g[i]) * u[i];
+    } else {
+        const uint16_t *g = (const uint16_t *)a->mlp_gate, *u = (const uint16_t *)a->mlp_up;
+        for (int i = 0; i < I; i++) {
+            const float s = bf16f(bf16_of(silu(bf16f(g[i]))));
+            a->mlp_h[i] = bf16f(bf16_of(s * bf16f(u[i])));
+        }
+    }
+    return tk_linear(&a->mlp[2]);
+}
+
+static inline float mlp_value(const tk_layer_args *a, int i) {
+    return a->f32 ? ((const float *)a->mlp_out)[i] : bf16f(((const uint16_t *)a->mlp_out)[i]);
+}
+
 /* x [H] float32, the residual stream, through one layer (positions as `a->attend` says). 0, or a negative code.
  * bf16 compute rounds where the torch path rounds: the norms' outputs (h), the projections' (qkv_out, attend_out, the
  * router's logits); float32 compute rounds nothing, and the normed stream goes to the projections as it is (hf). */
@@ -112,6 +137,11 @@ static int layer_step(tk_layer_args *a, float *x) {
     /* experts */
     norm(x, 1, H, a->post_norm, f32 ? (void *)a->hf : (void *)a->h, 1, H, a->eps, f32);
     if (!f32) bf16_to_float(a->h, a->hf, H);
+    if (a->ffn == FFN_DENSE) {  /* the SwiGLU's output (bf16) into the stream, as the torch path adds it */
+        if ((code = swiglu(a))) return code;
+        for (int i = 0; i < H; i++) x[i] += mlp_value(a, i);
+        return 0;
+    }
     if ((code = tk_linear(&a->router))) return code;
     float logits[MAX_EXPERTS];
     if (f32) {  /* the router's float32 sums, its bias added */
@@ -125,6 +155,11 @@ static int layer_step(tk_layer_args *a, float *x) {
     choose_experts(logits, a->correction, a->moe.experts, a->moe.top_k, a->scoring, a->normalize, a->scaling,
                    (int64_t *)a->moe.ids, (float *)a->moe.weights);
     if ((code = tk_moe(&a->moe))) return code;
+    if (a->ffn == FFN_SHARED) {  /* the experts' float32 sum plus the shared one's, then into the stream */
+        if ((code = swiglu(a))) return code;
+        for (int i = 0; i < H; i++) x[i] += a->moe.out[i] + mlp_value(a, i);
+        return 0;
+    }
     for (int i = 0; i < H; i++) x[i] += a->moe.out[i];
     return 0;
 }
@@ -134,8 +169,10 @@ static int layer_step(tk_layer_args *a, float *x) {
 int tk_decode_layers(tk_layer_args *layers, int n, float *x, int start, const void *cos, const void *sin) {
     for (int l = 0; l < n; l++) {
         tk_layer_args *a = &layers[l];
-        if (a->moe.experts > MAX_EXPERTS || a->moe.top_k > MAX_TOP_K || a->moe.top_k > a->moe.experts ||
-            a->moe.tokens != 1)
+        if (a->ffn < FFN_ROUTED || a->ffn > FFN_DENSE)
+            return -8;
+        if (a->ffn != FFN_DENSE && (a->moe.experts > MAX_EXPERTS || a->moe.top_k > MAX_TOP_K ||
+                                    a->moe.top_k > a->moe.experts || a->moe.tokens != 1))
             return -8;
         a->attend.start = start, a->attend.cos = cos, a->attend.sin = sin;
         a->attend.first = a->window && start + 1 > a->window ? start + 1 - a->window : 0;
