@@ -302,7 +302,7 @@ class RoutedExperts:
 
     def step_refusal(self, weights: MoEBlockWeights) -> str | None:
         if weights.shared is not None and (weights.shared.gate is not None or not through_linear(weights.shared.mlp)):
-            return "its shared expert is gated (the step has no gate)"
+            return "its shared expert is gated, or not multiplied by the kernels"
         if weights.rule.n_group > 1 or weights.rule.scoring not in SCORINGS:
             return f"it routes by {weights.rule.scoring} or by groups"
         if weights.rule.scale_input:
@@ -336,8 +336,9 @@ def route(router_logits: torch.Tensor, rule: RoutingRule,
         return torch.softmax(logits.gather(-1, ids), dim=-1) * rule.scaling, ids
     scores = torch.softmax(logits, dim=-1) if rule.scoring == "softmax" else torch.sigmoid(logits)  # [T, E]
     # sigmoid's order is the logits' own, but large logits all round to a score of 1.0 in float32: without a
-    # correction they choose (Llama 4 takes the top logits), so that such experts do not tie
-    plain = logits if rule.scoring == "sigmoid" else scores
+    # correction they choose (Llama 4 takes the top logits), so that such experts do not tie (groups scored by their
+    # best two add scores: theirs, not the logits, as DeepSeek-V3 sums them)
+    plain = logits if rule.scoring == "sigmoid" and rule.n_group == 1 else scores
     choose = plain if correction is None else scores + correction.float()  # [T, E]
     if rule.n_group > 1:
         choose = _keep_best_groups(choose, rule)
