@@ -303,7 +303,8 @@ def attend_positions(model: MoEModel, i: int, a: Attention, q: torch.Tensor, k: 
     cfg = model.cfg
     if not cfg.rotates(i):  # tables of no dims: nothing turns
         cos, sin = cos[..., :0], sin[..., :0]
-        q = with_temperature(cfg, i, q, torch.arange(start, start + T, device=q.device))
+        if (temperature := cfg.temperature(i)) is not None:
+            q = with_temperature(q, temperature, torch.arange(start, start + T, device=q.device))
     elif cfg.qk_norm_after_rope:  # rotated here, normed, then attended with tables that rotate nothing
         q, k, cos, sin = rotated_and_normed(model, a, q, k, cos, sin)
     window, chunk = cfg.window(i), cfg.chunk(i)
@@ -317,13 +318,10 @@ def attend_positions(model: MoEModel, i: int, a: Attention, q: torch.Tensor, k: 
                          cfg.attention_scale, chunk)
 
 
-def with_temperature(cfg: ModelConfig, i: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """q [B, T, Hq, D] of tokens at `positions` [T], scaled by layer i's temperature at each position where it has
-    one (Llama 4's layers without RoPE: 1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)), in float32, as
-    transformers computes it)."""
-    temperature = cfg.temperature(i)
-    if temperature is None:
-        return q
+def with_temperature(q: torch.Tensor, temperature: tuple[float, float], positions: torch.Tensor) -> torch.Tensor:
+    """q [B, T, Hq, D] of tokens at `positions` [T], scaled by a layer's temperature (floor_scale, attn_scale) at
+    each position (Llama 4's layers without RoPE: 1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)), in
+    float32, as transformers computes it)."""
     floor_scale, attn_scale = temperature
     scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0  # [T]
     return (q * scales.view(1, -1, 1, 1)).to(q.dtype)
@@ -387,7 +385,8 @@ def attend_decoding(model: MoEModel, i: int, a: Attention, q: torch.Tensor, k: t
         queries = q[:, at]  # [1, S, Hq, D]
         if not cfg.rotates(i):
             cos, sin = cos[:, :0], sin[:, :0]
-            queries = with_temperature(cfg, i, queries, torch.tensor(starts))
+            if (temperature := cfg.temperature(i)) is not None:
+                queries = with_temperature(queries, temperature, torch.tensor(starts))
         out = attend_rows(queries[0].flatten(1), k[0, at].flatten(1), v[0, at].flatten(1), cos, sin,
                           cache.k[i], cache.v[i], [segments[j].row for j in ones],  # type: ignore[union-attr]
                           starts, cfg.window(i) or 0, a.sinks, model.threads, scale=cfg.attention_scale,

@@ -188,6 +188,13 @@ class MXFP4Expert(ExpertWeights):
                            down_bias=db, alpha=self.alpha, limit=self.limit)
 
 
+def swiglu_through(linear: Callable[..., torch.Tensor], x: torch.Tensor, gate: object, up: object,
+                   down: object) -> torch.Tensor:
+    """down(silu(gate x) * up x) with each product through `linear` (DenseLinear), rounded where it rounds: the
+    layer loop's own SwiGLUs as the decode step computes them (csrc/step.c swiglu). x [n, H] -> [n, H]."""
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+
+
 @dataclass(frozen=True, kw_only=True)
 class BlockExpert(ExpertWeights):
     """A SwiGLU expert whose matrices are GGUF blocks as the file stores them (kernels/blocks.py): `gate`, `up`,
@@ -206,8 +213,7 @@ class BlockExpert(ExpertWeights):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
         gate, up, down = self.matrices()
         if self.linear is not None and x.device.type == "cpu":  # a dense layer or shared expert: the kernel
-            h = F.silu(self.linear(x, gate)) * self.linear(x, up)  # [n, I]
-            return self.linear(h, down)
+            return swiglu_through(self.linear, x, gate, up, down)
         dt = x.dtype
         gate_w, up_w, down_w = (m.dequantize(dt) for m in (gate, up, down))  # where the blocks lie
         return F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
@@ -229,7 +235,7 @@ class LinearMLP(ExpertWeights):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
         if x.device.type != "cpu":
             return super().__call__(x)
-        return self.linear(F.silu(self.linear(x, self.gate)) * self.linear(x, self.up), self.down)
+        return swiglu_through(self.linear, x, self.gate, self.up, self.down)
 
     def like(self, tensors: Sequence[torch.Tensor]) -> LinearMLP:
         gate, up, down = tensors
