@@ -40,6 +40,7 @@ from tandem.kernels.choice import (
 from tandem.kernels.errors import KernelError
 from tandem.kernels.library import (
     ACT_CLAMPED,
+    ACT_GELU_TANH,
     ACT_SILU,
     AMX_BATCH,
     BLOCK_KINDS,
@@ -102,15 +103,25 @@ def clamped_glu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def glu(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """An expert's gate activation times its up projection: silu(gate) * up (SwiGLU), or, `act` "gelu_tanh", GELU
+    with tanh's approximation (Gemma's GeGLU, transformers' gelu_pytorch_tanh)."""
+    if act == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    return F.silu(gate) * up
+
+
 @dataclass(frozen=True)
 class Epilogue:
     """What an expert adds around its three products (gpt-oss): biases of gate and up (before the activation) and of
-    down (after it), float32; and the clamped SwiGLU's (alpha, limit), or None for plain SwiGLU."""
+    down (after it), float32; and the clamped SwiGLU's (alpha, limit), or None for plain SwiGLU; or the gate's
+    activation (`act`, `glu`: Gemma's GeGLU)."""
 
     gate_bias: torch.Tensor | None = None  # [I]
     up_bias: torch.Tensor | None = None  # [I]
     down_bias: torch.Tensor | None = None  # [H]
     clamped: tuple[float, float] | None = None
+    act: str = "silu"
 
     def __post_init__(self) -> None:
         for name in ("gate_bias", "up_bias", "down_bias"):
@@ -123,7 +134,7 @@ class Epilogue:
         def bias(b: torch.Tensor | None) -> torch.Tensor | None:
             return None if b is None else b.to(x.dtype)
         g, u = F.linear(x, gate, bias(self.gate_bias)), F.linear(x, up, bias(self.up_bias))  # [n, I]
-        h = F.silu(g) * u if self.clamped is None else clamped_glu(g, u, *self.clamped)
+        h = glu(g, u, self.act) if self.clamped is None else clamped_glu(g, u, *self.clamped)
         return F.linear(h, down, bias(self.down_bias))
 
     def fill(self, a: Args | Weights) -> None:
@@ -131,11 +142,18 @@ class Epilogue:
         a.gate_bias, a.up_bias, a.down_bias = (None if b is None else b.data_ptr()
                                                for b in (self.gate_bias, self.up_bias, self.down_bias))
         if isinstance(a, Args):
-            a.act_kind = ACT_SILU if self.clamped is None else ACT_CLAMPED
+            a.act_kind = ACT_CLAMPED if self.clamped is not None else ACT_GELU_TANH if self.act == "gelu_tanh" \
+                else ACT_SILU
             a.alpha, a.limit = self.clamped or (0.0, 0.0)
 
 
 NO_EPILOGUE = Epilogue()
+GELU_EPILOGUE = Epilogue(act="gelu_tanh")  # nothing added; the gate through GELU (Gemma)
+
+
+def epilogue_for(act: str) -> Epilogue:
+    """The epilogue of a plain expert (no biases) whose gate goes through `act`."""
+    return GELU_EPILOGUE if act == "gelu_tanh" else NO_EPILOGUE
 
 
 @dataclass(frozen=True)

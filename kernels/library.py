@@ -22,7 +22,7 @@ KINDS.update({name: 6 + i for i, name in enumerate(BLOCK_KINDS)})
 # (csrc/q8.c, csrc/q8avx2.c), where activations are bf16 anyway; float32 compute keeps the exact float path
 # (csrc/blocks.h: on AVX-512, or else the base variant, since AVX2's blocks are the int8 path)
 Q8_KINDS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
-ACT_SILU, ACT_CLAMPED = 0, 1  # the activations the kernels compute (csrc/common.h)
+ACT_SILU, ACT_CLAMPED, ACT_GELU_TANH = 0, 1, 2  # the activations the kernels compute (csrc/common.h)
 AMX_BATCH = 64  # experts one kernel region takes at most (csrc/common.h)
 XB_EXTRA = 192  # 16-bit values a row of xb holds beyond its width: room for int8 inputs (csrc/common.h q8_stride)
 MAX_THREADS = 4096  # a sanity bound: libgomp takes any positive count and allocates per thread

@@ -57,6 +57,8 @@ class Attention:
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     sinks: torch.Tensor | None = None  # [Hq] gpt-oss's attention sinks (cfg.attention_sinks)
+    out_norm: torch.Tensor | None = None  # [H] the output's RMSNorm (cfg.sandwich_norms: Gemma's
+    # post_attention_layernorm)
 
 
 SINK_QUERY_BLOCK = 64  # queries per pass of attend_with_sinks: its scores are [B, Hq, queries, S], and a long
@@ -126,19 +128,36 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
 
 
 class KVCache:
-    """Preallocated keys and values for every layer: [layers, B, Hkv, context, D] each."""
+    """Preallocated keys and values for every layer: [B, Hkv, context, D] each (`k[i]`, `v[i]`), views of one
+    tensor [layers, B, Hkv, context, D] per head geometry (most models have one; Gemma 4's global layers have
+    their own head size and key/value heads)."""
 
     def __init__(
         self, cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype, accel: Accelerator | None = None
     ) -> None:
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, context, cfg.head_dim)
-        if accel is None:
-            self.k, self.v = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
-        else:
-            self.k, self.v = accel.empty(shape, dtype, "the KV cache"), accel.empty(shape, dtype, "the KV cache")
+        shapes = [(cfg.kv_heads(i), cfg.head_size(i)) for i in range(cfg.num_layers)]
+        self.groups: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (its layers, keys, values)
+        for kv_heads, dim in dict.fromkeys(shapes):
+            layers = [i for i, s in enumerate(shapes) if s == (kv_heads, dim)]
+            shape = (len(layers), batch, kv_heads, context, dim)
+            if accel is None:
+                k, v = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+            else:
+                k, v = accel.empty(shape, dtype, "the KV cache"), accel.empty(shape, dtype, "the KV cache")
+            self.groups.append((layers, k, v))
+        self._views()
         self.context = context
         self.batch = batch
         self.held = HeldTokens(batch, context)  # the tokens each row holds (runtime/prefix.py)
+
+    def _views(self) -> None:
+        """`k` and `v`: each layer's [B, Hkv, context, D], views of its group's tensors."""
+        count = sum(len(layers) for layers, _, _ in self.groups)
+        self.k: list[torch.Tensor] = [None] * count  # type: ignore[list-item]
+        self.v: list[torch.Tensor] = [None] * count  # type: ignore[list-item]
+        for layers, k, v in self.groups:
+            for j, i in enumerate(layers):
+                self.k[i], self.v[i] = k[j], v[j]
 
     def copy_rows(self, pairs: list[tuple[int, int]], length: int) -> None:
         """Beam search: for each (dst, src), batch row dst takes the first `length` positions of row src. No row
@@ -147,32 +166,36 @@ class KVCache:
         if {d for d, _ in pairs} & {s for _, s in pairs}:
             raise ValueError("copy_rows: a row cannot be both a source and a destination")
         for d, s in pairs:
-            self.k[:, d, :, :length].copy_(self.k[:, s, :, :length])
-            self.v[:, d, :, :length].copy_(self.v[:, s, :, :length])
+            for _, k, v in self.groups:
+                k[:, d, :, :length].copy_(k[:, s, :, :length])
+                v[:, d, :, :length].copy_(v[:, s, :, :length])
         self.held.copy_rows(pairs, length)
 
-    def snapshot(self, row: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row `row`'s first n positions (views): its keys and values, [layers, Hkv, n, D] each."""
-        return self.k[:, row, :, :n], self.v[:, row, :, :n]
+    def snapshot(self, row: int, n: int) -> tuple[torch.Tensor, ...]:
+        """Row `row`'s first n positions (views): each group's keys and values, [layers, Hkv, n, D] each."""
+        return tuple(t[:, row, :, :n] for _, k, v in self.groups for t in (k, v))
 
     def restore(self, row: int, parts: tuple[torch.Tensor, ...], n: int) -> None:
         """The first n positions of a `snapshot` (of this cache's shape) back into row `row`."""
-        k, v = parts
-        for i in range(k.shape[0]):  # a layer at a time: on an accelerator, a strided copy's temporary is one layer's
-            self.k[i, row, :, :n].copy_(k[i, :, :n])
-            self.v[i, row, :, :n].copy_(v[i, :, :n])
+        for (_, k, v), (pk, pv) in zip(self.groups, zip(parts[::2], parts[1::2], strict=True), strict=True):
+            for i in range(pk.shape[0]):  # a layer at a time: on an accelerator, a strided copy's temporary is one
+                # layer's
+                k[i, row, :, :n].copy_(pk[i, :, :n])
+                v[i, row, :, :n].copy_(pv[i, :, :n])
 
     def row(self, r: int) -> KVCache:
         """Batch row r alone, as a cache of one row: views, so what a pass writes into it lands in this cache."""
         view = copy.copy(self)
-        view.k, view.v, view.batch = self.k[:, r : r + 1], self.v[:, r : r + 1], 1
+        view.groups = [(layers, k[:, r : r + 1], v[:, r : r + 1]) for layers, k, v in self.groups]
+        view._views()
+        view.batch = 1
         view.held = self.held.row(r)
         return view
 
     @staticmethod
     def nbytes(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype) -> int:
         item = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.num_layers * batch * cfg.num_kv_heads * context * cfg.head_dim * item
+        return 2 * batch * context * item * sum(cfg.kv_heads(i) * cfg.head_size(i) for i in range(cfg.num_layers))
 
 
 class GroupedQueryAttention:
@@ -184,8 +207,9 @@ class GroupedQueryAttention:
     cache = KVCache
     host_cache = True
 
-    def tensors(self, cfg: ModelConfig, spec: FamilySpec | None, prefix: str) -> dict[str, Shape]:
-        h, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    def tensors(self, cfg: ModelConfig, spec: FamilySpec | None, layer: int, prefix: str) -> dict[str, Shape]:
+        h, d = cfg.hidden_size, cfg.head_size(layer)
+        q_dim, kv_dim = cfg.num_heads * d, cfg.kv_heads(layer) * d
         qn, kn = qk_norm_names(spec)
         out: dict[str, Shape] = {
             f"{prefix}.q_proj.weight": (q_dim, h),
@@ -193,6 +217,8 @@ class GroupedQueryAttention:
             f"{prefix}.v_proj.weight": (kv_dim, h),
             f"{prefix}.o_proj.weight": (h, q_dim),
         }
+        if keys_are_values(cfg, layer):
+            del out[f"{prefix}.v_proj.weight"]
         if cfg.qkv_bias:
             out |= {f"{prefix}.q_proj.bias": (q_dim,), f"{prefix}.k_proj.bias": (kv_dim,),
                     f"{prefix}.v_proj.bias": (kv_dim,)}
@@ -201,22 +227,29 @@ class GroupedQueryAttention:
         if cfg.attention_sinks:
             out[f"{prefix}.sinks"] = (cfg.num_heads,)
         if cfg.qk_norm == "head":
-            out |= {f"{prefix}.{qn}.weight": (cfg.head_dim,), f"{prefix}.{kn}.weight": (cfg.head_dim,)}
+            out |= {f"{prefix}.{qn}.weight": (d,), f"{prefix}.{kn}.weight": (d,)}
         elif cfg.qk_norm == "full":
             out |= {f"{prefix}.{qn}.weight": (q_dim,), f"{prefix}.{kn}.weight": (kv_dim,)}
+        if cfg.sandwich_norms:  # (beside self_attn, as Gemma names it)
+            out[f"{prefix.rsplit('.', 1)[0]}.post_attention_layernorm.weight"] = (h,)
         return out
 
-    def load(self, cfg: ModelConfig, prefix: str, load: Loaders) -> Attention:
-        rows = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+    def load(self, cfg: ModelConfig, layer: int, prefix: str, load: Loaders) -> Attention:
+        d = cfg.head_size(layer)
+        rows = [cfg.num_heads * d] + [cfg.kv_heads(layer) * d] * 2
+        names = [f"{prefix}.{n}_proj.weight" for n in "qkv"]
+        if keys_are_values(cfg, layer):  # v is k's product: not multiplied twice
+            names, rows = names[:2], rows[:2]
         norms = cfg.qk_norm in ("head", "full")  # (Llama 4's "l2" has no weights)
         qn, kn = qk_norm_names(load.spec)
         a = Attention(
-            load.projections([f"{prefix}.{n}_proj.weight" for n in "qkv"], rows), load.wq(f"{prefix}.o_proj.weight"),
+            load.projections(names, rows), load.wq(f"{prefix}.o_proj.weight"),
             load.stacked([f"{prefix}.{n}_proj.bias" for n in "qkv"], rows) if cfg.qkv_bias else None,
             load.opt(f"{prefix}.o_proj.bias") if cfg.o_bias else None,
             load.opt(f"{prefix}.{qn}.weight") if norms else None,
             load.opt(f"{prefix}.{kn}.weight") if norms else None,
             load.w(f"{prefix}.sinks") if cfg.attention_sinks else None,
+            load.w(f"{prefix.rsplit('.', 1)[0]}.post_attention_layernorm.weight") if cfg.sandwich_norms else None,
         )
         return halves_order(cfg, a) if cfg.rope_interleave else a
 
@@ -225,13 +258,16 @@ class GroupedQueryAttention:
             return "its attention clips q, k and v, or norms them in a way the step does not (after RoPE)"
         if cfg.attention_chunk or any(cfg.nope_layers):
             return "its attention runs in chunks, or some layers rotate nothing and scale their queries (Llama 4)"
+        if cfg.global_head_dim or cfg.global_rope or cfg.value_norm or cfg.sandwich_norms:
+            return ("its global layers have their own head size and RoPE, its values and attention's output are "
+                    "normed (Gemma 4)")
         return None
 
     def forward(self, model: MoEModel, i: int, a: Attention, x: torch.Tensor, start: int, cos: torch.Tensor,
                 sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = project_qkv(model, a, x)
+        q, k, v = project_qkv(model, i, a, x)
         out = attend_positions(model, i, a, q, k, v, model.cache, start, cos, sin, model.accel is None)  # type: ignore[arg-type]
-        return model.linear(out, a.o, a.o_bias, out_dtype=torch.float32)
+        return output(model, a, out)
 
     def forward_rows(self, model: MoEModel, i: int, a: Attention, x: torch.Tensor, segments: list[Segment],
                      rows: list[KVCache], spans: list[int]) -> torch.Tensor:
@@ -241,6 +277,19 @@ class GroupedQueryAttention:
         timeline = model.dispatcher.timeline
         with nullcontext() if timeline is None else timeline.span("attention"):
             return attend_segments(model, i, a, x, segments, rows, spans)
+
+
+def keys_are_values(cfg: ModelConfig, layer: int) -> bool:
+    """Whether `layer` has no v_proj, its values the keys' projection (Gemma 4's global layers:
+    attention_k_eq_v)."""
+    return cfg.values_from_keys and cfg.is_global(layer)
+
+
+def output(model: MoEModel, a: Attention, out: torch.Tensor) -> torch.Tensor:
+    """Attention's heads [B, T, Hq*D] through o_proj (and the output norm where the layer has one) -> [B, T, H]
+    float32, into the residual stream unrounded."""
+    y = model.linear(out, a.o, a.o_bias, out_dtype=torch.float32)
+    return y if a.out_norm is None else model.rms_norm(y, a.out_norm, model.cfg.rms_norm_eps).float()
 
 
 def halves_order(cfg: ModelConfig, a: Attention) -> Attention:
@@ -274,23 +323,31 @@ def qk_norm_names(spec: FamilySpec | None) -> tuple[str, str]:
     return spec.qk_norms if spec is not None else ("q_norm", "k_norm")
 
 
-def project_qkv(model: MoEModel, a: Attention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [B, T, H] -> q [B, T, Hq, D], k and v [B, T, Hkv, D]: one product for the three, then q/k norms and
-    clipping as the family asks."""
+def project_qkv(model: MoEModel, i: int, a: Attention, x: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [B, T, H] -> layer i's q [B, T, Hq, D], k and v [B, T, Hkv, D]: one product for the three (two where the
+    values are the keys' projection), then q/k norms and clipping as the family asks, and the values' norm."""
     cfg = model.cfg
     B, T, _ = x.shape
+    d, kv_heads = cfg.head_size(i), cfg.kv_heads(i)
     qkv = model.linear(x, a.qkv, a.qkv_bias)  # [B, T, (Hq + 2 Hkv) * D]
-    kv = cfg.num_kv_heads * cfg.head_dim
-    q, k, v = qkv.split((cfg.num_heads * cfg.head_dim, kv, kv), dim=-1)  # [B, T, Hq*D], [B, T, Hkv*D] x 2
+    kv = kv_heads * d
+    if keys_are_values(cfg, i):
+        q, k = qkv.split((cfg.num_heads * d, kv), dim=-1)
+        v = k  # (before k's norm and rotation)
+    else:
+        q, k, v = qkv.split((cfg.num_heads * d, kv, kv), dim=-1)  # [B, T, Hq*D], [B, T, Hkv*D] x 2
     if cfg.qk_norm == "full":
         q, k = model.rms_norm(q, a.q_norm, cfg.rms_norm_eps), model.rms_norm(k, a.k_norm, cfg.rms_norm_eps)
     if cfg.clip_qkv is not None:
         q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
-    q = q.view(B, T, cfg.num_heads, cfg.head_dim)  # [B, T, Hq, D]
-    k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, D]
-    v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, D]
+    q = q.view(B, T, cfg.num_heads, d)  # [B, T, Hq, D]
+    k = k.view(B, T, kv_heads, d)  # [B, T, Hkv, D]
+    v = v.view(B, T, kv_heads, d)  # [B, T, Hkv, D]
     if cfg.qk_norm == "head" and not cfg.qk_norm_after_rope:
         q, k = model.rms_norm(q, a.q_norm, cfg.rms_norm_eps), model.rms_norm(k, a.k_norm, cfg.rms_norm_eps)
+    if cfg.value_norm:  # each head to unit RMS, no weight (Gemma 4's v_norm), in float32 as the reference
+        v = F.rms_norm(v.float(), (d,), None, cfg.rms_norm_eps).to(v.dtype)
     return q, k, v
 
 
@@ -345,7 +402,7 @@ def rotated_and_normed(model: MoEModel, a: Attention, q: torch.Tensor, k: torch.
 def attend_segments(model: MoEModel, i: int, a: Attention, x: torch.Tensor, segments: list[Segment],
                     rows: list[KVCache], spans: list[int]) -> torch.Tensor:
     """GroupedQueryAttention.forward_rows without its timeline span."""
-    q, k, v = project_qkv(model, a, x)  # [1, N, Hq, D], [1, N, Hkv, D] x 2
+    q, k, v = project_qkv(model, i, a, x)  # [1, N, Hq, D], [1, N, Hkv, D] x 2
     accel = model.accel
     host = model.host_cache and accel is not None
     head = a
@@ -360,12 +417,12 @@ def attend_segments(model: MoEModel, i: int, a: Attention, x: torch.Tensor, segm
         attend_decoding(model, i, head, q, k, v, segments, spans, host, parts)
     out = torch.cat([part if part is not None else
                      attend_positions(model, i, head, q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], row, seg.start,
-                                      *model.segment_tables(seg, host), on_host)
+                                      *model.segment_tables(seg, host, i), on_host)
                      for part, seg, row, lo, hi in zip(parts, segments, rows, spans, spans[1:], strict=False)],
                     dim=1)  # [1, N, Hq*D]
     if host:
         out = accel.to_device(out)  # type: ignore[union-attr]
-    return model.linear(out, a.o, a.o_bias, out_dtype=torch.float32)  # into the residual stream, unrounded
+    return output(model, a, out)
 
 
 def attend_decoding(model: MoEModel, i: int, a: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -381,7 +438,7 @@ def attend_decoding(model: MoEModel, i: int, a: Attention, q: torch.Tensor, k: t
             continue
         at = torch.tensor([spans[j] for j in ones])  # [S]: their tokens among the N
         starts = [segments[j].start for j in ones]
-        cos, sin = model.tables_for(long, host)
+        cos, sin = model.tables_for(long, host, i)
         queries = q[:, at]  # [1, S, Hq, D]
         if not cfg.rotates(i):
             cos, sin = cos[:, :0], sin[:, :0]

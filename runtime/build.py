@@ -29,6 +29,7 @@ from tandem.runtime.moe import BlockExpert, ClampedSwiGLUExpert, ExpertWeights, 
 from tandem.runtime.weights import (
     dense_matrices,
     expert_names,
+    ffn_norm_name,
     fused_expert_names,
     layer_prefix,
     mxfp4_expert_names,
@@ -54,22 +55,22 @@ def float_experts(ckpt: Checkpoint, layer: int, resident: bool = False) -> list[
     """One MoE layer's SwiGLU experts stored as float matrices, in the file's dtype: views of per-expert tensors (of
     the map, or of RAM copies when `resident`), or of the two tensors a layer stacks them in (Granite's rows; Llama
     4's, stored as x @ W, copied into rows once)."""
-    n = ckpt.config.num_experts
+    n, act = ckpt.config.num_experts, ckpt.config.activation
     if ckpt.spec.stacked_by_input:  # Llama 4: [E, H, 2I] and [E, I, H]; the kernels read rows, so the layer is
         # copied once, transposed, from the file (not read into RAM first: that would hold it twice)
         gate_up, down = (ckpt.tensor(name) for name in stacked_expert_names(ckpt.spec, layer))
         rows = gate_up.transpose(1, 2).contiguous()  # [E, 2I, H]
         down_rows = down.transpose(1, 2).contiguous()  # [E, H, I]
         width = rows.shape[1] // 2
-        return [ExpertWeights(rows[e, :width], rows[e, width:], down_rows[e]) for e in range(n)]
+        return [ExpertWeights(rows[e, :width], rows[e, width:], down_rows[e], act) for e in range(n)]
     if ckpt.spec.stacked_experts:  # Granite: each expert's gate, up and down rows views of the two tensors
         names = list(stacked_expert_names(ckpt.spec, layer))
         gate_up, down = ckpt.read_into_ram(names) if resident else [ckpt.tensor(name) for name in names]
         width = gate_up.shape[1] // 2  # rows [E, 2I, H] and [E, H, I]
-        return [ExpertWeights(gate_up[e, :width], gate_up[e, width:], down[e]) for e in range(n)]
+        return [ExpertWeights(gate_up[e, :width], gate_up[e, width:], down[e], act) for e in range(n)]
     names = [name for e in range(n) for name in expert_names(ckpt.spec, layer, e)]
     tensors = ckpt.read_into_ram(names) if resident else [ckpt.tensor(name) for name in names]
-    return [ExpertWeights(*tensors[3 * e : 3 * e + 3]) for e in range(n)]
+    return [ExpertWeights(*tensors[3 * e : 3 * e + 3], act) for e in range(n)]
 
 
 def routed_experts(ckpt: Checkpoint, layers: list[int], resident: bool,
@@ -98,7 +99,8 @@ def routed_experts(ckpt: Checkpoint, layers: list[int], resident: bool,
                 buffer, offsets = one_buffer([d.numel() for d in data])
                 data = [buffer[at : at + d.numel()].view(d.shape).copy_(d) for d, at in zip(data, offsets, strict=True)]
             formats = (mats[0].kind, mats[2].kind)  # type: ignore[union-attr]
-            return [BlockExpert(*data[3 * e : 3 * e + 3], formats=formats) for e in range(n)]
+            return [BlockExpert(*data[3 * e : 3 * e + 3], ckpt.config.activation, formats=formats)
+                    for e in range(n)]
         if ckpt.spec.fused_experts and ckpt.config.experts_mxfp4:  # gpt-oss as published: 4-bit copies per expert
             stored = [ckpt.tensor(name) for name in mxfp4_expert_names(ckpt.spec, layer)]
             alpha, limit = ckpt.config.clamped_swiglu or (1.702, 7.0)
@@ -181,22 +183,25 @@ def build_model(ckpt: Checkpoint, run: ModelRun, accel: Accelerator | None = Non
     def mlp(prefix: str) -> ExpertWeights:
         if spec.stacked_mlp and f"{prefix}.{spec.stacked_mlp[0]}.weight" in ckpt.where:  # gate and up in one
             gate_up, down = (w(f"{prefix}.{name}.weight") for name in spec.stacked_mlp)
-            return LinearMLP(gate_up[: gate_up.shape[0] // 2], gate_up[gate_up.shape[0] // 2 :], down, linear=linear)
+            return LinearMLP(gate_up[: gate_up.shape[0] // 2], gate_up[gate_up.shape[0] // 2 :], down, cfg.activation,
+                             linear=linear)
         names = [f"{prefix}.{p}_proj.weight" for p in ("gate", "up", "down")]
         mats = [wq(n) for n in names]
         if all(isinstance(q, QuantizedMatrix) for q in mats) and mats[0].kind == mats[1].kind:  # type: ignore[union-attr]
-            return BlockExpert(*(q.data for q in mats), formats=(mats[0].kind, mats[2].kind),  # type: ignore[union-attr]
-                               linear=linear)
-        return LinearMLP(*(q.dequantize(dtype) if isinstance(q, QuantizedMatrix) else q for q in mats), linear=linear)
+            return BlockExpert(*(q.data for q in mats), cfg.activation,  # type: ignore[union-attr]
+                               formats=(mats[0].kind, mats[2].kind), linear=linear)  # type: ignore[union-attr]
+        return LinearMLP(*(q.dequantize(dtype) if isinstance(q, QuantizedMatrix) else q for q in mats),
+                         cfg.activation, linear=linear)
 
     load = Loaders(spec, w, wq, opt, projections, stacked, f32, mlp)
     layers = []
     for i, kinds in enumerate(plan(cfg)):  # each layer as its kinds load it (a routed layer's experts: below)
         p = layer_prefix(i)
-        layers.append(DecoderLayer(w(f"{p}.input_layernorm.weight"), w(f"{p}.post_attention_layernorm.weight"),
-                                   kinds.mixer.load(cfg, f"{p}.self_attn", load), kinds.ffn.load(cfg, i, load),
+        layers.append(DecoderLayer(w(f"{p}.input_layernorm.weight"), w(f"{p}.{ffn_norm_name(cfg)}.weight"),
+                                   kinds.mixer.load(cfg, i, f"{p}.self_attn", load), kinds.ffn.load(cfg, i, load),
                                    w(f"{p}.input_layernorm.bias") if cfg.norm_type == "layer" else None,
-                                   w(f"{p}.post_attention_layernorm.bias") if cfg.norm_type == "layer" else None))
+                                   w(f"{p}.post_attention_layernorm.bias") if cfg.norm_type == "layer" else None,
+                                   f32(f"{p}.layer_scalar") if cfg.layer_scalars else None))
     embed = wq("model.embed_tokens.weight")
     lm_head = embed if cfg.tie_word_embeddings else wq("lm_head.weight")
     # Last, as the longest step when they are read into RAM: whatever does not fit has failed by now.

@@ -16,6 +16,8 @@ from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 # no q/k norm; RMSNorm per head (Qwen3); over the projection (OLMoE); each head of the rotated q and k scaled to unit
 # RMS with no weight, in the layers that rotate (Llama 4's L2 norm)
 QKNorm = Literal["none", "head", "full", "l2"]
+# the experts' and MLPs' gate activation: silu(gate) * up, or GELU with tanh's approximation (Gemma's GeGLU)
+Activation = Literal["silu", "gelu_tanh"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,20 @@ class ModelConfig:
     clamped_swiglu: tuple[float, float] | None = None  # (alpha, limit): the experts compute gpt-oss's clamped SwiGLU
     # with biases (moe.ClampedSwiGLUExpert: torch; moe.MXFP4Expert: the C kernels); None: plain SwiGLU, no biases
     experts_mxfp4: bool = False  # the experts are stored as MXFP4 (`*_blocks`, `*_scales`: gpt-oss as published)
+    # Gemma 4
+    activation: Activation = "silu"  # the experts' and MLPs' gate: silu (SwiGLU) or tanh-approximated GELU (GeGLU)
+    sandwich_norms: bool = False  # attention's output RMSNormed before it joins the residual stream, and so is the
+    # feed-forward's (its own kind does that: runtime/parallel.py)
+    parallel_dense: bool = False  # the MoE layers run a dense MLP beside their experts (runtime/parallel.py)
+    # the layers outside `sliding_layers` ("global") where their attention differs: their head size, key/value heads
+    # and RoPE (theta, variant, parameters); 0 / None: as every other layer's
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    global_rope: tuple[float, str, tuple[tuple[str, Any], ...]] | None = None
+    values_from_keys: bool = False  # global layers: no v_proj, the values are k_proj's output (attention_k_eq_v)
+    value_norm: bool = False  # the values RMSNormed per head, with no weight
+    logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    layer_scalars: bool = False  # each layer's output (the whole residual stream) times its `layer_scalar`
 
     def __post_init__(self) -> None:
         if not self.sparse_layers:  # the default: a MoE block in every layer (frozen, hence object.__setattr__)
@@ -135,12 +151,29 @@ class ModelConfig:
         """`layer`'s query temperature (floor_scale, attn_scale), or None where its queries are not scaled."""
         return self.attention_temperature if self.nope_layers[layer] else None
 
+    def is_global(self, layer: int) -> bool:
+        """Whether `layer` is one of the global layers whose attention has its own geometry (`global_head_dim`)."""
+        return bool(self.global_head_dim) and not self.sliding_layers[layer]
+
+    def kv_heads(self, layer: int) -> int:
+        """`layer`'s key/value heads."""
+        return self.global_kv_heads or self.num_kv_heads if self.is_global(layer) else self.num_kv_heads
+
+    def head_size(self, layer: int) -> int:
+        """`layer`'s head dim."""
+        return self.global_head_dim if self.is_global(layer) else self.head_dim
+
+    def head_sizes(self) -> set[int]:
+        """Every layer's head dim."""
+        return {self.head_size(i) for i in range(self.num_layers)}
+
     @property
     def num_moe_layers(self) -> int:
         return sum(self.sparse_layers)
 
 
-ROPE_TYPES = {"default", "frequency_factors", "llama3", "longrope", "su", "yarn"}  # those runtime/rope.py implements
+# those runtime/rope.py implements
+ROPE_TYPES = {"default", "frequency_factors", "llama3", "longrope", "proportional", "su", "yarn"}
 
 
 def rope_fields(raw: dict[str, Any], default_theta: float) -> dict[str, Any]:
@@ -470,8 +503,9 @@ def check_config(cfg: ModelConfig, where: str) -> None:
     problems = rope_problems(cfg) + token_problems(cfg)
     if cfg.num_experts and cfg.top_k > cfg.num_experts:
         problems.append(f"each token picks {cfg.top_k} experts (top-k) but a layer has only {cfg.num_experts}")
-    if cfg.num_heads % cfg.num_kv_heads:
-        problems.append(f"{cfg.num_heads} attention heads do not share {cfg.num_kv_heads} key/value heads evenly")
+    for kv in {cfg.num_kv_heads, cfg.global_kv_heads or cfg.num_kv_heads}:
+        if cfg.num_heads % kv:
+            problems.append(f"{cfg.num_heads} attention heads do not share {kv} key/value heads evenly")
     if cfg.num_experts and not cfg.moe_intermediate_size:
         problems.append("the experts have no width (moe_intermediate_size)")
     if any(not s for s in cfg.sparse_layers) and not cfg.dense_intermediate_size:

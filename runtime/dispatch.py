@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.experts import CpuExpert, CpuOptions, Epilogue
+from tandem.kernels.experts import CpuExpert, CpuOptions, Epilogue, epilogue_for, glu
 from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.accelerator import Accelerator, Copy, HostRead, done
 from tandem.runtime.choices import Strategy
@@ -225,8 +225,9 @@ class Dispatcher:
             return self.executor.prepare_quantized(
                 *w.matrices(), Epilogue(w.gate_bias, w.up_bias, w.down_bias, (w.alpha, w.limit)))
         if isinstance(w, BlockExpert):  # GGUF blocks as the file stores them
-            return self.executor.prepare_quantized(*w.matrices())
-        return self.executor.prepare(w.gate, w.up, w.down, reference=None if w.kernel_ready else w)
+            return self.executor.prepare_quantized(*w.matrices(), epilogue_for(w.act))
+        return self.executor.prepare(w.gate, w.up, w.down, reference=None if w.kernel_ready else w,
+                                     epilogue=epilogue_for(w.act))
 
     def _source(self, layer: int, e: int) -> ExpertWeights:
         """What an accelerator copy of expert `e` of `layer` is made from: the expert as stored, or, where the CPU
@@ -235,7 +236,7 @@ class Dispatcher:
         stored = self.blocks[layer].experts[e]
         cpu = self.cpu_experts[layer][e]
         if type(stored) is ExpertWeights and isinstance(cpu.gate, QuantizedMatrix):
-            return ExpertWeights(*cpu.dense(self.dtype))
+            return ExpertWeights(*cpu.dense(self.dtype), stored.act)
         return stored
 
     def _slot_dtype(self, t: torch.Tensor) -> torch.dtype:
@@ -278,7 +279,8 @@ class Dispatcher:
             for k in range(n):
                 tensors = [slab[k * stride + at : k * stride + at + math.prod(shape) * dtype.itemsize]
                            .view(dtype).view(shape) for shape, dtype, at in layout]
-                out.append(ExpertWeights(*tensors) if template is None or type(template) is ExpertWeights
+                out.append(ExpertWeights(*tensors, act=self.cfg.activation)
+                           if template is None or type(template) is ExpertWeights
                            else template.like(tensors))
         return out
 
@@ -394,13 +396,15 @@ class Dispatcher:
         with self.timeline.span("moe"):  # the whole layer, as the caller waits for it
             return self.finish(self.start(layer, x))
 
-    def start(self, layer: int, x: torch.Tensor) -> Pending:
+    def start(self, layer: int, x: torch.Tensor, router_x: torch.Tensor | None = None) -> Pending:
         """The layer's first half: routing, the plan, and the accelerator's experts queued (not waited for). The host
         is free until `finish`: a pipelined pass runs another micro-batch's attention meanwhile. CPU only: the whole
-        layer, now."""
+        layer, now. `router_x`: what the router reads where it is not what the experts take (Gemma 4's)."""
         block = self.blocks[layer]
-        logits = self.linear(x, block.router, block.router_bias)  # [T, E]
+        logits = self.linear(x if router_x is None else router_x, block.router, block.router_bias)  # [T, E]
         weights, ids = route(logits, block.rule, block.correction)  # [T, K], [T, K]
+        if block.expert_scale is not None:  # each chosen expert's own factor (Gemma 4's per_expert_scale)
+            weights = weights * block.expert_scale[ids]
         routed, weights = routed_input(x, weights, block.rule)  # the shared expert takes x itself
         if self.accel is None:  # CPU only: every expert through the executor
             counts = self.record_cpu(layer, ids)  # [E] routings per expert
@@ -420,7 +424,7 @@ class Dispatcher:
         if stacked is not None and ids.numel() <= GROUPED_TOKENS:  # every expert here: chosen on the device
             self._unread.append((layer, self.accel.download(lambda: (ids,))))  # for the trace, read later
             return Pending(layer, self.accel.submit(partial(self._device_chosen, block, stacked, x, routed, ids,
-                                                            weights)))
+                                                            weights, self.cfg.activation)))
         # the layer's one host read: the routing for the plan, the activations for the CPU experts
         ids_h, weights_h, x_h = self.accel.download(lambda: (ids, weights, routed)).wait()  # [T, K], [T, K], [T, H]
         counts = self.recorder.record(layer, ids_h)  # [E] routings per expert
@@ -630,7 +634,8 @@ class Dispatcher:
         k = len(experts)
         gate_up = torch.stack([w.gate for w in experts] + [w.up for w in experts])  # [2k, I, H]
         h = torch.matmul(x, gate_up.transpose(1, 2))  # [2k, T, I]
-        y = torch.bmm(F.silu(h[:k]) * h[k:], torch.stack([w.down for w in experts]).transpose(1, 2))  # [k, T, H]
+        down = torch.stack([w.down for w in experts]).transpose(1, 2)  # [k, I, H]
+        y = torch.bmm(glu(h[:k], h[k:], experts[0].act), down)  # [k, T, H]
         if x.shape[0] == 1:  # (one token: it chose them all)
             part = torch.matmul(share.t(), y[:, 0].float())  # [1, H]
         else:
@@ -639,7 +644,7 @@ class Dispatcher:
 
     @staticmethod
     def _device_chosen(block: MoEBlockWeights, stacked: list[torch.Tensor], shared_x: torch.Tensor, x: torch.Tensor,
-                       ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+                       ids: torch.Tensor, weights: torch.Tensor, act: str) -> torch.Tensor:
         """Device work of a layer whose experts are all on the device, chosen there: each token's K experts picked
         from `stacked` (the layer's static slots as [E, I, H], [E, I, H], [E, H, I]) by its ids [T, K] (a copy of
         T*K experts), run as one batched product over x [T, H] and weighted by the float32 `weights` [T, K];
@@ -648,7 +653,7 @@ class Dispatcher:
         flat = ids.reshape(-1)  # [T*K]
         gate, up, down = (s.index_select(0, flat) for s in stacked)  # [T*K, I, H] x 2, [T*K, H, I]
         rows = (x.expand(K, -1) if T == 1 else x.repeat_interleave(K, dim=0)).unsqueeze(1)  # [T*K, 1, H]
-        h = F.silu(torch.bmm(rows, gate.transpose(1, 2))) * torch.bmm(rows, up.transpose(1, 2))  # [T*K, 1, I]
+        h = glu(torch.bmm(rows, gate.transpose(1, 2)), torch.bmm(rows, up.transpose(1, 2)), act)  # [T*K, 1, I]
         y = torch.bmm(h, down.transpose(1, 2)).view(T, K, -1)  # [T, K, H]
         out = torch.matmul(weights.unsqueeze(1), y.float()).squeeze(1)  # [T, H]
         return out + block.shared(shared_x).float() if block.shared is not None else out

@@ -51,13 +51,13 @@ class Mixer(Protocol):
     # accel), with `nbytes`, `row`, `copy_rows`, `snapshot` and `restore` (runtime/prefix.py asks these)
     host_cache: bool  # its cache can be kept in RAM beside an accelerator, attention on the CPU (MoEModel.with_batch)
 
-    def tensors(self, cfg: ModelConfig, spec: FamilySpec | None, prefix: str) -> dict[str, Shape]:
-        """Its tensors in one layer under `prefix` (`model.layers.N.self_attn`), named as `spec`'s family names them
-        (None: the usual names, for their shapes alone), with their shapes."""
+    def tensors(self, cfg: ModelConfig, spec: FamilySpec | None, layer: int, prefix: str) -> dict[str, Shape]:
+        """Its tensors in layer `layer`, under `prefix` (`model.layers.N.self_attn`), named as `spec`'s family names
+        them (None: the usual names, for their shapes alone), with their shapes."""
         ...
 
-    def load(self, cfg: ModelConfig, prefix: str, load: Loaders) -> Any:
-        """One layer's weights, placed by `load`."""
+    def load(self, cfg: ModelConfig, layer: int, prefix: str, load: Loaders) -> Any:
+        """Layer `layer`'s weights (under `prefix`), placed by `load`."""
         ...
 
     def step_refusal(self, cfg: ModelConfig) -> str | None:
@@ -82,7 +82,16 @@ class FeedForward(Protocol):
 
     name: str  # its name in runtime/layers.py FEED_FORWARDS
     routed: bool  # its experts run through the dispatcher (MoEModel.dispatcher), which may queue them on an
-    # accelerator while the host goes on; else the layer's weights run as they are, weights(h)
+    # accelerator while the host goes on (its weights are then a `MoEBlockWeights`)
+
+    def start(self, model: MoEModel, i: int, weights: Any, x: torch.Tensor, h: torch.Tensor) -> Any:
+        """Layer i's first half over the residual stream x [n, H] and its norm h [n, H]: a routed layer's experts
+        queued (not waited for: a pipelined pass runs another micro-batch's attention meanwhile)."""
+        ...
+
+    def finish(self, model: MoEModel, weights: Any, started: Any) -> torch.Tensor:
+        """What `start` began, finished: the layer's output [n, H] into the residual stream."""
+        ...
 
     def load(self, cfg: ModelConfig, i: int, load: Loaders) -> Any:
         """Layer i's weights, placed by `load` (a routed layer's experts come later: runtime/build.py reads them

@@ -205,10 +205,10 @@ class LatentAttention:
     cache = LatentCache
     host_cache = False
 
-    def tensors(self, cfg: ModelConfig, spec: FamilySpec | None, prefix: str) -> dict[str, Shape]:
+    def tensors(self, cfg: ModelConfig, spec: FamilySpec | None, layer: int, prefix: str) -> dict[str, Shape]:
         return mla_tensors(cfg, prefix)
 
-    def load(self, cfg: ModelConfig, prefix: str, load: Loaders) -> MLAWeights:
+    def load(self, cfg: ModelConfig, layer: int, prefix: str, load: Loaders) -> MLAWeights:
         return load_mla(cfg, prefix, load.w)
 
     def step_refusal(self, cfg: ModelConfig) -> str | None:

@@ -29,7 +29,7 @@ from tandem.runtime.attention import Attention
 from tandem.runtime.checkpoint import Checkpoint
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.decode_step import DecodeStep, why_not
-from tandem.runtime.dispatch import Dispatcher, OffloadOptions, Pending
+from tandem.runtime.dispatch import Dispatcher, OffloadOptions
 from tandem.runtime.layers import cache_class, plan
 from tandem.runtime.mla import MLAWeights
 from tandem.runtime.moe import ExpertWeights, MoEBlockWeights
@@ -63,6 +63,7 @@ class DecoderLayer:
     ffn: MoEBlockWeights | ExpertWeights
     input_norm_bias: torch.Tensor | None = None  # LayerNorm's biases (cfg.norm_type "layer")
     post_norm_bias: torch.Tensor | None = None
+    scalar: torch.Tensor | None = None  # [1] float32: the layer's output times it (cfg.layer_scalars)
 
 
 PREFILL_CHUNK = 512  # tokens per prefill pass on an accelerator: bounds the activations the budget keeps back
@@ -143,6 +144,15 @@ class MoEModel:
             if accel is not None else (cos, sin)
         # LongRoPE: a pass that reaches past `rope_switch` tokens rotates with the long tables; None when the
         # context never gets there or the long tables are the short ones (Phi-3.5-MoE's, as transformers 5 runs it)
+        # Gemma 4's global layers: tables of their own (their head size, theta and variant)
+        self.global_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        if cfg.global_rope is not None:
+            theta, kind, params = cfg.global_rope
+            own = replace(cfg, head_dim=cfg.global_head_dim or cfg.head_dim, rope_theta=theta, rope_type=kind,
+                          rope_params=params, rotary_dim=0)
+            tables = rope_tables(own, context, dtype)
+            self.global_tables = tables if accel is None else tuple(  # type: ignore[assignment]
+                accel.place(t, dtype, "RoPE tables") for t in tables)
         self.rope_switch = long_after(cfg)
         if self.rope_switch is not None:
             cos_long, sin_long = rope_tables(cfg, context, dtype, long=True)
@@ -166,7 +176,7 @@ class MoEModel:
         self.threads = self.linear.threads
         # (`attend_kernel`: the kernel serves this model's attention where it runs on the CPU; beside an accelerator
         # that is only a batch's attention over a KV cache in RAM, `host_cache`)
-        self.attend_kernel = cpu.use_kernel and attend_serves(dtype, cfg.head_dim)
+        self.attend_kernel = cpu.use_kernel and all(attend_serves(dtype, d) for d in cfg.head_sizes())
         # On an accelerator a prompt runs in passes of at most PREFILL_CHUNK tokens, and the memory their
         # activations take at the peak is kept back from the expert slots: a long prompt cannot run out of it.
         self.prefill_chunk: int | None = None
@@ -257,12 +267,16 @@ class MoEModel:
             x = x.contiguous()
             step(x.view(-1), start, cos[0], sin[0])
         else:
+            own = None if self.global_tables is None else tuple(t[start : start + T] for t in self.global_tables)
             for i, (layer, kinds) in enumerate(zip(self.layers, self.plan, strict=True)):
+                tables = own if own is not None and self.cfg.is_global(i) else (cos, sin)
                 h = self._norm(x, layer.input_norm, layer.input_norm_bias)
-                x = x + self._scaled(kinds.mixer.forward(self, i, layer.attn, h, start, cos, sin))
+                x = x + self._scaled(kinds.mixer.forward(self, i, layer.attn, h, start, *tables))
                 h = self._norm(x, layer.post_norm, layer.post_norm_bias).view(B * T, -1)  # [B*T, H]
-                y = self.dispatcher(i, h) if kinds.ffn.routed else layer.ffn(h)  # [B*T, H]
-                x = x + self._scaled(y.view(B, T, -1))  # [B, T, H]
+                started = kinds.ffn.start(self, i, layer.ffn, x.view(B * T, -1), h)
+                x = x + self._scaled(kinds.ffn.finish(self, layer.ffn, started).view(B, T, -1))  # [B, T, H]
+                if layer.scalar is not None:
+                    x = x * layer.scalar
         if last_only:
             x = x[:, -1:]  # [B, 1, H]
         # float32 logits, not rounded to the compute dtype: bf16 steps of 1/8 around 16-32 turn near ties into
@@ -278,10 +292,12 @@ class MoEModel:
         return y if r == 1.0 else y * r
 
     def _read_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """The step's logits on the host (on an accelerator, its one host read; divided by Granite's logits_scaling),
-        then what the dispatcher left to read behind them."""
+        """The step's logits on the host (on an accelerator, its one host read; divided by Granite's logits_scaling,
+        soft-capped by Gemma's cap), then what the dispatcher left to read behind them."""
         if self.cfg.logits_scaling != 1.0:
             logits = logits / self.cfg.logits_scaling
+        if (cap := self.cfg.logit_softcap) is not None:
+            logits = torch.tanh(logits / cap) * cap
         if self.accel is None:
             return logits
         logits = self.accel.to_host(logits)
@@ -364,21 +380,22 @@ class MoEModel:
         moe = [i for i, kinds in enumerate(self.plan) if kinds.ffn.routed]
         after = dict(zip(moe, moe[1:], strict=False))  # each MoE layer's next one
         for i, (layer, kinds) in enumerate(zip(self.layers, self.plan, strict=True)):
-            pending: list[tuple[int, Pending]] = []
+            pending: list[tuple[int, Any]] = []  # (micro-batch, what its feed-forward started)
             for g, (a, b) in enumerate(groups):
                 n = xs[g].shape[1]
                 h = self._norm(xs[g], layer.input_norm, layer.input_norm_bias)  # [1, n, H]
                 xs[g] = xs[g] + self._scaled(kinds.mixer.forward_rows(self, i, layer.attn, h, segments[a:b], rows[g],
                                                                       spans[g]))
                 h = self._norm(xs[g], layer.post_norm, layer.post_norm_bias).view(n, -1)  # [n, H]
-                if kinds.ffn.routed:  # the accelerator's experts queued; the host goes on
-                    pending.append((g, self.dispatcher.start(i, h)))
-                else:
-                    xs[g] = xs[g] + self._scaled(layer.ffn(h).view(1, n, -1))  # [1, n, H]
+                # (routed: the accelerator's experts queued; the host goes on)
+                pending.append((g, kinds.ffn.start(self, i, layer.ffn, xs[g].view(n, -1), h)))
             if len(groups) > 1 and i in after:  # the copy engine brings the next MoE layer's experts meanwhile
                 self.dispatcher.prefetch(after[i])
             for g, p in pending:
-                xs[g] = xs[g] + self._scaled(self.dispatcher.finish(p).view(1, xs[g].shape[1], -1))  # [1, n, H]
+                y = kinds.ffn.finish(self, layer.ffn, p)
+                xs[g] = xs[g] + self._scaled(y.view(1, xs[g].shape[1], -1))  # [1, n, H]
+                if layer.scalar is not None:
+                    xs[g] = xs[g] * layer.scalar
         x = torch.cat(xs, dim=1) if len(xs) > 1 else xs[0]  # [1, N, H]
         last = torch.tensor([e - 1 for e in ends])  # [S]: each segment's last token
         last = last if self.accel is None else self.accel.to_device(last)  # (not built there: a host wait)
@@ -401,20 +418,24 @@ class MoEModel:
         groups.append((start, len(segments)))
         return groups
 
-    def tables_for(self, long: bool, host: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """The short or the long RoPE tables [positions, R]; host copies for attention on the CPU beside an
-        accelerator (made once)."""
+    def tables_for(self, long: bool, host: bool = False, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The short or the long RoPE tables [positions, R] (layer `layer`'s own where it has them: Gemma 4's global
+        layers); host copies for attention on the CPU beside an accelerator (made once)."""
         cos, sin = (self.cos_long, self.sin_long) if long else (self.cos, self.sin)
+        own = self.global_tables is not None and layer is not None and self.cfg.is_global(layer)
+        if own:
+            cos, sin = self.global_tables  # type: ignore[misc]
         if host:
-            key = "long" if long else "short"
+            key = "global" if own else "long" if long else "short"
             kept = self._host_tables.get(key)
             if kept is None:
                 kept = self._host_tables[key] = (self.accel.to_host(cos), self.accel.to_host(sin))  # type: ignore[union-attr]
             cos, sin = kept
         return cos, sin
 
-    def segment_tables(self, seg: Segment, host: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def segment_tables(self, seg: Segment, host: bool = False, layer: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """A segment's RoPE tables [T, R]: its positions of the short or the long ones (`tables_for`)."""
-        cos, sin = self.tables_for(seg.long, host)
+        cos, sin = self.tables_for(seg.long, host, layer)
         end = seg.start + seg.length
         return cos[seg.start : end], sin[seg.start : end]

@@ -11,18 +11,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 
 from tandem.kernels.blocks import block_matrix
-from tandem.kernels.experts import clamped_glu
+from tandem.kernels.experts import clamped_glu, glu
 from tandem.kernels.quant import MX_BLOCK, QuantizedMatrix, nibbles_from_pairs
 from tandem.kernels.step import SCORINGS
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.layer_kind import Loaders
 from tandem.runtime.weights import correction_name, layer_prefix, router_bias_name, router_name, shared_expert_names
+
+if TYPE_CHECKING:
+    from tandem.runtime.dispatch import Pending
+    from tandem.runtime.model import MoEModel
 
 Scoring = Literal["softmax", "sigmoid", "softmax_topk", "sparsemixer"]
 GroupScore = Literal["max", "top2"]
@@ -58,15 +62,17 @@ class RoutingRule:
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    """One SwiGLU feed-forward network: down(silu(gate x) * up x). Weights may be memory-mapped views."""
+    """One SwiGLU feed-forward network: down(silu(gate x) * up x), or GeGLU's gelu_tanh(gate x) where `act` says
+    (kernels/experts.py `glu`). Weights may be memory-mapped views."""
 
     gate: torch.Tensor  # [I, H]
     up: torch.Tensor  # [I, H]
     down: torch.Tensor  # [H, I]
+    act: str = "silu"  # ModelConfig.activation
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
         dt = x.dtype  # weights stored in another dtype are converted per call, never kept converted
-        return F.linear(F.silu(F.linear(x, self.gate.to(dt))) * F.linear(x, self.up.to(dt)), self.down.to(dt))
+        return F.linear(glu(F.linear(x, self.gate.to(dt)), F.linear(x, self.up.to(dt)), self.act), self.down.to(dt))
 
     @property
     def nbytes(self) -> int:
@@ -81,7 +87,7 @@ class ExpertWeights:
 
     def like(self, tensors: Sequence[torch.Tensor]) -> ExpertWeights:
         """The same kind of expert over other tensors shaped as `tensors()` (an accelerator slot)."""
-        return ExpertWeights(*tensors)
+        return ExpertWeights(*tensors, act=self.act)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,10 +195,11 @@ class MXFP4Expert(ExpertWeights):
 
 
 def swiglu_through(linear: Callable[..., torch.Tensor], x: torch.Tensor, gate: object, up: object,
-                   down: object) -> torch.Tensor:
-    """down(silu(gate x) * up x) with each product through `linear` (DenseLinear), rounded where it rounds: the
-    layer loop's own SwiGLUs as the decode step computes them (csrc/step.c swiglu). x [n, H] -> [n, H]."""
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+                   down: object, act: str = "silu") -> torch.Tensor:
+    """down(silu(gate x) * up x) (or `act`'s gate) with each product through `linear` (DenseLinear), rounded where
+    it rounds: the layer loop's own SwiGLUs as the decode step computes them (csrc/step.c swiglu). x [n, H] ->
+    [n, H]."""
+    return linear(glu(linear(x, gate), linear(x, up), act), down)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,14 +220,14 @@ class BlockExpert(ExpertWeights):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
         gate, up, down = self.matrices()
         if self.linear is not None and x.device.type == "cpu":  # a dense layer or shared expert: the kernel
-            return swiglu_through(self.linear, x, gate, up, down)
+            return swiglu_through(self.linear, x, gate, up, down, self.act)
         dt = x.dtype
         gate_w, up_w, down_w = (m.dequantize(dt) for m in (gate, up, down))  # where the blocks lie
-        return F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
+        return F.linear(glu(F.linear(x, gate_w), F.linear(x, up_w), self.act), down_w)
 
     def like(self, tensors: Sequence[torch.Tensor]) -> BlockExpert:
         gate, up, down = tensors
-        return BlockExpert(gate, up, down, formats=self.formats)
+        return BlockExpert(gate, up, down, self.act, formats=self.formats)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,11 +242,11 @@ class LinearMLP(ExpertWeights):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
         if x.device.type != "cpu":
             return super().__call__(x)
-        return swiglu_through(self.linear, x, self.gate, self.up, self.down)
+        return swiglu_through(self.linear, x, self.gate, self.up, self.down, self.act)
 
     def like(self, tensors: Sequence[torch.Tensor]) -> LinearMLP:
         gate, up, down = tensors
-        return LinearMLP(gate, up, down, linear=self.linear)
+        return LinearMLP(gate, up, down, self.act, linear=self.linear)
 
 
 def through_linear(mlp: ExpertWeights) -> bool:
@@ -278,6 +285,7 @@ class MoEBlockWeights:
     shared: SharedExpert | None = None
     correction: torch.Tensor | None = None  # [E] added to the scores for choosing only (see RoutingRule)
     router_bias: torch.Tensor | None = None  # [E] added to the router's logits (gpt-oss)
+    expert_scale: torch.Tensor | None = None  # [E] float32: the chosen weights times their experts' (Gemma 4)
 
 
 def routing_rule(cfg: ModelConfig) -> RoutingRule:
@@ -306,6 +314,12 @@ class RoutedExperts:
         bias = load.w(router_bias_name(spec, i)) if cfg.router_bias else None
         return MoEBlockWeights(load.w(router_name(spec, i)), [], routing_rule(cfg), shared, correction, bias)
 
+    def start(self, model: MoEModel, i: int, weights: MoEBlockWeights, x: torch.Tensor, h: torch.Tensor) -> Pending:
+        return model.dispatcher.start(i, h)
+
+    def finish(self, model: MoEModel, weights: MoEBlockWeights, started: Pending) -> torch.Tensor:
+        return model.dispatcher.finish(started)
+
     def step_refusal(self, weights: MoEBlockWeights) -> str | None:
         if weights.shared is not None and (weights.shared.gate is not None or not through_linear(weights.shared.mlp)):
             return "its shared expert is gated, or not multiplied by the kernels"
@@ -324,6 +338,13 @@ class DenseFeedForward:
 
     def load(self, cfg: ModelConfig, i: int, load: Loaders) -> ExpertWeights:
         return load.mlp(f"{layer_prefix(i)}.{load.spec.dense_mlp}")
+
+    def start(self, model: MoEModel, i: int, weights: ExpertWeights, x: torch.Tensor, h: torch.Tensor
+              ) -> torch.Tensor:
+        return weights(h)
+
+    def finish(self, model: MoEModel, weights: ExpertWeights, started: torch.Tensor) -> torch.Tensor:
+        return started
 
     def step_refusal(self, weights: ExpertWeights) -> str | None:
         return None if through_linear(weights) else "its dense SwiGLU does not run through the kernels"

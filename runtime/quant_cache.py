@@ -74,7 +74,7 @@ def block_experts(ckpt: Checkpoint, layers: list[int], quant: str,
     out: dict[int, list[BlockExpert]] = {}
     for layer in layers:
         out[layer] = [BlockExpert(*(file.tensor(f"{layer}.{e}.{part}") for part in ("gate", "up", "down")),
-                                  formats=(fmt, fmt)) for e in range(ckpt.config.num_experts)]
+                                  ckpt.config.activation, formats=(fmt, fmt)) for e in range(ckpt.config.num_experts)]
     return out
 
 

@@ -89,6 +89,18 @@ def _frequency_factors(cfg: ModelConfig, dims: int) -> tuple[torch.Tensor, float
     return inv_freq / torch.tensor(dict(cfg.rope_params)["factors"], dtype=torch.float32), 1.0
 
 
+def _proportional(cfg: ModelConfig, dims: int) -> tuple[torch.Tensor, float]:
+    """Gemma 4's global layers, as transformers' `_compute_proportional_rope_parameters`: the first
+    partial_rotary_factor of each half's pairs turn at the frequencies plain RoPE gives them over the whole head
+    (the exponent's denominator is the head size, not the rotated part's), the rest not at all (frequency 0: cos 1,
+    sin 0), each divided by `factor`; cos and sin unscaled."""
+    p = dict(cfg.rope_params)
+    turning = int(p.get("partial_rotary_factor", 1.0) * dims // 2)
+    inv_freq = torch.zeros(dims // 2, dtype=torch.float32)  # [R/2]
+    inv_freq[:turning] = 1.0 / (cfg.rope_theta ** (torch.arange(0, 2 * turning, 2, dtype=torch.int64).float() / dims))
+    return inv_freq / p.get("factor", 1.0), 1.0
+
+
 def longrope_original(cfg: ModelConfig) -> int:
     """LongRoPE's pretraining length: its parameters' `original_max_position_embeddings` (a family puts config.json's
     top-level key there, which transformers prefers), else the model's own maximum, as transformers defaults it."""
@@ -125,7 +137,7 @@ def _longrope_long(cfg: ModelConfig, dims: int) -> tuple[torch.Tensor, float]:
 
 FREQUENCIES: dict[str, Frequencies] = {
     "default": _default, "llama3": _llama3, "frequency_factors": _frequency_factors, "yarn": _yarn,
-    "longrope": _longrope_short, "su": _longrope_short,
+    "longrope": _longrope_short, "su": _longrope_short, "proportional": _proportional,
 }
 # the tables past `long_after` tokens, for the variants that switch by length
 LONG_FREQUENCIES: dict[str, Frequencies] = {"longrope": _longrope_long, "su": _longrope_long}

@@ -133,7 +133,8 @@ def _random(shape: tuple[int, ...], name: str, gen: torch.Generator, dtype: torc
     if name.endswith("_scales"):
         e = 127 + round(math.log2(std / E2M1_RMS))
         return torch.randint(e - 1, e + 2, shape, generator=gen, dtype=torch.uint8)
-    if "norm" in name:  # RMSNorm weights near one, as after training
+    if "norm" in name or name.endswith(("layer_scalar", ".scale", "per_expert_scale")):  # RMSNorm weights and
+        # Gemma's scales near one, as after training
         return (1 + 0.1 * torch.randn(shape, generator=gen)).to(dtype)
     w = torch.randn(shape, generator=gen) * std
     if skew is not None:

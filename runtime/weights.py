@@ -15,30 +15,36 @@ def layer_prefix(i: int) -> str:
     return f"model.layers.{i}"
 
 
+def block_prefix(spec: FamilySpec, layer: int) -> str:
+    """Where a layer's MoE block's tensors lie: under `moe_prefix` inside the layer, or in the layer itself where
+    the family has none (Gemma 4's router and experts)."""
+    return f"{layer_prefix(layer)}.{spec.moe_prefix}" if spec.moe_prefix else layer_prefix(layer)
+
+
 def expert_names(spec: FamilySpec, layer: int, expert: int) -> tuple[str, str, str]:
     """(gate, up, down) tensor names of one routed expert."""
-    base = f"{layer_prefix(layer)}.{spec.moe_prefix}.experts.{expert}"
+    base = f"{block_prefix(spec, layer)}.experts.{expert}"
     return tuple(f"{base}.{p}.weight" for p in spec.expert_proj)  # type: ignore[return-value]
 
 
 def router_name(spec: FamilySpec, layer: int) -> str:
-    return f"{layer_prefix(layer)}.{spec.moe_prefix}.{spec.router}.weight"
+    return f"{block_prefix(spec, layer)}.{spec.router}.weight"
 
 
 def correction_name(spec: FamilySpec, layer: int) -> str:
     """The router's per-expert correction bias (config `router_correction`), beside the router's weight."""
-    return f"{layer_prefix(layer)}.{spec.moe_prefix}.{spec.correction_name}"
+    return f"{block_prefix(spec, layer)}.{spec.correction_name}"
 
 
 def router_bias_name(spec: FamilySpec, layer: int) -> str:
     """The router's per-expert bias added to its logits (config `router_bias`, gpt-oss)."""
-    return f"{layer_prefix(layer)}.{spec.moe_prefix}.{spec.router}.bias"
+    return f"{block_prefix(spec, layer)}.{spec.router}.bias"
 
 
 def fused_expert_names(spec: FamilySpec, layer: int) -> tuple[str, str, str, str]:
     """(gate_up, gate_up bias, down, down bias) tensor names of a layer whose experts are stored together
     (`FamilySpec.fused_experts`)."""
-    base = f"{layer_prefix(layer)}.{spec.moe_prefix}.experts"
+    base = f"{block_prefix(spec, layer)}.experts"
     return f"{base}.gate_up_proj", f"{base}.gate_up_proj_bias", f"{base}.down_proj", f"{base}.down_proj_bias"
 
 
@@ -52,7 +58,7 @@ def mxfp4_expert_names(spec: FamilySpec, layer: int) -> tuple[str, str, str, str
 def stacked_expert_names(spec: FamilySpec, layer: int) -> tuple[str, str]:
     """(gate and up stacked, down) of a layer whose experts are stored as two tensors (`FamilySpec.stacked_experts`)."""
     assert spec.stacked_experts is not None
-    base = f"{layer_prefix(layer)}.{spec.moe_prefix}"
+    base = block_prefix(spec, layer)
     return f"{base}.{spec.stacked_experts[0]}", f"{base}.{spec.stacked_experts[1]}"
 
 
@@ -70,12 +76,18 @@ def layer_expert_names(cfg: ModelConfig, spec: FamilySpec, layer: int) -> list[s
 
 def shared_expert_names(spec: FamilySpec, layer: int) -> tuple[str, str | None]:
     """(the shared expert's SwiGLU prefix, its gate's tensor name or None when it has no gate) in one MoE layer."""
-    base = f"{layer_prefix(layer)}.{spec.moe_prefix}" if spec.shared_in_block else layer_prefix(layer)
+    base = block_prefix(spec, layer) if spec.shared_in_block else layer_prefix(layer)
     gate = f"{base}.{spec.shared_expert_gate}.weight" if spec.shared_expert_gate else None
     return f"{base}.{spec.shared_expert}", gate
 
 
-def _mlp(prefix: str, hidden: int, inter: int) -> dict[str, Shape]:
+def ffn_norm_name(cfg: ModelConfig) -> str:
+    """The norm before a layer's feed-forward, inside the layer: post_attention_layernorm, or, where attention's
+    output has a norm of its own of that name (`sandwich_norms`: Gemma), pre_feedforward_layernorm."""
+    return "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
+
+
+def mlp_tensors(prefix: str, hidden: int, inter: int) -> dict[str, Shape]:
     return {
         f"{prefix}.gate_proj.weight": (inter, hidden),
         f"{prefix}.up_proj.weight": (inter, hidden),
@@ -88,7 +100,7 @@ def attention_tensors(cfg: ModelConfig, layer: int, spec: FamilySpec | None = No
     the usual names, for their shapes alone)."""
     from tandem.runtime.layers import MIXERS  # (the kinds import this module's names)
 
-    return MIXERS[cfg.mixers[layer]].tensors(cfg, spec, f"{layer_prefix(layer)}.self_attn")
+    return MIXERS[cfg.mixers[layer]].tensors(cfg, spec, layer, f"{layer_prefix(layer)}.self_attn")
 
 
 def dense_tensors(cfg: ModelConfig, spec: FamilySpec) -> dict[str, Shape]:
@@ -103,14 +115,20 @@ def dense_tensors(cfg: ModelConfig, spec: FamilySpec) -> dict[str, Shape]:
         out["lm_head.bias"] = (cfg.vocab_size,)
     for i in range(cfg.num_layers):
         p = layer_prefix(i)
-        out |= {f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,)}
+        out |= {f"{p}.input_layernorm.weight": (h,), f"{p}.{ffn_norm_name(cfg)}.weight": (h,)}
         if cfg.norm_type == "layer":  # LayerNorm: a bias beside each weight
             out |= {f"{p}.input_layernorm.bias": (h,), f"{p}.post_attention_layernorm.bias": (h,)}
+        if cfg.layer_scalars:
+            out[f"{p}.layer_scalar"] = (1,)
         out |= attention_tensors(cfg, i, spec)
         if not cfg.sparse_layers[i]:
-            out |= _mlp(f"{p}.{spec.dense_mlp}", h, cfg.dense_intermediate_size)
+            out |= mlp_tensors(f"{p}.{spec.dense_mlp}", h, cfg.dense_intermediate_size)
             continue
         out[router_name(spec, i)] = (cfg.num_experts, h)
+        if cfg.parallel_dense:  # its dense MLP, norms and router scales (runtime/parallel.py)
+            from tandem.runtime.parallel import parallel_tensors
+
+            out |= parallel_tensors(cfg, spec, i)
         if cfg.router_correction:
             out[correction_name(spec, i)] = (1, cfg.num_experts) if spec.correction_grouped else (cfg.num_experts,)
         if cfg.router_bias:
@@ -119,7 +137,7 @@ def dense_tensors(cfg: ModelConfig, spec: FamilySpec) -> dict[str, Shape]:
             mlp, gate = shared_expert_names(spec, i)
             width = cfg.shared_expert_intermediate_size
             stacked = spec.stacked_mlp
-            out |= _mlp(mlp, h, width) if stacked is None else {
+            out |= mlp_tensors(mlp, h, width) if stacked is None else {
                 f"{mlp}.{stacked[0]}.weight": (2 * width, h), f"{mlp}.{stacked[1]}.weight": (h, width)}
             if gate is not None:
                 out[gate] = (1, h)

@@ -141,6 +141,18 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
         "attn_temperature_tuning": False, "attention_bias": True,
         "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
                             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    # gemma4_text: a sliding layer (window 4, shorter than the prompts) then a global one with its own head size, one
+    # key/value head, values from k_proj and proportional RoPE; GeGLU MLP and experts side by side, soft-capped
+    # logits, tied embeddings, layer scalars; then v_proj in the global layers with the sliding layers' heads, q/k/v/o
+    # biases, top-3, other RoPE on both kinds, no soft-cap, two global layers
+    ("gemma4_text", "gemma4_text", {}),
+    ("gemma4_text-vproj-bias", "gemma4_text", {
+        "num_hidden_layers": 4, "attention_k_eq_v": False, "attention_bias": True, "top_k_experts": 3,
+        "final_logit_softcapping": None, "sliding_window": 3,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+                            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                               "rope_theta": 20000.0}}}),
     # gpt-oss: attention sinks (nonzero), q/k/v/o, router and expert biases, layer_types alternating (GptOssConfig's
     # default) with a window shorter than the prompts, YaRN as published (truncate false), alpha 1.702, a limit
     # no value reaches / 3 layers, other YaRN parameters (truncated), another alpha, a limit that clamps
@@ -175,6 +187,8 @@ def build_hf_checkpoint(out: Path, family: str, overrides: dict[str, Any], seed:
         for name, b in model.named_buffers():  # DeepSeek-V3's router bias: zeros when built, some negative here
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.3 * torch.randn_like(b))
+            if name.endswith("layer_scalar"):  # Gemma 4's: ones when built
+                b.copy_(0.5 + torch.rand_like(b))
     model.save_pretrained(out)
     write_tokenizer(out, raw["vocab_size"])
     if quantization is not None:

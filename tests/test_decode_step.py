@@ -100,7 +100,7 @@ def test_a_bf16_file_in_float32_compute_decodes_through_the_step(tmp_path: Path)
     cfg = tiny_config("qwen3_moe", num_experts=32, moe_intermediate_size=64, num_hidden_layers=2)
     model = load_model(write_test_model(tmp_path / "m", cfg, seed=2, dtype=torch.bfloat16), dtype="fp32").model
     assert model.layers[0].attn.o.dtype == torch.bfloat16 and model.layers[0].input_norm.dtype == torch.float32
-    assert model.cache.k.dtype == torch.float32 and why_not(model) is None
+    assert model.cache.k[0].dtype == torch.float32 and why_not(model) is None
     want, want_tokens, want_trace = decode(model, use_step=False)
     got, tokens, trace = decode(model, use_step=True)
     assert model._step is not None and model._step.f32 and tokens == want_tokens
@@ -122,7 +122,7 @@ def test_one_layer_matches_the_torch_path_piece_by_piece(served: dict[str, Path]
         cos, sin = model.cos[start : start + 1], model.sin[start : start + 1]
         h = model._norm(x, layer.input_norm, None)
         attention = model.plan[0].mixer.forward(model, 0, layer.attn, h, start, cos, sin)  # [1, 1, H]
-        key = model.cache.k[0, 0, :, start].clone()
+        key = model.cache.k[0][0, :, start].clone()
         x1 = x + attention
         h1 = model._norm(x1, layer.post_norm, None).view(1, -1)  # [1, H]
         logits = model.linear(h1, layer.ffn.router)  # type: ignore[union-attr]
@@ -131,7 +131,7 @@ def test_one_layer_matches_the_torch_path_piece_by_piece(served: dict[str, Path]
         first = ctypes.cast(step.layers, ctypes.POINTER(LayerArgs * 1)).contents
         y = x.clone().view(-1)
         decode_layers(first, y, start, cos[0], sin[0])
-    assert torch.equal(model.cache.k[0, 0, :, start], key)
+    assert torch.equal(model.cache.k[0][0, :, start], key)
     assert torch.equal(step.o_y, attention.view(-1))
     assert torch.equal(step.h, h1.view(-1))
     assert torch.equal(step.logits, logits.view(-1))

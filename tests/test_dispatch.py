@@ -42,6 +42,10 @@ FAMILIES = {
     # one expert a token taking its input scaled by the router, a shared expert taking the token itself; experts
     # stored as x @ W (transposed views in the slots' copies)
     "llama4_text": tiny_config("llama4_text", num_hidden_layers=3, interleave_moe_layer_step=1),
+    # GeGLU experts (the kernels' and the slots' tanh GELU), routed by norms of their own beside a dense MLP; global
+    # layers of another head size (a KV cache of two shapes on the device)
+    "gemma4_text": tiny_config("gemma4_text", num_hidden_layers=3,
+                               layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
 }
 NEW_TOKENS = 8
 ALWAYS_FETCH = LatencyModel(cpu_a_ms=100, cpu_b_ms=100, gpu_ms=0, transfer_ms=0)

@@ -98,7 +98,7 @@ def test_resident_weights_give_the_same_tokens_and_are_counted(mixtral_dir: Path
 
 def test_a_wider_cache_shares_the_weights(engine: Engine) -> None:
     wide = engine.model.with_batch(3)
-    assert wide.cache.k.shape[1] == 3 and wide.dispatcher is engine.model.dispatcher
+    assert wide.cache.k[0].shape[0] == 3 and wide.dispatcher is engine.model.dispatcher
     assert wide.lm_head is engine.model.lm_head
     beams = list(Engine(wide, ()).generate([1, 2, 3], SamplingParams(max_new_tokens=5, beams=3)))
     assert len(beams) == 5

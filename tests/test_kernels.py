@@ -343,6 +343,38 @@ def test_the_tiled_product_matches_the_reference(isa: str, wdtype: torch.dtype, 
     assert rel_err(clamped(x), want) < 1e-5
 
 
+GEGLU_VARIANTS = [(isa, w, q) for isa, w in VARIANTS if w != torch.float16 for q in (None, "int8")
+                  if not (q and isa == "avx512bf16")]
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa, wdtype, quant", GEGLU_VARIANTS)
+def test_geglu_experts_match_the_reference_on_every_variant(isa: str, wdtype: torch.dtype, quant: str | None
+                                                            ) -> None:
+    """Gemma's experts (the gate through tanh GELU, `ACT_GELU_TANH`) at one token, a few, a tiled call's and
+    torch's counts, alone and as a layer in one kernel call; gates far into both tails (x times 4)."""
+    h, i = 130, 66
+    compute = torch.bfloat16 if isa in BF16_ONLY else torch.float32
+    tol = 2e-2 if compute == torch.bfloat16 else 1e-5
+    executor = CpuExecutor(h, i, compute, CpuOptions(threads=2, isa=isa, quant=quant, crossover=16))
+    made = [executor.prepare(*weights(h, i, wdtype, seed=s), epilogue=experts.epilogue_for("gelu_tanh"))
+            for s in range(4)]
+    dense = [ExpertWeights(*e.dense(torch.float32), act="gelu_tanh") for e in made]
+    for n in (1, 3, 12, choice.TILED_CALL, 40):
+        x = (4 * torch.randn(n, h, generator=torch.Generator().manual_seed(n))).to(compute)
+        want = dense[0](x.float())
+        assert rel_err(made[0](x), want) < tol, n
+        assert rel_err(ExpertWeights(*made[0].dense(torch.float32))(x.float()), want) > 10 * tol  # (not SwiGLU's)
+    layer, rule = executor.layer(made), RoutingRule(2, normalize=True)
+    for tokens in (1, 4):
+        if executor.serves_layer(layer, tokens):
+            g = torch.Generator().manual_seed(tokens)
+            x, logits = (4 * torch.randn(tokens, h, generator=g)).to(compute), torch.randn(tokens, 4, generator=g)
+            weights_, ids = route(logits, rule)
+            assert rel_err(executor.run_layer(layer, x, ids, weights_), reference_moe(x.float(), logits, rule, dense)
+                           ) < tol, tokens
+
+
 def test_unquantized_weights_are_used_in_place() -> None:
     gate, up, down = weights(64, 32, torch.bfloat16)
     expert = CpuExecutor(64, 32, torch.bfloat16).prepare(gate, up, down)

@@ -240,7 +240,7 @@ def test_a_copy_back_that_fails_halfway_leaves_the_row_claiming_nothing(hf_check
     cache = model.cache
 
     def half(row: int, parts: tuple[torch.Tensor, ...], n: int) -> None:
-        cache.k[:, row, :, :n].copy_(parts[0][:, :, :n])
+        cache.groups[0][1][:, row, :, :n].copy_(parts[0][:, :, :n])
         raise torch.OutOfMemoryError("no room for the values")
 
     monkeypatch.setattr(cache, "restore", half)

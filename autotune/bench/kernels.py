@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from tandem.autotune.bench.shapes import find_shape
 from tandem.autotune.microbench import PEAK_OF, compute_peak, dram_bandwidth, time_per_call
-from tandem.kernels.experts import NO_EPILOGUE, CpuExecutor, CpuExpert, CpuOptions, Epilogue
+from tandem.kernels.experts import CpuExecutor, CpuExpert, CpuOptions, Epilogue, epilogue_for, glu
 from tandem.kernels.quant import QuantizedMatrix
 
 DTYPES = ("bf16", "fp16", "fp32", "int8", "int4", "mxfp4")
@@ -47,7 +47,7 @@ def bench_kernels(
         for dtype in dtypes:
             if progress:
                 progress(f"{shape} {dtype}: preparing experts")
-            ours, peer = _experts(h, i, dtype, threads, working_set, k, expert.clamped)
+            ours, peer = _experts(h, i, dtype, threads, working_set, k, expert.clamped, expert.act)
             executor = ours[0].executor
             layers = [executor.layer(ours[j : j + k]) for j in range(0, len(ours) - k + 1, k)]
             gen = torch.Generator().manual_seed(1)
@@ -84,18 +84,18 @@ Peer = Callable[[int, torch.Tensor], object]
 
 
 def _experts(h: int, i: int, dtype: str, threads: int, working_set: int, at_least: int = 1,
-             clamped: tuple[float, float] | None = None) -> tuple[list[CpuExpert], Peer | None]:
+             clamped: tuple[float, float] | None = None, act: str = "silu") -> tuple[list[CpuExpert], Peer | None]:
     """Enough random experts of this shape and dtype to exceed the caches (and at least `at_least`), and plain
     torch's way to run them:
     F.linear's default path, or torch's int8 weight-only matmul (torch's int4 CPU kernel needs its own
     packing, and torch has no MXFP4 CPU kernel: no torch row for either). `clamped`: gpt-oss's activation, with
-    random biases (the kernels' epilogue)."""
+    random biases (the kernels' epilogue); `act`: the gate's activation (Gemma's tanh GELU)."""
     stored = TORCH_DTYPES.get(dtype, torch.bfloat16)
     compute = torch.bfloat16 if dtype in ("bf16", "int8", "int4", "mxfp4") else stored
     quant = dtype if dtype in ("int8", "int4") else None
     executor = CpuExecutor(h, i, compute, CpuOptions(threads=threads, quant=quant))
     gen = torch.Generator().manual_seed(0)
-    epilogue = NO_EPILOGUE if clamped is None else Epilogue(
+    epilogue = epilogue_for(act) if clamped is None else Epilogue(
         *(torch.randn(n, generator=gen) * 0.1 for n in (i, i, h)), clamped=clamped)
     ours: list[CpuExpert] = []
     while len(ours) < at_least or len(ours) * ours[0].nbytes < working_set:
@@ -110,7 +110,7 @@ def _experts(h: int, i: int, dtype: str, threads: int, working_set: int, at_leas
     if dtype in TORCH_DTYPES:
         def dense(k: int, x: torch.Tensor) -> torch.Tensor:
             e = ours[k]
-            return F.linear(F.silu(F.linear(x, e.gate)) * F.linear(x, e.up), e.down)  # type: ignore[arg-type]
+            return F.linear(glu(F.linear(x, e.gate), F.linear(x, e.up), act), e.down)  # type: ignore[arg-type]
         return ours, dense
     if dtype == "int8":
         mm = torch.ops.aten._weight_int8pack_mm
@@ -119,7 +119,7 @@ def _experts(h: int, i: int, dtype: str, threads: int, working_set: int, at_leas
 
         def int8(k: int, x: torch.Tensor) -> torch.Tensor:  # torch's kernel reads the row-major layout
             g, u, d = plain[k]
-            a = F.silu(mm(x, g.data, g.scales.to(x.dtype))) * mm(x, u.data, u.scales.to(x.dtype))  # type: ignore
+            a = glu(mm(x, g.data, g.scales.to(x.dtype)), mm(x, u.data, u.scales.to(x.dtype)), act)  # type: ignore
             return mm(a, d.data, d.scales.to(x.dtype))  # type: ignore[union-attr]
         return ours, int8
     return ours, None

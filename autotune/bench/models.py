@@ -19,7 +19,8 @@ DEFAULT_ROUTER_SCALE = 10.0  # token-dependence of routing: the next token reuse
 
 
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # the families' names for the count
-TOP_K_KEYS = ("num_experts_per_tok",)
+TOP_K_KEYS = ("num_experts_per_tok", "top_k_experts")
+PER_LAYER_LISTS = ("layer_types", "no_rope_layers")  # config lists of one entry per layer
 
 
 def bench_config(shape: str, layers: int | None = None, experts: int | None = None,
@@ -36,7 +37,11 @@ def bench_config(shape: str, layers: int | None = None, experts: int | None = No
         raise UnsupportedModelError(f"--shape {shape}: {found.refused}")
     config = dict(found.config)
     if layers is not None:
-        config["num_hidden_layers"] = max(1, min(layers, config["num_hidden_layers"]))
+        before = config["num_hidden_layers"]
+        config["num_hidden_layers"] = max(1, min(layers, before))
+        for key in PER_LAYER_LISTS:  # the first layers' entries (Gemma 4's first six: five sliding, one global)
+            if isinstance(config.get(key), list) and len(config[key]) == before:
+                config[key] = config[key][: config["num_hidden_layers"]]
     if experts is not None:
         top_k = max(config.get(k, 1) for k in TOP_K_KEYS)
         if experts < top_k:

@@ -20,6 +20,7 @@ class ExpertShape:
     width: int  # I, one routed expert's intermediate size
     top_k: int  # experts each token goes through
     clamped: tuple[float, float] | None = None  # gpt-oss's (alpha, limit): biases and the clamped SwiGLU
+    act: str = "silu"  # the gate's activation (ModelConfig.activation: Gemma's tanh GELU)
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ def real_shapes() -> dict[str, RealShape]:
         for shape in spec.shapes:
             config = {"model_type": spec.model_type, **shape.config}
             cfg = parse_config(config, f"the {shape.name} shape of {spec.display_name}")[1]
-            expert = ExpertShape(cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, cfg.clamped_swiglu)
+            expert = ExpertShape(cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, cfg.clamped_swiglu,
+                                 cfg.activation)
             shapes.append(RealShape(shape.name, shape.model, expert, config, aliases=shape.aliases))
     table: dict[str, RealShape] = {}
     owner: dict[str, str] = {}  # every name and alias -> the model it stands for

@@ -71,7 +71,7 @@ static int expert_checks(const tk_args *a) {
     if (a->threads < 1 || a->hidden < 1 || a->inter < 1 || a->tokens < 0) return -7;  /* (Python checks first) */
     if (a->kind < K_FP32 || a->kind >= KINDS || a->down_kind < K_FP32 || a->down_kind >= KINDS) return -1;
     if (a->down_kind != a->kind && !(IS_BLOCK_KIND(a->kind) && IS_BLOCK_KIND(a->down_kind))) return -1;
-    if (a->act_kind != ACT_SILU && a->act_kind != ACT_CLAMPED) return -1;
+    if (a->act_kind != ACT_SILU && a->act_kind != ACT_CLAMPED && a->act_kind != ACT_GELU_TANH) return -1;
     if (!(tk_isa_mask() & (1 << a->isa))) return -2;
     /* MXFP4: whole blocks of 32, on the variants with its dot products (base, AVX2, AVX-512) */
     if (a->kind == K_MXFP4 && (a->hidden % 32 || a->inter % 32 || a->isa > ISA_AVX512BF16 || !a->xb)) return -3;

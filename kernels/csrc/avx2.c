@@ -233,6 +233,19 @@ AVX2_ROWS void swiglu256(float *g, int I, int lo, int hi) {
     for (; i < hi; i++) g[i] = silu(g[i]) * g[I + i];
 }
 
+/* g[i] = gelu_tanh(g[i]) * g[I + i], as geglu512 (avx512.c) computes it, 8 lanes at a time. */
+AVX2_ROWS void geglu256(float *g, int I, int lo, int hi) {
+    int i = lo;
+    for (; i + 8 <= hi; i += 8) {
+        const __m256 v = _mm256_loadu_ps(g + i);
+        const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(v, v), v), _mm256_set1_ps(0.044715f), v);
+        const __m256 e = exp256(_mm256_mul_ps(inner, _mm256_set1_ps(-GELU_2C)));
+        const __m256 s = _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(s, _mm256_loadu_ps(g + I + i)));
+    }
+    for (; i < hi; i++) g[i] = gelu_tanh(g[i]) * g[I + i];
+}
+
 /* ---- Several tokens (AVX2): 8 weights converted once, FMA'd into up to 8 token accumulators ---------------------
  * (avx512.c's DEFINE_FMA_TOKENS in 256-bit vectors). Each row is read once for all the tokens of a call, from L1
  * after the first: beams and a prompt's tokens reuse it. One token keeps four chains (not bound by FMA latency). */

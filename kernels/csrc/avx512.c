@@ -196,6 +196,20 @@ AVX512_TARGET void swiglu512(float *g, int I, int lo, int hi) {
     for (; i < hi; i++) g[i] = silu(g[i]) * g[I + i];
 }
 
+/* g[i] = gelu_tanh(g[i]) * g[I + i] (Gemma's GeGLU): gelu_tanh(v) = v sigmoid(2 sqrt(2/pi) (v + 0.044715 v^3)), the
+ * tanh form's own value (0.5 (1 + tanh z) = sigmoid(2z)), through exp512 as silu. */
+AVX512_TARGET void geglu512(float *g, int I, int lo, int hi) {
+    int i = lo;
+    for (; i + 16 <= hi; i += 16) {
+        const __m512 v = _mm512_loadu_ps(g + i);
+        const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(v, v), v), _mm512_set1_ps(0.044715f), v);
+        const __m512 e = exp512(_mm512_mul_ps(inner, _mm512_set1_ps(-GELU_2C)));
+        const __m512 s = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+        _mm512_storeu_ps(g + i, _mm512_mul_ps(s, _mm512_loadu_ps(g + I + i)));
+    }
+    for (; i < hi; i++) g[i] = gelu_tanh(g[i]) * g[I + i];
+}
+
 /* gpt-oss's clamped SwiGLU with the gate and up biases (NULL: none), as `activate` (common.h) computes it. */
 AVX512_TARGET void clamped512(float *g, const float *gate_bias, const float *up_bias, float alpha, float limit,
                               int I, int lo, int hi) {

@@ -60,7 +60,8 @@ enum { K_FP32 = 0, K_BF16 = 1, K_FP16 = 2, K_INT8 = 3, K_INT4 = 4, K_MXFP4 = 5,
        K_Q8_0 = 6, K_Q4_0 = 7, K_Q4_1 = 8, K_Q5_0 = 9, K_Q5_1 = 10, K_Q4_K = 11, K_Q5_K = 12, K_Q6_K = 13,
        K_GMXFP4 = 14, KINDS };
 #define IS_BLOCK_KIND(k) ((k) >= K_Q8_0 && (k) < KINDS)
-enum { ACT_SILU = 0, ACT_CLAMPED = 1 };  /* silu(g) * u; gpt-oss: g' = min(g, limit), (clamp(u) + 1) * g' sigmoid(alpha g') */
+/* silu(g) * u; gpt-oss: g' = min(g, limit), (clamp(u) + 1) * g' sigmoid(alpha g'); Gemma: gelu_tanh(g) * u */
+enum { ACT_SILU = 0, ACT_CLAMPED = 1, ACT_GELU_TANH = 2 };
 enum { ISA_BASE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AMX = 4 };
 
 /* Called from another file of the library, not exported: only the tk_ functions of api.c and base.c are. */
@@ -196,6 +197,9 @@ static inline uint16_t bf16_of(float f) {  /* round to nearest even; NaN -> quie
 #define LOAD_FP16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define LOAD_INT8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 static inline float silu(float g) { return g / (1.f + expf(-g)); }
+#define GELU_2C 1.5957691216057308f  /* 2 sqrt(2 / pi) */
+/* GELU with tanh's approximation, 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), as g sigmoid(2 sqrt(2/pi) (...)) */
+static inline float gelu_tanh(float g) { return g / (1.f + expf(-GELU_2C * (g + 0.044715f * g * g * g))); }
 
 /* ---- row dot products, generic C (vectorised by the compiler for each target) ---------------------- */
 #define DOT_BODY(WT, CONV)                                                                          \
@@ -345,9 +349,11 @@ TK_INTERNAL double sum_avx2(const float *p, size_t n, int threads, int streams);
 TK_INTERNAL rows4_fn rows4_avx2(int kind);
 TK_INTERNAL dot_kernel fma8_fp32, fma8_bf16, fma8_fp16, fma8_int8;
 TK_INTERNAL __attribute__((target("avx2,fma,f16c"))) void swiglu256(float *g, int I, int lo, int hi);
+TK_INTERNAL __attribute__((target("avx2,fma,f16c"))) void geglu256(float *g, int I, int lo, int hi);
 /* avx512.c */
 TK_INTERNAL dot_kernel fma_fp32, fma_bf16, fma_fp16, fma_int8, fma_int4, fma_mxfp4;
 TK_INTERNAL AVX512_TARGET void swiglu512(float *g, int I, int lo, int hi);
+TK_INTERNAL AVX512_TARGET void geglu512(float *g, int I, int lo, int hi);
 TK_INTERNAL AVX512_TARGET void clamped512(float *g, const float *gate_bias, const float *up_bias, float alpha, float limit,
                                            int I, int lo, int hi);
 TK_INTERNAL AVX512_TARGET void e8m0_halves(const uint8_t *e, int n, float *out);
@@ -420,6 +426,12 @@ static inline void activate(const tk_args *e, float *g, int lo, int hi, int isa)
         else for (int i = lo; i < hi; i++) g[i] = silu(g[i]) * g[I + i];
         return;
     }
+    if (e->act_kind == ACT_GELU_TANH && !e->gate_bias && !e->up_bias) {
+        if (isa >= ISA_AVX512) geglu512(g, I, lo, hi);
+        else if (isa == ISA_AVX2) geglu256(g, I, lo, hi);
+        else for (int i = lo; i < hi; i++) g[i] = gelu_tanh(g[i]) * g[I + i];
+        return;
+    }
     if (e->act_kind == ACT_CLAMPED && isa >= ISA_AVX512) {
         clamped512(g, e->gate_bias, e->up_bias, e->alpha, e->limit, I, lo, hi);
         return;
@@ -430,7 +442,7 @@ static inline void activate(const tk_args *e, float *g, int lo, int hi, int isa)
             gv = fminf(gv, e->limit), uv = fminf(fmaxf(uv, -e->limit), e->limit);
             g[i] = (uv + 1.f) * (gv / (1.f + expf(-e->alpha * gv)));
         } else {
-            g[i] = silu(gv) * uv;
+            g[i] = (e->act_kind == ACT_GELU_TANH ? gelu_tanh(gv) : silu(gv)) * uv;
         }
     }
 }
