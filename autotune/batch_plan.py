@@ -54,7 +54,7 @@ class BatchShape:
     def from_config(cls, cfg: ModelConfig, shape: ModelShape, dtype_bytes: int = 2) -> BatchShape:
         layers = cfg.num_layers
         h = cfg.hidden_size
-        dense_mlp = sum(3 * h * cfg.dense_intermediate_size for s in cfg.sparse_layers if not s)
+        dense_mlp = sum(3 * h * cfg.dense_intermediate_size for s in cfg.sparse_layers if not s or cfg.parallel_dense)
         shared = 3 * h * cfg.shared_expert_intermediate_size * cfg.num_moe_layers
         # ModelShape.dense_layer_bytes: attention and router weights, per layer
         attn_params = shape.dense_layer_bytes // dtype_bytes
@@ -62,9 +62,9 @@ class BatchShape:
         if cfg.kv_lora_rank:
             kv = cfg.kv_lora_rank + cfg.qk_rope_head_dim
             flops = 2 * cfg.num_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        else:
-            kv = 2 * cfg.num_kv_heads * cfg.head_dim
-            flops = 4 * cfg.num_heads * cfg.head_dim
+        else:  # (a layer's on average: Gemma 4's global layers have their own heads)
+            kv = sum(2 * cfg.kv_heads(i) * cfg.head_size(i) for i in range(layers)) // layers
+            flops = sum(4 * cfg.num_heads * cfg.head_size(i) for i in range(layers)) // layers
         head = cfg.vocab_size * h
         return cls(shape, cfg.vocab_size, dense, dense * dtype_bytes, head, head * dtype_bytes, kv * dtype_bytes, flops)
 

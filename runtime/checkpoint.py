@@ -21,7 +21,7 @@ from tandem.kernels.choice import WEIGHT_DTYPES
 from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.config import ModelConfig, token_ids
-from tandem.runtime.families import FamilySpec, parse_config, supported_model_types
+from tandem.runtime.families import FamilySpec, parse_config, supported_model_types, text_model
 from tandem.runtime.paths import file_kind, read_bounded
 from tandem.runtime.safetensors_mmap import SafetensorsFile
 from tandem.runtime.weights import dense_tensors, expert_tensors, layer_expert_names
@@ -153,8 +153,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             f"code in the folder (auto_map / trust_remote_code) is never run; Tandem runs: "
             f"{', '.join(supported_model_types())}"
         )
+    inside = text_model(raw)  # a whole model (Gemma 4's, with its towers): its text model
+    if inside is not None:
+        raw = inside[0]
     spec, config = parse_config(raw, str(config_path))
-    shards, where = _open_shards(folder)
+    shards, where = _open_shards(folder, inside[1] if inside is not None else None)
     ckpt = Checkpoint(folder, raw, config, spec, shards, where)
     _validate(ckpt)
     return ckpt
@@ -176,12 +179,14 @@ def _open_gguf(path: Path) -> Checkpoint:
     # own (views of blocks), and a shared expert's gate, up and down apart: named so, whatever the family's own
     # checkpoints stack
     spec = replace(spec, stacked_experts=None, stacked_by_input=False, stacked_mlp=None)
-    shared = f"{spec.moe_prefix}.{spec.shared_expert}" if spec.shared_in_block else spec.shared_expert
+    shared = f"{spec.moe_prefix}.{spec.shared_expert}" if spec.shared_in_block and spec.moe_prefix else \
+        spec.shared_expert
     shapes = dense_tensors(config, spec) | expert_tensors(config, spec)
-    permuted = gguf.reader_of(file.meta).rope_permuted  # (the architecture's layout, whichever family parses it)
-    llama = (config.num_heads, config.num_kv_heads) if permuted else None
+    reader = gguf.reader_of(file.meta)  # (the architecture's layout and names, whichever family parses it)
+    llama = (config.num_heads, config.num_kv_heads) if reader.rope_permuted else None
     file.name(gguf.sources(list(shapes), spec.moe_prefix, spec.router, spec.expert_proj, shared,
-                           spec.shared_expert_gate, llama, spec.correction_name, spec.dense_mlp), shapes)
+                           spec.shared_expert_gate, llama, spec.correction_name, spec.dense_mlp, reader.tensors),
+              shapes)
     ckpt = Checkpoint(path, raw, config, spec, [file], dict.fromkeys(file.names(), file))  # type: ignore[list-item]
     _validate(ckpt)
     return ckpt
@@ -216,10 +221,16 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _open_shards(folder: Path) -> tuple[list[SafetensorsFile], dict[str, SafetensorsFile]]:
+def _open_shards(folder: Path, text_prefix: str | None = None
+                 ) -> tuple[list[SafetensorsFile], dict[str, SafetensorsFile]]:
+    """The folder's shards and where each tensor is; `text_prefix`: a whole model's text model is read, its tensors
+    named as in a folder of its own (`model.` for the prefix; the towers' left out)."""
     shards = [SafetensorsFile(f) for f in shard_paths(folder)]
     where: dict[str, SafetensorsFile] = {}
     for shard in shards:
+        if text_prefix is not None:
+            shard.infos = {("model." + n.removeprefix(text_prefix) if n.startswith(text_prefix) else n): info
+                           for n, info in shard.infos.items() if n.startswith(text_prefix) or n == "lm_head.weight"}
         for name in shard.names():
             where[name] = shard
     return shards, where

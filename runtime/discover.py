@@ -25,7 +25,7 @@ from typing import Any
 
 from tandem.kernels.errors import CheckpointError, TandemError, UnsupportedModelError
 from tandem.runtime.checkpoint import shard_paths
-from tandem.runtime.families import family_for, gguf_architectures, parse_config
+from tandem.runtime.families import family_for, gguf_architectures, parse_config, text_model
 from tandem.runtime.gguf import SPLIT, config_of, gguf_files, is_gguf
 from tandem.runtime.gguf_header import GGUFHeader, TensorEntry, header_of
 from tandem.runtime.paths import read_bounded, read_json
@@ -125,10 +125,15 @@ def describe_folder(folder: Path, source: str, name: str | None = None) -> Model
         return damaged(folder, shown, source, f"{config} cannot be read as JSON ({e}); re-download the model")
     if not isinstance(raw, dict):
         return damaged(folder, shown, source, f"{config} does not hold a JSON object; re-download the model")
+    whole = raw
     try:
+        inside = text_model(raw)  # a whole model (Gemma 4's, with its towers): its text model
+        raw = inside[0] if inside is not None else raw
         family_for(raw.get("model_type"))
     except UnsupportedModelError:
         return None
+    except CheckpointError as e:
+        return damaged(folder, shown, source, str(e))
     try:
         spec, cfg = parse_config(raw, str(config))
     except TandemError as e:  # CheckpointError: a field is wrong; UnsupportedModelError: a variant not run
@@ -145,7 +150,8 @@ def describe_folder(folder: Path, source: str, name: str | None = None) -> Model
         return damaged(folder, shown, source, f"{folder}: a weights file cannot be read ({e}); re-download the model")
     qc = raw.get("quantization_config")
     method = qc.get("quant_method") if isinstance(qc, dict) else None
-    dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "") or _stored_dtype(folder)
+    dtype = str(raw.get("torch_dtype") or raw.get("dtype") or whole.get("torch_dtype") or whole.get("dtype") or "") \
+        or _stored_dtype(folder)
     quant = str(method).upper() if method else SHORT_DTYPES.get(dtype, dtype)
     return ModelEntry(str(folder), shown, spec.display_name, sum(math.prod(s) for s in shapes.values()),
                       cfg.num_experts, size, source, quant)

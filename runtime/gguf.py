@@ -60,6 +60,7 @@ class Source:
     heads: int = 0
     kv_b: str | None = None  # DeepSeek's kv_b_proj split by llama.cpp: `name` is attn_k_b, this attn_v_b
     fused: str | None = None  # gpt-oss's fused experts made from the layer's three (see GGUFFile.tensor)
+    rows: tuple[int, int] | None = None  # these rows of the expert's matrix: gate's or up's of ffn_gate_up_exps
 
 
 def is_gguf(path: Path) -> bool:
@@ -123,6 +124,11 @@ class GGUFFile:
             post = src.name.replace("ffn_norm", "post_attention_norm")
             if src.name.endswith("ffn_norm.weight") and src.name not in self.tensors and post in self.tensors:
                 names[hf] = Source(post)  # gpt-oss's name for the norm before the MLP
+            fused = re.sub(r"ffn_(gate|up)_exps", "ffn_gate_up_exps", src.name)
+            if fused != src.name and src.name not in self.tensors and fused in self.tensors and hf in shapes:
+                width = shapes[hf][0]  # gate and up in one tensor [E, 2I, H], gate's rows first (Gemma 4's)
+                at = 0 if "ffn_gate_exps" in src.name else width
+                names[hf] = Source(fused, expert=src.expert, rows=(at, at + width))
         found = {hf: src for hf, src in names.items() if src.name in self.tensors}
         self._check_shapes(found, shapes)
         # the experts run as one dtype (a layer's in one kernel call): their own when the file keeps them all in one
@@ -175,6 +181,8 @@ class GGUFFile:
                 continue
             dims = self.tensors[src.name].shape
             held = math.prod(dims[:-1] if src.expert is not None else dims)
+            if src.rows is not None:  # (part of the expert's rows: dims[-2] counts them all)
+                held = held // dims[-2] * (src.rows[1] - src.rows[0])
             if held != math.prod(shapes[hf]):
                 raise CheckpointError(f"{self.path.name}: tensor {src.name} has shape {list(dims)}, but the model's "
                                       f"metadata makes it {list(reversed(shapes[hf]))}; the file is damaged or "
@@ -206,6 +214,8 @@ class GGUFFile:
             return kv_b.reshape(-1, k_b.shape[1]).to(info.dtype)  # [heads * (nope + v), rank]
         t = self.tensors[src.name]
         rows = t.data if src.expert is None else t.data[src.expert]  # numpy views of the memory map
+        if src.rows is not None:
+            rows = rows[src.rows[0] : src.rows[1]]
         w = _decoded(rows, t.tensor_type.name).reshape(info.shape).to(info.dtype)
         if src.heads:
             w = unpermute(w, src.heads)
@@ -220,6 +230,8 @@ class GGUFFile:
         if kind not in FORMATS or len(self.infos[name].shape) != 2 or src.kv_b is not None or src.fused is not None:
             return None
         rows = t.data if src.expert is None else t.data[src.expert]  # numpy uint8 [rows, bytes a row] of the map
+        if src.rows is not None:
+            rows = rows[src.rows[0] : src.rows[1]]
         raw = torch.from_numpy(rows).view(torch.uint8)
         raw = raw.reshape(self.infos[name].shape[0], -1)
         if src.heads:
@@ -334,14 +346,17 @@ def with_frequency_factors(raw: dict[str, Any], file: GGUFFile) -> dict[str, Any
     found = file.tensors.get("rope_freqs.weight")
     if found is None:
         return raw
+    if found.tensor_type.name != "F32" or found.data.ndim != 1:
+        raise CheckpointError(f"{file.path.name}: rope_freqs.weight must be one row of F32 factors, not "
+                              f"{found.tensor_type.name} {list(found.data.shape)}; the file is damaged: re-download it")
+    own = reader_of(file.meta).frequencies
+    if own is not None:  # the architecture reads them its own way (Gemma 4: its global layers' RoPE)
+        return own(raw, [float(f) for f in found.data])
     given = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     if given.get("rope_type", given.get("type", "default")) != "default":
         raise UnsupportedModelError(f"{file.path.name} scales its RoPE twice (rope_freqs.weight beside a "
                                     f"{given.get('rope_type', given.get('type'))} scaling in its metadata); Tandem "
                                     "runs one of them, not both")
-    if found.tensor_type.name != "F32" or found.data.ndim != 1:
-        raise CheckpointError(f"{file.path.name}: rope_freqs.weight must be one row of F32 factors, not "
-                              f"{found.tensor_type.name} {list(found.data.shape)}; the file is damaged: re-download it")
     return raw | {"rope_parameters": {"rope_type": "frequency_factors", "rope_theta": raw["rope_theta"],
                                       "factors": [float(f) for f in found.data]}}
 
@@ -387,7 +402,8 @@ def config_of(meta: Meta, types: dict[str, str], vocab: int) -> dict[str, Any]:
     elif "mlp_only_layers" in raw:
         raw["mlp_only_layers"] = dense
     for i in range(raw["num_hidden_layers"]):  # the kernels take experts as blocks throughout, or as floats
-        kinds = {types[n] for n in (f"blk.{i}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")) if n in types}
+        kinds = {types[n] for n in (f"blk.{i}.ffn_{p}_exps.weight" for p in ("gate", "up", "gate_up", "down"))
+                 if n in types}
         if kinds & set(FORMATS) and kinds - set(FORMATS):
             raise UnsupportedModelError(
                 f"layer {i}'s experts mix block formats and float tensors ({', '.join(sorted(kinds))}); Tandem runs "
@@ -435,14 +451,18 @@ _IN_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layer
 
 def sources(names: list[str], moe_prefix: str, router: str, expert_proj: tuple[str, str, str], shared: str | None,
             shared_gate: str | None, llama_heads: tuple[int, int] | None,
-            correction: str | None = None, dense_mlp: str = "mlp") -> dict[str, Source]:
+            correction: str | None = None, dense_mlp: str = "mlp", own: dict[str, str] | None = None
+            ) -> dict[str, Source]:
     """Each Hugging Face tensor name's GGUF source. `llama_heads`: (query, key/value) heads whose q/k rows are in
     llama.cpp's RoPE order; `shared`: the shared expert's SwiGLU within a layer (in the MoE block, or beside it:
     Granite's); `correction`: the router's correction bias inside the MoE block (FamilySpec.correction_name; None:
-    under the router); `dense_mlp`: a dense layer's SwiGLU (FamilySpec.dense_mlp)."""
+    under the router); `dense_mlp`: a dense layer's SwiGLU (FamilySpec.dense_mlp); `own`: the architecture's own
+    names inside a layer (GGUFArch.tensors), before every other. An empty `moe_prefix`: the MoE block's tensors lie
+    in the layer itself."""
     correction = correction or f"{router}.e_score_correction_bias"
     dense = {f"{dense_mlp}.{k}_proj.weight": f"ffn_{k}.weight" for k in ("gate", "up", "down")}
-    experts = re.compile(rf"^{re.escape(moe_prefix)}\.experts\.(\d+)\.({'|'.join(expert_proj)})\.weight$")
+    block = f"{moe_prefix}." if moe_prefix else ""
+    experts = re.compile(rf"^{re.escape(block)}experts\.(\d+)\.({'|'.join(expert_proj)})\.weight$")
     kinds = dict(zip(expert_proj, ("gate", "up", "down"), strict=True))
     out: dict[str, Source] = {}
     for name in names:
@@ -453,7 +473,9 @@ def sources(names: list[str], moe_prefix: str, router: str, expert_proj: tuple[s
         if layer is None:
             continue
         blk, rest = f"blk.{layer[1]}", layer[2]
-        if rest in _IN_LAYER:
+        if own and rest in own:
+            out[name] = Source(f"{blk}.{own[rest]}")
+        elif rest in _IN_LAYER:
             heads = 0
             if llama_heads and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.q_proj.bias",
                                         "self_attn.k_proj.bias"):  # (the converter permutes the biases alike)
@@ -461,17 +483,18 @@ def sources(names: list[str], moe_prefix: str, router: str, expert_proj: tuple[s
             out[name] = Source(f"{blk}.{_IN_LAYER[rest]}", heads=heads)
         elif rest in dense:
             out[name] = Source(f"{blk}.{dense[rest]}")
-        elif rest == f"{moe_prefix}.{router}.weight":
+        elif rest == f"{block}{router}.weight":
             out[name] = Source(f"{blk}.ffn_gate_inp.weight")
-        elif rest == f"{moe_prefix}.{correction}":
+        elif rest == f"{block}{correction}":
             out[name] = Source(f"{blk}.exp_probs_b.bias")
-        elif rest == f"{moe_prefix}.{router}.bias":
+        elif rest == f"{block}{router}.bias":
             out[name] = Source(f"{blk}.ffn_gate_inp.bias")
         elif rest == "self_attn.sinks":
             out[name] = Source(f"{blk}.attn_sinks.weight")
-        elif rest == f"{moe_prefix}.experts.down_proj_bias":
+        elif rest == f"{block}experts.down_proj_bias":
             out[name] = Source(f"{blk}.ffn_down_exps.bias")
-        elif rest.startswith(f"{moe_prefix}.experts.") and rest.count(".") == 2:  # gpt-oss's fused experts
+        elif rest.startswith(f"{block}experts.") and rest.count(".") == block.count(".") + 1:  # gpt-oss's fused
+            # experts
             out[name] = Source(f"{blk}.ffn_gate_exps.weight", fused=rest.rsplit(".", 1)[1].removesuffix("_proj")
                                .replace("_proj_", "_"))
         elif (found := experts.match(rest)) is not None:
@@ -479,6 +502,6 @@ def sources(names: list[str], moe_prefix: str, router: str, expert_proj: tuple[s
         elif shared and rest.startswith(f"{shared}.") and rest.endswith("_proj.weight"):
             kind = rest.removeprefix(f"{shared}.").removesuffix("_proj.weight")
             out[name] = Source(f"{blk}.ffn_{kind}_shexp.weight")
-        elif shared_gate and rest == f"{moe_prefix}.{shared_gate}.weight":
+        elif shared_gate and rest == f"{block}{shared_gate}.weight":
             out[name] = Source(f"{blk}.ffn_gate_inp_shexp.weight")
     return out

@@ -22,7 +22,7 @@ import mmap
 import os
 import stat
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +49,15 @@ U32, U64 = struct.Struct("<I"), struct.Struct("<Q")
 
 @dataclass(frozen=True)
 class GGUFArray:
-    """A metadata array, walked but not parsed: its item type (GGUFValueType) and length."""
+    """A metadata array, walked but not parsed: its item type (GGUFValueType) and length; a short array of numbers
+    or booleans (per-layer values: Gemma 4's key/value heads, its sliding layers) with its items."""
 
     item_type: int
     count: int
+    values: tuple[Any, ...] | None = field(default=None, compare=False)
+
+
+VALUES_MOST = 4096  # items of a numeric array read in full (one per layer, or per rotated pair of dims)
 
 
 @dataclass(frozen=True)
@@ -241,8 +246,13 @@ class _Parser:
         if count > ARRAY_MOST:
             raise self.fail(f"{key} holds {count} items, more than the {ARRAY_MOST} a model's metadata needs")
         if item != STRING:
-            self.take(count * struct.calcsize(SCALARS[item]), f"the items of {key}")
-            return GGUFArray(item, count)
+            size = struct.calcsize(SCALARS[item])
+            at = self.take(count * size, f"the items of {key}")
+            values = None
+            if count <= VALUES_MOST:
+                values = struct.unpack_from(f"<{count}{SCALARS[item][1]}", self.buf, at)
+                values = tuple(bool(v) for v in values) if item == BOOL else values
+            return GGUFArray(item, count, values)
         buf, pos, end, unpack = self.buf, self.pos, self.end, U64.unpack_from
         for i in range(count):
             if pos + 8 > end:

@@ -59,6 +59,27 @@ def read_flag(meta: Meta, key: str, default: bool) -> bool:
     return value
 
 
+def per_layer(meta: Meta, key: str, layers: int, kind: type, bound: str = "") -> list[Any]:
+    """A key llama.cpp writes once, or once per layer (an array of `layers` items): the value of each layer, each
+    an int (within `bound`'s range, as `read_int`) or a bool."""
+    value = meta.get(key, MISSING)
+    if value is MISSING:
+        raise CheckpointError(f"the GGUF file has no {key}; it is incomplete or not a model file")
+    if not isinstance(value, GGUFArray):
+        return [read_int(meta, key, bound=bound) if kind is int else read_flag(meta, key, False)] * layers
+    if value.count != layers or value.values is None:
+        raise bad(key, value, f"one value or one per layer ({layers})")
+    items = list(value.values)
+    if kind is bool:
+        if value.item_type != 7:
+            raise bad(key, value, "booleans, one per layer")
+        return items
+    lo, hi = WHOLE.get(bound, (0, (1 << 31) - 1))
+    if any(isinstance(v, float) or not lo <= v <= hi for v in items):
+        raise bad(key, value, f"whole numbers from {lo} to {hi}, one per layer")
+    return items
+
+
 def read_text(meta: Meta, key: str) -> str | None:
     value = meta.get(key)
     if value is not None and not isinstance(value, str):

@@ -51,7 +51,8 @@ def estimate_memory(
         return m.nbytes if m is not None else math.prod(shape) * kept(name).itemsize
     weights = sum(dense(name, s) for name, s in dense_tensors(cfg, ckpt.spec).items())
     kv = cache_class(cfg).nbytes(cfg, batch, context, dtype)
-    rope = 2 * context * cfg.head_dim * item
+    rope = 2 * context * (cfg.head_dim + (cfg.global_head_dim if cfg.global_rope else 0)) * item  # (Gemma 4's
+    # global layers' own tables too)
     logits = 4 * cfg.vocab_size * 4
     first = next((i for i in range(cfg.num_layers) if cfg.sparse_layers[i]), None)
     if first is not None:  # quantized or resident experts live in RAM, resident ones in the file's dtype

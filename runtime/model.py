@@ -77,10 +77,10 @@ def activation_bytes(cfg: ModelConfig, tokens: int, context: int, batch: int, dt
     and output with one expert's (or the dense feed-forward's, the shared expert's) hidden activations over every
     token; the last position's float32 logits."""
     T, h, item = batch * tokens, cfg.hidden_size, dtype.itemsize
-    heads = cfg.num_heads + 2 * cfg.num_kv_heads
+    heads = cfg.num_heads + 2 * max(cfg.kv_heads(i) for i in range(cfg.num_layers))
     width = max(cfg.moe_intermediate_size, cfg.dense_intermediate_size, cfg.shared_expert_intermediate_size)
     residual = T * h * (3 * 4 + item)
-    attention = 2 * T * heads * max(cfg.head_dim, cfg.qk_rope_head_dim + cfg.v_head_dim) * item \
+    attention = 2 * T * heads * max(*cfg.head_sizes(), cfg.qk_rope_head_dim + cfg.v_head_dim) * item \
         + batch * cfg.num_heads * tokens * context * 4
     ffn = T * (cfg.num_experts * 4 + 2 * h * 4 + 3 * width * item)
     return residual + max(attention, ffn) + batch * cfg.vocab_size * 4

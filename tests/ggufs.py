@@ -17,7 +17,7 @@ ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "o
         "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss", "dots1": "dots1",
         "minimax_m2": "minimax-m2", "glm4_moe_lite": "deepseek2", "ernie4_5_moe": "ernie4_5-moe",
         "hunyuan_v1_moe": "hunyuan-moe", "llama4_text": "llama4", "granitemoe": "granitemoe",
-        "granitemoeshared": "granitemoe"}
+        "granitemoeshared": "granitemoe", "gemma4_text": "gemma4"}
 ATTN = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output", "q_norm": "attn_q_norm",
         "k_norm": "attn_k_norm", "query_layernorm": "attn_q_norm", "key_layernorm": "attn_k_norm",
         "q_a_proj": "attn_q_a", "q_b_proj": "attn_q_b", "q_a_layernorm": "attn_q_a_norm",
@@ -50,6 +50,8 @@ def gguf_tensors(folder: Path, split_kv_b: bool = True) -> dict[str, np.ndarray]
             blk, rest = f"blk.{m[1]}", m[2]
             if rest == "input_layernorm.weight":
                 out[f"{blk}.attn_norm.weight"] = w
+            elif arch == "gemma4" and rest in GEMMA4:  # as the converter's Gemma4Model names them
+                out[f"{blk}.{GEMMA4[rest]}"] = w
             elif rest == "post_attention_layernorm.weight":
                 out[f"{blk}.{'post_attention_norm' if arch == 'gpt-oss' else 'ffn_norm'}.weight"] = w
             elif rest == "self_attn.sinks":
@@ -114,9 +116,23 @@ def gguf_tensors(folder: Path, split_kv_b: bool = True) -> dict[str, np.ndarray]
     for name, experts in stacks.items():
         out[name] = np.stack([experts[i] for i in range(len(experts))])
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if arch == "gemma4":  # the global layers' proportional RoPE as frequency factors: 1 turns, 1e30 does not
+        half, share = cfg.global_head_dim // 2, rope["full_attention"]["partial_rotary_factor"]
+        turning = int(share * cfg.global_head_dim // 2)
+        out["rope_freqs.weight"] = np.array([1.0] * turning + [1e30] * (half - turning), dtype=np.float32)
     if rope.get("rope_type") == "llama3":  # as the converter's LlamaModel writes Llama 3's scaling: each pair's factor
         out["rope_freqs.weight"] = llama3_factors(rope, cfg.head_dim)
     return out
+
+
+GEMMA4 = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+          "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight":
+          "post_ffw_norm.weight", "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+          "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight", "post_feedforward_layernorm_2.weight":
+          "post_ffw_norm_2.weight", "layer_scalar": "layer_output_scale.weight", "router.proj.weight":
+          "ffn_gate_inp.weight", "router.scale": "ffn_gate_inp.scale", "router.per_expert_scale":
+          "ffn_down_exps.scale", "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+          "experts.down_proj": "ffn_down_exps.weight"}
 
 
 def llama3_factors(rope: dict, dim: int) -> np.ndarray:
@@ -173,7 +189,9 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_head_count(cfg.num_heads)
-    if arch != "deepseek2":
+    if arch == "gemma4":  # per layer: the global layers' own (the converter writes the array)
+        writer.add_head_count_kv([cfg.kv_heads(i) for i in range(cfg.num_layers)])
+    elif arch != "deepseek2":
         writer.add_head_count_kv(cfg.num_kv_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_theta)
@@ -182,7 +200,7 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
     writer.add_expert_weights_norm(bool(cfg.norm_topk_prob))
     if cfg.clip_qkv:
         writer.add_clamp_kqv(cfg.clip_qkv)
-    if raw.get("head_dim") and arch != "deepseek2":
+    if raw.get("head_dim") and arch not in ("deepseek2", "gemma4"):
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
     if arch == "llama":
@@ -257,6 +275,22 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
         writer.add_logit_scale(cfg.logits_scaling)
     if arch == "minimax-m2":  # as the converter's MiniMaxM2Model writes it
         writer.add_rope_dimension_count(cfg.rotary_dim)
+    if arch == "gemma4":  # as the converter's Gemma4Model writes it: both kinds of layer's heads and RoPE
+        rope = raw["rope_parameters"]
+        writer.add_key_length(cfg.global_head_dim)
+        writer.add_value_length(cfg.global_head_dim)
+        writer.add_key_length_swa(cfg.head_dim)
+        writer.add_value_length_swa(cfg.head_dim)
+        writer.add_sliding_window(int(raw["sliding_window"]))
+        writer.add_sliding_window_pattern(list(cfg.sliding_layers))
+        writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        writer.add_rope_dimension_count(cfg.global_head_dim)
+        writer.add_rope_dimension_count_swa(cfg.head_dim)
+        writer.add_shared_kv_layers(0)
+        writer.add_embedding_length_per_layer_input(0)
+        if cfg.logit_softcap is not None:
+            writer.add_final_logit_softcapping(cfg.logit_softcap)
     if arch == "dots1":  # as the converter's Dots1Model writes it (no groups: it writes none)
         writer.add_leading_dense_block_count(int(raw.get("first_k_dense_replace", 0)))
         writer.add_expert_shared_count(int(raw.get("n_shared_experts", 0)))

@@ -160,6 +160,20 @@ MORE: list[tuple[str, str, dict[str, Any], tuple[str, ...]]] = [
     ("frequency factors too few", "llama4_text",
      {"rope_parameters": {"rope_type": "frequency_factors", "rope_theta": 5e5, "factors": [1.0, 2.0]}},
      ("list 2 numbers", "need 8")),
+    # Gemma 4's variants it does not run, refused by name; its layer kinds' RoPE and shapes checked
+    ("gemma4_text per-layer input embeddings", "gemma4_text", {"hidden_size_per_layer_input": 16},
+     ("per-layer input embeddings",)),
+    ("gemma4_text shared keys and values", "gemma4_text", {"num_kv_shared_layers": 1}, ("num_kv_shared_layers",)),
+    ("gemma4_text a dense model", "gemma4_text", {"enable_moe_block": False}, ("dense model",)),
+    ("gemma4_text bidirectional", "gemma4_text", {"use_bidirectional_attention": "all"}, ("bidirectional",)),
+    ("gemma4_text exact GELU", "gemma4_text", {"hidden_activation": "gelu"}, ("'gelu'",)),
+    ("gemma4_text a sliding layer of its own shape", "gemma4_text", {"per_layer_config": {"0": {"head_dim": 32}}},
+     ("different shapes",)),
+    ("gemma4_text a global RoPE share past 1", "gemma4_text",
+     {"rope_parameters": {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 2.0,
+                                             "rope_theta": 1e6}}}, ("full_attention.partial_rotary_factor",)),
+    ("gemma4_text global heads that do not share", "gemma4_text", {"num_global_key_value_heads": 3},
+     ("do not share 3",)),
 ]
 
 
@@ -188,6 +202,8 @@ ACCEPTED: list[tuple[str, str, dict[str, Any]]] = [
     ("eos an empty list", "qwen3_moe", {"eos_token_id": []}),
     ("eos the last token, bos the first", "qwen3_moe", {"eos_token_id": [2, 511], "bos_token_id": 0}),
     ("llama4_text no_rope_layers empty (the published configs: the default)", "llama4_text", {"no_rope_layers": []}),
+    ("gemma4_text the global layers as transformers saves them (per_layer_config)", "gemma4_text",
+     {"per_layer_config": {"1": {"head_dim": 32, "num_key_value_heads": 1}}}),
 ]
 
 
@@ -275,3 +291,14 @@ def test_rope_given_per_kind_of_layer_is_refused_by_name() -> None:
                                                                                 "rope_theta": 1e4}}}
     with pytest.raises(UnsupportedModelError, match="per kind of layer"):
         parse_config(raw, "config.json")
+
+
+def test_gemma4_global_layers_read_alike_from_either_form() -> None:
+    """The published configs name the global layers' head size and key/value heads (`global_head_dim`,
+    `num_global_key_value_heads`); transformers saves them per layer (`per_layer_config`): the same model."""
+    published = parse_config(tiny_config("gemma4_text"), "config.json")[1]
+    saved = tiny_config("gemma4_text", per_layer_config={"1": {"head_dim": 32, "num_key_value_heads": 1}})
+    del saved["global_head_dim"], saved["num_global_key_value_heads"]
+    assert parse_config(saved, "config.json")[1] == published
+    assert (published.head_size(0), published.kv_heads(0), published.head_size(1), published.kv_heads(1)) == \
+        (16, 2, 32, 1)

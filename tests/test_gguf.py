@@ -31,7 +31,8 @@ pytestmark = pytest.mark.isa  # F16 and float32 weights run on the kernels: agai
 READ = ["mixtral", "mixtral-tied", "qwen3_moe", "qwen3_moe-dense-bias", "qwen2_moe-shared", "qwen2_moe-dense-noshared",
         "olmoe", "glm4_moe", "glm4_moe-grouped-qknorm", "glm4_moe-fullrope-nobias", "deepseek_v2", "deepseek_v2-dense2",
         "deepseek_v3", "gpt_oss", "dots1", "minimax_m2", "glm4_moe_lite",
-        "ernie4_5_moe", "hunyuan_v1_moe", "granitemoe", "granitemoe-bias-tied", "granitemoeshared"]
+        "ernie4_5_moe", "hunyuan_v1_moe", "granitemoe", "granitemoe-bias-tied", "granitemoeshared", "gemma4_text",
+        "gemma4_text-vproj-bias"]
 IDS = torch.randint(0, 500, (1, 13), generator=torch.Generator().manual_seed(1))
 
 
@@ -110,6 +111,43 @@ def test_llama4_files_run_as_their_checkpoint(tmp_path: Path, capsys: pytest.Cap
         torch.testing.assert_close(logits(tmp_path / "m.gguf"), want, rtol=0, atol=1e-5 * want.abs().max().item())
     ours, theirs = generate(tmp_path / "m.gguf", capsys), generate(folder, capsys)
     assert ours["tokens"] == theirs["tokens"]
+
+
+@pytest.mark.parametrize("resident", [False, True])
+def test_gemma4_experts_are_rows_of_one_gate_up_tensor_as_blocks(tmp_path: Path, resident: bool) -> None:
+    """Gemma 4 as llama.cpp writes it keeps each layer's gate and up in one tensor (ffn_gate_up_exps [E, 2I, H],
+    gate's rows first): as Q4_K_M blocks each expert's gate and up are its rows of it, read by the kernels as stored
+    (views of the file, or of its RAM copy); the logits are those of an F32 file of the same values."""
+    folder = build_hf_checkpoint(tmp_path / "hf", "gemma4_text", {
+        "hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256, "head_dim": 64,
+        "global_head_dim": 128, "num_attention_heads": 4, "num_key_value_heads": 2})
+    held = write_gguf(folder, tmp_path / "q.gguf", "Q4_K", mix={"ffn_down": "Q6_K"})
+    write_gguf(folder, tmp_path / "f.gguf", "F32", given=held)
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "q.gguf")).tensors}
+    assert kinds["blk.0.ffn_gate_up_exps.weight"] == "Q4_K" and "blk.0.ffn_gate_exps.weight" not in kinds
+    loaded = load_model(tmp_path / "q.gguf", dtype="fp32", resident=resident)
+    experts = loaded.model.dispatcher.cpu_experts[0]
+    assert {(e.kind, e.down.kind) for e in experts} == {("Q4_K", "Q6_K")}  # type: ignore[union-attr]
+    want = logits(tmp_path / "f.gguf")
+    torch.testing.assert_close(loaded.model.forward(IDS, 0), want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+def test_gemma4_files_tandem_cannot_run_are_refused_by_name(hf_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """A Gemma 4 file with per-layer input embeddings, shared keys and values, a head count per layer of the wrong
+    length, layers of one kind with different heads, or RoPE factors other than the converter's (pairs that turn,
+    then pairs that do not) is refused, saying what."""
+    A = gguf.GGUFValueType.ARRAY
+    U32 = gguf.GGUFValueType.UINT32
+    write_gguf(hf_checkpoints["gemma4_text"], tmp_path / "g.gguf")
+    cases = [({"gemma4.embedding_length_per_layer_input": (16, U32)}, {}, "per-layer input embeddings"),
+             ({"gemma4.attention.shared_kv_layers": (1, U32)}, {}, "share earlier layers' keys"),
+             ({"gemma4.attention.head_count_kv": ([2, 1, 1], A)}, {}, "one per layer"),
+             ({"gemma4.attention.sliding_window_pattern": ([True, True], A)}, {}, "different shapes"),
+             ({}, {"rope_freqs.weight": np.array([1.0, 2.0] + [1e30] * 14, dtype=np.float32)}, "rope_freqs")]
+    for k, (meta, tensors, needle) in enumerate(cases):
+        rewrite_gguf(tmp_path / "g.gguf", tmp_path / f"bad{k}.gguf", meta=meta, tensors=tensors)
+        with pytest.raises(CheckpointError, match=needle):
+            open_checkpoint(tmp_path / f"bad{k}.gguf")
 
 
 def test_a_file_whose_routers_disagree_with_its_metadata_is_refused(hf_checkpoints: dict[str, Path],

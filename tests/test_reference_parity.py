@@ -83,3 +83,32 @@ def test_bf16_runs_close_to_fp32(mixtral_dir: Path) -> None:
     bf16 = load_model(mixtral_dir, dtype="bf16").model.forward(ids, 0)
     assert bf16.dtype == torch.float32
     assert (bf16 - fp32).abs().max().item() < 0.15 * fp32.abs().max().item()
+
+
+def test_a_whole_gemma4_folder_runs_its_text_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Gemma 4 as published: the whole model (`gemma4`, its text model's config in text_config and its tensors
+    under model.language_model.; here without towers) opens as its text model, with transformers' logits, and
+    `tandem models` lists it as Gemma 4."""
+    import transformers
+
+    from tandem.runtime.synth import tiny_config, write_tokenizer
+
+    raw = tiny_config("gemma4_text", num_hidden_layers=3,
+                      layer_types=["sliding_attention", "full_attention", "full_attention"])
+    text = transformers.AutoConfig.for_model(**raw)
+    torch.manual_seed(0)
+    ref = transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(text_config=text.to_dict()))
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
+    folder = tmp_path / "models" / "gemma-4-tiny"
+    ref.save_pretrained(folder)
+    write_tokenizer(folder, raw["vocab_size"])
+    ours = load_model(folder, dtype="fp32").model
+    ids = torch.randint(0, raw["vocab_size"], (1, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ref.eval()(input_ids=ids).logits
+    assert (ours.forward(ids, 0) - want).abs().max().item() <= TOL
+    assert main(["models", "--models-dir", str(tmp_path / "models"), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(m["name"], m["family"]) for m in listed] == [("gemma-4-tiny", "Gemma 4")]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.kernels.errors import CheckpointError, UnsupportedModelError
@@ -34,13 +34,20 @@ class BenchShape:
 @dataclass(frozen=True)
 class GGUFArch:
     """How a family reads llama.cpp's GGUF files: their `general.architecture`, and their metadata as the config.json
-    a Hugging Face folder of the model would hold (runtime/gguf_meta.py reads the keys). The tensors need nothing:
-    llama.cpp names them alike for every architecture, and `FamilySpec`'s on-disk names say where each goes."""
+    a Hugging Face folder of the model would hold (runtime/gguf_meta.py reads the keys). The tensors need little:
+    llama.cpp names most alike for every architecture, and `FamilySpec`'s on-disk names say where each goes;
+    `tensors` names the rest."""
 
     name: str  # general.architecture
     # (metadata, vocabulary size, each tensor's GGML type by its GGUF name) -> config.json's contents
     config: Callable[[Meta, int, dict[str, str]], dict[str, Any]]
     rope_permuted: bool = False  # llama.cpp's converter stored q and k rows in its RoPE order (its `llama` models)
+    # (config.json's contents, the file's rope_freqs.weight) -> the contents with them; None: they are the RoPE's
+    # frequency factors (Llama 3's scaling, as the converter writes it)
+    frequencies: Callable[[dict[str, Any], list[float]], dict[str, Any]] | None = None
+    # the tensors of a layer this architecture's files name otherwise: the name inside `model.layers.N.` -> inside
+    # `blk.N.` (Gemma's norms around each half of a layer, its layer scalar and router scales)
+    tensors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,10 @@ class FamilySpec:
     shared_in_block: bool = True  # the shared expert inside the MoE block; False: beside it, under the layer
     stacked_mlp: tuple[str, str] | None = None  # the shared SwiGLU's gate and up rows in one tensor [2I, H], and down
     gguf: GGUFArch | None = None  # None: its GGUF files are not read (or another family's reader makes them its own)
+    # the published folders that hold this text model inside a larger one (towers for images, audio): their
+    # model_type, the key of their config.json holding this model's, and the prefix of its tensors there (in place
+    # of `model.`); None: none that Tandem opens
+    inside: tuple[str, str, str] | None = None
 
     @property
     def correction_name(self) -> str:
@@ -118,6 +129,23 @@ INSIDE: dict[str, str] = {
               "(llama4_text): convert the folder with llama.cpp's convert_hf_to_gguf.py (it writes the text model) "
               "and open the .gguf file, or use a GGUF of it from a model hub",
 }
+
+
+def text_model(raw: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
+    """A whole model's config.json (`FamilySpec.inside`) -> its text model's config (its family's model_type where it
+    leaves it out, the whole model's tied embeddings where it does not say) and the prefix its tensors have in the
+    folder; None when `raw` is no such model's."""
+    for spec in _registry().values():
+        if spec.inside is None or raw.get("model_type") != spec.inside[0]:
+            continue
+        inner = raw.get(spec.inside[1])
+        if not isinstance(inner, dict):
+            raise CheckpointError(f"this {raw['model_type']} config.json has no {spec.inside[1]} object holding its "
+                                  f"text model's config; re-download it")
+        if "tie_word_embeddings" in raw:
+            inner = {"tie_word_embeddings": raw["tie_word_embeddings"]} | inner
+        return {"model_type": spec.model_type} | inner, spec.inside[2]
+    return None
 
 
 def family_for(model_type: object) -> FamilySpec:

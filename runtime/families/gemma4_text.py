@@ -13,9 +13,10 @@ What differs from the plain decoder, each as transformers' `modeling_gemma4.py` 
 - attention's output RMSNormed (post_attention_layernorm) before the residual; the feed-forward is
   runtime/parallel.py's: GeGLU (tanh GELU) MLP and experts side by side, each with its norms.
 
-Published checkpoints hold the whole model (`gemma4`, with vision and audio towers): Tandem opens the text model as
-its own folder (`gemma4_text`). Per-layer input embeddings (the E2B/E4B models), layers sharing another's keys and
-values, bidirectional attention and the dense models (no MoE block) are refused by name."""
+Published checkpoints hold the whole model (`gemma4`, with vision and audio towers): Tandem opens its text model there
+(`text_config`, tensors under `model.language_model.`), or as its own folder (`gemma4_text`), or as llama.cpp's
+`gemma4` GGUF file. Per-layer input embeddings (the E2B/E4B models), layers sharing another's keys and values,
+bidirectional attention and the dense models (no MoE block) are refused by name."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from typing import Any
 
 from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 from tandem.runtime.config import ROPE_RULES, ModelConfig, decoder_fields, sliding_layer_pattern
-from tandem.runtime.families import BenchShape, FamilySpec
+from tandem.runtime.families import BenchShape, FamilySpec, GGUFArch
+from tandem.runtime.gguf_meta import Meta, common_config, per_layer, read_float, read_int
 
 # transformers' Gemma4TextConfig defaults, for the keys a config.json may leave out
 DEFAULTS: dict[str, Any] = {
@@ -133,6 +135,86 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
+def gguf_config(meta: Meta, vocab: int, types: dict[str, str]) -> dict[str, Any]:
+    """As llama.cpp writes its `gemma4` files: key/value heads per layer (the global layers' differ), which layers
+    slide (`sliding_window_pattern`), both kinds' head sizes and RoPE bases; the global layers' values are their keys
+    where they have no attn_v. Their RoPE's turning part is in rope_freqs.weight (`gguf_frequencies`)."""
+    a = "gemma4"
+    layers = read_int(meta, f"{a}.block_count", bound="num_hidden_layers")
+    kv = per_layer(meta, f"{a}.attention.head_count_kv", layers, int, "num_key_value_heads")
+    out = common_config(meta | {f"{a}.attention.head_count_kv": kv[0]}, a, vocab)  # (the kinds' heads: below)
+    problems = []
+    if read_int(meta, f"{a}.attention.shared_kv_layers", 0):
+        problems.append("its last layers share earlier layers' keys and values (shared_kv_layers)")
+    if read_int(meta, f"{a}.embedding_length_per_layer_input", 0):
+        problems.append("it has per-layer input embeddings (the E2B/E4B models)")
+    if not read_int(meta, f"{a}.expert_count", 0):
+        problems.append("it is a dense model: Tandem runs Gemma 4's MoE models")
+    if problems:
+        raise UnsupportedModelError(f"this Gemma 4 file is not supported yet: {'; '.join(problems)}")
+    sliding = per_layer(meta, f"{a}.attention.sliding_window_pattern", layers, bool)
+    head_dim, global_dim = (read_int(meta, f"{a}.attention.key_length{k}", bound="head_dim") for k in ("_swa", ""))
+    if (read_int(meta, f"{a}.attention.value_length_swa", head_dim), read_int(meta, f"{a}.attention.value_length",
+                                                                             global_dim)) != (head_dim, global_dim):
+        raise UnsupportedModelError("this Gemma 4 file's values are not its keys' size; Tandem runs Gemma 4 as "
+                                    "published")
+    if read_int(meta, f"{a}.rope.dimension_count_swa", head_dim) != head_dim:
+        raise UnsupportedModelError("this Gemma 4 file rotates part of its sliding layers' heads; Tandem runs Gemma 4 "
+                                    "as published")
+    local_kv = {kv[i] for i in range(layers) if sliding[i]}
+    global_kv = {kv[i] for i in range(layers) if not sliding[i]}
+    values = {f"blk.{i}.attn_v.weight" in types for i in range(layers) if not sliding[i]}
+    if len(local_kv) > 1 or len(global_kv) > 1 or len(values) > 1:
+        raise CheckpointError("this Gemma 4 file gives layers of one kind different shapes; the file is "
+                              "inconsistent: re-download it")
+    full = read_float(meta, f"{a}.rope.freq_base", 1_000_000.0)
+    return out | {
+        "model_type": "gemma4_text", "num_key_value_heads": next(iter(local_kv or global_kv)),
+        "head_dim": head_dim, "global_head_dim": global_dim, "attention_k_eq_v": values == {False},
+        "num_global_key_value_heads": next(iter(global_kv or local_kv)),
+        "intermediate_size": read_int(meta, f"{a}.feed_forward_length", bound="intermediate_size"),
+        "moe_intermediate_size": read_int(meta, f"{a}.expert_feed_forward_length", bound="moe_intermediate_size"),
+        "num_experts": read_int(meta, f"{a}.expert_count", bound="num_experts"),
+        "top_k_experts": out.pop("num_experts_per_tok"), "enable_moe_block": True, "hidden_size_per_layer_input": 0,
+        "sliding_window": read_int(meta, f"{a}.attention.sliding_window", bound="sliding_window"),
+        "final_logit_softcapping": read_float(meta, f"{a}.final_logit_softcapping") if
+        f"{a}.final_logit_softcapping" in meta else None,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_act": None,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default",
+                                                  "rope_theta": read_float(meta, f"{a}.rope.freq_base_swa", 10_000.0)},
+                            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 1.0,
+                                               "rope_theta": full}},
+    }
+
+
+def gguf_frequencies(raw: dict[str, Any], factors: list[float]) -> dict[str, Any]:
+    """rope_freqs.weight as llama.cpp's converter writes it for Gemma 4's global layers: 1 for each pair that turns,
+    then 1e30 (no turn) for the rest: proportional RoPE turning that share of each half."""
+    turning = next((j for j, f in enumerate(factors) if f != 1.0), len(factors))
+    if any(f < 1e20 for f in factors[turning:]) or len(factors) != raw["global_head_dim"] // 2:
+        raise UnsupportedModelError("this Gemma 4 file's rope_freqs.weight scales its global layers' RoPE in a way "
+                                    "Tandem does not run (it reads the converter's: pairs that turn, then pairs "
+                                    "that do not)")
+    half = len(factors)
+    share = turning / half
+    if int(share * 2 * half // 2) != turning:  # (transformers floors share * head_dim / 2: a hair above, then)
+        share = (turning + 0.25) / half
+    rope = dict(raw["rope_parameters"])
+    rope["full_attention"] = rope["full_attention"] | {"partial_rotary_factor": share}
+    return raw | {"rope_parameters": rope}
+
+
+# the tensors of a layer llama.cpp names its own way for Gemma 4 (its converter's tensor map)
+GGUF_TENSORS = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight", "pre_feedforward_layernorm.weight":
+    "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+    "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+    "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight", "layer_scalar": "layer_output_scale.weight",
+    "router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale",
+}
+
 SPEC = FamilySpec(
     "gemma4_text", "Gemma 4", parse,
     tiny={"intermediate_size": 96, "moe_intermediate_size": 48, "num_experts": 8, "top_k_experts": 2,
@@ -156,4 +238,6 @@ SPEC = FamilySpec(
     moe_prefix="", router="router.proj", dense_mlp="mlp",
     stacked_experts=("experts.gate_up_proj", "experts.down_proj"),
     shared_expert_gate=None,
+    gguf=GGUFArch("gemma4", gguf_config, frequencies=gguf_frequencies, tensors=GGUF_TENSORS),
+    inside=("gemma4", "text_config", "model.language_model."),
 )
