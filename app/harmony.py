@@ -1,4 +1,5 @@
-"""gpt-oss's "harmony" answers, folded for the chat: only the final channel is shown.
+"""Answers whose chain of thought the chat does not show: gpt-oss's "harmony" (only the final channel is shown) and
+Gemma 4's thought channel (hidden). `answer_view(template)` says which a model's answers are.
 
 A harmony answer is a run of messages, each `<|start|>assistant<|channel|>NAME<|message|>TEXT<|end|>` (the first
 without `<|start|>assistant`, which the prompt already holds; the last may end in `<|return|>`, `<|call|>` or not at
@@ -11,7 +12,7 @@ included (StreamDecoder(keep_special=True)); nothing here knows of tokens or scr
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
@@ -43,24 +44,62 @@ def final_text(answer: str) -> str:
     return "".join(shown)
 
 
-class FinalChannel:
-    """The deltas of `final_text` as the answer streams, a chunk (StreamDecoder's, special tokens kept) at a time."""
+# Gemma 4: a thought is `<|channel>thought\nTEXT<channel|>` before the answer (its template asks for one, empty,
+# unless thinking is on, and strips them from earlier answers itself)
+THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>", "<channel|>"
 
-    def __init__(self) -> None:
-        self.answer, self.sent = "", 0
+
+def has_thoughts(template: str | None) -> bool:
+    """Whether a chat template writes Gemma 4's thought channels."""
+    return bool(template) and THOUGHT_OPEN in template and THOUGHT_CLOSE in template  # type: ignore[operator]
+
+
+def without_thoughts(answer: str) -> str:
+    """What the chat shows of a Gemma 4 answer streamed so far: its text outside thought channels, an unfinished one
+    hidden to its end, and a tail that may be a marker's start held back; so the result only grows as the answer
+    does."""
+    shown, rest = [], answer
+    while True:
+        head, opened, tail = rest.partition(THOUGHT_OPEN)
+        shown.append(head)
+        if not opened:
+            break
+        _, closed, rest = tail.partition(THOUGHT_CLOSE)
+        if not closed:
+            return "".join(shown)
+    text = "".join(shown)
+    held = next((k for k in range(len(THOUGHT_OPEN) - 1, 0, -1) if text.endswith(THOUGHT_OPEN[:k])), 0)
+    return text[: len(text) - held]
+
+
+class Deltas:
+    """The deltas of a view of the answer streamed so far (`final_text`, `without_thoughts`: views that only grow),
+    a chunk (StreamDecoder's, special tokens kept) at a time."""
+
+    def __init__(self, view: Callable[[str], str]) -> None:
+        self.view, self.answer, self.sent = view, "", 0
 
     def push(self, chunk: str) -> str:
         self.answer += chunk
-        view = final_text(self.answer)
-        delta = view[self.sent :]
+        delta = self.view(self.answer)[self.sent :]
         self.sent += len(delta)
         return delta
 
 
-def fold(chunks: Iterable[str]) -> Iterator[str]:
-    """FinalChannel over a stream of chunks: its deltas, the empty ones left out."""
-    final = FinalChannel()
+def answer_view(template: str | None) -> Callable[[str], str] | None:
+    """How the chat shows a model's answers, by its chat template: harmony's final channel, Gemma 4's answers
+    without their thoughts, or (None) as they are."""
+    if is_harmony(template):
+        return final_text
+    if has_thoughts(template):
+        return without_thoughts
+    return None
+
+
+def fold(chunks: Iterable[str], view: Callable[[str], str] = final_text) -> Iterator[str]:
+    """A view's deltas over a stream of chunks, the empty ones left out."""
+    deltas = Deltas(view)
     for chunk in chunks:
-        delta = final.push(chunk)
+        delta = deltas.push(chunk)
         if delta:
             yield delta

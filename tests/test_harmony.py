@@ -10,7 +10,7 @@ from datetime import datetime
 
 import pytest
 
-from tandem.app.harmony import final_text, fold, is_harmony
+from tandem.app.harmony import answer_view, final_text, fold, is_harmony, without_thoughts
 from tandem.kernels.errors import CheckpointError
 from tandem.runtime.chat_template import render
 from tandem.runtime.synth import CHATML, train_tokenizer
@@ -162,6 +162,30 @@ def test_the_server_streams_the_final_channel_of_a_harmony_answer() -> None:
     tok = Tokenizer(backend, {}, None, None)
     ids = tok.encode(ANSWER, add_special_tokens=False)
     plain = re.sub(r"<\|[a-z]+\|>", "", ANSWER)  # not harmony: special tokens are not shown
-    for harmony, want in ((True, "It is 4."), (False, plain)):
-        stream = TextStream(tok, harmony)
+    for view, want in ((answer_view(HARMONY), "It is 4."), (None, plain)):
+        stream = TextStream(tok, view)
         assert "".join(stream.push(i) for i in ids) + stream.flush() == want
+
+
+GEMMA_ANSWER = "<|channel>thought\nThe user asks 2+2. Easy.<channel|>It is 4."
+
+
+def test_gemma4_thoughts_are_hidden_and_the_answer_streams_by_deltas() -> None:
+    """Gemma 4's thought channel (`<|channel>thought ... <channel|>`, its template's) is not shown; what follows is,
+    by deltas however the answer is cut (a marker's start is held back until it is known)."""
+    gemma = "{{ bos_token }}<|turn>model\n<|channel>thought\n<channel|>"
+    assert answer_view(gemma) is without_thoughts and answer_view(HARMONY) is final_text
+    assert answer_view(CHATML) is None
+    assert without_thoughts(GEMMA_ANSWER) == "It is 4."
+    assert without_thoughts("<|channel>thought\nhmm") == ""  # still thinking
+    assert without_thoughts("It is <") == "It is " and without_thoughts("It is <b>") == "It is <b>"
+    assert without_thoughts("Plain") == "Plain"
+    units = re.findall(r"<\|channel>|<channel\|>|.", GEMMA_ANSWER + " Or <4>.", re.DOTALL)
+    for seed in range(5):
+        rng, pieces, rest = random.Random(seed), [], list(units)
+        while rest:
+            n = rng.randint(1, 5)
+            pieces.append("".join(rest[:n]))
+            rest = rest[n:]
+        deltas = list(fold(pieces, without_thoughts))
+        assert "".join(deltas) == "It is 4. Or <4>." and all(deltas)

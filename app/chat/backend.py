@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from tandem.app.harmony import fold, is_harmony
+from tandem.app.harmony import answer_view, fold
 from tandem.runtime.engine import GenerationStats
 from tandem.runtime.loader import LoadedModel
 from tandem.runtime.sampling import SamplingParams
@@ -83,10 +83,11 @@ class RuntimeBackend:
         self.stats = GenerationStats()
 
     def stream(self, messages: list[dict[str, str]], params: SamplingParams) -> Iterator[str]:
-        """The answer's text as it is generated; of a harmony answer (gpt-oss), the final channel alone
-        (app/harmony.py)."""
-        if is_harmony(self.loaded.tokenizer.chat_template):
-            return fold(self._text(messages, params, keep_special=True))
+        """The answer's text as it is generated; of a harmony answer (gpt-oss), the final channel alone, of Gemma 4's,
+        the answer without its thoughts (app/harmony.py)."""
+        view = answer_view(self.loaded.tokenizer.chat_template)
+        if view is not None:
+            return fold(self._text(messages, params, keep_special=True), view)
         return self._text(messages, params)
 
     def _text(self, messages: list[dict[str, str]], params: SamplingParams, keep_special: bool = False

@@ -213,8 +213,8 @@ def make_app(service: EngineService, defaults: SamplingParams, api_key: str | No
             raise ApiError(503, str(e), "server_error", "overloaded") from None
         except GenerationError as e:  # stopping: the queue is closed
             raise ApiError(503, str(e), "server_error", "shutting_down") from None
-        chat_harmony = service.harmony and endpoint == CHAT
-        reply = Reply(service, endpoint, req, Answer(ready.stops), TextStream(service.tokenizer, chat_harmony))
+        view = service.view if endpoint == CHAT else None
+        reply = Reply(service, endpoint, req, Answer(ready.stops), TextStream(service.tokenizer, view))
         created = int(time.time())
         if ready.stream:
             return _Stream(reply, _events(reply, sub, created, ready.include_usage))

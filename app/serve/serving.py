@@ -14,9 +14,10 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tandem.app.harmony import FinalChannel, is_harmony
+from tandem.app.harmony import Deltas, answer_view
 from tandem.kernels.errors import GenerationError, TandemError
 from tandem.runtime.batch import BatchEngine, BatchRequest, BatchResult, DoneEvent, RequestQueue, TokenEvent
 from tandem.runtime.loader import LoadedModel
@@ -35,11 +36,12 @@ PART_CHARS_A_TOKEN = 8
 
 
 class TextStream:
-    """A request's tokens -> text deltas; of a chat answer in harmony (gpt-oss), the final channel's alone."""
+    """A request's tokens -> text deltas; of a chat answer in harmony (gpt-oss), the final channel's alone; of
+    Gemma 4's, the answer without its thoughts (`view`: app/harmony.py answer_view; None: the text as it is)."""
 
-    def __init__(self, tokenizer: Tokenizer, harmony: bool) -> None:
-        self.decoder = StreamDecoder(tokenizer, keep_special=harmony)
-        self.final = FinalChannel() if harmony else None
+    def __init__(self, tokenizer: Tokenizer, view: Callable[[str], str] | None) -> None:
+        self.decoder = StreamDecoder(tokenizer, keep_special=view is not None)
+        self.final = Deltas(view) if view is not None else None
 
     def push(self, token: int) -> str:
         return self._view(self.decoder.push(token))
@@ -101,7 +103,7 @@ class EngineService:
                  ) -> None:
         self.loaded, self.name = loaded, name
         self.tokenizer = loaded.tokenizer
-        self.harmony = is_harmony(loaded.tokenizer.chat_template)
+        self.view = answer_view(loaded.tokenizer.chat_template)  # how a chat answer is shown
         self.engine = BatchEngine(loaded.model, loaded.engine.eos_ids, max_batch, step_tokens,
                                   reuse=loaded.options.prefix_reuse, store=loaded.engine.store)
         self.max_batch, self.max_queue = max_batch, max_queue
