@@ -1,5 +1,6 @@
-"""Answers whose chain of thought the chat does not show: gpt-oss's "harmony" (only the final channel is shown) and
-Gemma 4's thought channel (hidden). `answer_view(template)` says which a model's answers are.
+"""Answers whose chain of thought the chat does not show: gpt-oss's "harmony" (only the final channel is shown),
+Gemma 4's thought channels and the `<think>` blocks of Qwen3, GLM, MiniMax-M2, HunYuan and others (hidden).
+`answer_view(template)` says which a model's answers are.
 
 A harmony answer is a run of messages, each `<|start|>assistant<|channel|>NAME<|message|>TEXT<|end|>` (the first
 without `<|start|>assistant`, which the prompt already holds; the last may end in `<|return|>`, `<|call|>` or not at
@@ -13,6 +14,8 @@ included (StreamDecoder(keep_special=True)); nothing here knows of tokens or scr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+
+from tandem.runtime.chat_template import render
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
@@ -54,22 +57,54 @@ def has_thoughts(template: str | None) -> bool:
     return bool(template) and THOUGHT_OPEN in template and THOUGHT_CLOSE in template  # type: ignore[operator]
 
 
-def without_thoughts(answer: str) -> str:
-    """What the chat shows of a Gemma 4 answer streamed so far: its text outside thought channels, an unfinished one
-    hidden to its end, and a tail that may be a marker's start held back; so the result only grows as the answer
-    does."""
+def hidden_between(answer: str, opening: str, closing: str) -> str:
+    """What the chat shows of an answer streamed so far: its text outside `opening` ... `closing` blocks (a thought),
+    an unclosed one hidden to its end, a tail that may be an opening's start held back, leading whitespace left
+    out; so the result only grows as the answer does."""
     shown, rest = [], answer
     while True:
-        head, opened, tail = rest.partition(THOUGHT_OPEN)
+        head, opened, tail = rest.partition(opening)
         shown.append(head)
         if not opened:
             break
-        _, closed, rest = tail.partition(THOUGHT_CLOSE)
+        _, closed, rest = tail.partition(closing)
         if not closed:
-            return "".join(shown)
-    text = "".join(shown)
-    held = next((k for k in range(len(THOUGHT_OPEN) - 1, 0, -1) if text.endswith(THOUGHT_OPEN[:k])), 0)
+            return "".join(shown).lstrip()
+    text = "".join(shown).lstrip()
+    held = next((k for k in range(len(opening) - 1, 0, -1) if text.endswith(opening[:k])), 0)
     return text[: len(text) - held]
+
+
+def without_thoughts(answer: str) -> str:
+    """A Gemma 4 answer streamed so far without its thought channels (`hidden_between`)."""
+    return hidden_between(answer, THOUGHT_OPEN, THOUGHT_CLOSE)
+
+
+# Qwen3, GLM-4.5, MiniMax-M2, HunYuan, DeepSeek-R1-style models: the thought in <think> ... </think> before the
+# answer; a template may open it in the prompt itself (the answer then starts inside it)
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+PROBE = "Tandem's probe message"
+
+
+def without_think(answer: str) -> str:
+    """An answer streamed so far without its <think> blocks (`hidden_between`)."""
+    return hidden_between(answer, THINK_OPEN, THINK_CLOSE)
+
+
+def without_opened_think(answer: str) -> str:
+    """`without_think` of an answer whose prompt opened its <think> block."""
+    return hidden_between(THINK_OPEN + answer, THINK_OPEN, THINK_CLOSE)
+
+
+def opens_think(template: str) -> bool:
+    """Whether the template's generation prompt opens a <think> block the answer then continues (a probe
+    conversation rendered: its text after the user's message)."""
+    try:
+        text = render(template, [{"role": "user", "content": PROBE}], True, "", "")
+    except Exception:  # noqa: BLE001 - a template that needs more than the probe: the answer opens its own
+        return False
+    tail = text.rpartition(PROBE)[2]
+    return tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
 
 
 class Deltas:
@@ -87,12 +122,14 @@ class Deltas:
 
 
 def answer_view(template: str | None) -> Callable[[str], str] | None:
-    """How the chat shows a model's answers, by its chat template: harmony's final channel, Gemma 4's answers
-    without their thoughts, or (None) as they are."""
+    """How the chat shows a model's answers, by its chat template: harmony's final channel, the answer without its
+    thoughts (Gemma 4's channels, <think> blocks), or (None) as they are."""
     if is_harmony(template):
         return final_text
     if has_thoughts(template):
         return without_thoughts
+    if template and THINK_OPEN in template and THINK_CLOSE in template:
+        return without_opened_think if opens_think(template) else without_think
     return None
 
 

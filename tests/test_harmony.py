@@ -189,3 +189,28 @@ def test_gemma4_thoughts_are_hidden_and_the_answer_streams_by_deltas() -> None:
             rest = rest[n:]
         deltas = list(fold(pieces, without_thoughts))
         assert "".join(deltas) == "It is 4. Or <4>." and all(deltas)
+
+
+QWEN3 = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}{# strips <think> ... </think> #}")
+OPENED = QWEN3.replace("assistant\n{% endif %}", "assistant\n<think>\n{% endif %}")
+
+
+def test_think_blocks_are_hidden_whether_the_answer_or_the_prompt_opens_them() -> None:
+    """<think> ... </think> (Qwen3, GLM, MiniMax-M2, HunYuan): hidden, and the whitespace after it; a template whose
+    generation prompt opens the block (its answer starts inside it) is told apart by rendering a probe."""
+    assert OPENED != QWEN3
+    view, inside = answer_view(QWEN3), answer_view(OPENED)
+    assert view is not None and inside is not None and view is not inside
+    assert view("<think>\nA plan.\n</think>\n\nIt is 4.") == "It is 4."
+    assert inside("A plan.\n</think>\n\nIt is 4.") == "It is 4." and inside("A plan") == ""
+    assert view("No thought at all.") == "No thought at all."
+    answer = "<think>\nhm < 5\n</think>\n\nIt is <4>."
+    for seed in range(5):
+        rng, pieces, rest = random.Random(seed), [], answer
+        while rest:
+            n = rng.randint(1, 4)
+            pieces.append(rest[:n])
+            rest = rest[n:]
+        deltas = list(fold(pieces, view))
+        assert "".join(deltas) == "It is <4>." and all(deltas)
