@@ -52,7 +52,9 @@ FAMILIES = ["mixtral", "olmoe-clip-norm", "qwen3_moe-sliding", "deepseek_v2", "p
             "dots1-grouped-sliding-bias", "ernie4_5_moe", "hunyuan_v1_moe-alpha-bias", "granitemoeshared",
             "llama4_text", "llama4_text-llama3-lists",
             # global layers of their own head size and RoPE (a KV cache of two shapes), a dense MLP beside the experts
-            "gemma4_text", "gemma4_text-vproj-bias"]
+            "gemma4_text", "gemma4_text-vproj-bias",
+            # q/k norms over all heads with part of each head rotated; GLM's routing over latent attention
+            "minimax_m2", "glm4_moe_lite"]
 
 
 @pytest.mark.parametrize("case", FAMILIES)
