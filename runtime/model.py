@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -142,8 +143,6 @@ class MoEModel:
         cos, sin = rope_tables(cfg, context, dtype)
         self.cos, self.sin = (accel.place(cos, dtype, "RoPE tables"), accel.place(sin, dtype, "RoPE tables")) \
             if accel is not None else (cos, sin)
-        # LongRoPE: a pass that reaches past `rope_switch` tokens rotates with the long tables; None when the
-        # context never gets there or the long tables are the short ones (Phi-3.5-MoE's, as transformers 5 runs it)
         # Gemma 4's global layers: tables of their own (their head size, theta and variant)
         self.global_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         if cfg.global_rope is not None:
@@ -153,6 +152,8 @@ class MoEModel:
             tables = rope_tables(own, context, dtype)
             self.global_tables = tables if accel is None else tuple(  # type: ignore[assignment]
                 accel.place(t, dtype, "RoPE tables") for t in tables)
+        # LongRoPE: a pass that reaches past `rope_switch` tokens rotates with the long tables; None when the
+        # context never gets there or the long tables are the short ones (Phi-3.5-MoE's, as transformers 5 runs it)
         self.rope_switch = long_after(cfg)
         if self.rope_switch is not None:
             cos_long, sin_long = rope_tables(cfg, context, dtype, long=True)
@@ -268,13 +269,16 @@ class MoEModel:
             step(x.view(-1), start, cos[0], sin[0])
         else:
             own = None if self.global_tables is None else tuple(t[start : start + T] for t in self.global_tables)
+            timeline = self.dispatcher.timeline
             for i, (layer, kinds) in enumerate(zip(self.layers, self.plan, strict=True)):
                 tables = own if own is not None and self.cfg.is_global(i) else (cos, sin)
                 h = self._norm(x, layer.input_norm, layer.input_norm_bias)
                 x = x + self._scaled(kinds.mixer.forward(self, i, layer.attn, h, start, *tables))
                 h = self._norm(x, layer.post_norm, layer.post_norm_bias).view(B * T, -1)  # [B*T, H]
-                started = kinds.ffn.start(self, i, layer.ffn, x.view(B * T, -1), h)
-                x = x + self._scaled(kinds.ffn.finish(self, layer.ffn, started).view(B, T, -1))  # [B, T, H]
+                # (a routed layer's whole time, as this pass waits for it, in the timeline: bench offload)
+                with nullcontext() if timeline is None or not kinds.ffn.routed else timeline.span("moe"):
+                    y = kinds.ffn.finish(self, layer.ffn, kinds.ffn.start(self, i, layer.ffn, x.view(B * T, -1), h))
+                x = x + self._scaled(y.view(B, T, -1))  # [B, T, H]
                 if layer.scalar is not None:
                     x = x * layer.scalar
         if last_only:

@@ -105,6 +105,9 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
     local, full = rope_entry(raw, "sliding_attention"), rope_entry(raw, "full_attention")
     flat = {k: v for k, v in raw.items() if k not in ("rope_parameters", "rope_scaling")} | {"rope_parameters": local}
     head_dim, kv_heads = global_geometry(raw, sliding)
+    if head_dim % 2:
+        raise CheckpointError(f"config.json gives the global layers a head size of {head_dim}, but RoPE turns pairs "
+                              "of dims: it must be an even number; fix config.json")
     own = decoder_fields(flat | {"rope_parameters": full}, eps=1e-6, theta=1_000_000.0, max_pos=131072)
     bias = raw.get("attention_bias", False)
     hidden = raw["hidden_size"]
