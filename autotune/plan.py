@@ -63,8 +63,10 @@ class ModelShape:
     @classmethod
     def from_config(cls, cfg: ModelConfig, dtype_bytes: int = 2) -> ModelShape:
         check_config_sizes(cfg)
-        attn = sum(int(np.prod(s)) for s in attention_tensors(cfg, 0).values())
-        dense = (attn + cfg.num_experts * cfg.hidden_size) * dtype_bytes
+        layers = range(cfg.num_layers)  # (a layer's attention on average: Gemma 4's global layers are larger)
+        attn = sum(int(np.prod(s)) for i in layers for s in attention_tensors(cfg, i).values()) // cfg.num_layers
+        mlp = 3 * cfg.hidden_size * cfg.dense_intermediate_size if cfg.parallel_dense else 0  # (beside the experts)
+        dense = (attn + mlp + cfg.num_experts * cfg.hidden_size) * dtype_bytes
         params = 3 * cfg.hidden_size * cfg.moe_intermediate_size
         # MXFP4: half a byte a weight and a scale byte per 32 (its float32 biases are noise beside them)
         expert_bytes = params // 2 + params // 32 if cfg.experts_mxfp4 else params * dtype_bytes

@@ -217,11 +217,12 @@ class GroupedQueryAttention:
             f"{prefix}.v_proj.weight": (kv_dim, h),
             f"{prefix}.o_proj.weight": (h, q_dim),
         }
-        if keys_are_values(cfg, layer):
-            del out[f"{prefix}.v_proj.weight"]
         if cfg.qkv_bias:
             out |= {f"{prefix}.q_proj.bias": (q_dim,), f"{prefix}.k_proj.bias": (kv_dim,),
                     f"{prefix}.v_proj.bias": (kv_dim,)}
+        if keys_are_values(cfg, layer):  # (the values are k_proj's output, its bias included)
+            out.pop(f"{prefix}.v_proj.weight")
+            out.pop(f"{prefix}.v_proj.bias", None)
         if cfg.o_bias:
             out[f"{prefix}.o_proj.bias"] = (h,)
         if cfg.attention_sinks:
@@ -244,7 +245,7 @@ class GroupedQueryAttention:
         qn, kn = qk_norm_names(load.spec)
         a = Attention(
             load.projections(names, rows), load.wq(f"{prefix}.o_proj.weight"),
-            load.stacked([f"{prefix}.{n}_proj.bias" for n in "qkv"], rows) if cfg.qkv_bias else None,
+            load.stacked([n.replace(".weight", ".bias") for n in names], rows) if cfg.qkv_bias else None,
             load.opt(f"{prefix}.o_proj.bias") if cfg.o_bias else None,
             load.opt(f"{prefix}.{qn}.weight") if norms else None,
             load.opt(f"{prefix}.{kn}.weight") if norms else None,

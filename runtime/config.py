@@ -304,6 +304,10 @@ PER_LAYER = ("moe_intermediate_size",)  # whole-number fields a config may list 
 MEANING = {"num_local_experts": "the number of experts", "num_experts": "the number of experts",
            "num_experts_per_tok": "top-k, the experts each token picks", "num_hidden_layers": "the number of layers",
            "num_attention_heads": "attention heads", "num_key_value_heads": "key/value heads"}
+WHOLE.update({  # Gemma 4's global layers, its experts' top-k, the variants it refuses (per-layer inputs, KV sharing)
+    "global_head_dim": (2, 4096), "num_global_key_value_heads": (1, 1024), "top_k_experts": (1, 4096),
+    "hidden_size_per_layer_input": (0, 1 << 16), "num_kv_shared_layers": (0, 1024),
+})
 WHOLE.update({  # DeepSeek-V2/V3
     "n_routed_experts": (1, 4096), "n_shared_experts": (0, 64), "kv_lora_rank": (1, 1 << 16),
     "q_lora_rank": (1, 1 << 17), "qk_nope_head_dim": (0, 4096), "qk_rope_head_dim": (2, 4096),
@@ -319,6 +323,7 @@ FLAGS = ("tie_word_embeddings", "norm_topk_prob", "qkv_bias", "attention_bias", 
 FLAGS += ("rope_interleave", "mlp_bias")  # DeepSeek-V2/V3
 POSITIVE.update({"partial_rotary_factor": 1.0 + 1e-9})  # glm4_moe: a share of each head, 1 = all of it
 FLAGS += ("use_qk_norm",)  # glm4_moe
+FLAGS += ("attention_k_eq_v", "enable_moe_block", "use_double_wide_mlp")  # gemma4_text
 
 
 def _is_whole(v: Any) -> bool:

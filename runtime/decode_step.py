@@ -56,6 +56,8 @@ def why_not(model: MoEModel) -> str | None:
         return "its norms are LayerNorm"
     if cfg.residual_multiplier != 1.0:
         return "its layers' outputs are scaled into the residual stream (muP)"
+    if cfg.activation != "silu" or cfg.layer_scalars or cfg.logit_softcap is not None:
+        return "its MLPs' gate is not SiLU, or its layers' outputs or its logits are scaled (Gemma 4)"
     if cfg.num_experts > MAX_EXPERTS or cfg.top_k > MAX_TOP_K:
         return "it has more experts than the step takes"
     executor = model.dispatcher.executor

@@ -148,7 +148,7 @@ def describe_folder(folder: Path, source: str, name: str | None = None) -> Model
         return damaged(folder, shown, source, str(e))
     except OSError as e:  # a dangling link or a file gone meanwhile
         return damaged(folder, shown, source, f"{folder}: a weights file cannot be read ({e}); re-download the model")
-    qc = raw.get("quantization_config")
+    qc = raw.get("quantization_config") or whole.get("quantization_config")
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     dtype = str(raw.get("torch_dtype") or raw.get("dtype") or whole.get("torch_dtype") or whole.get("dtype") or "") \
         or _stored_dtype(folder)

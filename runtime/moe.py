@@ -255,6 +255,15 @@ def through_linear(mlp: ExpertWeights) -> bool:
     return isinstance(mlp, LinearMLP) or isinstance(mlp, BlockExpert) and mlp.linear is not None
 
 
+def layer_mlp(ffn: object) -> ExpertWeights | None:
+    """A layer's own MLP every token goes through: a dense layer's, a shared expert's, or the one beside the experts
+    (Gemma 4's: runtime/parallel.py `ParallelBlockWeights.mlp`); None: none."""
+    if isinstance(ffn, MoEBlockWeights):
+        beside = getattr(ffn, "mlp", None)
+        return beside if beside is not None else ffn.shared.mlp if ffn.shared is not None else None
+    return ffn if isinstance(ffn, ExpertWeights) else None
+
+
 def mlp_matrices(mlp: ExpertWeights) -> list[object]:
     """Its gate, up and down as DenseLinear takes them (GGUF blocks as their matrices)."""
     return list(mlp.matrices()) if isinstance(mlp, BlockExpert) else [mlp.gate, mlp.up, mlp.down]
@@ -327,6 +336,8 @@ class RoutedExperts:
             return f"it routes by {weights.rule.scoring} or by groups"
         if weights.rule.scale_input:
             return "its experts take their input scaled by the router (Llama 4)"
+        if weights.expert_scale is not None:
+            return "each expert's weight is scaled by its own factor (Gemma 4)"
         return None
 
 

@@ -37,7 +37,7 @@ from tandem.kernels.errors import ResourceError
 from tandem.kernels.experts import CpuOptions
 from tandem.runtime.accelerator import GIB, Accelerator, cuda_devices, make_accelerator, release_device_memory
 from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
-from tandem.runtime.dispatch import SLAB_BYTES, Dispatcher, OffloadOptions, Strategy, budget_for_slots
+from tandem.runtime.dispatch import SLAB_BYTES, Dispatcher, OffloadOptions, Pending, Strategy, budget_for_slots
 from tandem.runtime.engine import Engine
 from tandem.runtime.expert_cache import CachePolicy
 from tandem.runtime.memory import accelerator_bytes
@@ -256,14 +256,22 @@ class _Recorded:
 
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
-        self.seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        # (layer, its experts' input, the router's where it reads another, the output)
+        self.seen: list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        self._started: dict[int, tuple[int, torch.Tensor, torch.Tensor | None]] = {}
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.dispatcher, name)
 
-    def __call__(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        y = self.dispatcher(layer, x)
-        self.seen.append((layer, x.cpu(), y.float().cpu()))
+    def start(self, layer: int, x: torch.Tensor, router_x: torch.Tensor | None = None) -> Pending:
+        pending = self.dispatcher.start(layer, x, router_x)
+        self._started[id(pending)] = (layer, x.cpu(), None if router_x is None else router_x.cpu())
+        return pending
+
+    def finish(self, pending: Pending) -> torch.Tensor:
+        y = self.dispatcher.finish(pending)
+        layer, x, router_x = self._started.pop(id(pending))
+        self.seen.append((layer, x, router_x, y.float().cpu()))
         return y
 
     def roundoffs(self, other: Dispatcher, dtype: torch.dtype) -> float:
@@ -275,8 +283,8 @@ class _Recorded:
             raise RuntimeError("no MoE layer passed through the recorded dispatcher")
         other.begin_step("prefill")
         worst = 0.0
-        for layer, x, y in self.seen:
-            theirs = other(layer, x).float()  # [T, H]
+        for layer, x, router_x, y in self.seen:
+            theirs = other.finish(other.start(layer, x, router_x)).float()  # [T, H]
             per_token = (y - theirs).abs().mean(-1) / theirs.abs().mean(-1).clamp_min(1e-30)  # [T]
             worst = max(worst, per_token.median().item())
         return worst / torch.finfo(dtype).eps * 2  # eps is twice the roundoff

@@ -144,7 +144,7 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     # gemma4_text: a sliding layer (window 4, shorter than the prompts) then a global one with its own head size, one
     # key/value head, values from k_proj and proportional RoPE; GeGLU MLP and experts side by side, soft-capped
     # logits, tied embeddings, layer scalars; then v_proj in the global layers with the sliding layers' heads, q/k/v/o
-    # biases, top-3, other RoPE on both kinds, no soft-cap, two global layers
+    # biases, top-3, other RoPE on both kinds, no soft-cap, two global layers; then values from k_proj with its bias
     ("gemma4_text", "gemma4_text", {}),
     ("gemma4_text-vproj-bias", "gemma4_text", {
         "num_hidden_layers": 4, "attention_k_eq_v": False, "attention_bias": True, "top_k_experts": 3,
@@ -153,6 +153,9 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
                             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
                                                "rope_theta": 20000.0}}}),
+    ("gemma4_text-keqv-bias", "gemma4_text", {"num_hidden_layers": 3, "attention_bias": True,
+                                              "layer_types": ["full_attention", "sliding_attention",
+                                                              "full_attention"]}),
     # gpt-oss: attention sinks (nonzero), q/k/v/o, router and expert biases, layer_types alternating (GptOssConfig's
     # default) with a window shorter than the prompts, YaRN as published (truncate false), alpha 1.702, a limit
     # no value reaches / 3 layers, other YaRN parameters (truncated), another alpha, a limit that clamps

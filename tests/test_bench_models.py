@@ -64,7 +64,8 @@ def test_cli(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     assert set(checkpoint_shapes()) == {"mixtral", "qwen3-30b-a3b", "olmoe", "phi-3.5-moe", "deepseek-v2-lite",
                                         "moonlight-16b-a3b", "glm-4.5-air", "glm-4.5", "gpt-oss-20b", "dots-llm1",
                                         "minimax-m2", "glm-4.7-flash", "ernie-4.5-21b-a3b",
-                                        "hunyuan-a13b", "granite-3.1-3b-a800m", "llama4-scout", "llama4-maverick"}
+                                        "hunyuan-a13b", "granite-3.1-3b-a800m", "llama4-scout", "llama4-maverick",
+                                        "gemma4-26b-a4b"}
 
 
 def test_one_table_of_shapes_serves_both_commands() -> None:
@@ -79,7 +80,8 @@ def test_one_table_of_shapes_serves_both_commands() -> None:
                        "dots-llm1": ExpertShape(4096, 1408, 6), "minimax-m2": ExpertShape(3072, 1536, 8),
                        "glm-4.7-flash": ExpertShape(2048, 1536, 4), "ernie-4.5-21b-a3b": ExpertShape(2560, 1536, 6),
                        "hunyuan-a13b": ExpertShape(4096, 3072, 8), "granite-3.1-3b-a800m": ExpertShape(1536, 512, 8),
-                       "llama4-scout": ExpertShape(5120, 8192, 1), "llama4-maverick": ExpertShape(5120, 8192, 1)}
+                       "llama4-scout": ExpertShape(5120, 8192, 1), "llama4-maverick": ExpertShape(5120, 8192, 1),
+                       "gemma4-26b-a4b": ExpertShape(2816, 704, 8, act="gelu_tanh")}
     assert {"mixtral", "qwen3", "olmoe", "deepseek", "qwen3-30b-a3b", "deepseek-v2-lite"} <= set(shape_names())
     assert find_shape("qwen3") == find_shape("qwen3-30b-a3b")
     assert find_shape("deepseek") == find_shape("deepseek-v2-lite")

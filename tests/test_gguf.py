@@ -32,7 +32,7 @@ READ = ["mixtral", "mixtral-tied", "qwen3_moe", "qwen3_moe-dense-bias", "qwen2_m
         "olmoe", "glm4_moe", "glm4_moe-grouped-qknorm", "glm4_moe-fullrope-nobias", "deepseek_v2", "deepseek_v2-dense2",
         "deepseek_v3", "gpt_oss", "dots1", "minimax_m2", "glm4_moe_lite",
         "ernie4_5_moe", "hunyuan_v1_moe", "granitemoe", "granitemoe-bias-tied", "granitemoeshared", "gemma4_text",
-        "gemma4_text-vproj-bias"]
+        "gemma4_text-vproj-bias", "gemma4_text-keqv-bias"]
 IDS = torch.randint(0, 500, (1, 13), generator=torch.Generator().manual_seed(1))
 
 

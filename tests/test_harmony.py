@@ -174,13 +174,15 @@ def test_gemma4_thoughts_are_hidden_and_the_answer_streams_by_deltas() -> None:
     """Gemma 4's thought channel (`<|channel>thought ... <channel|>`, its template's) is not shown; what follows is,
     by deltas however the answer is cut (a marker's start is held back until it is known)."""
     gemma = "{{ bos_token }}<|turn>model\n<|channel>thought\n<channel|>"
-    assert answer_view(gemma) is without_thoughts and answer_view(HARMONY) is final_text
+    assert answer_view(gemma).shown is without_thoughts and answer_view(HARMONY).shown is final_text  # type: ignore[union-attr]
     assert answer_view(CHATML) is None
     assert without_thoughts(GEMMA_ANSWER) == "It is 4."
     assert without_thoughts("<|channel>thought\nhmm") == ""  # still thinking
     assert without_thoughts("It is <") == "It is " and without_thoughts("It is <b>") == "It is <b>"
+    assert without_thoughts("It is <", finished=True) == "It is <"  # the end: nothing held back
+    assert without_thoughts("a<<|channel>x") == "a<" == without_thoughts("a<<|channel>x<channel|>")  # grows only
     assert without_thoughts("Plain") == "Plain"
-    units = re.findall(r"<\|channel>|<channel\|>|.", GEMMA_ANSWER + " Or <4>.", re.DOTALL)
+    units = re.findall(r"<\|channel>|<channel\|>|.", GEMMA_ANSWER + " Or <4>. <", re.DOTALL)
     for seed in range(5):
         rng, pieces, rest = random.Random(seed), [], list(units)
         while rest:
@@ -188,7 +190,7 @@ def test_gemma4_thoughts_are_hidden_and_the_answer_streams_by_deltas() -> None:
             pieces.append("".join(rest[:n]))
             rest = rest[n:]
         deltas = list(fold(pieces, without_thoughts))
-        assert "".join(deltas) == "It is 4. Or <4>." and all(deltas)
+        assert "".join(deltas) == "It is 4. Or <4>. <" and all(deltas)
 
 
 QWEN3 = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -200,8 +202,10 @@ def test_think_blocks_are_hidden_whether_the_answer_or_the_prompt_opens_them() -
     """<think> ... </think> (Qwen3, GLM, MiniMax-M2, HunYuan): hidden, and the whitespace after it; a template whose
     generation prompt opens the block (its answer starts inside it) is told apart by rendering a probe."""
     assert OPENED != QWEN3
-    view, inside = answer_view(QWEN3), answer_view(OPENED)
-    assert view is not None and inside is not None and view is not inside
+    found, opened = answer_view(QWEN3), answer_view(OPENED)
+    assert found is not None and opened is not None and not found.keep_special
+    view, inside = found.shown, opened.shown
+    assert view is not inside
     assert view("<think>\nA plan.\n</think>\n\nIt is 4.") == "It is 4."
     assert inside("A plan.\n</think>\n\nIt is 4.") == "It is 4." and inside("A plan") == ""
     assert view("No thought at all.") == "No thought at all."

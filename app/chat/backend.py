@@ -87,7 +87,7 @@ class RuntimeBackend:
         the answer without its thoughts (app/harmony.py)."""
         view = answer_view(self.loaded.tokenizer.chat_template)
         if view is not None:
-            return fold(self._text(messages, params, keep_special=True), view)
+            return fold(self._text(messages, params, keep_special=view.keep_special), view.shown)
         return self._text(messages, params)
 
     def _text(self, messages: list[dict[str, str]], params: SamplingParams, keep_special: bool = False

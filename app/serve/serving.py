@@ -14,10 +14,9 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tandem.app.harmony import Deltas, answer_view
+from tandem.app.harmony import AnswerView, Deltas, answer_view
 from tandem.kernels.errors import GenerationError, TandemError
 from tandem.runtime.batch import BatchEngine, BatchRequest, BatchResult, DoneEvent, RequestQueue, TokenEvent
 from tandem.runtime.loader import LoadedModel
@@ -39,15 +38,16 @@ class TextStream:
     """A request's tokens -> text deltas; of a chat answer in harmony (gpt-oss), the final channel's alone; of
     Gemma 4's, the answer without its thoughts (`view`: app/harmony.py answer_view; None: the text as it is)."""
 
-    def __init__(self, tokenizer: Tokenizer, view: Callable[[str], str] | None) -> None:
-        self.decoder = StreamDecoder(tokenizer, keep_special=view is not None)
-        self.final = Deltas(view) if view is not None else None
+    def __init__(self, tokenizer: Tokenizer, view: AnswerView | None) -> None:
+        self.decoder = StreamDecoder(tokenizer, keep_special=view is not None and view.keep_special)
+        self.final = Deltas(view.shown) if view is not None else None
 
     def push(self, token: int) -> str:
         return self._view(self.decoder.push(token))
 
     def flush(self) -> str:
-        return self._view(self.decoder.flush())
+        tail = self._view(self.decoder.flush())
+        return tail if self.final is None else tail + self.final.close()
 
     def _view(self, piece: str) -> str:
         return piece if self.final is None else self.final.push(piece)

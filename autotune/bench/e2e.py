@@ -32,6 +32,7 @@ from tandem.runtime.config import ModelConfig
 from tandem.runtime.engine import Engine, GenerationStats
 from tandem.runtime.gguf import is_gguf
 from tandem.runtime.loader import LoadedModel
+from tandem.runtime.moe import layer_mlp, mlp_matrices
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.weights import attention_tensors
 
@@ -110,6 +111,8 @@ def flops_per_token(cfg: ModelConfig) -> float:
         if cfg.sparse_layers[i]:
             total += h * (cfg.num_experts + 3 * (cfg.top_k * cfg.moe_intermediate_size
                                                  + cfg.shared_expert_intermediate_size))
+            if cfg.parallel_dense:  # (Gemma 4's MLP beside the experts)
+                total += 3 * h * cfg.dense_intermediate_size
         else:
             total += 3 * h * cfg.dense_intermediate_size
     return 2.0 * total
@@ -153,6 +156,8 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
         3 * cfg.hidden_size * cfg.moe_intermediate_size * model.dtype.itemsize
     dense_bytes = matrix_bytes(model.embed, 1) + matrix_bytes(model.norm) + matrix_bytes(model.lm_head)
     dense_bytes += sum(matrix_bytes(a.qkv) + matrix_bytes(a.o) for a in (layer.attn for layer in model.layers))
+    dense_bytes += sum(sum(matrix_bytes(m) for m in mlp_matrices(mlp)) for mlp in  # dense layers', shared experts',
+                       (layer_mlp(layer.ffn) for layer in model.layers) if mlp is not None)  # MLPs beside experts
     per_token = dense_bytes + cfg.num_moe_layers * cfg.top_k * expert_bytes  # weights read per decode token
     rows = []
     later: list[dict[str, Any]] = []  # points for a child-process peer, run after Tandem's rows

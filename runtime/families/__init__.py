@@ -169,6 +169,8 @@ def parse_config(raw: dict[str, Any], where: str) -> tuple[FamilySpec, ModelConf
     field that is wrong, before anything is sized by it."""
     if not isinstance(raw, dict):
         raise CheckpointError(f"{where} does not hold a JSON object; re-download or fix the file")
+    inside = text_model(raw)  # a whole model's config: its text model's
+    raw = inside[0] if inside is not None else raw
     spec = family_for(raw.get("model_type"))
     try:
         config = spec.parse(clean_raw(raw, where))

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.kernels.errors import CheckpointError, UnsupportedModelError
-from tandem.runtime.config import ROPE_RULES, ModelConfig, decoder_fields, sliding_layer_pattern
+from tandem.runtime.config import ROPE_RULES, WHOLE, ModelConfig, decoder_fields, require, sliding_layer_pattern
 from tandem.runtime.families import BenchShape, FamilySpec, GGUFArch
 from tandem.runtime.gguf_meta import Meta, common_config, per_layer, read_float, read_int
 
@@ -62,6 +62,9 @@ def rope_entry(raw: dict[str, Any], kind: str) -> dict[str, Any]:
     given = (raw.get("rope_parameters") or ROPE).get(kind) or ROPE[kind]
     if not isinstance(given, dict):
         raise CheckpointError(f"config.json's rope_parameters.{kind} must be an object, not {given!r}")
+    if given.get("rope_type", "default") not in ("default", "proportional"):
+        raise UnsupportedModelError(f"config.json's rope_parameters.{kind} is RoPE of type "
+                                    f"{given.get('rope_type')!r}; Tandem runs Gemma 4's (default, proportional)")
     for name, (ok, what) in ROPE_RULES.items():
         if name in given and not ok(given[name]):
             raise CheckpointError(f"config.json's rope_parameters.{kind}.{name} is {given[name]!r}, but it must be "
@@ -79,11 +82,20 @@ def global_geometry(raw: dict[str, Any], sliding: tuple[bool, ...]) -> tuple[int
         return raw["global_head_dim"], kv or 0
     if not isinstance(per_layer, dict):
         raise CheckpointError(f"config.json's per_layer_config must be an object, not {per_layer!r}")
-    overrides = {int(k): v for k, v in per_layer.items()}
-    allowed = {"head_dim", "num_key_value_heads"}
-    if any(not isinstance(v, dict) or set(v) - allowed for v in overrides.values()):
+    try:
+        overrides = {int(k): v for k, v in per_layer.items()}
+    except ValueError:
+        raise CheckpointError("config.json's per_layer_config must be keyed by layer numbers") from None
+    allowed = {"head_dim": WHOLE["head_dim"], "num_key_value_heads": WHOLE["num_key_value_heads"]}
+    if any(not isinstance(v, dict) or set(v) - set(allowed) for v in overrides.values()):
         raise UnsupportedModelError(f"config.json's per_layer_config changes more than {', '.join(sorted(allowed))} "
                                     "per layer; Tandem runs Gemma 4's layers as published")
+    for layer, given in overrides.items():
+        for key, value in given.items():
+            lo, hi = allowed[key]
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise CheckpointError(f"config.json's per_layer_config gives layer {layer} a {key} of {value!r}, but "
+                                      f"it must be a whole number from {lo} to {hi}; fix config.json")
     kinds = {tuple(sorted(overrides.get(i, {}).items())) for i, s in enumerate(sliding) if not s}
     if len(kinds) > 1 or any(overrides.get(i) for i, s in enumerate(sliding) if s):
         raise UnsupportedModelError("config.json's per_layer_config gives layers of one kind different shapes; "
@@ -97,6 +109,7 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
     problems = refusals(raw)
     if problems:
         raise UnsupportedModelError(f"this Gemma 4 model is not supported yet: {'; '.join(problems)}")
+    require(raw, "num_experts", "top_k_experts", "moe_intermediate_size")
     layers = raw["num_hidden_layers"]
     types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
                                         for i in range(layers)]
