@@ -86,7 +86,8 @@ def test_batch_requests_take_the_row_holding_their_prefix(hf_checkpoints: dict[s
     assert sum(cached for _, cached in first.values()) <= len(system)  # (the second may take the first's row)
 
 
-@pytest.mark.parametrize("case", ["mixtral", "mixtral-sliding", "deepseek_v3", "phimoe-longrope-nobias"])
+@pytest.mark.parametrize("case", ["mixtral", "mixtral-sliding", "deepseek_v3", "phimoe-longrope-nobias",
+                                  "gemma4_text"])  # (Gemma 4: a KV cache of two head shapes)
 def test_requests_sharing_a_prefix_compute_it_once(hf_checkpoints: dict[str, Path], case: str) -> None:
     """Four requests joining together with one system prompt: one computes it, the others copy it from its row once
     it is there (the one whose prompt is the system prompt alone too), and every answer is a fresh engine's."""
