@@ -205,7 +205,7 @@ async def test_with_the_real_runtime(mixtral_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "qwen2_moe-shared", "olmoe", "mixtral", "glm4_moe", "deepseek_v2",
-                                  "gpt_oss"])
+                                  "gpt_oss", "gemma4_text"])
 async def test_the_chat_app_on_a_gguf_file_of_each_architecture(hf_checkpoints: dict[str, Path], tmp_path: Path,
                                                                case: str) -> None:
     """The chat app answers from a GGUF file of every architecture it reads (tests/ggufs.py writes them as llama.cpp's
