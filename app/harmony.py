@@ -13,6 +13,7 @@ included (StreamDecoder(keep_special=True)); nothing here knows of tokens or scr
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -98,6 +99,7 @@ def without_opened_think(answer: str, finished: bool = False) -> str:
     return hidden_between(THINK_OPEN + answer, THINK_OPEN, THINK_CLOSE, finished)
 
 
+@functools.lru_cache(maxsize=8)  # (asked once an answer: the probe is rendered once a template)
 def opens_think(template: str) -> bool:
     """Whether the template's generation prompt opens a <think> block the answer then continues (a probe
     conversation rendered: its text after the user's message)."""

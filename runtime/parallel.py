@@ -46,12 +46,16 @@ class ParallelBlockWeights(MoEBlockWeights):
     out_norm: torch.Tensor  # [H] post_feedforward_layernorm
 
 
+def router_module(spec: FamilySpec, i: int) -> str:
+    """Layer i's router module, which holds its scales beside its matrix (`router`, whose `proj` is the matrix)."""
+    return router_name(spec, i).removesuffix(".weight").rsplit(".", 1)[0]
+
+
 def parallel_tensors(cfg: ModelConfig, spec: FamilySpec, i: int) -> dict[str, Shape]:
     """Layer i's tensors beyond a MoE block's router and experts: the dense MLP, the router's scales, the norms."""
-    h, p, router = cfg.hidden_size, layer_prefix(i), router_name(spec, i).removesuffix(".weight")
+    h, p, scales = cfg.hidden_size, layer_prefix(i), router_module(spec, i)
     out = mlp_tensors(f"{p}.{spec.dense_mlp}", h, cfg.dense_intermediate_size)
     out |= {f"{p}.{name}.weight": (h,) for name in NORMS}
-    scales = router.rsplit(".", 1)[0]  # (the router's module: `router`, whose `proj` is the matrix)
     return out | {f"{scales}.scale": (h,), f"{scales}.per_expert_scale": (cfg.num_experts,)}
 
 
@@ -63,7 +67,7 @@ class DenseBesideExperts:
 
     def load(self, cfg: ModelConfig, i: int, load: Loaders) -> ParallelBlockWeights:
         spec, p = load.spec, layer_prefix(i)
-        scales = router_name(spec, i).removesuffix(".weight").rsplit(".", 1)[0]
+        scales = router_module(spec, i)
         norms = [load.w(f"{p}.{name}.weight") for name in NORMS]
         return ParallelBlockWeights(
             load.w(router_name(spec, i)), [], routing_rule(cfg),

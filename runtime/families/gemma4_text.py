@@ -126,9 +126,9 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
     hidden = raw["hidden_size"]
     return ModelConfig(
         **decoder_fields(flat, eps=1e-6, theta=10_000.0, max_pos=131072),
-        num_experts=raw.get("num_experts") or 0,
-        top_k=raw.get("top_k_experts") or 0,
-        moe_intermediate_size=raw.get("moe_intermediate_size") or 0,
+        num_experts=raw["num_experts"],
+        top_k=raw["top_k_experts"],
+        moe_intermediate_size=raw["moe_intermediate_size"],
         dense_intermediate_size=raw["intermediate_size"],
         norm_topk_prob=True,
         qkv_bias=bias,
