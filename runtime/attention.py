@@ -13,6 +13,7 @@ dim, C context.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -128,17 +129,20 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
 
 
 class KVCache:
-    """Preallocated keys and values for every layer: [B, Hkv, context, D] each (`k[i]`, `v[i]`), views of one
-    tensor [layers, B, Hkv, context, D] per head geometry (most models have one; Gemma 4's global layers have
-    their own head size and key/value heads)."""
+    """Preallocated keys and values for every layer (`layers`: those of a hybrid that attend, the others' None):
+    [B, Hkv, context, D] each (`k[i]`, `v[i]`), views of one tensor [layers, B, Hkv, context, D] per head geometry
+    (most models have one; Gemma 4's global layers have their own head size and key/value heads)."""
 
     def __init__(
-        self, cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype, accel: Accelerator | None = None
+        self, cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype, accel: Accelerator | None = None,
+        layers: Sequence[int] | None = None,
     ) -> None:
-        shapes = [(cfg.kv_heads(i), cfg.head_size(i)) for i in range(cfg.num_layers)]
+        self.num_layers = cfg.num_layers
+        own = range(cfg.num_layers) if layers is None else layers  # (a hybrid's attention layers: LayerCaches)
+        shapes = {i: (cfg.kv_heads(i), cfg.head_size(i)) for i in own}
         self.groups: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (its layers, keys, values)
-        for kv_heads, dim in dict.fromkeys(shapes):
-            layers = [i for i, s in enumerate(shapes) if s == (kv_heads, dim)]
+        for kv_heads, dim in dict.fromkeys(shapes.values()):
+            layers = [i for i, s in shapes.items() if s == (kv_heads, dim)]
             shape = (len(layers), batch, kv_heads, context, dim)
             if accel is None:
                 k, v = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
@@ -152,9 +156,8 @@ class KVCache:
 
     def _views(self) -> None:
         """`k` and `v`: each layer's [B, Hkv, context, D], views of its group's tensors."""
-        count = sum(len(layers) for layers, _, _ in self.groups)
-        self.k: list[torch.Tensor] = [None] * count  # type: ignore[list-item]
-        self.v: list[torch.Tensor] = [None] * count  # type: ignore[list-item]
+        self.k: list[torch.Tensor] = [None] * self.num_layers  # type: ignore[list-item]
+        self.v: list[torch.Tensor] = [None] * self.num_layers  # type: ignore[list-item]
         for layers, k, v in self.groups:
             for j, i in enumerate(layers):
                 self.k[i], self.v[i] = k[j], v[j]
@@ -193,9 +196,11 @@ class KVCache:
         return view
 
     @staticmethod
-    def nbytes(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype) -> int:
+    def nbytes(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype,
+               layers: Sequence[int] | None = None) -> int:
         item = torch.empty((), dtype=dtype).element_size()
-        return 2 * batch * context * item * sum(cfg.kv_heads(i) * cfg.head_size(i) for i in range(cfg.num_layers))
+        own = range(cfg.num_layers) if layers is None else layers
+        return 2 * batch * context * item * sum(cfg.kv_heads(i) * cfg.head_size(i) for i in own)
 
 
 class GroupedQueryAttention:
@@ -204,6 +209,7 @@ class GroupedQueryAttention:
     output projection."""
 
     name = "attention"
+    module = "self_attn"
     cache = KVCache
     host_cache = True
 
@@ -211,14 +217,15 @@ class GroupedQueryAttention:
         h, d = cfg.hidden_size, cfg.head_size(layer)
         q_dim, kv_dim = cfg.num_heads * d, cfg.kv_heads(layer) * d
         qn, kn = qk_norm_names(spec)
+        q_rows = 2 * q_dim if cfg.attention_gate else q_dim  # (a gate per query value)
         out: dict[str, Shape] = {
-            f"{prefix}.q_proj.weight": (q_dim, h),
+            f"{prefix}.q_proj.weight": (q_rows, h),
             f"{prefix}.k_proj.weight": (kv_dim, h),
             f"{prefix}.v_proj.weight": (kv_dim, h),
             f"{prefix}.o_proj.weight": (h, q_dim),
         }
         if cfg.qkv_bias:
-            out |= {f"{prefix}.q_proj.bias": (q_dim,), f"{prefix}.k_proj.bias": (kv_dim,),
+            out |= {f"{prefix}.q_proj.bias": (q_rows,), f"{prefix}.k_proj.bias": (kv_dim,),
                     f"{prefix}.v_proj.bias": (kv_dim,)}
         if keys_are_values(cfg, layer):  # (the values are k_proj's output, its bias included)
             out.pop(f"{prefix}.v_proj.weight")
@@ -237,7 +244,7 @@ class GroupedQueryAttention:
 
     def load(self, cfg: ModelConfig, layer: int, prefix: str, load: Loaders) -> Attention:
         d = cfg.head_size(layer)
-        rows = [cfg.num_heads * d] + [cfg.kv_heads(layer) * d] * 2
+        rows = [cfg.num_heads * d * (2 if cfg.attention_gate else 1)] + [cfg.kv_heads(layer) * d] * 2
         names = [f"{prefix}.{n}_proj.weight" for n in "qkv"]
         if keys_are_values(cfg, layer):  # v is k's product: not multiplied twice
             names, rows = names[:2], rows[:2]
@@ -247,11 +254,13 @@ class GroupedQueryAttention:
             load.projections(names, rows), load.wq(f"{prefix}.o_proj.weight"),
             load.stacked([n.replace(".weight", ".bias") for n in names], rows) if cfg.qkv_bias else None,
             load.opt(f"{prefix}.o_proj.bias") if cfg.o_bias else None,
-            load.opt(f"{prefix}.{qn}.weight") if norms else None,
-            load.opt(f"{prefix}.{kn}.weight") if norms else None,
+            load.norm(f"{prefix}.{qn}.weight") if norms else None,
+            load.norm(f"{prefix}.{kn}.weight") if norms else None,
             load.w(f"{prefix}.sinks") if cfg.attention_sinks else None,
             load.w(f"{prefix.rsplit('.', 1)[0]}.post_attention_layernorm.weight") if cfg.sandwich_norms else None,
         )
+        if cfg.attention_gate:
+            a = gates_last(cfg, layer, a)
         return halves_order(cfg, a) if cfg.rope_interleave else a
 
     def step_refusal(self, cfg: ModelConfig) -> str | None:
@@ -262,13 +271,15 @@ class GroupedQueryAttention:
         if cfg.global_head_dim or cfg.global_rope or cfg.value_norm or cfg.sandwich_norms:
             return ("its global layers have their own head size and RoPE, its values and attention's output are "
                     "normed (Gemma 4)")
+        if cfg.attention_gate:
+            return "its attention's output is gated (Qwen3-Next)"
         return None
 
     def forward(self, model: MoEModel, i: int, a: Attention, x: torch.Tensor, start: int, cos: torch.Tensor,
                 sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = project_qkv(model, i, a, x)
+        q, k, v, gate = project_qkv(model, i, a, x)
         out = attend_positions(model, i, a, q, k, v, model.cache, start, cos, sin, model.accel is None)  # type: ignore[arg-type]
-        return output(model, a, out)
+        return output(model, a, out, gate)
 
     def forward_rows(self, model: MoEModel, i: int, a: Attention, x: torch.Tensor, segments: list[Segment],
                      rows: list[KVCache], spans: list[int]) -> torch.Tensor:
@@ -286,11 +297,33 @@ def keys_are_values(cfg: ModelConfig, layer: int) -> bool:
     return cfg.values_from_keys and cfg.is_global(layer)
 
 
-def output(model: MoEModel, a: Attention, out: torch.Tensor) -> torch.Tensor:
-    """Attention's heads [B, T, Hq*D] through o_proj (and the output norm where the layer has one) -> [B, T, H]
-    float32, into the residual stream unrounded."""
+def output(model: MoEModel, a: Attention, out: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention's heads [B, T, Hq*D] (times sigmoid(gate) where the layer has one) through o_proj (and the
+    output norm where the layer has one) -> [B, T, H] float32, into the residual stream unrounded."""
+    if gate is not None:
+        out = out * torch.sigmoid(gate)
     y = model.linear(out, a.o, a.o_bias, out_dtype=torch.float32)
     return y if a.out_norm is None else model.rms_norm(y, a.out_norm, model.cfg.rms_norm_eps).float()
+
+
+def rows_in(m: Matrix, order: torch.Tensor) -> Matrix:
+    """A matrix's rows in `order` (GGUF blocks: whole rows of blocks, their scales within them)."""
+    if isinstance(m, list):
+        raise ValueError("these projections must be of one format to be reordered")
+    if isinstance(m, QuantizedMatrix):
+        return replace(m, data=m.data[order.to(m.data.device)])
+    return m[order.to(m.device)]
+
+
+def gates_last(cfg: ModelConfig, layer: int, a: Attention) -> Attention:
+    """Gated attention's q_proj gives each head its query then its gate (`attention_gate`): the stacked rows (and
+    biases) reordered once to every query, k, v, then every gate, so that one split takes each."""
+    d, hq, kv = cfg.head_size(layer), cfg.num_heads, cfg.kv_heads(layer) * cfg.head_size(layer)
+    head = torch.arange(hq)[:, None] * 2 * d
+    queries, gates = (head + torch.arange(d)).flatten(), (head + d + torch.arange(d)).flatten()
+    order = torch.cat([queries, torch.arange(2 * hq * d, 2 * hq * d + 2 * kv), gates])
+    bias = None if a.qkv_bias is None else a.qkv_bias[order.to(a.qkv_bias.device)]
+    return replace(a, qkv=rows_in(a.qkv, order), qkv_bias=bias)
 
 
 def halves_order(cfg: ModelConfig, a: Attention) -> Attention:
@@ -325,19 +358,23 @@ def qk_norm_names(spec: FamilySpec | None) -> tuple[str, str]:
 
 
 def project_qkv(model: MoEModel, i: int, a: Attention, x: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [B, T, H] -> layer i's q [B, T, Hq, D], k and v [B, T, Hkv, D]: one product for the three (two where the
-    values are the keys' projection), then q/k norms and clipping as the family asks, and the values' norm."""
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x [B, T, H] -> layer i's q [B, T, Hq, D], k and v [B, T, Hkv, D] and the output's gate [B, T, Hq*D]
+    (`attention_gate`; else None): one product for them all (v left out where the values are the keys'
+    projection), then q/k norms and clipping as the family asks, and the values' norm."""
     cfg = model.cfg
     B, T, _ = x.shape
     d, kv_heads = cfg.head_size(i), cfg.kv_heads(i)
-    qkv = model.linear(x, a.qkv, a.qkv_bias)  # [B, T, (Hq + 2 Hkv) * D]
+    qkv = model.linear(x, a.qkv, a.qkv_bias)  # [B, T, (Hq + 2 Hkv) * D] (+ Hq * D gates)
     kv = kv_heads * d
+    gated = cfg.num_heads * d if cfg.attention_gate else 0
     if keys_are_values(cfg, i):
         q, k = qkv.split((cfg.num_heads * d, kv), dim=-1)
         v = k  # (before k's norm and rotation)
     else:
-        q, k, v = qkv.split((cfg.num_heads * d, kv, kv), dim=-1)  # [B, T, Hq*D], [B, T, Hkv*D] x 2
+        q, k, v = qkv[..., : qkv.shape[-1] - gated].split((cfg.num_heads * d, kv, kv), dim=-1)  # [B, T, Hq*D],
+        # [B, T, Hkv*D] x 2
+    gate = qkv[..., qkv.shape[-1] - gated :] if gated else None  # (gates_last put them there)
     if cfg.qk_norm == "full":
         q, k = model.rms_norm(q, a.q_norm, cfg.rms_norm_eps), model.rms_norm(k, a.k_norm, cfg.rms_norm_eps)
     if cfg.clip_qkv is not None:
@@ -349,7 +386,7 @@ def project_qkv(model: MoEModel, i: int, a: Attention, x: torch.Tensor
         q, k = model.rms_norm(q, a.q_norm, cfg.rms_norm_eps), model.rms_norm(k, a.k_norm, cfg.rms_norm_eps)
     if cfg.value_norm:  # each head to unit RMS, no weight (Gemma 4's v_norm), in float32 as the reference
         v = F.rms_norm(v.float(), (d,), None, cfg.rms_norm_eps).to(v.dtype)
-    return q, k, v
+    return q, k, v, gate
 
 
 def attend_positions(model: MoEModel, i: int, a: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -403,7 +440,7 @@ def rotated_and_normed(model: MoEModel, a: Attention, q: torch.Tensor, k: torch.
 def attend_segments(model: MoEModel, i: int, a: Attention, x: torch.Tensor, segments: list[Segment],
                     rows: list[KVCache], spans: list[int]) -> torch.Tensor:
     """GroupedQueryAttention.forward_rows without its timeline span."""
-    q, k, v = project_qkv(model, i, a, x)  # [1, N, Hq, D], [1, N, Hkv, D] x 2
+    q, k, v, gate = project_qkv(model, i, a, x)  # [1, N, Hq, D], [1, N, Hkv, D] x 2
     accel = model.accel
     host = model.host_cache and accel is not None
     head = a
@@ -423,7 +460,7 @@ def attend_segments(model: MoEModel, i: int, a: Attention, x: torch.Tensor, segm
                     dim=1)  # [1, N, Hq*D]
     if host:
         out = accel.to_device(out)  # type: ignore[union-attr]
-    return output(model, a, out)
+    return output(model, a, out, gate)
 
 
 def attend_decoding(model: MoEModel, i: int, a: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -193,12 +193,23 @@ def build_model(ckpt: Checkpoint, run: ModelRun, accel: Accelerator | None = Non
         return LinearMLP(*(q.dequantize(dtype) if isinstance(q, QuantizedMatrix) else q for q in mats),
                          cfg.activation, linear=linear)
 
-    load = Loaders(spec, w, wq, opt, projections, stacked, f32, mlp)
+    def norm(name: str) -> torch.Tensor | None:
+        """An RMSNorm's weight as it multiplies: the stored one plus the config's offset (added in float32)."""
+        if name not in ckpt.where:
+            return None
+        if not cfg.norm_offset:
+            return w(name)
+        t = ckpt.tensor(name).float() + cfg.norm_offset
+        return accel.place(t, dtype, name) if accel is not None else t.to(kept(name))
+
+    load = Loaders(spec, w, wq, opt, projections, stacked, f32, mlp, norm)
     layers = []
     for i, kinds in enumerate(plan(cfg)):  # each layer as its kinds load it (a routed layer's experts: below)
         p = layer_prefix(i)
-        layers.append(DecoderLayer(w(f"{p}.input_layernorm.weight"), w(f"{p}.{ffn_norm_name(cfg)}.weight"),
-                                   kinds.mixer.load(cfg, i, f"{p}.self_attn", load), kinds.ffn.load(cfg, i, load),
+        layers.append(DecoderLayer(norm(f"{p}.input_layernorm.weight"),  # type: ignore[arg-type]
+                                   norm(f"{p}.{ffn_norm_name(cfg)}.weight"),  # type: ignore[arg-type]
+                                   kinds.mixer.load(cfg, i, f"{p}.{kinds.mixer.module}", load),
+                                   kinds.ffn.load(cfg, i, load),
                                    w(f"{p}.input_layernorm.bias") if cfg.norm_type == "layer" else None,
                                    w(f"{p}.post_attention_layernorm.bias") if cfg.norm_type == "layer" else None,
                                    f32(f"{p}.layer_scalar") if cfg.layer_scalars else None))
@@ -209,7 +220,7 @@ def build_model(ckpt: Checkpoint, run: ModelRun, accel: Accelerator | None = Non
     for i, experts in routed_experts(ckpt, moe, bool(cpu and cpu.experts_in_ram), progress,
                                      cpu.quant if cpu else None).items():
         layers[i].ffn.experts.extend(experts)  # type: ignore[union-attr]
-    weights = DecoderWeights(embed, layers, w("model.norm.weight"), lm_head,
+    weights = DecoderWeights(embed, layers, norm("model.norm.weight"), lm_head,  # type: ignore[arg-type]
                              w("model.norm.bias") if cfg.norm_type == "layer" else None,
                              w("lm_head.bias") if cfg.lm_head_bias else None, linear)
     return MoEModel(cfg, weights, run, accel, policy, cpu)

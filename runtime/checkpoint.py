@@ -21,10 +21,10 @@ from tandem.kernels.choice import WEIGHT_DTYPES
 from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.config import ModelConfig, token_ids
-from tandem.runtime.families import FamilySpec, parse_config, supported_model_types, text_model
+from tandem.runtime.families import FamilySpec, parse_config, supported_model_types, text_model, usual_name
 from tandem.runtime.paths import file_kind, read_bounded
 from tandem.runtime.safetensors_mmap import SafetensorsFile
-from tandem.runtime.weights import dense_tensors, expert_tensors, layer_expert_names
+from tandem.runtime.weights import dense_tensors, expert_tensors, layer_expert_names, stacked_expert_names
 
 INDEX = "model.safetensors.index.json"
 RAM_ALIGN = 64  # bytes: tensors read into RAM start on a cache line (in the files they often do not)
@@ -157,10 +157,24 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if inside is not None:
         raw = inside[0]
     spec, config = parse_config(raw, str(config_path))
-    shards, where = _open_shards(folder, inside[1] if inside is not None else None)
-    ckpt = Checkpoint(folder, raw, config, spec, shards, where)
+    shards, where = _open_shards(folder, inside[1] if inside is not None else None, spec)
+    ckpt = Checkpoint(folder, raw, config, stored_layout(spec, config, where), shards, where)
     _validate(ckpt)
     return ckpt
+
+
+STACKED = ("experts.gate_up_proj", "experts.down_proj")  # transformers 5's own layout of a layer's SwiGLU experts
+
+
+def stored_layout(spec: FamilySpec, config: ModelConfig, where: dict[str, Any]) -> FamilySpec:
+    """The family's names as the files store its experts: a family whose checkpoints hold each expert's tensors,
+    saved instead as transformers 5 holds them (a layer's gate and up rows in one tensor [E, 2I, H], down in another
+    [E, H, I]: Qwen3.5's whole-model folders), is read as stored so."""
+    if spec.stacked_experts or spec.fused_experts or not any(config.sparse_layers):
+        return spec
+    first = config.sparse_layers.index(True)
+    stacked = replace(spec, stacked_experts=STACKED)
+    return stacked if stacked_expert_names(stacked, first)[0] in where else spec
 
 
 def _open_gguf(path: Path) -> Checkpoint:
@@ -221,16 +235,19 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _open_shards(folder: Path, text_prefix: str | None = None
+def _open_shards(folder: Path, text_prefix: str | None = None, spec: FamilySpec | None = None
                  ) -> tuple[list[SafetensorsFile], dict[str, SafetensorsFile]]:
     """The folder's shards and where each tensor is; `text_prefix`: a whole model's text model is read, its tensors
-    named as in a folder of its own (`model.` for the prefix; the towers' left out)."""
+    named as in a folder of its own (`model.` for the prefix; the towers' left out); `spec`: the tensors named as
+    Tandem names them (`FamilySpec.renames`)."""
     shards = [SafetensorsFile(f) for f in shard_paths(folder)]
     where: dict[str, SafetensorsFile] = {}
     for shard in shards:
         if text_prefix is not None:
             shard.infos = {("model." + n.removeprefix(text_prefix) if n.startswith(text_prefix) else n): info
                            for n, info in shard.infos.items() if n.startswith(text_prefix) or n == "lm_head.weight"}
+        if spec is not None and spec.renames:
+            shard.infos = {usual_name(spec, n): info for n, info in shard.infos.items()}
         for name in shard.names():
             where[name] = shard
     return shards, where

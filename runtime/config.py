@@ -118,6 +118,25 @@ class ModelConfig:
     value_norm: bool = False  # the values RMSNormed per head, with no weight
     logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     layer_scalars: bool = False  # each layer's output (the whole residual stream) times its `layer_scalar`
+    # hybrids (Qwen3-Next, Qwen3.5): `mixers` names their token mixers without attention (runtime/deltanet.py)
+    norm_offset: float = 0.0  # the decoder's RMSNorm weights (its q/k norms' too) are stored less this: a norm
+    # multiplies by weight + norm_offset (Qwen3-Next's zero-centred norms store weight - 1)
+    attention_gate: bool = False  # q_proj gives each head its query then as many gate values; the heads' output
+    # times sigmoid(gate) goes to o_proj
+    linear_key_heads: int = 0  # Gated DeltaNet's query/key heads ...
+    linear_value_heads: int = 0  # ... its value heads (a multiple of the key heads) ...
+    linear_key_dim: int = 0  # ... and their head dims
+    linear_value_dim: int = 0
+    conv_kernel: int = 0  # the width of the mixers' causal depthwise convolution
+    conv_bias: bool = False  # the mixers' convolutions have biases (LFM2's projections too)
+    # Mamba-2 (runtime/mamba2.py: Granite 4.0-H): heads of ssm_head_dim values, a state of ssm_state per value, B and
+    # C shared by the heads of each of ssm_groups groups; in_proj and out_proj biases; the time step's clamp
+    ssm_heads: int = 0
+    ssm_head_dim: int = 0
+    ssm_state: int = 0
+    ssm_groups: int = 1
+    ssm_bias: bool = False
+    ssm_dt_limit: tuple[float, float] = (0.0, float("inf"))
 
     def __post_init__(self) -> None:
         if not self.sparse_layers:  # the default: a MoE block in every layer (frozen, hence object.__setattr__)
@@ -299,6 +318,12 @@ WHOLE: dict[str, tuple[int, int]] = {
     # Llama 4's chunks, its interval of layers without RoPE and of MoE layers, its dense layers' width
     "attention_chunk_size": (1, 1 << 24), "no_rope_layer_interval": (1, 1024), "interleave_moe_layer_step": (1, 1024),
     "intermediate_size_mlp": (0, 1 << 20),
+    # the hybrids' recurrent mixers (Qwen3-Next, Qwen3.5)
+    "linear_num_key_heads": (1, 1024), "linear_num_value_heads": (1, 1024), "linear_key_head_dim": (1, 4096),
+    "linear_value_head_dim": (1, 4096), "linear_conv_kernel_dim": (1, 64),
+    "conv_L_cache": (2, 64), "num_dense_layers": (0, 1024),  # LFM2's
+    "mamba_n_heads": (1, 4096), "mamba_n_groups": (1, 4096), "mamba_d_state": (1, 4096), "mamba_d_conv": (2, 64),
+    "mamba_expand": (1, 64), "mamba_chunk_size": (1, 1 << 16),  # Granite 4.0-H's
 }
 PER_LAYER = ("moe_intermediate_size",)  # whole-number fields a config may list once per layer, all alike
 MEANING = {"num_local_experts": "the number of experts", "num_experts": "the number of experts",

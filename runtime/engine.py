@@ -155,8 +155,16 @@ class Engine:
         n = ids.shape[1]
         chunk = self.model.prefill_chunk or n
         long = self._long(n)
-        for start in range(first, n, chunk):
-            logits = self.model.forward(ids[:, start : start + chunk], start, last_only=True, long=long)  # [R, 1, V]
+        # A recurrent state holds at one position: the one before the prompt's last token is marked, where a retry
+        # or an edited last message takes up again (runtime/state.py), so the last token is a pass of its own.
+        stop = n - 1 if self.model.recurrent and n - first > 1 else n
+        for start in range(first, stop, chunk):
+            logits = self.model.forward(ids[:, start : min(start + chunk, stop)], start, last_only=True,
+                                        long=long)  # [R, 1, V]
+        if stop < n:
+            for r in range(ids.shape[0]):
+                self.model.cache.mark(r)  # type: ignore[union-attr]
+            logits = self.model.forward(ids[:, stop:], stop, last_only=True, long=long)
         return logits[:, -1]
 
     def _long(self, length: int) -> bool:

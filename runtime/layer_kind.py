@@ -30,7 +30,8 @@ class Loaders:
     the accelerator, or in RAM in the dtype it is kept in), `wq` a dense matrix (GGUF blocks kept as stored where the
     kernels read them), `opt` a weight the file may lack (None), `projections` several matrices as one (q, k and v),
     `stacked` several tensors along dim 0 (a missing bias as zeros), `f32` a weight in float32 whatever the compute
-    dtype, `mlp` a SwiGLU's gate, up and down under a prefix as one expert."""
+    dtype, `mlp` a SwiGLU's gate, up and down under a prefix as one expert, `norm` an RMSNorm's weight as it
+    multiplies (the stored one plus ModelConfig.norm_offset; None where the file lacks it)."""
 
     spec: FamilySpec
     w: Callable[[str], torch.Tensor]
@@ -40,6 +41,7 @@ class Loaders:
     stacked: Callable[[list[str], list[int]], torch.Tensor]
     f32: Callable[[str], torch.Tensor]
     mlp: Callable[[str], ExpertWeights]
+    norm: Callable[[str], torch.Tensor | None]
 
 
 class Mixer(Protocol):
@@ -47,8 +49,10 @@ class Mixer(Protocol):
     cache it keeps between passes."""
 
     name: str  # its name in ModelConfig.mixers and runtime/layers.py MIXERS
-    cache: type  # the cache its layers keep (`KVCache`, `LatentCache`): constructed (cfg, batch, context, dtype,
-    # accel), with `nbytes`, `row`, `copy_rows`, `snapshot` and `restore` (runtime/prefix.py asks these)
+    module: str  # its tensors' module inside a layer (`self_attn`, `linear_attn`)
+    cache: type  # the cache its layers keep (`KVCache`, `LatentCache`, a recurrent `state.StateCache`):
+    # constructed (cfg, batch, context, dtype, accel, layers), with `nbytes`, `row`, `copy_rows`, `snapshot` and
+    # `restore` (runtime/prefix.py asks these); a model whose mixers keep several kinds keeps a `state.LayerCaches`
     host_cache: bool  # its cache can be kept in RAM beside an accelerator, attention on the CPU (MoEModel.with_batch)
 
     def tensors(self, cfg: ModelConfig, spec: FamilySpec | None, layer: int, prefix: str) -> dict[str, Shape]:

@@ -16,12 +16,17 @@ from dataclasses import dataclass
 from tandem.kernels.errors import UnsupportedModelError
 from tandem.runtime.attention import GroupedQueryAttention
 from tandem.runtime.config import ModelConfig
+from tandem.runtime.deltanet import GatedDeltaNet
 from tandem.runtime.layer_kind import FeedForward, Mixer
+from tandem.runtime.mamba2 import Mamba2
 from tandem.runtime.mla import LatentAttention
 from tandem.runtime.moe import DenseFeedForward, RoutedExperts
 from tandem.runtime.parallel import DenseBesideExperts
+from tandem.runtime.shortconv import ShortConv
+from tandem.runtime.state import LayerCaches
 
-MIXERS: dict[str, Mixer] = {kind.name: kind for kind in (GroupedQueryAttention(), LatentAttention())}
+MIXERS: dict[str, Mixer] = {kind.name: kind for kind in (GroupedQueryAttention(), LatentAttention(),
+                                                          GatedDeltaNet(), ShortConv(), Mamba2())}
 FEED_FORWARDS: dict[str, FeedForward] = {kind.name: kind for kind in (RoutedExperts(), DenseFeedForward(),
                                                                       DenseBesideExperts())}
 
@@ -46,10 +51,13 @@ def plan(cfg: ModelConfig) -> tuple[LayerPlan, ...]:
 
 
 def cache_class(cfg: ModelConfig) -> type:
-    """The cache the model's layers keep (`KVCache`, `LatentCache`). One class serves every layer of a model: a plan
-    whose mixers keep different caches is refused until the decoder keeps a cache per kind."""
+    """The cache the model's layers keep: their mixers' (`KVCache`, `LatentCache`, a recurrent state), or, where
+    they keep different kinds (a hybrid), a `LayerCaches` of one of each."""
     kinds = {layer.mixer.cache for layer in plan(cfg)}
-    if len(kinds) > 1:
-        raise UnsupportedModelError("this model mixes token mixers that keep different caches "
-                                    f"({', '.join(sorted(set(cfg.mixers)))}); that is not supported yet")
-    return kinds.pop()
+    return kinds.pop() if len(kinds) == 1 else LayerCaches
+
+
+def cache_in_ram_serves(cfg: ModelConfig) -> bool:
+    """Whether every layer's mixer can keep its cache in RAM beside an accelerator and run on the CPU there
+    (`Mixer.host_cache`: batch mode's MoE-Lightning split)."""
+    return all(layer.mixer.host_cache for layer in plan(cfg))

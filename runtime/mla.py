@@ -23,7 +23,7 @@ Dr qk_rope_head_dim, Dv v_head_dim.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -98,8 +98,11 @@ class LatentCache:
     `nbytes`)."""
 
     def __init__(
-        self, cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype, accel: Accelerator | None = None
+        self, cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype, accel: Accelerator | None = None,
+        layers: Sequence[int] | None = None,
     ) -> None:
+        if layers is not None and list(layers) != list(range(cfg.num_layers)):
+            raise ValueError("Multi-head Latent Attention beside other token mixers is not supported yet")
         shape = (cfg.num_layers, batch, context, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         self.latent = torch.empty(shape, dtype=dtype) if accel is None else accel.empty(shape, dtype, "the KV cache")
         self.context = context
@@ -132,9 +135,11 @@ class LatentCache:
         return view
 
     @staticmethod
-    def nbytes(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype) -> int:
+    def nbytes(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype,
+               layers: Sequence[int] | None = None) -> int:
         item = torch.empty((), dtype=dtype).element_size()
-        return cfg.num_layers * batch * context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * item
+        count = cfg.num_layers if layers is None else len(layers)
+        return count * batch * context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * item
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -202,6 +207,7 @@ class LatentAttention:
     it, and its cache stays where the model runs (no attention on the CPU beside an accelerator)."""
 
     name = "mla"
+    module = "self_attn"
     cache = LatentCache
     host_cache = False
 

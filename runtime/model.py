@@ -35,6 +35,7 @@ from tandem.runtime.layers import cache_class, plan
 from tandem.runtime.mla import MLAWeights
 from tandem.runtime.moe import ExpertWeights, MoEBlockWeights
 from tandem.runtime.rope import long_after, rope_tables
+from tandem.runtime.state import StateCache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,7 +85,13 @@ def activation_bytes(cfg: ModelConfig, tokens: int, context: int, batch: int, dt
     attention = 2 * T * heads * max(*cfg.head_sizes(), cfg.qk_rope_head_dim + cfg.v_head_dim) * item \
         + batch * cfg.num_heads * tokens * context * 4
     ffn = T * (cfg.num_experts * 4 + 2 * h * 4 + 3 * width * item)
-    return residual + max(attention, ffn) + batch * cfg.vocab_size * 4
+    # Gated DeltaNet (runtime/deltanet.py): its projection and convolution in the compute dtype, q, k and v and the
+    # outputs in float32 (keys repeated per value head), a block's decays and system per value head
+    key, value = cfg.linear_key_heads * cfg.linear_key_dim, cfg.linear_value_heads * cfg.linear_value_dim
+    repeated = cfg.linear_value_heads * cfg.linear_key_dim
+    linear = T * ((4 * key + 4 * value) * item + (2 * repeated + 3 * value) * 4) \
+        + batch * cfg.linear_value_heads * 3 * 64 * 64 * 4 if key else 0
+    return residual + max(attention, ffn, linear) + batch * cfg.vocab_size * 4
 
 
 @dataclass(frozen=True)
@@ -225,6 +232,12 @@ class MoEModel:
             wide.cache = cache_class(self.cfg)(self.cfg, batch, self.context, self.dtype, self.accel)
         wide._step, wide._step_key, wide._row_views = None, None, {}
         return wide
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layers keep a recurrent state (runtime/state.py): prefix reuse takes it up only where a
+        pass ended or a mark was taken."""
+        return any(issubclass(kinds.mixer.cache, StateCache) for kinds in self.plan)
 
     def close(self) -> None:
         self._step, self._step_key = None, None  # its plan points into the experts the dispatcher frees

@@ -10,8 +10,8 @@ row holding no more than its first `start` positions. Every write into a cache g
 
 Sliding windows keep every position (a window only limits what a query reads), attention sinks are weights, and
 the latent cache of Multi-head Latent Attention is per position too: the same record serves every attention kind.
-Layers with recurrent state (linear attention, state-space and convolution mixers) would need their state at the
-reused position: a cache that holds such state must offer it before reuse may cross it (`reusable` is where).
+Layers with recurrent state (linear attention, state-space and convolution mixers) need their state at the reused
+position: their cache (runtime/state.py) holds it at a few positions of a row only, and `reusable` stops at one.
 """
 
 from __future__ import annotations
@@ -27,14 +27,27 @@ if TYPE_CHECKING:
     from tandem.runtime.prefix_disk import DiskPrefixes
 
 
+class RowState(Protocol):
+    """A recurrent mixer's state (runtime/state.py), which holds at one position of a row, not at each: told of
+    every pass, and asked where reuse may stop."""
+
+    def rewind(self, r: int, start: int) -> None: ...  # row r is about to read from `start`
+
+    def advance(self, r: int, end: int) -> None: ...  # a pass left row r at `end`
+
+    def usable(self, r: int, n: int) -> int: ...  # the most of row r's first n positions a pass can start after
+
+
 class HeldTokens:
     """The token ids each row of a KV cache holds: `ids` [batch, context], the first `length[r]` of row r valid,
-    rotated with LongRoPE's long tables where `long[r]`. Rows of a view (`row`) share the record's storage."""
+    rotated with LongRoPE's long tables where `long[r]`. Rows of a view (`row`) share the record's storage; a cache
+    with a recurrent state sets `state` (its own, in a view of a row)."""
 
     def __init__(self, batch: int, context: int) -> None:
         self.ids = torch.zeros(batch, context, dtype=torch.long)
         self.length = torch.zeros(batch, dtype=torch.long)
         self.long = torch.zeros(batch, dtype=torch.bool)
+        self.state: RowState | None = None
 
     def row(self, r: int) -> HeldTokens:
         view = copy.copy(self)
@@ -49,11 +62,15 @@ class HeldTokens:
         """Row r is about to be written from `start`: it holds at most its first `start` positions meanwhile."""
         if int(self.length[r]) > start:
             self.length[r] = start
+        if self.state is not None:
+            self.state.rewind(r, start)
 
     def note(self, r: int, start: int, ids: torch.Tensor, long: bool) -> None:
         """A pass wrote `ids` [T] into row r at positions start.. (after `cut(r, start)`). Positions before `start`
         that the record does not hold, or rotated otherwise, make the whole row unknown: each position's keys
         depend on every position before it."""
+        if self.state is not None:
+            self.state.advance(r, start + ids.numel())
         if start > int(self.length[r]) or (start and bool(self.long[r]) != long):
             self.length[r] = 0
             return
@@ -73,7 +90,8 @@ class HeldTokens:
         if n <= 0 or bool(self.long[r]) != long:
             return 0
         want = prompt[:n] if isinstance(prompt, torch.Tensor) else torch.tensor(list(prompt[:n]), dtype=torch.long)
-        return common_length(self.ids[r, :n], want)
+        n = common_length(self.ids[r, :n], want)
+        return n if self.state is None else self.state.usable(r, n)
 
     def copy_rows(self, pairs: list[tuple[int, int]], length: int) -> None:
         """As the cache's `copy_rows`: row dst takes row src's first `length` positions."""
@@ -99,16 +117,18 @@ class Kept(Protocol):
 K = TypeVar("K", bound=Kept)
 
 
-def longest_match(entries: Sequence[K], prompt: torch.Tensor, long: bool, least: int = 1) -> tuple[K | None, int]:
+def longest_match(entries: Sequence[K], prompt: torch.Tensor, long: bool, least: int = 1,
+                  whole: bool = False) -> tuple[K | None, int]:
     """The entry (rotated as `long` asks) sharing the longest prefix with `prompt`, its last token left to run,
-    and that length, if it is at least `least`; else (None, 0)."""
+    and that length, if it is at least `least`; else (None, 0). `whole`: only entries the prompt begins with whole
+    count (a recurrent state is that of the entry's end)."""
     found, most = None, least - 1
     for e in entries:
         n = min(len(e.tokens), len(prompt) - 1)
-        if e.long != long or n <= most:
+        if e.long != long or n <= most or whole and n < len(e.tokens):
             continue
         match = common_length(e.tokens[:n], prompt[:n])
-        if match > most:
+        if match > most and (not whole or match == len(e.tokens)):
             found, most = e, match
     return (found, most) if found is not None else (None, 0)
 
@@ -160,18 +180,24 @@ class PrefixStore:
         n = cache.held.held(row)
         if n - keep < max(SAVE_LEAST, n // 2) or (self.budget <= 0 and self.disk is None):
             return
+        state = cache.held.state
+        if state is not None and state.usable(row, n) != n:  # (its recurrent state is elsewhere)
+            return
         tokens = cache.held.ids[row, :n].clone()
         long = bool(cache.held.long[row])
-        if any(e.long == long and len(e.tokens) >= n and bool((e.tokens[:n] == tokens).all()) for e in self.entries):
+        # (an entry holding more holds this too, but a recurrent state only at its own end: then only the same)
+        if any(e.long == long and (len(e.tokens) == n if state is not None else len(e.tokens) >= n) and
+               bool((e.tokens[:n] == tokens).all()) for e in self.entries):
             return
         parts = tuple(_to_host(p) for p in cache.snapshot(row, n))
-        if self.disk is not None:
+        if self.disk is not None and state is None:  # (the files hold positions: not a recurrent state)
             self.disk.keep(tokens, long, parts)
         saved = Saved(tokens, long, parts, sum(p.numel() * p.element_size() for p in parts))
         if saved.nbytes > self.budget:
             return
-        self.entries = [e for e in self.entries if not (e.long == long and len(e.tokens) <= n and
-                                                        bool((tokens[: len(e.tokens)] == e.tokens).all()))]
+        if state is None:  # (an entry this one holds is dropped: not one whose end's recurrent state it lacks)
+            self.entries = [e for e in self.entries if not (e.long == long and len(e.tokens) <= n and
+                                                            bool((tokens[: len(e.tokens)] == e.tokens).all()))]
         self.entries.append(saved)
         while self.nbytes > self.budget:
             self.entries.pop(0)
@@ -180,7 +206,7 @@ class PrefixStore:
         """Row `row`'s prefix written to the disk (when there is one and it holds enough): the program is done
         with it (a chat app closing)."""
         n = cache.held.held(row)
-        if self.disk is None or n < SAVE_LEAST:
+        if self.disk is None or n < SAVE_LEAST or cache.held.state is not None:
             return
         parts = tuple(_to_host(p) for p in cache.snapshot(row, n))
         self.disk.keep(cache.held.ids[row, :n].clone(), bool(cache.held.long[row]), parts)
@@ -190,8 +216,9 @@ class PrefixStore:
         prefix saved if the prompt would overwrite enough of it, and the saved prefix sharing the most with the
         prompt (in RAM, or on disk) copied in if it shares more. Returns the positions the row now holds of the
         prompt."""
-        entry, most = self.best(prompt, long)
-        found, deep = self.disk.best(prompt, long) if self.disk is not None else (None, 0)
+        whole = cache.held.state is not None  # a recurrent state: an entry's end, or nothing
+        entry, most = self.best(prompt, long, whole)
+        found, deep = self.disk.best(prompt, long) if self.disk is not None and not whole else (None, 0)
         parts = None
         if self.disk is not None and found is not None and deep > max(most, held):
             # mapped before the save below, whose room may take the file: the mapping outlives its name
@@ -221,9 +248,10 @@ class PrefixStore:
             return 0
         return most
 
-    def best(self, prompt: torch.Tensor, long: bool) -> tuple[Saved | None, int]:
-        """The entry sharing the longest prefix with `prompt` (its last token left to run), and that length."""
-        return longest_match(self.entries, prompt, long)
+    def best(self, prompt: torch.Tensor, long: bool, whole: bool = False) -> tuple[Saved | None, int]:
+        """The entry sharing the longest prefix with `prompt` (its last token left to run), and that length
+        (`whole`: longest_match's)."""
+        return longest_match(self.entries, prompt, long, whole=whole)
 
     def restore(self, cache: PrefixCache, row: int, entry: Saved, n: int) -> None:
         """Entry's first `n` positions back into row `row`, its record with them; the entry becomes the most

@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tandem.runtime.families import family_for
+from tandem.runtime.families import family_for, stored_name
 from tandem.runtime.weights import dense_tensors, expert_tensors, router_name
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -93,9 +93,10 @@ def write_test_model(
         cfg = spec.parse(config)
         (tmp / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
         gen = torch.Generator().manual_seed(seed)
-        shapes = dense_tensors(cfg, spec) | expert_tensors(cfg, spec)
+        shapes = {stored_name(spec, n): s for n, s in (dense_tensors(cfg, spec) | expert_tensors(cfg, spec)).items()}
         common = torch.randn(cfg.hidden_size, generator=gen)
-        routers = frozenset(router_name(spec, i) for i in range(cfg.num_layers) if cfg.sparse_layers[i])
+        routers = frozenset(stored_name(spec, router_name(spec, i)) for i in range(cfg.num_layers)
+                            if cfg.sparse_layers[i])
         skew = Skew(common / common.norm(), routing_skew, router_scale, routers) \
             if routing_skew or router_scale != 1.0 else None
         _write_shards(tmp, shapes, gen, dtype, shard_bytes, std, skew)

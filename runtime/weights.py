@@ -100,7 +100,8 @@ def attention_tensors(cfg: ModelConfig, layer: int, spec: FamilySpec | None = No
     the usual names, for their shapes alone)."""
     from tandem.runtime.layers import MIXERS  # (the kinds import this module's names)
 
-    return MIXERS[cfg.mixers[layer]].tensors(cfg, spec, layer, f"{layer_prefix(layer)}.self_attn")
+    kind = MIXERS[cfg.mixers[layer]]
+    return kind.tensors(cfg, spec, layer, f"{layer_prefix(layer)}.{kind.module}")
 
 
 def dense_tensors(cfg: ModelConfig, spec: FamilySpec) -> dict[str, Shape]:

@@ -170,6 +170,32 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("gpt_oss-mxfp4", "gpt_oss", {"intermediate_size": 64, "quantization_config": MXFP4}),
     ("gpt_oss-mxfp4-clamp", "gpt_oss", {"intermediate_size": 96, "num_hidden_layers": 3, "swiglu_limit": 0.25,
                                         "swiglu_alpha": 1.5, "quantization_config": MXFP4}),
+    # qwen3_next: Gated DeltaNet (2 value heads per key head, a convolution of 4) then gated attention with a quarter
+    # of each head rotated, zero-centred norms, a gated shared expert; then one value head per key head of another
+    # size, a dense layer, attention first and between, q/k/v/o biases, a convolution of 2, tied embeddings
+    ("qwen3_next", "qwen3_next", {}),
+    ("qwen3_next-dense-bias", "qwen3_next", {
+        "num_hidden_layers": 4, "mlp_only_layers": [2], "attention_bias": True, "linear_num_value_heads": 2,
+        "linear_value_head_dim": 24, "linear_conv_kernel_dim": 2, "tie_word_embeddings": True,
+        "layer_types": ["full_attention", "linear_attention", "full_attention", "linear_attention"]}),
+    # qwen3_5_moe_text: Qwen3.5's projections (in_proj_qkv, _z, _b, _a) and every layer routed
+    ("qwen3_5_moe_text", "qwen3_5_moe_text", {}),
+    # lfm2_moe: a short convolution then attention with per-head q/k norms, the first layer dense, sigmoid routing
+    # with an expert bias; then biases in the convolutions, a wider one, attention first, no dense layer, no expert
+    # bias, a routed scaling, top-3, untied embeddings
+    ("lfm2_moe", "lfm2_moe", {}),
+    ("lfm2_moe-bias-scaled", "lfm2_moe", {
+        "num_hidden_layers": 3, "conv_bias": True, "conv_L_cache": 4, "num_dense_layers": 0, "use_expert_bias": False,
+        "routed_scaling_factor": 1.5, "num_experts_per_tok": 3, "tie_word_embeddings": False,
+        "layer_types": ["full_attention", "conv", "conv"]}),
+    # granitemoehybrid: Mamba-2 (2 groups of 4 heads, a state of 16, a convolution with its bias) then attention
+    # without RoPE, a shared SwiGLU, the muP multipliers; then attention first with RoPE and q/k/v/o biases, one group,
+    # in_proj and out_proj biases, no convolution bias, a state of 8, tied embeddings
+    ("granitemoehybrid", "granitemoehybrid", {}),
+    ("granitemoehybrid-rope-bias", "granitemoehybrid", {
+        "num_hidden_layers": 3, "position_embedding_type": "rope", "attention_bias": True, "mamba_n_groups": 1,
+        "mamba_proj_bias": True, "mamba_conv_bias": False, "mamba_d_state": 8, "tie_word_embeddings": True,
+        "layer_types": ["attention", "mamba", "mamba"]}),
 ]
 
 

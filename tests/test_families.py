@@ -78,8 +78,9 @@ def family_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[C
 def test_the_shipped_families_are_the_files_of_the_package() -> None:
     files = sorted(p.stem for p in PACKAGE.glob("*.py") if not p.name.startswith("_"))
     assert files == ["deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "gemma4_text", "glm4_moe", "glm4_moe_lite",
-                     "gpt_oss", "granitemoe", "granitemoeshared", "hunyuan_v1_moe", "llama4_text", "minimax_m2",
-                     "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe"]
+                     "gpt_oss", "granitemoe", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "lfm2_moe",
+                     "llama4_text", "minimax_m2", "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_5_moe_text",
+                     "qwen3_moe", "qwen3_next"]
     assert families.supported_model_types() == files  # here each file is named after its model_type
     for spec in families.families():
         families.parse_config(tiny_config(spec.model_type), "tiny")  # every tiny config is a valid config

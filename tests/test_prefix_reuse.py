@@ -20,15 +20,16 @@ GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 FIRST = [5, 17, 99, 3, 42, 7, 81, 64, 23, 11, 58, 31, 2]
 
 
-def turns(first: list[int], answer: list[int]) -> list[tuple[str, list[int], int]]:
+def turns(first: list[int], answer: list[int], recurrent: bool = False) -> list[tuple[str, list[int], int]]:
     """(what, prompt, positions it may reuse) after `first` was answered with `answer` (whose last token was never
-    fed: its keys are not in the cache)."""
+    fed: its keys are not in the cache). `recurrent`: layers with a recurrent state, which reuse stops only where a
+    pass ended or the state was marked (before a prompt's last token): an edit that far back is prefilled whole."""
     follow = first + answer + [19, 4, 77, 8, 50]
     edited = follow[:6] + [(follow[6] + 1) % 100] + follow[7:]
     return [("the next turn", follow, len(first) + len(answer) - 1),
             ("a retry", follow, len(follow) - 1),
-            ("an edit in the middle", edited, 6),
-            ("a shorter prompt", edited[:9], 8),
+            ("an edit in the middle", edited, 0 if recurrent else 6),
+            ("a shorter prompt", edited[:9], 0 if recurrent else 8),
             ("another prompt", [88] + edited[1:], 0)]
 
 
@@ -39,7 +40,7 @@ def test_reused_prefixes_answer_as_whole_prompts(hf_checkpoints: dict[str, Path]
     stats = GenerationStats()
     answer = list(reusing.generate(FIRST, GREEDY, stats))
     assert stats.cached_tokens == 0 and len(answer) == GREEDY.max_new_tokens
-    for what, prompt, reusable in turns(FIRST, answer):
+    for what, prompt, reusable in turns(FIRST, answer, model.recurrent):
         switch = model.rope_switch  # keys rotated with LongRoPE's other tables are not reused
         if switch is not None and (len(prompt) > switch) != bool(model.cache.held.long[0]):
             reusable = 0

@@ -22,6 +22,7 @@ from tandem.autotune.configure import Configured
 from tandem.autotune.measurements import Measurements
 from tandem.autotune.plan import ModelShape
 from tandem.runtime.batch import BatchEngine, BatchRequest, DoneEvent
+from tandem.runtime.layers import cache_in_ram_serves
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.tokenizer import StreamDecoder, Tokenizer
 
@@ -119,7 +120,7 @@ def choose_policy(configured: Configured, lines: list[Line], meas: Measurements,
     vram_free = None if vram is None else max(0, vram - accelerator_bytes(ckpt, options.torch_dtype,
                                                                          options.context, 1))
     return plan_batch(bs, machine, workload(lines, options.context), budget, options.context, vram_free,
-                      host_attention=not ckpt.config.kv_lora_rank, batch=batch)
+                      host_attention=cache_in_ram_serves(ckpt.config), batch=batch)
 
 
 @dataclass(frozen=True)

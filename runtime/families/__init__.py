@@ -78,17 +78,37 @@ class FamilySpec:
     stacked_experts: tuple[str, str] | None = None
     stacked_by_input: bool = False
     shared_in_block: bool = True  # the shared expert inside the MoE block; False: beside it, under the layer
+    deltanet_grouped: bool = False  # Gated DeltaNet's projections as Qwen3-Next stores them (in_proj_qkvz,
+    # in_proj_ba: rows grouped by key head), not as Qwen3.5 does (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)
     stacked_mlp: tuple[str, str] | None = None  # the shared SwiGLU's gate and up rows in one tensor [2I, H], and down
     gguf: GGUFArch | None = None  # None: its GGUF files are not read (or another family's reader makes them its own)
     # the published folders that hold this text model inside a larger one (towers for images, audio): their
     # model_type, the key of their config.json holding this model's, and the prefix of its tensors there (in place
     # of `model.`); None: none that Tandem opens
     inside: tuple[str, str, str] | None = None
+    # names its files give what every other family names otherwise: (the usual fragment, the family's), each
+    # replaced where a name holds it (LFM2's `operator_norm.` for `input_layernorm.`): the files are read under the
+    # usual names (`usual_name`) and written under the family's (`stored_name`)
+    renames: tuple[tuple[str, str], ...] = ()
 
     @property
     def correction_name(self) -> str:
         """The router's correction bias, inside the MoE block (`correction`, else under the router)."""
         return self.correction or f"{self.router}.e_score_correction_bias"
+
+
+def stored_name(spec: FamilySpec, name: str) -> str:
+    """A tensor's name as the family's files store it (`FamilySpec.renames`)."""
+    for usual, own in spec.renames:
+        name = name.replace(usual, own)
+    return name
+
+
+def usual_name(spec: FamilySpec, name: str) -> str:
+    """A stored tensor's name as the rest of Tandem knows it (`FamilySpec.renames`, undone)."""
+    for usual, own in reversed(spec.renames):
+        name = name.replace(own, usual)
+    return name
 
 
 def _registry() -> dict[str, FamilySpec]:

@@ -1,0 +1,118 @@
+"""Gated short convolutions, the layer kind "shortconv" (LFM2's token mixer, on most of its layers): its weights
+(`ShortConvWeights`), its state (`ShortConvState`: the convolution's last K-1 inputs per row), its reference
+(`reference`, as transformers' `Lfm2MoeShortConv` computes it, the whole sequence at once) and its pass, which
+carries the state from pass to pass (`scan`, tested against the reference over prompts cut anywhere).
+
+Per token: in_proj gives B, C and x (H each); the causal depthwise convolution (width K, no activation) runs over
+B * x; its output times C goes through out_proj.
+
+Letters: B batch (the rows; not the gate), T new tokens, N a ragged pass's tokens, H hidden size, K the width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from tandem.kernels.quant import QuantizedMatrix
+from tandem.runtime.attention import Matrix
+from tandem.runtime.config import ModelConfig
+from tandem.runtime.layer_kind import Loaders, Shape
+from tandem.runtime.state import LayerCaches, StateCache
+
+if TYPE_CHECKING:
+    from tandem.runtime.families import FamilySpec
+    from tandem.runtime.model import MoEModel, Segment
+
+
+@dataclass
+class ShortConvWeights:
+    proj: Matrix  # [3H, H]: B, C and x rows
+    conv: torch.Tensor  # [H, K]
+    out: torch.Tensor | QuantizedMatrix  # [H, H]
+    proj_bias: torch.Tensor | None = None  # [3H] (cfg.conv_bias, as the conv's and out_proj's)
+    conv_bias: torch.Tensor | None = None  # [H]
+    out_bias: torch.Tensor | None = None  # [H]
+
+
+class ShortConvState(StateCache):
+    """Each short-convolution layer's last K-1 inputs (B * x) per row: `conv` [H, K-1] in the compute dtype."""
+
+    kind = "shortconv"
+
+    @staticmethod
+    def shapes(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, tuple[Shape, torch.dtype]]:
+        return {"conv": ((cfg.hidden_size, cfg.conv_kernel - 1), dtype)}
+
+
+def reference(x: torch.Tensor, w: ShortConvWeights) -> torch.Tensor:
+    """The mixer over a whole sequence from its start, in plain PyTorch: x [B, T, H] -> [B, T, H] (before out_proj's
+    bias is added: with it)."""
+    H, K = w.conv.shape
+    bcx = F.linear(x, w.proj, w.proj_bias).transpose(1, 2)  # type: ignore[arg-type]  # [B, 3H, T]
+    b, c, v = bcx.chunk(3, dim=1)
+    conv = F.conv1d(b * v, w.conv[:, None, :], w.conv_bias, padding=K - 1, groups=H)[..., : x.shape[1]]
+    return F.linear((c * conv).transpose(1, 2), w.out, w.out_bias)  # type: ignore[arg-type]
+
+
+def scan(w: ShortConvWeights, p: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
+    """One sequence group's projections p [B, T, 3H] over rows B of `conv` [B, H, K-1] (updated in place) -> the
+    gated convolution [B, T, H] in the compute dtype."""
+    b, c, v = p.chunk(3, dim=-1)
+    seq = torch.cat([conv.to(p.dtype), (b * v).transpose(1, 2)], dim=-1)  # [B, H, K-1+T]
+    conv.copy_(seq[..., seq.shape[-1] - conv.shape[-1] :])
+    out = F.conv1d(seq, w.conv[:, None, :].to(p.dtype), w.conv_bias, groups=w.conv.shape[0])  # [B, H, T]
+    return c * out.transpose(1, 2)
+
+
+def state_of(cache: Any) -> ShortConvState:
+    """The short convolutions' state within a model's cache (runtime/state.py LayerCaches)."""
+    return cache.part(ShortConvState) if isinstance(cache, LayerCaches) else cache
+
+
+class ShortConv:
+    """The mixer "shortconv" (runtime/layer_kind.py `Mixer`)."""
+
+    name = "shortconv"
+    module = "conv"
+    cache = ShortConvState
+    host_cache = False
+
+    def tensors(self, cfg: ModelConfig, spec: FamilySpec | None, layer: int, prefix: str) -> dict[str, Shape]:
+        h = cfg.hidden_size
+        out: dict[str, Shape] = {f"{prefix}.conv.weight": (h, 1, cfg.conv_kernel),
+                                 f"{prefix}.in_proj.weight": (3 * h, h), f"{prefix}.out_proj.weight": (h, h)}
+        if cfg.conv_bias:
+            out |= {f"{prefix}.conv.bias": (h,), f"{prefix}.in_proj.bias": (3 * h,), f"{prefix}.out_proj.bias": (h,)}
+        return out
+
+    def load(self, cfg: ModelConfig, layer: int, prefix: str, load: Loaders) -> ShortConvWeights:
+        h = cfg.hidden_size
+        bias = cfg.conv_bias
+        return ShortConvWeights(
+            load.projections([f"{prefix}.in_proj.weight"], [3 * h]),
+            load.w(f"{prefix}.conv.weight").reshape(h, cfg.conv_kernel), load.wq(f"{prefix}.out_proj.weight"),
+            load.w(f"{prefix}.in_proj.bias") if bias else None, load.w(f"{prefix}.conv.bias") if bias else None,
+            load.w(f"{prefix}.out_proj.bias") if bias else None)
+
+    def step_refusal(self, cfg: ModelConfig) -> str | None:
+        return "its short convolutions run in torch"
+
+    def forward(self, model: MoEModel, i: int, w: ShortConvWeights, x: torch.Tensor, start: int, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        p = model.linear(x, w.proj, w.proj_bias)  # [B, T, 3H]
+        y = scan(w, p, state_of(model.cache).get("conv", i)[: x.shape[0]])
+        return model.linear(y, w.out, w.out_bias, out_dtype=torch.float32)
+
+    def forward_rows(self, model: MoEModel, i: int, w: ShortConvWeights, x: torch.Tensor, segments: list[Segment],
+                     rows: list[Any], spans: list[int]) -> torch.Tensor:
+        """The projections are one product each over all N tokens; the convolution runs segment by segment over
+        its row's state."""
+        p = model.linear(x, w.proj, w.proj_bias)  # [1, N, 3H]
+        ys = [scan(w, p[:, lo:hi], state_of(row).get("conv", i)) for row, lo, hi in zip(rows, spans, spans[1:],
+                                                                                          strict=False)]
+        y = torch.cat(ys, dim=1) if len(ys) > 1 else ys[0]
+        return model.linear(y, w.out, w.out_bias, out_dtype=torch.float32)

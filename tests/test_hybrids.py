@@ -1,0 +1,289 @@
+"""The hybrids' token mixers with a recurrent state (Gated DeltaNet: runtime/deltanet.py, short convolutions:
+runtime/shortconv.py, Mamba-2: runtime/mamba2.py) and their state (runtime/state.py): each prompt path against its
+reference, whole models against transformers on prompts longer than a block, and everything that keeps a cache row
+(prefix reuse and its marks, beams, batch rows, the prefix store, the emulated accelerator) against the same prompt
+run whole (fp32, greedy)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.runtime import mamba2, shortconv
+from tandem.runtime.batch import BatchEngine, BatchRequest, DoneEvent
+from tandem.runtime.deltanet import chunked, l2_normed, recurrent_reference, step
+from tandem.runtime.engine import Engine, GenerationStats
+from tandem.runtime.layers import cache_class
+from tandem.runtime.loader import load_model
+from tandem.runtime.prefix import PrefixStore
+from tandem.runtime.sampling import SamplingParams
+from tandem.runtime.state import LayerCaches, NoStateError, StateCache
+
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
+HYBRIDS = ["qwen3_next", "qwen3_next-dense-bias", "qwen3_5_moe_text", "lfm2_moe", "lfm2_moe-bias-scaled",
+           "granitemoehybrid", "granitemoehybrid-rope-bias"]
+ONE_OF_EACH = ["qwen3_next", "lfm2_moe", "granitemoehybrid"]  # a model of each mixer
+LONG = [(i * 37 + 11) % 500 + 3 for i in range(150)]  # longer than two blocks of the prompt path (64)
+
+
+def _inputs(B: int, H: int, T: int, dk: int, dv: int, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    q = l2_normed(torch.randn(B, H, T, dk, generator=gen)) * dk ** -0.5
+    k = l2_normed(torch.randn(B, H, T, dk, generator=gen))
+    v = torch.randn(B, H, T, dv, generator=gen)
+    g = -torch.rand(B, H, T, generator=gen) * 2  # decays from 1 down to e^-2
+    beta = torch.rand(B, H, T, generator=gen)
+    state = torch.randn(B, H, dk, dv, generator=gen) * 0.3
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("T, size", [(150, 64), (37, 16), (5, 64), (64, 64)])
+def test_the_prompt_path_is_the_rule_token_by_token(T: int, size: int) -> None:
+    q, k, v, g, beta, state = _inputs(2, 3, T, 16, 8, seed=T)
+    want, want_state = recurrent_reference(q, k, v, g, beta, state)
+    got, got_state = chunked(q, k, v, g, beta, state, size)
+    assert (got - want).abs().max().item() < 1e-4
+    assert (got_state - want_state).abs().max().item() < 1e-4
+
+
+def test_one_token_updates_the_state_in_place_as_the_rule() -> None:
+    q, k, v, g, beta, state = _inputs(2, 3, 1, 16, 8, seed=5)
+    want, want_state = recurrent_reference(q, k, v, g, beta, state)
+    kept = state.clone()
+    got = step(q, k, v, g, beta, kept)
+    assert torch.allclose(got, want, atol=1e-6) and torch.allclose(kept, want_state, atol=1e-6)
+
+
+def _ssm_inputs(B: int, H: int, T: int, P: int, N: int, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, H, T, P, generator=gen)
+    dt = torch.rand(B, H, T, generator=gen) * 0.5
+    A = -torch.rand(H, generator=gen) * 3
+    b, c = torch.randn(B, H, T, N, generator=gen), torch.randn(B, H, T, N, generator=gen)
+    return x, dt, A, b, c, torch.randn(B, H, P, N, generator=gen) * 0.3
+
+
+@pytest.mark.parametrize("T, size", [(150, 64), (37, 16), (5, 64), (64, 64)])
+def test_mamba2s_prompt_path_is_the_recurrence(T: int, size: int) -> None:
+    x, dt, A, b, c, state = _ssm_inputs(2, 3, T, 8, 16, seed=T)
+    want, want_state = mamba2.recurrent_reference(x, dt, A, b, c, state)
+    got, got_state = mamba2.chunked(x, dt, A, b, c, state, size)
+    assert (got - want).abs().max().item() < 1e-4 and (got_state - want_state).abs().max().item() < 1e-4
+    one = state.clone()
+    first = mamba2.step(x[:, :, :1], dt[:, :, :1], A, b[:, :, :1], c[:, :, :1], one)
+    assert torch.allclose(first, want[:, :, :1], atol=1e-5) or T == 0
+    _, after_one = mamba2.recurrent_reference(x[:, :, :1], dt[:, :, :1], A, b[:, :, :1], c[:, :, :1], state)
+    assert torch.allclose(one, after_one, atol=1e-6)
+
+
+def test_short_convolutions_carry_their_state_across_passes() -> None:
+    gen = torch.Generator().manual_seed(3)
+    H, K = 8, 3
+    w = shortconv.ShortConvWeights(torch.randn(3 * H, H, generator=gen), torch.randn(H, K, generator=gen),
+                                   torch.randn(H, H, generator=gen), torch.randn(3 * H, generator=gen),
+                                   torch.randn(H, generator=gen), torch.randn(H, generator=gen))
+    x = torch.randn(2, 11, H, generator=gen)
+    want = shortconv.reference(x, w)
+    conv = torch.zeros(2, H, K - 1)
+    parts = []
+    for lo, hi in ((0, 4), (4, 5), (5, 11)):  # a prompt in two pieces, one token between
+        p = torch.nn.functional.linear(x[:, lo:hi], w.proj, w.proj_bias)
+        parts.append(torch.nn.functional.linear(shortconv.scan(w, p, conv), w.out, w.out_bias))
+    assert torch.allclose(torch.cat(parts, dim=1), want, rtol=1e-5, atol=1e-4)  # (values of about 100)
+
+
+@pytest.mark.parametrize("case", HYBRIDS)
+def test_long_prompts_match_transformers_in_one_pass_and_in_two(hf_checkpoints: dict[str, Path], case: str) -> None:
+    import transformers
+    from transformers import DynamicCache
+
+    folder = hf_checkpoints[case]
+    ours = load_model(folder, dtype="fp32").model
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([LONG])
+    with torch.no_grad():
+        cache = DynamicCache(config=ref.config)
+        out = ref(ids, past_key_values=cache, use_cache=True)
+        assert (ours.forward(ids, 0) - out.logits).abs().max().item() <= 1e-4
+        halves = torch.cat([ours.forward(ids[:, :70], 0), ours.forward(ids[:, 70:], 70)], dim=1)
+        assert (halves - out.logits).abs().max().item() <= 1e-4  # (the state carried across passes)
+        token, pos = out.logits[:, -1:].argmax(-1), ids.shape[1]
+        for _ in range(6):
+            out = ref(token, past_key_values=cache, use_cache=True)
+            assert (ours.forward(token, pos) - out.logits).abs().max().item() <= 1e-4
+            token, pos = out.logits[:, -1:].argmax(-1), pos + 1
+
+
+@pytest.mark.parametrize("case", ONE_OF_EACH)
+def test_a_row_has_no_state_where_no_pass_ended(hf_checkpoints: dict[str, Path], case: str) -> None:
+    model = load_model(hf_checkpoints[case], dtype="fp32").model
+    assert isinstance(model.cache, LayerCaches) and model.recurrent
+    model.forward(torch.tensor([LONG[:20]]), 0)
+    model.forward(torch.tensor([LONG[20:21]]), 20)  # (where the last pass ended: fine)
+    with pytest.raises(NoStateError, match="position 10"):
+        model.forward(torch.tensor([LONG[10:12]]), 10)
+    model.forward(torch.tensor([LONG[:5]]), 0)  # (from the start: zeros, always fine)
+
+
+@pytest.mark.parametrize("case", ONE_OF_EACH)
+def test_the_mark_before_the_last_token_serves_a_retry_and_an_edited_last_message(
+        hf_checkpoints: dict[str, Path], case: str) -> None:
+    model = load_model(hf_checkpoints[case], dtype="fp32").model
+    reusing, whole = Engine(model, (), reuse=True), Engine(model, ())
+    stats = GenerationStats()
+    first = LONG[:40]
+    answer = list(reusing.generate(first, GREEDY, stats))
+    follow = first + answer + [9, 8, 7]  # the next turn: the state where the answer stopped
+    assert list(reusing.generate(follow, GREEDY, stats)) == list(whole.generate(follow, GREEDY))
+    assert stats.cached_tokens == len(first) + len(answer) - 1
+    again = list(reusing.generate(follow, GREEDY, stats))  # a retry: the mark before its last token
+    assert stats.cached_tokens == len(follow) - 1 and again == list(whole.generate(follow, GREEDY))
+    edited = follow[:-1] + [55]  # its last message edited: the same mark
+    got = list(reusing.generate(edited, GREEDY, stats))
+    assert stats.cached_tokens == len(follow) - 1 and got == list(whole.generate(edited, GREEDY))
+    earlier = follow[:30] + [1, 2, 3]  # further back than any mark: prefilled whole
+    got = list(reusing.generate(earlier, GREEDY, stats))
+    assert stats.cached_tokens == 0 and got == list(whole.generate(earlier, GREEDY))
+
+
+@pytest.mark.parametrize("case", ONE_OF_EACH)
+def test_beams_copy_the_state_with_the_row(hf_checkpoints: dict[str, Path], case: str) -> None:
+    loaded = load_model(hf_checkpoints[case], dtype="fp32", batch=3)
+    reusing, whole = Engine(loaded.model, (), reuse=True), Engine(loaded.model, ())
+    beams = SamplingParams(max_new_tokens=6, beams=3)
+    answer = list(reusing.generate(LONG[:30], beams))
+    assert answer == list(whole.generate(LONG[:30], beams))
+    stats = GenerationStats()
+    prompt = LONG[:30] + answer + [9, 9]
+    got = list(reusing.generate(prompt, beams, stats))
+    assert got == list(whole.generate(prompt, beams))
+    # one sequence alone decodes as beams' first row does (the state per row, copied when beams branch)
+    ref = load_model(hf_checkpoints[case], dtype="fp32")
+    assert list(Engine(ref.model, ()).generate(prompt, GREEDY)) == list(whole.generate(prompt, GREEDY))
+
+
+@pytest.mark.parametrize("case", ["qwen3_5_moe_text", "lfm2_moe-bias-scaled", "granitemoehybrid"])
+def test_batch_rows_each_keep_their_state(hf_checkpoints: dict[str, Path], case: str) -> None:
+    """Requests of different lengths in ragged passes (prompts in pieces, decodes beside prefills), reused rows and
+    followers of a shared prefix: each answer is the one the engine gives it alone."""
+    model = load_model(hf_checkpoints[case], dtype="fp32", batch=3).model
+    system = LONG[:40]
+    prompts = {"a": system + [1, 2], "b": LONG[60:75], "c": system + [3], "d": LONG[:9]}
+    alone = Engine(load_model(hf_checkpoints[case], dtype="fp32").model, ())
+    want = {k: list(alone.generate(p, GREEDY)) for k, p in prompts.items()}
+    for reuse in (False, True):
+        engine = BatchEngine(model, (), 3, step_tokens=16, reuse=reuse)
+        done = {e.result.key: e.result.tokens for e in engine.run([BatchRequest(k, p, GREEDY)
+                                                                   for k, p in prompts.items()])
+                if isinstance(e, DoneEvent)}
+        assert done == want, reuse
+    follow = prompts["a"] + want["a"] + [6]
+    again = [e.result for e in engine.run([BatchRequest("a2", follow, GREEDY)]) if isinstance(e, DoneEvent)][0]
+    assert again.tokens == list(alone.generate(follow, GREEDY))
+
+
+@pytest.mark.parametrize("case", ONE_OF_EACH)
+def test_the_store_keeps_a_conversation_with_its_state(hf_checkpoints: dict[str, Path], case: str) -> None:
+    """Two conversations on one row: the one overwritten is saved with its state and copied back for its next turn;
+    a prompt that leaves such an entry before its end does not take it (its state is that of the end)."""
+    model = load_model(hf_checkpoints[case], dtype="fp32", context=256).model
+    store = PrefixStore(64 << 20)
+    reusing, whole = Engine(model, (), reuse=True, store=store), Engine(model, ())
+    a, b = LONG[:40], LONG[50:90]
+    answer = list(reusing.generate(a, GREEDY))
+    list(reusing.generate(b, GREEDY))
+    assert len(store.entries) == 1
+    stats = GenerationStats()
+    follow = a + answer + [9, 8]
+    assert list(reusing.generate(follow, GREEDY, stats)) == list(whole.generate(follow, GREEDY))
+    assert stats.cached_tokens == len(a) + len(answer) - 1 and store.restored == stats.cached_tokens
+    list(reusing.generate(b, GREEDY))  # (follow's row saved)
+    part = follow[:30] + [4, 4]
+    assert list(reusing.generate(part, GREEDY, stats)) == list(whole.generate(part, GREEDY))
+    assert stats.cached_tokens == 0
+
+
+@pytest.mark.parametrize("case", ONE_OF_EACH)
+def test_the_emulated_accelerator_keeps_the_state_there(hf_checkpoints: dict[str, Path], case: str) -> None:
+    folder = hf_checkpoints[case]
+    cpu = Engine(load_model(folder, dtype="fp32").model, ())
+    model = load_model(folder, dtype="fp32", context=256, accelerator="emulated", vram_gb=0.004).model
+    assert model.accel is not None
+    reusing = Engine(model, (), reuse=True)
+    answer = list(reusing.generate(LONG[:70], GREEDY))
+    assert answer == list(cpu.generate(LONG[:70], GREEDY))
+    stats = GenerationStats()
+    follow = LONG[:70] + answer + [5]
+    assert list(reusing.generate(follow, GREEDY, stats)) == list(cpu.generate(follow, GREEDY))
+    assert stats.cached_tokens == 70 + len(answer) - 1
+
+
+def test_bf16_stays_as_close_to_fp32_as_transformers_bf16(hf_checkpoints: dict[str, Path]) -> None:
+    """Rounding to bf16 moves a random tiny model's logits a lot (its norms multiply by about 2): Tandem's bf16 stays
+    within what transformers' own bf16 run moves, and picks fp32's top token about as often."""
+    import transformers
+
+    folder = hf_checkpoints["qwen3_5_moe_text"]
+    ids = torch.tensor([LONG[:80]])
+    fp32 = load_model(folder, dtype="fp32").model.forward(ids, 0)
+    bf16 = load_model(folder, dtype="bf16").model.forward(ids, 0)
+    with torch.no_grad():
+        ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()(ids).logits
+    ref = ref.float()
+    assert (bf16 - fp32).abs().max().item() <= 1.5 * (ref - fp32).abs().max().item()
+    agree = (bf16.argmax(-1) == fp32.argmax(-1)).float().mean().item()
+    assert agree >= (ref.argmax(-1) == fp32.argmax(-1)).float().mean().item() - 0.1
+
+
+@pytest.mark.parametrize("case, attends", [("qwen3_next-dense-bias", [0, 2]), ("lfm2_moe-bias-scaled", [0]),
+                                           ("granitemoehybrid", [1])])
+def test_the_memory_estimate_is_what_the_caches_hold(hf_checkpoints: dict[str, Path], case: str,
+                                                     attends: list[int]) -> None:
+    model = load_model(hf_checkpoints[case], dtype="fp32", batch=2, context=96).model
+    cache = model.cache
+    assert isinstance(cache, LayerCaches)
+    held = sum(t.numel() * t.element_size() for part in cache.parts.values() for t in
+               (part.tensors.values() if isinstance(part, StateCache) else
+                [x for _, k, v in part.groups for x in (k, v)]))
+    assert cache_class(model.cfg).nbytes(model.cfg, 2, 96, torch.float32) == held
+    assert [i for i, k in enumerate(cache.k) if k is not None] == attends  # (attention's layers only)
+
+
+def test_the_published_whole_model_folder_opens_its_text_model(hf_checkpoints: dict[str, Path],
+                                                               tmp_path: Path) -> None:
+    """Qwen3.5 as published: `qwen3_5_moe` with its text model under `text_config`, tensors under
+    `model.language_model.`, each layer's experts stacked in two tensors; it answers as the text model's folder."""
+    from safetensors.torch import load_file, save_file
+
+    text = hf_checkpoints["qwen3_5_moe_text"]
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    raw = json.loads((text / "config.json").read_text())
+    config = {"model_type": "qwen3_5_moe", "text_config": raw, "tie_word_embeddings": False,
+              "vision_config": {"depth": 1}}
+    (whole / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (whole / name).write_bytes((text / name).read_bytes())
+    tensors = load_file(str(text / "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith("model."):
+            name = "model.language_model." + name.removeprefix("model.")
+        out[name] = t
+    for layer in range(raw["num_hidden_layers"]):
+        p = f"model.language_model.layers.{layer}.mlp.experts"
+        e = raw["num_experts"]
+        gate = [out.pop(f"{p}.{i}.gate_proj.weight") for i in range(e)]
+        up = [out.pop(f"{p}.{i}.up_proj.weight") for i in range(e)]
+        down = [out.pop(f"{p}.{i}.down_proj.weight") for i in range(e)]
+        out[f"{p}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up, strict=True)])
+        out[f"{p}.down_proj"] = torch.stack(down)
+    out["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4)  # (a tower, never read)
+    save_file(out, str(whole / "model.safetensors"))
+    ids = torch.tensor([LONG[:20]])
+    want = load_model(text, dtype="fp32").model.forward(ids, 0)
+    got = load_model(whole, dtype="fp32").model.forward(ids, 0)
+    assert torch.equal(got, want)
