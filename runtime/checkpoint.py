@@ -192,15 +192,16 @@ def _open_gguf(path: Path) -> Checkpoint:
     # llama.cpp stores every layer's experts as three stacked tensors, each expert's rows of them read on their
     # own (views of blocks), and a shared expert's gate, up and down apart: named so, whatever the family's own
     # checkpoints stack
-    spec = replace(spec, stacked_experts=None, stacked_by_input=False, stacked_mlp=None)
+    reader = gguf.reader_of(file.meta)  # (the architecture's layout and names, whichever family parses it)
+    spec = replace(spec, stacked_experts=None, stacked_by_input=False, stacked_mlp=None, **reader.spec)
     shared = f"{spec.moe_prefix}.{spec.shared_expert}" if spec.shared_in_block and spec.moe_prefix else \
         spec.shared_expert
     shapes = dense_tensors(config, spec) | expert_tensors(config, spec)
-    reader = gguf.reader_of(file.meta)  # (the architecture's layout and names, whichever family parses it)
     llama = (config.num_heads, config.num_kv_heads) if reader.rope_permuted else None
+    special = reader.sources(config) if reader.sources is not None else None
     file.name(gguf.sources(list(shapes), spec.moe_prefix, spec.router, spec.expert_proj, shared,
-                           spec.shared_expert_gate, llama, spec.correction_name, spec.dense_mlp, reader.tensors),
-              shapes)
+                           spec.shared_expert_gate, llama, spec.correction_name, spec.dense_mlp, reader.tensors,
+                           special), shapes)
     ckpt = Checkpoint(path, raw, config, spec, [file], dict.fromkeys(file.names(), file))  # type: ignore[list-item]
     _validate(ckpt)
     return ckpt

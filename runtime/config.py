@@ -127,6 +127,8 @@ class ModelConfig:
     linear_value_heads: int = 0  # ... its value heads (a multiple of the key heads) ...
     linear_key_dim: int = 0  # ... and their head dims
     linear_value_dim: int = 0
+    linear_tiled: bool = False  # value head j reads key head j % key heads (llama.cpp's Qwen3.5 files reorder the
+    # value heads so), not j // (value heads per key head)
     conv_kernel: int = 0  # the width of the mixers' causal depthwise convolution
     conv_bias: bool = False  # the mixers' convolutions have biases (LFM2's projections too)
     # Mamba-2 (runtime/mamba2.py: Granite 4.0-H): heads of ssm_head_dim values, a state of ssm_state per value, B and

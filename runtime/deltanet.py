@@ -154,7 +154,10 @@ def scan(model: MoEModel, w: DeltaNetWeights, p: torch.Tensor, conv: torch.Tenso
     r = hv // cfg.linear_key_heads
     heads = [t.float().reshape(B, T, -1, d).transpose(1, 2) for t, d in ((q, dk), (k, dk), (v, dv))]
     q, k, v = heads  # [B, Hk, T, Dk] x 2, [B, Hv, T, Dv]
-    q, k = (l2_normed(t).repeat_interleave(r, dim=1) for t in (q, k))  # [B, Hv, T, Dk]
+    if cfg.linear_tiled:  # [B, Hv, T, Dk]: value head j reads key head j % Hk, or j // r
+        q, k = (l2_normed(t).repeat(1, r, 1, 1) for t in (q, k))
+    else:
+        q, k = (l2_normed(t).repeat_interleave(r, dim=1) for t in (q, k))
     q = q * dk ** -0.5
     beta = b.sigmoid().float().transpose(1, 2)  # [B, Hv, T]
     g = (w.decay * F.softplus(a.float() + w.dt_bias)).transpose(1, 2)  # [B, Hv, T]

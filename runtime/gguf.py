@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +61,9 @@ class Source:
     kv_b: str | None = None  # DeepSeek's kv_b_proj split by llama.cpp: `name` is attn_k_b, this attn_v_b
     fused: str | None = None  # gpt-oss's fused experts made from the layer's three (see GGUFFile.tensor)
     rows: tuple[int, int] | None = None  # these rows of the expert's matrix: gate's or up's of ffn_gate_up_exps
+    pick: tuple[int, ...] | None = None  # these rows of the tensor, in this order (Qwen3-Next's b and a of ssm_ba)
+    value: str | None = None  # what the converter did to the values, undone: "less_one" (zero-centred norms stored
+    # plus one), "log_neg" (Mamba's and Gated DeltaNet's A stored as -exp(A_log))
 
 
 def is_gguf(path: Path) -> bool:
@@ -183,6 +186,8 @@ class GGUFFile:
             held = math.prod(dims[:-1] if src.expert is not None else dims)
             if src.rows is not None:  # (part of the expert's rows: dims[-2] counts them all)
                 held = held // dims[-2] * (src.rows[1] - src.rows[0])
+            if src.pick is not None:  # (some of the tensor's rows: dims[-1] counts them all)
+                held = held // dims[-1] * len(src.pick)
             if held != math.prod(shapes[hf]):
                 raise CheckpointError(f"{self.path.name}: tensor {src.name} has shape {list(dims)}, but the model's "
                                       f"metadata makes it {list(reversed(shapes[hf]))}; the file is damaged or "
@@ -202,7 +207,8 @@ class GGUFFile:
         if src.kv_b is not None or src.fused is not None:
             return False
         kind = self.tensors[src.name].tensor_type.name
-        return kind in FLOATS and FLOATS[kind] == self.infos[name].dtype and not src.heads
+        return kind in FLOATS and FLOATS[kind] == self.infos[name].dtype and not src.heads and src.pick is None \
+            and src.value is None
 
     def tensor(self, name: str) -> torch.Tensor:
         src, info = self.sources[name], self.infos[name]
@@ -216,7 +222,14 @@ class GGUFFile:
         rows = t.data if src.expert is None else t.data[src.expert]  # numpy views of the memory map
         if src.rows is not None:
             rows = rows[src.rows[0] : src.rows[1]]
-        w = _decoded(rows, t.tensor_type.name).reshape(info.shape).to(info.dtype)
+        if src.pick is not None:
+            rows = rows[list(src.pick)]
+        w = _decoded(rows, t.tensor_type.name).reshape(info.shape)
+        if src.value == "less_one":
+            w = w.float() - 1.0
+        elif src.value == "log_neg":
+            w = torch.log(-w.float())
+        w = w.to(info.dtype)
         if src.heads:
             w = unpermute(w, src.heads)
         return w
@@ -227,11 +240,14 @@ class GGUFFile:
         src = self.sources[name]
         t = self.tensors[src.name]
         kind = t.tensor_type.name
-        if kind not in FORMATS or len(self.infos[name].shape) != 2 or src.kv_b is not None or src.fused is not None:
+        if kind not in FORMATS or len(self.infos[name].shape) != 2 or src.kv_b is not None or src.fused is not None \
+                or src.value is not None:
             return None
         rows = t.data if src.expert is None else t.data[src.expert]  # numpy uint8 [rows, bytes a row] of the map
         if src.rows is not None:
             rows = rows[src.rows[0] : src.rows[1]]
+        if src.pick is not None:
+            rows = rows[list(src.pick)]
         raw = torch.from_numpy(rows).view(torch.uint8)
         raw = raw.reshape(self.infos[name].shape[0], -1)
         if src.heads:
@@ -451,21 +467,26 @@ _IN_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layer
 
 def sources(names: list[str], moe_prefix: str, router: str, expert_proj: tuple[str, str, str], shared: str | None,
             shared_gate: str | None, llama_heads: tuple[int, int] | None,
-            correction: str | None = None, dense_mlp: str = "mlp", own: dict[str, str] | None = None
-            ) -> dict[str, Source]:
+            correction: str | None = None, dense_mlp: str = "mlp", own: dict[str, str] | None = None,
+            special: dict[str, Source] | None = None) -> dict[str, Source]:
     """Each Hugging Face tensor name's GGUF source. `llama_heads`: (query, key/value) heads whose q/k rows are in
     llama.cpp's RoPE order; `shared`: the shared expert's SwiGLU within a layer (in the MoE block, or beside it:
     Granite's); `correction`: the router's correction bias inside the MoE block (FamilySpec.correction_name; None:
     under the router); `dense_mlp`: a dense layer's SwiGLU (FamilySpec.dense_mlp); `own`: the architecture's own
-    names inside a layer (GGUFArch.tensors), before every other. An empty `moe_prefix`: the MoE block's tensors lie
-    in the layer itself."""
+    names inside a layer (GGUFArch.tensors), before every other; `special`: sources the architecture gives whole
+    (GGUFArch.sources: a name inside a layer, or a whole name; the GGUF name inside `blk.N.` or whole). An empty
+    `moe_prefix`: the MoE block's tensors lie in the layer itself."""
     correction = correction or f"{router}.e_score_correction_bias"
     dense = {f"{dense_mlp}.{k}_proj.weight": f"ffn_{k}.weight" for k in ("gate", "up", "down")}
     block = f"{moe_prefix}." if moe_prefix else ""
     experts = re.compile(rf"^{re.escape(block)}experts\.(\d+)\.({'|'.join(expert_proj)})\.weight$")
     kinds = dict(zip(expert_proj, ("gate", "up", "down"), strict=True))
     out: dict[str, Source] = {}
+    special = special or {}
     for name in names:
+        if name in special:
+            out[name] = special[name]
+            continue
         if name in _DIRECT:
             out[name] = Source(_DIRECT[name])
             continue
@@ -473,7 +494,9 @@ def sources(names: list[str], moe_prefix: str, router: str, expert_proj: tuple[s
         if layer is None:
             continue
         blk, rest = f"blk.{layer[1]}", layer[2]
-        if own and rest in own:
+        if rest in special:
+            out[name] = replace(special[rest], name=f"{blk}.{special[rest].name}")
+        elif own and rest in own:
             out[name] = Source(f"{blk}.{own[rest]}")
         elif rest in _IN_LAYER:
             heads = 0

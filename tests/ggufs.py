@@ -17,7 +17,11 @@ ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "o
         "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss", "dots1": "dots1",
         "minimax_m2": "minimax-m2", "glm4_moe_lite": "deepseek2", "ernie4_5_moe": "ernie4_5-moe",
         "hunyuan_v1_moe": "hunyuan-moe", "llama4_text": "llama4", "granitemoe": "granitemoe",
-        "granitemoeshared": "granitemoe", "gemma4_text": "gemma4"}
+        "granitemoeshared": "granitemoe", "gemma4_text": "gemma4", "qwen3_next": "qwen3next",
+        "qwen3_5_moe_text": "qwen35moe", "lfm2_moe": "lfm2moe", "granitemoehybrid": "granitehybrid"}
+# the hybrids' zero-centred norms, stored plus one by the converter (Qwen3NextModel), by their GGUF names
+PLUS_ONE = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight",
+            "output_norm.weight")
 ATTN = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output", "q_norm": "attn_q_norm",
         "k_norm": "attn_k_norm", "query_layernorm": "attn_q_norm", "key_layernorm": "attn_k_norm",
         "q_a_proj": "attn_q_a", "q_b_proj": "attn_q_b", "q_a_layernorm": "attn_q_a_norm",
@@ -40,7 +44,9 @@ def gguf_tensors(folder: Path, split_kv_b: bool = True) -> dict[str, np.ndarray]
     stacks: dict[str, dict[int, np.ndarray]] = {}
     for name in ckpt.where:
         w = ckpt.tensor(name).float().numpy()
-        if name == "model.embed_tokens.weight":
+        if (own := hybrid_tensor(name, w, cfg, arch)) is not None:
+            out |= own
+        elif name == "model.embed_tokens.weight":
             out["token_embd.weight"] = w
         elif name == "model.norm.weight":
             out["output_norm.weight"] = w
@@ -90,7 +96,7 @@ def gguf_tensors(folder: Path, split_kv_b: bool = True) -> dict[str, np.ndarray]
                 out[f"{blk}.attn_k_b.weight"] = np.ascontiguousarray(kv_b[:, : cfg.qk_nope_head_dim].swapaxes(1, 2))
                 out[f"{blk}.attn_v_b.weight"] = np.ascontiguousarray(kv_b[:, cfg.qk_nope_head_dim :])
             elif (a := re.match(r"self_attn\.(\w+)\.(weight|bias)$", rest)) is not None:
-                if arch in ("llama", "granitemoe") and a[1] in ("q_proj", "k_proj"):  # (weights and biases)
+                if arch in ("llama", "granitemoe", "granitehybrid") and a[1] in ("q_proj", "k_proj"):
                     w = permute(w, cfg.num_heads if a[1] == "q_proj" else cfg.num_kv_heads)
                 out[f"{blk}.{ATTN[a[1]]}.{a[2]}"] = w
             elif rest in ("block_sparse_moe.gate.weight", "mlp.gate.weight", "mlp.gate.wg.weight"):
@@ -113,6 +119,9 @@ def gguf_tensors(folder: Path, split_kv_b: bool = True) -> dict[str, np.ndarray]
                 raise KeyError(f"no GGUF name for {name}")
         else:
             raise KeyError(f"no GGUF name for {name}")
+    for key in [k for k in out if "#" in k]:  # (an expert's matrix, by its index: stacked below)
+        name, index = key.split("#")
+        stacks.setdefault(name, {})[int(index)] = out.pop(key)
     for name, experts in stacks.items():
         out[name] = np.stack([experts[i] for i in range(len(experts))])
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -123,6 +132,96 @@ def gguf_tensors(folder: Path, split_kv_b: bool = True) -> dict[str, np.ndarray]
     if rope.get("rope_type") == "llama3":  # as the converter's LlamaModel writes Llama 3's scaling: each pair's factor
         out["rope_freqs.weight"] = llama3_factors(rope, cfg.head_dim)
     return out
+
+
+def tiled(w: np.ndarray, axis: int, cfg, head: int) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """Value heads from grouped by key head to tiled (the converter's _LinearAttentionVReorderBase: Qwen3.5)."""
+    hk, r = cfg.linear_key_heads, cfg.linear_value_heads // cfg.linear_key_heads
+    w = np.moveaxis(w, axis, 0)
+    w = w.reshape(hk, r, head, *w.shape[1:]).swapaxes(0, 1).reshape(w.shape)
+    return np.ascontiguousarray(np.moveaxis(w, 0, axis))
+
+
+def hybrid_tensor(name: str, w: np.ndarray, cfg, arch: str) -> dict[str, np.ndarray] | None:  # type: ignore[no-untyped-def]
+    """The hybrids' tensors as llama.cpp's converter writes them (Qwen3NextModel and Qwen3.5's reordering,
+    LFM2MoeModel, GraniteHybridModel's Mamba2Model); None for the names it writes as every family's."""
+    if arch not in ("qwen3next", "qwen35moe", "lfm2moe", "granitehybrid"):
+        return None
+    m = re.match(r"model\.layers\.(\d+)\.(.+)$", name)
+    blk, rest = (f"blk.{m[1]}", m[2]) if m else ("", name)
+    if arch == "lfm2moe":
+        own = {"conv.conv.weight": "shortconv.conv.weight", "conv.conv.bias": "shortconv.conv.bias",
+               "conv.in_proj.weight": "shortconv.in_proj.weight", "conv.in_proj.bias": "shortconv.in_proj.bias",
+               "conv.out_proj.weight": "shortconv.out_proj.weight", "conv.out_proj.bias": "shortconv.out_proj.bias",
+               "self_attn.q_layernorm.weight": "attn_q_norm.weight", "self_attn.k_layernorm.weight":
+               "attn_k_norm.weight", "feed_forward.expert_bias": "exp_probs_b.bias"}
+        if name == "model.norm.weight":
+            return {"token_embd_norm.weight": w}
+        if rest in own:
+            return {f"{blk}.{own[rest]}": w.reshape(w.shape[0], -1) if rest == "conv.conv.weight" else w}
+        if rest == "feed_forward.gate.weight":
+            return {f"{blk}.ffn_gate_inp.weight": w}
+        if (e := re.match(r"feed_forward\.experts\.(\d+)\.(w\d)\.weight$", rest)) is not None:
+            return {f"{blk}.ffn_{ {'w1': 'gate', 'w3': 'up', 'w2': 'down'}[e[2]]}_exps.weight#{e[1]}": w}
+        if (d := re.match(r"feed_forward\.(gate|up|down)_proj\.weight$", rest)) is not None:
+            return {f"{blk}.ffn_{d[1]}.weight": w}
+        return None
+    if arch == "granitehybrid":
+        if not rest.startswith("mamba."):
+            return None
+        part = rest.removeprefix("mamba.")
+        own = {"in_proj.weight": ("ssm_in.weight", w), "in_proj.bias": ("ssm_in.bias", w),
+               "conv1d.weight": ("ssm_conv1d.weight", w.reshape(w.shape[0], -1)),
+               "conv1d.bias": ("ssm_conv1d.bias", w), "dt_bias": ("ssm_dt.bias", w),
+               "A_log": ("ssm_a", -np.exp(w).reshape(-1, 1)), "D": ("ssm_d", w.reshape(-1, 1)),
+               "norm.weight": ("ssm_norm.weight", w.reshape(cfg.ssm_groups, -1)),
+               "out_proj.weight": ("ssm_out.weight", w), "out_proj.bias": ("ssm_out.bias", w)}
+        gguf_name, value = own[part]
+        return {f"{blk}.{gguf_name}": value}
+    # Qwen3-Next and Qwen3.5
+    dk, dv, hk, hv = cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_key_heads, cfg.linear_value_heads
+    key = hk * dk
+    if name == "model.norm.weight":
+        return {"output_norm.weight": w + 1}
+    norms = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight":
+             "post_attention_norm.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
+             "self_attn.k_norm.weight": "attn_k_norm.weight"}
+    if rest in norms:
+        return {f"{blk}.{norms[rest]}": w + 1}
+    if not rest.startswith("linear_attn."):
+        return None
+    part = rest.removeprefix("linear_attn.")
+    qwen35 = arch == "qwen35moe" and hk != hv
+    if part == "in_proj_qkvz.weight":  # per key head q, k, v, z -> q, k, v of every head, and z apart
+        r = hv // hk
+        grouped = w.reshape(hk, 2 * dk + 2 * r * dv, -1)
+        q, k, v, z = np.split(grouped, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+        qkv = np.concatenate([q.reshape(-1, w.shape[1]), k.reshape(-1, w.shape[1]), v.reshape(-1, w.shape[1])])
+        return {f"{blk}.attn_qkv.weight": qkv, f"{blk}.attn_gate.weight": z.reshape(-1, w.shape[1])}
+    if part == "in_proj_ba.weight":
+        return {f"{blk}.ssm_ba.weight": w}
+    if part == "in_proj_qkv.weight":
+        v = tiled(w[2 * key :], 0, cfg, dv) if qwen35 else w[2 * key :]
+        return {f"{blk}.attn_qkv.weight": np.concatenate([w[: 2 * key], v])}
+    if part in ("in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"):
+        head = dv if part.startswith("in_proj_z") else 1
+        target = {"in_proj_z.weight": "attn_gate.weight", "in_proj_b.weight": "ssm_beta.weight",
+                  "in_proj_a.weight": "ssm_alpha.weight"}[part]
+        return {f"{blk}.{target}": tiled(w, 0, cfg, head) if qwen35 else w}
+    if part in ("A_log", "dt_bias"):
+        value = -np.exp(w) if part == "A_log" else w
+        value = tiled(value, 0, cfg, 1) if qwen35 else value
+        return {f"{blk}.{'ssm_a' if part == 'A_log' else 'ssm_dt.bias'}": value}
+    if part == "conv1d.weight":
+        c = w.reshape(w.shape[0], -1)
+        if qwen35:
+            c = np.concatenate([c[: 2 * key], tiled(c[2 * key :], 0, cfg, dv)])
+        return {f"{blk}.ssm_conv1d.weight": c}
+    if part == "norm.weight":
+        return {f"{blk}.ssm_norm.weight": w}
+    if part == "out_proj.weight":
+        return {f"{blk}.ssm_out.weight": tiled(w, 1, cfg, dv) if qwen35 else w}
+    raise KeyError(f"no GGUF name for {name}")
 
 
 GEMMA4 = {"post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -191,6 +290,8 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
     writer.add_head_count(cfg.num_heads)
     if arch == "gemma4":  # per layer: the global layers' own (the converter writes the array)
         writer.add_head_count_kv([cfg.kv_heads(i) for i in range(cfg.num_layers)])
+    elif arch in ("lfm2moe", "granitehybrid"):  # per layer: 0 where it does not attend (its kind)
+        writer.add_head_count_kv([cfg.num_kv_heads if m == "attention" else 0 for m in cfg.mixers])
     elif arch != "deepseek2":
         writer.add_head_count_kv(cfg.num_kv_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -295,6 +396,31 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
         writer.add_leading_dense_block_count(int(raw.get("first_k_dense_replace", 0)))
         writer.add_expert_shared_count(int(raw.get("n_shared_experts", 0)))
         writer.add_expert_weights_scale(float(raw.get("routed_scaling_factor", 1.0)))
+    if arch in ("qwen3next", "qwen35moe"):  # as the converter's Qwen3NextModel writes them
+        writer.add_ssm_conv_kernel(cfg.conv_kernel)
+        writer.add_ssm_state_size(cfg.linear_key_dim)
+        writer.add_ssm_group_count(cfg.linear_key_heads)
+        writer.add_ssm_time_step_rank(cfg.linear_value_heads)
+        writer.add_ssm_inner_size(cfg.linear_value_dim * cfg.linear_value_heads)
+        writer.add_array(f"{arch}.attention.recurrent_layers", [m == "deltanet" for m in cfg.mixers])
+        writer.add_full_attention_interval(4)
+        writer.add_rope_dimension_count(cfg.rotary_dim)
+    if arch == "lfm2moe":  # as the converter's LFM2MoeModel writes it
+        writer.add_leading_dense_block_count(cfg.sparse_layers.index(True))
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_shortconv_l_cache(cfg.conv_kernel)
+        writer.add_vocab_size(cfg.vocab_size)
+    if arch == "granitehybrid":  # as the converter's GraniteHybridModel writes it
+        writer.add_attention_scale(cfg.attention_scale)
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
+        writer.add_ssm_conv_kernel(cfg.conv_kernel)
+        writer.add_ssm_state_size(cfg.ssm_state)
+        writer.add_ssm_group_count(cfg.ssm_groups)
+        writer.add_ssm_inner_size(cfg.ssm_heads * cfg.ssm_head_dim)
+        writer.add_ssm_time_step_rank(cfg.ssm_heads)
+        writer.add_rope_scaling_finetuned(False)
     _tokenizer(writer, folder, raw, cfg.vocab_size)
     held: dict[str, np.ndarray] = {}
     for name, w in (gguf_tensors(folder, split_kv_b) | (given or {})).items():

@@ -58,6 +58,32 @@ def test_a_gguf_file_runs_as_the_checkpoint_it_came_from(hf_checkpoints: dict[st
     assert ours["prompt_tokens"] == theirs["prompt_tokens"] and ours["tokens"] == theirs["tokens"]
 
 
+@pytest.mark.parametrize("case", ["qwen3_next", "qwen3_next-dense-bias", "qwen3_5_moe_text", "lfm2_moe",
+                                  "granitemoehybrid"])
+def test_hybrid_files_run_as_the_checkpoint_they_came_from(hf_checkpoints: dict[str, Path], tmp_path: Path,
+                                                           case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The hybrids as llama.cpp's converter writes them (tests/ggufs.py hybrid_tensor): Gated DeltaNet's tensors
+    split and renamed, Qwen3.5's value heads reordered, norms stored plus one, A as -exp(A_log), LFM2's and Granite
+    4.0-H's own names and kinds of layer per key/value heads. A read back through log(-A) may differ in its last bit:
+    the logits within 1e-5, the tokens the same."""
+    folder = hf_checkpoints[case]
+    file = tmp_path / f"{case}.gguf"
+    write_gguf(folder, file)
+    assert (logits(file) - logits(folder)).abs().max().item() <= 1e-5
+    ours, theirs = generate(file, capsys), generate(folder, capsys)
+    assert ours["prompt_tokens"] == theirs["prompt_tokens"] and ours["tokens"] == theirs["tokens"]
+
+
+def test_qwen3_next_blocks_pick_b_and_a_rows_as_floats_do(hf_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """Q8_0: ssm_ba's b and a rows picked apart as rows of blocks, as the kernels read them, give what the same
+    file's dequantized values give."""
+    folder = hf_checkpoints["qwen3_next"]
+    held = write_gguf(folder, tmp_path / "q8.gguf", mix=dict.fromkeys(("ssm_ba", "attn_qkv", "attn_gate"), "Q8_0"))
+    floats = tmp_path / "floats.gguf"
+    write_gguf(folder, floats, given=held)  # (the blocks' values, as F32)
+    assert (logits(tmp_path / "q8.gguf") - logits(floats)).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("split_kv_b", [True, False])
 def test_deepseek_files_with_yarn_and_either_kv_b_run_as_their_checkpoint(tmp_path: Path, split_kv_b: bool) -> None:
     """DeepSeek-V2 with q_lora, groups and YaRN, as llama.cpp writes it: kv_b_proj split into attn_k_b and attn_v_b

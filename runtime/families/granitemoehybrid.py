@@ -12,8 +12,10 @@ from typing import Any
 
 from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 from tandem.runtime.config import ModelConfig
-from tandem.runtime.families import BenchShape, FamilySpec
+from tandem.runtime.families import BenchShape, FamilySpec, GGUFArch
 from tandem.runtime.families.granitemoe import MUP, granite_fields
+from tandem.runtime.gguf import Source
+from tandem.runtime.gguf_meta import Meta, common_config, per_layer, read_flag, read_float, read_int
 
 MIXER = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "attention", "full_attention": "attention"}
 
@@ -73,6 +75,48 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
                        nope_layers=() if rope else (True,) * layers)
 
 
+def gguf_config(meta: Meta, vocab: int, types: dict[str, str]) -> dict[str, Any]:
+    """llama.cpp's `granitehybrid` files (its GraniteHybridModel): Granite MoE's keys and scales, key/value heads
+    per layer (0 in the Mamba-2 layers: their kind), the ssm.* keys (inner_size the heads' values, time_step_rank
+    the heads, group_count, state_size, conv_kernel); RoPE where the converter says so (rope.scaling.finetuned)."""
+    a = "granitehybrid"
+    layers = read_int(meta, f"{a}.block_count", bound="num_hidden_layers")
+    kv = per_layer(meta, f"{a}.attention.head_count_kv", layers, int)  # (0: a Mamba-2 layer)
+    raw = common_config(meta | {f"{a}.attention.head_count_kv": max(kv) or 1}, a, vocab)
+    dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    heads = read_int(meta, f"{a}.ssm.time_step_rank", bound="mamba_n_heads")
+    inner = read_int(meta, f"{a}.ssm.inner_size")
+    return raw | {
+        "model_type": "granitemoehybrid",
+        "layer_types": ["attention" if k else "mamba" for k in kv],
+        "num_local_experts": read_int(meta, f"{a}.expert_count", bound="num_local_experts"),
+        "intermediate_size": read_int(meta, f"{a}.feed_forward_length"),  # (the experts' width)
+        "shared_intermediate_size": read_int(meta, f"{a}.expert_shared_feed_forward_length", 0),
+        "embedding_multiplier": read_float(meta, f"{a}.embedding_scale", 1.0),
+        "residual_multiplier": read_float(meta, f"{a}.residual_scale", 1.0),
+        "attention_multiplier": read_float(meta, f"{a}.attention.scale", dim ** -0.5),
+        "logits_scaling": read_float(meta, f"{a}.logit_scale", 1.0),
+        "mamba_n_heads": heads, "mamba_d_head": inner // heads, "mamba_expand": inner // raw["hidden_size"],
+        "mamba_n_groups": read_int(meta, f"{a}.ssm.group_count", bound="mamba_n_groups"),
+        "mamba_d_state": read_int(meta, f"{a}.ssm.state_size", bound="mamba_d_state"),
+        "mamba_d_conv": read_int(meta, f"{a}.ssm.conv_kernel", bound="mamba_d_conv"),
+        "mamba_conv_bias": any(n.endswith("ssm_conv1d.bias") for n in types),
+        "mamba_proj_bias": any(n.endswith("ssm_in.bias") for n in types),
+        # (the converter's flag for RoPE: set only where no layer is Mamba-2, so never in a hybrid's file)
+        "position_embedding_type": "rope" if read_flag(meta, f"{a}.rope.scaling.finetuned", False) else "nope",
+        "tie_word_embeddings": "output.weight" not in types,
+    }
+
+
+def gguf_sources(cfg: ModelConfig) -> dict[str, Source]:
+    """The Mamba-2 tensors as llama.cpp names them (A stored as -exp(A_log))."""
+    return {"mamba.in_proj.weight": Source("ssm_in.weight"), "mamba.in_proj.bias": Source("ssm_in.bias"),
+            "mamba.conv1d.weight": Source("ssm_conv1d.weight"), "mamba.conv1d.bias": Source("ssm_conv1d.bias"),
+            "mamba.dt_bias": Source("ssm_dt.bias"), "mamba.A_log": Source("ssm_a", value="log_neg"),
+            "mamba.D": Source("ssm_d"), "mamba.norm.weight": Source("ssm_norm.weight"),
+            "mamba.out_proj.weight": Source("ssm_out.weight"), "mamba.out_proj.bias": Source("ssm_out.bias")}
+
+
 SPEC = FamilySpec(
     "granitemoehybrid", "Granite 4.0-H", parse,
     tiny={"intermediate_size": 48, "num_local_experts": 8, "num_experts_per_tok": 2, "shared_intermediate_size": 64,
@@ -93,4 +137,5 @@ SPEC = FamilySpec(
     stacked_experts=("input_linear.weight", "output_linear.weight"),
     shared_expert="shared_mlp", shared_expert_gate=None, shared_in_block=False,
     stacked_mlp=("input_linear", "output_linear"),
+    gguf=GGUFArch("granitehybrid", gguf_config, rope_permuted=True, sources=gguf_sources),
 )

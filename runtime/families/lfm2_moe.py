@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.kernels.errors import CheckpointError
+from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 from tandem.runtime.config import ModelConfig, decoder_fields, dense_first_pattern, require
-from tandem.runtime.families import BenchShape, FamilySpec
+from tandem.runtime.families import BenchShape, FamilySpec, GGUFArch
+from tandem.runtime.gguf import Source
+from tandem.runtime.gguf_meta import Meta, common_config, per_layer, read_float, read_int
 
 MIXER = {"conv": "shortconv", "full_attention": "attention"}
 
@@ -52,11 +54,48 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
+def gguf_config(meta: Meta, vocab: int, types: dict[str, str]) -> dict[str, Any]:
+    """llama.cpp's `lfm2moe` files: key/value heads per layer (0 in the convolution layers: their kind), the
+    dense layers first, the short convolutions' width, sigmoid routing (expert_gating_func 2) with an expert bias
+    where the file holds one."""
+    a = "lfm2moe"
+    kv = per_layer(meta, f"{a}.attention.head_count_kv", read_int(meta, f"{a}.block_count",
+                                                                  bound="num_hidden_layers"), int,
+                   "")
+    raw = common_config(meta | {f"{a}.attention.head_count_kv": max(kv) or 1}, a, vocab)
+    if read_int(meta, f"{a}.expert_gating_func", 2) != 2:
+        raise UnsupportedModelError("this lfm2moe file routes its experts otherwise than by sigmoid scores; Tandem "
+                                    "runs LFM2-MoE as published")
+    return raw | {
+        "model_type": "lfm2_moe", "norm_eps": raw["rms_norm_eps"],
+        "layer_types": ["full_attention" if k else "conv" for k in kv],
+        "num_experts": read_int(meta, f"{a}.expert_count", bound="num_experts"),
+        "moe_intermediate_size": read_int(meta, f"{a}.expert_feed_forward_length", bound="moe_intermediate_size"),
+        "intermediate_size": read_int(meta, f"{a}.feed_forward_length", 0) or 1,
+        "num_dense_layers": read_int(meta, f"{a}.leading_dense_block_count", 0, "num_dense_layers"),
+        "conv_L_cache": read_int(meta, f"{a}.shortconv.l_cache", bound="conv_L_cache"),
+        "conv_bias": any(n.endswith("shortconv.conv.bias") for n in types),
+        "use_expert_bias": any(n.endswith("exp_probs_b.bias") for n in types),
+        "routed_scaling_factor": read_float(meta, f"{a}.expert_weights_scale", 1.0),
+        "norm_topk_prob": True,
+        "tie_word_embeddings": "output.weight" not in types,
+    }
+
+
+def gguf_sources(cfg: ModelConfig) -> dict[str, Source]:
+    """LFM2's own GGUF names: its final norm as `token_embd_norm`, its convolutions under `shortconv.`."""
+    conv = {f"conv.{part}.{kind}": Source(f"shortconv.{part}.{kind}") for part in ("conv", "in_proj", "out_proj")
+            for kind in ("weight", "bias")}
+    return conv | {"model.norm.weight": Source("token_embd_norm.weight"),
+                   "self_attn.q_layernorm.weight": Source("attn_q_norm.weight"),
+                   "self_attn.k_layernorm.weight": Source("attn_k_norm.weight")}
+
+
 SPEC = FamilySpec(
     "lfm2_moe", "LFM2-MoE", parse,
     tiny={"intermediate_size": 96, "moe_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
-          "num_dense_layers": 1, "conv_L_cache": 3, "norm_eps": 1e-5, "layer_types": ["conv", "full_attention"],
-          "use_expert_bias": True, "routed_scaling_factor": 1.0},
+          "num_dense_layers": 1, "conv_L_cache": 3, "norm_eps": 1e-6, "layer_types": ["conv", "full_attention"],
+          "use_expert_bias": True, "routed_scaling_factor": 1.0, "tie_word_embeddings": True},
     shapes=(BenchShape("lfm2-8b-a1b", "LiquidAI/LFM2-8B-A1B", {
         "vocab_size": 65536, "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32,
         "num_key_value_heads": 8, "intermediate_size": 7168, "moe_intermediate_size": 1792, "num_experts": 32,
@@ -77,4 +116,5 @@ SPEC = FamilySpec(
              ("model.norm.", "model.embedding_norm."), ("self_attn.o_proj.", "self_attn.out_proj."),
              ("feed_forward.gate_proj.", "feed_forward.w1."), ("feed_forward.up_proj.", "feed_forward.w3."),
              ("feed_forward.down_proj.", "feed_forward.w2.")),
+    gguf=GGUFArch("lfm2moe", gguf_config, sources=gguf_sources),
 )

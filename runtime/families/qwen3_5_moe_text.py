@@ -9,11 +9,13 @@ RoPE for text, whose three position ids are one."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from tandem.runtime.config import ModelConfig, require
-from tandem.runtime.families import BenchShape, FamilySpec
-from tandem.runtime.families.qwen3_next import TINY_LINEAR, hybrid_fields
+from tandem.runtime.families import BenchShape, FamilySpec, GGUFArch
+from tandem.runtime.families.qwen3_next import TINY_LINEAR, gguf_sources, hybrid_fields, hybrid_gguf_config
+from tandem.runtime.gguf_meta import Meta
 
 
 def parse(raw: dict[str, Any]) -> ModelConfig:
@@ -26,6 +28,14 @@ def parse(raw: dict[str, Any]) -> ModelConfig:
         norm_topk_prob=True,
         shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0) or 0,
     )
+
+
+def gguf_config(meta: Meta, vocab: int, types: dict[str, str]) -> dict[str, Any]:
+    """llama.cpp's `qwen35moe` files: as Qwen3-Next's, their value heads reordered so that value head j reads key
+    head j % key heads (the converter's _LinearAttentionVReorderBase), where there are more value heads."""
+    raw = hybrid_gguf_config(meta, "qwen35moe", vocab)
+    tiled = raw["linear_num_value_heads"] != raw["linear_num_key_heads"]
+    return raw | {"model_type": "qwen3_5_moe_text", "linear_value_heads_tiled": tiled}
 
 
 SPEC = FamilySpec(
@@ -42,4 +52,5 @@ SPEC = FamilySpec(
         "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "eos_token_id": 248044},
         aliases=("qwen3.5-moe", "qwen3.6-35b-a3b")),),
     inside=("qwen3_5_moe", "text_config", "model.language_model."),
+    gguf=GGUFArch("qwen35moe", gguf_config, sources=partial(gguf_sources, split=True)),
 )

@@ -16,8 +16,10 @@ from typing import Any
 
 from tandem.kernels.errors import CheckpointError
 from tandem.runtime.config import ModelConfig, decoder_fields, require, sparse_layer_pattern
-from tandem.runtime.families import BenchShape, FamilySpec
+from tandem.runtime.families import BenchShape, FamilySpec, GGUFArch
 from tandem.runtime.families.glm4_moe import rotary_dim
+from tandem.runtime.gguf import Source
+from tandem.runtime.gguf_meta import Meta, common_config, per_layer, read_int
 
 MIXER = {"linear_attention": "deltanet", "full_attention": "attention"}
 
@@ -64,7 +66,65 @@ def hybrid_fields(raw: dict[str, Any]) -> dict[str, Any]:
         "linear_key_dim": raw["linear_key_head_dim"],
         "linear_value_dim": raw["linear_value_head_dim"],
         "conv_kernel": raw["linear_conv_kernel_dim"],
+        "linear_tiled": bool(raw.get("linear_value_heads_tiled", False)),  # (llama.cpp's Qwen3.5 files)
     }
+
+
+def hybrid_gguf_config(meta: Meta, arch: str, vocab: int) -> dict[str, Any]:
+    """What llama.cpp's Qwen3-Next and Qwen3.5 files say alike, as config.json would (the converter's ssm.* keys:
+    conv_kernel, state_size the key head dim, group_count the key heads, time_step_rank the value heads, inner_size
+    all value dims; recurrent_layers each layer's kind)."""
+    a = arch
+    out = common_config(meta, a, vocab)
+    layers, values = out["num_hidden_layers"], read_int(meta, f"{a}.ssm.time_step_rank", bound="linear_num_value_heads")
+    recurrent = per_layer(meta, f"{a}.attention.recurrent_layers", layers, bool)
+    head = out.get("head_dim") or out["hidden_size"] // out["num_attention_heads"]
+    return out | {
+        "num_experts": read_int(meta, f"{a}.expert_count", bound="num_experts"),
+        "moe_intermediate_size": read_int(meta, f"{a}.expert_feed_forward_length", bound="moe_intermediate_size"),
+        "shared_expert_intermediate_size": read_int(meta, f"{a}.expert_shared_feed_forward_length", 0),
+        "linear_conv_kernel_dim": read_int(meta, f"{a}.ssm.conv_kernel", bound="linear_conv_kernel_dim"),
+        "linear_key_head_dim": read_int(meta, f"{a}.ssm.state_size", bound="linear_key_head_dim"),
+        "linear_num_key_heads": read_int(meta, f"{a}.ssm.group_count", bound="linear_num_key_heads"),
+        "linear_num_value_heads": values,
+        "linear_value_head_dim": read_int(meta, f"{a}.ssm.inner_size") // values,
+        "partial_rotary_factor": read_int(meta, f"{a}.rope.dimension_count", head) / head,
+        "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent],
+        "norm_topk_prob": True,
+    }
+
+
+def gguf_config(meta: Meta, vocab: int, types: dict[str, str]) -> dict[str, Any]:
+    return hybrid_gguf_config(meta, "qwen3next", vocab) | {
+        "model_type": "qwen3_next", "intermediate_size": read_int(meta, "qwen3next.feed_forward_length", 0) or 1,
+        "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def gguf_sources(cfg: ModelConfig, split: bool = False) -> dict[str, Source]:
+    """The tensors llama.cpp's converter changed (convert_hf_to_gguf.py Qwen3NextModel): the norms stored plus
+    one, A as -exp(A_log), q, k and v in one tensor and z (the gate) in another; Qwen3-Next's b and a in one
+    (`ssm_ba`, rows grouped by key head: picked apart here), Qwen3.5's apart (`split`)."""
+    out = {
+        "model.norm.weight": Source("output_norm.weight", value="less_one"),
+        "input_layernorm.weight": Source("attn_norm.weight", value="less_one"),
+        "post_attention_layernorm.weight": Source("post_attention_norm.weight", value="less_one"),
+        "self_attn.q_norm.weight": Source("attn_q_norm.weight", value="less_one"),
+        "self_attn.k_norm.weight": Source("attn_k_norm.weight", value="less_one"),
+        "linear_attn.in_proj_qkv.weight": Source("attn_qkv.weight"),
+        "linear_attn.in_proj_z.weight": Source("attn_gate.weight"),
+        "linear_attn.conv1d.weight": Source("ssm_conv1d.weight"),
+        "linear_attn.dt_bias": Source("ssm_dt.bias"),
+        "linear_attn.A_log": Source("ssm_a", value="log_neg"),
+        "linear_attn.norm.weight": Source("ssm_norm.weight"),
+        "linear_attn.out_proj.weight": Source("ssm_out.weight"),
+    }
+    if split:
+        return out | {"linear_attn.in_proj_b.weight": Source("ssm_beta.weight"),
+                      "linear_attn.in_proj_a.weight": Source("ssm_alpha.weight")}
+    r = cfg.linear_value_heads // cfg.linear_key_heads  # ssm_ba: per key head its r b rows, then its r a rows
+    b = tuple(k * 2 * r + j for k in range(cfg.linear_key_heads) for j in range(r))
+    return out | {"linear_attn.in_proj_b.weight": Source("ssm_ba.weight", pick=b),
+                  "linear_attn.in_proj_a.weight": Source("ssm_ba.weight", pick=tuple(i + r for i in b))}
 
 
 def parse(raw: dict[str, Any]) -> ModelConfig:
@@ -102,4 +162,5 @@ SPEC = FamilySpec(
         "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
         "eos_token_id": 151645}, aliases=("qwen3-next",)),),
     deltanet_grouped=True,
+    gguf=GGUFArch("qwen3next", gguf_config, sources=gguf_sources, spec={"deltanet_grouped": False}),
 )
