@@ -111,6 +111,35 @@ class AttendArgs(ctypes.Structure):
     ]
 
 
+_F = ctypes.c_void_p  # (a float32 buffer)
+
+
+class DeltaNetArgs(ctypes.Structure):  # csrc/recur.c tk_deltanet_step
+    _fields_ = [
+        ("batch", ctypes.c_int), ("key_heads", ctypes.c_int), ("value_heads", ctypes.c_int), ("key_dim", ctypes.c_int),
+        ("value_dim", ctypes.c_int), ("conv_k", ctypes.c_int), ("tiled", ctypes.c_int), ("threads", ctypes.c_int),
+        ("isa", ctypes.c_int), ("eps", ctypes.c_float), ("ld_p", ctypes.c_longlong), ("p", _F), ("conv_w", _F),
+        ("A", _F), ("dt_bias", _F), ("norm_w", _F), ("conv", _F), ("ssm", _F), ("work", _F), ("out", _F),
+    ]
+
+
+class SSMArgs(ctypes.Structure):  # csrc/recur.c tk_ssm_step
+    _fields_ = [
+        ("batch", ctypes.c_int), ("heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("state", ctypes.c_int),
+        ("groups", ctypes.c_int), ("conv_k", ctypes.c_int), ("threads", ctypes.c_int), ("isa", ctypes.c_int),
+        ("eps", ctypes.c_float), ("dt_min", ctypes.c_float), ("dt_max", ctypes.c_float), ("ld_p", ctypes.c_longlong),
+        ("p", _F), ("conv_w", _F), ("conv_b", _F), ("A", _F), ("dt_bias", _F), ("D", _F), ("norm_w", _F),
+        ("conv", _F), ("ssm", _F), ("work", _F), ("out", _F),
+    ]
+
+
+class ShortConvArgs(ctypes.Structure):  # csrc/recur.c tk_shortconv_step
+    _fields_ = [
+        ("batch", ctypes.c_int), ("hidden", ctypes.c_int), ("conv_k", ctypes.c_int), ("threads", ctypes.c_int),
+        ("ld_p", ctypes.c_longlong), ("p", _F), ("conv_w", _F), ("conv_b", _F), ("conv", _F), ("out", _F),
+    ]
+
+
 class LayerArgs(ctypes.Structure):
     _fields_ = [
         ("hidden", ctypes.c_int), ("n_qkv", ctypes.c_int), ("qk_norm", ctypes.c_int), ("scoring", ctypes.c_int),
@@ -164,6 +193,9 @@ def library() -> ctypes.CDLL | None:
     lib.tk_decode_layers.argtypes = [ctypes.POINTER(LayerArgs), ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                      ctypes.c_void_p, ctypes.c_void_p]
     lib.tk_decode_layers.restype = ctypes.c_int
+    for name, args in (("deltanet", DeltaNetArgs), ("ssm", SSMArgs), ("shortconv", ShortConvArgs)):
+        getattr(lib, f"tk_{name}_step").argtypes = [ctypes.POINTER(args)]
+        getattr(lib, f"tk_{name}_step").restype = ctypes.c_int
     lib.tk_read_sum.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
     lib.tk_read_sum.restype = ctypes.c_double
     lib.tk_struct_size.argtypes = [ctypes.c_int]
@@ -178,7 +210,8 @@ def library() -> ctypes.CDLL | None:
 def struct_sizes(lib: ctypes.CDLL) -> list[tuple[type[ctypes.Structure], int]]:
     """Each argument structure with the size the compiled library gives its C counterpart."""
     return [(s, lib.tk_struct_size(i))
-            for i, s in enumerate((Args, Weights, MoeArgs, LinearArgs, AttendArgs, LayerArgs))]
+            for i, s in enumerate((Args, Weights, MoeArgs, LinearArgs, AttendArgs, LayerArgs, DeltaNetArgs, SSMArgs,
+                                   ShortConvArgs))]
 
 
 def available_isas() -> list[str]:

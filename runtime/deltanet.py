@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.quant import QuantizedMatrix
+from tandem.kernels.recur import deltanet_step
 from tandem.runtime.attention import Matrix, rows_in
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.layer_kind import Loaders, Shape
@@ -38,10 +39,10 @@ CHUNK = 64  # tokens per block of the prompt path: its triangular solve is CHUNK
 @dataclass
 class DeltaNetWeights:
     proj: Matrix  # [2 Hk Dk + 2 Hv Dv + 2 Hv, H]: q, k, v, z, b, a rows, each over all heads, one product
-    conv: torch.Tensor  # [C, K] the depthwise convolution over q, k and v
+    conv: torch.Tensor  # [C, K] float32: the depthwise convolution over q, k and v
     decay: torch.Tensor  # [Hv] float32: -exp(A_log)
     dt_bias: torch.Tensor  # [Hv] float32
-    norm: torch.Tensor  # [Dv] the output's RMSNorm weight (per head)
+    norm: torch.Tensor  # [Dv] float32: the output's RMSNorm weight (per head)
     out: torch.Tensor | QuantizedMatrix  # [H, Hv Dv]
 
 
@@ -52,15 +53,15 @@ def dims(cfg: ModelConfig) -> tuple[int, int, int, int]:
 
 
 class DeltaState(StateCache):
-    """Each Gated DeltaNet layer's state per row: the convolution's last K-1 inputs (`conv` [C, K-1], compute dtype,
-    as transformers keeps them) and the recurrent matrix (`ssm` [Hv, Dk, Dv], float32)."""
+    """Each Gated DeltaNet layer's state per row: the convolution's last K-1 inputs (`conv` [C, K-1]) and the
+    recurrent matrix (`ssm` [Hv, Dk, Dv]), both float32 (the kernels' step reads them so)."""
 
     kind = "deltanet"
 
     @staticmethod
     def shapes(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, tuple[Shape, torch.dtype]]:
         channels = dims(cfg)[3]
-        return {"conv": ((channels, cfg.conv_kernel - 1), dtype),
+        return {"conv": ((channels, cfg.conv_kernel - 1), torch.float32),
                 "ssm": ((cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim), torch.float32)}
 
 
@@ -146,10 +147,14 @@ def scan(model: MoEModel, w: DeltaNetWeights, p: torch.Tensor, conv: torch.Tenso
     key, value, hv, channels = dims(cfg)
     B, T, _ = p.shape
     dk, dv = cfg.linear_key_dim, cfg.linear_value_dim
+    if T == 1 and model.recur_kernel:  # one kernel call from here to the gated norm
+        out = deltanet_step(p[:, 0].float().contiguous(), conv, w.conv, w.decay, w.dt_bias, w.norm, ssm,
+                            cfg.linear_key_heads, dk, cfg.rms_norm_eps, cfg.linear_tiled, model.threads)
+        return out.to(p.dtype).view(B, 1, value)
     qkv, z, b, a = p.split((channels, value, hv, hv), dim=-1)
-    seq = torch.cat([conv.to(qkv.dtype), qkv.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
+    seq = torch.cat([conv, qkv.float().transpose(1, 2)], dim=-1)  # [B, C, K-1+T] float32
     conv.copy_(seq[..., seq.shape[-1] - conv.shape[-1] :])
-    mixed = F.silu(F.conv1d(seq, w.conv[:, None, :].to(seq.dtype), groups=channels)).transpose(1, 2)  # [B, T, C]
+    mixed = F.silu(F.conv1d(seq, w.conv[:, None, :], groups=channels)).transpose(1, 2)  # [B, T, C]
     q, k, v = mixed.split((key, key, value), dim=-1)
     r = hv // cfg.linear_key_heads
     heads = [t.float().reshape(B, T, -1, d).transpose(1, 2) for t, d in ((q, dk), (k, dk), (v, dv))]
@@ -207,9 +212,9 @@ class GatedDeltaNet:
         else:
             proj = load.projections([f"{prefix}.in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")],
                                     [channels, value, hv, hv])
-        conv = load.w(f"{prefix}.conv1d.weight")
+        conv = load.f32(f"{prefix}.conv1d.weight")
         return DeltaNetWeights(proj, conv.reshape(channels, cfg.conv_kernel), -load.f32(f"{prefix}.A_log").exp(),
-                               load.f32(f"{prefix}.dt_bias"), load.w(f"{prefix}.norm.weight"),
+                               load.f32(f"{prefix}.dt_bias"), load.f32(f"{prefix}.norm.weight"),
                                load.wq(f"{prefix}.out_proj.weight"))
 
     def step_refusal(self, cfg: ModelConfig) -> str | None:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.quant import QuantizedMatrix
+from tandem.kernels.recur import ssm_step
 from tandem.runtime.attention import Matrix
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.layer_kind import Loaders, Shape
@@ -37,13 +38,13 @@ CHUNK = 64  # tokens per block of the prompt path
 @dataclass
 class Mamba2Weights:
     proj: Matrix  # [I + C + Hm, H]: z, then x, B and C (the convolution's C channels), then dt
-    conv: torch.Tensor  # [C, K]
+    conv: torch.Tensor  # [C, K] float32
     A: torch.Tensor  # [Hm] float32: -exp(A_log)
     dt_bias: torch.Tensor  # [Hm] float32
     D: torch.Tensor  # [Hm] float32
-    norm: torch.Tensor  # [I] the gated group RMSNorm's weight
+    norm: torch.Tensor  # [I] float32: the gated group RMSNorm's weight
     out: torch.Tensor | QuantizedMatrix  # [H, I]
-    conv_bias: torch.Tensor | None = None  # [C]
+    conv_bias: torch.Tensor | None = None  # [C] float32
     proj_bias: torch.Tensor | None = None  # [I + C + Hm] (cfg.ssm_bias, as out_proj's)
     out_bias: torch.Tensor | None = None
 
@@ -55,14 +56,14 @@ def dims(cfg: ModelConfig) -> tuple[int, int, int]:
 
 
 class Mamba2State(StateCache):
-    """Each Mamba-2 layer's state per row: the convolution's last K-1 inputs (`conv` [C, K-1], compute dtype) and
-    the state-space matrix (`ssm` [Hm, P, Ns], float32)."""
+    """Each Mamba-2 layer's state per row: the convolution's last K-1 inputs (`conv` [C, K-1]) and the state-space
+    matrix (`ssm` [Hm, P, Ns]), both float32 (the kernels' step reads them so)."""
 
     kind = "mamba2"
 
     @staticmethod
     def shapes(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, tuple[Shape, torch.dtype]]:
-        return {"conv": ((dims(cfg)[1], cfg.conv_kernel - 1), dtype),
+        return {"conv": ((dims(cfg)[1], cfg.conv_kernel - 1), torch.float32),
                 "ssm": ((cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_state), torch.float32)}
 
 
@@ -116,11 +117,14 @@ def scan(model: MoEModel, w: Mamba2Weights, p: torch.Tensor, conv: torch.Tensor,
     inner, channels, heads = dims(cfg)
     B, T, _ = p.shape
     P, G, Ns = cfg.ssm_head_dim, cfg.ssm_groups, cfg.ssm_state
+    if T == 1 and model.recur_kernel:  # one kernel call from here to the gated norm
+        out = ssm_step(p[:, 0].float().contiguous(), conv, w.conv, w.conv_bias, w.A, w.dt_bias, w.D, w.norm, ssm, G,
+                       cfg.ssm_dt_limit, cfg.rms_norm_eps, model.threads)
+        return out.to(p.dtype).view(B, 1, inner)
     z, xbc, dt = p.split((inner, channels, heads), dim=-1)
-    seq = torch.cat([conv.to(xbc.dtype), xbc.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
+    seq = torch.cat([conv, xbc.float().transpose(1, 2)], dim=-1)  # [B, C, K-1+T] float32
     conv.copy_(seq[..., seq.shape[-1] - conv.shape[-1] :])
-    bias = None if w.conv_bias is None else w.conv_bias.to(seq.dtype)
-    mixed = F.silu(F.conv1d(seq, w.conv[:, None, :].to(seq.dtype), bias, groups=channels)).transpose(1, 2)
+    mixed = F.silu(F.conv1d(seq, w.conv[:, None, :], w.conv_bias, groups=channels)).transpose(1, 2)
     x, b, c = mixed.split((inner, G * Ns, G * Ns), dim=-1)  # [B, T, I], [B, T, G Ns] x 2
     x = x.float().reshape(B, T, heads, P).transpose(1, 2)  # [B, Hm, T, P]
     b, c = (t.float().reshape(B, T, G, Ns).transpose(1, 2).repeat_interleave(heads // G, dim=1) for t in (b, c))
@@ -168,10 +172,10 @@ class Mamba2:
         inner, channels, heads = dims(cfg)
         return Mamba2Weights(
             load.projections([f"{prefix}.in_proj.weight"], [inner + channels + heads]),
-            load.w(f"{prefix}.conv1d.weight").reshape(channels, cfg.conv_kernel),
+            load.f32(f"{prefix}.conv1d.weight").reshape(channels, cfg.conv_kernel),
             -load.f32(f"{prefix}.A_log").exp(), load.f32(f"{prefix}.dt_bias"), load.f32(f"{prefix}.D"),
-            load.w(f"{prefix}.norm.weight"), load.wq(f"{prefix}.out_proj.weight"),
-            load.w(f"{prefix}.conv1d.bias") if cfg.conv_bias else None,
+            load.f32(f"{prefix}.norm.weight"), load.wq(f"{prefix}.out_proj.weight"),
+            load.f32(f"{prefix}.conv1d.bias") if cfg.conv_bias else None,
             load.w(f"{prefix}.in_proj.bias") if cfg.ssm_bias else None,
             load.w(f"{prefix}.out_proj.bias") if cfg.ssm_bias else None)
 

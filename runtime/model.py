@@ -25,6 +25,7 @@ from tandem.kernels.errors import ResourceError
 from tandem.kernels.experts import CpuOptions
 from tandem.kernels.library import library
 from tandem.kernels.quant import QuantizedMatrix
+from tandem.kernels.recur import recur_serves
 from tandem.runtime.accelerator import Accelerator
 from tandem.runtime.attention import Attention
 from tandem.runtime.checkpoint import Checkpoint
@@ -185,6 +186,9 @@ class MoEModel:
         # (`attend_kernel`: the kernel serves this model's attention where it runs on the CPU; beside an accelerator
         # that is only a batch's attention over a KV cache in RAM, `host_cache`)
         self.attend_kernel = cpu.use_kernel and all(attend_serves(dtype, d) for d in cfg.head_sizes())
+        # One token of a recurrent mixer (Gated DeltaNet, Mamba-2, short convolutions) in one kernel call on the CPU
+        # (kernels/recur.py), else the torch step
+        self.recur_kernel = kernels and recur_serves()
         # On an accelerator a prompt runs in passes of at most PREFILL_CHUNK tokens, and the memory their
         # activations take at the peak is kept back from the expert slots: a long prompt cannot run out of it.
         self.prefill_chunk: int | None = None

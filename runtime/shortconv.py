@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.quant import QuantizedMatrix
+from tandem.kernels.recur import shortconv_step
 from tandem.runtime.attention import Matrix
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.layer_kind import Loaders, Shape
@@ -31,21 +32,21 @@ if TYPE_CHECKING:
 @dataclass
 class ShortConvWeights:
     proj: Matrix  # [3H, H]: B, C and x rows
-    conv: torch.Tensor  # [H, K]
+    conv: torch.Tensor  # [H, K] float32
     out: torch.Tensor | QuantizedMatrix  # [H, H]
     proj_bias: torch.Tensor | None = None  # [3H] (cfg.conv_bias, as the conv's and out_proj's)
-    conv_bias: torch.Tensor | None = None  # [H]
+    conv_bias: torch.Tensor | None = None  # [H] float32
     out_bias: torch.Tensor | None = None  # [H]
 
 
 class ShortConvState(StateCache):
-    """Each short-convolution layer's last K-1 inputs (B * x) per row: `conv` [H, K-1] in the compute dtype."""
+    """Each short-convolution layer's last K-1 inputs (B * x) per row: `conv` [H, K-1], float32."""
 
     kind = "shortconv"
 
     @staticmethod
     def shapes(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, tuple[Shape, torch.dtype]]:
-        return {"conv": ((cfg.hidden_size, cfg.conv_kernel - 1), dtype)}
+        return {"conv": ((cfg.hidden_size, cfg.conv_kernel - 1), torch.float32)}
 
 
 def reference(x: torch.Tensor, w: ShortConvWeights) -> torch.Tensor:
@@ -58,14 +59,18 @@ def reference(x: torch.Tensor, w: ShortConvWeights) -> torch.Tensor:
     return F.linear((c * conv).transpose(1, 2), w.out, w.out_bias)  # type: ignore[arg-type]
 
 
-def scan(w: ShortConvWeights, p: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
+def scan(w: ShortConvWeights, p: torch.Tensor, conv: torch.Tensor, threads: int = 0) -> torch.Tensor:
     """One sequence group's projections p [B, T, 3H] over rows B of `conv` [B, H, K-1] (updated in place) -> the
-    gated convolution [B, T, H] in the compute dtype."""
-    b, c, v = p.chunk(3, dim=-1)
-    seq = torch.cat([conv.to(p.dtype), (b * v).transpose(1, 2)], dim=-1)  # [B, H, K-1+T]
+    gated convolution [B, T, H] in the compute dtype. `threads`: one token goes through the kernel (0: torch)."""
+    B, T, _ = p.shape
+    if T == 1 and threads:
+        out = shortconv_step(p[:, 0].float().contiguous(), conv, w.conv, w.conv_bias, threads)
+        return out.to(p.dtype).view(B, 1, -1)
+    b, c, v = p.float().chunk(3, dim=-1)
+    seq = torch.cat([conv, (b * v).transpose(1, 2)], dim=-1)  # [B, H, K-1+T] float32
     conv.copy_(seq[..., seq.shape[-1] - conv.shape[-1] :])
-    out = F.conv1d(seq, w.conv[:, None, :].to(p.dtype), w.conv_bias, groups=w.conv.shape[0])  # [B, H, T]
-    return c * out.transpose(1, 2)
+    out = F.conv1d(seq, w.conv[:, None, :], w.conv_bias, groups=w.conv.shape[0])  # [B, H, T]
+    return (c * out.transpose(1, 2)).to(p.dtype)
 
 
 def state_of(cache: Any) -> ShortConvState:
@@ -94,8 +99,8 @@ class ShortConv:
         bias = cfg.conv_bias
         return ShortConvWeights(
             load.projections([f"{prefix}.in_proj.weight"], [3 * h]),
-            load.w(f"{prefix}.conv.weight").reshape(h, cfg.conv_kernel), load.wq(f"{prefix}.out_proj.weight"),
-            load.w(f"{prefix}.in_proj.bias") if bias else None, load.w(f"{prefix}.conv.bias") if bias else None,
+            load.f32(f"{prefix}.conv.weight").reshape(h, cfg.conv_kernel), load.wq(f"{prefix}.out_proj.weight"),
+            load.w(f"{prefix}.in_proj.bias") if bias else None, load.f32(f"{prefix}.conv.bias") if bias else None,
             load.w(f"{prefix}.out_proj.bias") if bias else None)
 
     def step_refusal(self, cfg: ModelConfig) -> str | None:
@@ -104,7 +109,7 @@ class ShortConv:
     def forward(self, model: MoEModel, i: int, w: ShortConvWeights, x: torch.Tensor, start: int, cos: torch.Tensor,
                 sin: torch.Tensor) -> torch.Tensor:
         p = model.linear(x, w.proj, w.proj_bias)  # [B, T, 3H]
-        y = scan(w, p, state_of(model.cache).get("conv", i)[: x.shape[0]])
+        y = scan(w, p, state_of(model.cache).get("conv", i)[: x.shape[0]], model.threads if model.recur_kernel else 0)
         return model.linear(y, w.out, w.out_bias, out_dtype=torch.float32)
 
     def forward_rows(self, model: MoEModel, i: int, w: ShortConvWeights, x: torch.Tensor, segments: list[Segment],
@@ -112,7 +117,8 @@ class ShortConv:
         """The projections are one product each over all N tokens; the convolution runs segment by segment over
         its row's state."""
         p = model.linear(x, w.proj, w.proj_bias)  # [1, N, 3H]
-        ys = [scan(w, p[:, lo:hi], state_of(row).get("conv", i)) for row, lo, hi in zip(rows, spans, spans[1:],
-                                                                                          strict=False)]
+        threads = model.threads if model.recur_kernel else 0
+        ys = [scan(w, p[:, lo:hi], state_of(row).get("conv", i), threads) for row, lo, hi in zip(rows, spans, spans[1:],
+                                                                                                   strict=False)]
         y = torch.cat(ys, dim=1) if len(ys) > 1 else ys[0]
         return model.linear(y, w.out, w.out_bias, out_dtype=torch.float32)

@@ -6,6 +6,7 @@ run whole (fp32, greedy)."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -287,3 +288,29 @@ def test_the_published_whole_model_folder_opens_its_text_model(hf_checkpoints: d
     want = load_model(text, dtype="fp32").model.forward(ids, 0)
     got = load_model(whole, dtype="fp32").model.forward(ids, 0)
     assert torch.equal(got, want)
+
+
+@pytest.mark.isa
+@pytest.mark.parametrize("case", ["qwen3_next", "qwen3_5_moe_text", "lfm2_moe-bias-scaled", "granitemoehybrid",
+                                  "granitemoehybrid-rope-bias"])
+def test_the_kernels_one_token_step_is_the_torch_step(hf_checkpoints: dict[str, Path], case: str) -> None:
+    """kernels/recur.py against the torch step on the same state, token after token, for several rows at once (the
+    widest variant this CPU plays under its feature mask: tests/run_masks.py runs the others)."""
+    model = load_model(hf_checkpoints[case], dtype="fp32", batch=2).model
+    assert model.recur_kernel
+    prompt = torch.tensor([LONG[:30], LONG[40:70]])
+    model.forward(prompt, 0)
+    torch_step = copy.copy(model)
+    torch_step.recur_kernel, torch_step.use_step = False, False
+    parts = model.cache.parts
+    for pos in range(30, 36):
+        token = torch.tensor([[LONG[pos]], [LONG[pos + 40]]])
+        saved = {kind: {name: t.clone() for name, t in part.tensors.items()} for kind, part in parts.items()
+                 if isinstance(part, StateCache)}
+        want = torch_step.forward(token, pos)
+        for kind, tensors in saved.items():  # (the torch step's state put back for the kernel's)
+            for name, t in tensors.items():
+                parts[kind].tensors[name].copy_(t)
+            parts[kind].at.fill_(pos)
+        got = model.forward(token, pos)
+        assert (got - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())

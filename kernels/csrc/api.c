@@ -266,7 +266,7 @@ int tk_linear(const tk_linear_args *a) {
 }
 
 /* The size of each argument struct Python fills through ctypes (0 tk_args, 1 tk_weights, 2 tk_moe_args,
- * 3 tk_linear_args, 4 tk_attend_args, 5 tk_layer_args; 0 for any other): kernels/library.py compares them with its own structures when it loads the
+ * 3 tk_linear_args, 4 tk_attend_args, 5 tk_layer_args, 6-8 the recurrent steps' (recur.c); 0 for any other): kernels/library.py compares them with its own structures when it loads the
  * library, so a layout that drifted on one side is refused before it can corrupt memory. */
 size_t tk_struct_size(int which) {
     switch (which) {
@@ -276,6 +276,9 @@ size_t tk_struct_size(int which) {
         case 3: return sizeof(tk_linear_args);
         case 4: return sizeof(tk_attend_args);
         case 5: return sizeof(tk_layer_args);
+        case 6: return sizeof(tk_deltanet_args);
+        case 7: return sizeof(tk_ssm_args);
+        case 8: return sizeof(tk_shortconv_args);
         default: return 0;
     }
 }

@@ -180,6 +180,31 @@ typedef struct {
     float *mlp_h;
 } tk_layer_args;
 
+/* One token of the hybrids' recurrent mixers per sequence (recur.c): float32 throughout; row b's projections at
+ * p + b * ld_p, its states contiguous after row b - 1's, `work` [B, channels] scratch. */
+typedef struct {
+    int batch, key_heads, value_heads, key_dim, value_dim, conv_k, tiled, threads, isa;
+    float eps;
+    long long ld_p;
+    const float *p, *conv_w, *A, *dt_bias, *norm_w;
+    float *conv, *ssm, *work, *out;
+} tk_deltanet_args;
+
+typedef struct {
+    int batch, heads, head_dim, state, groups, conv_k, threads, isa;
+    float eps, dt_min, dt_max;
+    long long ld_p;
+    const float *p, *conv_w, *conv_b, *A, *dt_bias, *D, *norm_w;
+    float *conv, *ssm, *work, *out;
+} tk_ssm_args;
+
+typedef struct {
+    int batch, hidden, conv_k, threads;
+    long long ld_p;
+    const float *p, *conv_w, *conv_b;
+    float *conv, *out;
+} tk_shortconv_args;
+
 /* ---- values: bf16, weight kinds to float32 -------------------------------------------------------------- */
 static inline float bf16f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline uint16_t bf16_of(float f) {  /* round to nearest even; NaN -> quiet NaN */
@@ -332,6 +357,9 @@ void tk_rms_norm_float(const float *x, size_t ldx, const float *w, float *y, int
 int tk_dequantize_rows(int kind, const uint8_t *data, int64_t rows, const int64_t *ids, int n, int cols,
                        float *out);
 int tk_attend_one(const tk_attend_args *a);
+int tk_deltanet_step(const tk_deltanet_args *a);
+int tk_ssm_step(const tk_ssm_args *a);
+int tk_shortconv_step(const tk_shortconv_args *a);
 int tk_decode_layers(tk_layer_args *layers, int n, float *x, int start, const void *cos, const void *sin);
 size_t tk_struct_size(int which);
 double tk_read_sum(const float *p, size_t n, int threads, int streams);
