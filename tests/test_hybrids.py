@@ -314,3 +314,19 @@ def test_the_kernels_one_token_step_is_the_torch_step(hf_checkpoints: dict[str, 
             parts[kind].at.fill_(pos)
         got = model.forward(token, pos)
         assert (got - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
+
+
+def test_bench_kernels_times_the_mixers_of_the_hybrid_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench kernels --mixers`' rows: one token through the kernel and through torch, a prompt chunked, each against
+    the roofline (the measurements stubbed: a test must not depend on the machine's speed)."""
+    from tandem.autotune.bench import mixers
+
+    monkeypatch.setattr(mixers, "dram_bandwidth", lambda threads, size: 10.0)
+    monkeypatch.setattr(mixers, "compute_peak", lambda: {"bf16": 100.0})
+    monkeypatch.setattr(mixers, "time_per_call", lambda fn, count, min_time: (fn(0), fn(count - 1), 2.0)[2])
+    rows = mixers.bench_mixers(["lfm2-8b-a1b", "qwen3-30b-a3b"], 1, (1, 8), working_set=1)
+    assert [(r["mixer"], r["tokens"], r["impl"]) for r in rows] == [
+        ("shortconv", 1, "step"), ("shortconv", 1, "torch"), ("shortconv", 8, "chunked")]  # (Qwen3: no mixer)
+    step = rows[0]
+    assert step["latency_ms"] == 2.0 and step["moved_mb"] > 16  # (its two bf16 matrices: 3H x H and H x H)
+    assert step["ratio"] == round(step["gbps"] / 10.0, 3) and rows[2]["per_token_ms"] == 0.25

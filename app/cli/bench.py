@@ -123,6 +123,9 @@ def add_commands(sub: Any) -> None:
     add(kern, "--tokens", type=str, default="1,2,4,8,16,64,256", help="token counts per call (a comma list)")
     add(kern, "--threads")
     add(kern, "--json", help="print the rows as JSON")
+    kern.add_argument("--mixers", action="store_true",
+                      help="the hybrids' recurrent token mixers of the shapes (one token and a prompt: --tokens, "
+                           "default 1,512) instead of their experts")
     kern.set_defaults(func=_bench_kernels)
 
     quant = bench_sub.add_parser("quant", help="quantized CPU experts (int8, int4, MXFP4, Q8_0, Q4_K): logits drift, "
@@ -201,8 +204,10 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     dtypes = _list_flag("--dtypes", flags.names(DTYPES, "dtype"), args.dtypes)
     tokens = _list_flag("--tokens", flags.whole_list(1, MAX_TOKENS), args.tokens)
     threads = args.threads or torch.get_num_threads()
-    rows = bench_kernels(list(shapes), threads, dtypes, tokens,
-                         progress=None if args.json else lambda line: print(line, file=sys.stderr))
+    progress = None if args.json else lambda line: print(line, file=sys.stderr)
+    if args.mixers:
+        return _bench_mixers(args, list(shapes), threads, tokens)
+    rows = bench_kernels(list(shapes), threads, dtypes, tokens, progress=progress)
     if args.json:
         print(json.dumps(rows))
     else:
@@ -215,6 +220,29 @@ def _bench_kernels(args: argparse.Namespace) -> int:
         for r in rows:
             print(f"{r['shape']:{width}} {r['dtype']:5} {r['tokens']:>6} {r['impl']:>6} {r['latency_ms']:>9.3f} "
                   f"{r['gbps']:>7.1f} {r['ratio']:>7.2f} {r['gflops']:>8.1f} {r['of_peak']:>7.2f}")
+    return 0
+
+
+def _bench_mixers(args: argparse.Namespace, shapes: list[str], threads: int, tokens: tuple[int, ...]) -> int:
+    """`bench kernels --mixers`: autotune/bench/mixers.py's rows, printed or as JSON."""
+    from tandem.autotune.bench.mixers import bench_mixers
+
+    given = "--tokens" in sys.argv  # (the experts' default counts are not the mixers')
+    rows = bench_mixers(shapes, threads, tokens if given else (1, 512),
+                        progress=None if args.json else lambda line: print(line, file=sys.stderr))
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    if not rows:
+        print("none of these shapes has a recurrent token mixer (the hybrids': "
+              "qwen3-next-80b-a3b, qwen3.5-35b-a3b, lfm2-8b-a1b, granite-4.0-h-small)")
+        return 0
+    print(f"DRAM {rows[0]['bw_gbps']:.1f} GB/s; bf16 compute peak {rows[0]['peak_gflops']:.0f} GFLOP/s")
+    print(f"{'shape':20} {'mixer':9} {'tokens':>6} {'impl':>7} {'ms':>9} {'ms/token':>8} {'MB':>7} {'of DRAM':>7} "
+          f"{'of peak':>7}")
+    for r in rows:
+        print(f"{r['shape']:20} {r['mixer']:9} {r['tokens']:>6} {r['impl']:>7} {r['latency_ms']:>9.3f} "
+              f"{r['per_token_ms']:>8.3f} {r['moved_mb']:>7.1f} {r['ratio']:>7.2f} {r['of_peak']:>7.2f}")
     return 0
 
 
