@@ -65,7 +65,8 @@ def test_cli(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
                                         "moonlight-16b-a3b", "glm-4.5-air", "glm-4.5", "gpt-oss-20b", "dots-llm1",
                                         "minimax-m2", "glm-4.7-flash", "ernie-4.5-21b-a3b",
                                         "hunyuan-a13b", "granite-3.1-3b-a800m", "llama4-scout", "llama4-maverick",
-                                        "gemma4-26b-a4b"}
+                                        "gemma4-26b-a4b", "qwen3-next-80b-a3b", "qwen3.5-35b-a3b", "lfm2-8b-a1b",
+                                        "granite-4.0-h-small"}
 
 
 def test_one_table_of_shapes_serves_both_commands() -> None:
@@ -81,7 +82,9 @@ def test_one_table_of_shapes_serves_both_commands() -> None:
                        "glm-4.7-flash": ExpertShape(2048, 1536, 4), "ernie-4.5-21b-a3b": ExpertShape(2560, 1536, 6),
                        "hunyuan-a13b": ExpertShape(4096, 3072, 8), "granite-3.1-3b-a800m": ExpertShape(1536, 512, 8),
                        "llama4-scout": ExpertShape(5120, 8192, 1), "llama4-maverick": ExpertShape(5120, 8192, 1),
-                       "gemma4-26b-a4b": ExpertShape(2816, 704, 8, act="gelu_tanh")}
+                       "gemma4-26b-a4b": ExpertShape(2816, 704, 8, act="gelu_tanh"),
+                       "qwen3-next-80b-a3b": ExpertShape(2048, 512, 10), "qwen3.5-35b-a3b": ExpertShape(2048, 512, 8),
+                       "lfm2-8b-a1b": ExpertShape(2048, 1792, 4), "granite-4.0-h-small": ExpertShape(4096, 1536, 10)}
     assert {"mixtral", "qwen3", "olmoe", "deepseek", "qwen3-30b-a3b", "deepseek-v2-lite"} <= set(shape_names())
     assert find_shape("qwen3") == find_shape("qwen3-30b-a3b")
     assert find_shape("deepseek") == find_shape("deepseek-v2-lite")
