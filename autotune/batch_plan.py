@@ -62,9 +62,11 @@ class BatchShape:
         if cfg.kv_lora_rank:
             kv = cfg.kv_lora_rank + cfg.qk_rope_head_dim
             flops = 2 * cfg.num_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        else:  # (a layer's on average: Gemma 4's global layers have their own heads)
-            kv = sum(2 * cfg.kv_heads(i) * cfg.head_size(i) for i in range(layers)) // layers
-            flops = sum(4 * cfg.num_heads * cfg.head_size(i) for i in range(layers)) // layers
+        else:  # (a layer's on average: Gemma 4's global layers have their own heads, a hybrid's recurrent layers
+            # none: their state does not grow with the context)
+            attends = [i for i in range(layers) if cfg.mixers[i] == "attention"]
+            kv = sum(2 * cfg.kv_heads(i) * cfg.head_size(i) for i in attends) // layers
+            flops = sum(4 * cfg.num_heads * cfg.head_size(i) for i in attends) // layers
         head = cfg.vocab_size * h
         return cls(shape, cfg.vocab_size, dense, dense * dtype_bytes, head, head * dtype_bytes, kv * dtype_bytes, flops)
 

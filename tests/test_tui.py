@@ -204,8 +204,39 @@ async def test_with_the_real_runtime(mixtral_dir: Path) -> None:
     assert whole.usage().cached == 0
 
 
+@pytest.mark.parametrize("case", ["qwen3_next", "lfm2_moe", "granitemoehybrid"])
+async def test_a_hybrids_chat_reuses_its_state_for_the_next_turn_and_a_retry(hf_checkpoints: dict[str, Path],
+                                                                            case: str) -> None:
+    """A hybrid's recurrent state (runtime/state.py) in the chat app: the next turn takes up where the answer
+    stopped, a retry (Ctrl+R) at the mark before its question's last token; each answer is the whole prompt's."""
+    from textual.widgets import Button
+
+    from tandem.app.chat.screens.wizard import WizardScreen
+
+    folder = hf_checkpoints[case]
+    app = TandemApp(lambda _: RuntimeBackend(load_model(folder, dtype="fp32", context=256)),
+                    params=SamplingParams(max_new_tokens=8))
+    whole = RuntimeBackend(load_model(folder, dtype="fp32", context=256, prefix_reuse=False))
+    async with app.run_test() as pilot:
+        await wait_for_screen(pilot, app, WizardScreen)
+        app.screen.query_one("#skip", Button).press()
+        await pilot.pause()
+        await ask(pilot, app, "Hello")
+        await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.chat.current.turns) == 2)
+        await ask(pilot, app, "And then?")
+        await wait_until(pilot, lambda: not app.lifecycle.generating and len(app.chat.current.turns) == 4)
+        conv = app.chat.current
+        assert app.lifecycle.backend.usage().cached > 0
+        asked = conv.messages(app.chat.chat_settings(conv).system_prompt)[:-1]
+        assert "".join(whole.stream(asked, SamplingParams(max_new_tokens=8))) == conv.turns[-1].content
+        await press(pilot, "ctrl+r")
+        await wait_until(pilot, lambda: not app.lifecycle.generating and conv.turns[-1].version_count == 2)
+        assert app.lifecycle.backend.usage().cached > 0  # (the mark before the question's last token)
+        assert conv.turns[-1].content == "".join(whole.stream(asked, SamplingParams(max_new_tokens=8)))
+
+
 @pytest.mark.parametrize("case", ["qwen3_moe", "qwen2_moe-shared", "olmoe", "mixtral", "glm4_moe", "deepseek_v2",
-                                  "gpt_oss", "gemma4_text"])
+                                  "gpt_oss", "gemma4_text", "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid"])
 async def test_the_chat_app_on_a_gguf_file_of_each_architecture(hf_checkpoints: dict[str, Path], tmp_path: Path,
                                                                case: str) -> None:
     """The chat app answers from a GGUF file of every architecture it reads (tests/ggufs.py writes them as llama.cpp's
