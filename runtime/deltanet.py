@@ -17,7 +17,7 @@ dims, C the convolution's channels (2 Hk Dk + Hv Dv), K its width.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,11 +27,12 @@ from tandem.kernels.recur import deltanet_step
 from tandem.runtime.attention import Matrix, rows_in
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.layer_kind import Loaders, Shape
-from tandem.runtime.state import LayerCaches, StateCache
+from tandem.runtime.recurrent import RecurrentMixer
+from tandem.runtime.state import StateCache
 
 if TYPE_CHECKING:
     from tandem.runtime.families import FamilySpec
-    from tandem.runtime.model import MoEModel, Segment
+    from tandem.runtime.model import MoEModel
 
 CHUNK = 64  # tokens per block of the prompt path: its triangular solve is CHUNK x CHUNK per head
 
@@ -44,6 +45,8 @@ class DeltaNetWeights:
     dt_bias: torch.Tensor  # [Hv] float32
     norm: torch.Tensor  # [Dv] float32: the output's RMSNorm weight (per head)
     out: torch.Tensor | QuantizedMatrix  # [H, Hv Dv]
+    proj_bias: None = None  # (none: as the other recurrent mixers' weights, which may have them)
+    out_bias: None = None
 
 
 def dims(cfg: ModelConfig) -> tuple[int, int, int, int]:
@@ -177,18 +180,12 @@ def scan(model: MoEModel, w: DeltaNetWeights, p: torch.Tensor, conv: torch.Tenso
     return gated.to(p.dtype).reshape(B, T, value)
 
 
-def state_of(cache: Any) -> DeltaState:
-    """The Gated DeltaNet state within a model's cache (a hybrid's: runtime/state.py LayerCaches)."""
-    return cache.part(DeltaState) if isinstance(cache, LayerCaches) else cache
-
-
-class GatedDeltaNet:
-    """The mixer "deltanet" (runtime/layer_kind.py `Mixer`)."""
+class GatedDeltaNet(RecurrentMixer):
+    """The mixer "deltanet" (runtime/layer_kind.py `Mixer`; its passes runtime/recurrent.py's)."""
 
     name = "deltanet"
     module = "linear_attn"
     cache = DeltaState
-    host_cache = False
 
     def tensors(self, cfg: ModelConfig, spec: FamilySpec | None, layer: int, prefix: str) -> dict[str, Shape]:
         h = cfg.hidden_size
@@ -220,23 +217,6 @@ class GatedDeltaNet:
     def step_refusal(self, cfg: ModelConfig) -> str | None:
         return "its Gated DeltaNet layers run in torch"
 
-    def forward(self, model: MoEModel, i: int, w: DeltaNetWeights, x: torch.Tensor, start: int, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
-        state = state_of(model.cache)
-        B = x.shape[0]
-        p = model.linear(x, w.proj)  # [B, T, P]
-        y = scan(model, w, p, state.get("conv", i)[:B], state.get("ssm", i)[:B])
-        return model.linear(y, w.out, out_dtype=torch.float32)
-
-    def forward_rows(self, model: MoEModel, i: int, w: DeltaNetWeights, x: torch.Tensor, segments: list[Segment],
-                     rows: list[Any], spans: list[int]) -> torch.Tensor:
-        """The projections are one product each over all N tokens; the convolution and the rule run segment by
-        segment, each over its row's state."""
-        p = model.linear(x, w.proj)  # [1, N, P]
-        ys = []
-        for row, lo, hi in zip(rows, spans, spans[1:], strict=False):
-            state = state_of(row)
-            ys.append(scan(model, w, p[:, lo:hi], state.get("conv", i), state.get("ssm", i)))
-        y = torch.cat(ys, dim=1) if len(ys) > 1 else ys[0]  # [1, N, Hv Dv]
-        return model.linear(y, w.out, out_dtype=torch.float32)
-
+    def scan(self, model: MoEModel, i: int, w: DeltaNetWeights, p: torch.Tensor, state: DeltaState,
+             rows: int) -> torch.Tensor:
+        return scan(model, w, p, state.get("conv", i)[:rows], state.get("ssm", i)[:rows])

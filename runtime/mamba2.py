@@ -16,7 +16,7 @@ heads, P head dim, G groups, I = Hm P, K the convolution's width.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +26,12 @@ from tandem.kernels.recur import ssm_step
 from tandem.runtime.attention import Matrix
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.layer_kind import Loaders, Shape
-from tandem.runtime.state import LayerCaches, StateCache
+from tandem.runtime.recurrent import RecurrentMixer
+from tandem.runtime.state import StateCache
 
 if TYPE_CHECKING:
     from tandem.runtime.families import FamilySpec
-    from tandem.runtime.model import MoEModel, Segment
+    from tandem.runtime.model import MoEModel
 
 CHUNK = 64  # tokens per block of the prompt path
 
@@ -141,18 +142,12 @@ def scan(model: MoEModel, w: Mamba2Weights, p: torch.Tensor, conv: torch.Tensor,
     return (w.norm * normed.to(p.dtype)).to(p.dtype)
 
 
-def state_of(cache: Any) -> Mamba2State:
-    """The Mamba-2 state within a model's cache (runtime/state.py LayerCaches)."""
-    return cache.part(Mamba2State) if isinstance(cache, LayerCaches) else cache
-
-
-class Mamba2:
-    """The mixer "mamba2" (runtime/layer_kind.py `Mixer`)."""
+class Mamba2(RecurrentMixer):
+    """The mixer "mamba2" (runtime/layer_kind.py `Mixer`; its passes runtime/recurrent.py's)."""
 
     name = "mamba2"
     module = "mamba"
     cache = Mamba2State
-    host_cache = False
 
     def tensors(self, cfg: ModelConfig, spec: FamilySpec | None, layer: int, prefix: str) -> dict[str, Shape]:
         h = cfg.hidden_size
@@ -182,22 +177,6 @@ class Mamba2:
     def step_refusal(self, cfg: ModelConfig) -> str | None:
         return "its Mamba-2 layers run in torch"
 
-    def forward(self, model: MoEModel, i: int, w: Mamba2Weights, x: torch.Tensor, start: int, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
-        state = state_of(model.cache)
-        B = x.shape[0]
-        p = model.linear(x, w.proj, w.proj_bias)
-        y = scan(model, w, p, state.get("conv", i)[:B], state.get("ssm", i)[:B])
-        return model.linear(y, w.out, w.out_bias, out_dtype=torch.float32)
-
-    def forward_rows(self, model: MoEModel, i: int, w: Mamba2Weights, x: torch.Tensor, segments: list[Segment],
-                     rows: list[Any], spans: list[int]) -> torch.Tensor:
-        """The projections are one product each over all N tokens; the convolution and the scan run segment by
-        segment over its row's state."""
-        p = model.linear(x, w.proj, w.proj_bias)
-        ys = []
-        for row, lo, hi in zip(rows, spans, spans[1:], strict=False):
-            state = state_of(row)
-            ys.append(scan(model, w, p[:, lo:hi], state.get("conv", i), state.get("ssm", i)))
-        y = torch.cat(ys, dim=1) if len(ys) > 1 else ys[0]
-        return model.linear(y, w.out, w.out_bias, out_dtype=torch.float32)
+    def scan(self, model: MoEModel, i: int, w: Mamba2Weights, p: torch.Tensor, state: Mamba2State,
+             rows: int) -> torch.Tensor:
+        return scan(model, w, p, state.get("conv", i)[:rows], state.get("ssm", i)[:rows])

@@ -12,7 +12,7 @@ Letters: B batch (the rows; not the gate), T new tokens, N a ragged pass's token
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,11 +22,12 @@ from tandem.kernels.recur import shortconv_step
 from tandem.runtime.attention import Matrix
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.layer_kind import Loaders, Shape
-from tandem.runtime.state import LayerCaches, StateCache
+from tandem.runtime.recurrent import RecurrentMixer
+from tandem.runtime.state import StateCache
 
 if TYPE_CHECKING:
     from tandem.runtime.families import FamilySpec
-    from tandem.runtime.model import MoEModel, Segment
+    from tandem.runtime.model import MoEModel
 
 
 @dataclass
@@ -73,18 +74,12 @@ def scan(w: ShortConvWeights, p: torch.Tensor, conv: torch.Tensor, threads: int 
     return (c * out.transpose(1, 2)).to(p.dtype)
 
 
-def state_of(cache: Any) -> ShortConvState:
-    """The short convolutions' state within a model's cache (runtime/state.py LayerCaches)."""
-    return cache.part(ShortConvState) if isinstance(cache, LayerCaches) else cache
-
-
-class ShortConv:
-    """The mixer "shortconv" (runtime/layer_kind.py `Mixer`)."""
+class ShortConv(RecurrentMixer):
+    """The mixer "shortconv" (runtime/layer_kind.py `Mixer`; its passes runtime/recurrent.py's)."""
 
     name = "shortconv"
     module = "conv"
     cache = ShortConvState
-    host_cache = False
 
     def tensors(self, cfg: ModelConfig, spec: FamilySpec | None, layer: int, prefix: str) -> dict[str, Shape]:
         h = cfg.hidden_size
@@ -106,19 +101,6 @@ class ShortConv:
     def step_refusal(self, cfg: ModelConfig) -> str | None:
         return "its short convolutions run in torch"
 
-    def forward(self, model: MoEModel, i: int, w: ShortConvWeights, x: torch.Tensor, start: int, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
-        p = model.linear(x, w.proj, w.proj_bias)  # [B, T, 3H]
-        y = scan(w, p, state_of(model.cache).get("conv", i)[: x.shape[0]], model.threads if model.recur_kernel else 0)
-        return model.linear(y, w.out, w.out_bias, out_dtype=torch.float32)
-
-    def forward_rows(self, model: MoEModel, i: int, w: ShortConvWeights, x: torch.Tensor, segments: list[Segment],
-                     rows: list[Any], spans: list[int]) -> torch.Tensor:
-        """The projections are one product each over all N tokens; the convolution runs segment by segment over
-        its row's state."""
-        p = model.linear(x, w.proj, w.proj_bias)  # [1, N, 3H]
-        threads = model.threads if model.recur_kernel else 0
-        ys = [scan(w, p[:, lo:hi], state_of(row).get("conv", i), threads) for row, lo, hi in zip(rows, spans, spans[1:],
-                                                                                                   strict=False)]
-        y = torch.cat(ys, dim=1) if len(ys) > 1 else ys[0]
-        return model.linear(y, w.out, w.out_bias, out_dtype=torch.float32)
+    def scan(self, model: MoEModel, i: int, w: ShortConvWeights, p: torch.Tensor, state: ShortConvState,
+             rows: int) -> torch.Tensor:
+        return scan(w, p, state.get("conv", i)[:rows], model.threads if model.recur_kernel else 0)
