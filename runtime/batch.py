@@ -298,10 +298,13 @@ class BatchEngine:
         prefilling = [s for s in active if s.pos - s.fed > 1 and s.leader is None]
         room = max(self.step_tokens - len(decoding), 0 if decoding else 1)
         chosen: list[tuple[_Sequence, int]] = [(s, 1) for s in decoding]
+        # a recurrent state holds at one position: a prompt stops before its last token, whose state is marked there
+        # (a retry or an edited last message takes up again there: runtime/state.py), the last token decoding next
+        recurrent = self.model.recurrent
         for s in prefilling:
             if room == 0:
                 break
-            take = min(s.pos - s.fed, room)
+            take = min(s.pos - s.fed - (1 if recurrent else 0), room)
             chosen.append((s, take))
             room -= take
         segments = [Segment(s.row, s.fed, take, s.long) for s, take in chosen]
@@ -314,6 +317,8 @@ class BatchEngine:
             if prompt:
                 self.stats.prompt_tokens += take
             s.fed += take
+            if recurrent and prompt and s.fed == s.pos - 1:
+                self.model.cache.mark(s.row)  # type: ignore[union-attr]
         self.stats.steps += 1
         self.stats.busiest = max(self.stats.busiest, len(chosen))
         self._take_shares(active)

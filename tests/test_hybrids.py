@@ -330,3 +330,22 @@ def test_bench_kernels_times_the_mixers_of_the_hybrid_shapes(monkeypatch: pytest
     step = rows[0]
     assert step["latency_ms"] == 2.0 and step["moved_mb"] > 16  # (its two bf16 matrices: 3H x H and H x H)
     assert step["ratio"] == round(step["gbps"] / 10.0, 3) and rows[2]["per_token_ms"] == 0.25
+
+
+def test_a_server_retry_and_an_edited_last_message_take_up_at_the_mark(hf_checkpoints: dict[str, Path]) -> None:
+    """Batch mode (a server's rows) marks each prompt's state before its last token too: the same request again, or
+    its last message edited, reuses all but that token, and answers as a fresh engine does."""
+    model = load_model(hf_checkpoints["qwen3_next"], dtype="fp32", batch=2).model
+    engine = BatchEngine(model, (), 2, step_tokens=16, reuse=True)
+
+    def run(key: str, prompt: list[int]) -> tuple[list[int], int]:
+        done = [e.result for e in engine.run([BatchRequest(key, prompt, GREEDY)]) if isinstance(e, DoneEvent)][0]
+        return done.tokens, done.cached
+
+    alone = Engine(load_model(hf_checkpoints["qwen3_next"], dtype="fp32").model, ())
+    prompt = LONG[:40]
+    first = run("a", prompt)
+    again = run("b", prompt)
+    assert again == (first[0], len(prompt) - 1)
+    edited = prompt[:-1] + [7]
+    assert run("c", edited) == (list(alone.generate(edited, GREEDY)), len(prompt) - 1)
