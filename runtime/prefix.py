@@ -190,8 +190,8 @@ class PrefixStore:
                bool((e.tokens[:n] == tokens).all()) for e in self.entries):
             return
         parts = tuple(_to_host(p) for p in cache.snapshot(row, n))
-        if self.disk is not None and state is None:  # (the files hold positions: not a recurrent state)
-            self.disk.keep(tokens, long, parts)
+        if self.disk is not None:
+            self.disk.keep(tokens, long, parts, positioned(cache, parts))
         saved = Saved(tokens, long, parts, sum(p.numel() * p.element_size() for p in parts))
         if saved.nbytes > self.budget:
             return
@@ -206,10 +206,11 @@ class PrefixStore:
         """Row `row`'s prefix written to the disk (when there is one and it holds enough): the program is done
         with it (a chat app closing)."""
         n = cache.held.held(row)
-        if self.disk is None or n < SAVE_LEAST or cache.held.state is not None:
+        state = cache.held.state
+        if self.disk is None or n < SAVE_LEAST or (state is not None and state.usable(row, n) != n):
             return
         parts = tuple(_to_host(p) for p in cache.snapshot(row, n))
-        self.disk.keep(cache.held.ids[row, :n].clone(), bool(cache.held.long[row]), parts)
+        self.disk.keep(cache.held.ids[row, :n].clone(), bool(cache.held.long[row]), parts, positioned(cache, parts))
 
     def take(self, cache: PrefixCache, row: int, prompt: torch.Tensor, long: bool, held: int) -> int:
         """Before `prompt` is prefilled into row `row`, which holds its first `held` positions already: the row's
@@ -218,11 +219,11 @@ class PrefixStore:
         prompt."""
         whole = cache.held.state is not None  # a recurrent state: an entry's end, or nothing
         entry, most = self.best(prompt, long, whole)
-        found, deep = self.disk.best(prompt, long) if self.disk is not None and not whole else (None, 0)
+        found, deep = self.disk.best(prompt, long, whole) if self.disk is not None else (None, 0)
         parts = None
         if self.disk is not None and found is not None and deep > max(most, held):
             # mapped before the save below, whose room may take the file: the mapping outlives its name
-            parts = self.disk.read(found, cache.snapshot(row, 1))
+            parts = self.disk.read(found, *shaped_like(cache, row))
             if parts is not None:
                 self.disk.touch(found)
         useful = parts is None and entry is not None and most > held
@@ -271,6 +272,21 @@ class PrefixStore:
         held.length[row] = n
         held.long[row] = long
         self.restored += n
+
+
+def positioned(cache: PrefixCache, parts: tuple[torch.Tensor, ...]) -> tuple[bool, ...]:
+    """Which of a snapshot's tensors hold positions (keys, values, latents) and which a recurrent state (the same
+    shape however long the prefix)."""
+    return cache.positioned() if cache.held.state is not None else (True,) * len(parts)  # type: ignore[attr-defined]
+
+
+def shaped_like(cache: PrefixCache, row: int) -> tuple[tuple[torch.Tensor, ...], tuple[bool, ...]]:
+    """Tensors shaped as a snapshot of row `row` is (a position's, where they hold positions), and which hold
+    positions: what a file read back must match."""
+    if cache.held.state is None:
+        parts = cache.snapshot(row, 1)
+        return parts, (True,) * len(parts)
+    return cache.like(row), cache.positioned()  # type: ignore[attr-defined]
 
 
 def _to_host(view: torch.Tensor) -> torch.Tensor:

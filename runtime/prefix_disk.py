@@ -105,14 +105,17 @@ class DiskPrefixes:
             self._entries = [e for e in self._entries if e.path != path]
         self._say(why)
 
-    def best(self, prompt: torch.Tensor, long: bool) -> tuple[DiskEntry | None, int]:
-        """The file sharing the longest prefix with `prompt` (its last token left to run), and that length."""
-        return longest_match(self.entries, prompt, long)
+    def best(self, prompt: torch.Tensor, long: bool, whole: bool = False) -> tuple[DiskEntry | None, int]:
+        """The file sharing the longest prefix with `prompt` (its last token left to run), and that length
+        (`whole`: only a file the prompt begins with whole, as a recurrent state needs)."""
+        return longest_match(self.entries, prompt, long, whole=whole)
 
-    def read(self, entry: DiskEntry, like: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+    def read(self, entry: DiskEntry, like: tuple[torch.Tensor, ...],
+             positioned: tuple[bool, ...] | None = None) -> tuple[torch.Tensor, ...] | None:
         """The entry's tensors, memory-mapped, if they are what a cache snapshot `like` (of any length) is: the
-        same dtypes and shapes but the positions' dimension, and the checksum holds; else None, the file removed
-        with a notice."""
+        same dtypes and shapes but the positions' dimension (a recurrent state's, `positioned` False: the same
+        shapes), and the checksum holds; else None, the file removed with a notice."""
+        positioned = positioned if positioned is not None else (True,) * len(like)
         try:
             header, _ = _read_head(entry.path)
             size = entry.path.stat().st_size
@@ -123,12 +126,16 @@ class DiskPrefixes:
             if crc != header["crc32"]:
                 raise ValueError("its checksum does not match its contents")
             parts = []
-            for spec, want in zip(header["parts"], like, strict=True):
+            for spec, want, positions in zip(header["parts"], like, positioned, strict=True):
                 dtype, shape, start = DTYPES[spec["dtype"]], tuple(spec["shape"]), int(spec["offset"])
-                if dtype != want.dtype or len(shape) != want.dim() or _but_positions(shape) != \
-                        _but_positions(tuple(want.shape)):
+                if bool(spec.get("positions", True)) != positions:
+                    raise ValueError("it holds a recurrent state where this model's cache holds positions, or the "
+                                     "reverse")
+                same = _but_positions(shape) == _but_positions(tuple(want.shape)) if positions else \
+                    shape == tuple(want.shape)
+                if dtype != want.dtype or len(shape) != want.dim() or not same:
                     raise ValueError(f"it holds {spec['dtype']} {list(shape)}, not what this model's cache holds")
-                if shape[-2] != header["tokens"]:
+                if positions and shape[-2] != header["tokens"]:
                     raise ValueError(f"its tensors hold {shape[-2]} positions, not its {header['tokens']} tokens")
                 count = 1
                 for d in shape:
@@ -153,24 +160,31 @@ class DiskPrefixes:
             entries.remove(entry)
             entries.append(entry)
 
-    def keep(self, tokens: torch.Tensor, long: bool, parts: tuple[torch.Tensor, ...]) -> None:
+    def keep(self, tokens: torch.Tensor, long: bool, parts: tuple[torch.Tensor, ...],
+             positioned: tuple[bool, ...] | None = None) -> None:
         """`write`, where a folder that cannot be written is said (once) rather than raised: the answer goes on,
         only without its copy on disk."""
         try:
-            self.write(tokens, long, parts)
+            self.write(tokens, long, parts, positioned)
         except (StoreError, OSError) as e:
             if not self._warned:
                 self._warned = True
                 self._say(f"the conversation cache could not be saved: {e}")
 
-    def write(self, tokens: torch.Tensor, long: bool, parts: tuple[torch.Tensor, ...]) -> None:
-        """Keep a prefix (its tokens, LongRoPE's flag and a cache snapshot's tensors, in RAM): a file of its own,
-        written atomically; files it makes useless (prefixes of it) go, then the least recently used while over
-        the budget. Raises StoreError when the folder cannot be written."""
+    def write(self, tokens: torch.Tensor, long: bool, parts: tuple[torch.Tensor, ...],
+              positioned: tuple[bool, ...] | None = None) -> None:
+        """Keep a prefix (its tokens, LongRoPE's flag and a cache snapshot's tensors, in RAM; `positioned`: which
+        hold positions, the others a recurrent state of the prefix's end): a file of its own, written atomically;
+        files it makes useless (prefixes of it, where nothing holds a state) go, then the least recently used while
+        over the budget. Raises StoreError when the folder cannot be written."""
         n = len(tokens)
-        if any(e.long == long and len(e.tokens) >= n and bool((e.tokens[:n] == tokens).all()) for e in self.entries):
+        positioned = positioned if positioned is not None else (True,) * len(parts)
+        state = not all(positioned)  # (a state is its end's: a longer file does not hold this one)
+        if any(e.long == long and (len(e.tokens) == n if state else len(e.tokens) >= n) and
+               bool((e.tokens[:n] == tokens).all()) for e in self.entries):
             return  # (held already, whole)
-        specs = [{"dtype": str(p.dtype).removeprefix("torch."), "shape": list(p.shape)} for p in parts]
+        specs = [{"dtype": str(p.dtype).removeprefix("torch."), "shape": list(p.shape), "positions": flag}
+                 for p, flag in zip(parts, positioned, strict=True)]
         ids = tokens.to(torch.int64).contiguous()
         blobs = [ids, *(p.contiguous() for p in parts)]
         # the header, then each blob aligned; the data (and its checksum) from the first blob to the end
@@ -205,7 +219,7 @@ class DiskPrefixes:
                 f.write(b"\0" * _pad(f.tell()))  # (f.tell() counts from the file's start, as the offsets do)
 
         atomic_write_with(path, fill)  # (before anything is removed for room: a write that fails loses nothing)
-        for e in [e for e in self.entries if e.long == long and len(e.tokens) <= n and e.path != path
+        for e in [e for e in self.entries if not state and e.long == long and len(e.tokens) <= n and e.path != path
                   and bool((tokens[: len(e.tokens)] == e.tokens).all())]:
             self._remove(e)  # (prefixes of this one: it holds them)
         self.entries.append(DiskEntry(path, ids.clone(), long, offset))

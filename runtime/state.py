@@ -130,6 +130,14 @@ class StateCache:
                 t[i, row].copy_(p[i])
         self.at[row] = n
 
+    def like(self, row: int) -> tuple[torch.Tensor, ...]:
+        """Row `row`'s state tensors as they are (a snapshot's shapes, wherever the state is)."""
+        return tuple(t[:, row] for t in self.tensors.values())
+
+    def positioned(self) -> tuple[bool, ...]:
+        """Which of a snapshot's tensors hold positions: none of a state's."""
+        return (False,) * len(self.tensors)
+
     def row(self, r: int) -> StateCache:
         """Row r alone (views: what a pass writes lands in this cache; its position and marks shared)."""
         view = copy.copy(self)
@@ -199,6 +207,16 @@ class LayerCaches:
             count = len(p.snapshot(row, n)) if not isinstance(p, StateCache) else len(p.tensors)
             p.restore(row, parts[at : at + count], n)
             at += count
+
+    def like(self, row: int) -> tuple[torch.Tensor, ...]:
+        """Tensors shaped as a snapshot of row `row` (one position of the keys and values, the whole state)."""
+        return tuple(t for p in self.parts.values() for t in (p.like(row) if isinstance(p, StateCache) else
+                                                               p.snapshot(row, 1)))
+
+    def positioned(self) -> tuple[bool, ...]:
+        """Which of a snapshot's tensors hold positions (the keys and values) and which a recurrent state."""
+        return tuple(flag for p in self.parts.values() for flag in
+                     (p.positioned() if isinstance(p, StateCache) else (True,) * len(p.snapshot(0, 1))))
 
     def row(self, r: int) -> LayerCaches:
         view = copy.copy(self)

@@ -32,7 +32,8 @@ def restarted(loaded: LoadedModel, folder: Path, notes: list[str] | None = None)
 
 
 @pytest.mark.parametrize("case", ["mixtral", "mixtral-sliding", "deepseek_v3", "phimoe-longrope-nobias",
-                                  "gemma4_text"])  # (Gemma 4: a KV cache of two head shapes)
+                                  "gemma4_text",  # (Gemma 4: a KV cache of two head shapes)
+                                  "qwen3_next", "lfm2_moe", "granitemoehybrid"])  # (the hybrids: a recurrent state)
 def test_a_conversation_comes_back_from_disk_after_a_restart(hf_checkpoints: dict[str, Path], case: str,
                                                              tmp_path: Path) -> None:
     loaded = load_model(hf_checkpoints[case], dtype="fp32")
