@@ -34,6 +34,7 @@ from tandem.runtime.gguf import is_gguf
 from tandem.runtime.loader import LoadedModel
 from tandem.runtime.moe import layer_mlp, mlp_matrices
 from tandem.runtime.sampling import SamplingParams
+from tandem.runtime.state import StateCache
 from tandem.runtime.weights import attention_tensors
 
 FULL = {
@@ -125,6 +126,11 @@ def peer_fits_beside(tandem_bytes: int, peer_bytes: int, total_ram: int | None =
     return tandem_bytes + peer_bytes <= 0.8 * total
 
 
+def mixer_bytes(a: Any) -> int:
+    """A layer's token mixer's matrices as kept: attention's q, k, v and o, or a recurrent mixer's projections."""
+    return matrix_bytes(a.qkv) + matrix_bytes(a.o) if hasattr(a, "qkv") else matrix_bytes(a.proj) + matrix_bytes(a.out)
+
+
 def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, peer: str | None = None,
               grid: dict[str, list[tuple[int, ...]]] | None = None, peer_process: str = "auto",
               llama_bench: Path | None = None) -> dict[str, Any]:
@@ -155,7 +161,10 @@ def bench_e2e(loaded: LoadedModel, scenarios: list[str], quick: bool = False, pe
     expert_bytes = layer_experts[0].nbytes if layer_experts else \
         3 * cfg.hidden_size * cfg.moe_intermediate_size * model.dtype.itemsize
     dense_bytes = matrix_bytes(model.embed, 1) + matrix_bytes(model.norm) + matrix_bytes(model.lm_head)
-    dense_bytes += sum(matrix_bytes(a.qkv) + matrix_bytes(a.o) for a in (layer.attn for layer in model.layers))
+    dense_bytes += sum(mixer_bytes(layer.attn) for layer in model.layers)
+    # a hybrid's recurrent state: read and written once a token
+    dense_bytes += 2 * sum(kinds.mixer.cache.nbytes(cfg, 1, 1, model.dtype, layers=[i])
+                           for i, kinds in enumerate(model.plan) if issubclass(kinds.mixer.cache, StateCache))
     dense_bytes += sum(sum(matrix_bytes(m) for m in mlp_matrices(mlp)) for mlp in  # dense layers', shared experts',
                        (layer_mlp(layer.ffn) for layer in model.layers) if mlp is not None)  # MLPs beside experts
     per_token = dense_bytes + cfg.num_moe_layers * cfg.top_k * expert_bytes  # weights read per decode token

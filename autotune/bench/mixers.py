@@ -21,6 +21,7 @@ import torch
 
 from tandem.autotune.bench.shapes import find_shape
 from tandem.autotune.microbench import compute_peak, dram_bandwidth, time_per_call
+from tandem.kernels.choice import native_bf16
 from tandem.kernels.dense import DenseLinear
 from tandem.kernels.recur import recur_serves
 from tandem.runtime.config import ModelConfig
@@ -102,8 +103,11 @@ def bench_mixers(shapes: list[str], threads: int, tokens: tuple[int, ...] = (1, 
             layers = [first] + [_weights(kind, cfg, gen)[0] for _ in range(copies - 1)]
             state = state_class(cfg, 1, 1, torch.bfloat16, layers=range(copies))
             moved = nbytes + 2 * state_class.nbytes(cfg, 1, 1, torch.bfloat16, layers=[0])
+            # the compute dtype a load picks on this CPU (`--dtype auto`): bf16 where it has native bf16, else float32
+            # over the bf16 matrices as the kernels keep them
+            compute = torch.bfloat16 if native_bf16() else torch.float32
             for t in tokens:
-                x = torch.randn(1, t, cfg.hidden_size, generator=gen).to(torch.bfloat16)
+                x = torch.randn(1, t, cfg.hidden_size, generator=gen).to(compute)
                 impls: dict[str, _Host] = {}
                 if t == 1:
                     impls = {"step": _Host(cfg, DenseLinear(threads), state, threads, recur_serves()),
@@ -124,6 +128,7 @@ def bench_mixers(shapes: list[str], threads: int, tokens: tuple[int, ...] = (1, 
                     flops = (nbytes + _scan_flops(kind, cfg)) * t  # (a bf16 weight: 2 bytes, 2 flops a token)
                     gflops = flops / latency / 1e9
                     rows.append({"shape": shape, "mixer": kind, "tokens": t, "threads": threads, "impl": impl,
+                                 "compute": str(compute).removeprefix("torch."),
                                  "latency_ms": round(latency * 1e3, 4), "per_token_ms": round(per_token * 1e3, 4),
                                  "moved_mb": round(moved / 1e6, 2), "gbps": round(gbps, 2), "bw_gbps": round(bw, 2),
                                  "ratio": round(gbps / bw, 3), "gflops": float(f"{gflops:.4g}"),
