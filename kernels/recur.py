@@ -14,6 +14,7 @@ import ctypes
 import torch
 
 from tandem.kernels.attend import ATTEND_ISAS, attend_isa
+from tandem.kernels.errors import KernelError
 from tandem.kernels.library import DeltaNetArgs, ShortConvArgs, SSMArgs, library
 
 
@@ -32,8 +33,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def _call(name: str, args: ctypes.Structure) -> None:
     code = getattr(library(), f"tk_{name}_step")(ctypes.byref(args))
-    if code:
-        raise ValueError(f"the {name} step refused its arguments (code {code})")
+    if code:  # (-1: a geometry past the kernel's limits, -2: a variant this CPU lacks)
+        raise KernelError(f"the {name} kernel cannot run this layer (code {code}: "
+                          f"{'its shape' if code == -1 else 'this CPU'}); run with --kernel-isa base or report it")
 
 
 def deltanet_step(p: torch.Tensor, conv: torch.Tensor, conv_w: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor,

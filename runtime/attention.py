@@ -323,6 +323,9 @@ def gates_last(cfg: ModelConfig, layer: int, a: Attention) -> Attention:
     queries, gates = (head + torch.arange(d)).flatten(), (head + d + torch.arange(d)).flatten()
     order = torch.cat([queries, torch.arange(2 * hq * d, 2 * hq * d + 2 * kv), gates])
     bias = None if a.qkv_bias is None else a.qkv_bias[order.to(a.qkv_bias.device)]
+    if isinstance(a.qkv, list):  # q, k and v of different formats (a GGUF file's mix): q's rows split, gates last
+        q, k, v = a.qkv
+        return replace(a, qkv=[rows_in(q, queries), k, v, rows_in(q, gates)], qkv_bias=bias)  # type: ignore[list-item]
     return replace(a, qkv=rows_in(a.qkv, order), qkv_bias=bias)
 
 

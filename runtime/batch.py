@@ -263,6 +263,8 @@ class BatchEngine:
         row, fed = free.pop(best), reusable[best]
         if self.reuse and self.store is not None:
             fed = self.store.take(self.model.cache, row, history[:n], long, fed)
+        if self.model.recurrent and fed > 0:  # where the reused part ends: an edited last message takes up there
+            self.model.cache.mark(row, fed)  # type: ignore[union-attr]
         seq = _Sequence(request, row, history, n, min(request.params.max_new_tokens, context - n), generator,
                         long=long, joined=time.perf_counter(), fed=fed, cached=fed)
         if self.reuse:
@@ -318,7 +320,7 @@ class BatchEngine:
                 self.stats.prompt_tokens += take
             s.fed += take
             if recurrent and prompt and s.fed == s.pos - 1:
-                self.model.cache.mark(s.row)  # type: ignore[union-attr]
+                self.model.cache.mark(s.row, s.fed)  # type: ignore[union-attr]
         self.stats.steps += 1
         self.stats.busiest = max(self.stats.busiest, len(chosen))
         self._take_shares(active)

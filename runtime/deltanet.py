@@ -206,9 +206,15 @@ class GatedDeltaNet(RecurrentMixer):
             proj = load.projections([f"{prefix}.in_proj_qkvz.weight", f"{prefix}.in_proj_ba.weight"],
                                     [2 * key + 2 * value, 2 * hv])
             proj = rows_in(proj, grouped_order(cfg))
-        else:
-            proj = load.projections([f"{prefix}.in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")],
-                                    [channels, value, hv, hv])
+        else:  # q, k, v and z apart from b and a: a GGUF file keeps the small b and a in F32 beside quantized rest,
+            # and the rest stays as stored rather than the four stacked as floats
+            names = [f"{prefix}.in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")]
+            main, small = load.projections(names[:2], [channels, value]), load.projections(names[2:], [hv, hv])
+            both = [main, small]
+            if all(isinstance(m, torch.Tensor) for m in both):
+                proj: Matrix = torch.cat([main, small.to(main.dtype)])  # type: ignore[union-attr, list-item]
+            else:  # (DenseLinear runs each and puts their outputs side by side)
+                proj = [m for part in both for m in (part if isinstance(part, list) else [part])]  # type: ignore[misc]
         conv = load.f32(f"{prefix}.conv1d.weight")
         return DeltaNetWeights(proj, conv.reshape(channels, cfg.conv_kernel), -load.f32(f"{prefix}.A_log").exp(),
                                load.f32(f"{prefix}.dt_bias"), load.f32(f"{prefix}.norm.weight"),

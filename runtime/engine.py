@@ -158,12 +158,16 @@ class Engine:
         # A recurrent state holds at one position: the one before the prompt's last token is marked, where a retry
         # or an edited last message takes up again (runtime/state.py), so the last token is a pass of its own.
         stop = n - 1 if self.model.recurrent and n - first > 1 else n
+        if self.model.recurrent and 0 < first < stop:  # (and where the reused part ends, when the state is there:
+            # an edited last message takes up there, the answer before it not read again)
+            for r in range(ids.shape[0]):
+                self.model.cache.mark(r, first)  # type: ignore[union-attr]
         for start in range(first, stop, chunk):
             logits = self.model.forward(ids[:, start : min(start + chunk, stop)], start, last_only=True,
                                         long=long)  # [R, 1, V]
         if stop < n:
             for r in range(ids.shape[0]):
-                self.model.cache.mark(r)  # type: ignore[union-attr]
+                self.model.cache.mark(r, stop)  # type: ignore[union-attr]
             logits = self.model.forward(ids[:, stop:], stop, last_only=True, long=long)
         return logits[:, -1]
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels.errors import UnsupportedModelError
 from tandem.runtime.accelerator import Accelerator
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.layer_kind import Loaders, Shape
@@ -102,7 +103,8 @@ class LatentCache:
         layers: Sequence[int] | None = None,
     ) -> None:
         if layers is not None and list(layers) != list(range(cfg.num_layers)):
-            raise ValueError("Multi-head Latent Attention beside other token mixers is not supported yet")
+            raise UnsupportedModelError("this model's layers mix Multi-head Latent Attention with other token "
+                                        "mixers; that is not supported yet")
         shape = (cfg.num_layers, batch, context, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         self.latent = torch.empty(shape, dtype=dtype) if accel is None else accel.empty(shape, dtype, "the KV cache")
         self.context = context

@@ -37,6 +37,8 @@ class RowState(Protocol):
 
     def usable(self, r: int, n: int) -> int: ...  # the most of row r's first n positions a pass can start after
 
+    def holds(self, r: int, n: int) -> bool: ...  # whether row r's state is that of its first n positions
+
 
 class HeldTokens:
     """The token ids each row of a KV cache holds: `ids` [batch, context], the first `length[r]` of row r valid,
@@ -181,7 +183,7 @@ class PrefixStore:
         if n - keep < max(SAVE_LEAST, n // 2) or (self.budget <= 0 and self.disk is None):
             return
         state = cache.held.state
-        if state is not None and state.usable(row, n) != n:  # (its recurrent state is elsewhere)
+        if state is not None and not state.holds(row, n):  # (its recurrent state is elsewhere)
             return
         tokens = cache.held.ids[row, :n].clone()
         long = bool(cache.held.long[row])
@@ -207,7 +209,7 @@ class PrefixStore:
         with it (a chat app closing)."""
         n = cache.held.held(row)
         state = cache.held.state
-        if self.disk is None or n < SAVE_LEAST or (state is not None and state.usable(row, n) != n):
+        if self.disk is None or n < SAVE_LEAST or (state is not None and not state.holds(row, n)):
             return
         parts = tuple(_to_host(p) for p in cache.snapshot(row, n))
         self.disk.keep(cache.held.ids[row, :n].clone(), bool(cache.held.long[row]), parts, positioned(cache, parts))

@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import torch
 
+from tandem.kernels.errors import UnsupportedModelError
 from tandem.runtime.accelerator import Accelerator
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.prefix import HeldTokens
@@ -69,55 +70,74 @@ class StateCache:
 
     def rewind(self, r: int, start: int) -> None:
         """Row r is about to read positions start..: its state made that of `start` (zeros at 0, a mark's copy),
-        the marks past it dropped. The row has no state meanwhile: a pass that fails leaves none."""
+        the marks past it dropped. The row has no state while the pass runs (`advance` gives it its end): a pass that
+        fails halfway, some layers' state updated and some not, leaves none."""
         marks = self.marks[r]
         for p in [p for p in marks if p > start]:
             del marks[p]
         at = int(self.at[r])
         self.at[r] = -1
-        if start == at:
-            pass
-        elif start == 0:
+        if start == 0:
             for t in self.tensors.values():
                 t[:, r].zero_()
-        elif start in marks:
+        elif start in marks and start != at:
             for t, kept in zip(self.tensors.values(), marks[start], strict=True):
                 t[:, r].copy_(kept)
-        else:
+        elif start != at:
             raise NoStateError(f"row {r} has no recurrent state at position {start} (it is at {at}); the prompt "
                                "must be read again from the start")
-        self.at[r] = start
 
     def advance(self, r: int, end: int) -> None:
         """A pass left row r's state at position `end`."""
         self.at[r] = end
 
-    def mark(self, r: int) -> None:
-        """A copy of row r's state where it is, kept (the oldest mark dropped past MARKS)."""
+    def holds(self, r: int, n: int) -> bool:
+        """Whether row r's state is that of its first n positions."""
+        return int(self.at[r]) == n
+
+    def mark(self, r: int, position: int) -> None:
+        """A copy of row r's state, where it is that of `position` (else nothing), kept in RAM (on an accelerator
+        too: its memory is the weights' and the caches'), the oldest mark dropped past MARKS."""
         at = int(self.at[r])
-        if at <= 0:
+        if at <= 0 or at != position:
             return
         marks = self.marks[r]
-        marks[at] = tuple(t[:, r].clone() for t in self.tensors.values())
+        marks[at] = tuple(t[:, r].to("cpu", copy=True) for t in self.tensors.values())
         while len(marks) > MARKS:
             del marks[min(marks)]
 
     # what the engine, beams and the prefix store ask of a cache (as of attention.KVCache)
     def copy_rows(self, pairs: list[tuple[int, int]], length: int) -> None:
-        """For each (dst, src), row dst takes row src's state where `length` is its position (else none), and
-        its marks up to `length`."""
+        """For each (dst, src), row dst takes row src's first `length` positions: its state where `length` is its
+        position, and its marks up to `length`; where src's state is elsewhere (a batch leader's chunk ends past
+        what a follower shares), dst keeps its own state and marks if its tokens up to there are src's. Then the
+        record of the tokens, as every cache's `copy_rows` copies it."""
+        if {d for d, _ in pairs} & {s for _, s in pairs}:
+            raise ValueError("copy_rows: a row cannot be both a source and a destination")
+        held = self.held
         for d, s in pairs:
-            same = int(self.at[s]) == length
-            for t in self.tensors.values():
-                if same:
+            theirs = {p: m for p, m in self.marks[s].items() if p <= length}
+            if int(self.at[s]) == length:
+                for t in self.tensors.values():
                     t[:, d].copy_(t[:, s])
-            self.at[d] = length if same else -1
+                self.at[d] = length
+                self.marks[d].clear()
+                self.marks[d].update(theirs)
+                continue
+            shared = min(length, held.held(d), held.held(s))  # (dst's own positions that src's tokens keep)
+
+            def same(p: int, d: int = d, s: int = s, shared: int = shared) -> bool:
+                return 0 <= p <= shared and bool((held.ids[d, :p] == held.ids[s, :p]).all())
+            if not same(int(self.at[d])):
+                self.at[d] = -1
+            kept = {p: m for p, m in self.marks[d].items() if same(p)}
             self.marks[d].clear()
-            self.marks[d].update({p: m for p, m in self.marks[s].items() if p <= length})
+            self.marks[d].update(kept | theirs)
+        held.copy_rows(pairs, length)
 
     def snapshot(self, row: int, n: int) -> tuple[torch.Tensor, ...]:
         """Row `row`'s state (views) as of its first n positions: only where it is."""
-        if int(self.at[row]) != n:
+        if not self.holds(row, n):
             raise NoStateError(f"row {row}'s recurrent state is at position {int(self.at[row])}, not {n}")
         return tuple(t[:, row] for t in self.tensors.values())
 
@@ -172,7 +192,8 @@ class LayerCaches:
             layers.setdefault(kinds.mixer.cache, []).append(i)
         states = [kind for kind in layers if issubclass(kind, StateCache)]
         if len(states) > 1:
-            raise ValueError("a model whose layers keep two kinds of recurrent state is not supported yet")
+            raise UnsupportedModelError("this model's layers keep two kinds of recurrent state "
+                                        f"({', '.join(sorted(k.kind for k in states))}); that is not supported yet")
         self.parts = {kind: kind(cfg, batch, context, dtype, accel, layers=at) for kind, at in layers.items()}
         self.batch, self.context = batch, context
         self.held = HeldTokens(batch, context)
@@ -190,12 +211,13 @@ class LayerCaches:
     def part(self, kind: type) -> object:
         return self.parts[kind]
 
-    def mark(self, r: int) -> None:
+    def mark(self, r: int, position: int) -> None:
         if self.state is not None:
-            self.state.mark(r)
+            self.state.mark(r, position)
 
     def copy_rows(self, pairs: list[tuple[int, int]], length: int) -> None:
-        for p in self.parts.values():
+        """Each part's copy, the recurrent state's first (it reads the record before the others copy it)."""
+        for p in sorted(self.parts.values(), key=lambda p: not isinstance(p, StateCache)):
             p.copy_rows(pairs, length)  # (each copies the shared record too: the same copy again)
 
     def snapshot(self, row: int, n: int) -> tuple[torch.Tensor, ...]:

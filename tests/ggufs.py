@@ -268,12 +268,14 @@ def random_blocks(name: str, shape: tuple[int, ...], qtype: str, seed: int) -> n
 
 def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: int = 0,
                given: dict[str, np.ndarray] | None = None, mix: dict[str, str] | None = None,
-               file_type: str | None = None, split_kv_b: bool = True) -> dict[str, np.ndarray]:
+               file_type: str | None = None, split_kv_b: bool = True, omit: tuple[str, ...] = ()
+               ) -> dict[str, np.ndarray]:
     """`folder` (a tiny Hugging Face checkpoint with a BPE tokenizer.json) as a GGUF file: 2-D and 3-D weights in
     `qtype` (F32, F16, a block format the gguf package quantizes to, or a K format as random blocks), norms and
     biases in F32, as llama.cpp keeps them; `given` replaces tensors by name; `mix` gives the tensors whose GGUF
     name contains a key that key's type instead (Q4_K_M: {"ffn_down": "Q6_K", "attn_v": "Q6_K"}); `file_type`
-    names the whole file's (general.file_type, as llama.cpp's LlamaFileType: "MOSTLY_Q4_K_M"). Returns the float32
+    names the whole file's (general.file_type, as llama.cpp's LlamaFileType: "MOSTLY_Q4_K_M"); `omit`: metadata
+    keys left out (as older converters did). Returns the float32
     values each tensor holds (dequantized by the gguf package's reference)."""
     import gguf
 
@@ -402,7 +404,8 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", split_max_tensors: i
         writer.add_ssm_group_count(cfg.linear_key_heads)
         writer.add_ssm_time_step_rank(cfg.linear_value_heads)
         writer.add_ssm_inner_size(cfg.linear_value_dim * cfg.linear_value_heads)
-        writer.add_array(f"{arch}.attention.recurrent_layers", [m == "deltanet" for m in cfg.mixers])
+        if "recurrent_layers" not in omit:  # (older converters wrote only the interval)
+            writer.add_array(f"{arch}.attention.recurrent_layers", [m == "deltanet" for m in cfg.mixers])
         writer.add_full_attention_interval(4)
         writer.add_rope_dimension_count(cfg.rotary_dim)
     if arch == "lfm2moe":  # as the converter's LFM2MoeModel writes it

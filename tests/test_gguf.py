@@ -84,6 +84,27 @@ def test_qwen3_next_blocks_pick_b_and_a_rows_as_floats_do(hf_checkpoints: dict[s
     assert (logits(tmp_path / "q8.gguf") - logits(floats)).abs().max().item() <= 1e-4
 
 
+def test_qwen3_next_files_without_each_layers_kind_read_the_interval(tmp_path: Path) -> None:
+    """A file without `attention.recurrent_layers` (older converters) has every fourth layer attend, as llama.cpp
+    reads it."""
+    from tests.conftest import build_hf_checkpoint
+
+    folder = build_hf_checkpoint(tmp_path / "m", "qwen3_next", {
+        "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"]})
+    write_gguf(folder, tmp_path / "m.gguf", omit=("recurrent_layers",))
+    assert (logits(tmp_path / "m.gguf") - logits(folder)).abs().max().item() <= 1e-5
+
+
+def test_gated_attention_of_mixed_block_formats_runs_as_their_values(hf_checkpoints: dict[str, Path],
+                                                                     tmp_path: Path) -> None:
+    """attn_q, attn_k and attn_v in different block formats (as a Q4_K_M file mixes them): the gated q's rows split
+    into queries and gates as blocks, giving what the same file's values as floats give."""
+    folder = hf_checkpoints["qwen3_5_moe_text"]
+    held = write_gguf(folder, tmp_path / "mix.gguf", mix={"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q4_0"})
+    write_gguf(folder, tmp_path / "floats.gguf", given=held)
+    assert (logits(tmp_path / "mix.gguf") - logits(tmp_path / "floats.gguf")).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("split_kv_b", [True, False])
 def test_deepseek_files_with_yarn_and_either_kv_b_run_as_their_checkpoint(tmp_path: Path, split_kv_b: bool) -> None:
     """DeepSeek-V2 with q_lora, groups and YaRN, as llama.cpp writes it: kv_b_proj split into attn_k_b and attn_v_b

@@ -130,10 +130,11 @@ def test_a_row_has_no_state_where_no_pass_ended(hf_checkpoints: dict[str, Path],
 
 
 @pytest.mark.parametrize("case", ONE_OF_EACH)
-def test_the_mark_before_the_last_token_serves_a_retry_and_an_edited_last_message(
+def test_the_marks_serve_a_retry_and_an_edited_last_message(
         hf_checkpoints: dict[str, Path], case: str) -> None:
     model = load_model(hf_checkpoints[case], dtype="fp32").model
-    reusing, whole = Engine(model, (), reuse=True), Engine(model, ())
+    # (the whole prompt's answers from a model of their own: a pass from the start drops a row's marks)
+    reusing, whole = Engine(model, (), reuse=True), Engine(load_model(hf_checkpoints[case], dtype="fp32").model, ())
     stats = GenerationStats()
     first = LONG[:40]
     answer = list(reusing.generate(first, GREEDY, stats))
@@ -142,9 +143,12 @@ def test_the_mark_before_the_last_token_serves_a_retry_and_an_edited_last_messag
     assert stats.cached_tokens == len(first) + len(answer) - 1
     again = list(reusing.generate(follow, GREEDY, stats))  # a retry: the mark before its last token
     assert stats.cached_tokens == len(follow) - 1 and again == list(whole.generate(follow, GREEDY))
-    edited = follow[:-1] + [55]  # its last message edited: the same mark
+    edited = follow[:-1] + [55]  # its last token edited: the same mark
     got = list(reusing.generate(edited, GREEDY, stats))
     assert stats.cached_tokens == len(follow) - 1 and got == list(whole.generate(edited, GREEDY))
+    message = follow[:-3] + [66, 66, 66]  # its last message edited: the mark where the turn began
+    got = list(reusing.generate(message, GREEDY, stats))
+    assert stats.cached_tokens == len(first) + len(answer) - 1 and got == list(whole.generate(message, GREEDY))
     earlier = follow[:30] + [1, 2, 3]  # further back than any mark: prefilled whole
     got = list(reusing.generate(earlier, GREEDY, stats))
     assert stats.cached_tokens == 0 and got == list(whole.generate(earlier, GREEDY))
@@ -349,3 +353,40 @@ def test_a_server_retry_and_an_edited_last_message_take_up_at_the_mark(hf_checkp
     assert again == (first[0], len(prompt) - 1)
     edited = prompt[:-1] + [7]
     assert run("c", edited) == (list(alone.generate(edited, GREEDY)), len(prompt) - 1)
+
+
+def test_a_follower_takes_up_at_a_mark_when_its_leaders_state_is_past_the_share(
+        hf_checkpoints: dict[str, Path]) -> None:
+    """Requests join rows holding marks inside the system prompt they share; the leader's state ends past the share,
+    so its copy brings keys and marks but not its state: the follower takes up at a mark both rows' tokens agree on
+    and answers as the engine alone does."""
+    model = load_model(hf_checkpoints["qwen3_next"], dtype="fp32", batch=2).model
+    engine = BatchEngine(model, (), 2, step_tokens=16, reuse=True)
+    system = LONG[:40]
+    # both rows marked inside the system prompt (at 19 and 20): whichever row the follower joins holds one
+    list(engine.run([BatchRequest("x", system[:20], GREEDY), BatchRequest("y", system[:20] + [5], GREEDY)]))
+    prompts = {"a": system + [1, 2], "c": system + [3]}
+    done = {e.result.key: e.result for e in engine.run([BatchRequest(k, p, GREEDY) for k, p in prompts.items()])
+            if isinstance(e, DoneEvent)}
+    alone = Engine(load_model(hf_checkpoints["qwen3_next"], dtype="fp32").model, ())
+    assert {k: r.tokens for k, r in done.items()} == {k: list(alone.generate(p, GREEDY)) for k, p in prompts.items()}
+    assert max(r.cached for r in done.values()) >= 19
+
+
+def test_a_pass_that_fails_halfway_leaves_the_row_without_a_state(hf_checkpoints: dict[str, Path],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some layers' state updated, then an error (an accelerator out of memory): the row claims no state, so no
+    later pass takes up on the half-updated one, and a prompt from the start runs on zeros."""
+    model = load_model(hf_checkpoints["qwen3_next-dense-bias"], dtype="fp32").model
+    model.forward(torch.tensor([LONG[:20]]), 0)
+    kinds = [k.mixer for k in model.plan]
+    mixer = kinds[3]  # (the second DeltaNet layer: the first one's state is updated by then)
+    monkeypatch.setattr(type(mixer), "forward", lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError()))
+    with pytest.raises(Exception, match="out of memory"):
+        model.forward(torch.tensor([LONG[20:25]]), 20)
+    monkeypatch.undo()
+    with pytest.raises(NoStateError):
+        model.forward(torch.tensor([LONG[20:25]]), 20)
+    fresh = load_model(hf_checkpoints["qwen3_next-dense-bias"], dtype="fp32").model
+    ids = torch.tensor([LONG[:25]])
+    assert torch.equal(model.forward(ids, 0), fresh.forward(ids, 0))

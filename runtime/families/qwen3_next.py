@@ -76,8 +76,16 @@ def hybrid_gguf_config(meta: Meta, arch: str, vocab: int) -> dict[str, Any]:
     all value dims; recurrent_layers each layer's kind)."""
     a = arch
     out = common_config(meta, a, vocab)
+    blocks = out["num_hidden_layers"]
+    out["num_hidden_layers"] -= read_int(meta, f"{a}.nextn_predict_layers", 0)  # (its multi-token prediction
+    # layers, counted in block_count: not run, as transformers does not)
     layers, values = out["num_hidden_layers"], read_int(meta, f"{a}.ssm.time_step_rank", bound="linear_num_value_heads")
-    recurrent = per_layer(meta, f"{a}.attention.recurrent_layers", layers, bool)
+    if f"{a}.attention.recurrent_layers" in meta:  # (newer converters write each layer's kind; llama.cpp otherwise
+        # takes every full_attention_interval-th layer as attention)
+        recurrent = per_layer(meta, f"{a}.attention.recurrent_layers", blocks, bool)[:layers]
+    else:
+        interval = read_int(meta, f"{a}.full_attention_interval", 4, "decoder_sparse_step")
+        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
     head = out.get("head_dim") or out["hidden_size"] // out["num_attention_heads"]
     return out | {
         "num_experts": read_int(meta, f"{a}.expert_count", bound="num_experts"),
