@@ -99,7 +99,10 @@ def write_test_model(
                             if cfg.sparse_layers[i])
         skew = Skew(common / common.norm(), routing_skew, router_scale, routers) \
             if routing_skew or router_scale != 1.0 else None
-        _write_shards(tmp, shapes, gen, dtype, shard_bytes, std, skew)
+        # zero-centred norms (Qwen3-Next's: they multiply by 1 + weight) stored near 0, so that they multiply by about
+        # one as trained ones do, not two
+        centred = {n for n in shapes if cfg.norm_offset and (n.endswith(ZERO_CENTRED) or n == "model.norm.weight")}
+        _write_shards(tmp, shapes, gen, dtype, shard_bytes, std, skew, frozenset(centred), 1.0 - cfg.norm_offset)
         write_tokenizer(tmp, min(cfg.vocab_size, 2048))
         tmp.rename(out)
     except BaseException:
@@ -127,8 +130,11 @@ def _packed(name: str) -> bool:
     return name.endswith(("_blocks", "_scales"))
 
 
+ZERO_CENTRED = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight")
+
+
 def _random(shape: tuple[int, ...], name: str, gen: torch.Generator, dtype: torch.dtype, std: float,
-            skew: Skew | None = None) -> torch.Tensor:
+            skew: Skew | None = None, centre: float = 1.0) -> torch.Tensor:
     if name.endswith("_blocks"):
         return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
     if name.endswith("_scales"):
@@ -136,7 +142,7 @@ def _random(shape: tuple[int, ...], name: str, gen: torch.Generator, dtype: torc
         return torch.randint(e - 1, e + 2, shape, generator=gen, dtype=torch.uint8)
     if "norm" in name or name.endswith(("layer_scalar", ".scale", "per_expert_scale")):  # RMSNorm weights and
         # Gemma's scales near one, as after training
-        return (1 + 0.1 * torch.randn(shape, generator=gen)).to(dtype)
+        return (centre + 0.1 * torch.randn(shape, generator=gen)).to(dtype)
     w = torch.randn(shape, generator=gen) * std
     if skew is not None:
         common, strength, scale, routers = skew
@@ -152,7 +158,7 @@ def _random(shape: tuple[int, ...], name: str, gen: torch.Generator, dtype: torc
 
 def _write_shards(
     out: Path, shapes: dict[str, tuple[int, ...]], gen: torch.Generator, dtype: torch.dtype, limit: int, std: float,
-    skew: Skew | None = None,
+    skew: Skew | None = None, centred: frozenset[str] = frozenset(), centre: float = 1.0,
 ) -> None:
     item = torch.empty((), dtype=dtype).element_size()
 
@@ -171,7 +177,7 @@ def _write_shards(
     weight_map: dict[str, str] = {}
     for i, names in enumerate(groups):
         file = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        tensors = {n: _random(shapes[n], n, gen, dtype, std, skew) for n in names}
+        tensors = {n: _random(shapes[n], n, gen, dtype, std, skew, centre if n in centred else 1.0) for n in names}
         try:
             save_file(tensors, str(out / file), metadata={"format": "pt"})
         except SafetensorError as e:  # safetensors reports a failed write (a full disk) as its own error

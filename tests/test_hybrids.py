@@ -390,3 +390,16 @@ def test_a_pass_that_fails_halfway_leaves_the_row_without_a_state(hf_checkpoints
     fresh = load_model(hf_checkpoints["qwen3_next-dense-bias"], dtype="fp32").model
     ids = torch.tensor([LONG[:25]])
     assert torch.equal(model.forward(ids, 0), fresh.forward(ids, 0))
+
+
+def test_random_checkpoints_of_zero_centred_norms_multiply_by_about_one(tmp_path: Path) -> None:
+    """make-bench-model and make-test-model store Qwen3-Next's and Qwen3.5's norms near 0 (they multiply by
+    1 + weight), the Gated DeltaNet's own norm near 1 (it multiplies by its weight): as trained ones, not twice."""
+    from tandem.runtime.checkpoint import open_checkpoint
+    from tandem.runtime.synth import tiny_config, write_test_model
+
+    ckpt = open_checkpoint(write_test_model(tmp_path / "m", tiny_config("qwen3_next")))
+    assert abs(ckpt.tensor("model.layers.0.input_layernorm.weight").mean().item()) < 0.1
+    assert abs(ckpt.tensor("model.norm.weight").mean().item()) < 0.1
+    assert abs(ckpt.tensor("model.layers.1.self_attn.q_norm.weight").mean().item()) < 0.1
+    assert abs(ckpt.tensor("model.layers.0.linear_attn.norm.weight").mean().item() - 1) < 0.1
