@@ -259,7 +259,7 @@ def test_the_argument_structures_match_the_compiled_ones() -> None:
 
     lib = library()
     sizes = struct_sizes(lib)
-    assert len(sizes) == 6 and lib.tk_struct_size(6) == 0
+    assert len(sizes) == 9 and lib.tk_struct_size(9) == 0
     for struct, size in sizes:
         assert ctypes.sizeof(struct) == size > 0, struct.__name__
 
