@@ -7,15 +7,33 @@ a parallel region keeps its workers until it exits. So a thread that loaded a mo
 server's main thread) held a worker beside the one the answering thread's kernels use: on 2 cores that is one too
 many, and the decode step (about 180 regions a token on the built-in model) ran 15 % slower on any thread but the
 one that loaded. A thread done with a load or an answer calls `release_thread_pool`; its next region starts them
-again (a thread's creation, once)."""
+again (a thread's creation, once).
+
+And how long a waiting worker spins before it sleeps: libgomp's default, unless a policy is chosen, is 300,000 spins
+while a thread's pool fits the CPUs. Where another program holds a core (a browser, a build, a shared machine), a
+spinning waiter keeps the core its partner needs to finish the region both wait on, and every region pays a time
+slice: decode of the 4-layer OLMoE Q4_K_M file on 2 cores fell from 46 to 7.8 tokens/s beside one `yes`, and prefill
+from 137 to 20. 10,000 spins (`wait_environment`, set by the command line before torch loads the runtime) decoded at
+22 and prefilled at 62 there, and on the quiet machine as fast as before (49 against 46 tokens/s); sleeping at once
+(OMP_WAIT_POLICY=passive) gave 24 and 46 (docs/bench/openmp-waits.md)."""
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: the runtime may release this thread's resources; state is kept
+WAIT_SPINS = 10_000  # GOMP_SPINCOUNT: spins of a waiting worker before it sleeps (the module's docstring says why)
+
+
+def wait_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variable that bounds how long OpenMP's waiting workers spin, to set before torch loads the runtime (read
+    once, when libgomp loads); nothing where the user chose (OMP_WAIT_POLICY or GOMP_SPINCOUNT set: theirs wins)."""
+    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return {}
+    return {"GOMP_SPINCOUNT": str(WAIT_SPINS)}
 
 
 @cache

@@ -33,6 +33,7 @@ from tandem.kernels.quant import QuantizedMatrix
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.gguf_header import GGUFArray, TensorEntry, open_regular, read_header
 from tandem.runtime.gguf_meta import Meta, read_float, read_text
+from tandem.runtime.gguf_source import Source
 from tandem.runtime.safetensors_mmap import TensorInfo
 
 if TYPE_CHECKING:
@@ -47,23 +48,6 @@ TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer
                     "tokenizer.ggml.scores")
 GGUF_MAGIC = b"GGUF"  # a GGUF file's first bytes
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where a Hugging Face tensor lies in the GGUF: its tensor, the expert's index in a stacked one (or None),
-    whether its rows are llama.cpp's RoPE order (q or k of a `llama` model: `heads` to undo it with), and for
-    DeepSeek's kv_b_proj, whether it was split into attn_k_b (each head's k rows, transposed) and attn_v_b."""
-
-    name: str
-    expert: int | None = None
-    heads: int = 0
-    kv_b: str | None = None  # DeepSeek's kv_b_proj split by llama.cpp: `name` is attn_k_b, this attn_v_b
-    fused: str | None = None  # gpt-oss's fused experts made from the layer's three (see GGUFFile.tensor)
-    rows: tuple[int, int] | None = None  # these rows of the expert's matrix: gate's or up's of ffn_gate_up_exps
-    pick: tuple[int, ...] | None = None  # these rows of the tensor, in this order (Qwen3-Next's b and a of ssm_ba)
-    value: str | None = None  # what the converter did to the values, undone: "less_one" (zero-centred norms stored
-    # plus one), "log_neg" (Mamba's and Gated DeltaNet's A stored as -exp(A_log))
 
 
 def is_gguf(path: Path) -> bool:

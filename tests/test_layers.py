@@ -49,6 +49,14 @@ def test_importing_packages_has_no_side_effects() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_the_command_lines_flags_load_no_torch() -> None:
+    """Every command's parser (its flags' choices list the families and their bench shapes) is built without torch:
+    `tandem --help` answers at once, and what the command line sets for torch's runtime comes before torch."""
+    code = ("import sys, tandem.app.cli.main as m\nm.build_parser()\n"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
 def test_import_names_cannot_be_shadowed(tmp_path: Path) -> None:
     """Another distribution's top-level `kernels` (Hugging Face's kernel hub) or `app` on the path changes nothing:
     Tandem's code imports only `tandem.*`, and the other package stays what it is."""

@@ -8,13 +8,15 @@ new ones, one that finds them kept starts none."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from tandem.kernels.openmp import release_thread_pool
+from tandem.kernels.openmp import WAIT_SPINS, release_thread_pool, wait_environment
 from tandem.runtime.loader import load_model
 from tandem.runtime.sampling import SamplingParams
 
@@ -93,3 +95,29 @@ def test_a_thread_that_loaded_or_answered_keeps_no_workers(mixtral_dir: Path) ->
         return {"load": bool(after_load), "answer": bool(after_answer), "control": bool(kept)}
 
     assert _in_a_thread(run) == {"load": True, "answer": True, "control": False}
+
+
+def test_waiting_workers_spin_briefly_unless_the_user_chose() -> None:
+    assert wait_environment({}) == {"GOMP_SPINCOUNT": str(WAIT_SPINS)}
+    assert wait_environment({"OMP_WAIT_POLICY": "active"}) == {}  # the user's policy, as it is
+    assert wait_environment({"GOMP_SPINCOUNT": "300000"}) == {}
+
+
+def test_the_command_line_bounds_the_spin_before_torch_loads_openmp() -> None:
+    """libgomp reads its variables once, when torch loads it: the command line sets them before anything imports
+    torch (a family's file imported for the flags' choices once did, and the setting came too late)."""
+    code = (
+        "import os, sys\n"
+        "os.environ.pop('OMP_WAIT_POLICY', None); os.environ.pop('GOMP_SPINCOUNT', None)\n"
+        "import tandem.app.cli.main as m\n"
+        "seen = []\n"
+        "def apply(apply=m._apply_cpu_mask):\n"
+        "    seen.append('torch' in sys.modules)\n"
+        "    apply()\n"
+        "m._apply_cpu_mask = apply\n"
+        "assert m.main(['probe', '--json']) == 0\n"
+        "assert seen == [False], seen\n"
+        f"assert os.environ['GOMP_SPINCOUNT'] == '{WAIT_SPINS}'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env, stdout=subprocess.DEVNULL)

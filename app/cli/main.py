@@ -446,8 +446,10 @@ def _probe(args: argparse.Namespace) -> int:
 
 def _apply_cpu_mask() -> None:
     """TANDEM_CPU_FEATURES: refuse a mask that cannot be read, and cap torch's own kernels at the masked CPU (torch
-    reads its variables at its first operation, which has not run yet; a value the user set wins)."""
+    reads its variables at its first operation, which has not run yet; a value the user set wins); and OpenMP's
+    waiting workers' spin bounded, before torch loads the runtime."""
     from tandem.kernels.isa import masked_features, torch_isa_environment
+    from tandem.kernels.openmp import wait_environment
 
     try:
         removed = masked_features()
@@ -455,6 +457,7 @@ def _apply_cpu_mask() -> None:
         raise TandemError(str(e)) from None
     for name, value in torch_isa_environment(removed).items():
         os.environ.setdefault(name, value)
+    os.environ.update(wait_environment(os.environ))  # (before torch loads OpenMP: kernels/openmp.py)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,8 +14,8 @@ from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.families import BenchShape, FamilySpec, GGUFArch
 from tandem.runtime.families.granitemoe import MUP, granite_fields
-from tandem.runtime.gguf import Source
 from tandem.runtime.gguf_meta import Meta, common_config, per_layer, read_flag, read_float, read_int
+from tandem.runtime.gguf_source import Source
 
 MIXER = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "attention", "full_attention": "attention"}
 

@@ -16,8 +16,8 @@ from typing import Any
 from tandem.kernels.errors import CheckpointError, UnsupportedModelError
 from tandem.runtime.config import ModelConfig, decoder_fields, dense_first_pattern, require
 from tandem.runtime.families import BenchShape, FamilySpec, GGUFArch
-from tandem.runtime.gguf import Source
 from tandem.runtime.gguf_meta import Meta, common_config, per_layer, read_float, read_int
+from tandem.runtime.gguf_source import Source
 
 MIXER = {"conv": "shortconv", "full_attention": "attention"}
 

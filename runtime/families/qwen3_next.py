@@ -18,8 +18,8 @@ from tandem.kernels.errors import CheckpointError
 from tandem.runtime.config import ModelConfig, decoder_fields, require, sparse_layer_pattern
 from tandem.runtime.families import BenchShape, FamilySpec, GGUFArch
 from tandem.runtime.families.glm4_moe import rotary_dim
-from tandem.runtime.gguf import Source
 from tandem.runtime.gguf_meta import Meta, common_config, per_layer, read_int
+from tandem.runtime.gguf_source import Source
 
 MIXER = {"linear_attention": "deltanet", "full_attention": "attention"}
 
