@@ -12,10 +12,9 @@ again (a thread's creation, once).
 And how long a waiting worker spins before it sleeps: libgomp's default, unless a policy is chosen, is 300,000 spins
 while a thread's pool fits the CPUs. Where another program holds a core (a browser, a build, a shared machine), a
 spinning waiter keeps the core its partner needs to finish the region both wait on, and every region pays a time
-slice: decode of the 4-layer OLMoE Q4_K_M file on 2 cores fell from 46 to 7.8 tokens/s beside one `yes`, and prefill
-from 137 to 20. 10,000 spins (`wait_environment`, set by the command line before torch loads the runtime) decoded at
-22 and prefilled at 62 there, and on the quiet machine as fast as before (49 against 46 tokens/s); sleeping at once
-(OMP_WAIT_POLICY=passive) gave 24 and 46 (docs/bench/openmp-waits.md)."""
+slice: beside one `yes` on 2 cores, decode of the 4-layer OLMoE Q4_K_M file fell from 44 to 7-18 tokens/s and
+prefill from 147 to 31-59. With 10,000 spins (`wait_environment`, set by the command line before torch loads the
+runtime) it decoded at 22 and prefilled at 75 there, and on the quiet machine as before (docs/bench/openmp-waits.md)."""
 
 from __future__ import annotations
 
