@@ -147,10 +147,15 @@ class LayerArgs(ctypes.Structure):
         ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
         ("k_norm", ctypes.c_void_p), ("h", ctypes.c_void_p), ("hf", ctypes.c_void_p), ("qkv_out", ctypes.c_void_p),
         ("attend_out", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p), ("router_bias", ctypes.c_void_p),
-        ("o_bias", ctypes.c_void_p), ("qkv", LinearArgs * 3), ("o", LinearArgs), ("router", LinearArgs),
+        ("o_bias", ctypes.c_void_p), ("qkv", LinearArgs * 4), ("o", LinearArgs), ("router", LinearArgs),
         ("attend", AttendArgs), ("moe", MoeArgs), ("f32", ctypes.c_int), ("correction", ctypes.c_void_p),
         ("ffn", ctypes.c_int), ("mlp_inter", ctypes.c_int), ("mlp", LinearArgs * 3), ("mlp_gate", ctypes.c_void_p),
         ("mlp_up", ctypes.c_void_p), ("mlp_out", ctypes.c_void_p), ("mlp_h", ctypes.c_void_p),
+        ("shared_gate", ctypes.c_void_p), ("residual", ctypes.c_float), ("qkv_rows", ctypes.c_int),
+        ("attn_gate", ctypes.c_int), ("mixer", ctypes.c_int), ("n_proj", ctypes.c_int), ("proj_rows", ctypes.c_int),
+        ("mix_inner", ctypes.c_int), ("proj", LinearArgs * 4), ("proj_bias", ctypes.c_void_p),
+        ("mix_p", ctypes.c_void_p), ("mix_pf", ctypes.c_void_p), ("mix_out", ctypes.c_void_p),
+        ("recur", ctypes.c_void_p),
     ]
 
 

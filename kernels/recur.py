@@ -38,21 +38,39 @@ def _call(name: str, args: ctypes.Structure) -> None:
                           f"{'its shape' if code == -1 else 'this CPU'}); run with --kernel-isa base or report it")
 
 
+def deltanet_args(p: torch.Tensor, conv: torch.Tensor, conv_w: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor,
+                  norm_w: torch.Tensor, ssm: torch.Tensor, key_heads: int, key_dim: int, eps: float, tiled: bool,
+                  threads: int, work: torch.Tensor, out: torch.Tensor) -> DeltaNetArgs:
+    """`deltanet_step`'s call, planned (work [B, C] and out [B, Hv Dv] given; every tensor kept alive by the
+    caller): the one-call decode step (runtime/decode_step.py) runs it from C."""
+    B, hv, _, dv = ssm.shape
+    isa = ATTEND_ISAS.index(attend_isa())  # type: ignore[arg-type]
+    return DeltaNetArgs(B, key_heads, hv, key_dim, dv, conv_w.shape[1], int(tiled), threads, isa, eps, p.stride(0),
+                        _ptr(p), _ptr(conv_w), _ptr(A), _ptr(dt_bias), _ptr(norm_w), _ptr(conv), _ptr(ssm),
+                        _ptr(work), _ptr(out))
+
+
 def deltanet_step(p: torch.Tensor, conv: torch.Tensor, conv_w: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor,
                   norm_w: torch.Tensor, ssm: torch.Tensor, key_heads: int, key_dim: int, eps: float, tiled: bool,
                   threads: int) -> torch.Tensor:
     """Gated DeltaNet: p [B, C + Hv Dv + 2 Hv], conv [B, C, K-1], conv_w [C, K], A and dt_bias [Hv], norm_w [Dv],
     ssm [B, Hv, Dk, Dv] -> out [B, Hv Dv]."""
     B, hv, _, dv = ssm.shape
-    channels = conv.shape[1]
-    work = torch.empty(B, channels)
-    out = torch.empty(B, hv * dv)
-    isa = ATTEND_ISAS.index(attend_isa())  # type: ignore[arg-type]
-    args = DeltaNetArgs(B, key_heads, hv, key_dim, dv, conv_w.shape[1], int(tiled), threads, isa, eps, p.stride(0),
-                        _ptr(p), _ptr(conv_w), _ptr(A), _ptr(dt_bias), _ptr(norm_w), _ptr(conv), _ptr(ssm), _ptr(work),
-                        _ptr(out))
-    _call("deltanet", args)
+    work, out = torch.empty(B, conv.shape[1]), torch.empty(B, hv * dv)
+    _call("deltanet", deltanet_args(p, conv, conv_w, A, dt_bias, norm_w, ssm, key_heads, key_dim, eps, tiled, threads,
+                                    work, out))
     return out
+
+
+def ssm_args(p: torch.Tensor, conv: torch.Tensor, conv_w: torch.Tensor, conv_b: torch.Tensor | None, A: torch.Tensor,
+             dt_bias: torch.Tensor, D: torch.Tensor, norm_w: torch.Tensor, ssm: torch.Tensor, groups: int,
+             dt_limit: tuple[float, float], eps: float, threads: int, work: torch.Tensor, out: torch.Tensor
+             ) -> SSMArgs:
+    """`ssm_step`'s call, planned (as `deltanet_args`)."""
+    B, heads, head_dim, state = ssm.shape
+    return SSMArgs(B, heads, head_dim, state, groups, conv_w.shape[1], threads, ATTEND_ISAS.index(attend_isa()), eps,
+                   dt_limit[0], min(dt_limit[1], 3.0e38), p.stride(0), _ptr(p), _ptr(conv_w), _ptr(conv_b), _ptr(A),
+                   _ptr(dt_bias), _ptr(D), _ptr(norm_w), _ptr(conv), _ptr(ssm), _ptr(work), _ptr(out))
 
 
 def ssm_step(p: torch.Tensor, conv: torch.Tensor, conv_w: torch.Tensor, conv_b: torch.Tensor | None, A: torch.Tensor,
@@ -60,23 +78,23 @@ def ssm_step(p: torch.Tensor, conv: torch.Tensor, conv_w: torch.Tensor, conv_b: 
              dt_limit: tuple[float, float], eps: float, threads: int) -> torch.Tensor:
     """Mamba-2: p [B, I + C + Hm], conv [B, C, K-1], conv_w [C, K], conv_b [C] or None, A, dt_bias and D [Hm], norm_w
     [I], ssm [B, Hm, P, N] -> out [B, I]."""
-    B, heads, head_dim, state = ssm.shape
-    channels = conv.shape[1]
-    work = torch.empty(B, channels)
-    out = torch.empty(B, heads * head_dim)
-    args = SSMArgs(B, heads, head_dim, state, groups, conv_w.shape[1], threads, ATTEND_ISAS.index(attend_isa()), eps,
-                   dt_limit[0], min(dt_limit[1], 3.0e38), p.stride(0), _ptr(p), _ptr(conv_w), _ptr(conv_b), _ptr(A),
-                   _ptr(dt_bias), _ptr(D), _ptr(norm_w), _ptr(conv), _ptr(ssm), _ptr(work), _ptr(out))
-    _call("ssm", args)
+    B, heads, head_dim, _ = ssm.shape
+    work, out = torch.empty(B, conv.shape[1]), torch.empty(B, heads * head_dim)
+    _call("ssm", ssm_args(p, conv, conv_w, conv_b, A, dt_bias, D, norm_w, ssm, groups, dt_limit, eps, threads, work,
+                          out))
     return out
+
+
+def shortconv_args(p: torch.Tensor, conv: torch.Tensor, conv_w: torch.Tensor, conv_b: torch.Tensor | None,
+                   threads: int, out: torch.Tensor) -> ShortConvArgs:
+    """`shortconv_step`'s call, planned (as `deltanet_args`)."""
+    return ShortConvArgs(p.shape[0], conv.shape[1], conv_w.shape[1], threads, p.stride(0), _ptr(p), _ptr(conv_w),
+                         _ptr(conv_b), _ptr(conv), _ptr(out))
 
 
 def shortconv_step(p: torch.Tensor, conv: torch.Tensor, conv_w: torch.Tensor, conv_b: torch.Tensor | None,
                    threads: int) -> torch.Tensor:
     """LFM2's short convolution: p [B, 3H], conv [B, H, K-1], conv_w [H, K], conv_b [H] or None -> out [B, H]."""
-    B, hidden = p.shape[0], conv.shape[1]
-    out = torch.empty(B, hidden)
-    args = ShortConvArgs(B, hidden, conv_w.shape[1], threads, p.stride(0), _ptr(p), _ptr(conv_w), _ptr(conv_b),
-                         _ptr(conv), _ptr(out))
-    _call("shortconv", args)
+    out = torch.empty(p.shape[0], conv.shape[1])
+    _call("shortconv", shortconv_args(p, conv, conv_w, conv_b, threads, out))
     return out

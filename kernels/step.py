@@ -13,6 +13,7 @@ QK_NORMS = {"none": 0, "full": 1, "head": 2}  # csrc/step.c's QK_NORM_
 SCORINGS = {"softmax": 0, "softmax_topk": 1, "sigmoid": 2}  # its SCORE_
 MAX_EXPERTS, MAX_TOP_K = 1024, 64
 FFN_ROUTED, FFN_SHARED, FFN_DENSE = 0, 1, 2  # its FFN_: routed experts, and a shared SwiGLU, or that SwiGLU alone
+MIXERS = {"attention": 0, "deltanet": 1, "mamba2": 2, "shortconv": 3}  # its MIX_: the token mixers it runs
 
 
 def decode_layers(layers: ctypes.Array[LayerArgs], x: torch.Tensor, start: int, cos: torch.Tensor,
@@ -24,7 +25,8 @@ def decode_layers(layers: ctypes.Array[LayerArgs], x: torch.Tensor, start: int, 
         raise ValueError("decode_layers needs the compiled kernels")
     if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() != layers[0].hidden:
         raise ValueError(f"x must be {layers[0].hidden} contiguous float32 values")
-    if not (cos.is_contiguous() and sin.is_contiguous() and cos.numel() == layers[0].attend.rot == sin.numel()):
+    rot = max(layer.attend.rot for layer in layers)  # (a recurrent mixer's layer, or one without RoPE: 0)
+    if not (cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() >= rot):
         raise ValueError("cos and sin must be this position's contiguous rows of the RoPE tables")
     code = lib.tk_decode_layers(layers, len(layers), x.data_ptr(), start, cos.data_ptr(), sin.data_ptr())
     if code != 0:

@@ -266,13 +266,11 @@ class GroupedQueryAttention:
     def step_refusal(self, cfg: ModelConfig) -> str | None:
         if cfg.clip_qkv is not None or cfg.qk_norm not in QK_NORMS or cfg.qk_norm_after_rope:
             return "its attention clips q, k and v, or norms them in a way the step does not (after RoPE)"
-        if cfg.attention_chunk or any(cfg.nope_layers):
+        if cfg.attention_chunk or (any(cfg.nope_layers) and cfg.attention_temperature is not None):
             return "its attention runs in chunks, or some layers rotate nothing and scale their queries (Llama 4)"
         if cfg.global_head_dim or cfg.global_rope or cfg.value_norm or cfg.sandwich_norms:
             return ("its global layers have their own head size and RoPE, its values and attention's output are "
                     "normed (Gemma 4)")
-        if cfg.attention_gate:
-            return "its attention's output is gated (Qwen3-Next)"
         return None
 
     def forward(self, model: MoEModel, i: int, a: Attention, x: torch.Tensor, start: int, cos: torch.Tensor,

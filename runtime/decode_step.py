@@ -5,36 +5,44 @@ finds nothing against the model; anything else (other variants, several tokens, 
 loop, which stays the reference the step is tested against.
 
 What the step does: RMSNorm, q/k/v as one matrix or three, q/k norms over all heads or per head, attention
-(kernels/attend.py: RoPE, sinks, sliding windows), the output projection, a router whose matrix the kernel
-multiplies, softmax, softmax-over-the-top-k or sigmoid routing (with a correction bias for choosing), routed
-experts the kernels run, an ungated shared expert beside them or a dense layer's SwiGLU (through the dense kernels,
-as the layer loop's `LinearMLP` multiplies it); on the CPU, in bf16 (rounding where the layer loop rounds) or in float32
-compute (the default on a CPU without native bf16: its matrices as the kernels keep them, bf16, fp16, float32 or GGUF
-blocks, against float32 activations, a float32 KV cache).
+(kernels/attend.py: RoPE over all or part of each head or none, sinks, sliding windows), its output gated where the
+layer gates it (Qwen3-Next's), or a recurrent token mixer instead (Gated DeltaNet, Mamba-2, LFM2's short
+convolution: its projection, its step over row 0's state, kernels/recur.py's, planned by the mixer's `step_args`),
+the output projection, a router whose matrix the kernel multiplies, softmax, softmax-over-the-top-k or sigmoid
+routing (with a correction bias for choosing), routed experts the kernels run, a shared expert beside them (behind
+a sigmoid gate, or not) or a dense layer's SwiGLU (through the dense kernels, as the layer loop's `LinearMLP`
+multiplies it), each output times the residual multiplier (muP's); on the CPU, in bf16 (rounding where the layer
+loop rounds) or in float32 compute (the default on a CPU without native bf16: its matrices as the kernels keep them,
+bf16, fp16, float32 or GGUF blocks, against float32 activations, a float32 KV cache).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import ctypes
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tandem.kernels.attend import ATTEND_ISAS, attend_isa
 from tandem.kernels.dense import DenseLinear, rms_norm_bf16
 from tandem.kernels.library import XB_EXTRA, AttendArgs, LayerArgs, LinearArgs
+from tandem.kernels.quant import QuantizedMatrix
 from tandem.kernels.step import (
     FFN_DENSE,
     FFN_ROUTED,
     FFN_SHARED,
     MAX_EXPERTS,
     MAX_TOP_K,
+    MIXERS,
     QK_NORMS,
     SCORINGS,
     decode_layers,
 )
 from tandem.runtime.moe import ExpertWeights, MoEBlockWeights, mlp_matrices
+from tandem.runtime.recurrent import RecurrentMixer
 
 if TYPE_CHECKING:
+    from tandem.runtime.attention import Attention
     from tandem.runtime.model import MoEModel
 
 
@@ -54,8 +62,6 @@ def why_not(model: MoEModel) -> str | None:
         return "it runs in bf16 without the kernels' RMSNorm"
     if cfg.norm_type != "rms":
         return "its norms are LayerNorm"
-    if cfg.residual_multiplier != 1.0:
-        return "its layers' outputs are scaled into the residual stream (muP)"
     if cfg.activation != "silu" or cfg.layer_scalars or cfg.logit_softcap is not None:
         return "its MLPs' gate is not SiLU, or its layers' outputs or its logits are scaled (Gemma 4)"
     if cfg.num_experts > MAX_EXPERTS or cfg.top_k > MAX_TOP_K:
@@ -66,7 +72,11 @@ def why_not(model: MoEModel) -> str | None:
         refusal = kinds.mixer.step_refusal(cfg) or kinds.ffn.step_refusal(ffn)
         if refusal is not None:
             return f"layer {i}: {refusal}"
-        matrices = [layer.attn.o] + (layer.attn.qkv if isinstance(layer.attn.qkv, list) else [layer.attn.qkv])
+        recurrent = isinstance(kinds.mixer, RecurrentMixer)
+        if recurrent and (not model.recur_kernel or kinds.mixer.name not in MIXERS):
+            return f"layer {i}: its {kinds.mixer.name} mixer's step does not run here"
+        mixer = layer.attn
+        matrices = [mixer.out if recurrent else mixer.o] + parts(mixer.proj if recurrent else mixer.qkv)
         mlp = own_mlp(ffn)
         if mlp is not None:
             matrices += mlp_matrices(mlp)
@@ -77,10 +87,15 @@ def why_not(model: MoEModel) -> str | None:
         if any(model.linear.one_token_call(m, model.dtype) is None for m in matrices):
             return f"layer {i} has a matrix the kernels do not multiply"
         norms = [layer.input_norm, layer.post_norm] + ([layer.attn.q_norm, layer.attn.k_norm]
-                                                       if cfg.qk_norm != "none" else [])
+                                                       if cfg.qk_norm != "none" and not recurrent else [])
         if any(n is None or n.dtype != model.dtype or not n.is_contiguous() for n in norms):
             return f"layer {i} has norms that are not in the compute dtype"
     return None
+
+
+def parts(m: object) -> list[object]:
+    """A projection's matrices: one, or several whose outputs lie side by side (formats that differ)."""
+    return list(m) if isinstance(m, list) else [m]
 
 
 def own_mlp(ffn: object) -> ExpertWeights | None:
@@ -91,7 +106,7 @@ def own_mlp(ffn: object) -> ExpertWeights | None:
 
 
 class DecodeStep:
-    """The planned layers of one model (its weights, its KV cache) and the buffers they share."""
+    """The planned layers of one model (its weights, its KV cache and recurrent state) and the buffers they share."""
 
     def __init__(self, model: MoEModel) -> None:
         cfg, linear = model.cfg, model.linear
@@ -102,14 +117,26 @@ class DecodeStep:
         act = model.dtype  # q, k, v and attention's output in the compute dtype (the KV cache's)
         mlps = [own_mlp(layer.ffn) for layer in model.layers]
         inter = max([m.gate.shape[0] for m in mlps if m is not None], default=0)  # the widest own SwiGLU's I
-        widths = [H, Hq * D, inter]
+        recurrent = [isinstance(kinds.mixer, RecurrentMixer) for kinds in model.plan]
+        # each recurrent mixer's projection rows as the kernels write them (a padded copy's: more than it has),
+        # and its output's width (o's input)
+        proj_rows = [sum(self._rows(linear, m) for m in parts(layer.attn.proj)) if r else 0
+                     for layer, r in zip(model.layers, recurrent, strict=True)]
+        inner = max([layer.attn.out.shape[-1] if not isinstance(layer.attn.out, QuantizedMatrix) else
+                     layer.attn.out.cols for layer, r in zip(model.layers, recurrent, strict=True) if r], default=0)
+        qkv_rows = (2 * Hq + 2 * Hkv) * D if cfg.attention_gate else (Hq + 2 * Hkv) * D  # (the gates after v)
+        widths = [H, Hq * D, inter, inner]
         router_rows = -(-E // 32) * 32  # the router's rows as the kernel reads them (DenseLinear.padded)
-        rows = [H, router_rows, (Hq + 2 * Hkv) * D, -(-max(inter, H) // 32) * 32]
+        rows = [H, router_rows, qkv_rows, -(-max(inter, H) // 32) * 32, *proj_rows]
         self.h = torch.empty(H, dtype=torch.bfloat16)
         self.hf = torch.empty(H)
-        self.qkv_out = torch.empty((Hq + 2 * Hkv) * D, dtype=act)
+        self.qkv_out = torch.empty(qkv_rows, dtype=act)
         self.attend_out = torch.empty(Hq * D, dtype=act)
         self.o_x, self.o_y = (self.attend_out if f32 else torch.empty(Hq * D)), torch.empty(H)
+        self.mix_p = torch.empty(max(proj_rows, default=0), dtype=act)  # a recurrent mixer's projection
+        self.mix_pf = self.mix_p if f32 else torch.empty(max(proj_rows, default=0))  # (float32: the step reads it)
+        self.mix_out = torch.empty(1, inner)  # the mixer's step's output, float32
+        self.mix_x = self.mix_out.view(-1) if f32 else torch.empty(inner)  # o's input: the output as torch hands it
         self.y = torch.empty(max(rows))  # the projections' float32 results, before rounding to bf16
         self.xb = torch.empty(32, max(widths) + XB_EXTRA, dtype=torch.int16)  # as DenseLinear's (csrc/common.h xb)
         self.logits = torch.empty(router_rows, dtype=torch.bfloat16)  # the first E: the router's logits (bf16)
@@ -122,32 +149,20 @@ class DecodeStep:
         self.mlp_out = torch.empty(padded, dtype=act)
         self.routed = [isinstance(layer.ffn, MoEBlockWeights) for layer in model.layers]  # the layers with experts
         self.biases: list[torch.Tensor] = []  # the biases as the layers add them (below), kept with the plan
+        self.recur: list[ctypes.Structure] = []  # the recurrent mixers' planned steps, and their buffers
         self.layers = (LayerArgs * cfg.num_layers)()
         executor = model.dispatcher.executor
-        for i, layer in enumerate(model.layers):
-            a, attn, ffn = self.layers[i], layer.attn, layer.ffn
+        for i, (layer, kinds) in enumerate(zip(model.layers, model.plan, strict=True)):
+            a, ffn = self.layers[i], layer.ffn
             a.f32 = f32
-            a.hidden, a.qk_norm, a.eps = H, QK_NORMS[cfg.qk_norm], cfg.rms_norm_eps
-            a.window = cfg.window(i) or 0
+            a.hidden, a.eps, a.residual = H, cfg.rms_norm_eps, cfg.residual_multiplier
             a.input_norm, a.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
-            if cfg.qk_norm != "none":
-                a.q_norm, a.k_norm = attn.q_norm.data_ptr(), attn.k_norm.data_ptr()  # type: ignore[union-attr]
-            a.h, a.hf, a.qkv_out, a.attend_out = (t.data_ptr() for t in (self.h, self.hf, self.qkv_out,
-                                                                        self.attend_out))
-            parts = attn.qkv if isinstance(attn.qkv, list) else [attn.qkv]  # type: ignore[union-attr]
-            a.n_qkv, at = len(parts), 0
-            for j, m in enumerate(parts):
-                rows_j = self._linear(a.qkv[j], linear, m, self.hf)
-                if f32:  # the float32 sums where q, k and v go
-                    a.qkv[j].y, a.qkv[j].yb = self.qkv_out.data_ptr() + 4 * at, None
-                else:
-                    a.qkv[j].yb = self.qkv_out.data_ptr() + 2 * at
-                at += rows_j
-            self._linear(a.o, linear, attn.o, self.o_x)  # type: ignore[union-attr]
-            a.o.y, a.o.yb = self.o_y.data_ptr(), None
-            a.qkv_bias = self._bias(attn.qkv_bias, act)  # type: ignore[union-attr]
-            a.o_bias = self._bias(attn.o_bias, torch.float32)  # type: ignore[union-attr]
-            self._attend(a.attend, model, i)
+            a.h, a.hf = self.h.data_ptr(), self.hf.data_ptr()
+            a.mixer = MIXERS[kinds.mixer.name]
+            if recurrent[i]:
+                self._mixer(a, model, i, layer.attn, kinds.mixer, proj_rows[i])
+            else:
+                self._attention(a, model, i, layer.attn)
             mlp = mlps[i]
             if mlp is not None:
                 self._mlp(a, linear, mlp)
@@ -155,6 +170,8 @@ class DecodeStep:
                 a.ffn = FFN_DENSE
                 continue
             a.ffn = FFN_ROUTED if mlp is None else FFN_SHARED
+            if ffn.shared is not None and ffn.shared.gate is not None:  # (float32: its bf16 values exactly)
+                a.shared_gate = self._bias(ffn.shared.gate.reshape(-1), torch.float32)
             a.scoring, a.normalize, a.scaling = SCORINGS[ffn.rule.scoring], ffn.rule.normalize, ffn.rule.scaling
             self._linear(a.router, linear, ffn.router, self.hf)
             a.router.yb = None if f32 else self.logits.data_ptr()  # (float32: its sums, in y)
@@ -170,6 +187,68 @@ class DecodeStep:
                 a.moe.x, a.moe.x_bf16 = self.hf.data_ptr(), None
             else:
                 a.moe.x_bf16 = self.h.data_ptr()
+
+    def _attention(self, a: LayerArgs, model: MoEModel, i: int, attn: Attention) -> None:
+        """Layer i's attention: q, k, v (and gates) as one product or parts, their biases, q/k norms, the cached
+        attention, o."""
+        cfg, linear, act = model.cfg, model.linear, model.dtype
+        a.qk_norm, a.window = QK_NORMS[cfg.qk_norm], cfg.window(i) or 0
+        if cfg.qk_norm != "none":
+            a.q_norm, a.k_norm = attn.q_norm.data_ptr(), attn.k_norm.data_ptr()  # type: ignore[union-attr]
+        a.qkv_out, a.attend_out = self.qkv_out.data_ptr(), self.attend_out.data_ptr()
+        a.attn_gate = int(cfg.attention_gate)
+        a.n_qkv, at = len(parts(attn.qkv)), 0
+        for j, m in enumerate(parts(attn.qkv)):
+            rows_j = self._linear(a.qkv[j], linear, m, self.hf)
+            if self.f32:  # the float32 sums where q, k and v go
+                a.qkv[j].y, a.qkv[j].yb = self.qkv_out.data_ptr() + 4 * at, None
+            else:
+                a.qkv[j].yb = self.qkv_out.data_ptr() + 2 * at
+            at += rows_j
+        a.qkv_rows = (2 if cfg.attention_gate else 1) * cfg.num_heads * cfg.head_dim + \
+            2 * cfg.num_kv_heads * cfg.head_dim
+        self._linear(a.o, linear, attn.o, self.o_x)
+        a.o.y, a.o.yb = self.o_y.data_ptr(), None
+        a.qkv_bias = self._bias(attn.qkv_bias, act)
+        a.o_bias = self._bias(attn.o_bias, torch.float32)
+        self._attend(a.attend, model, i)
+
+    def _mixer(self, a: LayerArgs, model: MoEModel, i: int, w: Any, mixer: RecurrentMixer, rows: int) -> None:
+        """Layer i's recurrent mixer: its projection into mix_p (its parts side by side), its bias, its step over
+        row 0's state (the mixer's plan), o reading the step's output."""
+        linear, act = model.linear, model.dtype
+        a.n_proj, at = len(parts(w.proj)), 0
+        for j, m in enumerate(parts(w.proj)):
+            rows_j = self._linear(a.proj[j], linear, m, self.hf)
+            if self.f32:
+                a.proj[j].y, a.proj[j].yb = self.mix_p.data_ptr() + 4 * at, None
+            else:
+                a.proj[j].yb = self.mix_p.data_ptr() + 2 * at
+            at += rows_j
+        a.proj_bias = self._bias(w.proj_bias, act)
+        real = w.proj_bias.shape[0] if w.proj_bias is not None else None
+        out = self.mix_out[:, : w.out.cols if isinstance(w.out, QuantizedMatrix) else w.out.shape[-1]]
+        a.mix_inner = out.shape[-1]
+        args, keep = mixer.step_args(model, i, w, self.mix_pf[:rows].view(1, rows), out)
+        a.proj_rows = real if real is not None else self._real_rows(w)
+        self.recur.append(args)
+        self.biases.extend(keep)
+        a.recur = ctypes.addressof(args)
+        a.mix_p, a.mix_pf, a.mix_out = self.mix_p.data_ptr(), self.mix_pf.data_ptr(), out.data_ptr()
+        self._linear(a.o, linear, w.out, self.mix_x)
+        a.o.y, a.o.yb = self.o_y.data_ptr(), None
+        a.o_bias = self._bias(w.out_bias, torch.float32)
+
+    @staticmethod
+    def _real_rows(w: Any) -> int:
+        """A mixer's projection rows as it has them (its matrices' own, before any padding)."""
+        return sum(m.data.shape[0] if isinstance(m, QuantizedMatrix) else m.shape[0] for m in parts(w.proj))
+
+    def _rows(self, linear: DenseLinear, m: object) -> int:
+        """The rows the kernels write for matrix m (a padded copy's where DenseLinear pads it)."""
+        call = linear.one_token_call(m, self.model.dtype)
+        assert call is not None  # (why_not checked)
+        return call[1]
 
     def _mlp(self, a: LayerArgs, linear: DenseLinear, mlp: ExpertWeights) -> None:
         """The layer's own SwiGLU (a shared expert's, or a dense layer's) as three products: gate and up of the
@@ -209,7 +288,8 @@ class DecodeStep:
         nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         sinks = model.layers[i].attn.sinks  # type: ignore[union-attr]
         a.batch, a.heads, a.kv_heads, a.dim = 1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        a.rot, a.bf16, a.threads = model.cos.shape[-1], int(not self.f32), model.threads
+        a.rot = model.cos.shape[-1] if cfg.rotates(i) else 0  # (a layer without RoPE: nothing turns)
+        a.bf16, a.threads = int(not self.f32), model.threads
         a.isa = ATTEND_ISAS.index(attend_isa())  # type: ignore[arg-type]
         a.ld_q, a.ld_k, a.ld_v, a.context = nq, nkv, nkv, model.context
         q, item = self.qkv_out.data_ptr(), self.qkv_out.element_size()

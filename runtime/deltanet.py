@@ -16,6 +16,7 @@ dims, C the convolution's channels (2 Hk Dk + Hv Dv), K its width.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,11 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.quant import QuantizedMatrix
-from tandem.kernels.recur import deltanet_step
+from tandem.kernels.recur import deltanet_args, deltanet_step
 from tandem.runtime.attention import Matrix, rows_in
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.layer_kind import Loaders, Shape
-from tandem.runtime.recurrent import RecurrentMixer
+from tandem.runtime.recurrent import RecurrentMixer, own_state
 from tandem.runtime.state import StateCache
 
 if TYPE_CHECKING:
@@ -220,8 +221,13 @@ class GatedDeltaNet(RecurrentMixer):
                                load.f32(f"{prefix}.dt_bias"), load.f32(f"{prefix}.norm.weight"),
                                load.wq(f"{prefix}.out_proj.weight"))
 
-    def step_refusal(self, cfg: ModelConfig) -> str | None:
-        return "its Gated DeltaNet layers run in torch"
+    def step_args(self, model: MoEModel, i: int, w: DeltaNetWeights, p: torch.Tensor, out: torch.Tensor
+                  ) -> tuple[ctypes.Structure, list[torch.Tensor]]:
+        cfg, state = model.cfg, own_state(model.cache, DeltaState)
+        work = torch.empty(1, dims(cfg)[3])
+        return deltanet_args(p, state.get("conv", i)[:1], w.conv, w.decay, w.dt_bias, w.norm, state.get("ssm", i)[:1],
+                             cfg.linear_key_heads, cfg.linear_key_dim, cfg.rms_norm_eps, cfg.linear_tiled,
+                             model.threads, work, out), [work]
 
     def scan(self, model: MoEModel, i: int, w: DeltaNetWeights, p: torch.Tensor, state: DeltaState,
              rows: int) -> torch.Tensor:

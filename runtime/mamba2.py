@@ -15,6 +15,7 @@ heads, P head dim, G groups, I = Hm P, K the convolution's width.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,11 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.quant import QuantizedMatrix
-from tandem.kernels.recur import ssm_step
+from tandem.kernels.recur import ssm_args, ssm_step
 from tandem.runtime.attention import Matrix
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.layer_kind import Loaders, Shape
-from tandem.runtime.recurrent import RecurrentMixer
+from tandem.runtime.recurrent import RecurrentMixer, own_state
 from tandem.runtime.state import StateCache
 
 if TYPE_CHECKING:
@@ -174,8 +175,13 @@ class Mamba2(RecurrentMixer):
             load.w(f"{prefix}.in_proj.bias") if cfg.ssm_bias else None,
             load.w(f"{prefix}.out_proj.bias") if cfg.ssm_bias else None)
 
-    def step_refusal(self, cfg: ModelConfig) -> str | None:
-        return "its Mamba-2 layers run in torch"
+    def step_args(self, model: MoEModel, i: int, w: Mamba2Weights, p: torch.Tensor, out: torch.Tensor
+                  ) -> tuple[ctypes.Structure, list[torch.Tensor]]:
+        cfg, state = model.cfg, own_state(model.cache, Mamba2State)
+        work = torch.empty(1, dims(cfg)[1])
+        return ssm_args(p, state.get("conv", i)[:1], w.conv, w.conv_bias, w.A, w.dt_bias, w.D, w.norm,
+                        state.get("ssm", i)[:1], cfg.ssm_groups, cfg.ssm_dt_limit, cfg.rms_norm_eps, model.threads,
+                        work, out), [work]
 
     def scan(self, model: MoEModel, i: int, w: Mamba2Weights, p: torch.Tensor, state: Mamba2State,
              rows: int) -> torch.Tensor:

@@ -330,8 +330,11 @@ class RoutedExperts:
         return model.dispatcher.finish(started)
 
     def step_refusal(self, weights: MoEBlockWeights) -> str | None:
-        if weights.shared is not None and (weights.shared.gate is not None or not through_linear(weights.shared.mlp)):
-            return "its shared expert is gated, or not multiplied by the kernels"
+        if weights.shared is not None and not through_linear(weights.shared.mlp):
+            return "its shared expert is not multiplied by the kernels"
+        gate = weights.shared.gate if weights.shared is not None else None
+        if gate is not None and (gate.device.type != "cpu" or gate.numel() != gate.shape[-1]):
+            return "its shared expert's gate is not one row in RAM"
         if weights.rule.n_group > 1 or weights.rule.scoring not in SCORINGS:
             return f"it routes by {weights.rule.scoring} or by groups"
         if weights.rule.scale_input:

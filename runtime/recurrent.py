@@ -4,6 +4,7 @@ passes. The input projection runs once over all of a pass's tokens, the mixer's 
 
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from tandem.runtime.state import LayerCaches, StateCache
 
 if TYPE_CHECKING:
+    from tandem.runtime.config import ModelConfig
     from tandem.runtime.model import MoEModel, Segment
 
 
@@ -28,6 +30,18 @@ class RecurrentMixer:
     cache: type[StateCache]
     host_cache = False  # (its state lives where the model runs; batch mode's cache in RAM beside an accelerator
     # keeps attention's keys and values only)
+
+    def step_refusal(self, cfg: ModelConfig) -> str | None:
+        """The decode step runs every recurrent mixer (through `step_args`) where the recurrent kernels do
+        (runtime/decode_step.py why_not asks that of the model)."""
+        return None
+
+    def step_args(self, model: MoEModel, i: int, w: Any, p: torch.Tensor, out: torch.Tensor
+                  ) -> tuple[ctypes.Structure, list[torch.Tensor]]:
+        """Layer i's one-token step of row 0, planned for the decode step: its kernel's arguments reading p [1, P]
+        (the projection, float32) and writing out [1, inner] (float32), and the buffers they point to besides (the
+        caller keeps them)."""
+        raise NotImplementedError
 
     def scan(self, model: MoEModel, i: int, w: Any, p: torch.Tensor, state: Any, rows: int) -> torch.Tensor:
         """Layer i over projections p [B = rows, T, P], `state`'s first `rows` rows updated -> [B, T, inner] in the

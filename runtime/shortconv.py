@@ -11,6 +11,7 @@ Letters: B batch (the rows; not the gate), T new tokens, N a ragged pass's token
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,11 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.quant import QuantizedMatrix
-from tandem.kernels.recur import shortconv_step
+from tandem.kernels.recur import shortconv_args, shortconv_step
 from tandem.runtime.attention import Matrix
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.layer_kind import Loaders, Shape
-from tandem.runtime.recurrent import RecurrentMixer
+from tandem.runtime.recurrent import RecurrentMixer, own_state
 from tandem.runtime.state import StateCache
 
 if TYPE_CHECKING:
@@ -98,8 +99,10 @@ class ShortConv(RecurrentMixer):
             load.w(f"{prefix}.in_proj.bias") if bias else None, load.f32(f"{prefix}.conv.bias") if bias else None,
             load.w(f"{prefix}.out_proj.bias") if bias else None)
 
-    def step_refusal(self, cfg: ModelConfig) -> str | None:
-        return "its short convolutions run in torch"
+    def step_args(self, model: MoEModel, i: int, w: ShortConvWeights, p: torch.Tensor, out: torch.Tensor
+                  ) -> tuple[ctypes.Structure, list[torch.Tensor]]:
+        state = own_state(model.cache, ShortConvState)
+        return shortconv_args(p, state.get("conv", i)[:1], w.conv, w.conv_bias, model.threads, out), []
 
     def scan(self, model: MoEModel, i: int, w: ShortConvWeights, p: torch.Tensor, state: ShortConvState,
              rows: int) -> torch.Tensor:

@@ -46,6 +46,22 @@ SERVED = {
     "ernie4_5_moe": ("ernie4_5_moe", {"moe_intermediate_size": 64, "moe_num_experts": 32, "num_hidden_layers": 3}),
     "qwen3_moe-dense": ("qwen3_moe", {"num_experts": 32, "moe_intermediate_size": 64, "num_hidden_layers": 3,
                                       "mlp_only_layers": [1], "intermediate_size": 96}),
+    # the hybrids: Gated DeltaNet beside gated attention over a quarter of each head, zero-centred norms, a shared
+    # expert behind a sigmoid gate and a dense layer (Qwen3-Next; the projection's 200 rows padded to 224); Qwen3.5's
+    # four projections; LFM2's short convolutions, sigmoid routing with its expert bias, a dense first layer;
+    # Granite 4.0-H's Mamba-2 with the muP multipliers and an ungated shared expert, its attention without RoPE, and
+    # with RoPE and every bias
+    # Qwen2-MoE's shared expert behind a sigmoid gate, q/k/v biases
+    "qwen2_moe": ("qwen2_moe", {"moe_intermediate_size": 64}),
+    "qwen3_next": ("qwen3_next", {"moe_intermediate_size": 64, "num_hidden_layers": 3, "mlp_only_layers": [2],
+                                  "layer_types": ["linear_attention", "full_attention", "linear_attention"]}),
+    "qwen3_5_moe_text": ("qwen3_5_moe_text", {"moe_intermediate_size": 64}),
+    "lfm2_moe": ("lfm2_moe", {"moe_intermediate_size": 64, "num_hidden_layers": 3,
+                              "layer_types": ["conv", "full_attention", "conv"]}),
+    "granitemoehybrid": ("granitemoehybrid", {"intermediate_size": 64}),
+    "granitemoehybrid-rope-bias": ("granitemoehybrid", {
+        "intermediate_size": 64, "num_hidden_layers": 3, "position_embedding_type": "rope", "attention_bias": True,
+        "mamba_n_groups": 1, "mamba_proj_bias": True, "mamba_d_state": 8, "layer_types": ["attention", "mamba", "mamba"]}),
 }
 
 
@@ -156,6 +172,26 @@ def test_gguf_blocks_decode_through_the_step(served: dict[str, Path], tmp_path: 
         assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
 
 
+@pytest.mark.parametrize("family, overrides", [
+    ("qwen3_next", {"moe_intermediate_size": 64, "linear_num_value_heads": 16}),  # (ssm_ba: 32 rows)
+    ("qwen3_5_moe_text", {"moe_intermediate_size": 64, "linear_num_value_heads": 32}),  # (b and a: 32 rows each)
+    ("lfm2_moe", {"moe_intermediate_size": 64}),
+    ("granitemoehybrid", {"intermediate_size": 64, "mamba_n_heads": 32, "mamba_d_head": 4}),  # (in_proj: 352 rows)
+])
+def test_hybrid_gguf_blocks_decode_through_the_step(tmp_path: Path, family: str, overrides: dict) -> None:
+    """A hybrid's GGUF file as llama.cpp's converter writes it, Q8_0 (its mixers' projections as stored: one matrix,
+    or parts of different formats side by side), decodes through the step as through the torch path."""
+    out = tmp_path / f"{family}.gguf"
+    write_gguf(build_hf_checkpoint(tmp_path / family, family, overrides), out, "Q8_0")
+    for dtype in ("bf16", "fp32"):
+        model = load_model(out, dtype=dtype).model
+        assert why_not(model) is None
+        want, want_tokens, _ = decode(model, use_step=False)
+        got, tokens, _ = decode(model, use_step=True)
+        assert model._step is not None and tokens == want_tokens
+        assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
 def test_gpt_oss_decodes_through_the_step(tmp_path: Path) -> None:
     """gpt-oss as published, with 32 experts: q/k/v, o and router biases (rounded where the torch path rounds them),
     attention sinks, alternating sliding windows shorter than the sequence, MXFP4 experts with their biases and the
@@ -175,8 +211,10 @@ def test_gpt_oss_decodes_through_the_step(tmp_path: Path) -> None:
 
 def test_what_the_step_does_not_do_runs_the_torch_path(served: dict[str, Path], tmp_path: Path) -> None:
     """Each reason names itself, and such a model decodes without the step."""
-    shared = load_model(build_hf_checkpoint(tmp_path / "shared", "qwen2_moe", {}), dtype="fp32").model
-    assert "shared expert is gated" in (why_not(shared) or "")
+    layer_norms = load_model(build_hf_checkpoint(tmp_path / "phimoe", "phimoe", {}), dtype="fp32").model
+    assert "LayerNorm" in (why_not(layer_norms) or "")
+    llama4 = load_model(build_hf_checkpoint(tmp_path / "llama4", "llama4_text", {}), dtype="fp32").model
+    assert "after RoPE" in (why_not(llama4) or "")  # (its L2 q/k norms)
     narrow = build_hf_checkpoint(tmp_path / "narrow", "olmoe", {"hidden_size": 48, "num_experts": 32})
     odd = load_model(narrow, dtype="bf16").model  # 48 wide: matrices the kernels do not multiply
     assert "matrix" in (why_not(odd) or "")

@@ -163,9 +163,10 @@ typedef struct {
     float *hf;                           /* [H] the same as float32: the projections' and the router's input */
     void *qkv_out;                       /* [(Hq + 2 Hkv) * D] bf16: q, k, v (attend.q, .k, .v point into it) */
     void *attend_out;                    /* [Hq * D] bf16: attend.out */
-    const void *qkv_bias, *router_bias;  /* NULL, or bf16 [(Hq + 2 Hkv) * D], [E]: added to the rounded outputs */
+    const void *qkv_bias, *router_bias;  /* NULL, or bf16 [qkv_rows], [E]: added to the rounded outputs */
     const float *o_bias;                 /* NULL, or [H]: added to o's float32 sums */
-    tk_linear_args qkv[3], o, router;    /* o.x: attend_out as float32; o.y: [H] float32; router.yb: [E] bf16 */
+    tk_linear_args qkv[4], o, router;    /* o.x: attend_out as float32 (a mixer's output); o.y: [H] float32;
+                                          * router.yb: [E] bf16. q, k, v and gates: 1 stacked matrix, or parts */
     tk_attend_args attend;               /* start and first are set per token */
     tk_moe_args moe;                     /* x_bf16: h; ids, weights: [K] chosen here; out: [H] float32 */
     int f32;                             /* 1: float32 compute */
@@ -178,6 +179,22 @@ typedef struct {
     tk_linear_args mlp[3];
     void *mlp_gate, *mlp_up, *mlp_out;
     float *mlp_h;
+    /* A shared expert behind a gate (Qwen2-MoE, Qwen3-Next): NULL, or [H] float32; its SwiGLU's output times
+     * sigmoid(gate . hf), rounded where the torch path rounds (bf16: the sum, the sigmoid, the product). */
+    const float *shared_gate;
+    float residual;                      /* each output times this as it joins the stream (muP's; else 1) */
+    int qkv_rows, attn_gate;             /* q, k, v (and gates) in qkv_out; 1: gated attention, each query value's
+                                          * output times sigmoid(its gate), the gates after v */
+    /* The token mixer: MIX_ATTENTION (the fields above), or a recurrent one (MIX_DELTANET, _SSM, _SHORTCONV):
+     * its input projection (n_proj parts side by side into mix_p: bf16, or float32 under f32; proj_rows of them
+     * read, proj_bias added), the step over its state (recur: the kind's tk_*_args, reading mix_pf, [proj_rows]
+     * float32, writing mix_out, [mix_inner] float32), then o reading it (rounded to bf16 first under bf16). */
+    int mixer, n_proj, proj_rows, mix_inner;
+    tk_linear_args proj[4];
+    const void *proj_bias;
+    void *mix_p;
+    float *mix_pf, *mix_out;
+    const void *recur;
 } tk_layer_args;
 
 /* One token of the hybrids' recurrent mixers per sequence (recur.c): float32 throughout; row b's projections at

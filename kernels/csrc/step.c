@@ -1,6 +1,7 @@
 /* One decode token through a run of decoder layers in one call: per layer RMSNorm, the q/k/v projections, the
- * q/k norms, attention (tk_attend_one), the output projection into the residual stream, RMSNorm, the router, the
- * choice of experts, the experts (tk_moe) into the residual stream. Everything the layer needs was planned once in
+ * q/k norms, attention (tk_attend_one; or a recurrent mixer's projection and step over its state: recur.c), the
+ * output projection into the residual stream, RMSNorm, the router, the choice of experts, the experts (tk_moe)
+ * into the residual stream. Everything the layer needs was planned once in
  * Python (runtime/decode_step.py: weights, buffers, variants), so a token returns to Python once, not ten times a
  * layer with small torch ops between the calls. It rounds where the torch path rounds (bf16 after each norm and
  * projection, and after adding q/k/v's and the router's biases; float32 residual stream), which stays the reference
@@ -13,6 +14,7 @@ enum { QK_NORM_NONE = 0, QK_NORM_FULL = 1, QK_NORM_HEAD = 2 };
 enum { SCORE_SOFTMAX = 0, SCORE_SOFTMAX_TOPK = 1, SCORE_SIGMOID = 2 };
 enum { MAX_EXPERTS = 1024, MAX_TOP_K = 64 };
 enum { FFN_ROUTED = 0, FFN_SHARED = 1, FFN_DENSE = 2 };
+enum { MIX_ATTENTION = 0, MIX_DELTANET = 1, MIX_SSM = 2, MIX_SHORTCONV = 3 };
 
 static void bf16_to_float(const uint16_t *src, float *dst, int n) {
     for (int i = 0; i < n; i++) dst[i] = bf16f(src[i]);
@@ -105,6 +107,55 @@ static inline float mlp_value(const tk_layer_args *a, int i) {
     return a->f32 ? ((const float *)a->mlp_out)[i] : bf16f(((const uint16_t *)a->mlp_out)[i]);
 }
 
+static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+static inline float rounded(float x, int f32) { return f32 ? x : bf16f(bf16_of(x)); }
+
+/* Gated attention: each query value's output [nq] (attend_out) times sigmoid of its gate (in qkv_out after v),
+ * rounded as torch rounds bf16 (the sigmoid, then the product). */
+static void gate_output(tk_layer_args *a, const char *gates, int nq) {
+    if (a->f32) {
+        float *out = (float *)a->attend_out;
+        const float *g = (const float *)gates;
+        for (int i = 0; i < nq; i++) out[i] *= sigmoid(g[i]);
+        return;
+    }
+    uint16_t *out = (uint16_t *)a->attend_out;
+    const uint16_t *g = (const uint16_t *)gates;
+    for (int i = 0; i < nq; i++) out[i] = bf16_of(bf16f(out[i]) * rounded(sigmoid(bf16f(g[i])), 0));
+}
+
+/* o's sums (plus its bias) into the residual stream, times the layer's residual factor. */
+static void o_into(const tk_layer_args *a, float *x) {
+    const int H = a->hidden;
+    const float r = a->residual;
+    if (a->o_bias)
+        for (int i = 0; i < H; i++) x[i] += r * (a->o.y[i] + a->o_bias[i]);
+    else
+        for (int i = 0; i < H; i++) x[i] += r * a->o.y[i];
+}
+
+/* A recurrent token mixer over the normed stream (hf): its projection, its step (which updates the layer's state),
+ * o, into the stream; rounded where the torch path rounds under bf16 (the projection, the step's output). */
+static int mixer_step(tk_layer_args *a, float *x) {
+    const int P = a->proj_rows, f32 = a->f32;
+    int code;
+    for (int i = 0; i < a->n_proj; i++)
+        if ((code = tk_linear(&a->proj[i]))) return code;
+    add_bias(a->mix_p, a->proj_bias, P, f32);
+    if (!f32) bf16_to_float((const uint16_t *)a->mix_p, a->mix_pf, P);
+    if (a->mixer == MIX_DELTANET) code = tk_deltanet_step((const tk_deltanet_args *)a->recur);
+    else if (a->mixer == MIX_SSM) code = tk_ssm_step((const tk_ssm_args *)a->recur);
+    else code = tk_shortconv_step((const tk_shortconv_args *)a->recur);
+    if (code) return code;
+    if (!f32)  /* the step's float32 output as the torch path hands it to o: bf16 (float32: o.x is mix_out) */
+        for (int i = 0; i < a->mix_inner; i++) ((float *)a->o.x)[i] = bf16f(bf16_of(a->mix_out[i]));
+    if ((code = tk_linear(&a->o))) return code;
+    o_into(a, x);
+    return 0;
+}
+
+static int feed_forward(tk_layer_args *a, float *x);
+
 /* x [H] float32, the residual stream, through one layer (positions as `a->attend` says). 0, or a negative code.
  * bf16 compute rounds where the torch path rounds: the norms' outputs (h), the projections' (qkv_out, attend_out, the
  * router's logits); float32 compute rounds nothing, and the normed stream goes to the projections as it is (hf). */
@@ -114,12 +165,16 @@ static int layer_step(tk_layer_args *a, float *x) {
     const size_t item = f32 ? 4 : 2;
     char *qkv = (char *)a->qkv_out;
     int code;
-    /* attention */
+    /* attention, or the layer's recurrent mixer */
     norm(x, 1, H, a->input_norm, f32 ? (void *)a->hf : (void *)a->h, 1, H, a->eps, f32);
     if (!f32) bf16_to_float(a->h, a->hf, H);
+    if (a->mixer != MIX_ATTENTION) {
+        if ((code = mixer_step(a, x))) return code;
+        return feed_forward(a, x);
+    }
     for (int i = 0; i < a->n_qkv; i++)
         if ((code = tk_linear(&a->qkv[i]))) return code;
-    add_bias(qkv, a->qkv_bias, nq + 2 * nkv, f32);
+    add_bias(qkv, a->qkv_bias, a->qkv_rows, f32);
     if (a->qk_norm == QK_NORM_FULL) {
         norm(qkv, f32, nq, a->q_norm, qkv, 1, nq, a->eps, f32);
         norm(qkv + item * nq, f32, nkv, a->k_norm, qkv + item * nq, 1, nkv, a->eps, f32);
@@ -128,18 +183,24 @@ static int layer_step(tk_layer_args *a, float *x) {
         norm(qkv + item * nq, f32, D, a->k_norm, qkv + item * nq, Hkv, D, a->eps, f32);
     }
     if ((code = tk_attend_one(&a->attend))) return code;
+    if (a->attn_gate) gate_output(a, qkv + item * (nq + 2 * nkv), nq);
     if (!f32) bf16_to_float((const uint16_t *)a->attend_out, (float *)a->o.x, nq);  /* (float32: o.x is attend_out) */
     if ((code = tk_linear(&a->o))) return code;
-    if (a->o_bias)
-        for (int i = 0; i < H; i++) x[i] += a->o.y[i] + a->o_bias[i];  /* o's sums plus its bias, then the residual */
-    else
-        for (int i = 0; i < H; i++) x[i] += a->o.y[i];
-    /* experts */
+    o_into(a, x);
+    return feed_forward(a, x);
+}
+
+/* The layer's feed-forward over x (after its token mixer): RMSNorm, then the routed experts (and a shared one), or
+ * the layer's own SwiGLU, into the stream. */
+static int feed_forward(tk_layer_args *a, float *x) {
+    const int H = a->hidden, f32 = a->f32;
+    const float r = a->residual;
+    int code;
     norm(x, 1, H, a->post_norm, f32 ? (void *)a->hf : (void *)a->h, 1, H, a->eps, f32);
     if (!f32) bf16_to_float(a->h, a->hf, H);
     if (a->ffn == FFN_DENSE) {  /* the SwiGLU's output (bf16) into the stream, as the torch path adds it */
         if ((code = swiglu(a))) return code;
-        for (int i = 0; i < H; i++) x[i] += mlp_value(a, i);
+        for (int i = 0; i < H; i++) x[i] += r * mlp_value(a, i);
         return 0;
     }
     if ((code = tk_linear(&a->router))) return code;
@@ -157,10 +218,17 @@ static int layer_step(tk_layer_args *a, float *x) {
     if ((code = tk_moe(&a->moe))) return code;
     if (a->ffn == FFN_SHARED) {  /* the experts' float32 sum plus the shared one's, then into the stream */
         if ((code = swiglu(a))) return code;
-        for (int i = 0; i < H; i++) x[i] += a->moe.out[i] + mlp_value(a, i);
+        if (a->shared_gate) {  /* sigmoid(gate . h) times the shared expert's output */
+            float sum = 0.0f;
+            for (int i = 0; i < H; i++) sum += a->shared_gate[i] * a->hf[i];
+            const float g = rounded(sigmoid(rounded(sum, f32)), f32);
+            for (int i = 0; i < H; i++) x[i] += r * (a->moe.out[i] + rounded(g * mlp_value(a, i), f32));
+            return 0;
+        }
+        for (int i = 0; i < H; i++) x[i] += r * (a->moe.out[i] + mlp_value(a, i));
         return 0;
     }
-    for (int i = 0; i < H; i++) x[i] += a->moe.out[i];
+    for (int i = 0; i < H; i++) x[i] += r * a->moe.out[i];
     return 0;
 }
 
@@ -169,7 +237,8 @@ static int layer_step(tk_layer_args *a, float *x) {
 int tk_decode_layers(tk_layer_args *layers, int n, float *x, int start, const void *cos, const void *sin) {
     for (int l = 0; l < n; l++) {
         tk_layer_args *a = &layers[l];
-        if (a->ffn < FFN_ROUTED || a->ffn > FFN_DENSE)
+        if (a->ffn < FFN_ROUTED || a->ffn > FFN_DENSE || a->mixer < MIX_ATTENTION || a->mixer > MIX_SHORTCONV ||
+            a->n_qkv < 0 || a->n_qkv > 4 || a->n_proj < 0 || a->n_proj > 4 || (a->mixer != MIX_ATTENTION && !a->recur))
             return -8;
         if (a->ffn != FFN_DENSE && (a->moe.experts > MAX_EXPERTS || a->moe.top_k > MAX_TOP_K ||
                                     a->moe.top_k > a->moe.experts || a->moe.tokens != 1))

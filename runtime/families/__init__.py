@@ -48,8 +48,9 @@ class GGUFArch:
     # the tensors of a layer this architecture's files name otherwise: the name inside `model.layers.N.` -> inside
     # `blk.N.` (Gemma's norms around each half of a layer, its layer scalar and router scales)
     tensors: dict[str, str] = field(default_factory=dict)
-    # the tensors whose values or rows the converter changed (runtime/gguf_source.py Source: rows picked, values undone),
-    # by the config: a name inside a layer (or a whole name) -> its source (its GGUF name inside `blk.N.`, or whole)
+    # the tensors whose values or rows the converter changed (runtime/gguf_source.py Source: rows picked, values
+    # undone), by the config: a name inside a layer (or a whole name) -> its source (its GGUF name inside `blk.N.`,
+    # or whole)
     sources: Callable[[ModelConfig], dict[str, Any]] | None = None
     spec: dict[str, Any] = field(default_factory=dict)  # the family's names as its files of this architecture have
     # them, where they differ (FamilySpec's fields: Qwen3-Next's projections as Qwen3.5 names them)
