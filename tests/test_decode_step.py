@@ -51,8 +51,10 @@ SERVED = {
     # four projections; LFM2's short convolutions, sigmoid routing with its expert bias, a dense first layer;
     # Granite 4.0-H's Mamba-2 with the muP multipliers and an ungated shared expert, its attention without RoPE, and
     # with RoPE and every bias
-    # Qwen2-MoE's shared expert behind a sigmoid gate, q/k/v biases
+    # Qwen2-MoE's shared expert behind a sigmoid gate, q/k/v biases; Granite's muP multipliers (the residual one
+    # in the step), q/k/v/o biases, a shared SwiGLU
     "qwen2_moe": ("qwen2_moe", {"moe_intermediate_size": 64}),
+    "granitemoeshared": ("granitemoeshared", {"intermediate_size": 64, "attention_bias": True}),
     "qwen3_next": ("qwen3_next", {"moe_intermediate_size": 64, "num_hidden_layers": 3, "mlp_only_layers": [2],
                                   "layer_types": ["linear_attention", "full_attention", "linear_attention"]}),
     "qwen3_5_moe_text": ("qwen3_5_moe_text", {"moe_intermediate_size": 64}),
@@ -61,7 +63,8 @@ SERVED = {
     "granitemoehybrid": ("granitemoehybrid", {"intermediate_size": 64}),
     "granitemoehybrid-rope-bias": ("granitemoehybrid", {
         "intermediate_size": 64, "num_hidden_layers": 3, "position_embedding_type": "rope", "attention_bias": True,
-        "mamba_n_groups": 1, "mamba_proj_bias": True, "mamba_d_state": 8, "layer_types": ["attention", "mamba", "mamba"]}),
+        "mamba_n_groups": 1, "mamba_proj_bias": True, "mamba_d_state": 8,
+        "layer_types": ["attention", "mamba", "mamba"]}),
 }
 
 
