@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tandem.runtime import mamba2, shortconv
+from tandem.runtime.accelerator import cuda_usable
 from tandem.runtime.batch import BatchEngine, BatchRequest, DoneEvent
 from tandem.runtime.deltanet import chunked, l2_normed, recurrent_reference, step
 from tandem.runtime.engine import Engine, GenerationStats
@@ -224,6 +225,25 @@ def test_the_emulated_accelerator_keeps_the_state_there(hf_checkpoints: dict[str
     follow = LONG[:70] + answer + [5]
     assert list(reusing.generate(follow, GREEDY, stats)) == list(cpu.generate(follow, GREEDY))
     assert stats.cached_tokens == 70 + len(answer) - 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_usable(), reason="no CUDA GPU here")
+@pytest.mark.parametrize("case", ONE_OF_EACH)
+def test_on_a_gpu_the_state_stays_there_and_the_logits_are_the_cpus(  # pragma: no cover - no GPU on test machines
+        hf_checkpoints: dict[str, Path], case: str) -> None:
+    """The accelerator tier on a real GPU (scripts/gpu-check.sh runs `pytest -m cuda`): the mixers and their state
+    where the model runs, a prompt in two passes and then tokens one by one, against the CPU's float32 logits (a
+    GPU's sums fall in another order: a tolerance, not tokens)."""
+    folder = hf_checkpoints[case]
+    cpu = load_model(folder, dtype="fp32").model
+    gpu = load_model(folder, dtype="fp32", context=256, accelerator="cuda").model
+    assert gpu.accel is not None
+    ids = torch.tensor([LONG[:74]])
+    want = cpu.forward(ids, 0)
+    got = torch.cat([gpu.forward(ids[:, :40], 0), gpu.forward(ids[:, 40:70], 40)]
+                    + [gpu.forward(ids[:, p : p + 1], p) for p in range(70, 74)], dim=1)
+    assert (got - want).abs().max().item() <= 1e-3 * max(1.0, want.abs().max().item())
 
 
 def test_bf16_stays_as_close_to_fp32_as_transformers_bf16(hf_checkpoints: dict[str, Path]) -> None:
