@@ -98,6 +98,11 @@ def parts(m: object) -> list[object]:
     return list(m) if isinstance(m, list) else [m]
 
 
+def real_rows(m: object) -> int:
+    """A matrix's own rows (GGUF blocks: rows of blocks), before any padding."""
+    return m.data.shape[0] if isinstance(m, QuantizedMatrix) else m.shape[0]  # type: ignore[attr-defined]
+
+
 def own_mlp(ffn: object) -> ExpertWeights | None:
     """A layer's own SwiGLU the step computes: its shared expert's, or the dense layer itself (None: neither)."""
     if isinstance(ffn, MoEBlockWeights):
@@ -118,13 +123,15 @@ class DecodeStep:
         mlps = [own_mlp(layer.ffn) for layer in model.layers]
         inter = max([m.gate.shape[0] for m in mlps if m is not None], default=0)  # the widest own SwiGLU's I
         recurrent = [isinstance(kinds.mixer, RecurrentMixer) for kinds in model.plan]
-        # each recurrent mixer's projection rows as the kernels write them (a padded copy's: more than it has),
-        # and its output's width (o's input)
-        proj_rows = [sum(self._rows(linear, m) for m in parts(layer.attn.proj)) if r else 0
+        # what each layer's projection writes (a part padded to whole groups of 32 writes past its rows: _extent),
+        # a recurrent mixer's output's width (o's input)
+        proj_rows = [self._extent(linear, layer.attn.proj if r else layer.attn.qkv)
                      for layer, r in zip(model.layers, recurrent, strict=True)]
         inner = max([layer.attn.out.shape[-1] if not isinstance(layer.attn.out, QuantizedMatrix) else
                      layer.attn.out.cols for layer, r in zip(model.layers, recurrent, strict=True) if r], default=0)
-        qkv_rows = (2 * Hq + 2 * Hkv) * D if cfg.attention_gate else (Hq + 2 * Hkv) * D  # (the gates after v)
+        qkv_rows = max([(2 * Hq + 2 * Hkv) * D if cfg.attention_gate else (Hq + 2 * Hkv) * D]  # (gates after v)
+                       + [n for n, r in zip(proj_rows, recurrent, strict=True) if not r])
+        proj_rows = [n if r else 0 for n, r in zip(proj_rows, recurrent, strict=True)]
         widths = [H, Hq * D, inter, inner]
         router_rows = -(-E // 32) * 32  # the router's rows as the kernel reads them (DenseLinear.padded)
         rows = [H, router_rows, qkv_rows, -(-max(inter, H) // 32) * 32, *proj_rows]
@@ -149,7 +156,7 @@ class DecodeStep:
         self.mlp_out = torch.empty(padded, dtype=act)
         self.routed = [isinstance(layer.ffn, MoEBlockWeights) for layer in model.layers]  # the layers with experts
         self.biases: list[torch.Tensor] = []  # the biases as the layers add them (below), kept with the plan
-        self.recur: list[ctypes.Structure] = []  # the recurrent mixers' planned steps, and their buffers
+        self.recur: list[tuple[ctypes.Structure, list[torch.Tensor]]] = []  # the mixers' planned steps, their buffers
         self.layers = (LayerArgs * cfg.num_layers)()
         executor = model.dispatcher.executor
         for i, (layer, kinds) in enumerate(zip(model.layers, model.plan, strict=True)):
@@ -160,7 +167,7 @@ class DecodeStep:
             a.h, a.hf = self.h.data_ptr(), self.hf.data_ptr()
             a.mixer = MIXERS[kinds.mixer.name]
             if recurrent[i]:
-                self._mixer(a, model, i, layer.attn, kinds.mixer, proj_rows[i])
+                self._mixer(a, model, i, layer.attn, kinds.mixer)
             else:
                 self._attention(a, model, i, layer.attn)
             mlp = mlps[i]
@@ -197,14 +204,7 @@ class DecodeStep:
             a.q_norm, a.k_norm = attn.q_norm.data_ptr(), attn.k_norm.data_ptr()  # type: ignore[union-attr]
         a.qkv_out, a.attend_out = self.qkv_out.data_ptr(), self.attend_out.data_ptr()
         a.attn_gate = int(cfg.attention_gate)
-        a.n_qkv, at = len(parts(attn.qkv)), 0
-        for j, m in enumerate(parts(attn.qkv)):
-            rows_j = self._linear(a.qkv[j], linear, m, self.hf)
-            if self.f32:  # the float32 sums where q, k and v go
-                a.qkv[j].y, a.qkv[j].yb = self.qkv_out.data_ptr() + 4 * at, None
-            else:
-                a.qkv[j].yb = self.qkv_out.data_ptr() + 2 * at
-            at += rows_j
+        a.n_qkv = self._side_by_side(a.qkv, linear, attn.qkv, self.qkv_out)
         a.qkv_rows = (2 if cfg.attention_gate else 1) * cfg.num_heads * cfg.head_dim + \
             2 * cfg.num_kv_heads * cfg.head_dim
         self._linear(a.o, linear, attn.o, self.o_x)
@@ -213,42 +213,47 @@ class DecodeStep:
         a.o_bias = self._bias(attn.o_bias, torch.float32)
         self._attend(a.attend, model, i)
 
-    def _mixer(self, a: LayerArgs, model: MoEModel, i: int, w: Any, mixer: RecurrentMixer, rows: int) -> None:
+    def _mixer(self, a: LayerArgs, model: MoEModel, i: int, w: Any, mixer: RecurrentMixer) -> None:
         """Layer i's recurrent mixer: its projection into mix_p (its parts side by side), its bias, its step over
         row 0's state (the mixer's plan), o reading the step's output."""
         linear, act = model.linear, model.dtype
-        a.n_proj, at = len(parts(w.proj)), 0
-        for j, m in enumerate(parts(w.proj)):
-            rows_j = self._linear(a.proj[j], linear, m, self.hf)
-            if self.f32:
-                a.proj[j].y, a.proj[j].yb = self.mix_p.data_ptr() + 4 * at, None
-            else:
-                a.proj[j].yb = self.mix_p.data_ptr() + 2 * at
-            at += rows_j
+        a.n_proj = self._side_by_side(a.proj, linear, w.proj, self.mix_p)
         a.proj_bias = self._bias(w.proj_bias, act)
-        real = w.proj_bias.shape[0] if w.proj_bias is not None else None
+        a.proj_rows = rows = sum(real_rows(m) for m in parts(w.proj))  # (P: what the step reads)
         out = self.mix_out[:, : w.out.cols if isinstance(w.out, QuantizedMatrix) else w.out.shape[-1]]
         a.mix_inner = out.shape[-1]
         args, keep = mixer.step_args(model, i, w, self.mix_pf[:rows].view(1, rows), out)
-        a.proj_rows = real if real is not None else self._real_rows(w)
-        self.recur.append(args)
-        self.biases.extend(keep)
+        self.recur.append((args, keep))
         a.recur = ctypes.addressof(args)
         a.mix_p, a.mix_pf, a.mix_out = self.mix_p.data_ptr(), self.mix_pf.data_ptr(), out.data_ptr()
         self._linear(a.o, linear, w.out, self.mix_x)
         a.o.y, a.o.yb = self.o_y.data_ptr(), None
         a.o_bias = self._bias(w.out_bias, torch.float32)
 
-    @staticmethod
-    def _real_rows(w: Any) -> int:
-        """A mixer's projection rows as it has them (its matrices' own, before any padding)."""
-        return sum(m.data.shape[0] if isinstance(m, QuantizedMatrix) else m.shape[0] for m in parts(w.proj))
+    def _side_by_side(self, calls: ctypes.Array[LinearArgs], linear: DenseLinear, m: object, out: torch.Tensor
+                      ) -> int:
+        """A projection (one matrix, or parts) of the normed stream into `out`, each part's rows after the last
+        part's own rows, as DenseLinear puts them side by side (a part padded to whole groups of 32 writes past its
+        rows, and the next part, run after it, writes over that); returns how many calls."""
+        at = 0
+        for j, part in enumerate(parts(m)):
+            self._linear(calls[j], linear, part, self.hf)
+            if self.f32:  # the float32 sums where the outputs go
+                calls[j].y, calls[j].yb = out.data_ptr() + 4 * at, None
+            else:
+                calls[j].yb = out.data_ptr() + 2 * at
+            at += real_rows(part)
+        return len(parts(m))
 
-    def _rows(self, linear: DenseLinear, m: object) -> int:
-        """The rows the kernels write for matrix m (a padded copy's where DenseLinear pads it)."""
-        call = linear.one_token_call(m, self.model.dtype)
-        assert call is not None  # (why_not checked)
-        return call[1]
+    def _extent(self, linear: DenseLinear, m: object) -> int:
+        """How far `_side_by_side` writes for projection m: each part at its offset, as many rows as the kernels
+        write for it (a padded copy's where DenseLinear pads it)."""
+        at = end = 0
+        for part in parts(m):
+            call = linear.one_token_call(part, self.model.dtype)
+            assert call is not None  # (why_not checked)
+            end, at = max(end, at + call[1]), at + real_rows(part)
+        return end
 
     def _mlp(self, a: LayerArgs, linear: DenseLinear, mlp: ExpertWeights) -> None:
         """The layer's own SwiGLU (a shared expert's, or a dense layer's) as three products: gate and up of the

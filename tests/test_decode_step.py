@@ -177,7 +177,7 @@ def test_gguf_blocks_decode_through_the_step(served: dict[str, Path], tmp_path: 
 
 @pytest.mark.parametrize("family, overrides", [
     ("qwen3_next", {"moe_intermediate_size": 64, "linear_num_value_heads": 16}),  # (ssm_ba: 32 rows)
-    ("qwen3_5_moe_text", {"moe_intermediate_size": 64, "linear_num_value_heads": 32}),  # (b and a: 32 rows each)
+    ("qwen3_5_moe_text", {"moe_intermediate_size": 64, "linear_num_value_heads": 16}),  # (b and a: 32 rows)
     ("lfm2_moe", {"moe_intermediate_size": 64}),
     ("granitemoehybrid", {"intermediate_size": 64, "mamba_n_heads": 32, "mamba_d_head": 4}),  # (in_proj: 352 rows)
 ])
@@ -188,6 +188,25 @@ def test_hybrid_gguf_blocks_decode_through_the_step(tmp_path: Path, family: str,
     write_gguf(build_hf_checkpoint(tmp_path / family, family, overrides), out, "Q8_0")
     for dtype in ("bf16", "fp32"):
         model = load_model(out, dtype=dtype).model
+        assert why_not(model) is None
+        want, want_tokens, _ = decode(model, use_step=False)
+        got, tokens, _ = decode(model, use_step=True)
+        assert model._step is not None and tokens == want_tokens
+        assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
+def test_projections_in_parts_that_are_padded_lie_side_by_side(served: dict[str, Path]) -> None:
+    """A projection in parts (formats that differ, in a GGUF file) whose parts are not whole groups of 32 rows: each
+    is multiplied as a padded copy, and its outputs lie right after the last part's own rows, as DenseLinear puts
+    them side by side (the DeltaNet projection's 200 rows as 184 and 16; attention's q/k/v/gates as 120 and 72)."""
+    for dtype in ("bf16", "fp32"):
+        model = load_model(served["qwen3_next"], dtype=dtype).model
+        for layer in model.layers:
+            w = layer.attn
+            if hasattr(w, "proj"):
+                w.proj = [w.proj[:184].clone(), w.proj[184:].clone()]
+            else:
+                w.qkv = [w.qkv[:120].clone(), w.qkv[120:].clone()]
         assert why_not(model) is None
         want, want_tokens, _ = decode(model, use_step=False)
         got, tokens, _ = decode(model, use_step=True)
