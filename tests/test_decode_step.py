@@ -6,6 +6,7 @@ mask (tests/run_masks.py)."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -188,6 +189,19 @@ def test_hybrid_gguf_blocks_decode_through_the_step(tmp_path: Path, family: str,
     write_gguf(build_hf_checkpoint(tmp_path / family, family, overrides), out, "Q8_0")
     for dtype in ("bf16", "fp32"):
         model = load_model(out, dtype=dtype).model
+        assert why_not(model) is None
+        want, want_tokens, _ = decode(model, use_step=False)
+        got, tokens, _ = decode(model, use_step=True)
+        assert model._step is not None and tokens == want_tokens
+        assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
+def test_a_residual_factor_scales_a_dense_layers_output_as_torch_rounds_it(served: dict[str, Path]) -> None:
+    """muP's residual factor on every output, a dense layer's bf16 one included (times the factor in bf16, as the
+    layer loop multiplies it), on a model with dense and routed layers."""
+    for dtype in ("bf16", "fp32"):
+        model = load_model(served["qwen3_moe-dense"], dtype=dtype).model
+        model.cfg = replace(model.cfg, residual_multiplier=0.22)  # (as Granite's config would give it)
         assert why_not(model) is None
         want, want_tokens, _ = decode(model, use_step=False)
         got, tokens, _ = decode(model, use_step=True)

@@ -198,9 +198,10 @@ static int feed_forward(tk_layer_args *a, float *x) {
     int code;
     norm(x, 1, H, a->post_norm, f32 ? (void *)a->hf : (void *)a->h, 1, H, a->eps, f32);
     if (!f32) bf16_to_float(a->h, a->hf, H);
-    if (a->ffn == FFN_DENSE) {  /* the SwiGLU's output (bf16) into the stream, as the torch path adds it */
+    if (a->ffn == FFN_DENSE) {  /* the SwiGLU's output (bf16) into the stream, as the torch path adds it: times the
+                                 * residual factor in its own dtype (bf16: rounded; exact at 1) */
         if ((code = swiglu(a))) return code;
-        for (int i = 0; i < H; i++) x[i] += r * mlp_value(a, i);
+        for (int i = 0; i < H; i++) x[i] += rounded(r * mlp_value(a, i), f32);
         return 0;
     }
     if ((code = tk_linear(&a->router))) return code;
