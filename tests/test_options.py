@@ -14,7 +14,7 @@ from tandem.app.cli.main import main
 from tandem.autotune import configure as configure_module
 from tandem.autotune.configure import configure, profile_request
 from tandem.kernels.errors import SettingsError
-from tandem.runtime import loader
+from tandem.runtime import loader, memory
 from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.dispatch import Strategy
 from tandem.runtime.expert_cache import CachePolicy
@@ -275,6 +275,14 @@ def _as_shown(options: Options) -> dict[str, dict[str, str]]:
             for m in (re.fullmatch(r"(\S+) +(.*)  \[(.+)\]", line) for line in options.describe()) if m}
 
 
+@pytest.fixture
+def steady_ram(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The machine's available RAM held still: settings it sizes (the prefix store, serving's batch) are read once
+    for --show-config and again for the run, and on a busy machine they moved between the two."""
+    monkeypatch.setattr(memory, "available_ram", lambda: 16 * 2**30)
+
+
+@pytest.mark.usefixtures("steady_ram")
 def test_show_config_tells_what_serve_runs(mixtral_dir: Path, tandem_home: Path, monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """serve runs ragged passes of --batch-size sequences, or as many as serving fits; --show-config says so, and
@@ -301,6 +309,7 @@ def test_show_config_tells_what_serve_runs(mixtral_dir: Path, tandem_home: Path,
     assert _as_shown(loaded_with[0]) == shown
 
 
+@pytest.mark.usefixtures("steady_ram")
 def test_show_config_tells_what_batch_runs(mixtral_dir: Path, tandem_home: Path, tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
                                           ) -> None:
