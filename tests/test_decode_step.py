@@ -92,6 +92,16 @@ def decode(model: MoEModel, use_step: bool, steps: int = 12) -> tuple[torch.Tens
                                       stats.per_layer.copy(), stats.misses)
 
 
+def step_matches_loop(model: MoEModel) -> None:
+    """The model decodes through the step as through the layer loop: the same tokens, logits within bf16's
+    rounding of each other."""
+    assert why_not(model) is None
+    want, want_tokens, _ = decode(model, use_step=False)
+    got, tokens, _ = decode(model, use_step=True)
+    assert model._step is not None and tokens == want_tokens
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("name", list(SERVED))
 def test_the_step_decodes_as_the_torch_path(served: dict[str, Path], name: str, dtype: str) -> None:
@@ -189,11 +199,7 @@ def test_hybrid_gguf_blocks_decode_through_the_step(tmp_path: Path, family: str,
     write_gguf(build_hf_checkpoint(tmp_path / family, family, overrides), out, "Q8_0")
     for dtype in ("bf16", "fp32"):
         model = load_model(out, dtype=dtype).model
-        assert why_not(model) is None
-        want, want_tokens, _ = decode(model, use_step=False)
-        got, tokens, _ = decode(model, use_step=True)
-        assert model._step is not None and tokens == want_tokens
-        assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+        step_matches_loop(model)
 
 
 def test_a_residual_factor_scales_a_dense_layers_output_as_torch_rounds_it(served: dict[str, Path]) -> None:
@@ -202,11 +208,7 @@ def test_a_residual_factor_scales_a_dense_layers_output_as_torch_rounds_it(serve
     for dtype in ("bf16", "fp32"):
         model = load_model(served["qwen3_moe-dense"], dtype=dtype).model
         model.cfg = replace(model.cfg, residual_multiplier=0.22)  # (as Granite's config would give it)
-        assert why_not(model) is None
-        want, want_tokens, _ = decode(model, use_step=False)
-        got, tokens, _ = decode(model, use_step=True)
-        assert model._step is not None and tokens == want_tokens
-        assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+        step_matches_loop(model)
 
 
 def test_projections_in_parts_that_are_padded_lie_side_by_side(served: dict[str, Path]) -> None:
@@ -221,11 +223,7 @@ def test_projections_in_parts_that_are_padded_lie_side_by_side(served: dict[str,
                 w.proj = [w.proj[:184].clone(), w.proj[184:].clone()]
             else:
                 w.qkv = [w.qkv[:120].clone(), w.qkv[120:].clone()]
-        assert why_not(model) is None
-        want, want_tokens, _ = decode(model, use_step=False)
-        got, tokens, _ = decode(model, use_step=True)
-        assert model._step is not None and tokens == want_tokens
-        assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+        step_matches_loop(model)
 
 
 def test_gpt_oss_decodes_through_the_step(tmp_path: Path) -> None:
