@@ -15,7 +15,7 @@ from typing import Any
 from tandem.autotune.measurements import Measurements
 from tandem.autotune.plan import Plan
 from tandem.autotune.probe import probe
-from tandem.autotune.profile import find_profile, model_fingerprint
+from tandem.autotune.profile import collection_path, find_profile, model_fingerprint
 from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
 from tandem.runtime.latency import LatencyModel
 from tandem.runtime.options import Machine, Options, Request, auto_dtype, resolve
@@ -50,6 +50,8 @@ def configure(request: Request, *, placement: str | None = None, use_profile: bo
     cfg = ckpt.config
     if placement is not None:
         request = replace(request, static=trace_placement(placement, cfg.num_layers, cfg.num_experts))
+    if request.prefetch_collection is None:
+        request = replace(request, prefetch_collection=collection_path(ckpt.raw_config))
     profile, measured = None, None
     if use_profile:
         hw = probe()
@@ -81,6 +83,9 @@ def profile_request(plan: dict[str, Any], measurements: dict[str, Any] | None = 
     static = tuple((int(layer), int(e)) for layer, e in plan.get("static", []))
     tuned = replace(tuned, strategy=p.strategy, cache_policy=p.cache_policy, cache_ways=p.cache_ways or None,
                     static=static)
+    if p.prefetch_depth:  # the planner found prefetch pays here
+        tuned = replace(tuned, prefetch=p.prefetch, prefetch_depth=p.prefetch_depth,
+                        prefetch_min_precision=p.prefetch_min_precision)
     fit = meas.cpu.get(p.threads) if meas is not None else None
     if meas is None or fit is None or meas.gpu_expert_ms is None or meas.copy_expert_ms is None:
         return tuned

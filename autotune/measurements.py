@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.kernels.errors import TandemError
+from tandem.runtime.choices import PredictorKind
+from tandem.runtime.prefetch import MAX_DEPTH
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ class Measurements:
     ship_ms: float | None = None  # measured cost of sending a layer's activations to the CPU and back
     shared_device: bool = False  # the "accelerator" is the CPU itself (emulated): no real concurrency
     gflops: float | None = None  # dense products over many tokens at the planned threads (the compute peak reached)
+    # each expert predictor's recall per MoE layer ahead (1, 2, ...), as measured on the model (runtime/prefetch.py)
+    predictor_recall: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def has_gpu(self) -> bool:
@@ -55,7 +59,7 @@ class Measurements:
             "kernel": self.kernel, "gpu_expert_ms": self.gpu_expert_ms, "copy_expert_ms": self.copy_expert_ms,
             "h2d_gbps": self.h2d_gbps, "d2h_gbps": self.d2h_gbps, "vram_for_experts": self.vram_for_experts,
             "token_overhead_ms": self.token_overhead_ms, "ship_ms": self.ship_ms,
-            "shared_device": self.shared_device, "gflops": self.gflops,
+            "shared_device": self.shared_device, "gflops": self.gflops, "predictor_recall": self.predictor_recall,
         }
 
     @classmethod
@@ -71,6 +75,7 @@ class Measurements:
             vram_for_experts=int(d.get("vram_for_experts") or 0),
             token_overhead_ms=float(d.get("token_overhead_ms") or 0.0), ship_ms=d.get("ship_ms"),
             shared_device=bool(d.get("shared_device")), gflops=d.get("gflops"),
+            predictor_recall={str(k): [float(x) for x in v] for k, v in (d.get("predictor_recall") or {}).items()},
         )
 
 
@@ -185,11 +190,19 @@ def from_hardware_file(d: dict[str, Any], expert_bytes: int, flops_per_token: fl
     vram = gpu.get("vram_bytes_for_experts")
     vram = 0 if vram is None else f.count(vram, "gpu.vram_bytes_for_experts", 1 << 60, zero=True)
     overhead = d.get("token_overhead_ms")
+    recall = {}
+    for kind, figures in f.section(d.get("predictors"), "predictors").items():
+        if kind not in {str(k) for k in PredictorKind} - {"none"}:
+            raise f.fail(f"predictors.{kind}", kind, "one of previous-token, stale-gate, eam")
+        if not isinstance(figures, list) or not 1 <= len(figures) <= MAX_DEPTH:
+            raise f.fail(f"predictors.{kind}", figures, f"a list of 1 to {MAX_DEPTH} recalls, one per layer ahead")
+        recall[kind] = [f.number({"recall": x}, "recall", (0.0, 1.0), f"predictors.{kind}.", zero=True)
+                        for x in figures]
     return Measurements(
         cores=cores, expert_bytes=expert_bytes, cpu=cpu, dram_gbps=dram, gpu_expert_ms=expert_ms,
         copy_expert_ms=copy_ms, h2d_gbps=h2d, vram_for_experts=vram, ship_ms=ship_ms,
         token_overhead_ms=0.0 if overhead is None else f.number(d, "token_overhead_ms", MS, zero=True),
-        gflops=gflops,
+        gflops=gflops, predictor_recall=recall,
     )
 
 

@@ -2,7 +2,9 @@
 
 Pure function of (measurements, model shape, routing trace). On a CPU-only machine it still chooses the
 thread count, the kernel variant and crossover (from measurements) and leaves quantization off; with an
-accelerator it also chooses the strategy, static placement and the cache's ways, indexes and policy.
+accelerator it also chooses the strategy, static placement and the cache's ways, indexes and policy, and then
+whether prefetch pays (MoE-Infinity): each predictor whose accuracy was measured, at each depth, simulated on the
+best placements; the fastest is kept only if it beats none, with the precision below which it stops paying.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from tandem.autotune.simulate import Candidate, SimCosts, SimResult, simulate, s
 from tandem.kernels.errors import TandemError
 from tandem.kernels.names import Isa, Quant
 from tandem.runtime.checkpoint import Checkpoint
+from tandem.runtime.choices import PredictorKind
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.dispatch import Strategy
 from tandem.runtime.expert_cache import CachePolicy
+from tandem.runtime.prefetch import DEFAULT_MIN_PRECISION
 from tandem.runtime.trace import most_popular
 from tandem.runtime.weights import attention_tensors, expert_names
 
@@ -104,21 +108,27 @@ class Plan:
     kernel_isa: Isa | None = None
     crossover: int | None = None
     quant: Quant | None = None  # off unless the user opts in
+    prefetch: PredictorKind = PredictorKind.NONE
+    prefetch_depth: int = 0
+    prefetch_min_precision: float = DEFAULT_MIN_PRECISION  # where it stops paying (runtime's PrecisionGate)
 
     def to_dict(self) -> dict[str, Any]:
         return {"threads": self.threads, "accelerator": self.accelerator, "strategy": str(self.strategy),
                 "cache": {"indexes": self.cache_indexes, "ways": self.cache_ways, "policy": str(self.cache_policy)},
                 "static_experts": self.static_experts, "kernel": {"isa": self.kernel_isa, "crossover": self.crossover},
-                "quant": self.quant or "none"}
+                "quant": self.quant or "none",
+                "prefetch": {"predictor": str(self.prefetch), "depth": self.prefetch_depth,
+                             "min_precision": self.prefetch_min_precision}}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
-        cache, kernel = d.get("cache") or {}, d.get("kernel") or {}
+        cache, kernel, ahead = d.get("cache") or {}, d.get("kernel") or {}, d.get("prefetch") or {}
         quant = d.get("quant")
         return cls(int(d["threads"]), bool(d.get("accelerator")), Strategy(d.get("strategy", "cpu")),
                    int(cache.get("indexes", 0)), int(cache.get("ways", 0)), CachePolicy(cache.get("policy", "lru")),
                    int(d.get("static_experts", 0)), kernel.get("isa"), kernel.get("crossover"),
-                   None if quant in (None, "none") else quant)
+                   None if quant in (None, "none") else quant, PredictorKind(ahead.get("predictor", "none")),
+                   int(ahead.get("depth", 0)), float(ahead.get("min_precision", DEFAULT_MIN_PRECISION)))
 
 
 @dataclass
@@ -127,10 +137,11 @@ class PlanResult:
     predicted_tok_s: float
     hit_rate: float
     alternatives: list[dict[str, Any]] = field(default_factory=list)
+    prefetch: dict[str, Any] = field(default_factory=dict)  # what prefetch was predicted to give, and why chosen
 
     def to_dict(self) -> dict[str, Any]:
         return {"plan": self.plan.to_dict(), "predicted_tok_s": round(self.predicted_tok_s, 2),
-                "hit_rate": round(self.hit_rate, 4), "alternatives": self.alternatives}
+                "hit_rate": round(self.hit_rate, 4), "alternatives": self.alternatives, "prefetch": self.prefetch}
 
 
 # DRAM bytes a copy of an expert moves per byte copied: the runtime reads the (memory-mapped, pageable) weights,
@@ -206,9 +217,11 @@ def evaluate(plan: Plan, shape: ModelShape, meas: Measurements, trace: np.ndarra
     the trace's own counts)."""
     counts = trace_counts(shape, trace) if popular is None else popular
     static = tuple(most_popular(counts, plan.static_experts)) if plan.static_experts else ()
+    recall = meas.predictor_recall.get(str(plan.prefetch), ())[: plan.prefetch_depth] if plan.prefetch_depth else ()
     policy = Candidate(plan.accelerator, plan.strategy, static, tuple(shape.moe_layers[: plan.cache_indexes]),
-                       plan.cache_ways, CachePolicy(plan.cache_policy))
-    return simulate(trace, sim_costs(shape, meas, plan.threads, plan.accelerator), policy, shape.expert_bytes)
+                       plan.cache_ways, CachePolicy(plan.cache_policy), recall=tuple(recall))
+    return simulate(trace, sim_costs(shape, meas, plan.threads, plan.accelerator), policy, shape.expert_bytes,
+                    shape.num_experts)
 
 
 SYNTHETIC_STEPS = 64  # decode tokens of a synthetic trace
@@ -233,7 +246,78 @@ def make_plan(shape: ModelShape, meas: Measurements, trace: np.ndarray | None = 
         trace, popular = family_trace(shape)
     scored = [(plan, evaluate(plan, shape, meas, trace, popular)) for plan in candidates(shape, meas)]
     scored.sort(key=lambda pr: (-pr[1].tok_s, pr[0].threads))
+    ahead = plan_prefetch(scored, shape, meas, trace, popular)
+    if ahead.get("chosen"):
+        chosen = ahead.pop("chosen")
+        scored.insert(0, chosen)
     best, result = scored[0]
     alternatives = [{"plan": p.to_dict(), "predicted_tok_s": round(r.tok_s, 2), "hit_rate": round(r.hit_rate, 4)}
                     for p, r in itertools.islice(scored[1:], keep)]
-    return PlanResult(best, result.tok_s, result.hit_rate, alternatives)
+    return PlanResult(best, result.tok_s, result.hit_rate, alternatives, ahead)
+
+
+PREFETCH_BASES = 3  # the fastest placements with a cache that prefetch is tried on
+BREAK_EVEN = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)  # shares of the measured recall tried for the break-even
+
+
+def plan_prefetch(scored: list[tuple[Plan, SimResult]], shape: ModelShape, meas: Measurements, trace: np.ndarray,
+                  popular: np.ndarray | None) -> dict[str, Any]:
+    """Each measured predictor at each depth (1..3) on the fastest placements with a cache: the fastest of them
+    (`chosen`: plan and result, when it beats the best plan without prefetch), each one's predicted tokens/s, and
+    the precision below which the chosen one stops paying (its recall scaled down until it no longer beats that
+    placement without prefetch). Nothing to try (no accelerator, no cache, no predictor measured): says why."""
+    if not meas.predictor_recall:
+        return {"why": "no predictor accuracy measured (tandem autotune measures it)"}
+    # the fastest with a cache, and the fastest of each geometry whose ways hold part of a layer (where guesses can
+    # land: a cache holding whole layers never misses there)
+    cached = [(p, r) for p, r in scored if p.accelerator and p.cache_indexes]
+    bases = cached[:PREFETCH_BASES]
+    seen_geometry: set[tuple[int, int, int]] = set()
+    for p, r in cached:
+        geometry = (p.cache_indexes, p.cache_ways, p.static_experts)
+        if p.cache_ways < shape.num_experts and geometry not in seen_geometry and (p, r) not in bases \
+                and len(seen_geometry) < PREFETCH_BASES:
+            seen_geometry.add(geometry)
+            bases.append((p, r))
+    if not bases:
+        return {"why": "no plan with an expert cache to prefetch into"}
+    best_tok_s = scored[0][1].tok_s
+    tried = []
+    for base, base_result in bases:
+        for kind, recall in sorted(meas.predictor_recall.items()):
+            for depth in range(1, min(3, len(recall)) + 1):
+                plan = replace(base, prefetch=PredictorKind(kind), prefetch_depth=depth)
+                tried.append((plan, evaluate(plan, shape, meas, trace, popular), base_result))
+    tried.sort(key=lambda t: -t[1].tok_s)
+    by_gain = sorted(tried, key=lambda t: -t[1].tok_s / t[2].tok_s if t[2].tok_s else 0.0)
+    rows = [{"predictor": str(p.prefetch), "depth": p.prefetch_depth,
+             "placement": f"{p.strategy} {p.cache_indexes}x{p.cache_ways} {p.cache_policy}, {p.static_experts} static",
+             "predicted_tok_s": round(r.tok_s, 2),
+             "hit_rate": round(r.hit_rate, 4), "gain": round(r.tok_s / b.tok_s, 3) if b.tok_s else 0.0,
+             "prefetches_per_token": round(r.prefetches / max(1, len(trace)), 2),
+             "used": round(r.prefetch_used / r.prefetches, 3) if r.prefetches else 0.0}
+            for p, r, b in tried[:6] + [t for t in by_gain[:6] if t not in tried[:6]]]
+    plan, result, base = tried[0]
+    gain = result.tok_s / best_tok_s if best_tok_s else 0.0
+    out: dict[str, Any] = {"tried": rows, "gain_over_best_without": round(gain, 3)}
+    if result.tok_s <= best_tok_s:
+        top, top_result, top_base = by_gain[0]
+        top_gain = top_result.tok_s / top_base.tok_s if top_base.tok_s else 0.0
+        out["why"] = (f"none: the fastest plan with it ({plan.prefetch} {plan.prefetch_depth} ahead) is predicted at "
+                      f"{gain:.2f}x of the best without; its largest gain, {top.prefetch} {top.prefetch_depth} ahead "
+                      f"on {top.cache_indexes}x{top.cache_ways} slots, {top_gain:.2f}x, "
+                      f"is over a placement slower than the best ({top_result.tok_s:.1f} against "
+                      f"{best_tok_s:.1f} tok/s)")
+        return out
+    recall = meas.predictor_recall[str(plan.prefetch)]
+    floor = recall[0]
+    for share in BREAK_EVEN:  # lower accuracy until prefetch no longer beats its placement without it
+        weaker = replace(meas, predictor_recall={**meas.predictor_recall,
+                                                 str(plan.prefetch): [x * share for x in recall]})
+        if evaluate(plan, shape, weaker, trace, popular).tok_s <= base.tok_s:
+            break
+        floor = recall[0] * share
+    plan = replace(plan, prefetch_min_precision=round(floor, 3))
+    out.update(chosen=(plan, result), why=f"{plan.prefetch} {plan.prefetch_depth} ahead is predicted at {gain:.2f}x "
+               f"of the best plan without prefetch; it pauses while its precision is under {floor:.2f}")
+    return out

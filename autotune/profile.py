@@ -17,6 +17,7 @@ from typing import Any
 
 from tandem.autotune.measurements import MAX_COUNT, Measurements
 from tandem.kernels.errors import TandemError
+from tandem.runtime.choices import PredictorKind
 from tandem.runtime.dispatch import Strategy
 from tandem.runtime.expert_cache import CachePolicy
 from tandem.runtime.paths import (
@@ -27,6 +28,7 @@ from tandem.runtime.paths import (
     remove_stale_temporaries,
     set_aside,
 )
+from tandem.runtime.prefetch import MAX_DEPTH
 
 SCHEMA = 2  # raised whenever a saved plan would mean something else: a profile of another schema is set aside
 
@@ -37,6 +39,12 @@ def profiles_dir() -> Path:
 
 def _digest(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def collection_path(raw_config: dict[str, Any]) -> Path:
+    """Where the EAM prefetch predictor keeps a model's activation collection (runtime/prefetch.py), beside the
+    profiles: one per model whatever the machine or dtype (routing does not depend on them)."""
+    return profiles_dir() / f"eam-{_digest(model_fingerprint(raw_config, ''))}.npz"
 
 
 def model_fingerprint(raw_config: dict[str, Any], dtype: str) -> dict[str, Any]:
@@ -153,7 +161,8 @@ def _shown(value: Any) -> str:
     return shown if len(shown) <= 60 else shown[:57] + "..."
 
 
-PLAN_FIELDS = {"threads", "accelerator", "strategy", "cache", "static_experts", "kernel", "quant", "static"}
+PLAN_FIELDS = {"threads", "accelerator", "strategy", "cache", "static_experts", "kernel", "quant", "static",
+               "prefetch"}
 
 
 def check_plan(plan: dict[str, Any]) -> None:
@@ -190,6 +199,15 @@ def check_plan(plan: dict[str, Any]) -> None:
         raise bad("kernel isa", kernel["isa"], "a name")
     if kernel.get("crossover") is not None and not _whole(kernel["crossover"], 1):
         raise bad("kernel crossover", kernel["crossover"], "a whole number ≥ 1")
+    ahead = plan.get("prefetch", {})
+    if not isinstance(ahead, dict) or set(ahead) - {"predictor", "depth", "min_precision"}:
+        raise bad("prefetch", ahead, "an object of predictor, depth and min_precision")
+    if not (isinstance(ahead.get("predictor", "none"), str) and ahead.get("predictor", "none") in set(PredictorKind)):
+        raise bad("prefetch predictor", ahead["predictor"], f"one of {', '.join(PredictorKind)}")
+    if not _whole(ahead.get("depth", 0), 0) or ahead.get("depth", 0) > MAX_DEPTH:
+        raise bad("prefetch depth", ahead["depth"], f"a whole number from 0 to {MAX_DEPTH}")
+    if not _number(ahead.get("min_precision", 0), False) or ahead.get("min_precision", 0) > 1:
+        raise bad("prefetch min_precision", ahead["min_precision"], "a number from 0 to 1")
     static = plan.get("static", [])
     if not isinstance(static, list) or not all(
             isinstance(k, list) and len(k) == 2 and all(_whole(v, 0) for v in k) for k in static):
@@ -260,6 +278,12 @@ def check_measurements(m: dict[str, Any]) -> None:
         raise bad("vram_for_experts", vram, f"a whole number from 0 to {BYTES_MAX}")
     if not isinstance(m.get("shared_device", False), bool | None):
         raise bad("shared_device", m["shared_device"], "true or false")
+    recall = m.get("predictor_recall") or {}
+    if not isinstance(recall, dict) or not all(
+            k in set(PredictorKind) - {"none"} and isinstance(v, list) and 1 <= len(v) <= MAX_DEPTH
+            and all(_number(x, False) and x <= 1 for x in v) for k, v in recall.items()):
+        raise bad("predictor_recall", recall, f"an object of predictors, each a list of 1 to {MAX_DEPTH} recalls "
+                  "from 0 to 1")
     try:  # as its readers take them: whatever passed the checks above must convert
         Measurements.from_dict(m)
     except (KeyError, TypeError, ValueError, AttributeError) as e:

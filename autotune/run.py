@@ -16,6 +16,7 @@ from tandem.autotune.plan import ModelShape, Plan, PlanResult, evaluate, make_pl
 from tandem.autotune.probe import HardwareInfo, probe
 from tandem.autotune.profile import Profile, model_fingerprint, profiles_dir, save_profile
 from tandem.runtime.checkpoint import Checkpoint, open_checkpoint
+from tandem.runtime.choices import PredictorKind
 from tandem.runtime.engine import Engine, GenerationStats
 from tandem.runtime.loader import LoadedModel, load
 from tandem.runtime.memory import accelerator_bytes
@@ -30,6 +31,7 @@ from tandem.runtime.options import (
     takes_int8_blocks,
 )
 from tandem.runtime.paths import ensure_folder
+from tandem.runtime.prefetch import MAX_DEPTH
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.trace import most_popular
 
@@ -45,11 +47,13 @@ class Tuned:
 
 
 def record_trace(model_dir: str | Path, dtype: Dtype, tokens: int = 32, loaded: LoadedModel | None = None,
-                 checkpoint: Checkpoint | None = None) -> tuple[np.ndarray, float, int]:
+                 checkpoint: Checkpoint | None = None, recall: dict[str, list[float]] | None = None
+                 ) -> tuple[np.ndarray, float, int]:
     """Decode `tokens` tokens CPU-only (default settings): the routing sequence `[steps, layers, top_k]`,
     the measured decode ms per token and the thread count it ran with (to calibrate the simulator).
     `loaded`: this folder already in memory (the chat app's model), decoded with instead of a second copy,
-    which might not fit beside it, when it runs CPU-only and unquantized; `checkpoint`: the folder, open."""
+    which might not fit beside it, when it runs CPU-only and unquantized; `checkpoint`: the folder, open.
+    `recall`: filled with each expert predictor's recall per MoE layer ahead (`measure_predictors`)."""
     if loaded is None or loaded.model.accel is not None or loaded.model.dispatcher.executor.quant:
         ckpt = checkpoint or open_checkpoint(model_dir)
         request = Request(model=model_dir, dtype=dtype, accelerator="none",
@@ -64,7 +68,34 @@ def record_trace(model_dir: str | Path, dtype: Dtype, tokens: int = 32, loaded: 
     recorder = loaded.model.dispatcher.recorder
     trace = np.stack(recorder.sequence) if recorder.sequence else np.zeros((0, loaded.model.cfg.num_layers, 1), int)
     ms = 1000.0 / stats.decode_tok_s if stats.decode_tok_s else 0.0
+    if recall is not None:
+        recall.update(measure_predictors(loaded, prompt, tokens))
     return trace, ms, loaded.model.dispatcher.executor.threads
+
+
+def measure_predictors(loaded: LoadedModel, prompt: list[int], tokens: int,
+                       depth: int = MAX_DEPTH) -> dict[str, list[float]]:
+    """Each expert predictor (runtime/prefetch.py) over one answer of `tokens` tokens to `prompt`, through the layer
+    loop (the stale gate reads each MoE layer's router input): its recall per MoE layer ahead, 1..depth (fewer where
+    the model has fewer MoE layers). The model is left as it was."""
+    model = loaded.model
+    dispatcher = model.dispatcher
+    depth = min(depth, len(dispatcher.moe_layers) - 1)
+    if depth < 1:
+        return {}
+    before = model.use_step, dispatcher.predictor, dispatcher.scorer, dispatcher.prefetching
+    out = {}
+    try:
+        model.use_step = False
+        for kind in (PredictorKind.PREVIOUS, PredictorKind.STALE_GATE, PredictorKind.EAM):
+            dispatcher.predict(kind, depth)
+            for _ in Engine(model, ()).generate(prompt, SamplingParams(max_new_tokens=tokens)):
+                pass
+            assert dispatcher.scorer is not None
+            out[str(kind)] = [round(dispatcher.scorer.accuracy.recall(d), 4) for d in range(1, depth + 1)]
+    finally:
+        model.use_step, dispatcher.predictor, dispatcher.scorer, dispatcher.prefetching = before
+    return out
 
 
 def autotune(model_dir: str | Path, dtype: str = "auto", quick: bool = False,
@@ -81,8 +112,10 @@ def autotune(model_dir: str | Path, dtype: str = "auto", quick: bool = False,
     fixed = accelerator_bytes(ckpt, DTYPES[name], resolve_context(ckpt.config, None)) if hw.gpus else None
     meas = microbench(shape, hw, DTYPES[cpu_name], quick=quick, progress=progress, device_dtype=DTYPES[name],
                       accelerator_fixed=fixed)
+    recall: dict[str, list[float]] = {}  # (prefetch needs an accelerator: measured only where there is one)
     recorded, measured_ms, threads = record_trace(model_dir, cpu_name, tokens=16 if quick else 32, loaded=loaded,
-                                                  checkpoint=ckpt)
+                                                  checkpoint=ckpt, recall=recall if meas.has_gpu else None)
+    meas.predictor_recall = recall
     if trace is None or len(trace) == 0:
         trace = recorded
     # Calibrate: what one real CPU-only decode took per token beyond what the layer model explains.

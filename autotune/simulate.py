@@ -45,6 +45,9 @@ class Candidate:
     ways: int = 0
     policy: CachePolicy = CachePolicy.LRU
     max_inflight: int = DEFAULT_INFLIGHT
+    # prefetch (runtime/prefetch.py): each MoE layer guesses the next `len(recall)` MoE layers' experts, a guess at
+    # distance d holding each expert routed there with probability recall[d - 1] (the rest wrong)
+    recall: tuple[float, ...] = ()
 
 
 @dataclass
@@ -56,6 +59,8 @@ class SimResult:
     misses: int = 0
     copies: int = 0
     timeline: list[float] = field(default_factory=list)  # end time of each token, ms
+    prefetches: int = 0
+    prefetch_used: int = 0
 
     @property
     def tok_s(self) -> float:
@@ -78,9 +83,32 @@ class _Copy:
         return None
 
 
-def simulate(trace: np.ndarray, costs: SimCosts, policy: Candidate, expert_bytes: int) -> SimResult:
-    """Predicted per-token decode latency, hit rate and bytes copied for `trace` under `policy`."""
+def guesses(trace: np.ndarray, step: int, targets: list[int], recall: tuple[float, ...], num_experts: int,
+            rng: np.random.Generator) -> list[tuple[int, list[int]]]:
+    """A predictor of the given recall per distance at one layer of `step`: for each MoE layer ahead (`targets`,
+    nearest first), each expert routed there kept with probability recall[d - 1], the guess filled up to top-k
+    with experts not routed there."""
+    out = []
+    for d, target in enumerate(targets, start=1):
+        actual = [int(e) for e in trace[step, target] if e >= 0]
+        guess = [e for e in actual if rng.random() < recall[d - 1]]
+        others = [e for e in range(num_experts) if e not in actual]
+        wrong = rng.permutation(others)[: len(actual) - len(guess)] if others else []
+        out.append((target, guess + [int(e) for e in wrong]))
+    return out
+
+
+def simulate(trace: np.ndarray, costs: SimCosts, policy: Candidate, expert_bytes: int,
+             num_experts: int | None = None) -> SimResult:
+    """Predicted per-token decode latency, hit rate and bytes copied for `trace` under `policy`. `num_experts`:
+    the experts a layer has (what a wrong guess draws from; default: the largest id in the trace, plus one)."""
     steps = trace.shape[0]
+    experts_n = num_experts or int(trace.max()) + 1
+    moe = [layer for layer in range(trace.shape[1]) if (trace[:, layer] >= 0).any()]
+    ahead = {layer: moe[k + 1 : k + 1 + len(policy.recall)] for k, layer in enumerate(moe)}
+    rng = np.random.default_rng(7)
+    prefetches = 0
+    span = costs.dense_layer + costs.cpu_a  # a layer's time, until one is simulated
     clock = [0.0]  # shared with the simulated copies
     cache = ExpertCache(list(policy.cache_layers), policy.ways if policy.cache_layers else 0, policy.policy,
                         policy.max_inflight)
@@ -114,6 +142,10 @@ def simulate(trace: np.ndarray, costs: SimCosts, policy: Candidate, expert_bytes
                 misses += 1
                 fetch = policy.strategy == "fetch" or (
                     policy.strategy == "fiddler" and costs.cpu_a + costs.cpu_b > costs.gpu_expert + costs.copy_expert)
+                arriving = cache.arriving(layer, e) if fetch and cache.covers(layer) else None
+                if arriving is not None and isinstance(arriving.copy, _Copy):  # its copy under way: wait for it
+                    gpu_end = max(gpu_end, arriving.copy.end) + costs.gpu_expert
+                    continue
                 if fetch:
                     start = max(t, copy_free)
                     copy_free = start + costs.copy_expert
@@ -126,12 +158,37 @@ def simulate(trace: np.ndarray, costs: SimCosts, policy: Candidate, expert_bytes
                 else:
                     cpu_end += costs.cpu_a + costs.cpu_b
                     missed.append(e)
-            if missed:
-                cpu_end += costs.ship + (0.0 if costs.shared else demanded * costs.copy_cpu)
+            ahead_copies = 0
+            if policy.recall and step:  # guesses for the layers ahead, copied while the bus has a layer's time free
+                keep = frozenset((layer, e) for e in experts)
+                for target, guess in guesses(trace, step, ahead[layer], policy.recall, experts_n, rng):
+                    if not cache.covers(target):
+                        continue
+                    for e in guess:
+                        if copy_free > t + span or cache.inflight >= cache.max_inflight:
+                            break
+                        if (target, e) in static:
+                            continue
+                        slot = cache.begin_fill(target, e, keep | {(target, g) for g in guess}, prefetch=True)
+                        if slot is None:
+                            continue
+                        start = max(t, copy_free)
+                        copy_free = start + costs.copy_expert
+                        copies += 1
+                        prefetches += 1
+                        ahead_copies += 1
+                        cache.start(slot, _Copy(clock, copy_free))  # type: ignore[arg-type]
+            if costs.shared:  # the emulated device's copies take the cores themselves
+                cpu_end += ahead_copies * costs.copy_expert
+            if missed:  # a copy takes DRAM bandwidth from the CPU experts running meanwhile
+                cpu_end += costs.ship + (0.0 if costs.shared else (demanded + ahead_copies) * costs.copy_cpu)
             # three resources in parallel, or one (the emulated device shares the CPU's cores and memory)
             clock[0] = (gpu_end - t) + (cpu_end - t) + t if costs.shared else max(gpu_end, cpu_end)
+            span = clock[0] - t  # this layer's time: what the bus has for prefetches during the next
             for e in missed:  # post-fetch in the background for later tokens
                 if not cache.covers(layer) or cache.inflight >= cache.max_inflight:
+                    continue
+                if policy.recall and copy_free > clock[0]:  # with prefetch, only on an idle bus: guesses go first
                     continue
                 slot = cache.begin_fill(layer, e)
                 if slot is not None:
@@ -146,7 +203,7 @@ def simulate(trace: np.ndarray, costs: SimCosts, policy: Candidate, expert_bytes
         timeline.append(clock[0])
     total = hits + misses
     return SimResult(clock[0] / steps if steps else 0.0, hits / total if total else 0.0, copies * expert_bytes,
-                     hits, misses, copies, timeline)
+                     hits, misses, copies, timeline, prefetches, cache.stats.prefetch_used)
 
 
 def synthetic_trace(steps: int, layers: int, experts: int, top_k: int, reuse: float = 0.4,

@@ -58,6 +58,8 @@ def why_not(model: MoEModel) -> str | None:
         return "the kernels are not built, or not used"
     if model.accel is not None or model.dtype not in STEP_DTYPES:
         return "it runs on an accelerator, or in fp16"
+    if model.dispatcher.reading_ahead:
+        return "its experts are read ahead from their files, a layer at a time"
     if model.dtype == torch.bfloat16 and model.rms_norm is not rms_norm_bf16:
         return "it runs in bf16 without the kernels' RMSNorm"
     if cfg.norm_type != "rms":

@@ -16,10 +16,12 @@ Letters: T tokens in this pass, H hidden size, E experts, K experts per token, n
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,6 +37,17 @@ from tandem.runtime.expert_cache import DEFAULT_INFLIGHT, CachePolicy, ExpertCac
 from tandem.runtime.latency import LatencyModel
 from tandem.runtime.layers import plan
 from tandem.runtime.moe import BlockExpert, ExpertWeights, MoEBlockWeights, MXFP4Expert, route, routed_input
+from tandem.runtime.prefetch import (
+    EamCollection,
+    EamMatch,
+    PrecisionGate,
+    Predictor,
+    PredictorKind,
+    PrefetchOptions,
+    Scorer,
+    make_predictor,
+)
+from tandem.runtime.readahead import spans, will_need
 from tandem.runtime.timeline import Timeline
 from tandem.runtime.trace import TraceRecorder
 
@@ -50,6 +63,7 @@ SLOT_ALIGN = 64  # bytes: where each tensor of a slot starts (any dtype's view, 
 # about a dozen kernels instead of ten an expert, and a GPU decoding a MoE model is bound by how many kernels the host
 # launches (11-14 us each on an H200 machine: docs/bench/gpu). The stacked copy costs the experts' bytes again.
 GROUPED_TOKENS = 8
+SAVE_EVERY_S = 60.0  # the EAM collection is written at most this often between requests (and at close)
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,7 @@ class OffloadOptions:
     static: tuple[Key, ...] = ()  # experts pinned on the accelerator, most popular first
     max_inflight: int = DEFAULT_INFLIGHT  # background post-fetch copies in flight at most
     cost: LatencyModel | None = None  # None: LatencyModel.from_bandwidths on the expert's size
+    prefetch: PrefetchOptions = PrefetchOptions()  # experts copied ahead of their routers (runtime/prefetch.py)
 
 
 @dataclass
@@ -215,9 +230,46 @@ class Dispatcher:
         # tensors over those slots, so that a pass can pick a token's experts on the device, without a host read
         self._stacked: dict[int, list[torch.Tensor]] = {}
         self._unread: list[tuple[int, HostRead]] = []  # such layers' routings, read once the step's logits are
+        # Prediction of the layers ahead (runtime/prefetch.py): MoE layers counted among themselves
+        self.moe_layers = sorted(blocks)
+        self.moe_index = {layer: m for m, layer in enumerate(self.moe_layers)}
+        self.predictor: Predictor | None = None
+        self.scorer: Scorer | None = None
+        self.prefetch_gate = PrecisionGate(self.policy.prefetch.min_precision)
+        self.prefetching = False  # predicted experts copied ahead (accelerator tier), not only predicted
+        self._layer_ms = 0.0  # a single-token pass's time from one MoE layer's start to the next's (moving average)
+        self._last_start = 0.0
+        self._credit = 0.0  # bytes of idle copy-engine time banked for prefetches
+        self._saved: Path | None = None  # the EAM collection's file, saved to now and then and at close
+        self._saved_at = 0.0
+        self.notices: list[str] = []  # what the user should be told (a saved collection set aside)
+        self.reading_ahead = False
+        self.readaheads = 0  # experts whose pages were advised
+        self._spans: dict[Key, list[tuple[int, int]]] = {}  # each expert's page ranges in its file
+        self._h2d_seen = self._prefetched = 0  # bytes copied to the device when last looked, prefetched since
         if accel is not None:
             self._allocate(accel)
             self._bytes_base = (accel.bytes_h2d, accel.bytes_d2h)
+        if self.policy.prefetch.on and (self.cache.slots if accel is not None else not self.resident):
+            self.predict(self.policy.prefetch.predictor, self.policy.prefetch.depth, prefetch=True,
+                         saved=self.policy.prefetch.collection)
+
+    def predict(self, kind: PredictorKind, depth: int, prefetch: bool = False,
+                collection: EamCollection | None = None, saved: Path | None = None) -> None:
+        """Predict each single-token pass's experts `depth` MoE layers ahead with `kind`, scoring every guess
+        (`scorer.accuracy`); `prefetch`: and copy them into the cache ahead (the accelerator tier). The EAM
+        predictor's `collection` (default: a new one), read from and kept in `saved` where given."""
+        if kind is PredictorKind.EAM and saved is not None:
+            collection = EamCollection(len(self.moe_layers), self.cfg.num_experts)
+            notice = collection.load(saved)
+            if notice:
+                self.notices.append(notice)
+        self._saved, self._saved_at = (saved, time.monotonic()) if kind is PredictorKind.EAM else (None, 0.0)
+        self.predictor = make_predictor(kind, len(self.moe_layers), self.cfg.num_experts, self.cfg.top_k, collection)
+        self.scorer = Scorer(depth) if self.predictor is not None else None
+        self.prefetching = prefetch and self.predictor is not None and self.accel is not None
+        # without an accelerator, experts left in their files are read ahead instead (runtime/readahead.py)
+        self.reading_ahead = prefetch and self.predictor is not None and self.accel is None and not self.resident
 
     # -- set-up -------------------------------------------------------------------------------
     def _cpu_expert(self, w: ExpertWeights) -> CpuExpert:
@@ -364,6 +416,11 @@ class Dispatcher:
         """Per-request trace, TRACE-policy counts and statistics start afresh."""
         self.recorder.new_request()
         self.cache.new_request()
+        if self.predictor is not None and self.scorer is not None:
+            self.predictor.new_request()
+            self.scorer.drop()
+            if self._saved is not None and time.monotonic() - self._saved_at > SAVE_EVERY_S:
+                self._save_collection()
         self.stats = DispatchStats(self.cfg.num_layers, self.cfg.num_experts)
         self._bytes_base = (self.accel.bytes_h2d, self.accel.bytes_d2h) if self.accel else (0, 0)
 
@@ -377,9 +434,24 @@ class Dispatcher:
     def begin_step(self, phase: str) -> None:
         self.recorder.begin_step(phase)
 
+    def _save_collection(self) -> None:
+        """The EAM collection to its file (the request under way joins it when it ends). A failed write costs only
+        the guesses of a later run: said once, not raised."""
+        assert self._saved is not None and isinstance(self.predictor, EamMatch)
+        self._saved_at = time.monotonic()
+        try:
+            self.predictor.collection.save(self._saved)
+        except OSError as e:
+            self.notices.append(f"could not save the activation collection {self._saved} ({e.strerror or e}); "
+                                "prefetch guesses start afresh next time")
+            self._saved = None
+
     def close(self) -> None:
         """Finish background copies, release the accelerator and the experts' memory (RAM copies included):
-        the model cannot generate afterwards."""
+        the model cannot generate afterwards. The EAM collection is saved with the request under way."""
+        if self._saved is not None and isinstance(self.predictor, EamMatch):
+            self.predictor.new_request()
+            self._save_collection()
         if self.accel is not None:
             self.cache.wait_all()
             self.accel.close()
@@ -406,7 +478,13 @@ class Dispatcher:
         if block.expert_scale is not None:  # each chosen expert's own factor (Gemma 4's per_expert_scale)
             weights = weights * block.expert_scale[ids]
         routed, weights = routed_input(x, weights, block.rule)  # the shared expert takes x itself
+        single = ids.shape[0] == 1 and self.predictor is not None
+        ahead = self._stale_gate(layer, x if router_x is None else router_x) if single else []
         if self.accel is None:  # CPU only: every expert through the executor
+            if self.predictor is not None:
+                guesses = self._predict(layer, ids.numpy(), [a.numpy() for a in ahead], single)
+                if self.reading_ahead and guesses:
+                    self._read_ahead(guesses)
             counts = self.record_cpu(layer, ids)  # [E] routings per expert
             table = self.cpu_layers[layer]
             if self.executor.serves_layer(table, x.shape[0]):  # a few tokens: the whole layer in one kernel call
@@ -426,7 +504,10 @@ class Dispatcher:
             return Pending(layer, self.accel.submit(partial(self._device_chosen, block, stacked, x, routed, ids,
                                                             weights, self.cfg.activation)))
         # the layer's one host read: the routing for the plan, the activations for the CPU experts
-        ids_h, weights_h, x_h = self.accel.download(lambda: (ids, weights, routed)).wait()  # [T, K], [T, K], [T, H]
+        ids_h, weights_h, x_h, *ahead_h = self.accel.download(lambda: (ids, weights, routed, *ahead)).wait()
+        # [T, K], [T, K], [T, H], the stale gate's [T, K] per layer ahead
+        guesses = self._predict(layer, ids_h.numpy(), [a.numpy() for a in ahead_h], single) \
+            if self.predictor is not None else []
         counts = self.recorder.record(layer, ids_h)  # [E] routings per expert
         chosen = np.flatnonzero(counts).tolist()  # the experts this pass uses, in id order
         self.last_chosen[layer] = sorted(chosen, key=lambda e: -counts[e])  # the busiest first
@@ -435,7 +516,89 @@ class Dispatcher:
                 self.cache.observe(layer, e, int(counts[e]))
         gpu_jobs, cpu_jobs = self._plan(layer, ids_h.numpy(), chosen)
         out, later = self._launch_device(x, routed, weights, weights_h, gpu_jobs, block)  # queued: the host goes on
+        if guesses and self.prefetching and self.prefetch_gate.open:
+            self._prefetch(guesses, frozenset((layer, e) for e in chosen))
         return Pending(layer, out, x_h, weights_h, cpu_jobs, frozenset((layer, j.expert) for j in gpu_jobs), later)
+
+    def _stale_gate(self, layer: int, x: torch.Tensor) -> list[torch.Tensor]:
+        """The stale gate's guesses for a single-token pass at `layer`: the routers of the MoE layers ahead (up to
+        the predictor's depth) on this layer's router input x [1, H] -> their choices [1, K] each, on x's device
+        (read with this layer's routing)."""
+        if self.predictor is None or self.predictor.kind is not PredictorKind.STALE_GATE or self.scorer is None:
+            return []
+        m = self.moe_index[layer]
+        out = []
+        for target in self.moe_layers[m + 1 : m + 1 + self.scorer.accuracy.depth]:
+            block = self.blocks[target]
+            out.append(route(self.linear(x, block.router, block.router_bias), block.rule, block.correction)[1])
+        return out
+
+    def _predict(self, layer: int, ids: np.ndarray, ahead: list[np.ndarray], single: bool
+                 ) -> list[tuple[int, list[int]]]:
+        """`layer` routed `ids` [T, K]: score the guesses made for it, let the predictor see it, and (a single-token
+        pass) guess the layers ahead -> [(layer ahead, its experts)], nearest first."""
+        assert self.predictor is not None and self.scorer is not None
+        m = self.moe_index[layer]
+        if single:
+            now = time.perf_counter()
+            if m and self._last_start:  # the time of a layer: what the copy engine has for prefetches meanwhile
+                gap = (now - self._last_start) * 1e3
+                self._layer_ms = gap if not self._layer_ms else 0.8 * self._layer_ms + 0.2 * gap
+            self._last_start = now
+            guessed, used = self.scorer.routed(m, np.unique(ids).tolist())
+            self.prefetch_gate.add(guessed, used)
+        self.predictor.observe(m, ids)
+        if not single:
+            return []
+        out = []
+        for d in range(1, min(self.scorer.accuracy.depth, len(self.moe_layers) - 1 - m) + 1):
+            guess = self.predictor.predict(m, d, ahead)
+            self.scorer.guess(m + d, d, guess)
+            out.append((self.moe_layers[m + d], guess))
+        return out
+
+    def _prefetch(self, guesses: list[tuple[int, list[int]]], in_use: frozenset[Key]) -> None:
+        """Copy guessed experts of the layers ahead into their cache slots on the background copier, nearest layer
+        first, while the copy engine has idle time: each layer adds what the bus moves in the measured layer time
+        (from the cost model's copy of one expert) and every byte copied meanwhile (demand copies, post-fetches,
+        prefetches) is taken from it; a few layers' worth of guesses can be banked, no more. A guess never evicts
+        an expert this layer uses, one a queued kernel will read, or another guess of its own layer."""
+        assert self.accel is not None
+        size = self._slot_layout()[1]
+        transfer = self.cost.transfer_ms if self.cost is not None else 0.0
+        bus = self._layer_ms / transfer * size if transfer > 0 else float(size)  # bytes the bus moves in a layer
+        copied = self.accel.bytes_h2d - self._h2d_seen - self._prefetched  # others' bytes since the last layer
+        self._h2d_seen, self._prefetched = self.accel.bytes_h2d, 0
+        most = self.cfg.top_k * len(guesses) * size
+        self._credit = min(most, self._credit + bus - max(0, copied))
+        for target, experts in guesses:
+            if not self.cache.covers(target):
+                continue
+            keep = in_use | self._held | frozenset((target, e) for e in experts)
+            for e in experts:
+                if self._credit < size or self.cache.inflight >= self.cache.max_inflight:
+                    return
+                if (target, e) in self.static or self.cache.find(target, e) is not None:
+                    continue
+                slot = self.cache.begin_fill(target, e, keep, prefetch=True)
+                if slot is not None:
+                    self._fill(slot, target, e, demand=False)
+                    self._credit -= size
+                    self._prefetched += size
+
+    def _read_ahead(self, guesses: list[tuple[int, list[int]]]) -> None:
+        """Start reading the guessed experts' pages of the layers ahead from their files (a model left in its files:
+        the page cache may have dropped them)."""
+        for target, experts in guesses:
+            for e in experts:
+                key = (target, e)
+                ranges = self._spans.get(key)
+                if ranges is None:
+                    w = self.cpu_experts[target][e]
+                    parts = [m.data if isinstance(m, QuantizedMatrix) else m for m in (w.gate, w.up, w.down)]
+                    parts += [m.scales for m in (w.gate, w.up, w.down) if isinstance(m, QuantizedMatrix)]
+                    ranges = self._spans[key] = spans(parts)
+                self.readaheads += will_need(ranges) > 0
 
     def end_step(self) -> None:
         """After a step's logits are read: the routings of the layers that chose their experts on the device into
@@ -540,7 +703,12 @@ class Dispatcher:
         """Copy into a cache slot of this layer (it stays resident), on the demand copier; returns the slot's
         buffers and the copy the device waits for. (None, ()): use the scratch buffer."""
         assert self.accel is not None
-        slot = self.cache.begin_fill(layer, e, keep=in_use | self._held) if self.cache.covers(layer) else None
+        if not self.cache.covers(layer):
+            return None, ()
+        arriving = self.cache.arriving(layer, e)  # prefetched or post-fetched, its copy under way: wait for it
+        if arriving is not None:
+            return self.slot_buffers[arriving.id], (arriving.copy,)  # type: ignore[arg-type]
+        slot = self.cache.begin_fill(layer, e, keep=in_use | self._held)
         if slot is None:
             return None, ()
         copy = self._fill(slot, layer, e, demand=True)
@@ -690,13 +858,20 @@ class Dispatcher:
         return out
 
     def _post_fetch(self, layer: int, misses: Sequence[_Job], keep: frozenset[Key]) -> None:
-        """Copy CPU-served experts into the cache in the background, up to the in-flight cap."""
+        """Copy CPU-served experts into the cache in the background, up to the in-flight cap. While prefetch runs,
+        only with the copy engine's idle time its guesses left (`_credit`): a guess of the layers ahead is worth
+        more than an expert that was just used, which the next token may not choose again."""
         if self.accel is None or not self.cache.covers(layer):
             return
+        priced = self.prefetching and self.prefetch_gate.open
+        size = self._slot_layout()[1]
         for job in misses:
-            if self.cache.inflight >= self.cache.max_inflight:
+            if self.cache.inflight >= self.cache.max_inflight or priced and self._credit < size:
                 self.cache.stats.skipped_fills += 1
                 continue
+            if priced:
+                self._credit -= size
+                self._prefetched += size  # (taken from the credit already)
             self._fill_in_background(layer, job.expert, keep)
 
     def _fill_in_background(self, layer: int, e: int, keep: frozenset[Key]) -> None:

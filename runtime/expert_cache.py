@@ -33,6 +33,7 @@ class Slot:
     inserted: int = 0
     last_used: int = 0
     uses: int = 0
+    prefetched: bool = False  # filled ahead of its router's asking (runtime/prefetch.py), not for a miss
 
     @property
     def ready(self) -> bool:
@@ -46,6 +47,9 @@ class CacheStats:
     fills: int = 0
     evictions: int = 0
     skipped_fills: int = 0  # misses not post-fetched because the copy cap was reached
+    prefetches: int = 0  # fills ahead of a router's asking
+    prefetch_used: int = 0  # of them, asked for before they were evicted
+    prefetch_wasted: int = 0  # of them, evicted unused
 
 
 @dataclass
@@ -96,12 +100,26 @@ class ExpertCache:
         self.poll()
         slot = self.find(layer, expert)
         if slot is not None and slot.ready:
-            slot.last_used = self._tick()
-            slot.uses += 1
+            self._use(slot)
             self.stats.hits += 1
             return slot
         self.stats.misses += 1
         return None
+
+    def _use(self, slot: Slot) -> None:
+        if slot.prefetched and slot.uses == 0:
+            self.stats.prefetch_used += 1
+        slot.last_used = self._tick()
+        slot.uses += 1
+
+    def arriving(self, layer: int, expert: int) -> Slot | None:
+        """The slot whose copy of the expert is under way (a prefetch or post-fetch not landed yet), taken as used:
+        a kernel can wait for that copy rather than make another."""
+        slot = self.find(layer, expert)
+        if slot is None or slot.copy is None or slot.copy is CLAIMED:
+            return None
+        self._use(slot)
+        return slot
 
     def poll(self) -> None:
         """Mark slots whose copies have completed as ready."""
@@ -136,10 +154,11 @@ class ExpertCache:
             return min(candidates, key=lambda s: (self.request_counts[s.key], s.last_used))  # type: ignore[index]
         return min(candidates, key=lambda s: s.last_used)
 
-    def begin_fill(self, layer: int, expert: int, keep: frozenset[Key] = frozenset()) -> Slot | None:
+    def begin_fill(self, layer: int, expert: int, keep: frozenset[Key] = frozenset(),
+                   prefetch: bool = False) -> Slot | None:
         """Claim a slot for (layer, expert); the caller starts the copy and hands its future to `start`, or gives the
         slot back with `cancel`. Until then the slot is neither ready (it still holds the evicted expert's weights)
-        nor a victim."""
+        nor a victim. `prefetch`: filled ahead of its router (counted apart, and whether it was used)."""
         if self.find(layer, expert) is not None:
             return None
         slot = self.victim(layer, keep)
@@ -147,10 +166,14 @@ class ExpertCache:
             return None
         if slot.key is not None:
             self.stats.evictions += 1
+            if slot.prefetched and slot.uses == 0:
+                self.stats.prefetch_wasted += 1
         slot.key, slot.copy = (layer, expert), CLAIMED
         slot.inserted = slot.last_used = self._tick()
         slot.uses = 0
+        slot.prefetched = prefetch
         self.stats.fills += 1
+        self.stats.prefetches += prefetch
         return slot
 
     def start(self, slot: Slot, copy: Future[None]) -> None:

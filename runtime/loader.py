@@ -79,6 +79,9 @@ def load(options: Options, checkpoint: Checkpoint | None = None,
         if accel is not None:
             accel.close()
         raise
+    if notify is not None:
+        for notice in model.dispatcher.notices:  # (a saved prefetch collection set aside)
+            notify(notice)
     eos = list(ckpt.eos_token_ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)

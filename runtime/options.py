@@ -25,7 +25,7 @@ from tandem.kernels.quant import GROUPS
 from tandem.runtime import memory
 from tandem.runtime.accelerator import cuda_devices, cuda_usable
 from tandem.runtime.checkpoint import Checkpoint
-from tandem.runtime.choices import DTYPE_NAMES, AcceleratorKind, Dtype
+from tandem.runtime.choices import DTYPE_NAMES, AcceleratorKind, Dtype, PredictorKind
 from tandem.runtime.config import ModelConfig
 from tandem.runtime.cpuinfo import proc_cpuinfo
 from tandem.runtime.dispatch import OffloadOptions, Strategy
@@ -33,6 +33,7 @@ from tandem.runtime.expert_cache import DEFAULT_INFLIGHT, CachePolicy, Key
 from tandem.runtime.latency import LatencyModel
 from tandem.runtime.layers import cache_class
 from tandem.runtime.memory import estimate_memory, resident_fits
+from tandem.runtime.prefetch import DEFAULT_MIN_PRECISION, MAX_DEPTH, PrefetchOptions
 
 Source = Literal["given", "profile", "default", "machine"]  # where a resolved value came from
 
@@ -68,6 +69,10 @@ class Request:
     static: tuple[Key, ...] | None = None  # experts pinned on the accelerator, most popular first
     max_inflight: int | None = None
     cost: LatencyModel | None = None
+    prefetch: PredictorKind | None = None  # None: the profile's plan, else none
+    prefetch_depth: int | None = None  # MoE layers ahead; None: the plan's, else 1
+    prefetch_min_precision: float | None = None  # where prefetch stops paying; None: the plan's, else the default
+    prefetch_collection: Path | None = None  # the EAM predictor's saved collection (configure: beside the profiles)
     threads: int | None = None
     crossover: int | None = None
     quant: Quant | Literal["none"] | None = None
@@ -147,6 +152,9 @@ class Options:
             "force": self.force, "accelerator": self.accelerator, "vram_gb": self.vram_gb, "gpu": self.gpu,
             "strategy": str(o.strategy), "cache_ways": o.cache_ways, "cache_policy": str(o.cache_policy),
             "static": [list(k) for k in o.static], "max_inflight": o.max_inflight,
+            "prefetch": str(o.prefetch.predictor), "prefetch_depth": o.prefetch.depth,
+            "prefetch_min_precision": o.prefetch.min_precision,
+            "prefetch_collection": None if o.prefetch.collection is None else str(o.prefetch.collection),
             "cost": None if o.cost is None else [o.cost.cpu_a_ms, o.cost.cpu_b_ms, o.cost.gpu_ms, o.cost.transfer_ms],
             "threads": c.threads, "crossover": c.crossover, "quant": c.quant or "none", "quant_group": c.group,
             "kernel_isa": c.isa or "auto", "resident": c.resident, "use_kernel": c.use_kernel,
@@ -281,9 +289,16 @@ def resolve(request: Request, profile: Request | None, ckpt: Checkpoint, machine
     elif foreign:
         raise SettingsError(f"the placement pins expert {foreign[0]} (layer, expert), which this model does not have "
                             f"({cfg.num_layers} layers of {cfg.num_experts} experts); make the placement for it")
+    depth = pick("prefetch_depth", 1)
+    if not 1 <= depth <= MAX_DEPTH:
+        raise SettingsError(f"--prefetch-depth {depth}: give 1 to {MAX_DEPTH} MoE layers ahead")
+    kind = PredictorKind(pick("prefetch", PredictorKind.NONE))
     offload = OffloadOptions(pick("strategy", Strategy.FIDDLER), pick("cache_ways"),
                              pick("cache_policy", CachePolicy.LRU), static,
-                             pick("max_inflight", DEFAULT_INFLIGHT, profiled=False), pick("cost"))
+                             pick("max_inflight", DEFAULT_INFLIGHT, profiled=False), pick("cost"),
+                             PrefetchOptions(kind, depth, pick("prefetch_min_precision", DEFAULT_MIN_PRECISION),
+                                             pick("prefetch_collection", profiled=False)
+                                             if kind is PredictorKind.EAM else None))
     for name in ("batch", "ragged", "force", "use_kernel", "prefix_reuse"):
         if name not in sources:
             sources[name] = "given" if getattr(request, name) != getattr(Request, name) else "default"

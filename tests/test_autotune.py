@@ -93,9 +93,21 @@ def test_plan_for_described_hardware(tmp_path: Path, mixtral_dir: Path, capsys) 
     hw.write_text(json.dumps(HW_24GB))
     assert main(["plan", "--hardware", str(hw), "--model", str(mixtral_dir / "config.json"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"plan", "predicted_tok_s", "hit_rate", "alternatives"}
-    assert set(out["plan"]) >= {"threads", "strategy", "cache", "static_experts"}
+    assert set(out) == {"plan", "predicted_tok_s", "hit_rate", "alternatives", "prefetch"}
+    assert set(out["plan"]) >= {"threads", "strategy", "cache", "static_experts", "prefetch"}
     assert set(out["plan"]["cache"]) == {"indexes", "ways", "policy"} and out["plan"]["accelerator"]
+    assert "no predictor accuracy measured" in out["prefetch"]["why"] and out["plan"]["prefetch"]["depth"] == 0
+    # with the predictors' accuracy described: each one tried, and the choice says why
+    hw.write_text(json.dumps({**HW_24GB, "predictors": {"stale-gate": [0.7, 0.62, 0.57], "previous-token": [0.48]}}))
+    assert main(["plan", "--hardware", str(hw), "--model", str(mixtral_dir / "config.json"), "--json"]) == 0
+    ahead = json.loads(capsys.readouterr().out)["prefetch"]
+    assert {(r["predictor"], r["depth"]) for r in ahead["tried"]} >= {("stale-gate", 1), ("previous-token", 1)}
+    assert ahead["why"]
+    assert main(["plan", "--hardware", str(hw), "--model", str(mixtral_dir / "config.json")]) == 0
+    assert "prefetch:" in capsys.readouterr().out
+    hw.write_text(json.dumps({**HW_24GB, "predictors": {"stale-gate": [1.5]}}))
+    assert main(["plan", "--hardware", str(hw), "--model", str(mixtral_dir / "config.json")]) == 2
+    assert "predictors.stale-gate" in capsys.readouterr().err
     cpu_only = tmp_path / "cpu.json"
     cpu_only.write_text(json.dumps({"cores": 8, "cpu_bandwidth_gbps": 40, "cpu_gflops": 300}))
     assert main(["plan", "--hardware", str(cpu_only), "--model", str(mixtral_dir)]) == 0

@@ -15,11 +15,13 @@ from hypothesis import strategies as st
 
 from tandem.runtime.accelerator import EmulatedAccelerator
 from tandem.runtime.checkpoint import open_checkpoint
+from tandem.runtime.choices import PredictorKind
 from tandem.runtime.dispatch import OffloadOptions, Strategy, budget_for_slots
 from tandem.runtime.engine import Engine, GenerationStats
 from tandem.runtime.expert_cache import CachePolicy
 from tandem.runtime.latency import LatencyModel
 from tandem.runtime.model import ModelRun, MoEModel
+from tandem.runtime.prefetch import PrefetchOptions
 from tandem.runtime.sampling import SamplingParams
 from tandem.runtime.synth import tiny_config, write_test_model
 from tandem.runtime.trace import load_popularity, most_popular
@@ -111,7 +113,7 @@ def prompt_of(length: int) -> list[int]:
     return torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(length)).tolist()
 
 
-@settings(max_examples=45, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=48, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     family=st.sampled_from(sorted(FAMILIES)),
     strategy=st.sampled_from(list(Strategy)),
@@ -123,9 +125,11 @@ def prompt_of(length: int) -> list[int]:
     prompt_len=st.sampled_from([1, 5, 70]),
     copy_delay=st.sampled_from([0.0, 0.003]),
     inflight=st.sampled_from([1, 4]),
+    prefetch=st.sampled_from([PrefetchOptions(), PrefetchOptions(PredictorKind.PREVIOUS, 1),
+                              PrefetchOptions(PredictorKind.STALE_GATE, 2), PrefetchOptions(PredictorKind.EAM, 3)]),
 )
 def test_matches_cpu_only(checkpoints, tmp_path_factory, family, strategy, policy, ways, slots, placement, cost,
-                          prompt_len, copy_delay, inflight) -> None:
+                          prompt_len, copy_delay, inflight, prefetch) -> None:
     folder = checkpoints[family]
     prompt = prompt_of(prompt_len)
     ref_logits, ref_tokens, ref_executions = reference(folder, prompt)
@@ -138,7 +142,7 @@ def test_matches_cpu_only(checkpoints, tmp_path_factory, family, strategy, polic
         cfg = recorder.model.cfg
         static = tuple(most_popular(load_popularity(trace, cfg.num_layers, cfg.num_experts), 100))
     accel = EmulatedAccelerator(budget_for(folder, slots), copy_delay_s=copy_delay)
-    engine = build(folder, accel, OffloadOptions(strategy, ways, policy, static, inflight, cost))
+    engine = build(folder, accel, OffloadOptions(strategy, ways, policy, static, inflight, cost, prefetch))
     model_cost = engine.model.dispatcher.cost
     try:
         logits = engine.model.forward(torch.tensor([prompt]), 0)

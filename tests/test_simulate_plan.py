@@ -198,3 +198,55 @@ def test_the_planner_predicts_the_collaborative_inference_papers_results(name: s
     if full.plan.static_experts:
         share = full.plan.static_experts / (shape.num_experts * len(shape.moe_layers))
         assert full.hit_rate < share + 0.1
+
+
+def test_a_prefetch_timeline() -> None:
+    # Layer 1 cached, 2 ways; strategy cpu; copies of 1 ms; a perfect guess of layer 1 at layer 0 (recall 1.0).
+    # step 0: L0 0.5 -> CPU -> 2.5 | L1 3.0 -> miss e0 on CPU -> 5.0; post-fetch e0 5.0..6.0 (no guesses at step 0)
+    # step 1: L0 5.5 -> CPU -> 7.5; e1 of L1 guessed: prefetched 6.0..7.0 | L1 8.0 -> e1 ready: hit -> 9.0
+    # step 2: L0 9.5 -> CPU -> 11.5; e1 already held | L1 12.0 -> hit -> 13.0
+    # Without the guess, step 1's e1 misses (10.0) and is post-fetched; step 2 hits it: 14.0.
+    costs = dataclasses.replace(COSTS, copy_expert=1.0)
+    policy = Candidate(accelerator=True, strategy="cpu", cache_layers=(1,), ways=2, recall=(1.0,))
+    r = simulate(TRACE, costs, policy, expert_bytes=100)
+    assert r.timeline == [5.0, 9.0, 13.0] and (r.prefetches, r.prefetch_used, r.hits) == (1, 1, 2)
+    without = simulate(TRACE, costs, dataclasses.replace(policy, recall=()), expert_bytes=100)
+    assert without.timeline == [5.0, 10.0, 14.0] and without.prefetches == 0
+    # a guess that is always wrong (recall 0) guesses an expert already held here: nothing copied, nothing lost
+    wrong = simulate(TRACE, costs, dataclasses.replace(policy, recall=(0.0,)), expert_bytes=100)
+    assert wrong.timeline == without.timeline and wrong.prefetch_used == 0
+
+
+def test_a_guess_on_the_way_is_waited_for_not_copied_again() -> None:
+    # strategy fetch: layer 1's e1 prefetched at step 1 (7.0..8.0 behind nothing) is still arriving when a slower
+    # copy engine has it land after the router asks: the demand waits for that copy instead of a second one
+    costs = dataclasses.replace(COSTS, copy_expert=2.6)
+    policy = Candidate(accelerator=True, strategy="fetch", cache_layers=(1,), ways=2, recall=(1.0,))
+    r = simulate(TRACE, costs, policy, expert_bytes=100)
+    assert r.prefetches >= 1 and r.copies == r.misses  # no copy made twice: each miss one copy, prefetches included
+
+
+@pytest.mark.parametrize("recall", [(0.95, 0.9), (0.0, 0.0)])
+def test_the_planner_prefetches_only_where_it_pays(recall: tuple[float, float]) -> None:
+    """Mixtral's shape, a quarter of its experts' worth of slots, a CPU expert of 4 ms and a copy of 5 ms: a stale
+    gate right 95 % of the time is predicted to beat every placement without prefetch, and is chosen with the
+    precision below which it stops paying; one that is never right is not chosen, and the plan says why."""
+    from tandem.autotune.bench.models import bench_config
+    from tandem.runtime.choices import PredictorKind
+    from tandem.runtime.families import parse_config
+
+    cfg = parse_config(bench_config("mixtral"), "mixtral")[1]
+    shape = ModelShape.from_config(cfg, 2)
+    hw = {"cores": 2, "cpu_threads": {"2": {"expert_ms": 4.0}}, "cpu_bandwidth_gbps": 1000,
+          "gpu": {"expert_ms": 0.1, "copy_ms": 5.0, "vram_bytes_for_experts": 64 * shape.expert_bytes},
+          "predictors": {"stale-gate": list(recall)}}
+    flops = 6 * cfg.hidden_size * cfg.moe_intermediate_size
+    result = make_plan(shape, from_hardware_file(hw, shape.expert_bytes, flops))
+    plan, ahead = result.plan, result.prefetch
+    if recall[0]:
+        assert plan.prefetch is PredictorKind.STALE_GATE and plan.prefetch_depth >= 1
+        assert ahead["gain_over_best_without"] > 1.0
+        assert 0 < plan.prefetch_min_precision <= recall[0]
+        assert round(result.predicted_tok_s, 2) == max(r["predicted_tok_s"] for r in ahead["tried"])
+    else:
+        assert plan.prefetch_depth == 0 and ahead["gain_over_best_without"] < 1.0 and ahead["why"].startswith("none")

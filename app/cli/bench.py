@@ -44,9 +44,15 @@ def add_commands(sub: Any) -> None:
     add_load_args(decode)
     decode.set_defaults(func=_bench_decode)
 
-    offload = bench_sub.add_parser("offload", help="cache policies and static placement on the emulated accelerator")
-    add(offload, "--model", required=True)
+    offload = bench_sub.add_parser("offload", help="cache policies, static placement and expert prefetch on the "
+                                                   "emulated accelerator")
+    add(offload, "--model")
     add(offload, "--expert-fraction", "--prompt-tokens", "--new-tokens", "--dtype")
+    offload.add_argument("--requests", type=flags.whole(1), default=3,
+                         help="answers one after another in each prefetch row (default 3)")
+    offload.add_argument("--no-prefetch", action="store_true", help="leave out the prefetch rows and the "
+                                                                    "predictors' accuracy")
+    add(offload, "--json", action="store", metavar="FILE", help="write the results as JSON")
     offload.set_defaults(func=_bench_offload)
 
     e2e = bench_sub.add_parser("e2e", help="Fiddler's scenarios end to end, optionally beside transformers")
@@ -188,9 +194,11 @@ def _bench_decode(args: argparse.Namespace) -> int:
 def _bench_offload(args: argparse.Namespace) -> int:
     from tandem.autotune.bench.offload import bench_offload
 
-    result = bench_offload(args.model, args.expert_fraction, args.prompt_tokens, args.new_tokens, args.dtype)
-    print(json.dumps(result, indent=1))
-    return 0
+    if args.json:
+        check_output_file(args.json, "--json")
+    result = bench_offload(str(resolve_model(args.model)), args.expert_fraction, args.prompt_tokens, args.new_tokens,
+                           args.dtype, prefetch=not args.no_prefetch, requests=args.requests)
+    return _print_result(result, args.json)
 
 
 def _bench_kernels(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ from typing import Any, NoReturn, get_args
 
 from tandem.kernels.errors import TandemError, UsageError
 from tandem.kernels.names import GROUPS, ISAS, Quant
-from tandem.runtime.choices import DTYPE_NAMES, AcceleratorKind, Strategy
+from tandem.runtime.choices import DTYPE_NAMES, AcceleratorKind, PredictorKind, Strategy
 from tandem.runtime.expert_cache import CachePolicy
 from tandem.runtime.latency import LatencyModel
 from tandem.runtime.paths import read_bounded
@@ -212,6 +212,15 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
                                                  help="default: lru")),
     "--max-inflight": (("--max-inflight",), dict(type=whole(1), default=None,
                                                  help="background expert copies in flight at most (default: 4)")),
+    "--prefetch": (("--prefetch",), dict(choices=[str(p) for p in PredictorKind], default=None,
+                                         help="copy the experts the next MoE layers are predicted to ask for into "
+                                              "the accelerator's cache ahead of their routers: previous-token, "
+                                              "stale-gate (the next routers on this layer's input) or eam "
+                                              "(MoE-Infinity's activation matrices); default: the tuned plan's, "
+                                              "else none")),
+    "--prefetch-depth": (("--prefetch-depth",), dict(type=whole(1), default=None, metavar="D",
+                                                     help="MoE layers ahead to prefetch for, 1-4 (default: the "
+                                                          "tuned plan's, else 1)")),
     "--placement": (("--placement",), dict(type=path, metavar="FILE",
                                            help="pin the most popular experts of a recorded trace")),
     "--cost": (("--cost",), dict(type=cost, metavar="A,B,GPU,T",

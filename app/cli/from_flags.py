@@ -68,6 +68,7 @@ def resolve_model(path: str | None) -> str:
 def request_from_args(args: argparse.Namespace, model: str | Path | None = None,
                       workload: LoadFor = LoadFor()) -> Request:
     """The load settings the flags give for `workload` (`model`: resolved already; else the flag's)."""
+    from tandem.runtime.choices import PredictorKind
     from tandem.runtime.dispatch import Strategy
     from tandem.runtime.expert_cache import CachePolicy
     from tandem.runtime.options import Request
@@ -78,7 +79,9 @@ def request_from_args(args: argparse.Namespace, model: str | Path | None = None,
         ragged=workload.ragged, force=args.force, accelerator=args.accelerator, vram_gb=args.vram_gb, gpu=args.gpu,
         strategy=None if args.strategy is None else Strategy(args.strategy), cache_ways=args.cache_ways,
         cache_policy=None if args.cache_policy is None else CachePolicy(args.cache_policy),
-        max_inflight=args.max_inflight, cost=args.cost, threads=args.threads, crossover=args.kernel_crossover,
+        max_inflight=args.max_inflight, cost=args.cost,
+        prefetch=None if args.prefetch is None else PredictorKind(args.prefetch), prefetch_depth=args.prefetch_depth,
+        threads=args.threads, crossover=args.kernel_crossover,
         quant=args.quant, quant_group=args.quant_group, kernel_isa=args.kernel_isa, resident=args.resident,
         prefix_reuse=getattr(args, "prefix_reuse", True) and workload.prefix_reuse,
         prefix_store_gb=getattr(args, "prefix_store_gb", None), prefix_disk_gb=getattr(args, "prefix_disk_gb", None),
@@ -129,6 +132,6 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                   "--prefix-store-gb", "--prefix-disk-gb")
     g = p.add_argument_group("accelerator and expert placement")
     flags.declare(g, "--accelerator", "--vram-gb", "--gpu", "--strategy", "--cache-ways", "--cache-policy",
-                  "--max-inflight", "--placement", "--cost")
+                  "--max-inflight", "--prefetch", "--prefetch-depth", "--placement", "--cost")
     c = p.add_argument_group("CPU experts")
     flags.declare(c, "--threads", "--quant", "--quant-group", "--kernel-crossover", "--resident", "--kernel-isa")

@@ -288,6 +288,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"threads {p.threads}, {'accelerator, strategy ' + p.strategy if p.accelerator else 'CPU only'}, "
               f"cache {p.cache_indexes} x {p.cache_ways} ({p.cache_policy}), {p.static_experts} static experts: "
               f"{result.predicted_tok_s:.1f} tok/s predicted, hit rate {result.hit_rate:.0%}")
+        if p.accelerator:
+            print(f"prefetch: {result.prefetch.get('why', 'none')}")
     return 0
 
 

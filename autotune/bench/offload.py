@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from tandem.autotune.bench.prefetch import bench_texts, predictor_accuracy, prefetch_rows
 from tandem.runtime.dispatch import Strategy, budget_for_slots
 from tandem.runtime.engine import Engine, GenerationStats
 from tandem.runtime.expert_cache import CachePolicy
@@ -22,7 +23,7 @@ from tandem.runtime.timeline import Timeline, layer_overlap
 
 def bench_offload(
     model_dir: str, expert_fraction: float = 0.25, prompt_tokens: int = 32, new_tokens: int = 64,
-    dtype: str = "auto", calibration_tokens: int = 64,
+    dtype: str = "auto", calibration_tokens: int = 64, prefetch: bool = True, requests: int = 3,
 ) -> dict[str, Any]:
     """Hit rate of every cache policy and of static popularity placement on one prompt, with the emulated
     accelerator holding `expert_fraction` of all experts; decode speed of each against CPU only."""
@@ -74,6 +75,14 @@ def bench_offload(
                          "bytes_h2d": stats.bytes_h2d, "bytes_d2h": stats.bytes_d2h})
         overlap = layer_overlap_run(model_dir, dtype, base.model.context, budget(slots), prompt, new_tokens)
     cpu_rate = statistics.median(cpu_rates)
+    extra: dict[str, Any] = {}
+    if prefetch:  # the best cache policy here, then with each predictor's prefetch; the predictors' accuracy
+        best = max((r for r in rows if r["setup"] in set(CachePolicy)), key=lambda r: r["decode_tok_s"])
+        prompts = bench_texts(base.tokenizer, requests, prompt_tokens)
+        extra["prefetch"] = prefetch_rows(model_dir, dtype, base.model.context, budget(slots), prompts, new_tokens,
+                                          CachePolicy(best["setup"]))
+        extra["accuracy"] = predictor_accuracy(model_dir, dtype, requests=max(requests, 4),
+                                               prompt_tokens=prompt_tokens, new_tokens=new_tokens)
     for row in rows:
         row["speed_vs_cpu_only"] = round(row["decode_tok_s"] / cpu_rate, 3)
     return {
@@ -81,6 +90,7 @@ def bench_offload(
         "threads": torch.get_num_threads(), "expert_slots": slots,
         "experts_total": cfg.num_moe_layers * cfg.num_experts, "prompt_tokens": len(prompt),
         "new_tokens": new_tokens, "cpu_only_decode_tok_s": round(cpu_rate, 2), "rows": rows, "overlap": overlap,
+        **extra,
     }
 
 
