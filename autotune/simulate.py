@@ -169,7 +169,9 @@ def simulate(trace: np.ndarray, costs: SimCosts, policy: Candidate, expert_bytes
                             break
                         if (target, e) in static:
                             continue
-                        slot = cache.begin_fill(target, e, keep | {(target, g) for g in guess}, prefetch=True)
+                        # (never in place of a guess, nor of what the layer chose for the previous token)
+                        last = {(target, int(g)) for g in trace[step - 1, target] if g >= 0}
+                        slot = cache.begin_fill(target, e, keep | {(target, g) for g in guess} | last, prefetch=True)
                         if slot is None:
                             continue
                         start = max(t, copy_free)

@@ -129,6 +129,13 @@ class DispatchStats:
         }
 
 
+def stored_tensors(w: CpuExpert) -> list[torch.Tensor]:
+    """The tensors a CPU expert's weights are read from (a quantized matrix's codes and scales)."""
+    mats = (w.gate, w.up, w.down)
+    return [m.data if isinstance(m, QuantizedMatrix) else m for m in mats] + \
+        [m.scales for m in mats if isinstance(m, QuantizedMatrix)]
+
+
 def budget_for_slots(fixed: int, slots: int, expert_bytes: int) -> float:
     """The accelerator budget, in bytes, in which the dispatcher makes exactly `slots` expert slots of
     `expert_bytes` each, beside `fixed` bytes placed before them (non-expert weights, KV cache, scratch buffer):
@@ -247,6 +254,7 @@ class Dispatcher:
         self.readaheads = 0  # experts whose pages were advised
         self._spans: dict[Key, list[tuple[int, int]]] = {}  # each expert's page ranges in its file
         self._h2d_seen = self._prefetched = 0  # bytes copied to the device when last looked, prefetched since
+        self.slot_bytes = 0  # from one expert slot to the next (set with the slots)
         if accel is not None:
             self._allocate(accel)
             self._bytes_base = (accel.bytes_h2d, accel.bytes_d2h)
@@ -267,6 +275,7 @@ class Dispatcher:
         self._saved, self._saved_at = (saved, time.monotonic()) if kind is PredictorKind.EAM else (None, 0.0)
         self.predictor = make_predictor(kind, len(self.moe_layers), self.cfg.num_experts, self.cfg.top_k, collection)
         self.scorer = Scorer(depth) if self.predictor is not None else None
+        self._fresh = Scorer(depth)  # the guesses prefetch would copy (not on the device yet): the gate's
         self.prefetching = prefetch and self.predictor is not None and self.accel is not None
         # without an accelerator, experts left in their files are read ahead instead (runtime/readahead.py)
         self.reading_ahead = prefetch and self.predictor is not None and self.accel is None and not self.resident
@@ -367,7 +376,8 @@ class Dispatcher:
         if self.cost is None:
             self.cost = LatencyModel.from_bandwidths(expert_bytes, 6 * cfg.hidden_size * cfg.moe_intermediate_size)
         self.scratch = self._new_buffers(accel, 1, "the expert scratch buffer")[0]
-        slots = slot_budget(accel.budget, accel.used) // self._slot_layout()[1]
+        self.slot_bytes = self._slot_layout()[1]
+        slots = slot_budget(accel.budget, accel.used) // self.slot_bytes
         moe_layers = [i for i in range(cfg.num_layers) if cfg.sparse_layers[i]]
         every = tuple((layer, e) for layer in moe_layers for e in range(cfg.num_experts))
         slots = min(slots, len(every))
@@ -391,7 +401,7 @@ class Dispatcher:
         for n, (layer, e) in enumerate(static[:n_static]):
             accel.copy_now(self._tensors(self.slot_buffers[n]), self._tensors(self._source(layer, e)))
             self.static[(layer, e)] = self.slot_buffers[n]
-        self._stack_layers(static[:n_static], self._slot_layout()[1])
+        self._stack_layers(static[:n_static], self.slot_bytes)
 
     @staticmethod
     def _tensors(w: ExpertWeights) -> list[torch.Tensor]:
@@ -419,6 +429,7 @@ class Dispatcher:
         if self.predictor is not None and self.scorer is not None:
             self.predictor.new_request()
             self.scorer.drop()
+            self._fresh.drop()
             if self._saved is not None and time.monotonic() - self._saved_at > SAVE_EVERY_S:
                 self._save_collection()
         self.stats = DispatchStats(self.cfg.num_layers, self.cfg.num_experts)
@@ -483,8 +494,8 @@ class Dispatcher:
         if self.accel is None:  # CPU only: every expert through the executor
             if self.predictor is not None:
                 guesses = self._predict(layer, ids.numpy(), [a.numpy() for a in ahead], single)
-                if self.reading_ahead and guesses:
-                    self._read_ahead(guesses)
+                if self.reading_ahead:  # this layer's own experts first (known now, read in large requests)
+                    self._read_ahead([(layer, np.unique(ids.numpy()).tolist()), *guesses])
             counts = self.record_cpu(layer, ids)  # [E] routings per expert
             table = self.cpu_layers[layer]
             if self.executor.serves_layer(table, x.shape[0]):  # a few tokens: the whole layer in one kernel call
@@ -545,8 +556,9 @@ class Dispatcher:
                 gap = (now - self._last_start) * 1e3
                 self._layer_ms = gap if not self._layer_ms else 0.8 * self._layer_ms + 0.2 * gap
             self._last_start = now
-            guessed, used = self.scorer.routed(m, np.unique(ids).tolist())
-            self.prefetch_gate.add(guessed, used)
+            actual = np.unique(ids).tolist()
+            self.scorer.routed(m, actual)
+            self.prefetch_gate.add(*self._fresh.routed(m, actual))
         self.predictor.observe(m, ids)
         if not single:
             return []
@@ -554,7 +566,11 @@ class Dispatcher:
         for d in range(1, min(self.scorer.accuracy.depth, len(self.moe_layers) - 1 - m) + 1):
             guess = self.predictor.predict(m, d, ahead)
             self.scorer.guess(m + d, d, guess)
-            out.append((self.moe_layers[m + d], guess))
+            target = self.moe_layers[m + d]
+            if self.prefetching:
+                self._fresh.guess(m + d, d, [e for e in guess if (target, e) not in self.static
+                                              and self.cache.find(target, e) is None])
+            out.append((target, guess))
         return out
 
     def _prefetch(self, guesses: list[tuple[int, list[int]]], in_use: frozenset[Key]) -> None:
@@ -562,9 +578,10 @@ class Dispatcher:
         first, while the copy engine has idle time: each layer adds what the bus moves in the measured layer time
         (from the cost model's copy of one expert) and every byte copied meanwhile (demand copies, post-fetches,
         prefetches) is taken from it; a few layers' worth of guesses can be banked, no more. A guess never evicts
-        an expert this layer uses, one a queued kernel will read, or another guess of its own layer."""
+        an expert this layer uses, one a queued kernel will read, one its layer chose at its last pass, or another
+        guess of its own layer."""
         assert self.accel is not None
-        size = self._slot_layout()[1]
+        size = self.slot_bytes
         transfer = self.cost.transfer_ms if self.cost is not None else 0.0
         bus = self._layer_ms / transfer * size if transfer > 0 else float(size)  # bytes the bus moves in a layer
         copied = self.accel.bytes_h2d - self._h2d_seen - self._prefetched  # others' bytes since the last layer
@@ -574,7 +591,8 @@ class Dispatcher:
         for target, experts in guesses:
             if not self.cache.covers(target):
                 continue
-            keep = in_use | self._held | frozenset((target, e) for e in experts)
+            # low-priority slots only: not the experts the layer chose last (decode keeps many of them), nor guesses
+            keep = in_use | self._held | frozenset((target, e) for e in [*experts, *self.last_chosen.get(target, ())])
             for e in experts:
                 if self._credit < size or self.cache.inflight >= self.cache.max_inflight:
                     return
@@ -587,18 +605,19 @@ class Dispatcher:
                     self._prefetched += size
 
     def _read_ahead(self, guesses: list[tuple[int, list[int]]]) -> None:
-        """Start reading the guessed experts' pages of the layers ahead from their files (a model left in its files:
-        the page cache may have dropped them)."""
+        """Start reading the experts' pages from their files (a model left in its files: the page cache may have
+        dropped them), in the order given: the running layer's, then the guesses of the layers ahead."""
         for target, experts in guesses:
             for e in experts:
                 key = (target, e)
                 ranges = self._spans.get(key)
                 if ranges is None:
-                    w = self.cpu_experts[target][e]
-                    parts = [m.data if isinstance(m, QuantizedMatrix) else m for m in (w.gate, w.up, w.down)]
-                    parts += [m.scales for m in (w.gate, w.up, w.down) if isinstance(m, QuantizedMatrix)]
-                    ranges = self._spans[key] = spans(parts)
+                    ranges = self._spans[key] = spans(stored_tensors(self.cpu_experts[target][e]))
                 self.readaheads += will_need(ranges) > 0
+
+    def expert_spans(self) -> list[tuple[int, int]]:
+        """Every CPU expert's page ranges (a benchmark drops them from memory between tokens)."""
+        return [span for experts in self.cpu_experts.values() for w in experts for span in spans(stored_tensors(w))]
 
     def end_step(self) -> None:
         """After a step's logits are read: the routings of the layers that chose their experts on the device into
@@ -864,7 +883,7 @@ class Dispatcher:
         if self.accel is None or not self.cache.covers(layer):
             return
         priced = self.prefetching and self.prefetch_gate.open
-        size = self._slot_layout()[1]
+        size = self.slot_bytes
         for job in misses:
             if self.cache.inflight >= self.cache.max_inflight or priced and self._credit < size:
                 self.cache.stats.skipped_fills += 1

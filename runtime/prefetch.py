@@ -265,9 +265,9 @@ class Scorer:
 
 
 class PrecisionGate:
-    """Prefetch runs while the share of recently prefetched experts that were then used holds at or above
-    `threshold`; below it, it pauses, predictions still scored, until they recover (over the last `window`
-    guesses). Until `warmup` guesses are in, it runs."""
+    """Prefetch runs while the share of recent guesses it would copy (experts not on the device yet) that were then
+    routed holds at or above `threshold`; below it, it pauses, guesses still scored, until they recover (over the
+    last `window` guesses). Until `warmup` guesses are in, it runs."""
 
     def __init__(self, threshold: float, window: int = 256, warmup: int = 32) -> None:
         self.threshold, self.warmup = threshold, warmup

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import torch
 
 MADV_WILLNEED = 3  # <sys/mman.h> on Linux
+MADV_DONTNEED = 4
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -51,9 +52,25 @@ def spans(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
 def will_need(ranges: Iterable[tuple[int, int]]) -> int:
     """Ask the kernel to start reading these ranges' pages; returns how many ranges it took (0 where madvise is not
     available). A range it refuses (not a mapping any more) is let be: advice only."""
+    return _advise(ranges, MADV_WILLNEED)
+
+
+def _advise(ranges: Iterable[tuple[int, int]], advice: int) -> int:
     if _MADVISE is None:
         return 0
     taken = 0
     for address, length in ranges:
-        taken += _MADVISE(address, length, MADV_WILLNEED) == 0
+        taken += _MADVISE(address, length, advice) == 0
     return taken
+
+
+def drop(ranges: Iterable[tuple[int, int]], files: Iterable[str]) -> None:
+    """For a benchmark of a model larger than RAM: these ranges unmapped from this process's page tables, then the
+    files' pages dropped from the page cache (clean pages: nothing is lost), so the next read waits for the disk."""
+    _advise(ranges, MADV_DONTNEED)
+    for name in files:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

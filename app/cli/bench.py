@@ -52,6 +52,9 @@ def add_commands(sub: Any) -> None:
                          help="answers one after another in each prefetch row (default 3)")
     offload.add_argument("--no-prefetch", action="store_true", help="leave out the prefetch rows and the "
                                                                     "predictors' accuracy")
+    offload.add_argument("--readahead", action="store_true",
+                         help="add CPU-only rows with the experts dropped from memory before every token (a model "
+                              "larger than RAM): the decode step, the layer loop, and the loop reading ahead")
     add(offload, "--json", action="store", metavar="FILE", help="write the results as JSON")
     offload.set_defaults(func=_bench_offload)
 
@@ -196,8 +199,13 @@ def _bench_offload(args: argparse.Namespace) -> int:
 
     if args.json:
         check_output_file(args.json, "--json")
-    result = bench_offload(str(resolve_model(args.model)), args.expert_fraction, args.prompt_tokens, args.new_tokens,
-                           args.dtype, prefetch=not args.no_prefetch, requests=args.requests)
+    model = str(resolve_model(args.model))
+    result = bench_offload(model, args.expert_fraction, args.prompt_tokens, args.new_tokens, args.dtype,
+                           prefetch=not args.no_prefetch, requests=args.requests)
+    if args.readahead:
+        from tandem.autotune.bench.prefetch import readahead_rows
+
+        result["readahead"] = readahead_rows(model, args.dtype, args.prompt_tokens, min(args.new_tokens, 16))
     return _print_result(result, args.json)
 
 

@@ -127,3 +127,41 @@ def prefetch_rows(model_dir: str, dtype: str, context: int, vram_gb: float, prom
         out[str(strategy)] = {"no_prefetch": {**base, "runs_tok_s": [r["decode_tok_s"] for r in baselines]},
                               "rows": rows}
     return {"cache_policy": str(policy), "requests": len(prompts), **out}
+
+
+def readahead_rows(model_dir: str, dtype: str = "auto", prompt_tokens: int = 32, new_tokens: int = 16,
+                   rounds: int = 2) -> dict[str, Any]:
+    """A model larger than RAM, played by dropping its experts from memory before every decode token (their pages
+    unmapped and the files' pages out of the page cache: every token reads its experts from the disk again), its
+    experts left in their files: decode tokens/s of the one-call decode step, of the layer loop, and of the layer
+    loop reading ahead (this layer's experts, then the stale gate's guesses 1 and 2 MoE layers ahead), alternating,
+    `rounds` times."""
+    from tandem.runtime.readahead import drop
+
+    setups: dict[str, dict[str, Any]] = {
+        "decode step": {}, "layer loop": {}, "read-ahead, stale gate 1": {"prefetch": PredictorKind.STALE_GATE},
+        "read-ahead, stale gate 2": {"prefetch": PredictorKind.STALE_GATE, "prefetch_depth": 2},
+    }
+    rates: dict[str, list[float]] = {name: [] for name in setups}
+    for _ in range(rounds):
+        for name, settings in setups.items():
+            loaded = load_model(model_dir, dtype=dtype, context=prompt_tokens + new_tokens + 8, resident=False,
+                                **settings)
+            model = loaded.model
+            model.use_step = name == "decode step"
+            ranges = model.dispatcher.expert_spans()
+            where = loaded.checkpoint.path
+            files = [str(f) for f in (sorted(where.rglob("*.safetensors")) if where.is_dir() else [where])]
+            prompt = bench_texts(loaded.tokenizer, 1, prompt_tokens)[0]
+            stats = GenerationStats()
+            try:
+                drop(ranges, files)
+                for _ in Engine(model, ()).generate(prompt, SamplingParams(max_new_tokens=new_tokens), stats):
+                    drop(ranges, files)  # (between tokens: not in the decode time)
+            finally:
+                model.close()
+            rates[name].append(round(stats.decode_tok_s, 3))
+    base = sorted(rates["decode step"])[len(rates["decode step"]) // 2]
+    return {"rounds": rounds, "new_tokens": new_tokens,
+            "rows": [{"setup": name, "decode_tok_s": r, "median_vs_decode_step":
+                      round(sorted(r)[len(r) // 2] / base, 3) if base else 0.0} for name, r in rates.items()]}
