@@ -109,6 +109,7 @@ def simulate(trace: np.ndarray, costs: SimCosts, policy: Candidate, expert_bytes
     rng = np.random.default_rng(7)
     prefetches = 0
     span = costs.dense_layer + costs.cpu_a  # a layer's time, until one is simulated
+    reused = [0, 0]  # experts a token shared with the previous one at the same layer, of all it chose
     clock = [0.0]  # shared with the simulated copies
     cache = ExpertCache(list(policy.cache_layers), policy.ways if policy.cache_layers else 0, policy.policy,
                         policy.max_inflight)
@@ -131,6 +132,9 @@ def simulate(trace: np.ndarray, costs: SimCosts, policy: Candidate, expert_bytes
                 continue
             for e in experts:
                 cache.observe(layer, e, 1)
+            if step:  # the previous token's experts this one keeps (against the guesses' recall)
+                reused[0] += len(set(experts).intersection(int(g) for g in trace[step - 1, layer]))
+                reused[1] += len(experts)
             gpu_end, cpu_end, missed, demanded = t, t, [], 0
             for e in experts:
                 key = (layer, e)
@@ -169,8 +173,10 @@ def simulate(trace: np.ndarray, costs: SimCosts, policy: Candidate, expert_bytes
                             break
                         if (target, e) in static:
                             continue
-                        # (never in place of a guess, nor of what the layer chose for the previous token)
-                        last = {(target, int(g)) for g in trace[step - 1, target] if g >= 0}
+                        # (never in place of a guess, nor of what the layer chose for the previous token where
+                        # tokens keep more of those than guesses come true)
+                        last = {(target, int(g)) for g in trace[step - 1, target] if g >= 0} \
+                            if reused[0] >= reused[1] * policy.recall[0] else set()
                         slot = cache.begin_fill(target, e, keep | {(target, g) for g in guess} | last, prefetch=True)
                         if slot is None:
                             continue

@@ -276,6 +276,8 @@ class Dispatcher:
         self.predictor = make_predictor(kind, len(self.moe_layers), self.cfg.num_experts, self.cfg.top_k, collection)
         self.scorer = Scorer(depth) if self.predictor is not None else None
         self._fresh = Scorer(depth)  # the guesses prefetch would copy (not on the device yet): the gate's
+        self.reuse = PrecisionGate(0.0)  # how many of a layer's experts the previous token chose too (recently)
+        self._last_sets: dict[int, set[int]] = {}
         self.prefetching = prefetch and self.predictor is not None and self.accel is not None
         # without an accelerator, experts left in their files are read ahead instead (runtime/readahead.py)
         self.reading_ahead = prefetch and self.predictor is not None and self.accel is None and not self.resident
@@ -430,6 +432,7 @@ class Dispatcher:
             self.predictor.new_request()
             self.scorer.drop()
             self._fresh.drop()
+            self._last_sets.clear()
             if self._saved is not None and time.monotonic() - self._saved_at > SAVE_EVERY_S:
                 self._save_collection()
         self.stats = DispatchStats(self.cfg.num_layers, self.cfg.num_experts)
@@ -559,6 +562,10 @@ class Dispatcher:
             actual = np.unique(ids).tolist()
             self.scorer.routed(m, actual)
             self.prefetch_gate.add(*self._fresh.routed(m, actual))
+            last = self._last_sets.get(m)
+            if last is not None:
+                self.reuse.add(len(actual), len(last.intersection(actual)))
+            self._last_sets[m] = set(actual)
         self.predictor.observe(m, ids)
         if not single:
             return []
@@ -578,8 +585,8 @@ class Dispatcher:
         first, while the copy engine has idle time: each layer adds what the bus moves in the measured layer time
         (from the cost model's copy of one expert) and every byte copied meanwhile (demand copies, post-fetches,
         prefetches) is taken from it; a few layers' worth of guesses can be banked, no more. A guess never evicts
-        an expert this layer uses, one a queued kernel will read, one its layer chose at its last pass, or another
-        guess of its own layer."""
+        an expert this layer uses, one a queued kernel will read, another guess of its own layer, or (where the
+        previous token's choices are kept more often than guesses come true) one its layer chose at its last pass."""
         assert self.accel is not None
         size = self.slot_bytes
         transfer = self.cost.transfer_ms if self.cost is not None else 0.0
@@ -588,11 +595,14 @@ class Dispatcher:
         self._h2d_seen, self._prefetched = self.accel.bytes_h2d, 0
         most = self.cfg.top_k * len(guesses) * size
         self._credit = min(most, self._credit + bus - max(0, copied))
+        # the experts a layer chose at its last pass stay while the next token keeps more of them than the guesses
+        # it would copy turn out right (both measured): a slot holding one is then no low-priority slot
+        protect = self.reuse.precision >= self.prefetch_gate.precision
         for target, experts in guesses:
             if not self.cache.covers(target):
                 continue
-            # low-priority slots only: not the experts the layer chose last (decode keeps many of them), nor guesses
-            keep = in_use | self._held | frozenset((target, e) for e in [*experts, *self.last_chosen.get(target, ())])
+            last = self.last_chosen.get(target, ()) if protect else ()
+            keep = in_use | self._held | frozenset((target, e) for e in [*experts, *last])
             for e in experts:
                 if self._credit < size or self.cache.inflight >= self.cache.max_inflight:
                     return

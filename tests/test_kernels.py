@@ -363,8 +363,11 @@ def test_geglu_experts_match_the_reference_on_every_variant(isa: str, wdtype: to
     for n in (1, 3, 12, choice.TILED_CALL, 40):
         x = (4 * torch.randn(n, h, generator=torch.Generator().manual_seed(n))).to(compute)
         want = dense[0](x.float())
-        assert rel_err(made[0](x), want) < tol, n
-        assert rel_err(ExpertWeights(*made[0].dense(torch.float32))(x.float()), want) > 10 * tol  # (not SwiGLU's)
+        got = rel_err(made[0](x), want)
+        assert got < tol, n
+        # (not SwiGLU's: that is over ten times further off than the kernel, and beyond the tolerance; at bf16 the
+        # two differ by 5-8 %, against the kernel's 0.2-0.4 %)
+        assert rel_err(ExpertWeights(*made[0].dense(torch.float32))(x.float()), want) > max(tol, 10 * got)
     layer, rule = executor.layer(made), RoutingRule(2, normalize=True)
     for tokens in (1, 4):
         if executor.serves_layer(layer, tokens):
