@@ -261,6 +261,10 @@ class Dispatcher:
         if self.policy.prefetch.on and (self.cache.slots if accel is not None else not self.resident):
             self.predict(self.policy.prefetch.predictor, self.policy.prefetch.depth, prefetch=True,
                          saved=self.policy.prefetch.collection)
+        # experts left in their files (CPU only, --readahead): each layer's read ahead once its router has chosen them,
+        # in large requests, while the CPU still faults in the first pages (docs/bench/prefetch: 1.7x decode when
+        # every token reads its experts from the disk)
+        self.reading_ahead |= accel is None and not self.resident and self.policy.prefetch.readahead
 
     def predict(self, kind: PredictorKind, depth: int, prefetch: bool = False,
                 collection: EamCollection | None = None, saved: Path | None = None) -> None:
@@ -280,7 +284,8 @@ class Dispatcher:
         self._last_sets: dict[int, set[int]] = {}
         self.prefetching = prefetch and self.predictor is not None and self.accel is not None
         # without an accelerator, experts left in their files are read ahead instead (runtime/readahead.py)
-        self.reading_ahead = prefetch and self.predictor is not None and self.accel is None and not self.resident
+        self.reading_ahead = self.reading_ahead or \
+            prefetch and self.predictor is not None and self.accel is None and not self.resident
 
     # -- set-up -------------------------------------------------------------------------------
     def _cpu_expert(self, w: ExpertWeights) -> CpuExpert:
@@ -495,10 +500,10 @@ class Dispatcher:
         single = ids.shape[0] == 1 and self.predictor is not None
         ahead = self._stale_gate(layer, x if router_x is None else router_x) if single else []
         if self.accel is None:  # CPU only: every expert through the executor
-            if self.predictor is not None:
-                guesses = self._predict(layer, ids.numpy(), [a.numpy() for a in ahead], single)
-                if self.reading_ahead:  # this layer's own experts first (known now, read in large requests)
-                    self._read_ahead([(layer, np.unique(ids.numpy()).tolist()), *guesses])
+            guesses = self._predict(layer, ids.numpy(), [a.numpy() for a in ahead], single) \
+                if self.predictor is not None else []
+            if self.reading_ahead:  # this layer's own experts first (known now, read in large requests)
+                self._read_ahead([(layer, np.unique(ids.numpy()).tolist()), *guesses])
             counts = self.record_cpu(layer, ids)  # [E] routings per expert
             table = self.cpu_layers[layer]
             if self.executor.serves_layer(table, x.shape[0]):  # a few tokens: the whole layer in one kernel call

@@ -73,6 +73,7 @@ class Request:
     prefetch_depth: int | None = None  # MoE layers ahead; None: the plan's, else 1
     prefetch_min_precision: float | None = None  # where prefetch stops paying; None: the plan's, else the default
     prefetch_collection: Path | None = None  # the EAM predictor's saved collection (configure: beside the profiles)
+    readahead: bool = False  # CPU only, experts left in their files: read each layer's ahead once routed
     threads: int | None = None
     crossover: int | None = None
     quant: Quant | Literal["none"] | None = None
@@ -155,6 +156,7 @@ class Options:
             "prefetch": str(o.prefetch.predictor), "prefetch_depth": o.prefetch.depth,
             "prefetch_min_precision": o.prefetch.min_precision,
             "prefetch_collection": None if o.prefetch.collection is None else str(o.prefetch.collection),
+            "readahead": o.prefetch.readahead,
             "cost": None if o.cost is None else [o.cost.cpu_a_ms, o.cost.cpu_b_ms, o.cost.gpu_ms, o.cost.transfer_ms],
             "threads": c.threads, "crossover": c.crossover, "quant": c.quant or "none", "quant_group": c.group,
             "kernel_isa": c.isa or "auto", "resident": c.resident, "use_kernel": c.use_kernel,
@@ -298,8 +300,8 @@ def resolve(request: Request, profile: Request | None, ckpt: Checkpoint, machine
                              pick("max_inflight", DEFAULT_INFLIGHT, profiled=False), pick("cost"),
                              PrefetchOptions(kind, depth, pick("prefetch_min_precision", DEFAULT_MIN_PRECISION),
                                              pick("prefetch_collection", profiled=False)
-                                             if kind is PredictorKind.EAM else None))
-    for name in ("batch", "ragged", "force", "use_kernel", "prefix_reuse"):
+                                             if kind is PredictorKind.EAM else None, request.readahead))
+    for name in ("batch", "ragged", "force", "use_kernel", "prefix_reuse", "readahead"):
         if name not in sources:
             sources[name] = "given" if getattr(request, name) != getattr(Request, name) else "default"
     pick("vram_gb", profiled=False)

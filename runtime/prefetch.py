@@ -43,6 +43,7 @@ class PrefetchOptions:
     depth: int = 1  # MoE layers ahead whose predicted experts are copied
     min_precision: float = DEFAULT_MIN_PRECISION  # what pays (the planner's figure): below it, prefetch pauses
     collection: Path | None = None  # where the EAM predictor keeps its activation collection across runs
+    readahead: bool = False  # CPU only, experts left in their files: each layer's experts read ahead once routed
 
     @property
     def on(self) -> bool:

@@ -344,6 +344,21 @@ def test_the_readahead_benchmark_rows(folder) -> None:
     from tandem.autotune.bench.prefetch import readahead_rows
 
     out = readahead_rows(str(folder), "fp32", prompt_tokens=8, new_tokens=4, rounds=1)
-    assert [r["setup"] for r in out["rows"]] == ["decode step", "layer loop", "read-ahead, stale gate 1",
-                                                 "read-ahead, stale gate 2"]
+    assert [r["setup"] for r in out["rows"]] == ["decode step", "layer loop", "read-ahead, each layer's own experts",
+                                                 "read-ahead, stale gate 1", "read-ahead, stale gate 2"]
     assert all(r["decode_tok_s"][0] > 0 for r in out["rows"])
+
+
+def test_read_ahead_of_each_layers_own_experts_alone(folder, reference) -> None:
+    from tandem.runtime.decode_step import why_not
+    from tandem.runtime.loader import load_model
+
+    loaded = load_model(folder, dtype="fp32", context=128, resident=False, readahead=True)
+    d = loaded.model.dispatcher
+    assert d.reading_ahead and d.predictor is None and "read ahead" in (why_not(loaded.model) or "")
+    assert list(Engine(loaded.model, ()).generate(PROMPT, SamplingParams(max_new_tokens=NEW_TOKENS))) == reference
+    assert d.readaheads >= NEW_TOKENS * len(d.moe_layers)  # every layer's experts, every token
+    loaded.model.close()
+    off = load_model(folder, dtype="fp32", context=128, resident=False)
+    assert not off.model.dispatcher.reading_ahead  # asked for only
+    off.model.close()

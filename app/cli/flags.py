@@ -221,6 +221,10 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
     "--prefetch-depth": (("--prefetch-depth",), dict(type=whole(1), default=None, metavar="D",
                                                      help="MoE layers ahead to prefetch for, 1-4 (default: the "
                                                           "tuned plan's, else 1)")),
+    "--readahead": (("--readahead",), dict(action="store_true",
+                                           help="without a GPU, where experts stay in their files (a model larger "
+                                                "than RAM): read each layer's experts ahead once routed (decode then "
+                                                "runs layer by layer)")),
     "--placement": (("--placement",), dict(type=path, metavar="FILE",
                                            help="pin the most popular experts of a recorded trace")),
     "--cost": (("--cost",), dict(type=cost, metavar="A,B,GPU,T",

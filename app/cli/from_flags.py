@@ -81,6 +81,7 @@ def request_from_args(args: argparse.Namespace, model: str | Path | None = None,
         cache_policy=None if args.cache_policy is None else CachePolicy(args.cache_policy),
         max_inflight=args.max_inflight, cost=args.cost,
         prefetch=None if args.prefetch is None else PredictorKind(args.prefetch), prefetch_depth=args.prefetch_depth,
+        readahead=getattr(args, "readahead", False),
         threads=args.threads, crossover=args.kernel_crossover,
         quant=args.quant, quant_group=args.quant_group, kernel_isa=args.kernel_isa, resident=args.resident,
         prefix_reuse=getattr(args, "prefix_reuse", True) and workload.prefix_reuse,
@@ -132,6 +133,7 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                   "--prefix-store-gb", "--prefix-disk-gb")
     g = p.add_argument_group("accelerator and expert placement")
     flags.declare(g, "--accelerator", "--vram-gb", "--gpu", "--strategy", "--cache-ways", "--cache-policy",
-                  "--max-inflight", "--prefetch", "--prefetch-depth", "--placement", "--cost")
+                  "--max-inflight", "--prefetch", "--prefetch-depth", "--readahead", "--placement",
+                  "--cost")
     c = p.add_argument_group("CPU experts")
     flags.declare(c, "--threads", "--quant", "--quant-group", "--kernel-crossover", "--resident", "--kernel-isa")

@@ -134,13 +134,15 @@ def readahead_rows(model_dir: str, dtype: str = "auto", prompt_tokens: int = 32,
     """A model larger than RAM, played by dropping its experts from memory before every decode token (their pages
     unmapped and the files' pages out of the page cache: every token reads its experts from the disk again), its
     experts left in their files: decode tokens/s of the one-call decode step, of the layer loop, and of the layer
-    loop reading ahead (this layer's experts, then the stale gate's guesses 1 and 2 MoE layers ahead), alternating,
-    `rounds` times."""
+    loop reading ahead (each layer's own experts once routed; then also the stale gate's guesses 1 and 2 MoE layers
+    ahead), alternating, `rounds` times."""
     from tandem.runtime.readahead import drop
 
     setups: dict[str, dict[str, Any]] = {
-        "decode step": {}, "layer loop": {}, "read-ahead, stale gate 1": {"prefetch": PredictorKind.STALE_GATE},
-        "read-ahead, stale gate 2": {"prefetch": PredictorKind.STALE_GATE, "prefetch_depth": 2},
+        "decode step": {}, "layer loop": {},
+        "read-ahead, each layer's own experts": {"readahead": True},
+        "read-ahead, stale gate 1": {"readahead": True, "prefetch": PredictorKind.STALE_GATE},
+        "read-ahead, stale gate 2": {"readahead": True, "prefetch": PredictorKind.STALE_GATE, "prefetch_depth": 2},
     }
     rates: dict[str, list[float]] = {name: [] for name in setups}
     for _ in range(rounds):
