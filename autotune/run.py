@@ -83,7 +83,7 @@ def measure_predictors(loaded: LoadedModel, prompt: list[int], tokens: int,
     depth = min(depth, len(dispatcher.moe_layers) - 1)
     if depth < 1:
         return {}
-    before = model.use_step, dispatcher.predictor, dispatcher.scorer, dispatcher.prefetching
+    before = model.use_step, dispatcher.predictor, dispatcher.scorer, dispatcher.prefetching, dispatcher._saved
     out = {}
     try:
         model.use_step = False
@@ -94,7 +94,7 @@ def measure_predictors(loaded: LoadedModel, prompt: list[int], tokens: int,
             assert dispatcher.scorer is not None
             out[str(kind)] = [round(dispatcher.scorer.accuracy.recall(d), 4) for d in range(1, depth + 1)]
     finally:
-        model.use_step, dispatcher.predictor, dispatcher.scorer, dispatcher.prefetching = before
+        model.use_step, dispatcher.predictor, dispatcher.scorer, dispatcher.prefetching, dispatcher._saved = before
     return out
 
 

@@ -47,7 +47,7 @@ from tandem.runtime.prefetch import (
     Scorer,
     make_predictor,
 )
-from tandem.runtime.readahead import spans, will_need
+from tandem.runtime.readahead import in_files, spans, will_need
 from tandem.runtime.timeline import Timeline
 from tandem.runtime.trace import TraceRecorder
 
@@ -255,16 +255,19 @@ class Dispatcher:
         self._spans: dict[Key, list[tuple[int, int]]] = {}  # each expert's page ranges in its file
         self._h2d_seen = self._prefetched = 0  # bytes copied to the device when last looked, prefetched since
         self.slot_bytes = 0  # from one expert slot to the next (set with the slots)
+        self.micro_batches = 1  # the current pass's pipelined parts (begin_step)
+        self._file_backed: bool | None = None
         if accel is not None:
             self._allocate(accel)
             self._bytes_base = (accel.bytes_h2d, accel.bytes_d2h)
-        if self.policy.prefetch.on and (self.cache.slots if accel is not None else not self.resident):
-            self.predict(self.policy.prefetch.predictor, self.policy.prefetch.depth, prefetch=True,
-                         saved=self.policy.prefetch.collection)
+            self._h2d_seen = accel.bytes_h2d  # (the load's copies take nothing from a decode's bus)
         # experts left in their files (CPU only, --readahead): each layer's read ahead once its router has chosen them,
         # in large requests, while the CPU still faults in the first pages (docs/bench/prefetch: 1.7x decode when
-        # every token reads its experts from the disk)
-        self.reading_ahead |= accel is None and not self.resident and self.policy.prefetch.readahead
+        # every token reads its experts from the disk); with --prefetch, its guesses of the layers ahead too
+        self.reading_ahead = accel is None and self.file_backed and self.policy.prefetch.readahead
+        if self.policy.prefetch.on and (self.cache.slots if accel is not None else self.reading_ahead):
+            self.predict(self.policy.prefetch.predictor, self.policy.prefetch.depth, prefetch=True,
+                         saved=self.policy.prefetch.collection)
 
     def predict(self, kind: PredictorKind, depth: int, prefetch: bool = False,
                 collection: EamCollection | None = None, saved: Path | None = None) -> None:
@@ -279,13 +282,11 @@ class Dispatcher:
         self._saved, self._saved_at = (saved, time.monotonic()) if kind is PredictorKind.EAM else (None, 0.0)
         self.predictor = make_predictor(kind, len(self.moe_layers), self.cfg.num_experts, self.cfg.top_k, collection)
         self.scorer = Scorer(depth) if self.predictor is not None else None
-        self._fresh = Scorer(depth)  # the guesses prefetch would copy (not on the device yet): the gate's
+        self._fresh = Scorer(depth)  # the guesses prefetch would copy (not on the device yet)
+        self.fresh = PrecisionGate(0.0)  # how often those came true (recently)
         self.reuse = PrecisionGate(0.0)  # how many of a layer's experts the previous token chose too (recently)
         self._last_sets: dict[int, set[int]] = {}
         self.prefetching = prefetch and self.predictor is not None and self.accel is not None
-        # without an accelerator, experts left in their files are read ahead instead (runtime/readahead.py)
-        self.reading_ahead = self.reading_ahead or \
-            prefetch and self.predictor is not None and self.accel is None and not self.resident
 
     # -- set-up -------------------------------------------------------------------------------
     def _cpu_expert(self, w: ExpertWeights) -> CpuExpert:
@@ -433,6 +434,8 @@ class Dispatcher:
         """Per-request trace, TRACE-policy counts and statistics start afresh."""
         self.recorder.new_request()
         self.cache.new_request()
+        if self.accel is not None:  # a prompt's copies are not what a decode's layer leaves the bus
+            self._h2d_seen, self._prefetched, self._credit = self.accel.bytes_h2d, 0, 0.0
         if self.predictor is not None and self.scorer is not None:
             self.predictor.new_request()
             self.scorer.drop()
@@ -450,8 +453,11 @@ class Dispatcher:
             self.stats.bytes_d2h = self.accel.bytes_d2h - self._bytes_base[1]
         return self.stats
 
-    def begin_step(self, phase: str) -> None:
+    def begin_step(self, phase: str, micro_batches: int = 1) -> None:
+        """A forward pass begins; `micro_batches`: the pipelined parts it runs each layer in (guesses are made only
+        for a pass of one token in one part: their state is one sequence's)."""
         self.recorder.begin_step(phase)
+        self.micro_batches = micro_batches
 
     def _save_collection(self) -> None:
         """The EAM collection to its file (the request under way joins it when it ends). A failed write costs only
@@ -497,7 +503,7 @@ class Dispatcher:
         if block.expert_scale is not None:  # each chosen expert's own factor (Gemma 4's per_expert_scale)
             weights = weights * block.expert_scale[ids]
         routed, weights = routed_input(x, weights, block.rule)  # the shared expert takes x itself
-        single = ids.shape[0] == 1 and self.predictor is not None
+        single = ids.shape[0] == 1 and self.micro_batches == 1 and self.predictor is not None
         ahead = self._stale_gate(layer, x if router_x is None else router_x) if single else []
         if self.accel is None:  # CPU only: every expert through the executor
             guesses = self._predict(layer, ids.numpy(), [a.numpy() for a in ahead], single) \
@@ -565,8 +571,8 @@ class Dispatcher:
                 self._layer_ms = gap if not self._layer_ms else 0.8 * self._layer_ms + 0.2 * gap
             self._last_start = now
             actual = np.unique(ids).tolist()
-            self.scorer.routed(m, actual)
-            self.prefetch_gate.add(*self._fresh.routed(m, actual))
+            self.prefetch_gate.add(*self.scorer.routed(m, actual))  # (as the planner priced it: every guess)
+            self.fresh.add(*self._fresh.routed(m, actual))
             last = self._last_sets.get(m)
             if last is not None:
                 self.reuse.add(len(actual), len(last.intersection(actual)))
@@ -599,10 +605,10 @@ class Dispatcher:
         copied = self.accel.bytes_h2d - self._h2d_seen - self._prefetched  # others' bytes since the last layer
         self._h2d_seen, self._prefetched = self.accel.bytes_h2d, 0
         most = self.cfg.top_k * len(guesses) * size
-        self._credit = min(most, self._credit + bus - max(0, copied))
+        self._credit = max(-most, min(most, self._credit + bus - max(0, copied)))  # a few layers' worth either way
         # the experts a layer chose at its last pass stay while the next token keeps more of them than the guesses
         # it would copy turn out right (both measured): a slot holding one is then no low-priority slot
-        protect = self.reuse.precision >= self.prefetch_gate.precision
+        protect = self.reuse.precision >= self.fresh.precision
         for target, experts in guesses:
             if not self.cache.covers(target):
                 continue
@@ -630,8 +636,20 @@ class Dispatcher:
                     ranges = self._spans[key] = spans(stored_tensors(self.cpu_experts[target][e]))
                 self.readaheads += will_need(ranges) > 0
 
+    @property
+    def file_backed(self) -> bool:
+        """Whether the CPU experts are read from their files' memory map (not RAM copies: read into RAM, quantized
+        at load, MXFP4's 4-bit copies, or Llama 4's experts transposed at load)."""
+        if self._file_backed is None:
+            first = next((experts[0] for experts in self.cpu_experts.values() if experts), None)
+            self._file_backed = first is not None and not self.resident and in_files(spans(stored_tensors(first)))
+        return self._file_backed
+
     def expert_spans(self) -> list[tuple[int, int]]:
-        """Every CPU expert's page ranges (a benchmark drops them from memory between tokens)."""
+        """Every CPU expert's page ranges where they are read from files, else none (a benchmark drops them from
+        memory between tokens: RAM copies must never be)."""
+        if not self.file_backed:
+            return []
         return [span for experts in self.cpu_experts.values() for w in experts for span in spans(stored_tensors(w))]
 
     def end_step(self) -> None:
@@ -903,15 +921,15 @@ class Dispatcher:
             if self.cache.inflight >= self.cache.max_inflight or priced and self._credit < size:
                 self.cache.stats.skipped_fills += 1
                 continue
-            if priced:
+            if self._fill_in_background(layer, job.expert, keep) and priced:
                 self._credit -= size
                 self._prefetched += size  # (taken from the credit already)
-            self._fill_in_background(layer, job.expert, keep)
 
-    def _fill_in_background(self, layer: int, e: int, keep: frozenset[Key]) -> None:
+    def _fill_in_background(self, layer: int, e: int, keep: frozenset[Key]) -> bool:
         """Claim a cache slot of `layer` for expert e (none: it is there or on its way, or every slot is kept) and
-        copy it there on the background copier."""
+        copy it there on the background copier; whether a copy started."""
         assert self.accel is not None
         slot = self.cache.begin_fill(layer, e, keep | self._held)
         if slot is not None:
             self._fill(slot, layer, e, demand=False)
+        return slot is not None

@@ -393,6 +393,7 @@ class MoEModel:
         x = self._embed(ids[None])  # [1, N, H] float32
         ends = torch.tensor([s.length for s in segments]).cumsum(0).tolist()  # each segment's end among the N
         groups = self._micro_batches(segments)  # [(first segment, end segment)]
+        self.dispatcher.micro_batches = len(groups)
         bounds = [(ends[a - 1] if a else 0, ends[b - 1]) for a, b in groups]  # their tokens: [lo, hi) of the N
         xs = [x[:, lo:hi] for lo, hi in bounds]  # [1, n, H] each
         # per micro-batch, once a pass: each segment's cache row (a view) and its span of the micro-batch's tokens

@@ -144,7 +144,7 @@ class EamCollection:
         try:
             with np.load(path, allow_pickle=False) as data:
                 version, eams = int(data["version"]), data["eams"]
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+        except (OSError, ValueError, KeyError, EOFError, TypeError, zipfile.BadZipFile, zlib.error) as e:
             return _aside(path, f"it is damaged ({e or type(e).__name__})")
         if version != EAM_VERSION or eams.ndim != 3 or eams.shape[1:] != self.shape or eams.dtype.kind != "f" \
                 or not np.isfinite(eams).all() or (eams < 0).any():
@@ -175,15 +175,17 @@ class EamMatch(Predictor):
         self.collection = collection or EamCollection(num_moe, num_experts)
         self.current = np.zeros((num_moe, num_experts), dtype=np.float32)
         self._order: np.ndarray | None = None  # [M, E] each layer's experts, busiest first, of the matched matrix
+        self._last_m = -1  # the MoE layer seen last
 
     def new_request(self) -> None:
         self.collection.add(self.current)
         self.current = np.zeros_like(self.current)
-        self._order = None
+        self._order, self._last_m = None, -1
 
     def observe(self, m: int, ids: np.ndarray) -> None:
-        if m == 0:  # a new pass: match again on everything seen so far
+        if m <= self._last_m:  # a new pass (its first layer seen): match again on everything seen so far
             self._order = None
+        self._last_m = m
         self.current[m] += np.bincount(np.asarray(ids).ravel(), minlength=self.num_experts)[: self.num_experts]
 
     def predict(self, m: int, ahead: int, hint: object = None) -> list[int]:

@@ -49,6 +49,22 @@ def spans(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
     return out
 
 
+def in_files(ranges: Iterable[tuple[int, int]]) -> bool:
+    """Whether every range lies in a mapping of a file (/proc/self/maps): RAM copies are not, and must never be read
+    ahead or dropped as if they were. False where that cannot be read."""
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+            maps = []
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].strip().startswith("/") and fields[4] != "0":  # a file's (inode)
+                    low, high = fields[0].split("-")
+                    maps.append((int(low, 16), int(high, 16)))
+    except OSError:
+        return False
+    return all(any(low <= start and start + length <= high for low, high in maps) for start, length in ranges)
+
+
 def will_need(ranges: Iterable[tuple[int, int]]) -> int:
     """Ask the kernel to start reading these ranges' pages; returns how many ranges it took (0 where madvise is not
     available). A range it refuses (not a mapping any more) is let be: advice only."""

@@ -323,8 +323,8 @@ def test_experts_left_in_their_files_are_read_ahead_without_changing_the_answer(
     from tandem.runtime.loader import load_model
     from tandem.runtime.readahead import PAGE, spans
 
-    loaded = load_model(folder, dtype="fp32", context=128, resident=False, prefetch=PredictorKind.STALE_GATE,
-                        prefetch_depth=2)
+    loaded = load_model(folder, dtype="fp32", context=128, resident=False, readahead=True,
+                        prefetch=PredictorKind.STALE_GATE, prefetch_depth=2)
     d = loaded.model.dispatcher
     assert d.reading_ahead and not d.prefetching
     assert "read ahead" in (why_not(loaded.model) or "")  # the layer loop: a guess a layer
@@ -335,9 +335,17 @@ def test_experts_left_in_their_files_are_read_ahead_without_changing_the_answer(
                                   strict=True):
         assert start % PAGE == 0 and start <= t.data_ptr() < t.data_ptr() + t.nbytes <= start + length
     loaded.model.close()
-    in_ram = load_model(folder, dtype="fp32", context=128, resident=True, prefetch=PredictorKind.STALE_GATE)
+    in_ram = load_model(folder, dtype="fp32", context=128, resident=True, readahead=True,
+                        prefetch=PredictorKind.STALE_GATE)
     assert not in_ram.model.dispatcher.reading_ahead  # read into RAM already: nothing to read ahead
+    assert not in_ram.model.dispatcher.file_backed and in_ram.model.dispatcher.expert_spans() == []
     in_ram.model.close()
+    guessing = load_model(folder, dtype="fp32", context=128, resident=False, prefetch=PredictorKind.STALE_GATE)
+    assert not guessing.model.dispatcher.reading_ahead  # --prefetch alone reads nothing ahead without a GPU
+    guessing.model.close()
+    quantized = load_model(folder, dtype="fp32", context=128, resident=False, readahead=True, quant="int8")
+    assert not quantized.model.dispatcher.file_backed and not quantized.model.dispatcher.reading_ahead
+    quantized.model.close()
 
 
 def test_the_readahead_benchmark_rows(folder) -> None:
