@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.runtime.accelerator import EmulatedAccelerator
+from tandem.runtime.accelerator import EmulatedAccelerator, cuda_usable
 from tandem.runtime.checkpoint import open_checkpoint
 from tandem.runtime.choices import PredictorKind
 from tandem.runtime.dispatch import OffloadOptions, Strategy, budget_for_slots
@@ -370,3 +370,27 @@ def test_read_ahead_of_each_layers_own_experts_alone(folder, reference) -> None:
     off = load_model(folder, dtype="fp32", context=128, resident=False)
     assert not off.model.dispatcher.reading_ahead  # asked for only
     off.model.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_usable(), reason="no CUDA GPU here")
+@pytest.mark.parametrize("strategy", [Strategy.CPU, Strategy.FETCH])
+def test_on_a_gpu_prefetch_copies_guesses_and_the_logits_are_the_cpus(  # pragma: no cover - no GPU on test machines
+        folder, strategy: Strategy) -> None:
+    """The stale gate's guesses copied ahead on a real GPU's copy engine (scripts/gpu-check.sh runs `pytest -m
+    cuda`): half the experts in slots, a prompt and then tokens one by one against the CPU's float32 logits (a GPU's
+    sums fall in another order: a tolerance, not tokens), prefetches made and some used."""
+    from tandem.runtime.accelerator import CudaAccelerator
+
+    cpu = engine_for(folder).model
+    policy = OffloadOptions(strategy=strategy, cache_ways=4, prefetch=PrefetchOptions(PredictorKind.STALE_GATE, 2))
+    gpu = engine_for(folder, CudaAccelerator(quarter_budget(folder, 16)), policy).model  # type: ignore[arg-type]
+    d = gpu.dispatcher
+    assert d.prefetching and d.cache.slots == 16
+    ids = torch.tensor([PROMPT * 4])
+    want = cpu.forward(ids, 0)
+    got = torch.cat([gpu.forward(ids[:, :24], 0)] + [gpu.forward(ids[:, p : p + 1], p) for p in range(24, 32)], dim=1)
+    assert (got.cpu() - want[:, : got.shape[1]]).abs().max().item() <= 1e-3 * max(1.0, want.abs().max().item())
+    d.cache.wait_all()
+    assert d.cache.stats.prefetches > 0 and d.cache.stats.prefetch_used > 0
+    gpu.close()
