@@ -264,7 +264,7 @@ class Dispatcher:
         # experts left in their files (CPU only, --readahead): each layer's read ahead once its router has chosen them,
         # in large requests, while the CPU still faults in the first pages (docs/bench/prefetch: 1.7x decode when
         # every token reads its experts from the disk); with --prefetch, its guesses of the layers ahead too
-        self.reading_ahead = accel is None and self.file_backed and self.policy.prefetch.readahead
+        self.reading_ahead = accel is None and self.policy.prefetch.readahead and self.file_backed
         if self.policy.prefetch.on and (self.cache.slots if accel is not None else self.reading_ahead):
             self.predict(self.policy.prefetch.predictor, self.policy.prefetch.depth, prefetch=True,
                          saved=self.policy.prefetch.collection)
